@@ -1,0 +1,42 @@
+# Fresh-machine set-up. `make demo` and `make test` both run `make setup` first; every step
+# is idempotent, so running them again only re-checks.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.offloadctl-setup
+# torch goes in first: the CPU wheel where there is no CUDA, so nothing later pulls the CUDA build.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup demo test bench clean-venv
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    $(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch; \
+	else \
+	    $(VPY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+	      || $(VPY) -m pip install -q $(TORCH_CPU); \
+	fi
+	@if [ "$$(id -u)" = 0 ] && ! [ -e /usr/include/libaio.h ] && command -v apt-get >/dev/null; then \
+	    echo "setup: installing libaio-dev (DeepSpeed async_io)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null \
+	      || echo "setup: libaio-dev not installed; the engine will use its posix O_DIRECT backend"; \
+	fi
+	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation deepspeed
+	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
+	@# DeepSpeed builds its ops on first use (minutes); build them now, once, so runs and tests start fast.
+	@$(VPY) -m engine.native_ops --build
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/python examples/demo_offload_adamw.py
+
+test: setup
+	$(VENV)/bin/python -m pytest -q tests
+
+bench: setup
+	$(VENV)/bin/python bench/update_phase.py
+
+clean-venv:
+	rm -rf $(VENV)

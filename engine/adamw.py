@@ -1,0 +1,136 @@
+"""AdamW update math, kept apart from where the state lives.
+
+``adamw_update_`` is the one update function every lane calls: the host lane with CPU
+tensors, the device lane with device tensors. It applies decoupled weight decay exactly as
+``torch.optim.AdamW`` does (Loshchilov & Hutter), through the same fused kernel
+``torch._fused_adamw_``, so results match the reference to rounding.
+
+The host lane may instead use DeepSpeed's AVX ``DeepSpeedCPUAdam`` kernel; ``select_host_kernel``
+measures both once per process and keeps the faster.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .native_ops import load_cpu_adam
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """Hyper-parameters of one param group at one step."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class AdamWSlices:
+    """Views of one subgroup's state that share a step count, ready for one fused call.
+
+    ``steps`` are float32 scalars on the tensors' device, as the fused kernel wants them; they
+    already hold the new step number (the caller increments before calling).
+    """
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+
+
+def adamw_update_torch_(s: AdamWSlices, hp: AdamWHyper) -> None:
+    """One AdamW step on every slice, in place, with torch's fused kernel."""
+    if not s.params:
+        return
+    torch._fused_adamw_(
+        s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, [], s.steps,
+        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+        amsgrad=False, maximize=False,
+    )
+
+
+class _DeepSpeedCpuAdam:
+    """DeepSpeed's AVX CPU AdamW called on flat tensors, without its per-parameter state."""
+
+    def __init__(self) -> None:
+        self._op = load_cpu_adam()
+        if self._op is None:
+            raise RuntimeError("DeepSpeed cpu_adam op did not build")
+        self._opt_id = 0x0FF1 + id(self) % 10_000
+        # adamw_mode=True: decoupled weight decay, as torch.optim.AdamW.
+        self._op.create_adam(self._opt_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+
+    def __call__(self, s: AdamWSlices, hp: AdamWHyper) -> None:
+        for p, g, m, v, step in zip(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.steps):
+            self._op.adam_update(self._opt_id, int(step.item()), hp.lr, hp.beta1, hp.beta2, hp.eps,
+                                 hp.weight_decay, True, p, g, m, v)
+
+
+HostKernel = Callable[[AdamWSlices, AdamWHyper], None]
+
+
+def _kernel_throughput(kernel: HostKernel, numel: int = 1 << 22, reps: int = 5) -> float:
+    """Params per second of ``kernel`` on one flat fp32 buffer of ``numel`` elements."""
+    t = [torch.rand(numel) for _ in range(4)]
+    s = AdamWSlices([t[0]], [t[1]], [t[2]], [t[3].abs_()], [torch.tensor(1.0)])
+    kernel(s, AdamWHyper(lr=1e-3))  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kernel(s, AdamWHyper(lr=1e-3))
+        best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def measure_host_kernels() -> dict[str, float]:
+    """Measured params/s of each available host kernel ('torch', and 'deepspeed' when its op builds)."""
+    rates = {"torch": _kernel_throughput(adamw_update_torch_)}
+    try:
+        rates["deepspeed"] = _kernel_throughput(_DeepSpeedCpuAdam())
+    except Exception as e:  # op cannot build here (no compiler, no AVX): torch's kernel still works
+        log.info("DeepSpeedCPUAdam unavailable: %s", e)
+    return rates
+
+
+@functools.lru_cache(maxsize=None)
+def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
+    """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
+    if choice == "torch":
+        return "torch", adamw_update_torch_
+    if choice == "deepspeed":
+        return "deepspeed", _DeepSpeedCpuAdam()
+    rates = measure_host_kernels()
+    best = max(rates, key=rates.get)
+    log.info("host AdamW kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
+    return (best, _DeepSpeedCpuAdam()) if best == "deepspeed" else (best, adamw_update_torch_)
+
+
+def group_runs(step_counts: Sequence[int], has_grad: Sequence[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [i, j) of consecutive slices that have a gradient and share a step count.
+
+    In the usual case (every slice has a gradient, all at the same step) this is one run, so a
+    whole subgroup is updated with one fused call.
+    """
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(step_counts)
+    while i < n:
+        if not has_grad[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and has_grad[j] and step_counts[j] == step_counts[i]:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs

@@ -1,0 +1,34 @@
+"""What the engine needs from whoever owns the model: the adapter contract.
+
+The core updates flat fp32 state. An adapter (``OffloadAdamW`` over ``nn.Parameter``s, or the
+DeepSpeed ZeRO-3 integration over its flat partitions) describes each subgroup with a
+:class:`SubgroupBinding`: where its gradient comes from and where its updated weights go.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class SubgroupBinding(Protocol):
+    numel: int
+    """Elements in this subgroup."""
+    group: int
+    """Index of the param group whose hyper-parameters apply."""
+    slice_numels: Sequence[int]
+    """Lengths of the slices that keep their own step count (one per parameter, or one for a
+    flat partition). They tile ``numel`` in order."""
+
+    def grads(self) -> Sequence[torch.Tensor | None]:
+        """Per slice, its gradient as a flat tensor of any float dtype and device, or None
+        when the slice has no gradient this step (it is then not updated, as in torch AdamW)."""
+        ...
+
+    def read_weights(self, out: torch.Tensor) -> None:
+        """Copy the current weights into ``out`` (flat fp32), to seed the master copy."""
+        ...
+
+    def write_weights(self, master: torch.Tensor) -> None:
+        """Copy the updated master weights (flat fp32, host or device) into the model's weights."""
+        ...

@@ -1,0 +1,159 @@
+"""Configuration owned by the engine: storage paths, engine settings, and the live knobs.
+
+Each dataclass validates itself at construction and raises :class:`ConfigError` naming the
+field. Units are in the field names.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal, Mapping
+
+from .errors import ConfigError
+
+TierKind = Literal["nvme", "remote"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoragePath:
+    """A directory that holds swap files for one storage tier."""
+
+    path: str
+    """Directory for swap files. Must exist, be writable, and support O_DIRECT."""
+    kind: TierKind = "nvme"
+    """``nvme`` for node-local storage, ``remote`` for a parallel file system."""
+    read_bytes_per_s: float | None = None
+    """Declared sequential read bandwidth. None: measured by a quick probe at start."""
+    write_bytes_per_s: float | None = None
+    """Declared sequential write bandwidth. None: measured by a quick probe at start."""
+    cap_bytes_per_s: float | None = None
+    """Upper limit on this process's traffic to the path (reads and writes each), for shared
+    file systems. None: no cap."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ConfigError(f"StoragePath.path must be a directory path, got {self.path!r}")
+        object.__setattr__(self, "path", os.path.abspath(os.fspath(self.path)))
+        if self.kind not in ("nvme", "remote"):
+            raise ConfigError(f"StoragePath.kind for {self.path} must be 'nvme' or 'remote', got {self.kind!r}")
+        for name in ("read_bytes_per_s", "write_bytes_per_s", "cap_bytes_per_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ConfigError(f"StoragePath.{name} for {self.path} must be a positive number, got {v!r}")
+
+    @classmethod
+    def coerce(cls, value: "str | os.PathLike | StoragePath", kind: TierKind) -> "StoragePath":
+        if isinstance(value, StoragePath):
+            return value if value.kind == kind else replace(value, kind=kind)
+        return cls(path=os.fspath(value), kind=kind)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Settings fixed for the engine's lifetime."""
+
+    subgroup_numel: int = 10_000_000
+    """Target elements per subgroup. Larger: fewer, longer I/O requests; smaller: finer
+    placement and earlier overlap. Each subgroup holds 12 bytes of state per element."""
+    host_cache_bytes: int | None = None
+    """Budget for optimizer state that stays in host memory. None: all state in host memory.
+    The swap staging buffers (``prefetch_depth + 2`` subgroups) come on top of it."""
+    device_cache_bytes: int = 0
+    """Budget for optimizer state that stays in device memory (device lane, no transfers)."""
+    paths: tuple[StoragePath, ...] = ()
+    """NVMe and remote paths, striped in proportion to their bandwidth."""
+    device: str | None = None
+    """Device of the device lane: 'cuda', 'cuda:N', or 'cpu' (tests). None: the current CUDA
+    device when CUDA is present, else no device lane."""
+    io_backend: Literal["auto", "aio", "posix"] = "auto"
+    """'aio': DeepSpeed's async_io op; 'posix': O_DIRECT preadv/pwritev on a thread pool;
+    'auto': aio when it loads, else posix."""
+    io_chunk_bytes: int = 8 << 20
+    """Size of one I/O request. A subgroup's transfer is split into chunks that run in
+    parallel up to the path's concurrency."""
+    host_adam: Literal["auto", "torch", "deepspeed"] = "auto"
+    """Host-lane AdamW kernel. 'auto' measures both once per process and takes the faster."""
+    verify_checksums: bool = True
+    """Check each swap file's CRC32 on read. Costs about 0.25 s per GB of one core, off the
+    critical path (in the I/O threads)."""
+    run_dir: str | None = None
+    """If set, one telemetry record per step is appended to ``run_dir/telemetry-rank<R>.jsonl``."""
+    rank: int = 0
+    """Rank of this process, used in file and telemetry names."""
+
+    def __post_init__(self) -> None:
+        _positive_int("subgroup_numel", self.subgroup_numel)
+        if self.host_cache_bytes is not None:
+            _non_negative_int("host_cache_bytes", self.host_cache_bytes)
+        _non_negative_int("device_cache_bytes", self.device_cache_bytes)
+        if self.io_backend not in ("auto", "aio", "posix"):
+            raise ConfigError(f"io_backend must be 'auto', 'aio' or 'posix', got {self.io_backend!r}")
+        if self.host_adam not in ("auto", "torch", "deepspeed"):
+            raise ConfigError(f"host_adam must be 'auto', 'torch' or 'deepspeed', got {self.host_adam!r}")
+        _positive_int("io_chunk_bytes", self.io_chunk_bytes)
+        if self.io_chunk_bytes % 4096:
+            raise ConfigError(f"io_chunk_bytes must be a multiple of 4096 (O_DIRECT), got {self.io_chunk_bytes}")
+        seen = set()
+        for p in self.paths:
+            if p.path in seen:
+                raise ConfigError(f"storage path {p.path} is given twice; give each directory once")
+            seen.add(p.path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs:
+    """What may change between iterations. Applied at the start of the next ``step()``.
+
+    This is the surface the tuner drives: ``engine.set_knobs(knobs.replace(...))``.
+    """
+
+    device_fraction: float = 0.0
+    """Fraction of subgroups updated on the device lane, spread evenly over the order so that
+    their transfers overlap host-lane updates (Deep Optimizer States). 0 with no device."""
+    prefetch_depth: int = 2
+    """Subgroups read ahead of the one being updated. Staging buffers: depth + 2."""
+    io_concurrency: Mapping[str, int] = field(default_factory=dict)
+    """Per path (by directory): I/O requests in flight at once. Missing paths: 4."""
+    node_lock: bool = False
+    """One process at a time per storage device on this node, so that ranks do not interleave
+    their requests on a shared disk."""
+    stripe_weights: Mapping[str, float] = field(default_factory=dict)
+    """Per path: relative share of swapped subgroups. Missing paths: their measured bandwidth."""
+
+    def __post_init__(self) -> None:
+        f = self.device_fraction
+        if not (isinstance(f, (int, float)) and 0.0 <= f <= 1.0):
+            raise ConfigError(f"Knobs.device_fraction must be in [0, 1], got {f!r}")
+        _non_negative_int("Knobs.prefetch_depth", self.prefetch_depth)
+        if self.prefetch_depth > 64:
+            raise ConfigError(f"Knobs.prefetch_depth must be at most 64, got {self.prefetch_depth}")
+        for path, n in dict(self.io_concurrency).items():
+            if not (isinstance(n, int) and 1 <= n <= 64):
+                raise ConfigError(f"Knobs.io_concurrency[{path!r}] must be an integer in 1..64, got {n!r}")
+        for path, w in dict(self.stripe_weights).items():
+            if not (isinstance(w, (int, float)) and w >= 0 and math.isfinite(w)):
+                raise ConfigError(f"Knobs.stripe_weights[{path!r}] must be a non-negative number, got {w!r}")
+        object.__setattr__(self, "io_concurrency", dict(self.io_concurrency))
+        object.__setattr__(self, "stripe_weights", dict(self.stripe_weights))
+
+    DEFAULT_IO_CONCURRENCY = 4
+
+    def concurrency_for(self, path: str) -> int:
+        return self.io_concurrency.get(path, self.DEFAULT_IO_CONCURRENCY)
+
+    def replace(self, **changes) -> "Knobs":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _positive_int(name: str, v) -> None:
+    if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _non_negative_int(name: str, v) -> None:
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+        raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")

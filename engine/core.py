@@ -1,0 +1,512 @@
+"""The multi-tier optimizer-state engine: one update loop over flat subgroups.
+
+Each subgroup's fp32 state (master, exp_avg, exp_avg_sq) lives in one tier: device memory,
+host memory, or a swap file on a storage path. ``step()`` visits every subgroup once:
+
+- **Order.** 0..N-1 on even iterations, N-1..0 on odd ones (MLP-Offload). The swapped
+  subgroups updated last are not written back; their staging buffers are kept and they are
+  the first ones updated next iteration, with no write and re-read in between.
+- **Prefetch.** Reads of the next ``prefetch_depth`` swapped subgroups are issued while the
+  current one updates, and each updated subgroup is written back asynchronously. Staging
+  buffers: ``prefetch_depth + 2`` (reading ahead, updating, writing back).
+- **Lanes.** A ``device_fraction`` of subgroups, evenly interleaved, is updated on the device
+  lane; the rest on the host lane (Deep Optimizer States).
+- **Knobs** set with :meth:`set_knobs` take effect at the start of the next step, when no
+  transfer is in flight.
+
+The engine is driven by an adapter that supplies one :class:`SubgroupBinding` per subgroup
+(``OffloadAdamW``; the DeepSpeed ZeRO-3 integration).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .adamw import AdamWHyper, select_host_kernel
+from .binding import SubgroupBinding
+from .buffers import StateBuffer, payload_bytes
+from .config import EngineConfig, Knobs
+from .errors import ConfigError, OffloadError, StorageIOError
+from .io_backends import open_backend
+from .lanes import DeviceLane, HostLane
+from .placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
+from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
+from .telemetry import StepRecord, TelemetryLog
+
+
+@dataclass
+class _Subgroup:
+    index: int
+    binding: SubgroupBinding
+    tier: str | int  # DEVICE, HOST, or a path index
+    steps: list[int]  # per slice, as torch AdamW keeps per parameter
+    resident: StateBuffer | torch.Tensor | None = None  # HOST: StateBuffer; DEVICE: flat tensor
+    file: SwapFile | None = None  # swapped: where the state is
+    next_file: SwapFile | None = None  # restriped: where the next write goes
+    staged: StateBuffer | None = None  # swapped: staging buffer holding it now
+    fresh: bool = True  # never materialised: master comes from the weights, moments are zero
+    dirty: bool = False  # staged copy is newer than the file
+    kept: bool = False  # staged copy kept from the previous step
+
+    @property
+    def numel(self) -> int:
+        return self.binding.numel
+
+
+@dataclass
+class _StepState:
+    seq: list[int]  # swapped subgroups in this step's order
+    pos: dict[int, int]  # subgroup -> position in seq
+    next_read: int = 0  # first position of seq not yet considered for prefetch
+    reads: dict[int, Future] = field(default_factory=dict)
+    read_wait_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+
+
+class SubgroupEngine:
+    """Owns every subgroup's optimizer state and runs the per-step update loop."""
+
+    def __init__(self, bindings: Sequence[SubgroupBinding], config: EngineConfig, knobs: Knobs | None = None) -> None:
+        self.config = config
+        self.knobs = knobs or Knobs()
+        self._pending_knobs: Knobs | None = None
+        self.iteration = 0
+        self._closed = False
+        self._failures: list[OffloadError] = []
+        self.device = self._resolve_device(config.device)
+        self._pin = torch.cuda.is_available()
+        self._check_knobs(self.knobs)
+
+        sizes = [payload_bytes(b.numel) for b in bindings]
+        self.paths: list[SwapPath] = []
+        self.path_bandwidth: list[float] = []
+        host_only = config.host_cache_bytes is None and config.device_cache_bytes == 0
+        if config.paths and not host_only:
+            backend = open_backend(config.io_backend)
+            self.io_backend = backend.name
+            for spec in config.paths:
+                self.paths.append(SwapPath(spec, backend, concurrency=self.knobs.concurrency_for(spec.path),
+                                           node_lock=self.knobs.node_lock, verify_checksums=config.verify_checksums))
+            self.path_bandwidth = [self._bandwidth_of(p) for p in self.paths]
+        else:
+            self.io_backend = None
+            for spec in config.paths:  # unused, but a bad path is still an error at construction
+                check_usable(spec.path)
+
+        if config.device_cache_bytes and self.device is None:
+            raise ConfigError("device_cache_bytes > 0 needs a device lane: set device='cuda' (or 'cpu' in tests)")
+        placement = place(sizes, device_budget=config.device_cache_bytes, host_budget=config.host_cache_bytes,
+                          path_weights=self._stripe_weights(self.knobs))
+        self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
+        try:
+            self._allocate(placement)
+        except BaseException:
+            self.close()
+            raise
+
+        self.host_kernel_name, kernel = select_host_kernel(config.host_adam)
+        self.host_lane = HostLane(self.host_kernel_name, kernel)
+        self.device_lane = DeviceLane(self.device) if self.device is not None else None
+        self._lane_mask = device_lane_mask(len(self.subgroups), self.knobs.device_fraction)
+        self.telemetry = TelemetryLog(config.run_dir, config.rank)
+
+    # -- construction ------------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_device(device: str | None) -> torch.device | None:
+        if device is None:
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        d = torch.device(device)
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but CUDA is not available here: use device=None or 'cpu'")
+        return d
+
+    def _bandwidth_of(self, p: SwapPath) -> float:
+        """Bytes/s of a read plus a write of the same bytes: declared, else probed now."""
+        r, w = p.spec.read_bytes_per_s, p.spec.write_bytes_per_s
+        if r is None or w is None:
+            mr, mw = measure_bandwidth(p)
+            r, w = r or mr, w or mw
+        if p.spec.cap_bytes_per_s:
+            r, w = min(r, p.spec.cap_bytes_per_s), min(w, p.spec.cap_bytes_per_s)
+        return 1.0 / (1.0 / r + 1.0 / w)
+
+    def _stripe_weights(self, knobs: Knobs) -> list[float]:
+        return [knobs.stripe_weights.get(p.path, bw) for p, bw in zip(self.paths, self.path_bandwidth)]
+
+    def _allocate(self, placement: Placement) -> None:
+        for sg in self.subgroups:
+            if sg.tier == DEVICE:
+                sg.resident = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
+            elif sg.tier == HOST:
+                sg.resident = StateBuffer(sg.numel, pin=self._pin)
+            else:
+                sg.file = self._create_file(sg, sg.tier)
+        swapped = [sg.numel for sg in self.subgroups if isinstance(sg.tier, int)]
+        self._staging_capacity = max(swapped, default=0)
+        self._free: list[StateBuffer] = []
+        self._n_staging = 0
+        self._resize_staging(self.knobs.prefetch_depth + 2 if swapped else 0)
+        self._writes: deque[tuple[_Subgroup, StateBuffer, Future]] = deque()
+
+    def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
+        return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
+
+    def _resize_staging(self, n: int) -> None:
+        while self._n_staging < n:
+            self._free.append(StateBuffer(self._staging_capacity, pin=self._pin))
+            self._n_staging += 1
+        while self._n_staging > n and self._free:
+            self._free.pop()
+            self._n_staging -= 1
+
+    # -- knobs ---------------------------------------------------------------------------------
+
+    def set_knobs(self, knobs: Knobs) -> None:
+        """Validate ``knobs`` now; apply them at the start of the next ``step()``."""
+        self._check_knobs(knobs)
+        self._pending_knobs = knobs
+
+    def _check_knobs(self, knobs: Knobs) -> None:
+        known = {p.path for p in self.config.paths}
+        for name in ("io_concurrency", "stripe_weights"):
+            unknown = set(getattr(knobs, name)) - known
+            if unknown:
+                raise ConfigError(f"Knobs.{name} names {sorted(unknown)}, which are not storage paths of this engine "
+                                  f"(paths: {sorted(known) or 'none'})")
+        if knobs.device_fraction > 0 and self.device is None:
+            raise ConfigError("Knobs.device_fraction > 0 needs a device lane: CUDA, or device='cpu' in tests")
+
+    def _apply_pending_knobs(self) -> None:
+        k, self._pending_knobs = self._pending_knobs, None
+        if k is None:
+            return
+        old, self.knobs = self.knobs, k
+        for p in self.paths:
+            p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
+        self._lane_mask = device_lane_mask(len(self.subgroups), k.device_fraction)
+        if k.prefetch_depth != old.prefetch_depth and self._n_staging:
+            self._resize_staging(k.prefetch_depth + 2)
+            # Shrinking may need kept buffers back: write them out until the pool fits.
+            while self._n_staging > k.prefetch_depth + 2:
+                kept = next((sg for sg in self.subgroups if sg.staged is not None), None)
+                if kept is None:
+                    break
+                self._write_back(kept)
+                self._drain()
+                self._resize_staging(k.prefetch_depth + 2)
+        if self._stripe_weights(k) != self._stripe_weights(old):
+            self._restripe(k)
+
+    def _restripe(self, knobs: Knobs) -> None:
+        """Move swapped subgroups to new paths lazily: each goes at its next write."""
+        swapped = [sg for sg in self.subgroups if isinstance(sg.tier, int)]
+        targets = stripe([payload_bytes(sg.numel) for sg in swapped], self._stripe_weights(knobs))
+        for sg, p in zip(swapped, targets):
+            if p == sg.tier:
+                continue
+            if sg.next_file is not None:
+                sg.next_file.path.remove_file(sg.next_file)
+                sg.next_file = None
+            sg.tier = p
+            if sg.fresh:  # nothing on storage yet: move the empty file now
+                sg.file.path.remove_file(sg.file)
+                sg.file = self._create_file(sg, p)
+            else:
+                sg.next_file = self._create_file(sg, p)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, hypers: Sequence[AdamWHyper]) -> StepRecord:
+        """Update every subgroup once. ``hypers[g]`` are the hyper-parameters of param group g."""
+        if self._closed:
+            raise OffloadError("this optimizer engine was closed; create a new one")
+        self._apply_pending_knobs()
+        t_start = time.perf_counter()
+        before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+        forward = self.iteration % 2 == 0
+        order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
+        seq = [i for i in order if isinstance(self.subgroups[i].tier, int)]
+        st = _StepState(seq, {i: k for k, i in enumerate(seq)})
+        update_s = 0.0
+        lanes = [0, 0]
+        if self.device_lane:
+            self.device_lane.begin_step()
+        try:
+            for i in order:
+                sg = self.subgroups[i]
+                hp = hypers[sg.binding.group]
+                on_device = self._lane_mask[i] or sg.tier == DEVICE
+                if isinstance(sg.tier, int):
+                    self._prefetch(st, st.pos[i] + self.knobs.prefetch_depth)
+                    buf = self._stage(sg, st)
+                    t0 = time.perf_counter()
+                    if on_device:
+                        self.device_lane.update_staged(buf, sg.binding, sg.steps, hp)
+                    else:
+                        self.host_lane.update(buf, sg.binding, sg.steps, hp)
+                    update_s += time.perf_counter() - t0
+                    sg.dirty = True
+                    # Keep the tail in its buffer once every read of this step is issued: it is
+                    # the head of the next step's (reversed) order.
+                    if st.next_read < len(seq):
+                        self._write_back(sg)
+                else:
+                    t0 = time.perf_counter()
+                    self._materialize_resident(sg)
+                    if sg.tier == DEVICE:
+                        self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hp)
+                    elif on_device:
+                        self.device_lane.update_staged(sg.resident, sg.binding, sg.steps, hp)
+                    else:
+                        self.host_lane.update(sg.resident, sg.binding, sg.steps, hp)
+                    update_s += time.perf_counter() - t0
+                lanes[on_device] += 1
+        except BaseException:
+            self._abort_step(st)
+            raise
+        t0 = time.perf_counter()
+        self._drain()
+        write_wait_s = time.perf_counter() - t0
+        for sg in self.subgroups:
+            sg.kept = sg.staged is not None
+        if self.device_lane:
+            self.device_lane.end_step()
+        wall = time.perf_counter() - t_start
+        rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
+        self.iteration += 1
+        self.telemetry.append(rec)
+        if self._failures:
+            err, self._failures = self._failures[0], []
+            raise err
+        return rec
+
+    def _abort_step(self, st: _StepState) -> None:
+        """After an error: let every transfer finish, and forget reads nobody will check."""
+        for i, fut in st.reads.items():
+            try:
+                fut.result()
+            except BaseException:
+                pass
+            self._release(self.subgroups[i])
+        st.reads.clear()
+        self._drain()
+
+    def _prefetch(self, st: _StepState, upto: int) -> None:
+        """Issue reads for positions up to ``upto`` of this step's order, while buffers are free."""
+        while st.next_read < len(st.seq) and st.next_read <= upto:
+            sg = self.subgroups[st.seq[st.next_read]]
+            if sg.staged is None:
+                buf = self._try_acquire()
+                if buf is None:
+                    return
+                self._load(sg, buf, st)
+            st.next_read += 1
+
+    def _stage(self, sg: _Subgroup, st: _StepState) -> StateBuffer:
+        """The staging buffer holding ``sg``, reading it now if no prefetch did."""
+        fut = st.reads.pop(sg.index, None)
+        if fut is None and sg.staged is None:
+            self._load(sg, self._acquire(exclude=sg), st)
+            fut = st.reads.pop(sg.index, None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            except BaseException:
+                self._release(sg)
+                raise
+            st.read_wait_s += time.perf_counter() - t0
+            st.misses += 1
+        elif sg.kept:
+            st.hits += 1
+        sg.kept = False
+        return sg.staged
+
+    def _load(self, sg: _Subgroup, buf: StateBuffer, st: _StepState) -> None:
+        sg.staged = buf
+        buf.bind(sg.numel)
+        if sg.fresh:
+            self._materialize(sg, buf)
+        else:
+            st.reads[sg.index] = sg.file.path.read(sg.file, buf)
+
+    def _materialize(self, sg: _Subgroup, buf: StateBuffer) -> None:
+        sg.binding.read_weights(buf.master)
+        buf.exp_avg.zero_()
+        buf.exp_avg_sq.zero_()
+        sg.fresh = False
+
+    def _materialize_resident(self, sg: _Subgroup) -> None:
+        if not sg.fresh:
+            return
+        if sg.tier == DEVICE:
+            n = sg.numel
+            sg.binding.read_weights(sg.resident[:n])
+            sg.resident[n:].zero_()
+            sg.fresh = False
+        else:
+            self._materialize(sg, sg.resident)
+
+    def _write_back(self, sg: _Subgroup) -> None:
+        buf = sg.staged
+        target = sg.next_file or sg.file
+        self._writes.append((sg, buf, target.path.write(target, buf)))
+
+    def _try_acquire(self) -> StateBuffer | None:
+        if self._free:
+            return self._free.pop()
+        if self._writes and self._writes[0][2].done():
+            return self._reclaim_oldest_write()
+        return None
+
+    def _acquire(self, exclude: _Subgroup) -> StateBuffer:
+        """A free staging buffer; waits for the oldest write-back, or evicts a kept buffer."""
+        while True:
+            buf = self._try_acquire()
+            if buf is not None:
+                return buf
+            if self._writes:
+                buf = self._reclaim_oldest_write()
+                if buf is not None:
+                    return buf
+                continue
+            kept = [sg for sg in self.subgroups if sg.staged is not None and sg.kept and sg is not exclude]
+            if not kept:
+                # Only after failed writes pinned buffers in memory: grow rather than stall.
+                self._n_staging += 1
+                return StateBuffer(self._staging_capacity, pin=self._pin)
+            victim = kept[-1] if self.iteration % 2 == 0 else kept[0]  # the one needed last
+            self._write_back(victim)
+
+    def _reclaim_oldest_write(self) -> StateBuffer | None:
+        """Wait for the oldest write-back; its buffer, or None if it failed (then kept in memory)."""
+        sg, buf, fut = self._writes.popleft()
+        try:
+            fut.result()
+        except StorageIOError as e:
+            # Nothing is lost: the subgroup stays in this buffer, now as host-resident state.
+            self._failures.append(e)
+            self._n_staging -= 1
+            sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
+            return None
+        if sg.next_file is not None:
+            sg.file.path.remove_file(sg.file)
+            sg.file, sg.next_file = sg.next_file, None
+        sg.staged, sg.dirty, sg.kept = None, False, False
+        return buf
+
+    def _release(self, sg: _Subgroup) -> None:
+        if sg.staged is not None:
+            self._free.append(sg.staged)
+            sg.staged = None
+
+    def _drain(self) -> None:
+        """Wait for every write-back; failures are recorded and pin their state in memory."""
+        while self._writes:
+            buf = self._reclaim_oldest_write()
+            if buf is not None:
+                self._free.append(buf)
+
+    def _record(self, before, forward, wall, st, update_s, write_wait_s, lanes) -> StepRecord:
+        rec = StepRecord(
+            iteration=self.iteration, order="forward" if forward else "reverse", wall_s=wall,
+            read_wait_s=st.read_wait_s, update_s=update_s, write_wait_s=write_wait_s,
+            cache_hits=st.hits, cache_misses=st.misses, host_lane_subgroups=lanes[0],
+            device_lane_subgroups=lanes[1], params=sum(sg.numel for sg in self.subgroups),
+            knobs=self.knobs.to_dict())
+        for p, (r0, w0) in zip(self.paths, before):
+            dr, dw = p.counters.bytes_read - r0, p.counters.bytes_written - w0
+            rec.path_bytes_read[p.path], rec.path_bytes_written[p.path] = dr, dw
+            rec.bytes_read[p.spec.kind] = rec.bytes_read.get(p.spec.kind, 0) + dr
+            rec.bytes_written[p.spec.kind] = rec.bytes_written.get(p.spec.kind, 0) + dw
+        rec.read_bytes_per_s = sum(rec.bytes_read.values()) / wall if wall else 0.0
+        rec.write_bytes_per_s = sum(rec.bytes_written.values()) / wall if wall else 0.0
+        return rec
+
+    # -- state access (checkpoints) ----------------------------------------------------------
+
+    def read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Copies of subgroup ``index``'s (master, exp_avg, exp_avg_sq) on the CPU, and its steps."""
+        sg = self.subgroups[index]
+        if sg.tier == DEVICE:
+            self._materialize_resident(sg)
+            n = sg.numel
+            return (*(t.detach().to("cpu", copy=True) for t in sg.resident.split(n)), list(sg.steps))
+        buf = self._host_view(sg)
+        buf.wait_ready()
+        return buf.master.clone(), buf.exp_avg.clone(), buf.exp_avg_sq.clone(), list(sg.steps)
+
+    def write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    steps: Sequence[int]) -> None:
+        """Replace subgroup ``index``'s state (flat tensors of its numel, any device)."""
+        sg = self.subgroups[index]
+        sg.steps[:] = list(steps)
+        if sg.tier == DEVICE:
+            for dst, src in zip(sg.resident.split(sg.numel), (master, exp_avg, exp_avg_sq)):
+                dst.copy_(src)
+        elif sg.tier == HOST:
+            for dst, src in zip((sg.resident.master, sg.resident.exp_avg, sg.resident.exp_avg_sq), (master, exp_avg, exp_avg_sq)):
+                dst.copy_(src)
+        else:
+            self._release(sg)
+            buf = StateBuffer(sg.numel, pin=False)
+            buf.master.copy_(master)
+            buf.exp_avg.copy_(exp_avg)
+            buf.exp_avg_sq.copy_(exp_avg_sq)
+            sg.file.path.write(sg.file, buf).result()
+            sg.dirty = sg.kept = False
+        sg.fresh = False
+
+    def _host_view(self, sg: _Subgroup) -> StateBuffer:
+        if sg.tier == HOST:
+            self._materialize_resident(sg)
+            return sg.resident
+        if sg.staged is not None:
+            return sg.staged
+        buf = StateBuffer(sg.numel, pin=False)
+        if sg.fresh:
+            sg.binding.read_weights(buf.master)
+            buf.exp_avg.zero_()
+            buf.exp_avg_sq.zero_()
+        else:
+            sg.file.path.read(sg.file, buf).result()
+        return buf
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish pending writes and remove every swap file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain()
+        except Exception:
+            pass
+        for p in self.paths:
+            p.close()
+
+    def describe(self) -> dict:
+        """The plan in force: tiers, bytes per tier, knobs; for logs and ``--dry-run``."""
+        tiers: dict[str, int] = {}
+        for sg in self.subgroups:
+            key = sg.tier if isinstance(sg.tier, str) else self.paths[sg.tier].path
+            tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
+        return {
+            "subgroups": len(self.subgroups),
+            "params": sum(sg.numel for sg in self.subgroups),
+            "state_bytes_by_tier": tiers,
+            "staging_buffers": self._n_staging,
+            "io_backend": self.io_backend,
+            "host_kernel": self.host_kernel_name,
+            "device": str(self.device) if self.device is not None else None,
+            "path_bandwidth_bytes_per_s": {p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
+            "knobs": self.knobs.to_dict(),
+        }

@@ -1,0 +1,124 @@
+"""Limits on storage traffic: in-flight requests per path, a bandwidth cap, and a node lock.
+
+All three are shared by the I/O threads of one path; the node lock is also shared with the
+other processes on this node that use the same storage device.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import threading
+import time
+
+
+class ResizableSemaphore:
+    """A counting semaphore whose limit can change while requests are in flight.
+
+    Lowering the limit never interrupts a request: new ones wait until the count drops.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition()
+        self._limit = limit
+        self._held = 0
+
+    def set_limit(self, limit: int) -> None:
+        with self._cond:
+            self._limit = limit
+            self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._held >= self._limit:
+                self._cond.wait()
+            self._held += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._held -= 1
+            self._cond.notify()
+
+
+class RateLimiter:
+    """Paces requests so that bytes per second stay under a cap (None: no cap).
+
+    Each request reserves the next slot of ``nbytes / cap`` seconds and sleeps until its slot
+    starts; requests may run concurrently, the long-run rate is the cap.
+    """
+
+    def __init__(self, cap_bytes_per_s: float | None) -> None:
+        self.cap_bytes_per_s = cap_bytes_per_s
+        self._lock = threading.Lock()
+        self._next_s = 0.0
+
+    def acquire(self, nbytes: int) -> None:
+        if not self.cap_bytes_per_s:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next_s)
+            self._next_s = start + nbytes / self.cap_bytes_per_s
+        if start > now:
+            time.sleep(start - now)
+
+
+def lock_dir() -> str:
+    """Node-local directory for lock files: $OFFLOADCTL_LOCK_DIR, else /dev/shm, else the temp dir."""
+    d = os.environ.get("OFFLOADCTL_LOCK_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    d = os.path.join(d, f"offloadctl-locks-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+class NodeLock:
+    """One process at a time on a storage device of this node, while the lock is enabled.
+
+    Keyed by the device number of the path, so two directories on one disk share a lock. The
+    threads of the holding process share it: the first takes the ``flock``, the last releases it,
+    so a process keeps its own requests in flight while other processes wait.
+    """
+
+    def __init__(self, path: str, *, enabled: bool = False) -> None:
+        st = os.stat(path)
+        self.lock_path = os.path.join(lock_dir(), f"dev-{os.major(st.st_dev)}-{os.minor(st.st_dev)}.lock")
+        self.enabled = enabled
+        self._cond = threading.Condition()
+        self._users = 0
+        self._acquiring = False
+        self._fd: int | None = None
+        self.wait_s = 0.0  # time spent waiting for other processes, for telemetry
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            while self._acquiring:
+                self._cond.wait()
+            if self._users > 0:
+                self._users += 1
+                return
+            self._acquiring = True
+        t0 = time.perf_counter()
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            with self._cond:
+                self._acquiring = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self.wait_s += time.perf_counter() - t0
+            self._fd, self._users, self._acquiring = fd, 1, False
+            self._cond.notify_all()
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is None and self._users == 0:
+            return
+        with self._cond:
+            self._users -= 1
+            if self._users == 0 and self._fd is not None:
+                fd, self._fd = self._fd, None
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)

@@ -1,0 +1,271 @@
+"""``OffloadAdamW``: a ``torch.optim.Optimizer`` whose state lives in the multi-tier engine.
+
+A thin adapter: it flattens each param group's parameters into subgroups of about
+``subgroup_numel`` elements (:class:`ParamSubgroup`) and hands them to
+:class:`engine.core.SubgroupEngine`, which owns all update and I/O logic.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from .adamw import AdamWHyper
+from .checkpoint import save_atomic
+from .config import EngineConfig, Knobs, StoragePath
+from .core import SubgroupEngine
+from .errors import ConfigError
+from .telemetry import StepRecord
+
+
+@dataclass
+class ParamSlice:
+    param: torch.Tensor
+    start: int  # offset in the flattened parameter
+    numel: int
+
+
+@dataclass
+class ParamSubgroup:
+    """A :class:`SubgroupBinding` over consecutive slices of ``nn.Parameter``s of one group."""
+
+    group: int
+    slices: list[ParamSlice] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slices)
+
+    @property
+    def slice_numels(self) -> list[int]:
+        return [s.numel for s in self.slices]
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return [None if s.param.grad is None else s.param.grad.reshape(-1)[s.start:s.start + s.numel] for s in self.slices]
+
+    def read_weights(self, out: torch.Tensor) -> None:
+        off = 0
+        for s in self.slices:
+            out[off:off + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.start + s.numel])
+            off += s.numel
+
+    def write_weights(self, master: torch.Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for s in self.slices:
+                src = master[off:off + s.numel]
+                if s.param.is_contiguous():
+                    s.param.view(-1)[s.start:s.start + s.numel].copy_(src)
+                else:  # never split (see flatten_params): the slice is the whole parameter
+                    s.param.copy_(src.view(s.param.shape))
+                off += s.numel
+
+
+def flatten_params(groups: Sequence[Sequence[torch.Tensor]], subgroup_numel: int) -> list[ParamSubgroup]:
+    """Cut each group's parameters, in order, into subgroups of at most ``subgroup_numel``.
+
+    Contiguous parameters may be split across subgroups; a non-contiguous one is kept whole
+    (its flat view would be a copy), even if that makes its subgroup larger.
+    """
+    out: list[ParamSubgroup] = []
+    for g, params in enumerate(groups):
+        cur = ParamSubgroup(g)
+        for p in params:
+            if not p.is_contiguous():
+                if cur.slices and cur.numel + p.numel() > subgroup_numel:
+                    out.append(cur)
+                    cur = ParamSubgroup(g)
+                cur.slices.append(ParamSlice(p, 0, p.numel()))
+                continue
+            start = 0
+            while start < p.numel():
+                room = subgroup_numel - cur.numel
+                if room <= 0:
+                    out.append(cur)
+                    cur = ParamSubgroup(g)
+                    room = subgroup_numel
+                n = min(room, p.numel() - start)
+                cur.slices.append(ParamSlice(p, start, n))
+                start += n
+        if cur.slices:
+            out.append(cur)
+    return out
+
+
+PathLike = str | os.PathLike | StoragePath
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) with state across tiers.
+
+    Args:
+        host_cache_bytes: budget for optimizer state kept in host memory. None: all of it.
+            The rest is striped over ``nvme_paths`` and ``remote_paths`` by bandwidth.
+        nvme_paths, remote_paths: directories (or :class:`StoragePath` with declared
+            bandwidth and, for shared file systems, a cap).
+        subgroup_numel: elements per subgroup (12 bytes of state each).
+        device_cache_bytes: state kept in device memory (needs a device lane).
+        device: device lane: 'cuda', 'cpu' (tests), or None (CUDA when present).
+        prefetch_depth, device_fraction, node_lock, io_concurrency: starting :class:`Knobs`;
+            change them later with :meth:`set_knobs`.
+        io_backend, host_adam, verify_checksums, run_dir, rank: see :class:`EngineConfig`.
+
+    The fp32 master weights are seeded from the parameters at the first step (and at
+    ``load_state_dict`` for fp32 parameters), so load model weights before optimizer state.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, *, host_cache_bytes: int | None = None, nvme_paths: Sequence[PathLike] = (),
+                 remote_paths: Sequence[PathLike] = (), subgroup_numel: int = 10_000_000, device_cache_bytes: int = 0,
+                 device: str | None = None, prefetch_depth: int = 2, device_fraction: float = 0.0,
+                 node_lock: bool = False, io_concurrency: Mapping[str, int] | None = None, io_backend: str = "auto",
+                 host_adam: str = "auto", verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        for g in self.param_groups:
+            _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        paths = tuple(StoragePath.coerce(p, "nvme") for p in nvme_paths) + tuple(StoragePath.coerce(p, "remote") for p in remote_paths)
+        config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache_bytes,
+                              device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
+                              host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank)
+        knobs = Knobs(prefetch_depth=prefetch_depth, device_fraction=device_fraction, node_lock=node_lock,
+                      io_concurrency={StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()})
+        self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
+        self.engine = SubgroupEngine(self._bindings, config, knobs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "engine"):
+            raise ConfigError("OffloadAdamW places its state at construction and cannot add param groups later; "
+                              "pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.step([_hyper(g) for g in self.param_groups])
+        return loss
+
+    def set_knobs(self, knobs: Knobs) -> None:
+        """Change the knobs; they take effect at the next ``step()``."""
+        self.engine.set_knobs(knobs)
+
+    @property
+    def knobs(self) -> Knobs:
+        return self.engine._pending_knobs or self.engine.knobs
+
+    @property
+    def telemetry(self) -> list[StepRecord]:
+        return self.engine.telemetry.records
+
+    # -- state dict: the format of torch.optim.AdamW, plus 'master' for non-fp32 params --------
+
+    def _param_index(self) -> dict[int, int]:
+        ids, i = {}, 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                ids[id(p)] = i
+                i += 1
+        return ids
+
+    def state_dict(self) -> dict:
+        index = self._param_index()
+        per_param: dict[int, dict] = {}
+        for k, b in enumerate(self._bindings):
+            master, m, v, steps = self.engine.read_state(k)
+            off = 0
+            for s, step in zip(b.slices, steps):
+                if step > 0:
+                    st = per_param.setdefault(index[id(s.param)], _empty_state(s.param, step))
+                    for key, src in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
+                        if key in st:
+                            st[key].view(-1)[s.start:s.start + s.numel].copy_(src[off:off + s.numel])
+                off += s.numel
+        groups = []
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(d)
+        return {"state": per_param, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ConfigError(f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                              f"this optimizer has {len(self.param_groups)}: load the state of the same model and groups")
+        for saved, g in zip(groups, self.param_groups):
+            if len(saved["params"]) != len(g["params"]):
+                raise ConfigError(f"a saved param group has {len(saved['params'])} params, this one {len(g['params'])}: "
+                                  f"load the state of the same model and groups")
+        saved_index = [i for s in groups for i in s["params"]]
+        mine = self._param_index()
+        state = state_dict.get("state", {})
+        by_param = {}
+        for p_id, saved_i in zip(mine, saved_index):
+            by_param[p_id] = state.get(saved_i)
+        for k, b in enumerate(self._bindings):
+            n = b.numel
+            master, m, v = torch.empty(n), torch.zeros(n), torch.zeros(n)
+            b.read_weights(master)
+            steps, off = [], 0
+            for s in b.slices:
+                st = by_param[id(s.param)]
+                if st:
+                    if tuple(st["exp_avg"].shape) != tuple(s.param.shape):
+                        raise ConfigError(f"saved optimizer state has shape {tuple(st['exp_avg'].shape)} for a parameter "
+                                          f"of shape {tuple(s.param.shape)}: load the state of the same model")
+                    m[off:off + s.numel].copy_(st["exp_avg"].reshape(-1)[s.start:s.start + s.numel])
+                    v[off:off + s.numel].copy_(st["exp_avg_sq"].reshape(-1)[s.start:s.start + s.numel])
+                    if "master" in st:
+                        master[off:off + s.numel].copy_(st["master"].reshape(-1)[s.start:s.start + s.numel])
+                    steps.append(int(float(st["step"])))
+                else:
+                    steps.append(0)
+                off += s.numel
+            self.engine.write_state(k, master, m, v, steps)
+        for saved, g in zip(groups, self.param_groups):
+            g.update({key: val for key, val in saved.items() if key != "params"})
+
+    def save(self, path: str) -> None:
+        """Write ``state_dict()`` to ``path`` atomically (temporary file, then rename)."""
+        save_atomic(self.state_dict(), path)
+
+    def close(self) -> None:
+        """Remove swap files now (they are also removed at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "OffloadAdamW":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _empty_state(p: torch.Tensor, step: int) -> dict:
+    st = {"step": torch.tensor(float(step)),
+          "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+          "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+    if p.dtype != torch.float32:
+        st["master"] = torch.zeros(p.shape, dtype=torch.float32)
+    return st
+
+
+def _hyper(g: dict) -> AdamWHyper:
+    b1, b2 = g["betas"]
+    return AdamWHyper(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                      weight_decay=float(g["weight_decay"]))
+
+
+def _check_hyper(lr, betas, eps, weight_decay) -> None:
+    if not float(lr) >= 0.0:
+        raise ConfigError(f"invalid learning rate {lr!r}: must be >= 0")
+    if not (len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas)):
+        raise ConfigError(f"invalid betas {betas!r}: two values in [0, 1)")
+    if not float(eps) >= 0.0:
+        raise ConfigError(f"invalid eps {eps!r}: must be >= 0")
+    if not float(weight_decay) >= 0.0:
+        raise ConfigError(f"invalid weight_decay {weight_decay!r}: must be >= 0")

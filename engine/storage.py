@@ -1,0 +1,249 @@
+"""A storage path as a tier: validation, swap files, and parallel O_DIRECT transfers.
+
+``SwapPath.read`` and ``SwapPath.write`` move one subgroup's state between a
+:class:`StateBuffer` and its swap file and return a ``Future``. A transfer is split into
+chunks (:class:`ChunkPlan`) that run on the path's I/O threads, at most ``concurrency`` at a
+time, paced by the path's bandwidth cap, and under the node lock when it is on.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from . import swapfile
+from .buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
+from .config import StoragePath
+from .errors import StorageIOError, StoragePathError
+from .io_backends import DeepSpeedAIO, PosixDirectIO
+from .iolimits import NodeLock, RateLimiter, ResizableSemaphore
+from .swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
+
+MAX_IO_THREADS = 64
+
+
+@dataclass
+class SwapFile:
+    """One subgroup's file on one path, and what was last written to it."""
+
+    path: "SwapPath"
+    filename: str
+    fd: int
+    index: int
+    numel: int
+    plan: swapfile.ChunkPlan
+    generation: int = 0  # 0: never written
+    crcs: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PathCounters:
+    """Cumulative traffic of one path; the engine takes differences per step."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def check_usable(path: str) -> None:
+    """Raise :class:`StoragePathError` unless ``path`` is a writable directory that supports O_DIRECT."""
+    if not os.path.exists(path):
+        raise StoragePathError(f"storage path {path} does not exist: create it (mkdir -p {path}) or fix the path")
+    if not os.path.isdir(path):
+        raise StoragePathError(f"storage path {path} is not a directory: give a directory for swap files")
+    probe = os.path.join(path, f".offloadctl-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except PermissionError:
+        raise StoragePathError(f"storage path {path} is not writable by this user: fix its permissions or choose another path") from None
+    except OSError as e:
+        raise StoragePathError(f"storage path {path} cannot hold files ({e.strerror}): choose another path") from None
+    os.close(fd)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_DIRECT)
+        try:
+            buf = aligned_empty(ALIGN_BYTES, pin=False).zero_()
+            PosixDirectIO().pwrite(fd, probe, buf, 0)
+            PosixDirectIO().pread(fd, probe, buf, 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise StoragePathError(
+            f"storage path {path} does not support O_DIRECT ({e.strerror}), which offloading needs to bypass "
+            f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs") from None
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+
+
+class SwapPath:
+    """One storage path in use by this process."""
+
+    def __init__(self, spec: StoragePath, backend: PosixDirectIO | DeepSpeedAIO, *, concurrency: int,
+                 node_lock: bool, verify_checksums: bool) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.verify_checksums = verify_checksums
+        check_usable(spec.path)
+        self.stale_dirs_removed = remove_stale_swap_dirs(spec.path)
+        self.dir = make_swap_dir(spec.path)
+        # Removes the directory on close() or at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir)
+        self.slots = ResizableSemaphore(concurrency)
+        self.node_lock = NodeLock(spec.path, enabled=node_lock)
+        self.read_pacer = RateLimiter(spec.cap_bytes_per_s)
+        self.write_pacer = RateLimiter(spec.cap_bytes_per_s)
+        self.counters = PathCounters()
+        self._counter_lock = threading.Lock()
+        # Chunks run on _chunk_pool; whole-subgroup transfers wait on them from _transfer_pool,
+        # so a waiting transfer never occupies a chunk thread.
+        self._chunk_pool = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="offload-io")
+        self._transfer_pool = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="offload-xfer")
+        self._files: list[SwapFile] = []
+
+    @property
+    def path(self) -> str:
+        return self.spec.path
+
+    def set_limits(self, *, concurrency: int, node_lock: bool) -> None:
+        """Apply knobs; call only while no transfer is in flight."""
+        self.slots.set_limit(concurrency)
+        self.node_lock.enabled = node_lock
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.spec.path)
+        return st.f_bavail * st.f_frsize
+
+    def create_file(self, index: int, numel: int, payload_bytes: int, chunk_bytes: int) -> SwapFile:
+        """Create and fully allocate the swap file of subgroup ``index``."""
+        plan = swapfile.ChunkPlan.for_payload(payload_bytes, chunk_bytes)
+        filename = os.path.join(self.dir, f"sg{index:06d}.swp")
+        fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            # Allocating now turns a disk that is too small into an error at start, not mid-run.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + payload_bytes)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(filename)
+            if e.errno == errno.ENOSPC:
+                raise StoragePathError(
+                    f"storage path {self.path} is full: a {HEADER_BYTES + payload_bytes} byte swap file does not fit "
+                    f"in {self.free_bytes()} free bytes; free space there, add another path, or raise host_cache_bytes") from None
+            raise StoragePathError(f"cannot allocate swap file {filename} ({e.strerror}): choose another path") from None
+        sf = SwapFile(self, filename, fd, index, numel, plan)
+        self._files.append(sf)
+        return sf
+
+    def remove_file(self, sf: SwapFile) -> None:
+        os.close(sf.fd)
+        try:
+            os.unlink(sf.filename)
+        except OSError:
+            pass
+        self._files.remove(sf)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def write(self, sf: SwapFile, buf: StateBuffer) -> Future:
+        """Write ``buf`` to ``sf``: payload chunks in parallel, then the header with their CRCs."""
+        return self._transfer_pool.submit(self._write_subgroup, sf, buf)
+
+    def read(self, sf: SwapFile, buf: StateBuffer) -> Future:
+        """Read ``sf`` into ``buf`` and verify it against what was last written."""
+        return self._transfer_pool.submit(self._read_subgroup, sf, buf)
+
+    def _write_subgroup(self, sf: SwapFile, buf: StateBuffer) -> None:
+        buf.wait_ready()
+        buf.bind(sf.numel)
+        futs = [self._chunk_pool.submit(self._write_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True)
+                for o, n in sf.plan.chunks()]
+        crcs = _results(futs, sf, "writing")
+        generation = sf.generation + 1
+        swapfile.write_header(buf.header, index=sf.index, numel=sf.numel, plan=sf.plan, generation=generation, crcs=crcs)
+        _results([self._chunk_pool.submit(self._write_chunk, sf, buf.header, 0, False)], sf, "writing")
+        sf.generation, sf.crcs = generation, crcs
+
+    def _read_subgroup(self, sf: SwapFile, buf: StateBuffer) -> None:
+        buf.bind(sf.numel)
+        futs = [self._chunk_pool.submit(self._read_chunk, sf, buf.header, 0, False)]
+        futs += [self._chunk_pool.submit(self._read_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True)
+                 for o, n in sf.plan.chunks()]
+        crcs = _results(futs, sf, "reading")[1:]
+        swapfile.verify(buf.header, path=sf.filename, index=sf.index, numel=sf.numel, plan=sf.plan,
+                        generation=sf.generation, crcs=crcs if self.verify_checksums else None)
+
+    def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
+        # The CRC is taken in this I/O thread, off the update's critical path.
+        crc = swapfile.crc32(view) if payload else 0
+        with self.slots, self.node_lock:
+            self.write_pacer.acquire(view.numel())
+            self.backend.pwrite(sf.fd, sf.filename, view, offset)
+        with self._counter_lock:
+            self.counters.bytes_written += view.numel()
+        return crc
+
+    def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
+        with self.slots, self.node_lock:
+            self.read_pacer.acquire(view.numel())
+            self.backend.pread(sf.fd, sf.filename, view, offset)
+        with self._counter_lock:
+            self.counters.bytes_read += view.numel()
+        return swapfile.crc32(view) if payload and self.verify_checksums else 0
+
+    def close(self) -> None:
+        self._chunk_pool.shutdown(wait=True)
+        self._transfer_pool.shutdown(wait=True)
+        for sf in list(self._files):
+            os.close(sf.fd)
+        self._files.clear()
+        self._finalizer()
+
+
+def _results(futs: list[Future], sf: SwapFile, doing: str) -> list:
+    """Results of every chunk; after all have finished, the first failure as a clear error."""
+    out, first_error = [], None
+    for f in futs:
+        try:
+            out.append(f.result())
+        except OSError as e:
+            first_error = first_error or e
+    if first_error is not None:
+        raise storage_error(first_error, sf, doing) from first_error
+    return out
+
+
+def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError:
+    fixes = {
+        errno.ENOSPC: f"free space on {sf.path.path} or give the state another path",
+        errno.EDQUOT: f"raise your quota on {sf.path.path} or give the state another path",
+        errno.EFBIG: "raise the file-size limit (ulimit -f) or use a smaller subgroup_numel",
+        errno.EIO: f"check the device behind {sf.path.path} (dmesg) and resume from your last checkpoint",
+    }
+    fix = fixes.get(e.errno, "check the storage path and resume from your last checkpoint")
+    return StorageIOError(f"{doing} optimizer state of subgroup {sf.index} in {sf.filename} failed "
+                          f"({e.strerror or e}): {fix}. The state is still in host memory.")
+
+
+def measure_bandwidth(path: SwapPath, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """Quick O_DIRECT probe of ``path``: (read bytes/s, write bytes/s) through its own I/O threads."""
+    numel = nbytes // 12
+    buf = StateBuffer(numel, pin=False)
+    buf.payload.fill_(1)
+    sf = path.create_file(-1, numel, buf.payload.numel(), 4 << 20)
+    try:
+        t0 = time.perf_counter()
+        path.write(sf, buf).result()
+        t1 = time.perf_counter()
+        path.read(sf, buf).result()
+        t2 = time.perf_counter()
+    finally:
+        path.remove_file(sf)
+    moved = buf.file_image.numel()
+    return moved / (t2 - t1), moved / (t1 - t0)

@@ -1,0 +1,64 @@
+"""One plain record per ``step()``, kept in memory and optionally appended to a JSONL file."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    iteration: int
+    order: str
+    """'forward' (0..N-1) or 'reverse' (N-1..0)."""
+    wall_s: float
+    """Whole update phase."""
+    read_wait_s: float
+    """Time the update loop waited for state to arrive from storage."""
+    update_s: float
+    """Time in the AdamW updates (host lane) and queueing device-lane work."""
+    write_wait_s: float
+    """Time waiting, at the end of the step, for write-back to finish."""
+    bytes_read: dict[str, int] = field(default_factory=dict)
+    """Per tier kind ('nvme', 'remote')."""
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    path_bytes_read: dict[str, int] = field(default_factory=dict)
+    path_bytes_written: dict[str, int] = field(default_factory=dict)
+    read_bytes_per_s: float = 0.0
+    """Bytes read over the step's wall time (achieved, not peak)."""
+    write_bytes_per_s: float = 0.0
+    cache_hits: int = 0
+    """Swapped subgroups updated from a buffer kept from the previous step (no read)."""
+    cache_misses: int = 0
+    """Swapped subgroups read from storage this step."""
+    host_lane_subgroups: int = 0
+    device_lane_subgroups: int = 0
+    params: int = 0
+    knobs: dict = field(default_factory=dict)
+
+    @property
+    def bytes_moved_per_param(self) -> float:
+        moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
+        return moved / self.params if self.params else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["bytes_moved_per_param"] = self.bytes_moved_per_param
+        return d
+
+
+class TelemetryLog:
+    """Keeps every record, and appends each to ``run_dir/telemetry-rank<R>.jsonl`` when given."""
+
+    def __init__(self, run_dir: str | None, rank: int) -> None:
+        self.records: list[StepRecord] = []
+        self.path = None
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            self.path = os.path.join(run_dir, f"telemetry-rank{rank}.jsonl")
+
+    def append(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec.to_dict()) + "\n")

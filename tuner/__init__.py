@@ -1,0 +1,1 @@
+"""The tuner daemon (issue 5): watches iteration telemetry and drives ``engine.Knobs``."""
