@@ -22,6 +22,10 @@ from .errors import ConfigError
 from .native_ops import load_async_io
 
 
+class ShortFileError(OSError):
+    """The file ends before the requested range: it was truncated, so its state is gone."""
+
+
 class PosixDirectIO:
     name = "posix"
 
@@ -31,7 +35,7 @@ class PosixDirectIO:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n == 0:
-                raise OSError(errno.EIO, f"unexpected end of file at offset {offset + done}", path)
+                raise ShortFileError(errno.EIO, f"file ends at offset {offset + done}", path)
             done += n
 
     def pwrite(self, fd: int, path: str, buf: torch.Tensor, offset: int) -> None:
@@ -62,7 +66,7 @@ class DeepSpeedAIO:
     def pread(self, fd: int, path: str, buf: torch.Tensor, offset: int) -> None:
         # The op aborts the process on a short file; a truncated swap file must be an error.
         if os.fstat(fd).st_size < offset + buf.numel():
-            raise OSError(errno.EIO, f"file is shorter than {offset + buf.numel()} bytes", path)
+            raise ShortFileError(errno.EIO, f"file is shorter than {offset + buf.numel()} bytes", path)
         if self._handle().sync_pread(buf, path, offset) < 0:
             raise OSError(errno.EIO, f"async_io read of {buf.numel()} bytes at offset {offset} failed", path)
 

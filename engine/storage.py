@@ -20,8 +20,8 @@ import torch
 from . import swapfile
 from .buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
 from .config import StoragePath
-from .errors import StorageIOError, StoragePathError
-from .io_backends import DeepSpeedAIO, PosixDirectIO
+from .errors import CorruptSwapFileError, StorageIOError, StoragePathError
+from .io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
 from .iolimits import NodeLock, RateLimiter, ResizableSemaphore
 from .swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
 
@@ -219,7 +219,10 @@ def _results(futs: list[Future], sf: SwapFile, doing: str) -> list:
     return out
 
 
-def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError:
+def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError | CorruptSwapFileError:
+    if isinstance(e, ShortFileError):
+        return CorruptSwapFileError(f"swap file {sf.filename} was truncated ({e.strerror}): the swap file was changed "
+                                    f"outside offloadctl; restore from your last checkpoint")
     fixes = {
         errno.ENOSPC: f"free space on {sf.path.path} or give the state another path",
         errno.EDQUOT: f"raise your quota on {sf.path.path} or give the state another path",
@@ -227,12 +230,17 @@ def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError:
         errno.EIO: f"check the device behind {sf.path.path} (dmesg) and resume from your last checkpoint",
     }
     fix = fixes.get(e.errno, "check the storage path and resume from your last checkpoint")
+    kept = " The state is still in host memory." if doing == "writing" else ""
     return StorageIOError(f"{doing} optimizer state of subgroup {sf.index} in {sf.filename} failed "
-                          f"({e.strerror or e}): {fix}. The state is still in host memory.")
+                          f"({e.strerror or e}): {fix}.{kept}")
 
 
 def measure_bandwidth(path: SwapPath, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """Quick O_DIRECT probe of ``path``: (read bytes/s, write bytes/s) through its own I/O threads."""
+    """Quick O_DIRECT probe of ``path``: (read bytes/s, write bytes/s) through its own I/O threads.
+
+    Uses at most an eighth of the free space, so that probing never fills a small disk.
+    """
+    nbytes = max(1 << 20, min(nbytes, path.free_bytes() // 8))
     numel = nbytes // 12
     buf = StateBuffer(numel, pin=False)
     buf.payload.fill_(1)

@@ -1,0 +1,218 @@
+"""Bad paths, full disks, corrupt files and bad values: clear errors, no lost state."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
+from conftest import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
+
+SUB = 700
+
+
+def _opt(model, path, **kw):
+    kw.setdefault("host_cache_bytes", 0)
+    return OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, nvme_paths=[path], host_adam="torch", **kw)
+
+
+def test_missing_path_names_path_and_fix(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(StoragePathError, match=f"{missing} does not exist.*mkdir -p"):
+        _opt(make_model(), missing)
+
+
+def test_path_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StoragePathError, match="is not a directory"):
+        _opt(make_model(), str(f))
+
+
+def test_unwritable_path(tmp_path):
+    if IS_ROOT:  # root ignores mode bits; a read-only mount refuses root too
+        with mounted("tmpfs", "ro,size=1m") as d:
+            with pytest.raises(StoragePathError, match=f"{d} (is not writable|cannot hold files)"):
+                _opt(make_model(), d)
+    else:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        with pytest.raises(StoragePathError, match="is not writable"):
+            _opt(make_model(), str(d))
+
+
+@needs_root
+def test_path_without_o_direct():
+    with mounted("ramfs") as d:
+        with pytest.raises(StoragePathError, match=f"{d} does not support O_DIRECT"):
+            _opt(make_model(), d)
+
+
+@needs_root
+def test_disk_too_small_fails_at_construction():
+    with mounted("tmpfs", "size=64k") as d:
+        with pytest.raises(StoragePathError, match=f"{d} is full.*free space"):
+            _opt(make_model(), d)
+        assert glob.glob(os.path.join(d, "offloadctl-swap", "*", "*.swp")) == []
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, offset, length) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate punch hole")
+
+
+@needs_root
+def test_disk_filling_mid_run_keeps_state():
+    """Another writer fills the disk, and the next write needs new blocks (thin files, as on
+    copy-on-write file systems). Only files whose state is newer in memory are thinned."""
+    with mounted("tmpfs", "size=4m") as d:
+        model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, d), 2)
+        kept = [sg.file.filename for sg in opt.engine.subgroups if sg.staged is not None]
+        assert kept, "the alternating order keeps the last subgroups in memory"
+        for f in kept:
+            fd = os.open(f, os.O_RDWR)
+            _punch_hole(fd, 0, os.fstat(fd).st_size)
+            os.close(fd)
+        fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * (1 << 16))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        with pytest.raises(StorageIOError, match=f"{d}.*No space left.*free space on {d}"):
+            feed_same_grads([(ref, ref_opt), (model, opt)], 1, seed=5)  # the reference steps first
+        # Every update of that step happened and nothing was lost: state equals the reference.
+        assert_params_close(model, ref)
+        sd, rsd = opt.state_dict(), ref_opt.state_dict()
+        for i, st in rsd["state"].items():
+            torch.testing.assert_close(sd["state"][i]["exp_avg"], st["exp_avg"], rtol=1e-5, atol=1e-8)
+        # Space comes back: training continues and still matches.
+        os.unlink(os.path.join(d, "filler"))
+        feed_same_grads([(model, opt), (ref, ref_opt)], 2, seed=6)
+        assert_params_close(model, ref)
+        opt.close()
+
+
+@pytest.mark.parametrize("backend", ["posix", "aio"])
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_swap_file_is_an_error(damage, backend, swap_dir):
+    model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, swap_dir, io_backend=backend), 2)
+    sg = next(s for s in opt.engine.subgroups if s.staged is None and not s.fresh)
+    with open(sg.file.filename, "r+b") as f:
+        if damage == "flip":
+            f.seek(4096 + 100)
+            b = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        else:
+            f.truncate(4096)
+    with pytest.raises(CorruptSwapFileError, match=sg.file.filename):
+        feed_same_grads([(model, opt), (ref, ref_opt)], 1)
+    opt.close()
+
+
+def test_bad_values_are_config_errors(swap_dir, tmp_path):
+    m = make_model()
+    with pytest.raises(ConfigError, match="subgroup_numel"):
+        OffloadAdamW(m.parameters(), subgroup_numel=0)
+    with pytest.raises(ConfigError, match="learning rate"):
+        OffloadAdamW(m.parameters(), lr=-1)
+    with pytest.raises(ConfigError, match="nowhere to go.*nvme_paths"):
+        OffloadAdamW(m.parameters(), host_cache_bytes=0, subgroup_numel=SUB)
+    with pytest.raises(ConfigError, match="device_fraction > 0 needs a device lane"):
+        OffloadAdamW(m.parameters(), device_fraction=0.5)
+    with pytest.raises(ConfigError, match="device_fraction must be in"):
+        Knobs(device_fraction=2)
+    opt = _opt(m, swap_dir)
+    with pytest.raises(ConfigError, match="not storage paths of this engine"):
+        opt.set_knobs(Knobs(io_concurrency={str(tmp_path / "other"): 2}))
+    with pytest.raises(ConfigError, match="cannot add param groups"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.close()
+
+
+def test_load_state_of_another_model(swap_dir):
+    _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 1)
+    other = OffloadAdamW(torch.nn.Linear(3, 3).parameters(), host_adam="torch")
+    with pytest.raises(ConfigError, match="same model"):
+        other.load_state_dict(opt.state_dict())
+    opt.close()
+
+
+# -- lifecycle: swap files never outlive their run ----------------------------------------------
+
+def _swap_files(d):
+    return glob.glob(os.path.join(d, "offloadctl-swap", "*", "*.swp"))
+
+
+def test_close_removes_swap_files(swap_dir):
+    _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 2)
+    assert _swap_files(swap_dir)
+    opt.close()
+    assert not os.path.exists(os.path.join(swap_dir, "offloadctl-swap"))
+
+
+_CHILD = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import make_model
+from engine import OffloadAdamW
+m = make_model()
+opt = OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=700, host_cache_bytes=0, nvme_paths=[{d!r}], host_adam="torch")
+for p in m.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+opt.step()
+print("stepped", flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end,left_behind", [("", False), ("raise SystemExit(3)", False),
+                                             ("os.kill(os.getpid(), 9)", True)], ids=["exit", "error-exit", "sigkill"])
+def test_swap_files_removed_at_exit_or_next_start(end, left_behind, swap_dir):
+    code = _CHILD.format(tests=os.path.dirname(__file__), d=swap_dir, end=end)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "stepped" in out.stdout, out.stderr
+    assert bool(_swap_files(swap_dir)) == left_behind
+    # The next engine on this path removes what a crashed one left.
+    opt = _opt(make_model(), swap_dir)
+    assert len(opt.engine.paths[0].stale_dirs_removed) == int(left_behind)
+    opt.close()
+    assert not _swap_files(swap_dir)
+
+
+def test_other_live_process_dirs_are_kept(swap_dir):
+    a = _opt(make_model(), swap_dir)
+    b = _opt(make_model(), swap_dir)  # same pid, live: a's directory must survive b's clean-up
+    assert b.engine.paths[0].stale_dirs_removed == []
+    assert os.path.isdir(a.engine.paths[0].dir)
+    a.close()
+    b.close()
+
+
+def test_save_is_atomic(swap_dir, tmp_path):
+    _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 2)
+    target = tmp_path / "opt.pt"
+    opt.save(str(target))
+    good = target.read_bytes()
+    # A save that fails half-way (unpicklable state) leaves the previous file and no temp files.
+    opt.param_groups[0]["bad"] = lambda: None
+    with pytest.raises(Exception):
+        opt.save(str(target))
+    assert target.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["opt.pt"]
+    opt.close()

@@ -1,0 +1,199 @@
+"""OffloadAdamW against torch.optim.AdamW, fed the same gradients, in every layout."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import Knobs, OffloadAdamW, StoragePath
+from conftest import assert_params_close, make_model, needs_cuda, reference_pair
+
+SUB = 700  # elements per subgroup: the test model's 3987 params make 6 subgroups
+N_SUB = 6
+STATE = 12 * 3987  # bytes of optimizer state of make_model()
+
+
+def _run(factory, steps=4, **kw):
+    model, opt, ref, ref_opt = reference_pair(factory, steps, **kw)
+    assert_params_close(model, ref)
+    return model, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("backend", ["posix", "aio"])
+@pytest.mark.parametrize("layout", ["host", "nvme", "mixed", "two_paths", "remote_capped"])
+def test_layouts_match_adamw(layout, backend, swap_dirs):
+    nvme0, nvme1, pfs = swap_dirs
+    kw = {
+        "host": dict(host_cache_bytes=None),
+        "nvme": dict(host_cache_bytes=0, nvme_paths=[nvme0]),
+        "mixed": dict(host_cache_bytes=STATE // 2, nvme_paths=[nvme0]),
+        "two_paths": dict(host_cache_bytes=0, nvme_paths=[nvme0, nvme1]),
+        # Declared bandwidths make the stripe deterministic: the cap halves the remote share.
+        "remote_capped": dict(host_cache_bytes=0,
+                              nvme_paths=[StoragePath(path=nvme0, read_bytes_per_s=400e6, write_bytes_per_s=400e6)],
+                              remote_paths=[StoragePath(path=pfs, kind="remote", read_bytes_per_s=400e6,
+                                                        write_bytes_per_s=400e6, cap_bytes_per_s=200e6)]),
+    }[layout]
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, io_backend=backend,
+                                               host_adam="torch", **kw), steps=5)
+    rec = opt.telemetry[-1]
+    if layout == "host":
+        assert opt.engine.io_backend is None and rec.bytes_read == {}
+    else:
+        assert opt.engine.io_backend == backend
+        assert sum(rec.bytes_read.values()) > 0 and sum(rec.bytes_written.values()) > 0
+    if layout == "remote_capped":
+        for kind in ("remote", "nvme"):
+            assert sum(r.bytes_written.get(kind, 0) for r in opt.telemetry) > 0
+    opt.close()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_device_lane_on_cpu_matches_adamw(fraction, swap_dir):
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=STATE // 3,
+                                               nvme_paths=[swap_dir], device="cpu", device_fraction=fraction,
+                                               host_adam="torch"))
+    rec = opt.telemetry[-1]
+    assert rec.device_lane_subgroups == round(N_SUB * fraction) and rec.host_lane_subgroups == N_SUB - rec.device_lane_subgroups
+    opt.close()
+
+
+def test_device_tier_on_cpu_matches_adamw(swap_dir):
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device_cache_bytes=STATE // 3,
+                                               host_cache_bytes=STATE // 3, nvme_paths=[swap_dir], device="cpu",
+                                               host_adam="torch"))
+    tiers = opt.engine.describe()["state_bytes_by_tier"]
+    assert set(tiers) == {"device", "host", swap_dir}
+    opt.close()
+
+
+def test_deepspeed_host_kernel_matches_adamw(swap_dir):
+    pytest.importorskip("deepspeed")
+    from engine.native_ops import load_cpu_adam
+
+    if load_cpu_adam() is None:
+        pytest.skip("DeepSpeed cpu_adam op does not build here")
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
+                                               nvme_paths=[swap_dir], host_adam="deepspeed"))
+    assert opt.engine.host_kernel_name == "deepspeed"
+    opt.close()
+
+
+def test_param_groups_missing_grads_noncontiguous(swap_dir):
+    def model_fn():
+        m = make_model()
+        # A transposed (non-contiguous) parameter, which is never split across subgroups.
+        m.register_parameter("t", torch.nn.Parameter(torch.randn(40, 30).t()))
+        return m
+
+    def factory(m):
+        ps = list(m.parameters())
+        groups = [{"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
+                  {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+        return OffloadAdamW(groups, lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch")
+
+    def ref_groups(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
+                {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+
+    from conftest import feed_same_grads
+
+    model = model_fn()
+    ref = copy.deepcopy(model)
+    assert not model.t.is_contiguous()
+    opt, ref_opt = factory(model), torch.optim.AdamW(ref_groups(ref), lr=1e-2)
+    # Param 1 never has a gradient; param 4 skips odd steps (so its step count lags).
+    feed_same_grads([(model, opt), (ref, ref_opt)], 6, skip=lambda t, k: k == 1 or (k == 4 and t % 2))
+    assert_params_close(model, ref)
+    sd, rsd = opt.state_dict(), ref_opt.state_dict()
+    assert set(sd["state"]) == set(rsd["state"])
+    for i, st in rsd["state"].items():
+        assert float(sd["state"][i]["step"]) == float(st["step"])
+        torch.testing.assert_close(sd["state"][i]["exp_avg_sq"], st["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    opt.close()
+
+
+@pytest.mark.parametrize("sub,depth", [(100, 1), (100, 0), (10**9, 2)], ids=["many-subgroups", "no-prefetch", "single-subgroup"])
+def test_subgroup_counts(sub, depth, swap_dir):
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=0,
+                                               nvme_paths=[swap_dir], prefetch_depth=depth, host_adam="torch"), steps=5)
+    n = opt.engine.describe()["subgroups"]
+    assert (n == 1) if sub == 10**9 else (n > depth + 2)
+    opt.close()
+
+
+def test_lr_scheduler(swap_dir):
+    from conftest import feed_same_grads
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir],
+                       host_adam="torch")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    for t in range(5):
+        feed_same_grads([(model, opt), (ref, ref_opt)], 1, seed=t)
+        for s in scheds:
+            s.step()
+    assert_params_close(model, ref)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 5)
+    opt.close()
+
+
+def test_bf16_params_keep_fp32_master(swap_dir):
+    """Low-precision weights are written from the fp32 master, which follows fp32 AdamW exactly."""
+    model = make_model().to(torch.bfloat16)
+    ref = make_model()  # fp32, same init before the cast
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            r.copy_(p.float())
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    from conftest import feed_same_grads
+
+    feed_same_grads([(model, opt), (ref, ref_opt)], 4, grad_dtype=torch.bfloat16)
+    sd = opt.state_dict()
+    for i, r in enumerate(ref.parameters()):
+        torch.testing.assert_close(sd["state"][i]["master"], r.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(list(model.parameters())[i], r.detach().to(torch.bfloat16))
+    opt.close()
+
+
+def test_knob_changes_between_steps_keep_numerics(swap_dirs):
+    nvme0, nvme1, _ = swap_dirs
+
+    def factory(m):
+        return OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[nvme0, nvme1],
+                            device="cpu", host_adam="torch")
+
+    model, opt, ref, ref_opt = reference_pair(factory, 2)
+    from conftest import feed_same_grads
+
+    knob_sets = [
+        Knobs(prefetch_depth=4, io_concurrency={nvme0: 1, nvme1: 8}, node_lock=True, device_fraction=0.3),
+        Knobs(prefetch_depth=0, stripe_weights={nvme0: 0.0, nvme1: 1.0}),  # everything moves to nvme1
+        Knobs(prefetch_depth=1, stripe_weights={nvme0: 3.0, nvme1: 1.0}, device_fraction=1.0),
+    ]
+    for k, knobs in enumerate(knob_sets):
+        opt.set_knobs(knobs)
+        feed_same_grads([(model, opt), (ref, ref_opt)], 2, seed=10 + k)
+        assert opt.telemetry[-1].knobs == knobs.to_dict()
+        assert_params_close(model, ref)
+        if k == 1:
+            # Moved lazily at each subgroup's next write: after two steps nothing is read from nvme0.
+            assert opt.telemetry[-1].path_bytes_read[nvme0] == 0
+            assert opt.telemetry[-1].path_bytes_written[nvme0] == 0
+    opt.close()
+
+
+@needs_cuda
+def test_device_lane_on_cuda_matches_adamw(swap_dir):
+    def model_fn():
+        return make_model().cuda()
+
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
+                                               nvme_paths=[swap_dir], device="cuda", device_fraction=0.5,
+                                               host_adam="torch"), model_fn=model_fn)
+    opt.close()
