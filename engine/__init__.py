@@ -4,6 +4,7 @@ Start with :class:`OffloadAdamW` (a drop-in ``torch.optim`` optimizer); the Deep
 integration and the tuner drive the same :class:`SubgroupEngine` through :class:`Knobs`.
 """
 from .adamw import AdamWHyper
+from .binding import FlatSubgroup, SubgroupBinding
 from .config import EngineConfig, Knobs, StoragePath
 from .core import SubgroupEngine
 from .errors import ConfigError, CorruptSwapFileError, OffloadError, StorageIOError, StoragePathError
@@ -11,6 +12,6 @@ from .optimizer import OffloadAdamW
 from .telemetry import StepRecord
 
 __all__ = [
-    "AdamWHyper", "ConfigError", "CorruptSwapFileError", "EngineConfig", "Knobs", "OffloadAdamW", "OffloadError",
+    "AdamWHyper", "ConfigError", "FlatSubgroup", "SubgroupBinding", "CorruptSwapFileError", "EngineConfig", "Knobs", "OffloadAdamW", "OffloadError",
     "StepRecord", "StorageIOError", "StoragePath", "StoragePathError", "SubgroupEngine",
 ]

@@ -32,3 +32,25 @@ class SubgroupBinding(Protocol):
     def write_weights(self, master: torch.Tensor) -> None:
         """Copy the updated master weights (flat fp32, host or device) into the model's weights."""
         ...
+
+
+class FlatSubgroup:
+    """A subgroup over one flat weight tensor and one flat gradient tensor (one slice).
+
+    The shape of a ZeRO-3 partition, and what benchmarks use to drive the engine directly.
+    ``grad`` may be replaced between steps; None means no gradient this step.
+    """
+
+    def __init__(self, weight: torch.Tensor, grad: torch.Tensor | None = None, group: int = 0) -> None:
+        self.weight, self.grad, self.group = weight.view(-1), grad, group
+        self.numel = self.weight.numel()
+        self.slice_numels = (self.numel,)
+
+    def grads(self) -> list[torch.Tensor | None]:
+        return [self.grad]
+
+    def read_weights(self, out: torch.Tensor) -> None:
+        out.copy_(self.weight)
+
+    def write_weights(self, master: torch.Tensor) -> None:
+        self.weight.copy_(master)

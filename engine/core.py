@@ -3,9 +3,10 @@
 Each subgroup's fp32 state (master, exp_avg, exp_avg_sq) lives in one tier: device memory,
 host memory, or a swap file on a storage path. ``step()`` visits every subgroup once:
 
-- **Order.** 0..N-1 on even iterations, N-1..0 on odd ones (MLP-Offload). The swapped
-  subgroups updated last are not written back; their staging buffers are kept and they are
-  the first ones updated next iteration, with no write and re-read in between.
+- **Order.** 0..N-1 on even iterations, N-1..0 on odd ones (MLP-Offload). The last
+  ``prefetch_depth + 1`` swapped subgroups updated are not written back; their staging
+  buffers are kept and they are the first ones updated next iteration, with no write and
+  re-read in between.
 - **Prefetch.** Reads of the next ``prefetch_depth`` swapped subgroups are issued while the
   current one updates, and each updated subgroup is written back asynchronously. Staging
   buffers: ``prefetch_depth + 2`` (reading ahead, updating, writing back).
@@ -253,9 +254,10 @@ class SubgroupEngine:
                         self.host_lane.update(buf, sg.binding, sg.steps, hp)
                     update_s += time.perf_counter() - t0
                     sg.dirty = True
-                    # Keep the tail in its buffer once every read of this step is issued: it is
-                    # the head of the next step's (reversed) order.
-                    if st.next_read < len(seq):
+                    # The last prefetch_depth + 1 stay in their buffers: they are the head of the
+                    # next step's (reversed) order. That leaves one spare buffer for the reads
+                    # still in flight, so the tail never stalls.
+                    if st.pos[i] < len(seq) - (self.knobs.prefetch_depth + 1):
                         self._write_back(sg)
                 else:
                     t0 = time.perf_counter()

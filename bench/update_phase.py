@@ -1,0 +1,181 @@
+"""Update-phase benchmark of the multi-tier engine, against the storage ceiling and DeepSpeedCPUAdam.
+
+For about 100M parameters it runs three layouts (host-only, all-NVMe, host cache of half the
+state) and reports, per layout: median update-phase time, bytes moved per parameter, achieved
+storage bandwidth, and the floor that the path's own ceiling (measured in the same run, with
+O_DIRECT at high concurrency) implies. It also compares the host-lane AdamW kernel with
+DeepSpeedCPUAdam on the same buffer.
+
+Raw disk (noisy on a host-cached virtual disk):
+
+    .venv/bin/python bench/update_phase.py --nvme /var/tmp/offload-bench
+
+Emulated tier with a fixed ceiling (root; see bench/tiers.sh):
+
+    bench/tiers.sh up nvme:4:400:400
+    bench/tiers.sh run .venv/bin/python bench/update_phase.py --nvme /mnt/offloadctl-tiers/nvme
+    bench/tiers.sh down
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
+from engine.adamw import measure_host_kernels  # noqa: E402
+from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
+from engine.io_backends import open_backend  # noqa: E402
+from engine.storage import SwapPath  # noqa: E402
+
+console = Console(stderr=True)
+
+
+def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> dict[str, float]:
+    """O_DIRECT bandwidth of ``path`` alone for reads, for writes, and for both at once (bytes/s)."""
+    sp = SwapPath(StoragePath(path=path), open_backend(backend), concurrency=concurrency, node_lock=False,
+                  verify_checksums=False)
+    numel = nbytes // 12
+    bufs = [StateBuffer(numel, pin=False) for _ in range(2)]
+    for b in bufs:
+        b.payload.fill_(3)
+    files = [sp.create_file(i, numel, bufs[0].payload.numel(), 8 << 20) for i in range(2)]
+    try:
+        sp.write(files[0], bufs[0]).result()  # so that file 0 can be read
+        t0 = time.perf_counter()
+        sp.write(files[1], bufs[1]).result()
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sp.read(files[0], bufs[0]).result()
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        r, w = sp.read(files[0], bufs[0]), sp.write(files[1], bufs[1])
+        r.result(), w.result()
+        mixed_s = time.perf_counter() - t0
+    finally:
+        sp.close()
+    moved = bufs[0].file_image.numel()
+    return {"read": moved / read_s, "write": moved / write_s, "mixed": 2 * moved / mixed_s}
+
+
+def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: str | None, steps: int,
+               backend: str, progress: Progress) -> dict:
+    torch.manual_seed(0)
+    weight = torch.randn(numel)
+    grad = torch.randn(numel) * 1e-3
+    bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
+    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=host_cache, io_backend=backend, host_adam="auto",
+                       paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else ())
+    eng = SubgroupEngine(bindings, cfg, Knobs(prefetch_depth=2, io_concurrency={path: 8} if path else {}))
+    task = progress.add_task(f"{name}", total=steps)
+    try:
+        for _ in range(steps):
+            eng.step([AdamWHyper(lr=1e-4)])
+            progress.advance(task)
+    finally:
+        eng.close()
+    recs = eng.telemetry.records[1:]  # the first step materialises state and writes it once
+    med = lambda f: statistics.median(f(r) for r in recs)  # noqa: E731
+    return {
+        "layout": name,
+        "update_s": med(lambda r: r.wall_s),
+        "read_wait_s": med(lambda r: r.read_wait_s),
+        "write_wait_s": med(lambda r: r.write_wait_s),
+        "bytes_per_param": med(lambda r: r.bytes_moved_per_param),
+        "bytes_read": med(lambda r: sum(r.bytes_read.values())),
+        "bytes_written": med(lambda r: sum(r.bytes_written.values())),
+        "read_bytes_per_s": med(lambda r: r.read_bytes_per_s),
+        "write_bytes_per_s": med(lambda r: r.write_bytes_per_s),
+        "cache_hits": med(lambda r: r.cache_hits),
+        "host_kernel": eng.host_kernel_name,
+        "io_backend": eng.io_backend,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nvme", required=True, help="directory on the storage to test (it must exist)")
+    ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
+    ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
+    ap.add_argument("--steps", type=int, default=6, help="steps per layout; the first is excluded (default 6)")
+    ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    args = ap.parse_args()
+    if not os.path.isdir(args.nvme):
+        console.print(f"[red]--nvme {args.nvme} is not a directory: create it first[/red]")
+        return 2
+    numel, sub = int(args.params), int(args.subgroup)
+    state_bytes = 12 * numel
+    n_sub = -(-numel // sub)
+    half_cache = (n_sub // 2) * payload_bytes(sub)  # half the subgroups, as the engine counts bytes
+    out: dict = {"machine": _machine(), "params": numel, "subgroup": sub, "path": args.nvme,
+                 "command": " ".join(sys.argv)}
+    with Progress(console=console, transient=True) as progress:
+        t = progress.add_task("storage ceiling", total=None)
+        out["ceiling_bytes_per_s"] = measure_ceiling(args.nvme, min(state_bytes // 2, 1 << 30), 8, args.io_backend)
+        progress.remove_task(t)
+        t = progress.add_task("host AdamW kernels", total=None)
+        out["host_kernel_params_per_s"] = measure_host_kernels()
+        progress.remove_task(t)
+        out["layouts"] = [
+            run_layout("host-only", numel, sub, None, None, args.steps, args.io_backend, progress),
+            run_layout("all-nvme", numel, sub, 0, args.nvme, args.steps, args.io_backend, progress),
+            run_layout("half-cache", numel, sub, half_cache, args.nvme, args.steps, args.io_backend, progress),
+        ]
+    ceil = out["ceiling_bytes_per_s"]
+    for lay in out["layouts"]:
+        # Reads and writes overlap; the floor is the longer of the two at the path's own ceiling.
+        lay["floor_s"] = max(lay["bytes_read"] / ceil["read"], lay["bytes_written"] / ceil["write"])
+        lay["time_over_floor"] = lay["update_s"] / lay["floor_s"] if lay["floor_s"] else None
+    k = out["host_kernel_params_per_s"]
+    out["host_kernel_vs_deepspeed"] = k["torch"] / k["deepspeed"] if "deepspeed" in k else None
+    host = out["layouts"][0]
+    out["host_lane_params_per_s"] = numel / host["update_s"]
+    _print(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def _machine() -> dict:
+    import platform
+
+    import psutil
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
+            "cuda": torch.cuda.is_available()}
+
+
+def _print(out: dict) -> None:
+    c = Console(width=150)
+    ceil = out["ceiling_bytes_per_s"]
+    c.print(f"[bold]{out['params']:.3g} params[/bold], subgroup {out['subgroup']:.3g}, path {out['path']}")
+    c.print(f"ceiling (O_DIRECT, same run): read {ceil['read'] / 1e6:.0f} MB/s, write {ceil['write'] / 1e6:.0f} MB/s, "
+            f"mixed {ceil['mixed'] / 1e6:.0f} MB/s")
+    tab = Table("layout", "update s", "read wait s", "write wait s", "B/param", "read MB/s", "write MB/s", "hits", "floor s", "time/floor")
+    for lay in out["layouts"]:
+        tab.add_row(lay["layout"], f"{lay['update_s']:.3f}", f"{lay['read_wait_s']:.3f}", f"{lay['write_wait_s']:.3f}",
+                    f"{lay['bytes_per_param']:.2f}", f"{lay['read_bytes_per_s'] / 1e6:.0f}",
+                    f"{lay['write_bytes_per_s'] / 1e6:.0f}", f"{lay['cache_hits']:.0f}", f"{lay['floor_s']:.3f}",
+                    f"{lay['time_over_floor']:.2f}" if lay["time_over_floor"] else "-")
+    c.print(tab)
+    k = out["host_kernel_params_per_s"]
+    c.print("host AdamW kernels (params/s): " + ", ".join(f"{n} {v:.3g}" for n, v in k.items())
+            + (f"; torch/deepspeed {out['host_kernel_vs_deepspeed']:.2f}" if out["host_kernel_vs_deepspeed"] else ""))
+    c.print(f"host-only update phase: {out['host_lane_params_per_s']:.3g} params/s "
+            f"(kernel in use: {out['layouts'][0]['host_kernel']})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
