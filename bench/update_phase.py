@@ -101,6 +101,29 @@ def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: st
     }
 
 
+def run_deepspeed_cpu_adam(numel: int, sub: int, steps: int, progress: Progress) -> dict:
+    """The anchor: DeepSpeedCPUAdam (ZeRO-Offload's CPU step) on the same subgroups and gradients."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    weight = torch.randn(numel)
+    grad = torch.randn(numel) * 1e-3
+    params = []
+    for o in range(0, numel, sub):
+        p = torch.nn.Parameter(weight[o:o + sub].clone())
+        p.grad = grad[o:o + sub].clone()
+        params.append(p)
+    opt = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
+    task = progress.add_task("DeepSpeedCPUAdam", total=steps)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        progress.advance(task)
+    return {"update_s": statistics.median(times[1:])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nvme", required=True, help="directory on the storage to test (it must exist)")
@@ -126,6 +149,7 @@ def main() -> int:
         t = progress.add_task("host AdamW kernels", total=None)
         out["host_kernel_params_per_s"] = measure_host_kernels()
         progress.remove_task(t)
+        out["deepspeed_cpu_adam"] = run_deepspeed_cpu_adam(numel, sub, args.steps, progress)
         out["layouts"] = [
             run_layout("host-only", numel, sub, None, None, args.steps, args.io_backend, progress),
             run_layout("all-nvme", numel, sub, 0, args.nvme, args.steps, args.io_backend, progress),
@@ -140,6 +164,8 @@ def main() -> int:
     out["host_kernel_vs_deepspeed"] = k["torch"] / k["deepspeed"] if "deepspeed" in k else None
     host = out["layouts"][0]
     out["host_lane_params_per_s"] = numel / host["update_s"]
+    out["deepspeed_cpu_adam"]["params_per_s"] = numel / out["deepspeed_cpu_adam"]["update_s"]
+    out["host_only_vs_deepspeed_cpu_adam"] = out["host_lane_params_per_s"] / out["deepspeed_cpu_adam"]["params_per_s"]
     _print(out)
     if args.json:
         with open(args.json, "w") as f:
@@ -174,7 +200,8 @@ def _print(out: dict) -> None:
     c.print("host AdamW kernels (params/s): " + ", ".join(f"{n} {v:.3g}" for n, v in k.items())
             + (f"; torch/deepspeed {out['host_kernel_vs_deepspeed']:.2f}" if out["host_kernel_vs_deepspeed"] else ""))
     c.print(f"host-only update phase: {out['host_lane_params_per_s']:.3g} params/s "
-            f"(kernel in use: {out['layouts'][0]['host_kernel']})")
+            f"(kernel in use: {out['layouts'][0]['host_kernel']}); DeepSpeedCPUAdam.step on the same subgroups: "
+            f"{out['deepspeed_cpu_adam']['params_per_s']:.3g} params/s; ratio {out['host_only_vs_deepspeed_cpu_adam']:.2f}")
 
 
 if __name__ == "__main__":

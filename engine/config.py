@@ -58,7 +58,7 @@ class EngineConfig:
     placement and earlier overlap. Each subgroup holds 12 bytes of state per element."""
     host_cache_bytes: int | None = None
     """Budget for optimizer state that stays in host memory. None: all state in host memory.
-    The swap staging buffers (``prefetch_depth + 2`` subgroups) come on top of it."""
+    The swap staging buffers (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
     device_cache_bytes: int = 0
     """Budget for optimizer state that stays in device memory (device lane, no transfers)."""
     paths: tuple[StoragePath, ...] = ()
@@ -112,7 +112,8 @@ class Knobs:
     """Fraction of subgroups updated on the device lane, spread evenly over the order so that
     their transfers overlap host-lane updates (Deep Optimizer States). 0 with no device."""
     prefetch_depth: int = 2
-    """Subgroups read ahead of the one being updated. Staging buffers: depth + 2."""
+    """Subgroups read ahead of the one being updated. Staging buffers: 2 * depth + 3 (depth + 2
+    working, depth + 1 kept across the step boundary for the alternating order)."""
     io_concurrency: Mapping[str, int] = field(default_factory=dict)
     """Per path (by directory): I/O requests in flight at once. Missing paths: 4."""
     node_lock: bool = False

@@ -9,7 +9,8 @@ host memory, or a swap file on a storage path. ``step()`` visits every subgroup 
   re-read in between.
 - **Prefetch.** Reads of the next ``prefetch_depth`` swapped subgroups are issued while the
   current one updates, and each updated subgroup is written back asynchronously. Staging
-  buffers: ``prefetch_depth + 2`` (reading ahead, updating, writing back).
+  buffers: ``prefetch_depth + 2`` working ones (reading ahead, updating, writing back) plus
+  ``prefetch_depth + 1`` kept across the step boundary.
 - **Lanes.** A ``device_fraction`` of subgroups, evenly interleaved, is updated on the device
   lane; the rest on the host lane (Deep Optimizer States).
 - **Knobs** set with :meth:`set_knobs` take effect at the start of the next step, when no
@@ -38,6 +39,16 @@ from .lanes import DeviceLane, HostLane
 from .placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
 from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
 from .telemetry import StepRecord, TelemetryLog
+
+
+def _kept_count(knobs: Knobs) -> int:
+    """Swapped subgroups kept in staging buffers across a step boundary."""
+    return knobs.prefetch_depth + 1
+
+
+def _staging_count(knobs: Knobs) -> int:
+    """Staging buffers: read ahead + updating + writing back, plus the kept ones."""
+    return knobs.prefetch_depth + 2 + _kept_count(knobs)
 
 
 @dataclass
@@ -153,7 +164,7 @@ class SubgroupEngine:
         self._staging_capacity = max(swapped, default=0)
         self._free: list[StateBuffer] = []
         self._n_staging = 0
-        self._resize_staging(self.knobs.prefetch_depth + 2 if swapped else 0)
+        self._resize_staging(_staging_count(self.knobs) if swapped else 0)
         self._writes: deque[tuple[_Subgroup, StateBuffer, Future]] = deque()
 
     def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
@@ -193,15 +204,15 @@ class SubgroupEngine:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
         self._lane_mask = device_lane_mask(len(self.subgroups), k.device_fraction)
         if k.prefetch_depth != old.prefetch_depth and self._n_staging:
-            self._resize_staging(k.prefetch_depth + 2)
+            self._resize_staging(_staging_count(k))
             # Shrinking may need kept buffers back: write them out until the pool fits.
-            while self._n_staging > k.prefetch_depth + 2:
+            while self._n_staging > _staging_count(k):
                 kept = next((sg for sg in self.subgroups if sg.staged is not None), None)
                 if kept is None:
                     break
                 self._write_back(kept)
                 self._drain()
-                self._resize_staging(k.prefetch_depth + 2)
+                self._resize_staging(_staging_count(k))
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
 
@@ -254,10 +265,10 @@ class SubgroupEngine:
                         self.host_lane.update(buf, sg.binding, sg.steps, hp)
                     update_s += time.perf_counter() - t0
                     sg.dirty = True
-                    # The last prefetch_depth + 1 stay in their buffers: they are the head of the
-                    # next step's (reversed) order. That leaves one spare buffer for the reads
-                    # still in flight, so the tail never stalls.
-                    if st.pos[i] < len(seq) - (self.knobs.prefetch_depth + 1):
+                    # The tail stays in its buffers: it is the head of the next step's (reversed)
+                    # order. The kept buffers come on top of the working ones, so the next step's
+                    # first reads start at once instead of waiting for write-backs.
+                    if st.pos[i] < len(seq) - _kept_count(self.knobs):
                         self._write_back(sg)
                 else:
                     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 ``SwapPath.read`` and ``SwapPath.write`` move one subgroup's state between a
 :class:`StateBuffer` and its swap file and return a ``Future``. A transfer is split into
-chunks (:class:`ChunkPlan`) that run on the path's I/O threads, at most ``concurrency`` at a
-time, paced by the path's bandwidth cap, and under the node lock when it is on.
+chunks (:class:`ChunkPlan`) that run on the path's I/O threads, at most ``concurrency`` reads
+and ``concurrency`` writes at a time, paced by the path's bandwidth cap, and under the node lock when it is on.
 """
 from __future__ import annotations
 
@@ -96,7 +96,10 @@ class SwapPath:
         self.dir = make_swap_dir(spec.path)
         # Removes the directory on close() or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir)
-        self.slots = ResizableSemaphore(concurrency)
+        # Reads and writes each have their own slots, so a burst of write-backs never starves
+        # the prefetches the update loop is waiting for (and the reverse).
+        self.read_slots = ResizableSemaphore(concurrency)
+        self.write_slots = ResizableSemaphore(concurrency)
         self.node_lock = NodeLock(spec.path, enabled=node_lock)
         self.read_pacer = RateLimiter(spec.cap_bytes_per_s)
         self.write_pacer = RateLimiter(spec.cap_bytes_per_s)
@@ -114,7 +117,8 @@ class SwapPath:
 
     def set_limits(self, *, concurrency: int, node_lock: bool) -> None:
         """Apply knobs; call only while no transfer is in flight."""
-        self.slots.set_limit(concurrency)
+        self.read_slots.set_limit(concurrency)
+        self.write_slots.set_limit(concurrency)
         self.node_lock.enabled = node_lock
 
     def free_bytes(self) -> int:
@@ -182,7 +186,7 @@ class SwapPath:
     def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
         # The CRC is taken in this I/O thread, off the update's critical path.
         crc = swapfile.crc32(view) if payload else 0
-        with self.slots, self.node_lock:
+        with self.write_slots, self.node_lock:
             self.write_pacer.acquire(view.numel())
             self.backend.pwrite(sf.fd, sf.filename, view, offset)
         with self._counter_lock:
@@ -190,7 +194,7 @@ class SwapPath:
         return crc
 
     def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
-        with self.slots, self.node_lock:
+        with self.read_slots, self.node_lock:
             self.read_pacer.acquire(view.numel())
             self.backend.pread(sf.fd, sf.filename, view, offset)
         with self._counter_lock:
