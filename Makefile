@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation deepspeed
 	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
 	@# DeepSpeed builds its ops on first use (minutes); build them now, once, so runs and tests start fast.
-	@$(VPY) -m engine.native_ops --build
+	@$(VPY) -c "from engine.native_ops import main; raise SystemExit(main(['--build']))"
 	@touch $(STAMP)
 
 demo: setup

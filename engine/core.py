@@ -41,6 +41,13 @@ from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
 from .telemetry import StepRecord, TelemetryLog
 
 
+def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
+    """First state of a subgroup: master from the model's weights, zero moments."""
+    binding.read_weights(buf.master)
+    buf.exp_avg.zero_()
+    buf.exp_avg_sq.zero_()
+
+
 def _kept_count(knobs: Knobs) -> int:
     """Swapped subgroups kept in staging buffers across a step boundary."""
     return knobs.prefetch_depth + 1
@@ -351,9 +358,7 @@ class SubgroupEngine:
             st.reads[sg.index] = sg.file.path.read(sg.file, buf)
 
     def _materialize(self, sg: _Subgroup, buf: StateBuffer) -> None:
-        sg.binding.read_weights(buf.master)
-        buf.exp_avg.zero_()
-        buf.exp_avg_sq.zero_()
+        _seed(sg.binding, buf)
         sg.fresh = False
 
     def _materialize_resident(self, sg: _Subgroup) -> None:
@@ -485,9 +490,7 @@ class SubgroupEngine:
             return sg.staged
         buf = StateBuffer(sg.numel, pin=False)
         if sg.fresh:
-            sg.binding.read_weights(buf.master)
-            buf.exp_avg.zero_()
-            buf.exp_avg_sq.zero_()
+            _seed(sg.binding, buf)
         else:
             sg.file.path.read(sg.file, buf).result()
         return buf

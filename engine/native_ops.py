@@ -1,23 +1,55 @@
 """DeepSpeed's native ops the engine can use, loaded once per process.
 
 DeepSpeed builds its ops with a C++ compiler the first time they are loaded, which takes
-minutes; ``python -m engine.native_ops --build`` (run by ``make setup``) does it ahead of time.
+minutes; ``make setup`` (through ``main(['--build'])``) does it ahead of time.
 Each op is optional: when one cannot build, the engine uses its pure-PyTorch path.
+
+Builds go to ``<venv>/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR`` is set, so two
+checkouts never rebuild over each other. torch guards a build with a ``lock`` file and waits
+for it forever; a build killed half-way leaves the file behind. So while a lock exists the
+engine does not wait: it uses the fallback and says which file to remove.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import glob
 import io
 import logging
+import os
+import sys
+import time
+import warnings
 
 log = logging.getLogger(__name__)
+
+
+STALE_LOCK_S = 1800  # no build of these ops takes half an hour; an older lock is left over
+
+
+def extensions_dir() -> str:
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+def _build_lock(op: str) -> str | None:
+    locks = glob.glob(os.path.join(extensions_dir(), "*", op, "lock")) + glob.glob(os.path.join(extensions_dir(), op, "lock"))
+    return locks[0] if locks else None
+
+
+def _no_build_running(op: str) -> bool:
+    lock = _build_lock(op)
+    if lock:
+        warnings.warn(f"DeepSpeed's {op} op is being built by another process, or a build was interrupted "
+                      f"({lock}); using the fallback for now. If no build is running, remove that file.", stacklevel=3)
+    return lock is None
 
 
 @functools.lru_cache(maxsize=None)
 def load_async_io():
     """DeepSpeed's ``async_io`` op module, or None when it cannot build (no libaio-dev)."""
+    if not _no_build_running("async_io"):
+        return None
     try:
         # DeepSpeed prints accelerator notices on import; they are noise for our users.
         with contextlib.redirect_stdout(io.StringIO()):
@@ -35,6 +67,8 @@ def load_async_io():
 @functools.lru_cache(maxsize=None)
 def load_cpu_adam():
     """DeepSpeed's ``cpu_adam`` op module, or None when it cannot build."""
+    if not _no_build_running("cpu_adam"):
+        return None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -53,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
     for name, loader in (("async_io", load_async_io), ("cpu_adam", load_cpu_adam)):
+        lock = _build_lock(name)
+        if lock and time.time() - os.stat(lock).st_mtime > STALE_LOCK_S:
+            print(f"native op {name}: removing a build lock left by an interrupted build ({lock})")
+            os.unlink(lock)
         print(f"native op {name}: {'ready' if loader() is not None else 'unavailable (fallback in use)'}")
     return 0
 

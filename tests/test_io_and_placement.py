@@ -16,7 +16,7 @@ from engine.io_backends import DeepSpeedAIO, PosixDirectIO
 from engine.iolimits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe
 from engine.storage import SwapPath
-from conftest import feed_same_grads, make_model
+from conftest import feed_same_grads
 
 
 @pytest.mark.parametrize("backend", [PosixDirectIO, DeepSpeedAIO])
