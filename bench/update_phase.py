@@ -10,9 +10,14 @@ Raw disk (noisy on a host-cached virtual disk):
 
     .venv/bin/python bench/update_phase.py --nvme /var/tmp/offload-bench
 
-Emulated tier with a fixed ceiling (root; see bench/tiers.sh):
+Emulated tier with a fixed ceiling: ext4 on a loop device, O_DIRECT throttled by a blkio
+cgroup to READ:WRITE MB/s (needs root; without it the run says so and exits 0):
 
-    bench/tiers.sh up nvme:4:400:400
+    .venv/bin/python bench/update_phase.py --emulate 400:400
+
+which is the same as doing it by hand with bench/tiers.sh:
+
+    bench/tiers.sh up nvme:6:400:400
     bench/tiers.sh run .venv/bin/python bench/update_phase.py --nvme /mnt/offloadctl-tiers/nvme
     bench/tiers.sh down
 """
@@ -126,15 +131,50 @@ def run_deepspeed_cpu_adam(numel: int, sub: int, steps: int, progress: Progress)
     return {"update_s": statistics.median(times[1:])}
 
 
+def run_emulated(spec: str, argv: list[str]) -> int:
+    """Re-run this benchmark on an emulated tier made with bench/tiers.sh, then remove the tier."""
+    import subprocess
+
+    try:
+        read_mbps, write_mbps = (int(x) for x in spec.split(":"))
+    except ValueError:
+        console.print(f"[red]--emulate {spec}: give READ:WRITE in MB/s, for example 400:400[/red]")
+        return 2
+    if os.geteuid() != 0:
+        console.print("skipping: emulated tiers need root (loop devices, mounts, blkio cgroups); "
+                      "run with --nvme PATH on a real path instead")
+        return 0
+    tiers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers.sh")
+    mnt = "/mnt/offloadctl-tiers/nvme"
+    rest, skip = [], False
+    for a in argv:  # this run's arguments, less --emulate and its value
+        if skip or a.startswith("--emulate="):
+            skip = False
+        elif a == "--emulate":
+            skip = True
+        else:
+            rest.append(a)
+    subprocess.run([tiers, "up", f"nvme:6:{read_mbps}:{write_mbps}"], check=True)
+    try:
+        return subprocess.call([tiers, "run", sys.executable, os.path.abspath(__file__), "--nvme", mnt, *rest])
+    finally:
+        subprocess.run([tiers, "down"], check=False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nvme", required=True, help="directory on the storage to test (it must exist)")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nvme", help="directory on the storage to test (it must exist)")
+    where.add_argument("--emulate", metavar="READ:WRITE", help="set up an emulated tier throttled to READ:WRITE MB/s "
+                       "(root), run there, and take it down")
     ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
     ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
     ap.add_argument("--steps", type=int, default=6, help="steps per layout; the first is excluded (default 6)")
     ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
+    if args.emulate:
+        return run_emulated(args.emulate, sys.argv[1:])
     if not os.path.isdir(args.nvme):
         console.print(f"[red]--nvme {args.nvme} is not a directory: create it first[/red]")
         return 2
@@ -180,7 +220,13 @@ def _machine() -> dict:
 
     import psutil
 
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
             "cuda": torch.cuda.is_available()}
 

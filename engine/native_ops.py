@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import functools
 import glob
-import io
 import logging
 import os
 import sys
@@ -46,15 +45,33 @@ def _no_build_running(op: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def import_deepspeed():
+    """Import DeepSpeed with its log lines on stderr, so that stdout stays clean for ``--json``.
+
+    DeepSpeed's logger writes to stdout; its handler is moved, not silenced.
+    """
+    import logging
+
+    with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
+        import deepspeed
+
+    for h in logging.getLogger("DeepSpeed").handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+    return deepspeed
+
+
+@functools.lru_cache(maxsize=None)
 def load_async_io():
     """DeepSpeed's ``async_io`` op module, or None when it cannot build (no libaio-dev)."""
     if not _no_build_running("async_io"):
         return None
     try:
-        # DeepSpeed prints accelerator notices on import; they are noise for our users.
-        with contextlib.redirect_stdout(io.StringIO()):
-            from deepspeed.ops.op_builder import AsyncIOBuilder
+        import_deepspeed()
+        from deepspeed.ops.op_builder import AsyncIOBuilder
 
+        # The build prints compiler progress on stdout; keep it off our users' output.
+        with contextlib.redirect_stdout(sys.stderr):
             builder = AsyncIOBuilder()
             if not builder.is_compatible(verbose=False):
                 return None
@@ -70,9 +87,10 @@ def load_cpu_adam():
     if not _no_build_running("cpu_adam"):
         return None
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            from deepspeed.ops.op_builder import CPUAdamBuilder
+        import_deepspeed()
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
+        with contextlib.redirect_stdout(sys.stderr):
             return CPUAdamBuilder().load(verbose=False)
     except Exception as e:
         log.info("DeepSpeed cpu_adam unavailable: %s", e)

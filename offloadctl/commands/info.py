@@ -19,14 +19,12 @@ def collect() -> dict:
     import torch
 
     from engine.adamw import measure_host_kernels
-    from engine.native_ops import load_async_io
+    from engine.native_ops import import_deepspeed, load_async_io
 
     from .. import __version__
 
     try:
-        import deepspeed
-
-        ds_version = deepspeed.__version__
+        ds_version = import_deepspeed().__version__
     except Exception:
         ds_version = None
     return {
