@@ -35,6 +35,13 @@ class AdamWHyper:
     weight_decay: float = 0.01
 
 
+def hyper_from_group(g: dict) -> AdamWHyper:
+    """The hyper-parameters of a ``torch.optim`` param group (lr, betas, eps, weight_decay)."""
+    b1, b2 = g["betas"]
+    return AdamWHyper(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
+                      weight_decay=float(g.get("weight_decay", 0.0)))
+
+
 @dataclass
 class AdamWSlices:
     """Views of one subgroup's state that share a step count, ready for one fused call.

@@ -111,7 +111,8 @@ class SubgroupEngine:
             self.io_backend = backend.name
             for spec in config.paths:
                 self.paths.append(SwapPath(spec, backend, concurrency=self.knobs.concurrency_for(spec.path),
-                                           node_lock=self.knobs.node_lock, verify_checksums=config.verify_checksums))
+                                           node_lock=self.knobs.node_lock, verify_checksums=config.verify_checksums,
+                                           rank=config.rank))
             self.path_bandwidth = [self._bandwidth_of(p) for p in self.paths]
         else:
             self.io_backend = None

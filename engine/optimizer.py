@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .adamw import AdamWHyper
+from .adamw import hyper_from_group
 from .checkpoint import save_atomic
 from .config import EngineConfig, Knobs, StoragePath
 from .core import SubgroupEngine
@@ -147,7 +147,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.engine.step([_hyper(g) for g in self.param_groups])
+        self.engine.step([hyper_from_group(g) for g in self.param_groups])
         return loss
 
     def set_knobs(self, knobs: Knobs) -> None:
@@ -254,10 +254,6 @@ def _empty_state(p: torch.Tensor, step: int) -> dict:
     return st
 
 
-def _hyper(g: dict) -> AdamWHyper:
-    b1, b2 = g["betas"]
-    return AdamWHyper(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
-                      weight_decay=float(g["weight_decay"]))
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:

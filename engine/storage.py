@@ -87,13 +87,13 @@ class SwapPath:
     """One storage path in use by this process."""
 
     def __init__(self, spec: StoragePath, backend: PosixDirectIO | DeepSpeedAIO, *, concurrency: int,
-                 node_lock: bool, verify_checksums: bool) -> None:
+                 node_lock: bool, verify_checksums: bool, rank: int = 0) -> None:
         self.spec = spec
         self.backend = backend
         self.verify_checksums = verify_checksums
         check_usable(spec.path)
         self.stale_dirs_removed = remove_stale_swap_dirs(spec.path)
-        self.dir = make_swap_dir(spec.path)
+        self.dir = make_swap_dir(spec.path, rank)
         # Removes the directory on close() or at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(self, remove_swap_dir, self.dir)
         # Reads and writes each have their own slots, so a burst of write-backs never starves

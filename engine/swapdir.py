@@ -2,8 +2,8 @@
 
 Layout under each storage path::
 
-    <path>/offloadctl-swap/<host>-pid<pid>-<token>/owner.json   who owns the directory
-    <path>/offloadctl-swap/<host>-pid<pid>-<token>/*.swp         one file per subgroup
+    <path>/offloadctl-swap/rank<N>-<host>-pid<pid>-<token>/owner.json   who owns the directory
+    <path>/offloadctl-swap/rank<N>-<host>-pid<pid>-<token>/*.swp         one file per subgroup
 
 A directory is removed on ``close()`` and at interpreter exit. A crash (SIGKILL, power loss)
 leaves it behind; the next engine on the same host that uses the path removes every
@@ -36,12 +36,12 @@ def _process_start_ticks(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2:].split()[19])
 
 
-def make_swap_dir(path: str) -> str:
+def make_swap_dir(path: str, rank: int = 0) -> str:
     """Create and claim this process's swap directory under ``path``."""
     root = os.path.join(path, SWAP_SUBDIR)
     os.makedirs(root, exist_ok=True)
     host = socket.gethostname()
-    d = os.path.join(root, f"{host}-pid{os.getpid()}-{secrets.token_hex(4)}")
+    d = os.path.join(root, f"rank{rank}-{host}-pid{os.getpid()}-{secrets.token_hex(4)}")
     os.mkdir(d, 0o700)
     owner = {"host": host, "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
              "created_unix_s": time.time()}
@@ -69,7 +69,7 @@ def remove_stale_swap_dirs(path: str) -> list[str]:
         except (OSError, ValueError):
             # No readable owner record: a directory still being created, or not ours. Only
             # remove it once it is old enough that no creator can still be writing it.
-            if name.startswith(f"{host}-pid") and _age_s(d) > 3600:
+            if f"-{host}-pid" in name and _age_s(d) > 3600:
                 shutil.rmtree(d, ignore_errors=True)
                 removed.append(d)
             continue

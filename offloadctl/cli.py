@@ -11,9 +11,9 @@ import argparse
 import sys
 
 from . import __version__
-from .commands import info
+from .commands import info, train
 
-COMMANDS = {"info": info}
+COMMANDS = {"info": info, "train": train}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,242 @@
+"""The engine inside DeepSpeed ZeRO-3: a subclass of ``DeepSpeedZeroOptimizer_Stage3``.
+
+ZeRO-3 already keeps each rank's parameters as flat partitions split into subgroups
+(``sub_group_size``), so every subgroup becomes one :class:`ZeroPartitionSubgroup` binding and
+:class:`engine.core.SubgroupEngine` does the rest. What changes against stock DeepSpeed:
+
+- DeepSpeed allocates no fp32 master copies, no fp32 gradient copies and no Adam state
+  (``_create_fp32_partitions``, ``initialize_optimizer_states``,
+  ``_offload_grad_partition_at_boundary``), and creates no swapper: the engine owns the state
+  and its tiers.
+- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``) in their
+  own dtype; they are upcast and unscaled per subgroup at update time, never written to storage.
+- ``step()`` keeps DeepSpeed's overflow check, loss-scale update and clipping, then hands the
+  whole update loop to the engine.
+- ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
+  DeepSpeed's own checkpoint layout, so stock DeepSpeed can resume from our checkpoints.
+
+:func:`install` puts the subclass in place of DeepSpeed's before ``deepspeed.initialize``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .adamw import hyper_from_group
+from .config import EngineConfig, Knobs, StoragePath
+from .core import SubgroupEngine
+from .errors import ConfigError
+
+SUPPORTED_DEEPSPEED = ((0, 19), (0, 19))  # inclusive (major, minor) range the overrides are written against
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroEngineSettings:
+    """What ``offloadctl train`` decides for every rank; tier options override the ds_config."""
+
+    nvme_paths: tuple[str, ...] = ()
+    remote_paths: tuple[str, ...] = ()
+    host_cache_bytes: int | None = None
+    run_dir: str | None = None
+    knobs: Knobs = field(default_factory=Knobs)
+    io_backend: str = "auto"
+
+    def to_json(self) -> dict:
+        return {"nvme_paths": list(self.nvme_paths), "remote_paths": list(self.remote_paths),
+                "host_cache_bytes": self.host_cache_bytes, "run_dir": self.run_dir,
+                "knobs": self.knobs.to_dict(), "io_backend": self.io_backend}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ZeroEngineSettings":
+        return cls(nvme_paths=tuple(d.get("nvme_paths", ())), remote_paths=tuple(d.get("remote_paths", ())),
+                   host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
+                   knobs=Knobs(**d.get("knobs", {})), io_backend=d.get("io_backend", "auto"))
+
+
+def check_deepspeed_version(version: str) -> None:
+    major, minor = (int(x) for x in version.split(".")[:2])
+    lo, hi = SUPPORTED_DEEPSPEED
+    if not lo <= (major, minor) <= hi:
+        raise ConfigError(f"offloadctl's ZeRO-3 engine supports DeepSpeed {lo[0]}.{lo[1]}.x to {hi[0]}.{hi[1]}.x, "
+                          f"found {version}: install a supported version (pip install 'deepspeed>={lo[0]}.{lo[1]},"
+                          f"<{hi[0]}.{hi[1] + 1}' --no-build-isolation)")
+
+
+class ZeroPartitionSubgroup:
+    """A :class:`SubgroupBinding` over one ZeRO-3 subgroup of this rank's partition."""
+
+    def __init__(self, opt, index: int, grad_offset: int) -> None:
+        self.opt, self.index = opt, index
+        self.group = opt.sub_group_to_group_id[index]
+        self.numel = opt.fp16_partitioned_groups_flat_numel[index]
+        self.slice_numels = (self.numel,)
+        # DeepSpeed's host buffer of reduced gradients, in the gradient-accumulation dtype.
+        self._grad = opt.grad_partitions_flat_buffer.narrow(0, grad_offset, self.numel)
+
+    def grads(self) -> list[torch.Tensor]:
+        scale = self.opt._engine_grad_scale
+        if scale == 1.0:
+            return [self._grad]
+        return [self._grad.float().mul_(scale)]  # DeepSpeed's math: fp32 grad * (1 / combined scale)
+
+    def read_weights(self, out: torch.Tensor) -> None:
+        out.copy_(self.opt.fp16_partitioned_groups_flat[self.index])
+
+    def write_weights(self, master: torch.Tensor) -> None:
+        self.opt.fp16_partitioned_groups_flat[self.index].data.copy_(master)
+        self.opt._unflatten_partitioned_parameters(self.index)
+
+
+def make_optimizer_class(settings: ZeroEngineSettings):
+    """The Stage3 subclass that runs ``settings``' engine (built lazily to import DeepSpeed late)."""
+    from deepspeed.checkpoint.constants import (FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT,
+                                                PARTITION_COUNT, ZERO_STAGE)
+    from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+        offloadctl_settings = settings
+
+        def _configure_offloading(self, offload_optimizer_config, offload_param_config):
+            super()._configure_offloading(offload_optimizer_config, offload_param_config)
+            if not self.offload_optimizer:
+                raise ConfigError("offloadctl needs `offload_optimizer` (device cpu or nvme) in the ZeRO-3 config: "
+                                  "add it, or use engine.OffloadAdamW without DeepSpeed")
+            nvme = getattr(offload_optimizer_config, "nvme_path", None) if self.swap_optimizer else None
+            self._ds_nvme_path = str(nvme) if nvme else None
+            self.swap_optimizer = False  # the engine owns the tiers; DeepSpeed creates no swapper
+
+        def _create_fp32_partitions(self):
+            # Placeholders only: the engine holds the fp32 masters, in its tiers.
+            self.subgroup_to_device = {i: "cpu" for i in range(len(self.fp16_partitioned_groups_flat))}
+            for i in range(len(self.fp16_partitioned_groups_flat)):
+                t = torch.empty(0, dtype=torch.float32)
+                ids = self.fp16_partitioned_groups_flat_id[i]
+                t.ds_id = f"{ids[0]}_{ids[-1]}"
+                self.fp32_partitioned_groups_flat.append(t)
+            for pg in self.optimizer.param_groups:
+                pg["params"] = []
+
+        def initialize_optimizer_states(self):
+            pass  # no fp32 gradient buffers, no Adam state: both live in the engine
+
+        def _offload_grad_partition_at_boundary(self, param, grad_buffer, *args):
+            # Keep DeepSpeed's norm bookkeeping; skip its fp32 copy of the gradient.
+            self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+        def _setup_for_real_optimizer(self):
+            super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
+            _check_adamw(self.optimizer)
+            self._engine_grad_scale = 1.0
+            self._bindings, off = [], 0
+            for i in range(len(self.fp16_groups)):
+                self._bindings.append(ZeroPartitionSubgroup(self, i, off))
+                off += self.fp16_partitioned_groups_flat_numel[i]
+            self.offload_engine = SubgroupEngine(self._bindings, self._engine_config(), settings.knobs)
+
+        def _engine_config(self) -> EngineConfig:
+            import deepspeed.comm as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            nvme = list(settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
+            paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
+                StoragePath(path=p, kind="remote") for p in settings.remote_paths)
+            # With storage paths and no budget given, the state goes to the paths (no host cache).
+            host_cache = (settings.host_cache_bytes or 0) if paths else None
+            device = None if not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
+            return EngineConfig(subgroup_numel=max(self.fp16_partitioned_groups_flat_numel), host_cache_bytes=host_cache,
+                                paths=paths, device=device, io_backend=settings.io_backend, run_dir=settings.run_dir,
+                                rank=rank)
+
+        def step(self, closure=None):
+            self._pre_step()
+            self._partition_all_parameters()
+            self._overflow_check_and_loss_scale_update(update_scale=False)
+            scaled_norm = None
+            if not self.overflow:
+                scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
+                if is_invalid_grad_norm(scaled_norm):
+                    self.overflow = True
+            if self._loss_scale_update_and_overflow_cleanup():
+                return  # overflow: DeepSpeed skips the step (fp16 loss scaling)
+            self._global_grad_norm = scaled_norm / self.loss_scale
+            combined = self.loss_scale
+            if self.clip_grad > 0.0:
+                clip = ((scaled_norm / self.loss_scale) + 1e-6) / self.clip_grad
+                combined = torch.clamp(clip, min=1.0) * self.loss_scale if torch.is_tensor(clip) else max(clip, 1.0) * self.loss_scale
+            inv = 1.0 / combined
+            self._engine_grad_scale = float(inv)
+            self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
+            self._post_step(set())
+
+        def state_dict(self):
+            n = len(self.fp16_groups)
+            state, masters = {}, []
+            for i in range(n):
+                master, m, v, steps = self.offload_engine.read_state(i)
+                masters.append(master)
+                state[i] = {"step": steps[0], "exp_avg": m, "exp_avg_sq": v}
+            groups = []
+            for gid, g in enumerate(self.optimizer.param_groups):
+                d = {k: v for k, v in g.items() if k != "params"}
+                d["params"] = [i for i in range(n) if self.sub_group_to_group_id[i] == gid]
+                groups.append(d)
+            return {ZERO_STAGE: ZeroStageEnum.weights, LOSS_SCALER: self.loss_scaler,
+                    "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
+                    PARTITION_COUNT: self.partition_count,
+                    OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters}
+
+        def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+            self.loss_scaler = state_dict[LOSS_SCALER]
+            self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+            self.overflow = state_dict["overflow"]
+            osd = state_dict[OPTIMIZER_STATE_DICT]
+            if load_optimizer_states:
+                for g, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
+                    g.update({k: v for k, v in saved.items() if k != "params"})
+            for i, master in enumerate(state_dict[FP32_FLAT_GROUPS]):
+                st = osd["state"].get(i) if load_optimizer_states else None
+                if st:
+                    self.offload_engine.write_state(i, master, st["exp_avg"], st["exp_avg_sq"], [int(st["step"])])
+                else:
+                    zeros = torch.zeros_like(master)
+                    self.offload_engine.write_state(i, master, zeros, zeros, [0])
+                self._bindings[i].write_weights(master)
+
+        def destroy(self):
+            self.offload_engine.close()
+            super_destroy = getattr(super(), "destroy", None)
+            if super_destroy:
+                super_destroy()
+
+    return OffloadZero3Optimizer
+
+
+def _check_adamw(optimizer) -> None:
+    """The engine implements AdamW with bias correction; refuse anything else clearly."""
+    name = type(optimizer).__name__
+    adamw = (isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "adam_w_mode", False)
+             or getattr(optimizer, "adamw_mode", False))
+    if not adamw or getattr(optimizer, "bias_correction", True) is False:
+        raise ConfigError(f"offloadctl's engine runs AdamW (decoupled weight decay, bias correction); the ds_config "
+                          f"asks for {name} without them: set \"optimizer\": {{\"type\": \"AdamW\"}}")
+
+
+
+
+def install(settings: ZeroEngineSettings):
+    """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
+    from .native_ops import import_deepspeed
+
+    ds = import_deepspeed()
+    check_deepspeed_version(ds.__version__)
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    cls = make_optimizer_class(settings)
+    # DeepSpeedEngine._configure_zero_optimizer imports the class from this module at call time.
+    stage3.DeepSpeedZeroOptimizer_Stage3 = cls
+    os.environ.setdefault("OFFLOADCTL_ENGINE", "1")
+    return cls

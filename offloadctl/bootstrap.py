@@ -1,0 +1,91 @@
+"""What each rank runs in place of the user's script: install the engine, then run the script.
+
+The DeepSpeed launcher starts ``python -u bootstrap.py --local_rank=N --offloadctl-config JSON
+SCRIPT ARGS...``. This module installs the engine into DeepSpeed, then runs SCRIPT with
+``sys.argv = [SCRIPT, --local_rank=N, ARGS...]``, exactly as the launcher would have. It checks
+that ``deepspeed.initialize`` engaged the engine (ZeRO stage 3 with optimizer offload), and
+says so if the script never called it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import runpy
+import sys
+
+CONFIG_FLAG = "--offloadctl-config"
+
+
+def split_argv(argv: list[str]) -> tuple[dict, str, list[str]]:
+    """(settings JSON, script, script argv without the script) from the launcher's arguments."""
+    rest, cfg, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == CONFIG_FLAG:
+            cfg = json.loads(argv[i + 1])
+            i += 2
+            script = argv[i]
+            return cfg, script, rest + argv[i + 1:]
+        rest.append(argv[i])
+        i += 1
+    raise SystemExit(f"offloadctl bootstrap: missing {CONFIG_FLAG}; start runs with `offloadctl train`")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def main() -> int:
+    from engine.deepspeed_zero3 import ZeroEngineSettings, install
+    from engine.errors import OffloadError
+
+    cfg, script, script_args = split_argv(sys.argv[1:])
+    state = {"engaged": 0}
+    try:
+        cls = install(ZeroEngineSettings.from_json(cfg))
+        import deepspeed
+
+        original = deepspeed.initialize
+
+        @functools.wraps(original)
+        def initialize(*args, **kwargs):
+            result = original(*args, **kwargs)
+            engine = result[0]
+            stage = engine.zero_optimization_stage()
+            if stage != 3:
+                raise OffloadError(f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
+                                   f"set zero_optimization.stage to 3, or use engine.OffloadAdamW in a plain PyTorch loop")
+            if not isinstance(engine.optimizer, cls):
+                raise OffloadError("the offloadctl engine did not engage (DeepSpeed built "
+                                   f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer")
+            state["engaged"] += 1
+            if _rank() == 0:
+                plan = engine.optimizer.offload_engine.describe()
+                tiers = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in plan["state_bytes_by_tier"].items())
+                print(f"offloadctl: engine active: {plan['subgroups']} subgroups per rank; state by tier: {tiers}; "
+                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}", file=sys.stderr, flush=True)
+            return result
+
+        deepspeed.initialize = initialize
+        if not os.path.isfile(script):
+            raise OffloadError(f"training script {script} does not exist: check the path")
+        sys.argv = [script, *script_args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:  # the script's own exit: keep its status unless it succeeded
+            if e.code not in (None, 0):
+                raise
+    except OffloadError as e:
+        print(f"offloadctl: {e}", file=sys.stderr, flush=True)
+        return 2
+    if not state["engaged"]:
+        print(f"offloadctl: {script} finished without calling deepspeed.initialize, so the engine never ran: "
+              f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Run an unmodified DeepSpeed ZeRO-3 script with the multi-tier engine in every rank.
+
+    offloadctl train [launcher options] [offloadctl options] script.py [script args]
+
+Launcher options are DeepSpeed's, with the same names and meaning; everything after the script
+goes to the script untouched. Tier options override the ds_config's offload_optimizer; a
+ds_config ``nvme_path`` becomes an NVMe tier when no --nvme is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+# DeepSpeed launcher options passed through: (flags, takes a value).
+LAUNCHER_OPTIONS = [
+    (("--num_gpus", "--num_accelerators"), True), (("--num_nodes",), True), (("--hostfile", "-H"), True),
+    (("--include", "-i"), True), (("--exclude", "-e"), True), (("--master_addr",), True), (("--master_port",), True),
+    (("--launcher",), True), (("--launcher_args",), True), (("--node_rank",), True), (("--bind_core_list",), True),
+    (("--ssh_port",), True), (("--min_elastic_nodes",), True), (("--max_elastic_nodes",), True),
+    (("--force_multi",), False), (("--no_local_rank",), False), (("--no_python",), False), (("--module",), False),
+    (("--bind_cores_to_rank",), False), (("--enable_each_rank_log",), True), (("--save_pid",), False),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("DeepSpeed launcher options (passed through)")
+    for flags, takes_value in LAUNCHER_OPTIONS:
+        if takes_value:
+            g.add_argument(*flags, dest="ds_" + flags[0].lstrip("-"), metavar="VALUE")
+        else:
+            g.add_argument(*flags, dest="ds_" + flags[0].lstrip("-"), action="store_true")
+    o = p.add_argument_group("offloadctl options")
+    o.add_argument("--nvme", action="append", default=[], metavar="PATH", help="node-local NVMe directory (repeatable)")
+    o.add_argument("--remote", action="append", default=[], metavar="PATH", help="parallel file system directory (repeatable)")
+    o.add_argument("--host-cache-gb", type=float, metavar="X", help="optimizer state kept in host memory per rank, GB "
+                   "(default: 0 when paths are given, else all)")
+    o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
+    o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
+    o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
+    o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    p.add_argument("script", help="the DeepSpeed training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, untouched")
+
+
+def build(args: argparse.Namespace) -> dict:
+    """The resolved launch: command, environment additions and engine settings."""
+    from engine.deepspeed_zero3 import ZeroEngineSettings
+    from engine.errors import ConfigError
+    from engine.storage import check_usable
+
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"training script {args.script} does not exist: check the path")
+    for path in args.nvme + args.remote:
+        check_usable(os.path.abspath(path))
+    if args.host_cache_gb is not None and args.host_cache_gb < 0:
+        raise ConfigError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}")
+    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    settings = ZeroEngineSettings(
+        nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
+        host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
+        io_backend=args.io_backend)
+    launcher = []
+    for flags, takes_value in LAUNCHER_OPTIONS:
+        v = getattr(args, "ds_" + flags[0].lstrip("-"))
+        if takes_value and v is not None:
+            launcher += [flags[0], str(v)]
+        elif not takes_value and v:
+            launcher.append(flags[0])
+    bootstrap = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bootstrap.py")
+    root = os.path.dirname(os.path.dirname(bootstrap))
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, bootstrap,
+           "--offloadctl-config", json.dumps(settings.to_json()), os.path.abspath(args.script), *args.script_args]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return {"command": cmd, "env": env, "settings": settings.to_json()}
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = build(args)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(plan, indent=2))
+        else:
+            print("command: " + shlex.join(plan["command"]))
+            print("env:     " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items()))
+            print("plan:    " + json.dumps(plan["settings"]))
+        return 0
+    os.makedirs(plan["settings"]["run_dir"], exist_ok=True)
+    env = dict(os.environ, **plan["env"])
+    proc = subprocess.Popen(plan["command"], env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return proc.wait()

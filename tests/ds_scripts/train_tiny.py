@@ -1,0 +1,63 @@
+"""An ordinary DeepSpeed ZeRO-3 training script, used unmodified by the tests.
+
+    deepspeed --num_gpus 1 train_tiny.py --steps 6 --losses-out losses.jsonl
+"""
+import argparse
+import json
+import os
+
+import deepspeed
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--local_rank", type=int, default=0)
+ap.add_argument("--steps", type=int, default=6)
+ap.add_argument("--losses-out", required=True)
+ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+ap.add_argument("--stage", type=int, default=3)
+ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"])
+ap.add_argument("--nvme-path")
+ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step (0: never)")
+ap.add_argument("--resume", help="checkpoint directory to resume from")
+ap.add_argument("--ckpt-dir")
+ap.add_argument("--no-init", action="store_true", help="never call deepspeed.initialize")
+args = ap.parse_args()
+
+if args.no_init:
+    raise SystemExit(0)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                            torch.nn.Linear(64, 8))
+zero = {"stage": args.stage, "sub_group_size": 100, "stage3_param_persistence_threshold": 0}
+if args.offload != "none":
+    zero["offload_optimizer"] = {"device": args.offload}
+    if args.offload == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = args.nvme_path
+config = {
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
+    "zero_optimization": zero,
+}
+if args.dtype == "bf16":
+    config["bf16"] = {"enabled": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+rank = engine.global_rank
+start = 0
+if args.resume:
+    _, client = engine.load_checkpoint(args.resume, tag="ckpt")
+    start = client["step"]
+gen = torch.Generator().manual_seed(1234 + rank)
+batches = [(torch.randn(4, 32, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(2 * args.steps)]
+dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+for step in range(start, args.steps):
+    for micro in range(2):
+        x, y = batches[2 * step + micro]
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+    if rank == 0:
+        with open(args.losses_out, "a") as f:
+            f.write(json.dumps({"step": step + 1, "loss": loss.item()}) + "\n")
+    if args.save_at and step + 1 == args.save_at:
+        engine.save_checkpoint(args.ckpt_dir, tag="ckpt", client_state={"step": step + 1})

@@ -1,0 +1,122 @@
+"""`offloadctl train` against stock DeepSpeed, on the real DeepSpeed (CPU accelerator, gloo)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
+TINY_CACHE_GB = "0.000002"  # 2 kB per rank: the smallest subgroups; the rest on NVMe
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT)
+
+
+def _run(cmd, timeout=600):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    return out
+
+
+def stock(ranks, losses, *extra):
+    return _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", _port(),
+                 SCRIPT, "--losses-out", losses, *extra])
+
+
+def ours(ranks, losses, nvme, run_dir, *extra, opts=()):
+    return _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", str(ranks), "--master_port", _port(),
+                 "--nvme", nvme, "--host-cache-gb", TINY_CACHE_GB, "--run-dir", run_dir, *opts,
+                 SCRIPT, "--losses-out", losses, *extra])
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_losses_match_stock_deepspeed(ranks, tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    a = stock(ranks, str(tmp_path / "stock.jsonl"))
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"))
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "offloadctl: engine active" in b.stderr
+    ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
+    assert len(ref) == len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    # The state really went through the NVMe tier, from every rank, and the swap files are gone.
+    for rank in range(ranks):
+        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
+        assert len(recs) == 6 and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+    assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+
+
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    full = ours(1, str(tmp_path / "full.jsonl"), str(nvme), str(tmp_path / "run1"), "--save-at", "3", "--ckpt-dir", ckpt)
+    assert full.returncode == 0, full.stderr[-3000:]
+    resumed = ours(1, str(tmp_path / "resumed.jsonl"), str(nvme), str(tmp_path / "run2"), "--resume", ckpt)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert len(b) == 3
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a[3:]), rtol=1e-5, atol=0)
+
+
+def _one_line_error(out, pattern):
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    import re
+
+    assert re.search(pattern, out.stderr), out.stderr[-3000:]
+
+
+def test_missing_script(tmp_path):
+    out = _run([sys.executable, "-m", "offloadctl.cli", "train", str(tmp_path / "nope.py")])
+    _one_line_error(out, r"offloadctl: training script .*nope.py does not exist")
+
+
+def test_invalid_nvme_path(tmp_path):
+    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--nvme", str(tmp_path / "missing"), SCRIPT])
+    _one_line_error(out, r"storage path .*missing does not exist.*mkdir -p")
+
+
+def test_stage_2_is_refused(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), "--stage", "2")
+    _one_line_error(out, r"offloadctl: offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage 2")
+
+
+def test_script_that_never_initializes(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), "--no-init")
+    _one_line_error(out, r"finished without calling deepspeed.initialize")
+
+
+def test_dry_run_prints_the_launch(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--num_gpus", "2",
+                "--nvme", str(nvme), SCRIPT, "--steps", "3"])
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["command"][3:6] == ["deepspeed.launcher.runner", "--num_gpus", "2"]
+    assert plan["command"][-3:] == [SCRIPT, "--steps", "3"]
+    assert plan["settings"]["nvme_paths"] == [str(nvme)]
