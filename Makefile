@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml Makefile
 	@$(VPY) -c "from engine.native_ops import main; raise SystemExit(main(['--build']))"
 	@touch $(STAMP)
 
+# The main job: an unmodified DeepSpeed ZeRO-3 script under `offloadctl train`, all optimizer
+# state in an NVMe tier under a temporary directory (removed afterwards).
 demo: setup
-	$(VENV)/bin/python examples/demo_offload_adamw.py
+	@d=$$(mktemp -d "$${TMPDIR:-/var/tmp}/offloadctl-demo.XXXXXX"); trap 'rm -rf "$$d"' EXIT; \
+	  $(VENV)/bin/offloadctl train --num_gpus 1 --nvme "$$d" --run-dir "$$d/run" examples/train_gpt.py --steps 30
 
 test: setup
 	$(VENV)/bin/python -m pytest -q tests

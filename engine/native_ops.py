@@ -31,6 +31,9 @@ def extensions_dir() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
+extensions_dir()  # before anything loads an op, DeepSpeed's own (shm comm) included
+
+
 def _build_lock(op: str) -> str | None:
     locks = glob.glob(os.path.join(extensions_dir(), "*", op, "lock")) + glob.glob(os.path.join(extensions_dir(), op, "lock"))
     return locks[0] if locks else None
@@ -97,6 +100,24 @@ def load_cpu_adam():
         return None
 
 
+def load_shm_comm():
+    """DeepSpeed's shared-memory all-reduce for the CPU accelerator (built by DeepSpeed on first use)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "not needed with CUDA"
+        import_deepspeed()
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        with contextlib.redirect_stdout(sys.stderr):
+            return builder.load(verbose=False) if builder is not None and builder.is_compatible() else None
+    except Exception as e:
+        log.info("DeepSpeed shm comm op unavailable: %s", e)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.native_ops", description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="store_true", help="build (or find already built) the optional ops")
@@ -104,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.build:
         ap.print_help()
         return 0
-    for name, loader in (("async_io", load_async_io), ("cpu_adam", load_cpu_adam)):
+    for name, loader in (("async_io", load_async_io), ("cpu_adam", load_cpu_adam), ("deepspeed_shm_comm", load_shm_comm)):
         lock = _build_lock(name)
         if lock and time.time() - os.stat(lock).st_mtime > STALE_LOCK_S:
             print(f"native op {name}: removing a build lock left by an interrupted build ({lock})")

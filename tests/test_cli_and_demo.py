@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def test_info_json():
@@ -20,8 +21,17 @@ def test_info_json():
     assert "posix" in data["io_backends"] and data["host_adamw_params_per_s"]["torch"] > 0
 
 
-def test_demo_trains_with_state_on_nvme(tmp_path):
-    out = _run("examples/demo_offload_adamw.py", "--steps", "6", "--nvme", str(tmp_path))
+def test_offload_adamw_example(tmp_path):
+    out = _run("examples/offload_adamw.py", "--steps", "6", "--nvme", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bytes moved per param" in out.stdout and "no host cache" in out.stdout
     assert os.listdir(tmp_path) == []  # the temporary swap directory is gone
+
+
+def test_demo_under_offloadctl_train(tmp_path):
+    """What `make demo` runs: the GPT script under offloadctl train, state in an NVMe tier."""
+    out = _run("-m", "offloadctl.cli", "train", "--num_gpus", "1", "--nvme", str(tmp_path), "--run-dir",
+               str(tmp_path / "run"), "examples/train_gpt.py", "--steps", "4")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "offloadctl: engine active" in out.stderr and str(tmp_path) in out.stderr
+    assert "bytes moved per param" in out.stdout and "loss" in out.stdout

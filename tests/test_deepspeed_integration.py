@@ -46,13 +46,13 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_losses_match_stock_deepspeed(ranks, tmp_path):
+@pytest.mark.parametrize("ranks,dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
+def test_losses_match_stock_deepspeed(ranks, dtype, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    a = stock(ranks, str(tmp_path / "stock.jsonl"))
+    a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype)
     assert a.returncode == 0, a.stderr[-3000:]
-    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"))
+    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype)
     assert b.returncode == 0, b.stderr[-3000:]
     assert "offloadctl: engine active" in b.stderr
     ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")

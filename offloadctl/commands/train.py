@@ -89,11 +89,18 @@ def run(args: argparse.Namespace) -> int:
             print("env:     " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items()))
             print("plan:    " + json.dumps(plan["settings"]))
         return 0
-    os.makedirs(plan["settings"]["run_dir"], exist_ok=True)
+    run_dir = plan["settings"]["run_dir"]
+    os.makedirs(run_dir, exist_ok=True)
     env = dict(os.environ, **plan["env"])
     proc = subprocess.Popen(plan["command"], env=env)
     try:
-        return proc.wait()
+        rc = proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+    telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
+    if rc == 0 and os.path.exists(telemetry):
+        from ..summary import load_records, print_summary
+
+        print_summary(load_records(telemetry), title=f"update phase, rank 0 (telemetry in {run_dir})")
+    return rc
