@@ -71,12 +71,14 @@ def load_async_io():
         return None
     try:
         import_deepspeed()
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        from deepspeed.accelerator import get_accelerator
 
+        # The accelerator's builder, as ZeRO-Infinity uses: the same flags, so one build serves
+        # both and neither rebuilds over the other.
         # The build prints compiler progress on stdout; keep it off our users' output.
         with contextlib.redirect_stdout(sys.stderr):
-            builder = AsyncIOBuilder()
-            if not builder.is_compatible(verbose=False):
+            builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+            if builder is None or not builder.is_compatible(verbose=False):
                 return None
             return builder.load(verbose=False)
     except Exception as e:  # a failed build is an expected outcome here, not a crash
