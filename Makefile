@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null \
 	      || echo "setup: libaio-dev not installed; the engine will use its posix O_DIRECT backend"; \
 	fi
-	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation deepspeed
+	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation 'deepspeed>=0.19,<0.20'
 	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
 	@# DeepSpeed builds its ops on first use (minutes); build them now, once, so runs and tests start fast.
 	@$(VPY) -c "from engine.native_ops import main; raise SystemExit(main(['--build']))"

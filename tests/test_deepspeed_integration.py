@@ -46,13 +46,13 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-@pytest.mark.parametrize("ranks,dtype", [(1, "fp32"), (2, "fp32"), (1, "bf16")])
-def test_losses_match_stock_deepspeed(ranks, dtype, tmp_path):
+@pytest.mark.parametrize("ranks,dtype,opts", [(1, "fp32", ()), (2, "fp32", ("--node-lock",)), (1, "bf16", ())])
+def test_losses_match_stock_deepspeed(ranks, dtype, opts, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype)
     assert a.returncode == 0, a.stderr[-3000:]
-    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype)
+    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype, opts=opts)
     assert b.returncode == 0, b.stderr[-3000:]
     assert "offloadctl: engine active" in b.stderr
     ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
@@ -114,9 +114,10 @@ def test_dry_run_prints_the_launch(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--num_gpus", "2",
-                "--nvme", str(nvme), SCRIPT, "--steps", "3"])
+                "--nvme", str(nvme), "--node-lock", SCRIPT, "--steps", "3"])
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["command"][3:6] == ["deepspeed.launcher.runner", "--num_gpus", "2"]
     assert plan["command"][-3:] == [SCRIPT, "--steps", "3"]
     assert plan["settings"]["nvme_paths"] == [str(nvme)]
+    assert plan["settings"]["knobs"]["node_lock"] is True

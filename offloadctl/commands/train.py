@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: 0 when paths are given, else all)")
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
+    o.add_argument("--prefetch-depth", type=int, default=2, metavar="N", help="subgroups read ahead (default 2)")
+    o.add_argument("--node-lock", action="store_true",
+                   help="one rank at a time per storage device on a node, so ranks do not interleave their I/O")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     p.add_argument("script", help="the DeepSpeed training script")
@@ -49,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> dict:
     """The resolved launch: command, environment additions and engine settings."""
+    from engine.config import Knobs
     from engine.deepspeed_zero3 import ZeroEngineSettings
     from engine.errors import ConfigError
     from engine.storage import check_usable
@@ -63,7 +67,7 @@ def build(args: argparse.Namespace) -> dict:
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
-        io_backend=args.io_backend)
+        io_backend=args.io_backend, knobs=Knobs(prefetch_depth=args.prefetch_depth, node_lock=args.node_lock))
     launcher = []
     for flags, takes_value in LAUNCHER_OPTIONS:
         v = getattr(args, "ds_" + flags[0].lstrip("-"))
