@@ -46,13 +46,16 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-@pytest.mark.parametrize("ranks,dtype,opts", [(1, "fp32", ()), (2, "fp32", ("--node-lock",)), (1, "bf16", ())])
-def test_losses_match_stock_deepspeed(ranks, dtype, opts, tmp_path):
+@pytest.mark.parametrize("ranks,dtype,opts,script_opts", [
+    (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",))],
+    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups"])
+def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype)
+    a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype, *script_opts)
     assert a.returncode == 0, a.stderr[-3000:]
-    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype, opts=opts)
+    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype, *script_opts,
+             opts=opts)
     assert b.returncode == 0, b.stderr[-3000:]
     assert "offloadctl: engine active" in b.stderr
     ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")

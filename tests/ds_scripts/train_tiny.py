@@ -20,6 +20,7 @@ ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after 
 ap.add_argument("--resume", help="checkpoint directory to resume from")
 ap.add_argument("--ckpt-dir")
 ap.add_argument("--no-init", action="store_true", help="never call deepspeed.initialize")
+ap.add_argument("--groups", action="store_true", help="two param groups with their own lr and weight decay")
 args = ap.parse_args()
 
 if args.no_init:
@@ -40,7 +41,10 @@ config = {
 }
 if args.dtype == "bf16":
     config["bf16"] = {"enabled": True}
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+params = list(model.parameters())
+if args.groups:
+    params = [{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.1}]
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
 rank = engine.global_rank
 start = 0
 if args.resume:
