@@ -79,7 +79,8 @@ class ZeroPartitionSubgroup:
         scale = self.opt._engine_grad_scale
         if scale == 1.0:
             return [self._grad]
-        return [self._grad.float().mul_(scale)]  # DeepSpeed's math: fp32 grad * (1 / combined scale)
+        # DeepSpeed's math, fp32 grad * (1 / combined scale), on a copy: DeepSpeed's buffer stays as reduced.
+        return [self._grad.to(torch.float32, copy=True).mul_(scale)]
 
     def read_weights(self, out: torch.Tensor) -> None:
         out.copy_(self.opt.fp16_partitioned_groups_flat[self.index])
