@@ -64,60 +64,58 @@ def import_deepspeed():
     return deepspeed
 
 
-@functools.lru_cache(maxsize=None)
-def load_async_io():
-    """DeepSpeed's ``async_io`` op module, or None when it cannot build (no libaio-dev)."""
-    if not _no_build_running("async_io"):
+def _load_op(op: str, make_builder):
+    """Load (building if needed) one DeepSpeed op; None when it cannot build or a build is under way."""
+    if not _no_build_running(op):
         return None
     try:
         import_deepspeed()
-        from deepspeed.accelerator import get_accelerator
-
-        # The accelerator's builder, as ZeRO-Infinity uses: the same flags, so one build serves
-        # both and neither rebuilds over the other.
         # The build prints compiler progress on stdout; keep it off our users' output.
         with contextlib.redirect_stdout(sys.stderr):
-            builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+            builder = make_builder()
             if builder is None or not builder.is_compatible(verbose=False):
                 return None
             return builder.load(verbose=False)
     except Exception as e:  # a failed build is an expected outcome here, not a crash
-        log.info("DeepSpeed async_io unavailable: %s", e)
+        log.info("DeepSpeed %s unavailable: %s", op, e)
         return None
+
+
+def _accelerator_builder(name: str):
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder(name)
+
+
+@functools.lru_cache(maxsize=None)
+def load_async_io():
+    """DeepSpeed's ``async_io`` op module, or None when it cannot build (no libaio-dev).
+
+    Built with the accelerator's builder, as ZeRO-Infinity does: the same flags, so one build
+    serves both and neither rebuilds over the other.
+    """
+    return _load_op("async_io", lambda: _accelerator_builder("AsyncIOBuilder"))
 
 
 @functools.lru_cache(maxsize=None)
 def load_cpu_adam():
-    """DeepSpeed's ``cpu_adam`` op module, or None when it cannot build."""
-    if not _no_build_running("cpu_adam"):
-        return None
-    try:
-        import_deepspeed()
+    """DeepSpeed's ``cpu_adam`` op module (the one DeepSpeedCPUAdam loads), or None."""
+    def make():
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        with contextlib.redirect_stdout(sys.stderr):
-            return CPUAdamBuilder().load(verbose=False)
-    except Exception as e:
-        log.info("DeepSpeed cpu_adam unavailable: %s", e)
-        return None
+        return CPUAdamBuilder()
+
+    return _load_op("cpu_adam", make)
 
 
 def load_shm_comm():
-    """DeepSpeed's shared-memory all-reduce for the CPU accelerator (built by DeepSpeed on first use)."""
-    try:
-        import torch
+    """DeepSpeed's shared-memory all-reduce for the CPU accelerator (built by DeepSpeed on first
+    use; built here ahead of time). Not needed with CUDA."""
+    import torch
 
-        if torch.cuda.is_available():
-            return "not needed with CUDA"
-        import_deepspeed()
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        with contextlib.redirect_stdout(sys.stderr):
-            return builder.load(verbose=False) if builder is not None and builder.is_compatible() else None
-    except Exception as e:
-        log.info("DeepSpeed shm comm op unavailable: %s", e)
-        return None
+    if torch.cuda.is_available():
+        return "not needed with CUDA"
+    return _load_op("deepspeed_shm_comm", lambda: _accelerator_builder("ShareMemCommBuilder"))
 
 
 def main(argv: list[str] | None = None) -> int:
