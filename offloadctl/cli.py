@@ -8,12 +8,13 @@ status 2 and no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from . import __version__
-from .commands import info, train
 
-COMMANDS = {"info": info, "train": train}
+COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune")
+COMMANDS = {name: importlib.import_module(f"{__package__}.commands.{name}") for name in COMMAND_NAMES}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,12 @@
+"""Measure, show, list and compare hardware profiles (TOML)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError

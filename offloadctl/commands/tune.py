@@ -1,0 +1,12 @@
+"""Show the tuner daemon's runs live, or a snapshot with --once."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    raise NotImplementedError
