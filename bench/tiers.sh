@@ -11,7 +11,8 @@
 set -euo pipefail
 ROOT=${OFFLOADCTL_TIERS_ROOT:-/mnt/offloadctl-tiers}
 IMG=${OFFLOADCTL_TIERS_IMG:-/var/tmp/offloadctl-tiers}
-CG=/sys/fs/cgroup/blkio/offloadctl-tiers
+# Distinct ROOT, IMG and CGROUP let several emulations coexist on one machine.
+CG=/sys/fs/cgroup/blkio/${OFFLOADCTL_TIERS_CGROUP:-offloadctl-tiers}
 
 die() { echo "tiers: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "needs root (loop devices, mounts, cgroups); run the benchmark on the raw path instead"
