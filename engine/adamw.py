@@ -97,7 +97,10 @@ def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float
         kernels["deepspeed"] = _DeepSpeedCpuAdam()
     except Exception as e:  # op cannot build here (no compiler, no AVX): torch's kernel still works
         log.info("DeepSpeedCPUAdam unavailable: %s", e)
-    t = [torch.rand(numel) for _ in range(4)]
+    # A private generator: the measurement runs inside the user's deepspeed.initialize and must
+    # not move their RNG state (dropout masks would differ from a stock run).
+    gen = torch.Generator().manual_seed(0)
+    t = [torch.rand(numel, generator=gen) for _ in range(4)]
     s = AdamWSlices([t[0]], [t[1]], [t[2]], [t[3]], [torch.tensor(1.0)])
     hp = AdamWHyper(lr=1e-6)
     times: dict[str, list[float]] = {k: [] for k in kernels}

@@ -171,6 +171,10 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             inv = 1.0 / combined
             self._engine_grad_scale = float(inv)
             self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
+            # The wrapped optimizer holds no params (the engine owns them), so its step() updates
+            # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
+            # Face attaches its scheduler to this optimizer) and registered step hooks.
+            self.optimizer.step()
             self._post_step(set())
 
         def state_dict(self):

@@ -31,15 +31,18 @@ def _run(cmd, timeout=600):
     return out
 
 
-def stock(ranks, losses, *extra):
-    return _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", _port(),
-                 SCRIPT, "--losses-out", losses, *extra])
+def stock(ranks, losses, *extra, script=SCRIPT):
+    # As `accelerate launch --use_deepspeed` would set it; plain DeepSpeed scripts ignore it.
+    env = dict(_env(), ACCELERATE_USE_DEEPSPEED="true")
+    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+                           _port(), script, "--losses-out", losses, *extra],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
-def ours(ranks, losses, nvme, run_dir, *extra, opts=()):
-    return _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", str(ranks), "--master_port", _port(),
-                 "--nvme", nvme, "--host-cache-gb", TINY_CACHE_GB, "--run-dir", run_dir, *opts,
-                 SCRIPT, "--losses-out", losses, *extra])
+def ours(ranks, losses, nvme, run_dir, *extra, opts=(), script=SCRIPT, port=None):
+    return _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", str(ranks), "--master_port",
+                 port or _port(), "--nvme", nvme, "--host-cache-gb", TINY_CACHE_GB, "--run-dir", run_dir, *opts,
+                 script, "--losses-out", losses, *extra])
 
 
 def _losses(path):
@@ -66,6 +69,38 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path)
         recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
         assert len(recs) == 6 and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+
+
+HF_TRAINER = os.path.join(ROOT, "tests", "ds_scripts", "train_hf_trainer.py")
+ACCELERATE = os.path.join(ROOT, "tests", "ds_scripts", "train_accelerate.py")
+
+
+@pytest.mark.parametrize("script,ranks,extra,opts", [
+    (HF_TRAINER, 1, ("--output-dir", "{tmp}/out"), ()),
+    # Few subgroups per rank: without prefetch only one is kept across steps, so the rest are read.
+    (ACCELERATE, 2, (), ("--prefetch-depth", "0"))], ids=["hf-trainer-1rank", "accelerate-2ranks"])
+def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, tmp_path):
+    """Trainer and Accelerate reach deepspeed.initialize themselves; the engine must engage there too,
+    leave the user's RNG alone (GPT-2 has dropout) and keep their LR scheduler stepping."""
+    extra = [e.format(tmp=tmp_path) for e in extra]
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    a = stock(ranks, str(tmp_path / "stock.jsonl"), *extra, script=script)
+    assert a.returncode == 0, a.stderr[-3000:]
+    port = _port()
+    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), *extra, script=script, port=port,
+             opts=opts)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "offloadctl: engine active" in b.stderr
+    assert "lr_scheduler.step()` before `optimizer.step()" not in b.stderr
+    ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
+    assert len(ref) == len(got) == 6
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    for rank in range(ranks):
+        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
+        assert sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+    # DeepSpeed's CPU comm op leaves a 64 MiB /dev/shm buffer per rank; offloadctl removes its run's.
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*") == []
 
 
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):

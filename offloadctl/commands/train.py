@@ -9,6 +9,7 @@ ds_config ``nvme_path`` becomes an NVMe tier when no --nvme is given.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shlex
@@ -79,8 +80,24 @@ def build(args: argparse.Namespace) -> dict:
     root = os.path.dirname(os.path.dirname(bootstrap))
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, bootstrap,
            "--offloadctl-config", json.dumps(settings.to_json()), os.path.abspath(args.script), *args.script_args]
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
+           "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
     return {"command": cmd, "env": env, "settings": settings.to_json()}
+
+
+def remove_shm_buffers(master_port: str | None) -> int:
+    """Remove the shared-memory allreduce buffers that DeepSpeed's CPU comm op leaves in /dev/shm
+    (64 MiB per rank, never unlinked by DeepSpeed 0.19), for this run's port. Returns the count."""
+    port = master_port or "29500"  # the DeepSpeed launcher's default
+    removed = 0
+    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        try:
+            os.unlink(f)
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+    finally:
+        remove_shm_buffers(args.ds_master_port)
     telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
     if rc == 0 and os.path.exists(telemetry):
         from ..summary import load_records, print_summary
