@@ -50,8 +50,10 @@ def _losses(path):
 
 
 @pytest.mark.parametrize("ranks,dtype,opts,script_opts", [
-    (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",))],
-    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups"])
+    (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",)),
+    # Dynamic loss scaling; step 3's gradients overflow, so DeepSpeed skips it and halves the scale.
+    (1, "fp16", (), ("--overflow-at", "3"))],
+    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip"])
 def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -64,10 +66,13 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path)
     ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
     assert len(ref) == len(got) == 6
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    scales = [[json.loads(line).get("loss_scale") for line in open(tmp_path / f)] for f in ("stock.jsonl", "ours.jsonl")]
+    assert scales[0] == scales[1]
+    skipped = 1 if "--overflow-at" in script_opts else 0
     # The state really went through the NVMe tier, from every rank, and the swap files are gone.
     for rank in range(ranks):
         recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
-        assert len(recs) == 6 and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+        assert len(recs) == 6 - skipped and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
 
 

@@ -12,7 +12,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
 ap.add_argument("--steps", type=int, default=6)
 ap.add_argument("--losses-out", required=True)
-ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+ap.add_argument("--overflow-at", type=int, default=0, help="make this step's gradients inf (fp16: a skipped step)")
 ap.add_argument("--stage", type=int, default=3)
 ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"])
 ap.add_argument("--nvme-path")
@@ -41,6 +42,14 @@ config = {
 }
 if args.dtype == "bf16":
     config["bf16"] = {"enabled": True}
+if args.dtype == "fp16":
+    # Dynamic loss scaling from 2**8, halved after each overflow.
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels; torch's CPU fp16 math
+    # is enough for this test, for the stock run and for offloadctl's alike.
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 params = list(model.parameters())
 if args.groups:
     params = [{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.1}]
@@ -52,15 +61,17 @@ if args.resume:
     start = client["step"]
 gen = torch.Generator().manual_seed(1234 + rank)
 batches = [(torch.randn(4, 32, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(2 * args.steps)]
-dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
 for step in range(start, args.steps):
     for micro in range(2):
         x, y = batches[2 * step + micro]
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        if args.overflow_at == step + 1 and micro == 1:
+            loss = loss * float("inf")
         engine.backward(loss)
         engine.step()
     if rank == 0:
         with open(args.losses_out, "a") as f:
-            f.write(json.dumps({"step": step + 1, "loss": loss.item()}) + "\n")
+            f.write(json.dumps({"step": step + 1, "loss": loss.item(), "loss_scale": engine.optimizer.loss_scale}) + "\n")
     if args.save_at and step + 1 == args.save_at:
         engine.save_checkpoint(args.ckpt_dir, tag="ckpt", client_state={"step": step + 1})
