@@ -1,12 +1,316 @@
-"""Measure, show, list and compare hardware profiles (TOML)."""
+"""Measure, show, list and compare hardware profiles (TOML).
+
+  offloadctl profile save [NAME] [--nvme PATH ...] [--remote PATH ...] [--quick] [--output FILE] [--force]
+  offloadctl profile show NAME|FILE [--sweep] [--json]
+  offloadctl profile list [--dir DIR] [--json]
+  offloadctl profile diff A B [--sweep] [--json]
+
+Profiles live in $OFFLOADCTL_PROFILE_DIR, else ~/.config/offloadctl/profiles/.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import re
+import socket
+import sys
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from engine.errors import ConfigError
+from engine.profile import Figure, Profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    s = sub.add_parser("save", help="measure this machine and save its profile",
+                       description="Measure storage paths, host memory, CPU AdamW and (with CUDA) the GPU, and save "
+                                   "the profile as TOML. A full run takes a few minutes per path; --quick under two.")
+    s.add_argument("name", nargs="?", metavar="NAME", help="profile name (default: the host name)")
+    s.add_argument("--nvme", action="append", default=[], metavar="PATH", help="a node-local storage path (repeatable)")
+    s.add_argument("--remote", action="append", default=[], metavar="PATH",
+                   help="a remote parallel-file-system path (repeatable)")
+    s.add_argument("--quick", action="store_true", help="smaller and shorter measurements (under 2 minutes)")
+    s.add_argument("--output", metavar="FILE", help="write here instead of the profile directory")
+    s.add_argument("--force", action="store_true", help="replace an existing profile")
+    s.add_argument("--backend", choices=("auto", "aio", "posix"), default="auto",
+                   help="the engine's I/O backend to measure with (default: auto, as the engine)")
+    s.add_argument("--io-bytes", type=_size_arg, metavar="SIZE",
+                   help="data file per path, e.g. 4G (default 8G, 1G with --quick; at most 1/8 of free space)")
+    s.add_argument("--io-seconds", type=float, metavar="S",
+                   help="seconds per point of the I/O sweep (default 3, 0.5 with --quick)")
+
+    for name, help_ in (("show", "show one profile"), ("list", "list saved profiles"), ("diff", "compare two profiles")):
+        q = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        if name == "show":
+            q.add_argument("profile", metavar="NAME|FILE")
+        elif name == "diff":
+            q.add_argument("a", metavar="A", help="profile name or file")
+            q.add_argument("b", metavar="B", help="profile name or file")
+        else:
+            q.add_argument("--dir", metavar="DIR", help="list this directory instead of the profile directory")
+        if name != "list":
+            q.add_argument("--sweep", action="store_true", help="include every point of the I/O sweeps")
+        q.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    return {"save": _save, "show": _show, "list": _list, "diff": _diff}[args.action](args)
+
+
+# -- save -----------------------------------------------------------------------------------------
+
+def _size_arg(s: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", s, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size: write bytes or e.g. 512M, 4G")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _save(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engine import hwprobe
+    from engine.profile_toml import check_name, path_for_name, save_profile
+
+    from .. import __version__
+
+    if args.name:
+        name = check_name(args.name)
+    else:  # from the output file's name, else the host's
+        base = os.path.splitext(os.path.basename(args.output))[0] if args.output else socket.gethostname()
+        name = check_name(re.sub(r"[^A-Za-z0-9._-]", "-", base).strip(".-") or "this-machine")
+    out = os.path.abspath(args.output) if args.output else path_for_name(name)
+    if os.path.exists(out) and not args.force:
+        raise ConfigError(f"profile {out} exists: pass --force to replace it, or give another NAME or --output")
+    sizes = hwprobe.QUICK if args.quick else hwprobe.FULL
+    if args.io_bytes is not None or args.io_seconds is not None:
+        if args.io_seconds is not None and not args.io_seconds > 0:
+            raise ConfigError(f"--io-seconds must be positive, got {args.io_seconds}")
+        sizes = dataclasses.replace(sizes, io_bytes=args.io_bytes or sizes.io_bytes,
+                                    io_seconds=args.io_seconds or sizes.io_seconds)
+    if not args.nvme and not args.remote:
+        print("offloadctl: no --nvme or --remote path given: the profile will hold host (and GPU) figures only",
+              file=sys.stderr)
+    t0 = time.monotonic()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        profile = hwprobe.measure_profile(name, nvme=args.nvme, remote=args.remote, quick=args.quick, sizes=sizes,
+                                          backend=args.backend, tool=f"offloadctl {__version__}", progress=bar)
+    save_profile(profile, out)
+    shown = name if out == path_for_name(name) else out
+    print(f"wrote profile {name} to {out} ({time.monotonic() - t0:.0f} s); see it with `offloadctl profile show {shown}`")
+    return 0
+
+
+# -- figures, formatted ---------------------------------------------------------------------------
+
+def _unit(key: str) -> str:
+    return "params/s" if key.startswith(("host.adamw", "gpu.adamw")) else "B/s"
+
+
+def _human(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "B/s":
+        for u, s in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
+            if v >= s:
+                return f"{v / s:.3g} {u}"
+        return f"{v:.3g} B/s"
+    for u, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= s:
+            return f"{v / s:.3g}{u} {unit}"
+    return f"{v:.3g} {unit}"
+
+
+def _bytes(n: int) -> str:
+    for u, s in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= s:
+            return f"{n / s:.3g} {u}"
+    return f"{n} B"
+
+
+_OPS = ("read", "write", "mixed")
+_GPU_FIGURES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_h2d_bytes_per_s", "duplex_d2h_bytes_per_s", "adamw_params_per_s")
+
+
+def _figure_items(p: Profile, sweep: bool, labels: dict[str, str]) -> list[tuple[str, tuple, Figure]]:
+    """(key, sort key, figure) of every figure; sort keys order two profiles' figures alike."""
+    out = [("host.memory_bandwidth", (0,), p.host.memory_bandwidth)]
+    out += [(f"host.adamw[threads={r.threads}]", (1, r.threads), r.params_per_s) for r in p.host.adamw]
+    if p.gpu:
+        out += [(f"gpu.{f}", (2, i), getattr(p.gpu, f)) for i, f in enumerate(_GPU_FIGURES)]
+    for x in p.paths:
+        label = labels.get(x.path, x.path)
+        out += [(f"path {label} {op}", (3, label, 0, i), getattr(x, f"{op}_bytes_per_s")) for i, op in enumerate(_OPS)]
+        if sweep:
+            out += [(f"path {label} {s.op} c={s.concurrency} {_bytes(s.block_bytes)}",
+                     (3, label, 1, -s.block_bytes, s.concurrency, _OPS.index(s.op)), s.bytes_per_s) for s in x.sweep]
+    return sorted(out, key=lambda item: item[1])
+
+
+def figures(p: Profile, *, sweep: bool = False, path_labels: dict[str, str] | None = None) -> dict[str, Figure]:
+    """Every figure of ``p`` by a readable key, in display order; ``path_labels`` renames paths."""
+    return {k: f for k, _, f in _figure_items(p, sweep, path_labels or {})}
+
+
+def _row(t: Table, *cells: object) -> None:
+    """A table row of plain text: brackets in paths and keys are not rich markup."""
+    t.add_row(*(escape(str(c)) for c in cells))
+
+
+def _source_line(p: Profile) -> str:
+    kind = p.source.kind if p.source.kind == "measured" else f"{p.source.kind} (not a measurement)"
+    return f"source: {kind}: {p.source.description}" + (f" [{p.source.tool}]" if p.source.tool else "")
+
+
+# -- show -----------------------------------------------------------------------------------------
+
+def _show(args: argparse.Namespace) -> int:
+    from engine.profile_toml import load_profile, profile_to_dict, resolve_profile
+
+    path = resolve_profile(args.profile)
+    p = load_profile(path)
+    if args.json:
+        print(json.dumps(profile_to_dict(p), indent=2))
+        return 0
+    con = Console(highlight=False)
+    con.print(f"[bold]{escape(p.name)}[/bold]  {escape(path)}")
+    con.print(_source_line(p), markup=False)
+    if p.created:
+        con.print(f"created: {p.created}", markup=False)
+    if p.notes:
+        con.print(f"notes: {p.notes}", markup=False)
+    m = p.machine
+    t = Table("machine", "value")
+    _row(t, "host", m.hostname)
+    _row(t, "CPU", f"{m.cpu_model}; {m.cores_physical} cores, {m.cores_logical} threads, {m.numa_nodes} NUMA nodes")
+    _row(t, "memory", _bytes(m.memory_bytes))
+    _row(t, "GPUs", f"{m.gpu_count} x {m.gpu_model}" if m.gpu_count else "none")
+    if p.gpu:
+        _row(t, "GPU memory", _bytes(p.gpu.memory_bytes))
+    con.print(t)
+    if p.paths:
+        t = Table("path", "kind", "device", "capacity", "read", "write", "mixed", "best c.", title="storage paths "
+                  "(best c.: fewest requests in flight within 5% of the best)")
+        t.columns[0].overflow = "fold"
+        for x in p.paths:
+            _row(t, x.path, x.kind, f"{x.device} ({x.device_id})", _bytes(x.capacity_bytes),
+                      _human(x.read_bytes_per_s.value, "B/s"), _human(x.write_bytes_per_s.value, "B/s"),
+                      _human(x.mixed_bytes_per_s.value, "B/s"), str(x.best_concurrency))
+        con.print(t)
+        shared = {k: v for k, v in p.devices().items() if len(v) > 1}
+        for dev, ps in shared.items():
+            con.print(f"paths on one device ({dev}), sharing its bandwidth: {', '.join(x.path for x in ps)}", markup=False)
+    t = Table("figure", "value", "how (when)", title="figures")
+    t.columns[0].overflow = "fold"
+    t.columns[1].no_wrap = True
+    for key, f in figures(p, sweep=args.sweep).items():
+        t.add_row(escape(key), _human(f.value, _unit(key)), f"{escape(f.how)} [dim]({f.when})[/dim]")
+    con.print(t)
+    return 0
+
+
+# -- list -----------------------------------------------------------------------------------------
+
+def _list(args: argparse.Namespace) -> int:
+    from engine.profile_toml import list_profiles, load_profile, profile_dir
+
+    d = os.path.abspath(args.dir) if args.dir else profile_dir()
+    if args.dir and not os.path.isdir(d):
+        raise ConfigError(f"profile directory {d} does not exist: give an existing directory to --dir")
+    rows = []
+    for name in list_profiles(d):
+        path = os.path.join(d, name + ".toml")
+        try:
+            p = load_profile(path)
+        except ConfigError as e:  # one broken file must not hide the others
+            rows.append({"name": name, "file": path, "error": str(e)})
+            continue
+        rows.append({"name": name, "file": path, "source": p.source.kind, "created": p.created,
+                     "host": p.machine.hostname, "paths": [x.path for x in p.paths],
+                     "gpu": p.gpu.model if p.gpu else None})
+    if args.json:
+        print(json.dumps({"dir": d, "profiles": rows}, indent=2))
+        return 0
+    if not rows:
+        Console().print(f"no profiles in {d}: measure one with `offloadctl profile save NAME --nvme PATH`", markup=False)
+        return 0
+    t = Table("name", "source", "created", "host", "paths", title=f"profiles in {d}")
+    for r in rows:
+        if "error" in r:
+            t.add_row(escape(r["name"]), "[red]invalid[/red]", "", "", escape(r["error"]))
+        else:
+            _row(t, r["name"], r["source"], r["created"], r["host"], ", ".join(r["paths"]) or "-")
+    Console().print(t)
+    return 0
+
+
+# -- diff -----------------------------------------------------------------------------------------
+
+def _path_labels(a: Profile, b: Profile) -> tuple[dict[str, str], dict[str, str]]:
+    """Paths in both profiles keep their name; the others are paired by order (#1, #2, ...)."""
+    common = {x.path for x in a.paths} & {x.path for x in b.paths}
+
+    def labels(p: Profile) -> dict[str, str]:
+        rest = [x.path for x in p.paths if x.path not in common]
+        return {path: f"#{i + 1}" for i, path in enumerate(rest)}
+
+    return labels(a), labels(b)
+
+
+def diff_rows(a: Profile, b: Profile, *, sweep: bool = False) -> tuple[list[dict], list[dict]]:
+    """(machine rows that differ, figure rows) comparing ``a`` with ``b``; ratio is b / a."""
+    machine = []
+    for f in ("hostname", "cpu_model", "cores_physical", "cores_logical", "memory_bytes", "numa_nodes", "gpu_model", "gpu_count"):
+        va, vb = getattr(a.machine, f), getattr(b.machine, f)
+        if va != vb:
+            machine.append({"key": f"machine.{f}", "a": va, "b": vb})
+    la, lb = _path_labels(a, b)
+    fa = {k: (o, f) for k, o, f in _figure_items(a, sweep, la)}
+    fb = {k: (o, f) for k, o, f in _figure_items(b, sweep, lb)}
+    rows = []
+    for key in sorted(fa.keys() | fb.keys(), key=lambda k: (fa.get(k) or fb[k])[0]):
+        va = fa[key][1].value if key in fa else None
+        vb = fb[key][1].value if key in fb else None
+        ratio = vb / va if va and vb is not None else None
+        rows.append({"key": key, "unit": _unit(key), "a": va, "b": vb, "ratio": ratio})
+    return machine, rows
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from engine.profile_toml import load_profile, resolve_profile
+
+    pa, pb = resolve_profile(args.a), resolve_profile(args.b)
+    a, b = load_profile(pa), load_profile(pb)
+    machine, rows = diff_rows(a, b, sweep=args.sweep)
+    if args.json:
+        print(json.dumps({"a": {"name": a.name, "file": pa, "source": a.source.kind},
+                          "b": {"name": b.name, "file": pb, "source": b.source.kind},
+                          "machine": machine, "figures": rows}, indent=2))
+        return 0
+    con = Console(highlight=False)
+    con.print(f"A: {a.name} ({pa}), {_source_line(a)}", markup=False)
+    con.print(f"B: {b.name} ({pb}), {_source_line(b)}", markup=False)
+    la, lb = _path_labels(a, b)
+    for tag, labels in (("A", la), ("B", lb)):
+        for path, label in labels.items():
+            con.print(f"path {label} of {tag}: {path}", markup=False)
+    if machine:
+        t = Table("machine", "A", "B")
+        for r in machine:
+            _row(t, r["key"], str(r["a"]), str(r["b"]))
+        con.print(t)
+    t = Table("figure", "A", "B", "B / A")
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        _row(t, r["key"], _human(r["a"], r["unit"]), _human(r["b"], r["unit"]), ratio)
+    con.print(t)
+    return 0

@@ -1,0 +1,570 @@
+"""Hardware profiles as strict TOML files: where they live, how they are read and written.
+
+The strict check is derived from the dataclass annotations of :mod:`engine.profile` (str, int,
+float, bool, ``Literal``, tuples, nested and optional dataclasses), so the schema has one
+definition. An unknown key, a value of the wrong type, a missing required key, another
+``schema_version`` or a TOML syntax error is a :class:`ConfigError` naming the file, the dotted
+key (``paths[1].read_bytes_per_s.value``) and its line. tomllib gives no line numbers for
+keys, so :func:`key_lines` finds them in the source text.
+
+Files are written with tomli-w formatting every value; figures are inline tables
+(``{ value = ..., how = "...", when = "..." }``) so that a profile reads as one line per figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import sys
+import types
+import typing
+from datetime import datetime
+from typing import Any, Literal, Mapping
+
+import tomli_w
+
+from .errors import ConfigError
+from .profile import SCHEMA_VERSION, Figure, Profile
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PROFILE_DIR_ENV = "OFFLOADCTL_PROFILE_DIR"
+SUFFIX = ".toml"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# -- where profiles live -------------------------------------------------------------------------
+
+def profile_dir() -> str:
+    """``$OFFLOADCTL_PROFILE_DIR``, else ``$XDG_CONFIG_HOME/offloadctl/profiles`` (default
+    ``~/.config/offloadctl/profiles``). Not created here."""
+    d = os.environ.get(PROFILE_DIR_ENV)
+    if d:
+        return os.path.abspath(os.path.expanduser(d))
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "offloadctl", "profiles")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it can be a profile's file name, else a :class:`ConfigError`."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name.endswith(SUFFIX):
+        raise ConfigError(f"profile name {name!r} is not usable as a file name: use letters, digits, '.', '_' and '-' "
+                          f"(no '/', no {SUFFIX} suffix), e.g. 'h100-node'")
+    return name
+
+
+def path_for_name(name: str, directory: str | None = None) -> str:
+    return os.path.join(directory or profile_dir(), check_name(name) + SUFFIX)
+
+
+def list_profiles(directory: str | None = None) -> list[str]:
+    """Names of the profiles in ``directory`` (default :func:`profile_dir`), sorted."""
+    try:
+        entries = os.listdir(directory or profile_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(e[:-len(SUFFIX)] for e in entries if e.endswith(SUFFIX) and not e.startswith("."))
+
+
+def resolve_profile(name_or_path: str) -> str:
+    """The file of ``name_or_path``: an existing file, or a name in :func:`profile_dir`."""
+    s = os.fspath(name_or_path)
+    if os.path.isfile(s):
+        return os.path.abspath(s)
+    if os.sep in s or s.endswith(SUFFIX):
+        raise ConfigError(f"profile file {s} does not exist: check the path, or give a profile name from "
+                          f"`offloadctl profile list`")
+    d = profile_dir()
+    candidate = os.path.join(d, s + SUFFIX)
+    if _NAME_RE.match(s) and os.path.isfile(candidate):
+        return candidate
+    names = list_profiles(d)
+    have = f"available: {', '.join(names)}" if names else "there are none yet"
+    raise ConfigError(f"no profile named {s!r} in {d} ({have}): measure one with `offloadctl profile save {s}`, "
+                      f"or give the path of a profile file")
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def load_profile(name_or_path: str) -> Profile:
+    """Read and strictly check a profile given by file path or by name."""
+    path = resolve_profile(name_or_path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read profile {path} ({e.strerror}): fix its permissions or give another file") from None
+    return loads_profile(raw, file=path)
+
+
+def loads_profile(text: str | bytes, *, file: str = "<profile>") -> Profile:
+    """Parse profile TOML text; errors name ``file``."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"profile {file} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"profile {file} is not valid TOML: {e}; fix the syntax there, or re-create the profile "
+                          f"with `offloadctl profile save`") from None
+    return profile_from_dict(data, key_lines(text), file=file)
+
+
+class _SchemaError(Exception):
+    """Internal: a fault at a dotted key; turned into a ConfigError with file and line."""
+
+    def __init__(self, key: str, problem: str, fix: str, *, at_parent: bool = False) -> None:
+        super().__init__(problem)
+        self.key, self.problem, self.fix, self.at_parent = key, problem, fix, at_parent
+
+
+def profile_from_dict(d: Mapping[str, Any], lines: Mapping[str, int] | None = None, *, file: str = "<profile>") -> Profile:
+    """A :class:`Profile` from parsed TOML ``d``, checked strictly against the schema.
+
+    ``lines`` maps dotted keys to line numbers (from :func:`key_lines`) for the error messages.
+    """
+    lines = lines or {}
+    try:
+        if not isinstance(d, Mapping):
+            raise _SchemaError("", f"is a {_kind(d)}, not a table", "give the parsed TOML document")
+        _check_version(d)
+        return _convert(d, Profile, "")
+    except _SchemaError as e:
+        line = _line_for(e.key, lines, at_parent=e.at_parent)
+        where = f"profile {file}" + (f", line {line}" if line else "")
+        what = f"key {e.key}" if e.key else "the document"
+        raise ConfigError(f"{where}: {what} {e.problem}: {e.fix}") from None
+
+
+def _check_version(d: Mapping[str, Any]) -> None:
+    if "schema_version" not in d:
+        raise _SchemaError("schema_version", "is missing", f"add `schema_version = {SCHEMA_VERSION}` at the top "
+                           f"(the schema this offloadctl reads)", at_parent=True)
+    v = d["schema_version"]
+    if type(v) is not int:
+        raise _SchemaError("schema_version", f"must be an integer, got {_kind(v)} {v!r}",
+                           f"write `schema_version = {SCHEMA_VERSION}`")
+    if v != SCHEMA_VERSION:
+        raise _SchemaError("schema_version", f"is {v}, but this offloadctl reads schema version {SCHEMA_VERSION} only",
+                           "re-measure with `offloadctl profile save`, or use the offloadctl version that wrote it")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _kind(v: Any) -> str:
+    """How a TOML value is called in messages."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a float"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, Mapping):
+        return "a table"
+    if isinstance(v, list):
+        return "an array"
+    return f"a {type(v).__name__}"
+
+
+def _convert(v: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _convert_dataclass(v, tp, key)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"unsupported schema type {tp!r} at {key}")
+        return _convert(v, options[0], key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if any(type(v) is type(a) and v == a for a in allowed):
+            return v
+        shown = ", ".join(repr(a) for a in allowed)
+        raise _SchemaError(key, f"must be one of {shown}, got {_kind(v)} {v!r}", f"write one of {shown}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"unsupported schema type {tp!r} at {key}")
+        if not isinstance(v, list):
+            raise _SchemaError(key, f"must be an array, got {_kind(v)}", "write an array `[...]` or [[tables]]")
+        return tuple(_convert(x, args[0], f"{key}[{i}]") for i, x in enumerate(v))
+    if tp is bool:
+        if type(v) is not bool:
+            raise _SchemaError(key, f"must be true or false, got {_kind(v)} {v!r}", "write true or false")
+        return v
+    if tp is int:
+        if type(v) is not int:
+            raise _SchemaError(key, f"must be an integer, got {_kind(v)} {v!r}", "write a whole number without quotes or a decimal point")
+        if v < 0:
+            raise _SchemaError(key, f"must not be negative, got {v}", "write a count or size of 0 or more")
+        return v
+    if tp is float:
+        if type(v) not in (int, float):  # an integer is a fine float; a boolean is not a number
+            raise _SchemaError(key, f"must be a number, got {_kind(v)} {v!r}", "write a number without quotes, e.g. 1.5e9")
+        if not math.isfinite(v) or v < 0:
+            raise _SchemaError(key, f"must be a finite number of 0 or more, got {v!r}", "write a measured or declared value, e.g. 1.5e9")
+        return float(v)
+    if tp is str:
+        if type(v) is not str:
+            raise _SchemaError(key, f"must be a string, got {_kind(v)} {v!r}", 'write it in double quotes, "like this"')
+        return v
+    raise TypeError(f"unsupported schema type {tp!r} at {key}")
+
+
+def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
+    if not isinstance(v, Mapping):
+        raise _SchemaError(key, f"must be a table, got {_kind(v)} {v!r}", f"write a table with keys {', '.join(_field_names(cls))}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in v:
+        if k not in fields:
+            raise _SchemaError(_join(key, k), f"is not a key of {cls.__name__} ({', '.join(fields)})",
+                               "remove it, or fix its spelling")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = _join(key, name)
+        if name not in v:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required:
+                raise _SchemaError(sub, f"is missing ({cls.__name__} needs {', '.join(_required(cls))})",
+                                   f"add `{name} = ...`", at_parent=True)
+            continue
+        kwargs[name] = _convert(v[name], hints[name], sub)
+    _check_values(cls, kwargs, key)
+    return cls(**kwargs)
+
+
+def _check_values(cls: type, kw: dict, key: str) -> None:
+    """Checks beyond types: provenance of every figure, and ISO 8601 times."""
+    if cls is Figure:
+        if not kw["how"].strip():
+            raise _SchemaError(_join(key, "how"), "is empty", "say how the figure was measured, or which document it comes from")
+        _check_time(kw["when"], _join(key, "when"), required=True)
+    if cls is Profile:
+        _check_time(kw.get("created", ""), "created", required=False)
+
+
+def _check_time(s: str, key: str, *, required: bool) -> None:
+    if not s and not required:
+        return
+    try:
+        datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        raise _SchemaError(key, f"is {s!r}, not an ISO 8601 date or time",
+                           'write e.g. "2025-01-31" or "2025-01-31T12:00:00+00:00"') from None
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _required(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+# -- line numbers of keys ------------------------------------------------------------------------
+
+def _parent(key: str) -> str:
+    """``paths[1].x`` -> ``paths[1]`` -> ``paths`` -> ``""``."""
+    m = re.match(r"^(.*?)(?:\.[^.\[\]]+|\[\d+\])$", key)
+    return m.group(1) if m else ""
+
+
+def _line_for(key: str, lines: Mapping[str, int], *, at_parent: bool = False) -> int | None:
+    k = _parent(key) if at_parent else key
+    while k:
+        if k in lines:
+            return lines[k]
+        k = _parent(k)
+    return None
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Line (1-based) of every key, table and array element of valid TOML ``text``, by dotted key
+    (``host``, ``paths[1]``, ``paths[1].read_bytes_per_s.value``). Best effort: what it cannot
+    follow is left out, and errors then name the nearest enclosing key's line."""
+    sc = _KeyScanner(text)
+    try:
+        sc.document()
+    except (IndexError, ValueError):
+        pass
+    return sc.lines
+
+
+class _KeyScanner:
+    """Walks TOML syntax (already validated by tomllib) and records where each key starts."""
+
+    _BARE = re.compile(r"[A-Za-z0-9_-]+")
+
+    def __init__(self, text: str) -> None:
+        self.s, self.i, self.line = text, 0, 1
+        self.lines: dict[str, int] = {}
+
+    def _adv(self, n: int = 1) -> None:
+        self.line += self.s.count("\n", self.i, self.i + n)
+        self.i += n
+
+    def _at(self, tok: str) -> bool:
+        return self.s.startswith(tok, self.i)
+
+    def _skip(self, newlines: bool) -> None:
+        while self.i < len(self.s):
+            c = self.s[self.i]
+            if c in " \t" or (newlines and c in "\r\n"):
+                self._adv()
+            elif c == "#":
+                end = self.s.find("\n", self.i)
+                self._adv((len(self.s) if end < 0 else end) - self.i)
+            else:
+                return
+
+    def _expect(self, tok: str) -> None:
+        self._skip(False)
+        if not self._at(tok):
+            raise ValueError(f"expected {tok!r} at line {self.line}")
+        self._adv(len(tok))
+
+    def _record(self, key: str, line: int) -> None:
+        self.lines.setdefault(key, line)
+
+    def _string(self) -> str:
+        for q in ('"""', "'''"):
+            if self._at(q):
+                end = self.s.index(q, self.i + 3)
+                while self.s.startswith(q[0], end + 3):  # up to two quotes may end the content
+                    end += 1
+                raw = self.s[self.i + 3:end]
+                self._adv(end + 3 - self.i)
+                return raw
+        q = self.s[self.i]
+        j = self.i + 1
+        while self.s[j] != q:
+            j += 2 if (q == '"' and self.s[j] == "\\") else 1
+        raw = self.s[self.i + 1:j]
+        self._adv(j + 1 - self.i)
+        return raw
+
+    def _key(self) -> list[str]:
+        parts = []
+        while True:
+            self._skip(False)
+            if self.s[self.i] in "\"'":
+                parts.append(self._string())
+            else:
+                m = self._BARE.match(self.s, self.i)
+                if not m:
+                    raise ValueError(f"no key at line {self.line}")
+                parts.append(m.group())
+                self._adv(m.end() - self.i)
+            self._skip(False)
+            if not self._at("."):
+                return parts
+            self._adv()
+
+    def _value(self, key: str) -> None:
+        self._skip(False)
+        c = self.s[self.i]
+        if c == "{":
+            self._adv()
+            while True:
+                self._skip(False)
+                if self._at("}"):
+                    self._adv()
+                    return
+                line, parts = self.line, self._key()
+                sub = key
+                for p in parts:
+                    sub = _join(sub, p)
+                    self._record(sub, line)
+                self._expect("=")
+                self._value(sub)
+                self._skip(False)
+                if self._at(","):
+                    self._adv()
+        elif c == "[":
+            self._adv()
+            n = 0
+            while True:
+                self._skip(True)
+                if self._at("]"):
+                    self._adv()
+                    return
+                self._record(f"{key}[{n}]", self.line)
+                self._value(f"{key}[{n}]")
+                n += 1
+                self._skip(True)
+                if self._at(","):
+                    self._adv()
+        elif c in "\"'":
+            self._string()
+        else:  # number, boolean, date-time (which may hold one space)
+            m = re.compile(r"[^,\]}#\r\n]*").match(self.s, self.i)
+            self._adv(m.end() - self.i)
+
+    def document(self) -> None:
+        table = ""
+        arrays: dict[str, int] = {}  # array-of-tables key -> elements so far
+
+        def resolve(parts: list[str]) -> str:
+            k = ""
+            for p in parts:
+                k = _join(k, p)
+                if k in arrays:
+                    k = f"{k}[{arrays[k] - 1}]"
+            return k
+
+        while True:
+            self._skip(True)
+            if self.i >= len(self.s):
+                return
+            line = self.line
+            if self._at("[["):
+                self._adv(2)
+                parts = self._key()
+                self._expect("]]")
+                base = _join(resolve(parts[:-1]), parts[-1])
+                n = arrays.get(base, 0)
+                arrays[base] = n + 1
+                table = f"{base}[{n}]"
+                self._record(base, line)
+                self._record(table, line)
+            elif self._at("["):
+                self._adv()
+                table = resolve(self._key())
+                self._expect("]")
+                self._record(table, line)
+            else:
+                key = table
+                for p in self._key():
+                    key = _join(key, p)
+                    self._record(key, line)
+                self._expect("=")
+                self._value(key)
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+def profile_to_dict(p: Any) -> Any:
+    """Plain TOML-ready data of a profile (or any part of it): dataclasses become dicts in field
+    order, tuples become lists, and None (an absent optional table) is left out."""
+    if dataclasses.is_dataclass(p) and not isinstance(p, type):
+        out = {}
+        for f in dataclasses.fields(p):
+            v = getattr(p, f.name)
+            if v is not None:
+                out[f.name] = profile_to_dict(v)
+        return out
+    if isinstance(p, (tuple, list)):
+        return [profile_to_dict(x) for x in p]
+    return p
+
+
+def dumps_profile(p: Profile) -> str:
+    """TOML text of ``p``: sections as tables, figures and small records as inline tables."""
+    d = profile_to_dict(p)
+    lines: list[str] = []
+    _emit_table(d, "", lines, top=True)
+    text = "\n".join(lines).strip("\n") + "\n"
+    if tomllib.loads(text) != d:  # the writer is ours; never let it write what reads back differently
+        raise AssertionError("profile TOML writer produced text that does not read back as the profile")
+    return text
+
+
+def save_profile(p: Profile, path: str) -> str:
+    """Write ``p`` to ``path`` atomically (temporary file, fsync, rename); return the path."""
+    text = dumps_profile(p)
+    path = os.path.abspath(path)
+    d = os.path.dirname(path)
+    try:
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a crash
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ConfigError(f"cannot write profile {path} ({e.strerror}): choose a writable directory with --output "
+                          f"or ${PROFILE_DIR_ENV}") from None
+    return path
+
+
+def _inline_ok(v: Any) -> bool:
+    """Whether a value can be written inside an inline table: no arrays of tables below it."""
+    if isinstance(v, dict):
+        return all(_inline_ok(x) for x in v.values())
+    if isinstance(v, list):
+        return not any(isinstance(x, dict) for x in v) and all(_inline_ok(x) for x in v)
+    return True
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_literal(x)}" for k, x in v.items()) + " }" if v else "{}"
+    if isinstance(v, list):
+        if any(isinstance(x, dict) for x in v):
+            return "[\n" + "".join(f"    {_literal(x)},\n" for x in v) + "]"
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
+    if type(v) is float and math.isfinite(v) and v and not 1e-3 <= abs(v) < 1e6:
+        return _short_float(v)
+    return tomli_w.dumps({"v": v})[len("v = "):].rstrip("\n")
+
+
+def _short_float(v: float) -> str:
+    """Shortest exponent form that reads back exactly: ``1.425e9``, not ``1425000000.0``."""
+    for digits in range(17):
+        s = f"{v:.{digits}e}"
+        if float(s) == v:
+            break
+    mantissa, exp = s.split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def _key(k: str) -> str:
+    return tomli_w.dumps({k: 0})[:-len(" = 0\n")]
+
+
+def _emit_table(d: dict, name: str, out: list[str], *, top: bool = False, element: bool = False) -> None:
+    literals, tables, arrays = [], [], []
+    for k, v in d.items():
+        if isinstance(v, dict) and (top or not _inline_ok(v)):
+            tables.append((k, v))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v) and not all(_inline_ok(x) for x in v):
+            arrays.append((k, v))
+        else:
+            literals.append((k, v))
+    if name:
+        out.append(f"[[{name}]]" if element else f"[{name}]")
+    out.extend(f"{_key(k)} = {_literal(v)}" for k, v in literals)
+    out.append("")
+    for k, v in tables:
+        _emit_table(v, _join(name, _key(k)), out)
+    for k, v in arrays:
+        for x in v:
+            _emit_table(x, _join(name, _key(k)), out, element=True)
