@@ -19,6 +19,7 @@ ZeRO-3 already keeps each rank's parameters as flat partitions split into subgro
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 
@@ -41,18 +42,30 @@ class ZeroEngineSettings:
     host_cache_bytes: int | None = None
     run_dir: str | None = None
     knobs: Knobs = field(default_factory=Knobs)
+    """Starting knobs without a profile."""
+    knob_overrides: dict = field(default_factory=dict)
+    """Knobs the user set explicitly; with a profile they win over the model's plan."""
     io_backend: str = "auto"
+    profile: str | None = None
+    """Path of a hardware profile: each rank starts from the performance model's best plan."""
+    tuner_socket: str | None = None
+    """The tuner daemon's socket; None: no tuning (the starting plan is kept)."""
+    run_id: str | None = None
 
     def to_json(self) -> dict:
         return {"nvme_paths": list(self.nvme_paths), "remote_paths": list(self.remote_paths),
                 "host_cache_bytes": self.host_cache_bytes, "run_dir": self.run_dir,
-                "knobs": self.knobs.to_dict(), "io_backend": self.io_backend}
+                "knobs": self.knobs.to_dict(), "knob_overrides": dict(self.knob_overrides),
+                "io_backend": self.io_backend, "profile": self.profile, "tuner_socket": self.tuner_socket,
+                "run_id": self.run_id}
 
     @classmethod
     def from_json(cls, d: dict) -> "ZeroEngineSettings":
         return cls(nvme_paths=tuple(d.get("nvme_paths", ())), remote_paths=tuple(d.get("remote_paths", ())),
                    host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
-                   knobs=Knobs(**d.get("knobs", {})), io_backend=d.get("io_backend", "auto"))
+                   knobs=Knobs(**d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
+                   io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
+                   tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
 
 
 def check_deepspeed_version(version: str) -> None:
@@ -136,21 +149,47 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             for i in range(len(self.fp16_groups)):
                 self._bindings.append(ZeroPartitionSubgroup(self, i, off))
                 off += self.fp16_partitioned_groups_flat_numel[i]
-            self.offload_engine = SubgroupEngine(self._bindings, self._engine_config(), settings.knobs)
+            config, knobs = self._engine_config()
+            self.offload_engine = SubgroupEngine(self._bindings, config, knobs)
+            self.tuner_client = self._connect_tuner()
 
-        def _engine_config(self) -> EngineConfig:
+        def _engine_config(self) -> tuple[EngineConfig, Knobs]:
             import deepspeed.comm as dist
 
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
             nvme = list(settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
             paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
                 StoragePath(path=p, kind="remote") for p in settings.remote_paths)
             # With storage paths and no budget given, the state goes to the paths (no host cache).
             host_cache = (settings.host_cache_bytes or 0) if paths else None
+            knobs = settings.knobs
+            subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
+            self.plan_summary = None
+            if settings.profile:
+                from .planning import plan_for_rank
+
+                rp = plan_for_rank(settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
+                                   world_size=world, subgroup_numel=subgroup_numel, paths=paths,
+                                   weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
+                                   host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
+                host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
             device = None if not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
-            return EngineConfig(subgroup_numel=max(self.fp16_partitioned_groups_flat_numel), host_cache_bytes=host_cache,
-                                paths=paths, device=device, io_backend=settings.io_backend, run_dir=settings.run_dir,
-                                rank=rank)
+            config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
+                                  io_backend=settings.io_backend, run_dir=settings.run_dir, rank=rank)
+            return config, knobs
+
+        def _connect_tuner(self):
+            if not settings.tuner_socket:
+                return None
+            import deepspeed.comm as dist
+
+            from tuner.client import TunerClient, engine_facts
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            client = TunerClient(settings.tuner_socket, run_id=settings.run_id or "run", rank=rank, world_size=world,
+                                 profile=settings.profile, **engine_facts(self.offload_engine))
+            atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
+            return client
 
         def step(self, closure=None):
             self._pre_step()
@@ -170,7 +209,17 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 combined = torch.clamp(clip, min=1.0) * self.loss_scale if torch.is_tensor(clip) else max(clip, 1.0) * self.loss_scale
             inv = 1.0 / combined
             self._engine_grad_scale = float(inv)
-            self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
+            tuner = self.tuner_client
+            if tuner is not None:
+                tuner.apply_pending(self.offload_engine)  # all ranks switch at the same iteration
+            try:
+                rec = self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
+            except BaseException as e:
+                if tuner is not None:
+                    tuner.report_event("oom" if isinstance(e, torch.OutOfMemoryError) else "error", str(e))
+                raise
+            if tuner is not None:
+                tuner.report(rec)
             # The wrapped optimizer holds no params (the engine owns them), so its step() updates
             # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
             # Face attaches its scheduler to this optimizer) and registered step hooks.
@@ -212,6 +261,8 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 self._bindings[i].write_weights(master)
 
         def destroy(self):
+            if self.tuner_client is not None:
+                self.tuner_client.close()
             self.offload_engine.close()
             super_destroy = getattr(super(), "destroy", None)
             if super_destroy:

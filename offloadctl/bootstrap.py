@@ -62,8 +62,12 @@ def main() -> int:
             if _rank() == 0:
                 plan = engine.optimizer.offload_engine.describe()
                 tiers = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in plan["state_bytes_by_tier"].items())
+                opt = engine.optimizer
+                start = opt.plan_summary or "no profile: probed paths, default knobs"
+                tuner = f"tuner {opt.tuner_client.socket_path}" if opt.tuner_client else "tuner off"
                 print(f"offloadctl: engine active: {plan['subgroups']} subgroups per rank; state by tier: {tiers}; "
-                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}", file=sys.stderr, flush=True)
+                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}; {start}; {tuner}",
+                      file=sys.stderr, flush=True)
             return result
 
         deepspeed.initialize = initialize

@@ -164,3 +164,62 @@ def test_dry_run_prints_the_launch(tmp_path):
     assert plan["command"][-3:] == [SCRIPT, "--steps", "3"]
     assert plan["settings"]["nvme_paths"] == [str(nvme)]
     assert plan["settings"]["knobs"]["node_lock"] is True
+
+
+def _profile_for(nvme, out):
+    """The shipped example profile, pointed at ``nvme``: a valid profile without measuring."""
+    import dataclasses
+
+    from engine.profile_toml import load_profile, save_profile
+
+    p = load_profile(os.path.join(ROOT, "profiles", "example-cpu-vm.toml"))
+    p = dataclasses.replace(p, name="test-profile", paths=tuple(dataclasses.replace(q, path=str(nvme)) for q in p.paths))
+    return save_profile(p, str(out))
+
+
+def test_profile_starts_from_the_model_plan(tmp_path):
+    from engine.config import StoragePath
+    from engine.planning import plan_for_rank
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    prof = _profile_for(nvme, tmp_path / "p.toml")
+    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), opts=("--profile", prof, "--tuner", "off"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "profile test-profile: predicted update" in out.stderr and "tuner off" in out.stderr
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "telemetry-rank0.jsonl")]
+    # The rank ran with the knobs the model picks for its size (the tiny model's 4 subgroups).
+    params = recs[0]["params"]
+    expected = plan_for_rank(prof, params_total=params, world_size=1, subgroup_numel=100,
+                             paths=(StoragePath(path=str(nvme)),), weight_bytes=4, host_cache_bytes=2000,
+                             knob_overrides={})
+    assert recs[0]["knobs"]["prefetch_depth"] == expected.knobs.prefetch_depth
+    assert all(r["knobs"] == recs[0]["knobs"] for r in recs)  # --tuner off: never changed
+
+
+def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    env = dict(_env(), XDG_RUNTIME_DIR=str(tmp_path / "xdg"))  # no daemon at the default socket
+    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "2", "--master_port", _port(),
+                          "--nvme", str(nvme), "--host-cache-gb", TINY_CACHE_GB, "--run-dir", str(tmp_path / "run"),
+                          SCRIPT, "--losses-out", str(tmp_path / "l.jsonl")],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sock = tmp_path / "run" / "tuner" / "tuner.sock"
+    assert f"tuner {sock}" in out.stderr
+    log = open(str(sock) + ".log").read()
+    assert "rank 0/2 registered" in log and "rank 1/2 registered" in log and "stopped" in log
+    assert not sock.exists()  # the private daemon went with the run
+
+
+@pytest.mark.parametrize("opts,pattern", [
+    (("--profile", "no-such-profile"), r"no-such-profile"),
+    (("--tuner", "/nonexistent/tuner.sock"), r"--tuner /nonexistent/tuner.sock: no socket there"),
+    (("--profile", "{bad}"), r"line \d+")], ids=["unknown-profile", "missing-socket", "malformed-profile"])
+def test_bad_profile_or_tuner_is_one_line(opts, pattern, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("schema_version = 1\nname = \"x\"\nbogus = 3\n")
+    opts = [o.format(bad=bad) for o in opts]
+    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--nvme", str(tmp_path), *opts, SCRIPT])
+    _one_line_error(out, pattern)

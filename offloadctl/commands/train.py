@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
+import uuid
 
 # DeepSpeed launcher options passed through: (flags, takes a value).
 LAUNCHER_OPTIONS = [
@@ -42,9 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: 0 when paths are given, else all)")
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
-    o.add_argument("--prefetch-depth", type=int, default=2, metavar="N", help="subgroups read ahead (default 2)")
-    o.add_argument("--node-lock", action="store_true",
+    o.add_argument("--profile", metavar="NAME|PATH", help="hardware profile (offloadctl profile save): start from the "
+                   "performance model's best plan (default: a quick probe of the paths and default knobs)")
+    o.add_argument("--tuner", default="auto", metavar="auto|off|SOCKET",
+                   help="auto: use the running tuner daemon, or start a private one for this run (default); "
+                   "off: keep the starting plan; SOCKET: the daemon at this socket")
+    o.add_argument("--prefetch-depth", type=int, metavar="N", help="subgroups read ahead (default 2, or the plan's)")
+    o.add_argument("--node-lock", action="store_true", default=None,
                    help="one rank at a time per storage device on a node, so ranks do not interleave their I/O")
+    o.add_argument("--params", metavar="N", help="with --dry-run and --profile: model size for the plan preview "
+                   "(7e9, 70M, 1.5B); the ranks plan for the real size")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     p.add_argument("script", help="the DeepSpeed training script")
@@ -65,10 +73,20 @@ def build(args: argparse.Namespace) -> dict:
     if args.host_cache_gb is not None and args.host_cache_gb < 0:
         raise ConfigError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock)) if v is not None}
+    profile = None
+    if args.profile:
+        from engine.profile_toml import load_profile, resolve_profile
+
+        profile = resolve_profile(args.profile)
+        load_profile(profile)  # a malformed profile fails here, once, not in every rank
+    tuner = tuner_target(args.tuner)
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
-        io_backend=args.io_backend, knobs=Knobs(prefetch_depth=args.prefetch_depth, node_lock=args.node_lock))
+        io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
+        tuner_socket=None if tuner in ("auto", "off") else tuner,
+        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
     launcher = []
     for flags, takes_value in LAUNCHER_OPTIONS:
         v = getattr(args, "ds_" + flags[0].lstrip("-"))
@@ -83,7 +101,51 @@ def build(args: argparse.Namespace) -> dict:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
-    return {"command": cmd, "env": env, "settings": settings.to_json()}
+    out = {"command": cmd, "env": env, "settings": settings.to_json(), "tuner": tuner}
+    if profile and args.params:
+        out["plan_preview"] = preview_plan(settings, parse_count(args.params))
+    return out
+
+
+def tuner_target(value: str) -> str:
+    """'auto', 'off', or the absolute path of a daemon socket."""
+    from engine.errors import ConfigError
+
+    if value in ("auto", "off"):
+        return value
+    path = os.path.abspath(value)
+    if not os.path.exists(path):
+        raise ConfigError(f"--tuner {value}: no socket there; start the daemon (offloadctl tuner start --socket "
+                          f"{value}), or use --tuner auto")
+    return path
+
+
+def parse_count(text: str) -> int:
+    """'7e9', '70M', '1.5B', '2T' -> an integer count."""
+    from engine.errors import ConfigError
+
+    t = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale != 1 else t) * scale
+    except ValueError:
+        n = -1
+    if not n >= 1:
+        raise ConfigError(f"--params {text}: give a parameter count such as 7e9, 70M, 1.5B")
+    return int(n)
+
+
+def preview_plan(settings, params: int) -> dict:
+    """What each rank would plan for a model of ``params`` parameters on one node."""
+    from engine.config import StoragePath
+    from engine.planning import plan_for_rank
+
+    paths = tuple(StoragePath(path=p, kind="nvme") for p in settings.nvme_paths) + tuple(
+        StoragePath(path=p, kind="remote") for p in settings.remote_paths)
+    rp = plan_for_rank(settings.profile, params_total=params, world_size=1, subgroup_numel=10_000_000, paths=paths,
+                       weight_bytes=2, host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
+    return {"host_cache_bytes": rp.host_cache_bytes, "knobs": rp.knobs.to_dict(),
+            "predicted_update_s": rp.predicted_update_s, "summary": rp.summary}
 
 
 def remove_shm_buffers(master_port: str | None) -> int:
@@ -109,10 +171,37 @@ def run(args: argparse.Namespace) -> int:
             print("command: " + shlex.join(plan["command"]))
             print("env:     " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items()))
             print("plan:    " + json.dumps(plan["settings"]))
+            print("tuner:   " + {"auto": "auto (the running daemon, else a private one for this run)",
+                                 "off": "off (the starting plan is kept)"}.get(plan["tuner"], plan["tuner"]))
+            if "plan_preview" in plan:
+                print("preview: " + plan["plan_preview"]["summary"])
         return 0
     run_dir = plan["settings"]["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
+    stop_tuner = None
+    if plan["tuner"] == "auto":
+        from tuner.service import ensure_daemon
+
+        socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
+        plan = with_tuner_socket(plan, socket_path)
     env = dict(os.environ, **plan["env"])
+    try:
+        return _launch(plan, env, args, run_dir)
+    finally:
+        if stop_tuner is not None:
+            stop_tuner()
+
+
+def with_tuner_socket(plan: dict, socket_path: str) -> dict:
+    """The launch with the ranks pointed at ``socket_path``."""
+    settings = dict(plan["settings"], tuner_socket=socket_path)
+    cmd = list(plan["command"])
+    i = cmd.index("--offloadctl-config")
+    cmd[i + 1] = json.dumps(settings)
+    return dict(plan, command=cmd, settings=settings)
+
+
+def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> int:
     proc = subprocess.Popen(plan["command"], env=env)
     try:
         rc = proc.wait()

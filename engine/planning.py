@@ -1,0 +1,66 @@
+"""From a hardware profile to one rank's engine settings: the performance model's best plan.
+
+``offloadctl train --profile`` resolves the profile at launch; each rank calls
+:func:`plan_for_rank` once it knows its partition, so the plan is for the real model size. The
+knobs the user set on the command line win over the plan's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .config import Knobs, StoragePath
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    host_cache_bytes: int | None
+    knobs: Knobs
+    paths: tuple[StoragePath, ...]
+    """The run's paths with the profile's bandwidths declared (no probe at start)."""
+    predicted_update_s: float
+    summary: str
+    """One line for the run log."""
+
+
+def node_layout(world_size: int) -> tuple[int, int]:
+    """(ranks per node, nodes) from the DeepSpeed launcher's environment."""
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    local = max(1, min(local, world_size))
+    return local, max(1, world_size // local)
+
+
+def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subgroup_numel: int,
+                  paths: tuple[StoragePath, ...], weight_bytes: int, host_cache_bytes: int | None,
+                  knob_overrides: dict) -> RankPlan:
+    """The model's best plan for this run, with ``host_cache_bytes`` (when not None) and
+    ``knob_overrides`` (knob name -> value the user set) taking precedence."""
+    from .perfmodel import Workload, best_plan, predict
+    from .profile_toml import load_profile
+
+    profile = load_profile(profile_path)
+    ranks, nodes = node_layout(world_size)
+    workload = Workload(params=max(1, params_total), ranks=ranks, nodes=nodes, subgroup_numel=max(1, subgroup_numel),
+                        weight_bytes=weight_bytes if weight_bytes in (2, 4) else 4)
+    names = [p.path for p in paths]
+    for p in names:
+        if profile.path(p) is None:
+            raise ConfigError(f"storage path {p} is not in profile {profile.name!r} ({profile_path}): measure it with "
+                              f"`offloadctl profile save NAME --nvme {p}`, or run without --profile")
+    best = best_plan(profile, workload, paths=names)
+    plan = best.plan
+    if host_cache_bytes is not None:
+        plan = plan.replace(host_cache_bytes=host_cache_bytes)
+    if knob_overrides:
+        plan = plan.replace(**knob_overrides)
+    pred = best if plan == best.plan else predict(profile, workload, plan)
+    declared = tuple(replace(sp, read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
+                             write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value)
+                     for sp in paths)
+    # Without storage paths everything stays in host memory, whatever the plan says.
+    host = plan.host_cache_bytes if paths else None
+    summary = (f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
+               f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, prefetch {plan.prefetch_depth}, "
+               f"concurrency {dict(plan.io_concurrency) or 'default'}")
+    return RankPlan(host, plan.to_knobs(), declared, pred.update_s, summary)
