@@ -41,6 +41,7 @@ from engine.adamw import measure_host_kernels  # noqa: E402
 from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
 from engine.io_backends import open_backend  # noqa: E402
 from engine.storage import SwapPath  # noqa: E402
+from bench.emulate import run_emulated  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -140,36 +141,6 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
             "deepspeed_cpu_adam_params_per_s": numel / t, "ratio": t / o, "host_kernel": eng.host_kernel_name}
 
 
-def run_emulated(spec: str, argv: list[str]) -> int:
-    """Re-run this benchmark on an emulated tier made with bench/tiers.sh, then remove the tier."""
-    import subprocess
-
-    try:
-        read_mbps, write_mbps = (int(x) for x in spec.split(":"))
-    except ValueError:
-        console.print(f"[red]--emulate {spec}: give READ:WRITE in MB/s, for example 400:400[/red]")
-        return 2
-    if os.geteuid() != 0:
-        console.print("skipping: emulated tiers need root (loop devices, mounts, blkio cgroups); "
-                      "run with --nvme PATH on a real path instead")
-        return 0
-    tiers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers.sh")
-    mnt = "/mnt/offloadctl-tiers/nvme"
-    rest, skip = [], False
-    for a in argv:  # this run's arguments, less --emulate and its value
-        if skip or a.startswith("--emulate="):
-            skip = False
-        elif a == "--emulate":
-            skip = True
-        else:
-            rest.append(a)
-    subprocess.run([tiers, "up", f"nvme:6:{read_mbps}:{write_mbps}"], check=True)
-    try:
-        return subprocess.call([tiers, "run", sys.executable, os.path.abspath(__file__), "--nvme", mnt, *rest])
-    finally:
-        subprocess.run([tiers, "down"], check=False)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = ap.add_mutually_exclusive_group(required=True)
@@ -183,7 +154,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
     if args.emulate:
-        return run_emulated(args.emulate, sys.argv[1:])
+        return run_emulated(__file__, args.emulate, sys.argv[1:], size_gb=6)
     if not os.path.isdir(args.nvme):
         console.print(f"[red]--nvme {args.nvme} is not a directory: create it first[/red]")
         return 2

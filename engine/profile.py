@@ -151,7 +151,8 @@ class Profile:
         """Paths grouped by the device behind them: bandwidth is shared within a group."""
         out: dict[str, list[PathProfile]] = {}
         for p in self.paths:
-            out.setdefault(p.device_id or p.device, []).append(p)
+            # By whole-disk name: two partitions of one disk have distinct st_dev but one bandwidth.
+            out.setdefault(p.device or p.device_id, []).append(p)
         return out
 
     def cpu_adamw_params_per_s(self, threads: int | None = None) -> float:
