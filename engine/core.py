@@ -235,6 +235,8 @@ class SubgroupEngine:
                 sg.next_file.path.remove_file(sg.next_file)
                 sg.next_file = None
             sg.tier = p
+            if sg.file.path is self.paths[p]:
+                continue  # back on the path that holds its state (a move not yet done): nothing to move
             if sg.fresh:  # nothing on storage yet: move the empty file now
                 sg.file.path.remove_file(sg.file)
                 sg.file = self._create_file(sg, p)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -196,4 +197,28 @@ def test_device_lane_on_cuda_matches_adamw(swap_dir):
     _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
                                                nvme_paths=[swap_dir], device="cuda", device_fraction=0.5,
                                                host_adam="torch"), model_fn=model_fn)
+    opt.close()
+
+
+@pytest.mark.parametrize("backend", ["aio", "posix"])
+def test_stripe_change_reverted_before_the_move_keeps_state(swap_dirs, backend):
+    """A tuner trial moves stripe weight and reverts it one step later, before some kept
+    subgroups were written to their new path: their state must stay where it is, intact."""
+    nvme0, nvme1, _ = swap_dirs
+
+    def factory(m):
+        return OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[nvme0, nvme1],
+                            io_backend=backend, host_adam="torch", prefetch_depth=2)
+
+    model, opt, ref, ref_opt = reference_pair(factory, 2)
+    from conftest import feed_same_grads
+
+    base = opt.engine.knobs
+    for k, knobs in enumerate([base.replace(stripe_weights={nvme0: 3.0, nvme1: 1.0}), base, base]):
+        opt.set_knobs(knobs)
+        feed_same_grads([(model, opt), (ref, ref_opt)], 1 if k < 2 else 3, seed=20 + k)
+        assert_params_close(model, ref)
+    for sg in opt.engine.subgroups:
+        if isinstance(sg.tier, int):
+            assert os.path.exists(sg.file.filename), f"subgroup {sg.index}'s swap file was removed"
     opt.close()

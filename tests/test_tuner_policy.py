@@ -1,0 +1,523 @@
+"""The tuner's policy on scripted runs, its sensors on real disk traffic, its history in real SQLite.
+
+The policy runs against synthetic cost functions with seeded multiplicative noise: a knob
+change takes effect at the next iteration, as in the engine. Cost functions are hand-made so
+that the optimum is known.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import subprocess
+import time
+
+import pytest
+
+from engine.config import Knobs
+from engine.errors import ConfigError
+from tuner.history import History
+from tuner.policy import Observation, Policy, PolicyConfig
+from tuner.sensors import Sensors
+
+NVME, PFS = "/nvme", "/pfs"
+SUB = 120_000_000  # bytes of state per subgroup (1e7 params)
+PARAMS = 100_000_000  # 10 subgroups
+
+
+class Sim:
+    """A run whose update time is ``cost(knobs, iteration)`` times lognormal noise."""
+
+    def __init__(self, policy: Policy, cost, *, noise: float = 0.04, seed: int = 0, others=None, headroom=None,
+                 errors=None):
+        self.policy, self.cost, self.noise = policy, cost, noise
+        self.rnd = random.Random(seed)
+        self.knobs = policy.knobs
+        self.others = others or (lambda i: {})
+        self.headroom = headroom or (lambda i: None)
+        self.errors = errors or (lambda i, k: None)
+        self.i = 0
+        self.in_force: list[Knobs] = []  # knobs of each iteration
+        self.decisions: list[tuple[int, Knobs, str]] = []
+
+    def step(self):
+        i, k = self.i, self.knobs
+        upd, moved = self.cost(k, i)
+        x = upd * self.rnd.lognormvariate(0, self.noise)
+        obs = Observation(i, None, x, 0.5 * x, 0.05 * x, {p: b / 2 / x for p, b in moved.items()},
+                          {p: b / 2 / x for p, b in moved.items()}, self.others(i), self.headroom(i),
+                          error=self.errors(i, k))
+        self.in_force.append(k)
+        d = self.policy.observe(obs)
+        if d is not None:
+            self.decisions.append((i, d.knobs, d.reason))
+            self.knobs = d.knobs  # the engine applies it at the next step
+        self.i += 1
+        return d
+
+    def run(self, n: int):
+        for _ in range(n):
+            self.step()
+        return self
+
+
+def one_path_cost(k: Knobs, i: int = 0):
+    """10 subgroups of 120 MB on one 400 MB/s path, 0.12 s of compute each. Concurrency below 4
+    loses bandwidth; prefetch hides reads behind compute and keeps depth+1 subgroups cached."""
+    n, size, comp = 10, 0.12e9, 0.12
+    c, d = k.concurrency_for(NVME), k.prefetch_depth
+    bw = 0.4e9 * min(1.0, 0.35 + 0.65 * (c - 1) / 3)
+    r = size / bw
+    kept = min(n, d + 1)
+    per = r + comp if d == 0 else max(r, comp) * (1 + 0.3 / (d + 1))
+    return (n - kept) * per + kept * comp, {NVME: 2 * (n - kept) * size}
+
+
+def test_converges_from_a_poor_start_within_30_iterations():
+    grid = [Knobs(io_concurrency={NVME: c}, prefetch_depth=d) for c in (1, 2, 4, 8, 16) for d in range(5)]
+    best = min(one_path_cost(k)[0] for k in grid)
+    start = Knobs(io_concurrency={NVME: 1}, prefetch_depth=0)
+    assert one_path_cost(start)[0] > 3 * best  # the start really is poor
+    for seed in range(4):
+        pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
+                     config=PolicyConfig(max_prefetch_depth=4))
+        sim = Sim(pol, one_path_cost, seed=seed).run(30)
+        assert one_path_cost(sim.knobs)[0] <= 1.1 * best, (seed, sim.knobs, pol.log[-1]["reason"])
+        # Bounded steps: concurrency x2 or /2, prefetch depth by at most 2, per change.
+        for a, b in zip(sim.in_force, sim.in_force[1:]):
+            ca, cb = a.concurrency_for(NVME), b.concurrency_for(NVME)
+            assert max(ca, cb) <= 2 * min(ca, cb) and abs(a.prefetch_depth - b.prefetch_depth) <= 2
+        assert all(k.prefetch_depth <= 4 for k in sim.in_force)
+
+
+def test_a_change_that_hurt_is_reverted_and_not_tried_again():
+    def cost(k, i):  # more concurrency thrashes this device; prefetch does nothing
+        c = k.concurrency_for(NVME)
+        return 2.0 * (1.0 if c <= 4 else 1.5), {NVME: 1e9}
+
+    start = Knobs(io_concurrency={NVME: 4}, prefetch_depth=2)
+    pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
+                 config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0))
+    sim = Sim(pol, cost, noise=0.02, seed=3).run(60)
+    bad = [i for i, k in enumerate(sim.in_force) if k.concurrency_for(NVME) > 4]
+    assert bad, "the search never tried more concurrency"
+    # Clearly worse: reverted after the settle iteration and one measurement.
+    assert len(bad) <= 2, bad
+    assert any(e["reason"].startswith("reverted io_concurrency[/nvme] 4->8") for e in pol.log)
+    assert sim.knobs.concurrency_for(NVME) <= 4
+    assert pol.state()["mode"] == "holding"
+
+
+def test_noise_alone_does_not_move_the_knobs_for_long():
+    def flat(k, i):
+        return 3.0, {NVME: 1e9}
+
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
+                 config=PolicyConfig(reexplore_every_iters=0))
+    sim = Sim(pol, flat, noise=0.05, seed=11).run(80)
+    kept = [e for e in pol.log if e["reason"].startswith("kept")]
+    assert len(kept) <= 1, [e["reason"] for e in kept]
+    assert pol.state()["mode"] == "holding"
+    assert pol.state()["threshold"] > 0.05  # learned from the noise, above min_gain
+
+
+def test_device_lane_never_exceeds_the_reported_headroom():
+    def cost(k, i):  # compute bound: the device lane helps all the way
+        return 4.0 * (1 - 2 * k.device_fraction), {NVME: 1e8}
+
+    headroom = [3 * SUB]  # three of the ten subgroups fit
+    pol = Policy(Knobs(), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
+                 device_headroom_bytes=headroom[0])
+    sim = Sim(pol, cost, noise=0.02, headroom=lambda i: headroom[0])
+    sim.run(40)
+    assert max(k.device_fraction for k in sim.in_force) == pytest.approx(0.3)
+    assert sim.knobs.device_fraction == pytest.approx(0.3)
+    headroom[0] = SUB + 1  # activations grew: one subgroup fits now
+    d = sim.step()
+    assert d is not None and d.knobs.device_fraction == pytest.approx(0.1) and "headroom" in d.reason
+    sim.run(30)
+    assert all(k.device_fraction <= 0.1 + 1e-9 for k in sim.in_force[-30:])
+
+
+def test_prefetch_depth_stays_within_the_staging_memory_cap():
+    # 7 subgroups of staging memory: (2 * depth + 3) <= 7 allows depth 2, although 4 is faster.
+    pol = Policy(Knobs(io_concurrency={NVME: 4}, prefetch_depth=0), paths=[NVME], has_device=False, subgroup_bytes=SUB,
+                 params=PARAMS, config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=7 * SUB))
+    sim = Sim(pol, one_path_cost, seed=5).run(40)
+    assert max(k.prefetch_depth for k in sim.in_force) == 2
+
+
+def test_no_device_lane_without_a_known_headroom_or_model_size():
+    def cost(k, i):
+        return 4.0 * (1 - 0.6 * k.device_fraction), {NVME: 1e8}
+
+    for kwargs in ({"device_headroom_bytes": None, "params": PARAMS}, {"device_headroom_bytes": 10 * SUB, "params": 0}):
+        pol = Policy(Knobs(), paths=[NVME], has_device=True, subgroup_bytes=SUB, **kwargs)
+        sim = Sim(pol, cost, noise=0.02).run(30)
+        assert all(k.device_fraction == 0 for k in sim.in_force)
+
+
+def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
+    def cost(k, i):
+        return 4.0 * (1 - 2 * k.device_fraction), {NVME: 1e8}
+
+    poisoned = 0.2  # this fraction runs out of memory
+
+    def errors(i, k):
+        return "oom" if k.device_fraction >= poisoned - 1e-9 else None
+
+    # Frequent re-exploration: forgetting failed moves must not bring the bad knobs back.
+    pol = Policy(Knobs(), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
+                 device_headroom_bytes=10 * SUB, config=PolicyConfig(reexplore_every_iters=5))
+    sim = Sim(pol, cost, noise=0.02, errors=errors).run(100)
+    assert sum("re-exploring" in e["reason"] for e in pol.log) >= 3
+    rollbacks = [d for d in sim.decisions if "rolled back" in d[2]]
+    assert len(rollbacks) == 1
+    i, knobs, reason = rollbacks[0]
+    assert knobs.device_fraction == pytest.approx(0.1) and "oom" in reason
+    # The bad knobs ran for exactly one iteration, and never again.
+    assert sum(1 for k in sim.in_force if k.device_fraction >= poisoned - 1e-9) == 1
+    assert sim.knobs.device_fraction == pytest.approx(0.1)
+
+
+def test_oom_under_the_good_knobs_lowers_the_device_lane():
+    pol = Policy(Knobs(device_fraction=0.5), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
+                 device_headroom_bytes=10 * SUB)
+    obs = Observation(0, None, 1.0, 0.0, 0.0, {}, {}, {}, 10 * SUB, error="oom")
+    d = pol.observe(obs)
+    assert d is not None and d.knobs.device_fraction == pytest.approx(0.4)
+    assert pol.log[-1]["kind"] == "rollback"
+    # A plain error with no device lane to lower changes nothing, but is logged.
+    pol2 = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    assert pol2.observe(Observation(0, None, 1.0, 0.0, 0.0, {}, {}, {}, None, error="disk full")) is None
+    assert "nothing to roll back" in pol2.log[-1]["reason"]
+
+
+def two_path_cost(contended: range):
+    """NVMe 400 MB/s and PFS 200 MB/s; the engine's default weights are their bandwidths. While
+    contended, another writer halves NVMe. Time: the slower path, plus 0.2 s of compute."""
+    bw = {NVME: 0.4e9, PFS: 0.2e9}
+
+    def cost(k, i):
+        w = {p: k.stripe_weights.get(p, bw[p]) for p in bw}
+        total = sum(w.values())
+        moved = {p: 2.4e9 * w[p] / total for p in bw}
+        t = max(moved[p] / (bw[p] * (0.5 if (p == NVME and i in contended) else 1.0)) for p in bw)
+        return t + 0.2, moved
+
+    return cost
+
+
+def nvme_share(k: Knobs) -> float:
+    w = k.stripe_weights
+    return w[NVME] / (w[NVME] + w[PFS]) if w else 2 / 3
+
+
+def test_contention_shifts_stripe_weight_away_and_back():
+    window = range(25, 45)
+    cost = two_path_cost(window)
+    pol = Policy(Knobs(), paths=[NVME, PFS], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    sim = Sim(pol, cost, noise=0.03, seed=1,
+              others=lambda i: {NVME: 200e6 if i in window else 2e6, PFS: 1e6})
+    sim.run(70)
+    shares = [nvme_share(k) for k in sim.in_force]
+    # Before: the bandwidth split is best; stripe moves are tried and reverted.
+    before = [e["reason"] for e in pol.log if e["iteration"] < 25]
+    assert any(r.startswith("reverted stripe weight") for r in before)
+    assert not any(r.startswith("kept stripe weight") for r in before)
+    # Within 10 iterations of the writer starting, less weight on the busy path, and faster.
+    assert min(shares[25:35]) <= 0.55
+    adapted = next(i for i in range(25, 45) if shares[i] <= 0.55)
+    assert adapted - 25 <= 10
+    assert cost(sim.in_force[40], 40)[0] < 0.85 * cost(Knobs(), 40)[0]
+    # Each new split shifted at most a quarter of the losing path's share (going back to a
+    # split run before is a revert, not a move).
+    for i, (a, b) in enumerate(zip(shares, shares[1:])):
+        if not any(abs(b - x) < 1e-6 for x in shares[:i + 1]):
+            assert b >= 0.75 * a - 1e-3 and 1 - b >= 0.75 * (1 - a) - 1e-3, (i, a, b)
+    # Within 12 iterations of it stopping, back to the plan before contention.
+    back = next(i for i in range(45, 70) if shares[i] >= 0.66)
+    assert back - 45 <= 12
+    reasons = [d[2] for d in sim.decisions]
+    assert any("contended" in r for r in reasons) and any("contention is gone" in r for r in reasons)
+
+
+def test_contention_on_the_only_path_re_measures_and_may_lower_concurrency():
+    window = range(10, 40)
+
+    def cost(k, i):  # thrashing: under contention, less concurrency is better
+        c = k.concurrency_for(NVME)
+        return (2.0 + (0.4 * c if i in window else 0.0)), {NVME: 1e9}
+
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    sim = Sim(pol, cost, noise=0.02, seed=2, others=lambda i: {NVME: 300e6 if i in window else 0.0}).run(40)
+    assert any(e["kind"] == "contention" for e in pol.log)
+    assert sim.in_force[25].concurrency_for(NVME) < 4
+
+
+def test_pins_are_applied_and_never_searched():
+    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
+                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4))
+    sim = Sim(pol, one_path_cost, seed=0)
+    sim.run(5)
+    pol.pin("prefetch_depth", "3")
+    pol.pin("io_concurrency[/nvme]", 2)
+    d = sim.step()
+    assert d is not None and d.knobs.prefetch_depth == 3 and d.knobs.concurrency_for(NVME) == 2
+    assert "pinned" in d.reason
+    sim.run(40)
+    assert all(k.prefetch_depth == 3 and k.concurrency_for(NVME) == 2 for k in sim.in_force[6:])
+    assert pol.pins == {"prefetch_depth": 3, "io_concurrency[/nvme]": 2}
+    pol.unpin("io_concurrency[/nvme]")
+    sim.run(30)
+    assert sim.knobs.concurrency_for(NVME) > 2 and sim.knobs.prefetch_depth == 3
+
+
+def test_bad_pins_are_config_errors_naming_the_knob():
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    with pytest.raises(ConfigError, match="unknown knob 'bogus'"):
+        pol.pin("bogus", 1)
+    with pytest.raises(ConfigError, match="prefetch_depth"):
+        pol.pin("prefetch_depth", 100)
+    with pytest.raises(ConfigError, match="/nope"):
+        pol.pin("io_concurrency[/nope]", 2)
+    with pytest.raises(ConfigError, match="device lane"):
+        pol.pin("device_fraction", 0.5)
+    with pytest.raises(ConfigError, match="node_lock"):
+        pol.pin("node_lock", "maybe")
+    with pytest.raises(ConfigError, match="not pinned"):
+        pol.unpin("prefetch_depth")
+    assert pol.pins == {}
+
+
+def test_freeze_ends_the_trial_and_stops_decisions():
+    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
+                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4))
+    sim = Sim(pol, one_path_cost, seed=0)
+    while pol.state()["mode"] != "trial":
+        sim.step()
+    good = Knobs(**pol.state()["good_knobs"])
+    assert sim.knobs != good
+    pol.freeze(True)
+    d = sim.step()
+    assert d is not None and d.knobs == good and "frozen" in d.reason
+    n = len(sim.decisions)
+    sim.run(20)
+    assert len(sim.decisions) == n and all(k == good for k in sim.in_force[-20:])
+    pol.freeze(False)
+    sim.run(12)
+    assert len(sim.decisions) > n
+
+
+def test_observations_under_old_knobs_are_not_measured():
+    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
+                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(warmup_iters=0, settle_iters=0))
+    old = pol.knobs.to_dict()
+
+    def obs(i, t, knobs):
+        return Observation(i, None, t, 0.8 * t, 0.0, {NVME: 1e8}, {NVME: 1e8}, {}, None, knobs=knobs)
+
+    d = None
+    for i in range(3):
+        d = pol.observe(obs(i, 5.0, old))
+    assert d is not None and "trying" in d.reason
+    new = d.knobs
+    # The engine has not applied the change yet: these would look like a bad trial if counted.
+    for i in range(3, 10):
+        assert pol.observe(obs(i, 9.0, old)) is None
+    assert pol.state()["mode"] == "trial"
+    # Once applied, a clearly better time is kept.
+    for i in range(10, 13):
+        d = pol.observe(obs(i, 3.0, new.to_dict())) or d
+    assert any(e["reason"].startswith("kept") for e in pol.log)
+
+
+def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it():
+    pytest.importorskip("engine.perfmodel")
+    pytest.importorskip("engine.profile_toml")
+    profile = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles",
+                           "example-cpu-vm.toml")
+    path = "/var/tmp/offloadctl"  # the example profile's path
+    start = Knobs(io_concurrency={path: 1}, prefetch_depth=0)
+    pol = Policy(start, paths=[path], has_device=False, subgroup_bytes=SUB, params=3_000_000_000, profile=profile)
+    plan = pol.knobs
+    assert plan != start
+    d = pol.observe(Observation(0, None, 9.0, 5.0, 0.0, {path: 1e8}, {path: 1e8}, {}, None))
+    assert d is not None and d.knobs == plan and "performance model's best plan" in d.reason
+    trial = None
+    for i in range(1, 8):
+        d = pol.observe(Observation(i, None, 5.0, 2.0, 0.0, {path: 1e8}, {path: 1e8}, {}, None))
+        trial = trial or d
+    assert trial is not None and trial.knobs == start and "starting knobs" in trial.reason
+
+
+def test_profile_without_a_usable_model_falls_back_to_online_search():
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
+                 profile="no-such-profile-here")
+    assert pol.knobs == Knobs()
+    assert any(e["kind"] == "model" and "not used" in e["reason"] for e in pol.log)
+
+
+def test_policy_config_is_validated():
+    with pytest.raises(ConfigError, match="PolicyConfig.window"):
+        PolicyConfig(window=0)
+    with pytest.raises(ConfigError, match="PolicyConfig.stripe_step"):
+        PolicyConfig(stripe_step=1.5)
+    with pytest.raises(ConfigError, match="max_prefetch_depth"):
+        PolicyConfig(max_prefetch_depth=65)
+
+
+def test_start_knobs_for_paths_the_run_lacks_are_dropped():
+    pol = Policy(Knobs(io_concurrency={NVME: 8, "/gone": 2}, stripe_weights={NVME: 1.0, "/gone": 1.0}),
+                 paths=[NVME, PFS], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    assert pol.knobs.io_concurrency == {NVME: 8} and pol.knobs.stripe_weights == {}
+    assert "/gone" in pol.log[0]["reason"]
+
+
+# -- sensors ---------------------------------------------------------------------------------------
+
+
+def _dd(path: str, mib: int) -> None:
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct", "status=none"],
+                   check=True, timeout=60)
+
+
+def test_sensors_see_another_process_writing_with_o_direct(tmp_path):
+    d = tmp_path / "nvme"
+    d.mkdir()
+    with Sensors([str(d)]) as sensors:
+        assert sensors.devices[str(d)].is_block
+        t0 = time.monotonic()
+        _dd(str(d / "bg"), 64)
+        s = sensors.sample({})
+        dt = time.monotonic() - t0
+    p = s["paths"][str(d)]
+    assert p["measured"] and p["device"] == sensors.devices[str(d)].name
+    # The other process's 64 MiB are in the device's counters, none of it ours.
+    assert p["other_bytes_per_s"] * s["interval_s"] >= 0.9 * (64 << 20)
+    assert p["other_bytes_per_s"] == p["total_bytes_per_s"]
+    assert s["interval_s"] >= dt * 0.5
+    assert 0.0 <= s["cpu_percent"] <= 100.0
+    assert s["memory_available_bytes"] > 0
+
+
+def test_sensors_subtract_ours_per_device(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    with Sensors([str(a), str(b)], gpu=False) as sensors:
+        _dd(str(a / "x"), 16)
+        total_probe = sensors.sample({})["paths"][str(a)]["total_bytes_per_s"]
+        _dd(str(a / "y"), 16)
+        ours = {str(a): 1e6, str(b): 2e6}
+        s = sensors.sample(ours)
+    assert total_probe > 0
+    pa, pb = s["paths"][str(a)], s["paths"][str(b)]
+    # Two directories on one disk: one figure, and both our paths' traffic is subtracted from it.
+    assert pa["device"] == pb["device"]
+    assert pa["total_bytes_per_s"] == pb["total_bytes_per_s"]
+    assert pa["other_bytes_per_s"] == pytest.approx(max(0.0, pa["total_bytes_per_s"] - 3e6))
+    with Sensors([str(a)], gpu=False) as sensors:
+        s = sensors.sample({str(a): 1e15})  # more than the disk did: never negative
+    assert s["paths"][str(a)]["other_bytes_per_s"] == 0.0
+
+
+def test_sensors_on_a_file_system_without_a_block_device():
+    with Sensors(["/dev/shm"], gpu=False) as sensors:
+        p = sensors.sample({})["paths"]["/dev/shm"]
+    assert p["measured"] is False and p["total_bytes_per_s"] is None and p["other_bytes_per_s"] == 0.0
+
+
+def test_sensors_gpu_figures_are_none_without_an_nvidia_driver():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        has_nvml = True
+    except Exception:
+        has_nvml = False
+    with Sensors(["/tmp"]) as sensors:
+        g = sensors.sample({})["gpu"]
+    if has_nvml:
+        assert g["memory_total_bytes"] > 0 and 0 <= g["utilization_percent"] <= 100
+    else:
+        assert g is None
+
+
+# -- history ---------------------------------------------------------------------------------------
+
+
+def test_history_round_trip_in_a_real_file(tmp_path):
+    db = str(tmp_path / "state" / "tuner.db")
+    k = Knobs(prefetch_depth=3, io_concurrency={NVME: 8}, stripe_weights={NVME: 0.6, PFS: 0.4})
+    with History(db) as h:
+        h.record_run("run-1", "h100", 7_000_000_000, 8, k, 12.5)
+        h.record_summary("run-1", 10, 13.0, 4.0, Knobs())
+        h.record_summary("run-1", 20, 12.5, 3.5, k)
+        h.record_run("run-1", "h100", 7_000_000_000, 8, k, 12.0)  # updated at the end
+    assert os.path.exists(db)
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+    with History(db) as h:
+        runs = h.runs()
+        assert len(runs) == 1
+        r = runs[0]
+        assert (r["run_id"], r["profile"], r["params"], r["ranks"], r["iter_time_s"]) == ("run-1", "h100", 7e9, 8, 12.0)
+        assert Knobs(**r["knobs"]) == k and sorted(r["paths"]) == sorted([NVME, PFS])
+        s = h.summaries("run-1")
+        assert [x["iteration"] for x in s] == [10, 20]
+        assert Knobs(**s[1]["knobs"]) == k and s[0]["update_s"] == 4.0
+
+
+def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
+    with History(str(tmp_path / "t.db")) as h:
+        def rec(run, profile, params, ranks, depth, t):
+            h.record_run(run, profile, params, ranks, Knobs(prefetch_depth=depth, io_concurrency={NVME: 4}), t)
+
+        rec("a", "h100", 7e9, 8, 1, 20.0)     # 2.86e-9 s/param
+        rec("b", "h100", 13e9, 8, 2, 30.0)    # 2.31e-9 s/param: the best per parameter
+        rec("c", "h100", 30e9, 8, 3, 10.0)    # faster, but more than 2x bigger than 7e9
+        rec("d", "a100", 7e9, 8, 4, 1.0)      # another profile
+        rec("e", "h100", 7e9, 4, 5, 1.0)      # other ranks
+        rec("f", "h100", 7e9, 8, 6, None)     # no time: not a candidate
+        assert h.best_knobs("h100", 7e9, 8).prefetch_depth == 2
+        assert h.best_knobs("h100", 3.5e9, 8).prefetch_depth == 1  # 13e9 is more than 2x of 3.5e9
+        assert h.best_knobs("h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is faster per param
+        assert h.best_knobs("h100", 1e9, 8) is None
+        assert h.best_knobs("v100", 7e9, 8) is None
+
+        class Prof:
+            name = "a100"
+
+        assert h.best_knobs(Prof(), 7e9, 8).prefetch_depth == 4
+
+
+def test_history_best_knobs_keeps_only_this_runs_paths(tmp_path):
+    with History(str(tmp_path / "t.db")) as h:
+        h.record_run("old", "p", 1e9, 1, Knobs(io_concurrency={"/x": 8, NVME: 2}, stripe_weights={"/x": 1, NVME: 1}),
+                     1.0)
+        k = h.best_knobs("p", 1e9, 1, paths=[NVME, PFS])
+        # Weights for only some of this run's paths would mix with measured bandwidths: dropped.
+        assert k.io_concurrency == {NVME: 2} and k.stripe_weights == {}
+        assert h.best_knobs("p", 1e9, 1, paths=[NVME]).stripe_weights == {NVME: 1}
+        h.record_run("same-paths", "p", 1e9, 1, Knobs(io_concurrency={NVME: 16}), 2.0, paths=[NVME, PFS])
+        # Slower, but on exactly this run's paths: preferred.
+        assert h.best_knobs("p", 1e9, 1, paths=[NVME, PFS]).io_concurrency == {NVME: 16}
+
+
+def test_history_bad_database_files_are_config_errors(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ConfigError, match="junk.db"):
+        History(str(junk))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="writable"):
+        History(str(blocker / "sub" / "t.db"))
+    future = tmp_path / "future.db"
+    con = sqlite3.connect(str(future))
+    con.execute("PRAGMA user_version=99")
+    con.close()
+    with pytest.raises(ConfigError, match="schema version 99"):
+        History(str(future))

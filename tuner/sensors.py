@@ -1,0 +1,140 @@
+"""What the node is doing besides our engines: disk traffic per device, CPU use, and the GPUs.
+
+Disk traffic comes from the kernel's per-disk counters (psutil, ``/proc/diskstats``) of the
+device behind each storage path (:func:`engine.blockdev.device_of`), so two paths on one disk
+share one figure. What the engines report as theirs is subtracted: the rest is other
+processes' traffic on that device, the contention the policy reacts to. File systems without
+a block device (tmpfs, NFS, Lustre) have no counters; their paths report ``measured: False``
+and no contention.
+
+GPUs (pynvml, when an NVIDIA driver is present): PCIe TX/RX throughput, memory and
+utilisation, summed (utilisation averaged) over the node's GPUs, with a per-GPU list.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import psutil
+
+from engine.blockdev import device_of
+
+
+class Sensors:
+    """Samples the node; each :meth:`sample` covers the time since the previous one."""
+
+    def __init__(self, paths: Sequence[str], *, gpu: bool = True) -> None:
+        self.paths = list(dict.fromkeys(paths))
+        self.devices = {p: device_of(p) for p in self.paths}
+        self._disks = self._disk_counters()
+        self._t = time.monotonic()
+        psutil.cpu_percent(None)  # the first call only sets the reference point
+        self._gpu = _NvmlGpus.open() if gpu else None
+
+    def sample(self, ours_bytes_per_s: Mapping[str, float]) -> dict:
+        """Rates since the last sample. ``ours_bytes_per_s``: per path, the bytes/s (read plus
+        written) that our engines moved there over the same interval."""
+        now, disks = time.monotonic(), self._disk_counters()
+        dt = max(now - self._t, 1e-6)
+        per_device: dict[str, tuple[float, float] | None] = {}
+        for info in self.devices.values():
+            a, b = self._disks.get(info.name), disks.get(info.name)
+            per_device[info.name] = None if a is None or b is None else (
+                max(0, b.read_bytes - a.read_bytes) / dt, max(0, b.write_bytes - a.write_bytes) / dt)
+        ours_on: dict[str, float] = {}
+        for p, info in self.devices.items():
+            ours_on[info.name] = ours_on.get(info.name, 0.0) + float(ours_bytes_per_s.get(p, 0.0))
+        paths = {}
+        for p, info in self.devices.items():
+            rw = per_device[info.name]
+            total = None if rw is None else rw[0] + rw[1]
+            paths[p] = {
+                "device": info.name,
+                "measured": total is not None,
+                "read_bytes_per_s": None if rw is None else rw[0],
+                "write_bytes_per_s": None if rw is None else rw[1],
+                "total_bytes_per_s": total,
+                "other_bytes_per_s": 0.0 if total is None else max(0.0, total - ours_on[info.name]),
+            }
+        self._disks, self._t = disks, now
+        return {
+            "interval_s": dt,
+            "paths": paths,
+            "cpu_percent": psutil.cpu_percent(None),
+            "memory_available_bytes": psutil.virtual_memory().available,
+            "gpu": self._gpu.sample() if self._gpu else None,
+        }
+
+    def close(self) -> None:
+        if self._gpu:
+            self._gpu.close()
+            self._gpu = None
+
+    def __enter__(self) -> "Sensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def _disk_counters() -> dict:
+        try:
+            return psutil.disk_io_counters(perdisk=True) or {}
+        except (OSError, RuntimeError):  # no /proc/diskstats (containers): no disk figures
+            return {}
+
+
+class _NvmlGpus:
+    """Every NVIDIA GPU of the node through NVML; None when there is no driver."""
+
+    def __init__(self, nvml, handles) -> None:
+        self.nvml, self.handles = nvml, handles
+
+    @classmethod
+    def open(cls) -> "_NvmlGpus | None":
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # no package, no driver, no GPU: a CPU-only node
+            return None
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            pynvml.nvmlShutdown()
+            return None
+        if not handles:
+            pynvml.nvmlShutdown()
+            return None
+        return cls(pynvml, handles)
+
+    def sample(self) -> dict | None:
+        n = self.nvml
+        try:
+            devices = []
+            for h in self.handles:
+                mem = n.nvmlDeviceGetMemoryInfo(h)
+                devices.append({
+                    # NVML reports PCIe throughput in KB/s, sampled over 20 ms.
+                    "pcie_tx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024.0,
+                    "pcie_rx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024.0,
+                    "memory_used_bytes": int(mem.used),
+                    "memory_total_bytes": int(mem.total),
+                    "utilization_percent": float(n.nvmlDeviceGetUtilizationRates(h).gpu),
+                })
+        except Exception:  # a GPU fell off the bus or the driver went away: no figures this time
+            return None
+        return {
+            "pcie_tx_bytes_per_s": sum(d["pcie_tx_bytes_per_s"] for d in devices),
+            "pcie_rx_bytes_per_s": sum(d["pcie_rx_bytes_per_s"] for d in devices),
+            "memory_used_bytes": sum(d["memory_used_bytes"] for d in devices),
+            "memory_total_bytes": sum(d["memory_total_bytes"] for d in devices),
+            "utilization_percent": sum(d["utilization_percent"] for d in devices) / len(devices),
+            "devices": devices,
+        }
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:
+            pass
