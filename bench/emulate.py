@@ -28,21 +28,28 @@ def parse_rates(spec: str) -> tuple[int, int] | None:
 
 
 def without_option(argv: list[str], name: str) -> list[str]:
-    """``argv`` less ``name`` and its value (``--x V`` or ``--x=V``)."""
+    """``argv`` less ``name`` and its value (``--x V``, ``--x=V``, or a bare ``--x`` whose value
+    is optional)."""
     rest, skip = [], False
     for a in argv:
-        if skip or a.startswith(name + "="):
+        if skip:
             skip = False
-        elif a == name:
+            if not a.startswith("--"):
+                continue
+        if a.startswith(name + "="):
+            continue
+        if a == name:
             skip = True
-        else:
-            rest.append(a)
+            continue
+        rest.append(a)
     return rest
 
 
-def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, remote: str | None = None) -> int:
-    """Run ``script`` with ``argv`` (less ``--emulate``) on an "nvme" tier throttled to ``spec``
-    (READ:WRITE MB/s), plus a "pfs" tier throttled to ``remote`` when given (passed as --remote)."""
+def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, remote: str | None = None,
+                 extra: list[str] = ()) -> int:
+    """Run ``script`` with ``argv`` (less ``--emulate``) and ``extra`` on an "nvme" tier throttled
+    to ``spec`` (READ:WRITE MB/s), plus a "pfs" tier throttled to ``remote`` when given (passed as
+    --remote)."""
     console = Console(stderr=True)
     tiers = {"nvme": parse_rates(spec)}
     if remote is not None:
@@ -62,6 +69,6 @@ def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, r
     subprocess.run([TIERS, "up", *specs], check=True)
     try:
         return subprocess.call([TIERS, "run", sys.executable, os.path.abspath(script), *where,
-                                *without_option(argv, "--emulate")])
+                                *extra, *without_option(argv, "--emulate")])
     finally:
         subprocess.run([TIERS, "down"], check=False)

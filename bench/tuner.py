@@ -53,6 +53,7 @@ from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, S
 from engine.buffers import payload_bytes  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
+from bench.emulate import run_emulated  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("update_phase", os.path.join(BENCH, "update_phase.py"))
 update_phase = importlib.util.module_from_spec(_spec)
@@ -416,41 +417,13 @@ def _print_rows(rows: list[dict], paths: list[str], c: Console, reference: str |
 # -- emulated tiers --------------------------------------------------------------------------------
 
 
-def run_emulated(args, argv: list[str]) -> int:
-    """Set up two emulated tiers with bench/tiers.sh, re-run this benchmark inside their cgroup
-    on them, and take them down."""
-    try:
-        (nr, nw), (pr, pw) = ((int(x) for x in t.split(":")) for t in args.emulate.split(","))
-    except ValueError:
-        console.print(f"[red]--emulate {args.emulate}: give NVME_READ:NVME_WRITE,PFS_READ:PFS_WRITE in MB/s, "
-                      f"for example 400:400,200:200[/red]")
-        return 2
-    if os.geteuid() != 0:
-        console.print("skipping: emulated tiers need root (loop devices, mounts, blkio cgroups); "
-                      "run with --nvme PATH --remote PATH on real paths instead")
-        return 0
-    tiers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers.sh")
-    root = os.environ.get("OFFLOADCTL_TIERS_ROOT", "/mnt/offloadctl-tiers")
+def run_emulated_tiers(args, argv: list[str]) -> int:
+    """Two emulated tiers (nvme, pfs) with bench/tiers.sh; this benchmark re-runs inside their cgroup."""
+    nvme, _, pfs = args.emulate.partition(",")
     # Two engines' state (part 1 puts both on the NVMe tier), the writer's 512 MiB, and slack.
     size_gb = args.tier_gb or math.ceil(2 * 12 * args.params * 1.3 / 1e9) + 1
-    rest, skip = [], False
-    for a in argv:  # this run's arguments, less --emulate and its value
-        if skip:
-            skip = False
-            if not a.startswith("--"):
-                continue
-        if a.startswith("--emulate="):
-            continue
-        if a == "--emulate":
-            skip = True
-            continue
-        rest.append(a)
-    subprocess.run([tiers, "up", f"nvme:{size_gb}:{nr}:{nw}", f"pfs:{size_gb}:{pr}:{pw}"], check=True)
-    try:
-        return subprocess.call([tiers, "run", sys.executable, os.path.abspath(__file__), "--nvme", f"{root}/nvme",
-                                "--remote", f"{root}/pfs", "--bandwidth", args.emulate, *rest])
-    finally:
-        subprocess.run([tiers, "down"], check=False)
+    return run_emulated(__file__, nvme, argv, size_gb=size_gb, remote=pfs or "200:200",
+                        extra=["--bandwidth", f"{nvme},{pfs or '200:200'}"])
 
 
 def main() -> int:
@@ -485,7 +458,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
     if args.emulate:
-        return run_emulated(args, sys.argv[1:])
+        return run_emulated_tiers(args, sys.argv[1:])
     if not args.nvme or not os.path.isdir(args.nvme):
         console.print(f"[red]--nvme {args.nvme}: give an existing directory (or --emulate)[/red]")
         return 2
