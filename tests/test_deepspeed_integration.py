@@ -223,3 +223,17 @@ def test_bad_profile_or_tuner_is_one_line(opts, pattern, tmp_path):
     opts = [o.format(bad=bad) for o in opts]
     out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--nvme", str(tmp_path), *opts, SCRIPT])
     _one_line_error(out, pattern)
+
+
+def test_dry_run_passes_multi_node_options_through(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--hostfile", str(hostfile),
+                "--num_nodes", "2", "--include", "node1:0,1@node2:0,1", "--master_addr", "node1", "--launcher", "pdsh",
+                "--nvme", str(tmp_path), "--tuner", "off", SCRIPT, "--steps", "3", "--num_nodes", "7"])
+    assert out.returncode == 0, out.stderr
+    cmd = json.loads(out.stdout)["command"]
+    launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "offloadctl", "bootstrap.py"))]
+    assert launcher == ["--num_nodes", "2", "--hostfile", str(hostfile), "--include", "node1:0,1@node2:0,1",
+                        "--master_addr", "node1", "--launcher", "pdsh"]
+    assert cmd[-5:] == [SCRIPT, "--steps", "3", "--num_nodes", "7"]  # the script's own args, untouched
