@@ -27,7 +27,14 @@ def summary_table(records: list[dict], title: str = "update phase") -> Table:
     swapped = steady[0]["cache_hits"] + steady[0]["cache_misses"]
     t.add_row("swapped subgroups kept in memory (alternating order)", f"{med('cache_hits'):.0f} of {swapped}")
     t.add_row("subgroups on host / device lane", f"{med('host_lane_subgroups'):.0f} / {med('device_lane_subgroups'):.0f}")
+    changes = [r for prev, r in zip(records, records[1:]) if r["knobs"] != prev["knobs"]]
+    t.add_row("knob changes (tuner)", f"{len(changes)}" + (f", last at step {changes[-1]['iteration']}: "
+                                                          f"{_knob_text(changes[-1]['knobs'])}" if changes else ""))
     return t
+
+
+def _knob_text(knobs: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in knobs.items() if v not in ({}, None))
 
 
 def print_summary(records: list[dict], console: Console | None = None, title: str = "update phase") -> None:
