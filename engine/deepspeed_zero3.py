@@ -185,8 +185,14 @@ def make_optimizer_class(settings: ZeroEngineSettings):
 
             from tuner.client import TunerClient, engine_facts
 
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            client = TunerClient(settings.tuner_socket, run_id=settings.run_id or "run", rank=rank, world_size=world,
+            from .planning import node_layout
+
+            # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            local_size, _ = node_layout(world)
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            client = TunerClient(settings.tuner_socket, run_id=settings.run_id or "run", rank=local_rank,
+                                 world_size=local_size,
                                  profile=settings.profile, **engine_facts(self.offload_engine))
             atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
             return client

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"offloadctl {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in COMMANDS.items():
-        p = sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__)
+        p = sub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
     return ap
 

@@ -1,12 +1,144 @@
-"""Run, start, stop or query the tuner daemon."""
+"""Run, start, stop or query the tuner daemon.
+
+    offloadctl tuner serve  [--socket PATH] [--db PATH]   # in the foreground (systemd, a terminal)
+    offloadctl tuner start  [--socket PATH] [--db PATH]   # detached, pidfile and log next to the socket
+    offloadctl tuner stop   [--socket PATH]
+    offloadctl tuner status [--socket PATH] [--json]      # exit status 3 when no daemon answers
+
+The default socket is $XDG_RUNTIME_DIR/offloadctl/tuner.sock, or /run/offloadctl/tuner.sock
+for root; the default history is $XDG_STATE_HOME/offloadctl/tuner.db.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import sys
+
+NOT_RUNNING = 3  # like `systemctl status` for an inactive unit
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    sub = p.add_subparsers(dest="tuner_command", metavar="ACTION", required=True)
+    for name, text in (("serve", "run the daemon in the foreground"), ("start", "start a detached daemon"),
+                       ("stop", "stop the daemon"), ("status", "show whether a daemon runs and what it serves")):
+        s = sub.add_parser(name, help=text, description=text)
+        s.add_argument("--socket", metavar="PATH", help="the daemon's Unix socket (default: $XDG_RUNTIME_DIR/"
+                       "offloadctl/tuner.sock; /run/offloadctl/tuner.sock for root)")
+        if name in ("serve", "start"):
+            s.add_argument("--db", metavar="PATH", help="history of earlier runs (default: "
+                           "$XDG_STATE_HOME/offloadctl/tuner.db); 'none' keeps none")
+        if name in ("start", "stop", "status"):
+            s.add_argument("--json", action="store_true", help="print JSON")
+        if name == "serve":
+            s.add_argument("--pidfile", metavar="PATH", help="write the daemon's pid here (removed at exit)")
+            s.add_argument("--policy", metavar="MODULE:CALLABLE",
+                           help="policy factory to use instead of tuner.policy.Policy (experiments, tests)")
+            s.add_argument("--no-sensors", action="store_true", help="do not sample disks and GPUs")
+            s.add_argument("--frame-timeout", type=float, default=10.0, metavar="S",
+                           help="a frame must arrive within S seconds of its first byte (default 10)")
+            s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S",
+                           help="a new connection must say hello within S seconds (default 10)")
+            s.add_argument("--margin", type=float, default=0.5, metavar="S",
+                           help="seconds of iterations between a decision and the iteration it applies at "
+                                "(at least 2 iterations; default 0.5)")
+            s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    return {"serve": _serve, "start": _start, "stop": _stop, "status": _status}[args.tuner_command](args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tuner.server import ServerConfig, serve
+    from tuner.service import default_db_path, default_socket_path
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(socket_path=os.path.abspath(args.socket or default_socket_path()),
+                          frame_timeout_s=args.frame_timeout, handshake_timeout_s=args.handshake_timeout,
+                          margin_s=args.margin)
+    history = _open_history(args.db or default_db_path())
+    policy = _load_factory(args.policy) if args.policy else None
+
+    def ready(server) -> None:
+        if args.pidfile:
+            with open(args.pidfile, "w") as f:
+                f.write(f"{os.getpid()}\n")
+
+    try:
+        return serve(config, policy_factory=policy, sensors_factory=None if not args.no_sensors else False,
+                     history=history, ready=ready)
+    finally:
+        if args.pidfile:
+            try:
+                os.unlink(args.pidfile)
+            except FileNotFoundError:
+                pass
+
+
+def _open_history(db: str):
+    if db == "none":
+        return None
+    from tuner.history import History
+
+    return History(db)
+
+
+def _load_factory(spec: str):
+    import importlib
+
+    from engine.errors import ConfigError
+
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr or "Policy")
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--policy {spec}: {e}: give MODULE:CALLABLE importable from PYTHONPATH") from None
+
+
+def _start(args: argparse.Namespace) -> int:
+    from tuner.service import start
+
+    info = start(args.socket, db_path=args.db)
+    info.pop("process", None)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif info["already_running"]:
+        print(f"tuner daemon already running at {info['socket']} (pid {info['pid']})")
+    else:
+        print(f"tuner daemon started at {info['socket']} (pid {info['pid']}, log {info['log']})")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from tuner.service import stop
+
+    info = stop(args.socket)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif info["was_running"]:
+        print(f"tuner daemon at {info['socket']} stopped (pid {info['pid']})")
+    else:
+        print(f"no tuner daemon at {info['socket']}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tuner.service import status
+
+    info = status(args.socket)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif not info["running"]:
+        print(f"no tuner daemon answers at {info['socket']} ({info.get('reason', '')})")
+    else:
+        print(f"tuner daemon at {info['socket']}: pid {info['pid']}, offloadctl {info['version']} (API "
+              f"{info['api']}), up {info['uptime_s']:.0f} s, {info['connections']} connection(s)"
+              + (", socket-activated" if info["socket_activated"] else ""))
+        for r in info["runs"]:
+            t = f"{r['iter_time_s']:.3f} s" if r["iter_time_s"] is not None else "-"
+            print(f"  {r['run_id']}: {r['status']}, {r['connected']}/{r['ranks']} ranks, iteration {r['iteration']}, "
+                  f"iteration time {t}")
+    return 0 if info["running"] else NOT_RUNNING

@@ -1,0 +1,321 @@
+"""The engine's side of the tuner: telemetry out, knob changes in, never in training's way.
+
+Training calls :meth:`TunerClient.report` after each step and :meth:`TunerClient.apply_pending`
+before the next; neither blocks. A background thread owns the socket: it connects, says hello,
+registers the rank, sends queued messages, and receives knob changes. If the daemon dies or
+restarts, training keeps its last knobs, the thread reconnects with backoff and registers again
+(with the knobs in force and the current iteration), and any change received before the loss
+still applies at its iteration.
+
+A change carries ``apply_at``; every rank of the run applies it before the step whose
+``engine.iteration`` reaches it, so all ranks switch at the same iteration. A rank that gets a
+change late applies it at its next step boundary and tells the daemon (``applied``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from engine.config import Knobs
+from engine.errors import ConfigError, OffloadError
+from engine.telemetry import StepRecord
+
+from .protocol import (API_VERSION, MAX_FRAME_BYTES, RANK, RUN_ID, SERVER_SCHEMAS, ErrorCode, FrameBuffer, Int,
+                       ProtocolError, encode, knobs_from_dict, recv_message, validate)
+
+log = logging.getLogger("offloadctl.tuner.client")
+
+
+@dataclass(frozen=True)
+class _Change:
+    knobs: Knobs
+    apply_at: int
+    seq: int
+    reason: str
+
+
+class TunerClient:
+    """One rank's connection to the tuner daemon at ``socket_path``.
+
+    ``queue_size`` bounds the telemetry kept while the daemon is slow or away (oldest dropped).
+    Reconnect attempts back off from ``backoff_s[0]`` to ``backoff_s[1]`` seconds.
+    """
+
+    def __init__(self, socket_path: str, *, run_id: str, rank: int, world_size: int, params: int,
+                 paths: Sequence[str], knobs: Knobs, profile=None, has_device: bool = False,
+                 device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, queue_size: int = 256,
+                 backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0) -> None:
+        try:  # what the daemon would refuse at every registration: refuse it now, once
+            RUN_ID(run_id, "run_id")
+            RANK(rank, "rank")
+            Int(1)(world_size, "world_size")
+        except ProtocolError as e:
+            raise ConfigError(f"TunerClient: {e}") from None
+        if rank >= world_size:
+            raise ConfigError(f"TunerClient: rank {rank} must be below world_size {world_size}")
+        self.socket_path = socket_path
+        self.run_id, self.rank, self.world_size = run_id, rank, world_size
+        self._static = {"params": int(params), "paths": [os.path.abspath(p) for p in paths], "profile": profile,
+                        "has_device": bool(has_device), "subgroup_bytes": int(subgroup_bytes)}
+        self.knobs = knobs
+        """The knobs in force (as last applied)."""
+        self._headroom = device_headroom_bytes
+        self._iteration = 0
+        self._telemetry: deque[dict] = deque(maxlen=queue_size)
+        self._control: deque[dict] = deque(maxlen=64)  # applied and event: never pushed out by telemetry
+        self._pending: list[_Change] = []
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._backoff = backoff_s
+        self._connect_timeout = connect_timeout_s
+        self._last_report: float | None = None
+        self.connected = threading.Event()
+        """Set while registered with a daemon."""
+        self.dropped = 0
+        """Telemetry messages dropped because the queue was full (or not encodable)."""
+        self.connects = 0
+        """Successful registrations, the first one included."""
+        self.last_error: str | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name=f"tuner-client-{run_id}-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- the training side (never blocks) ----------------------------------------------------
+
+    def report(self, rec: StepRecord, *, iter_time_s: float | None = None,
+               device_headroom_bytes: int | None = None) -> None:
+        """Queue this step's telemetry. ``iter_time_s`` defaults to the time since the last call
+        (the whole iteration, forward and backward included)."""
+        now = time.perf_counter()
+        if iter_time_s is None and self._last_report is not None:
+            iter_time_s = now - self._last_report
+        self._last_report = now
+        if device_headroom_bytes is not None:
+            self._headroom = device_headroom_bytes
+        self._iteration = max(self._iteration, rec.iteration + 1)
+        if len(self._telemetry) == self._telemetry.maxlen:
+            self.dropped += 1
+        self._telemetry.append({"type": "telemetry", "run_id": self.run_id, "rank": self.rank,
+                                "iteration": rec.iteration, "record": rec.to_dict(), "iter_time_s": iter_time_s,
+                                "device_headroom_bytes": self._headroom})
+        self._wake()
+
+    def report_event(self, kind: str, message: str) -> None:
+        """Tell the daemon about an ``"oom"`` or an ``"error"`` in this rank."""
+        self._control.append({"type": "event", "run_id": self.run_id, "rank": self.rank, "kind": kind,
+                              "message": str(message)[:4096]})
+        self._wake()
+
+    def apply_pending(self, engine) -> Knobs | None:
+        """Hand the engine the latest change due at ``engine.iteration`` (the step about to run).
+
+        Returns the knobs handed over, or None. A change the engine refuses is reported as an
+        event and the engine keeps its knobs.
+        """
+        it = engine.iteration
+        self._iteration = max(self._iteration, it)
+        with self._lock:
+            due = [k for k, c in enumerate(self._pending) if c.apply_at <= it]
+            if not due:
+                return None
+            change = self._pending[due[-1]]
+            del self._pending[:due[-1] + 1]  # earlier-received changes are superseded
+        try:
+            engine.set_knobs(change.knobs)
+        except OffloadError as e:
+            self.report_event("error", f"knob change #{change.seq} refused by the engine: {e}")
+            return None
+        self.knobs = change.knobs
+        if it > change.apply_at:
+            log.warning("rank %d: change #%d applied late, at iteration %d instead of %d", self.rank, change.seq, it,
+                        change.apply_at)
+        self._control.append({"type": "applied", "run_id": self.run_id, "rank": self.rank, "seq": change.seq,
+                              "iteration": it, "apply_at": change.apply_at})
+        self._wake()
+        return change.knobs
+
+    def pending_changes(self) -> list[dict]:
+        """Changes received and not yet applied, oldest first: seq, apply_at, knobs, reason."""
+        with self._lock:
+            return [{"seq": c.seq, "apply_at": c.apply_at, "knobs": c.knobs, "reason": c.reason} for c in self._pending]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued and ``bye``, then stop the thread (waits at most ``timeout_s``)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._wake()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():  # else it may still select on them; a daemon thread ends with us
+            wake_r, wake_w, self._wake_w = self._wake_r, self._wake_w, -1
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def __enter__(self) -> "TunerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        if self._wake_w < 0:
+            return  # closed: never write to a descriptor number that may have been reused
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # the pipe is full: the thread will wake anyway
+
+    # -- the background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._closing.is_set():
+            sock = None
+            try:
+                sock = self._connect()
+                delay = self._backoff[0]
+                self._pump(sock)
+            except (OSError, ProtocolError, ValueError) as e:
+                if str(e) != self.last_error:  # once per distinct failure, not once per retry
+                    refused = isinstance(e, ProtocolError)
+                    log.log(logging.WARNING if refused else logging.INFO, "rank %d: tuner daemon at %s %s (%s); "
+                            "training keeps its knobs, retrying", self.rank, self.socket_path,
+                            "refused this rank" if refused else "unavailable", e)
+                self.last_error = str(e)
+            finally:
+                self.connected.clear()
+                if sock is not None:
+                    sock.close()
+            if self._closing.wait(delay):
+                break
+            delay = min(delay * 2, self._backoff[1])
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._connect_timeout)
+            sock.connect(self.socket_path)
+            sock.sendall(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine",
+                                 "client": f"offloadctl engine pid {os.getpid()}"}))
+            self._expect(sock, "welcome")
+            sock.sendall(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": self.run_id,
+                                 "rank": self.rank, "world_size": self.world_size, **self._static,
+                                 "knobs": self._target_knobs().to_dict(), "device_headroom_bytes": self._headroom,
+                                 "iteration": self._iteration}))
+            self._expect(sock, "registered")
+        except BaseException:
+            sock.close()
+            raise
+        self.connects += 1
+        self.connected.set()
+        self.last_error = None
+        log.info("rank %d: registered run %s with the tuner daemon at %s", self.rank, self.run_id, self.socket_path)
+        return sock
+
+    def _target_knobs(self) -> Knobs:
+        """The knobs this rank is heading for: the last change received, else those in force. A
+        restarted daemon learns them at registration, so it does not take them for a surprise."""
+        with self._lock:
+            return self._pending[-1].knobs if self._pending else self.knobs
+
+    def _expect(self, sock: socket.socket, kind: str) -> dict:
+        while True:
+            msg = recv_message(sock)
+            if msg["type"] == "error":
+                raise ProtocolError(msg.get("code", ErrorCode.INTERNAL), f"daemon: {msg.get('message')}")
+            if msg["type"] == kind:
+                return validate(msg, SERVER_SCHEMAS)
+            self._handle(msg)  # a knobs push may come right after registered
+
+    def _pump(self, sock: socket.socket) -> None:
+        """Send the queues and receive pushes until the connection fails or close() is done."""
+        frames = FrameBuffer(MAX_FRAME_BYTES)
+        sock.settimeout(5.0)  # for sendall only; reads happen when select says so
+        while True:
+            self._flush(sock)
+            if self._closing.is_set():
+                self._flush(sock)  # what report() queued meanwhile; bye goes last
+                sock.sendall(encode({"v": API_VERSION, "type": "bye", "run_id": self.run_id, "rank": self.rank}))
+                self._drain_until_eof(sock, frames)
+                return
+            readable, _, _ = select.select([sock, self._wake_r], [], [], 1.0)
+            if self._wake_r in readable:
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:
+                    pass
+            if sock in readable:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the tuner daemon closed the connection")
+                for msg in frames.feed(data):
+                    self._handle(msg)
+
+    def _drain_until_eof(self, sock: socket.socket, frames: FrameBuffer, timeout_s: float = 1.0) -> None:
+        """Half-close, then read until the daemon closes. Closing with its pushes unread would
+        reset the connection, and the daemon would lose the ``bye`` still in its buffer."""
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                return
+            if not data:
+                return
+            frames.feed(data)
+
+    def _flush(self, sock: socket.socket) -> None:
+        while self._control or self._telemetry:
+            msg = (self._control or self._telemetry).popleft()
+            try:
+                data = encode({"v": API_VERSION, **msg})
+            except (ValueError, ProtocolError):  # a NaN in a record, or an absurd size: skip it
+                self.dropped += 1
+                continue
+            sock.sendall(data)
+
+    def _handle(self, msg: dict) -> None:
+        try:
+            validate(msg, SERVER_SCHEMAS)
+            if msg["type"] == "knobs" and msg["run_id"] == self.run_id:
+                change = _Change(knobs_from_dict(msg["knobs"]), msg["apply_at"], msg["seq"], msg["reason"])
+                with self._lock:
+                    self._pending.append(change)
+                log.info("rank %d: change #%d at iteration %d: %s", self.rank, change.seq, change.apply_at,
+                         change.reason)
+            elif msg["type"] == "error":
+                log.warning("rank %d: tuner daemon error %s: %s", self.rank, msg["code"], msg["message"])
+        except ProtocolError as e:
+            log.warning("rank %d: ignoring a bad message from the tuner daemon: %s", self.rank, e)
+
+
+def engine_facts(engine) -> dict:
+    """The ``TunerClient`` arguments that describe a ``SubgroupEngine``: params, paths, knobs,
+    has_device, subgroup_bytes, device_headroom_bytes."""
+    from engine.buffers import payload_bytes
+
+    return {"params": sum(sg.numel for sg in engine.subgroups), "paths": [p.path for p in engine.config.paths],
+            "knobs": engine.knobs, "has_device": engine.device is not None,
+            "subgroup_bytes": max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
+            "device_headroom_bytes": device_headroom_bytes(engine)}
+
+
+def device_headroom_bytes(engine) -> int | None:
+    """Free memory on the engine's CUDA device now, or None without one."""
+    import torch
+
+    d = engine.device
+    if d is None or d.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(d)
+    return int(free)

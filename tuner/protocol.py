@@ -1,0 +1,377 @@
+"""The tuner's wire protocol: versioned, length-prefixed JSON over a Unix socket.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON holding one
+object. The length is checked against :data:`MAX_FRAME_BYTES` before the body is read. Every
+message has ``"v"`` (:data:`API_VERSION`) and ``"type"``; a request may carry an ``"id"``
+(integer or short string) and then gets exactly one reply echoing it; a request without one
+gets a reply only when it fails. The daemon also pushes ``knobs`` messages to engine clients.
+No pickle: JSON only, with NaN and infinities refused.
+
+Every message type has a schema (:data:`CLIENT_SCHEMAS`, :data:`SERVER_SCHEMAS`) that checks
+each field's type and range; unknown fields are refused, except inside a telemetry ``record``
+(the engine's ``StepRecord``, which may grow), whose known fields are still type-checked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import struct
+import time
+from enum import IntEnum
+from typing import Any, Callable
+
+from engine.errors import OffloadError
+
+API_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+HEADER = struct.Struct(">I")
+
+
+class ErrorCode(IntEnum):
+    """Numbered error codes carried by ``error`` replies."""
+
+    BAD_FRAME = 1      # zero length, or the connection ended inside a frame
+    TOO_LARGE = 2      # length above the maximum frame size (connection closed)
+    BAD_JSON = 3       # body is not UTF-8 JSON (connection kept: the framing is intact)
+    SCHEMA = 4         # a field is missing, unknown, or of the wrong type or range
+    UNKNOWN_TYPE = 5   # no such message type (connection kept)
+    VERSION = 6        # API version not spoken by this daemon (connection closed)
+    PERMISSION = 7     # peer is neither the daemon's uid nor root (connection closed)
+    UNKNOWN_RUN = 8    # no such run, or this connection has not registered that rank
+    HANDSHAKE = 9      # first message was not ``hello``, or ``hello`` came twice
+    ROLE = 10          # message type not allowed for this connection's role
+    BAD_VALUE = 11     # well-typed but unusable: a knob value, a world size that disagrees
+    TIMEOUT = 12       # a frame or the handshake did not complete in time (connection closed)
+    BUSY = 13          # too many connections (connection closed)
+    INTERNAL = 14      # the daemon failed handling this message; other runs are unaffected
+
+
+class ProtocolError(OffloadError):
+    """A message that breaks the protocol, or an ``error`` reply from the daemon."""
+
+    def __init__(self, code: ErrorCode | int, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+        self.message = message
+
+    def to_message(self, req_id=None) -> dict:
+        return {"v": API_VERSION, "type": "error", "id": req_id, "code": int(self.code), "message": self.message}
+
+
+# -- schemas -------------------------------------------------------------------------------------
+# A spec is a function (value, where) -> value that raises ProtocolError(SCHEMA) naming ``where``.
+
+Spec = Callable[[Any, str], Any]
+
+
+def _fail(where: str, expected: str, value) -> None:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    raise ProtocolError(ErrorCode.SCHEMA, f"{where} must be {expected}, got {shown}")
+
+
+def Int(lo: int | None = None, hi: int | None = None) -> Spec:
+    def check(v, where):
+        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            _fail(where, f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]", v)
+        return v
+    return check
+
+
+def Num(lo: float | None = None) -> Spec:
+    def check(v, where):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (lo is not None and v < lo):
+            _fail(where, "a finite number" + (f" >= {lo}" if lo is not None else ""), v)
+        return v
+    return check
+
+
+def Str(max_len: int = 256, pattern: str | None = None, min_len: int = 0) -> Spec:
+    rx = re.compile(pattern) if pattern else None
+
+    def check(v, where):
+        if not isinstance(v, str) or not (min_len <= len(v) <= max_len) or (rx and not rx.fullmatch(v)):
+            _fail(where, f"a string of {min_len}..{max_len} characters" + (f" matching {pattern}" if rx else ""), v)
+        return v
+    return check
+
+
+def Bool(v, where):
+    if not isinstance(v, bool):
+        _fail(where, "true or false", v)
+    return v
+
+
+def Enum(*values) -> Spec:
+    def check(v, where):
+        if not isinstance(v, str) or v not in values:
+            _fail(where, "one of " + ", ".join(map(repr, values)), v)
+        return v
+    return check
+
+
+def Opt(spec: Spec) -> Spec:
+    def check(v, where):
+        return None if v is None else spec(v, where)
+    return check
+
+
+def Any_(v, where):
+    return v  # bounded by the frame size; used for opaque values checked elsewhere
+
+
+def Dict(value: Spec, key: Spec | None = None, max_items: int = 256) -> Spec:
+    key = key or Str(4096)
+
+    def check(v, where):
+        if not isinstance(v, dict) or len(v) > max_items:
+            _fail(where, f"an object of at most {max_items} entries", v)
+        for k, x in v.items():
+            key(k, f"{where} key")
+            value(x, f"{where}[{k!r}]")
+        return v
+    return check
+
+
+def List(item: Spec, max_items: int = 256) -> Spec:
+    def check(v, where):
+        if not isinstance(v, list) or len(v) > max_items:
+            _fail(where, f"a list of at most {max_items} items", v)
+        for i, x in enumerate(v):
+            item(x, f"{where}[{i}]")
+        return v
+    return check
+
+
+def Obj(fields: dict[str, tuple[Spec, bool]], *, extra: bool = False) -> Spec:
+    """An object whose ``fields`` map name -> (spec, required); ``extra`` admits other keys."""
+
+    def check(v, where):
+        if not isinstance(v, dict):
+            _fail(where, "an object", v)
+        for name, (spec, required) in fields.items():
+            if name in v:
+                spec(v[name], f"{where}.{name}")
+            elif required:
+                raise ProtocolError(ErrorCode.SCHEMA, f"{where}.{name} is missing")
+        if not extra:
+            unknown = set(v) - set(fields)
+            if unknown:
+                raise ProtocolError(ErrorCode.SCHEMA, f"{where} has unknown field(s) {sorted(unknown)}")
+        return v
+    return check
+
+
+RUN_ID = Str(128, r"[^\x00-\x1f\x7f]+", min_len=1)
+"""Any printable text (a run directory's name, say), no control characters."""
+RANK = Int(0, 1 << 20)
+PATH = Str(4096, min_len=1)
+KNOB_NAMES = ("device_fraction", "prefetch_depth", "io_concurrency", "node_lock", "stripe_weights")
+KNOB = Str(4200, r"(%s)(\[.+\])?" % "|".join(KNOB_NAMES))
+"""A knob to pin: a Knobs field, or ``io_concurrency[PATH]`` for one path."""
+KNOBS = Obj({
+    "device_fraction": (Num(0), False), "prefetch_depth": (Int(0), False),
+    "io_concurrency": (Dict(Int(1), PATH, 64), False), "node_lock": (Bool, False),
+    "stripe_weights": (Dict(Num(0), PATH, 64), False),
+})
+# The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
+RECORD = Obj({
+    "iteration": (Int(0), True), "wall_s": (Num(0), True), "read_wait_s": (Num(0), True),
+    "update_s": (Num(0), True), "write_wait_s": (Num(0), True),
+    "path_bytes_read": (Dict(Int(0), PATH, 64), False), "path_bytes_written": (Dict(Int(0), PATH, 64), False),
+    "cache_hits": (Int(0), False), "cache_misses": (Int(0), False), "knobs": (KNOBS, False),
+}, extra=True)
+PROFILE = Opt(lambda v, where: v if isinstance(v, (str, dict)) else _fail(where, "a string, an object or null", v))
+
+_RUN_RANK = {"run_id": (RUN_ID, True), "rank": (RANK, True)}
+
+CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
+    "hello": {"api": (Int(0), True), "role": (Enum("engine", "cli"), True), "client": (Str(256), False)},
+    "ping": {},
+    # engine role
+    "register": {**_RUN_RANK, "world_size": (Int(1, 1 << 20), True), "params": (Int(0), True),
+                 "paths": (List(PATH, 64), True), "knobs": (KNOBS, True), "profile": (PROFILE, False),
+                 "has_device": (Bool, True), "device_headroom_bytes": (Opt(Int(0)), False),
+                 "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False)},
+    "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
+                  "iter_time_s": (Opt(Num(0)), False), "device_headroom_bytes": (Opt(Int(0)), False)},
+    "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},
+    "applied": {**_RUN_RANK, "seq": (Int(1), True), "iteration": (Int(0), True), "apply_at": (Int(0), True)},
+    "bye": dict(_RUN_RANK),
+    # cli role
+    "snapshot": {"run_id": (Opt(RUN_ID), False), "history": (Int(0, 1000), False)},
+    "pin": {"run_id": (RUN_ID, True), "knob": (KNOB, True), "value": (Any_, True)},
+    "unpin": {"run_id": (RUN_ID, True), "knob": (KNOB, True)},
+    "freeze": {"run_id": (RUN_ID, True), "frozen": (Bool, True)},
+    "shutdown": {},
+}
+ROLES = {"engine": {"ping", "register", "telemetry", "event", "applied", "bye"},
+         "cli": {"ping", "snapshot", "pin", "unpin", "freeze", "shutdown"}}
+
+SERVER_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
+    "welcome": {"api": (Int(0), True), "server": (Str(64), True), "server_id": (Str(64), True),
+                "pid": (Int(0), True), "started_at": (Num(0), True)},
+    "pong": {},
+    "ok": {"knobs": (KNOBS, False)},
+    "registered": {**_RUN_RANK, "knobs": (Opt(KNOBS), False), "apply_at": (Opt(Int(0)), False),
+                   "seq": (Opt(Int(0)), False), "reason": (Opt(Str(4096)), False)},
+    "knobs": {"run_id": (RUN_ID, True), "knobs": (KNOBS, True), "apply_at": (Int(0), True), "seq": (Int(1), True),
+              "reason": (Str(4096), True)},
+    "snapshot": {"runs": (List(Dict(Any_, max_items=64), 4096), True), "daemon": (Dict(Any_), True)},
+    "error": {"code": (Int(0), True), "message": (Str(4096), True)},
+}
+
+def _request_id(v, where):
+    if not ((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and len(v) <= 64)):
+        _fail(where, "an integer or a string of at most 64 characters", v)
+    return v
+
+
+_ENVELOPE = {"v": (Int(0), True), "type": (Str(32), True), "id": (Opt(_request_id), False)}
+
+
+_CHECKERS = {id(schemas): {kind: Obj({**_ENVELOPE, **fields}) for kind, fields in schemas.items()}
+             for schemas in (CLIENT_SCHEMAS, SERVER_SCHEMAS)}
+
+
+def validate(msg: dict, schemas: dict[str, dict]) -> dict:
+    """Check ``msg`` (already a dict from :func:`decode`) against its type's schema in
+    ``schemas`` (:data:`CLIENT_SCHEMAS` or :data:`SERVER_SCHEMAS`)."""
+    kind = msg["type"]
+    checkers = _CHECKERS.get(id(schemas)) or {k: Obj({**_ENVELOPE, **f}) for k, f in schemas.items()}
+    if kind not in checkers:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {kind!r}; known: {', '.join(sorted(schemas))}")
+    checkers[kind](msg, kind)
+    return msg
+
+
+def knobs_from_dict(d: dict):
+    """``engine.Knobs`` from a schema-checked dict; a value out of range is BAD_VALUE."""
+    from engine.config import Knobs
+    from engine.errors import ConfigError
+
+    try:
+        return Knobs(**d)
+    except (ConfigError, TypeError) as e:  # TypeError: a field Knobs does not have
+        raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
+
+
+# -- framing -------------------------------------------------------------------------------------
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def encode(msg: dict, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+    """One frame. Raises ProtocolError(TOO_LARGE) above ``max_frame``, ValueError on NaN."""
+    body = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > max_frame:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
+    return HEADER.pack(len(body)) + body
+
+
+def check_length(n: int, max_frame: int = MAX_FRAME_BYTES) -> None:
+    """Validate a frame header's length before the body is read."""
+    if n == 0:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "empty frame: a frame holds one JSON object")
+    if n > max_frame:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {n} bytes exceeds the {max_frame}-byte limit")
+
+
+def decode(body: bytes) -> dict:
+    """Parse one frame body into a message with ``v`` and ``type`` (its schema is not checked)."""
+    try:
+        msg = json.loads(body.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"frame body is not UTF-8 JSON: {str(e)[:200]}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.SCHEMA, f"a message must be a JSON object, got {type(msg).__name__}")
+    if not isinstance(msg.get("type"), str):
+        raise ProtocolError(ErrorCode.SCHEMA, "message.type is missing or not a string")
+    if msg.get("v") != API_VERSION:
+        raise ProtocolError(ErrorCode.VERSION, f"message.v is {msg.get('v')!r}; this side speaks API version {API_VERSION}")
+    return msg
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the tuner daemon closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> dict:
+    """Read one frame from a blocking socket (its timeout applies to each read)."""
+    (n,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
+    check_length(n, max_frame)
+    return decode(_recv_exactly(sock, n))
+
+
+class FrameBuffer:
+    """Incremental frame parser for a non-blocking reader (the engine client's thread)."""
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.buf = bytearray()
+        self.max_frame = max_frame
+
+    def feed(self, data: bytes) -> list[dict]:
+        self.buf += data
+        out = []
+        while len(self.buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buf)
+            check_length(n, self.max_frame)
+            if len(self.buf) < HEADER.size + n:
+                break
+            body = bytes(self.buf[HEADER.size:HEADER.size + n])
+            del self.buf[:HEADER.size + n]
+            out.append(decode(body))
+        return out
+
+
+class Connection:
+    """A blocking request/reply client (the CLI and ``tuner.service``); pushes are skipped.
+
+    Raises ``OSError`` when nothing listens at ``path`` and :class:`ProtocolError` for an
+    ``error`` reply.
+    """
+
+    def __init__(self, path: str, *, role: str = "cli", timeout_s: float = 5.0, client: str = "offloadctl") -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self._next_id = 0
+        try:
+            self.sock.connect(path)
+            self.welcome = self.request("hello", api=API_VERSION, role=role, client=client)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def request(self, type: str, **fields) -> dict:
+        self._next_id += 1
+        rid = self._next_id
+        self.sock.sendall(encode({"v": API_VERSION, "type": type, "id": rid, **fields}))
+        deadline = time.monotonic() + (self.sock.gettimeout() or 5.0)
+        while True:
+            reply = recv_message(self.sock)
+            if reply.get("type") == "error" and reply.get("id") in (rid, None):
+                raise ProtocolError(reply.get("code", ErrorCode.INTERNAL), str(reply.get("message")))
+            if reply.get("id") == rid:
+                return validate(reply, SERVER_SCHEMAS)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reply to {type!r} from the tuner daemon at {self.path}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,215 @@
+"""Where the daemon lives and how it is started and stopped without systemd.
+
+- :func:`default_socket_path`: ``$XDG_RUNTIME_DIR/offloadctl/tuner.sock``, or
+  ``/run/offloadctl/tuner.sock`` for root;
+- :func:`default_db_path`: ``$XDG_STATE_HOME/offloadctl/tuner.db`` (``~/.local/state/...``):
+  history must outlive a reboot, so not under the runtime directory (a tmpfs);
+- :func:`start` / :func:`stop` / :func:`status`: a detached ``offloadctl tuner serve`` with a
+  pidfile and a log file next to the socket;
+- :func:`ensure_daemon`: what ``offloadctl train --tuner auto`` calls: the running daemon, or a
+  private one for the run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from engine.errors import ConfigError
+
+from .protocol import Connection, ProtocolError
+
+
+def default_socket_path() -> str:
+    if os.geteuid() == 0:
+        return "/run/offloadctl/tuner.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}"
+    if not os.path.isdir(runtime):  # no login session (a batch job): a private directory in /tmp
+        runtime = os.path.join(tempfile.gettempdir(), f"offloadctl-{os.geteuid()}")
+    return os.path.join(runtime, "offloadctl", "tuner.sock")
+
+
+def default_db_path() -> str:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "offloadctl", "tuner.db")
+
+
+def pidfile_for(socket_path: str) -> str:
+    return socket_path + ".pid"
+
+
+def logfile_for(socket_path: str) -> str:
+    return socket_path + ".log"
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` (mode 0700) if missing. Refuse it if it, or the directory holding it,
+    belongs to another user: they could swap the socket for their own (a /tmp trap)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    for d, allowed in ((path, (os.geteuid(),)), (os.path.dirname(os.path.abspath(path)), (os.geteuid(), 0))):
+        uid = os.stat(d).st_uid
+        if uid not in allowed:
+            raise ConfigError(f"{d} belongs to uid {uid}, not to you: pick another --socket")
+    return path
+
+
+def probe(socket_path: str, timeout_s: float = 2.0) -> dict | None:
+    """The daemon's ``welcome`` (pid, version, server_id), or None when nothing answers."""
+    try:
+        with Connection(socket_path, timeout_s=timeout_s) as c:
+            return c.welcome
+    except (OSError, ProtocolError, ValueError):
+        return None
+
+
+def status(socket_path: str | None = None) -> dict:
+    """Whether a daemon answers at the socket, and what it serves."""
+    path = socket_path or default_socket_path()
+    out = {"socket": path, "running": False, "pidfile": pidfile_for(path), "log": logfile_for(path)}
+    try:
+        with Connection(path, timeout_s=2.0) as c:
+            snap = c.request("snapshot", history=0)
+    except (OSError, ProtocolError, ValueError) as e:
+        out["reason"] = str(e)
+        return out
+    d = snap["daemon"]
+    out.update(running=True, pid=d["pid"], version=d["version"], api=d["api"], uptime_s=d["uptime_s"],
+               connections=d["connections"], socket_activated=d["socket_activated"],
+               runs=[{k: r[k] for k in ("run_id", "status", "ranks", "connected", "iteration", "iter_time_s")}
+                     for r in snap["runs"]])
+    return out
+
+
+def start(socket_path: str | None = None, *, db_path: str | None = None, timeout_s: float = 30.0,
+          extra_args: tuple[str, ...] = ()) -> dict:
+    """Start a detached daemon at the socket (idempotent); return its pid, socket and log."""
+    path = os.path.abspath(socket_path or default_socket_path())
+    welcome = probe(path)
+    if welcome is not None:
+        return {"socket": path, "pid": welcome["pid"], "log": logfile_for(path), "already_running": True}
+    private_dir(os.path.dirname(path))
+    cmd = [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", path,
+           "--db", db_path or default_db_path(), "--pidfile", pidfile_for(path), *extra_args]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    with open(logfile_for(path), "ab") as logf:
+        # A new session: the daemon outlives this command and ignores its terminal's signals.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, cwd="/", env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"the tuner daemon exited with status {proc.returncode} at start: see "
+                              f"{logfile_for(path)}: {_tail(logfile_for(path))}")
+        welcome = probe(path, timeout_s=1.0)
+        if welcome is not None and welcome["pid"] == proc.pid:
+            return {"socket": path, "pid": proc.pid, "log": logfile_for(path), "already_running": False,
+                    "process": proc}
+        time.sleep(0.05)
+    proc.kill()
+    raise ConfigError(f"the tuner daemon did not answer at {path} within {timeout_s:g} s: see {logfile_for(path)}")
+
+
+def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
+    """Ask the daemon to shut down; SIGTERM it if it does not; remove its pidfile."""
+    path = os.path.abspath(socket_path or default_socket_path())
+    pidfile = pidfile_for(path)
+    welcome = probe(path)
+    pid = welcome["pid"] if welcome else _read_pid(pidfile)
+    if welcome is not None:
+        try:
+            with Connection(path, timeout_s=2.0) as c:
+                c.request("shutdown")
+        except (OSError, ProtocolError):
+            pass
+    stopped = pid is not None and _wait_exit(pid, timeout_s / 2)
+    if pid is not None and not stopped and _is_our_daemon(pid):
+        os.kill(pid, signal.SIGTERM)
+        stopped = _wait_exit(pid, timeout_s / 2)
+        if not stopped:
+            raise ConfigError(f"the tuner daemon (pid {pid}) did not exit on SIGTERM: kill it with `kill -9 {pid}`")
+    try:
+        os.unlink(pidfile)
+    except FileNotFoundError:
+        pass
+    return {"socket": path, "pid": pid, "was_running": welcome is not None or stopped}
+
+
+def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None):
+    """``(socket_path, stop)`` for a run: a daemon that answers at ``socket_path`` (default:
+    :func:`default_socket_path`) with ``stop=None``, else a private daemon started for this run
+    (under ``run_dir``, or a temporary directory when that path is too long for a socket), whose
+    ``stop()`` shuts it down."""
+    path = socket_path or default_socket_path()
+    if probe(path) is not None:
+        return path, None
+    base = os.path.abspath(run_dir) if run_dir else None
+    scratch = base is None or len(os.fsencode(os.path.join(base, "tuner", "tuner.sock"))) >= 100
+    if scratch:
+        base = tempfile.mkdtemp(prefix="offloadctl-")
+    own = os.path.join(private_dir(os.path.join(base, "tuner")), "tuner.sock")
+    info = start(own)
+    proc = info.get("process")
+
+    def stop_private() -> None:
+        stop(own)
+        if proc is not None:
+            proc.wait(5)  # reap it: the daemon is our child
+        if scratch:
+            shutil.rmtree(base, ignore_errors=True)
+
+    return own, stop_private
+
+
+def _tail(path: str, n: int = 400) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+            return f.read().decode(errors="replace").strip().splitlines()[-1]
+    except (OSError, IndexError):
+        return "(no log)"
+
+
+def _read_pid(pidfile: str) -> int | None:
+    try:
+        with open(pidfile) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_our_daemon(pid: int) -> bool:
+    """Whether ``pid`` is an ``offloadctl tuner serve`` (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"tuner" in argv and b"serve" in argv
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)  # our child (ensure_daemon): reap it
+            if done:
+                return True
+        except ChildProcessError:
+            pass
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
