@@ -6,6 +6,7 @@ and the tiers go down whatever happens. Needs root; without it the run says so a
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -72,3 +73,14 @@ def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, r
                                 *extra, *without_option(argv, "--emulate")])
     finally:
         subprocess.run([TIERS, "down"], check=False)
+
+
+def add_engine_run_args(ap: argparse.ArgumentParser, steps_help: str) -> None:
+    """Where an update-phase benchmark runs (a path, or an emulated tier) and its model size."""
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--nvme", help="directory on the storage to test (it must exist)")
+    where.add_argument("--emulate", metavar="READ:WRITE", help="set up an emulated tier throttled to READ:WRITE MB/s "
+                       "(root), run there, and take it down")
+    ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
+    ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
+    ap.add_argument("--steps", type=int, default=6, help=steps_help)

@@ -36,7 +36,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.emulate import run_emulated  # noqa: E402
+from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from bench.update_phase import _machine  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
@@ -126,13 +126,7 @@ def run_plan(plan: Plan, profile: Profile, numel: int, sub: int, steps: int, bac
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nvme", help="directory on the storage to test (it must exist)")
-    where.add_argument("--emulate", metavar="READ:WRITE", help="set up an emulated tier throttled to READ:WRITE MB/s "
-                       "(root), run there, and take it down")
-    ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
-    ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
-    ap.add_argument("--steps", type=int, default=6, help="steps per plan; the first two are excluded (default 6)")
+    add_engine_run_args(ap, "steps per plan; the first two are excluded (default 6)")
     ap.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per point of the I/O sweep (default 1)")
     ap.add_argument("--probe-bytes", type=float, default=2e9, help="probe file size (default 2e9; at most 1/8 of free space)")
     ap.add_argument("--cap", type=float, metavar="MBPS", help="cap each direction at MBPS MB/s with the engine's rate "

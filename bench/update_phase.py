@@ -41,7 +41,7 @@ from engine.adamw import measure_host_kernels  # noqa: E402
 from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
 from engine.io_backends import open_backend  # noqa: E402
 from engine.storage import SwapPath  # noqa: E402
-from bench.emulate import run_emulated  # noqa: E402
+from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -143,13 +143,7 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nvme", help="directory on the storage to test (it must exist)")
-    where.add_argument("--emulate", metavar="READ:WRITE", help="set up an emulated tier throttled to READ:WRITE MB/s "
-                       "(root), run there, and take it down")
-    ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
-    ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
-    ap.add_argument("--steps", type=int, default=6, help="steps per layout; the first is excluded (default 6)")
+    add_engine_run_args(ap, "steps per layout; the first is excluded (default 6)")
     ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
