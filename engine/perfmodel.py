@@ -15,8 +15,8 @@ derives each formula. Notation, per rank unless said otherwise:
 - Alternating order: ``K = min(S, d + 1)`` swapped subgroups stay in staging buffers across a
   step (``d`` = prefetch depth), so ``M = S - K`` are read and ``M`` written per step.
 - ``u = n / (R_cpu / ranks) + n * e / B_copy``: host-lane time of one subgroup (fused AdamW at
-  the node's rate shared by the ranks, plus ``e`` = 4 bytes per param for the upcast of 16-bit
-  gradients; the weight copy-back reads cache-hot data and measures as free).
+  the node's rate shared by the ranks, plus ``e`` bytes per param copied: the weights written
+  back, the gradient upcast).
 
 Per step, with every rank on a node in lockstep and ``j`` ranging over the storage devices
 (paths on one device share one bandwidth, so they never add up):
@@ -455,10 +455,7 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
     cores = max(1, profile.machine.cores_logical or profile.machine.cores_physical)
     cpu_rate = profile.cpu_adamw_params_per_s() / ranks
     mem_bw = profile.host.memory_bandwidth.value
-    # The gradient upcast streams from memory. The weight copy is not counted: it reads the master
-    # the kernel has just written, and the host lane with its copy runs at the bare kernel's rate
-    # (bench/update_phase.py: 0.96-1.0x DeepSpeedCPUAdam; bench/model_accuracy.py, host only).
-    extra_mem = 4 if wl.grad_bytes != 4 else 0
+    extra_mem = (4 if wl.grad_bytes != 4 else 0) + (0 if gpu else wl.weight_bytes)  # gradient upcast, weight copy
     per_param_host = 1.0 / cpu_rate + extra_mem * ranks / mem_bw
     if gpu is not None:
         per_param_host += wl.weight_bytes / gpu.h2d_bytes_per_s.value  # 16-bit weights to the device, in the loop
@@ -649,8 +646,7 @@ def stock_deepspeed(profile: Profile, workload: Workload, kind: str, ratio: floa
     gpu = profile.gpu
     cpu_rate = profile.cpu_adamw_params_per_s() / ranks
     mem_bw = profile.host.memory_bandwidth.value
-    # As in predict(): the copy-back to host weights is cache-hot; to a GPU it crosses PCIe.
-    weight_s = wl.weight_bytes / gpu.h2d_bytes_per_s.value if gpu else 0.0
+    weight_s = wl.weight_bytes / (gpu.h2d_bytes_per_s.value if gpu else mem_bw / ranks)
     per_param = 1.0 / cpu_rate + weight_s + (4 * ranks / mem_bw if wl.grad_bytes != 4 else 0.0)
     budget = _host_budget(profile, wl)
     fwd_bwd = wl.fwd_bwd_s if wl.fwd_bwd_s is not None else 0.0
