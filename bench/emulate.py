@@ -84,3 +84,5 @@ def add_engine_run_args(ap: argparse.ArgumentParser, steps_help: str) -> None:
     ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
     ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
     ap.add_argument("--steps", type=int, default=6, help=steps_help)
+    ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")

@@ -156,8 +156,6 @@ def main() -> int:
     ap.add_argument("--probe-bytes", type=float, default=2e9, help="probe file size (default 2e9; at most 1/8 of free space)")
     ap.add_argument("--cap", type=float, metavar="MBPS", help="cap each direction at MBPS MB/s with the engine's rate "
                     "limiter, in the engine and in the profile (no root needed)")
-    ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     ap.add_argument("--save-profile", metavar="FILE", help="also save the measured profile (TOML) to FILE")
     args = ap.parse_args()
     if args.emulate:

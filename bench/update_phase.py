@@ -144,8 +144,6 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_run_args(ap, "steps per layout; the first is excluded (default 6)")
-    ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
-    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
     if args.emulate:
         return run_emulated(__file__, args.emulate, sys.argv[1:], size_gb=6)
