@@ -184,17 +184,11 @@ def main() -> int:
 
 
 def _machine() -> dict:
-    import platform
-
     import psutil
 
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(),
+    from engine.hwprobe import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
             "cuda": torch.cuda.is_available()}
 

@@ -34,6 +34,7 @@ from .buffers import ALIGN_BYTES, aligned_empty
 from .config import EngineConfig
 from .errors import ConfigError, StoragePathError
 from .io_backends import open_backend
+from .nvml import open_nvml
 from .profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
                       SweepPoint)
 from .storage import check_usable
@@ -125,21 +126,18 @@ def numa_nodes() -> int:
 
 def nvml_gpus() -> list[tuple[str, int]]:
     """(model, memory bytes) of each NVIDIA GPU; empty without a driver."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no library: no NVIDIA GPU to describe
+    opened = open_nvml()
+    if opened is None:
         return []
+    nvml, handles = opened
     try:
         out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append((name.decode() if isinstance(name, bytes) else name, int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+        for h in handles:
+            name = nvml.nvmlDeviceGetName(h)
+            out.append((name.decode() if isinstance(name, bytes) else name, int(nvml.nvmlDeviceGetMemoryInfo(h).total)))
         return out
     finally:
-        pynvml.nvmlShutdown()
+        nvml.nvmlShutdown()
 
 
 def probe_machine() -> Machine:

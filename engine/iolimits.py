@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import tempfile
 import threading
 import time
+
+from .blockdev import device_of
 
 
 class ResizableSemaphore:
@@ -74,14 +77,15 @@ def lock_dir() -> str:
 class NodeLock:
     """One process at a time on a storage device of this node, while the lock is enabled.
 
-    Keyed by the device number of the path, so two directories on one disk share a lock. The
+    Keyed by the whole disk behind the path (:func:`engine.blockdev.device_of`, as profiles and
+    the performance model group paths), so directories or partitions of one disk share a lock. The
     threads of the holding process share it: the first takes the ``flock``, the last releases it,
     so a process keeps its own requests in flight while other processes wait.
     """
 
     def __init__(self, path: str, *, enabled: bool = False) -> None:
-        st = os.stat(path)
-        self.lock_path = os.path.join(lock_dir(), f"dev-{os.major(st.st_dev)}-{os.minor(st.st_dev)}.lock")
+        key = re.sub(r"[^A-Za-z0-9_.-]", "_", device_of(path).name)  # "tmpfs:tmpfs", "nfs:host:/x" as a file name
+        self.lock_path = os.path.join(lock_dir(), f"dev-{key}.lock")
         self.enabled = enabled
         self._cond = threading.Condition()
         self._users = 0

@@ -34,9 +34,16 @@ def _run(cmd, timeout=600):
 def stock(ranks, losses, *extra, script=SCRIPT):
     # As `accelerate launch --use_deepspeed` would set it; plain DeepSpeed scripts ignore it.
     env = dict(_env(), ACCELERATE_USE_DEEPSPEED="true")
-    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-                           _port(), script, "--losses-out", losses, *extra],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    port = _port()
+    try:
+        return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+                               "--master_port", port, script, "--losses-out", losses, *extra],
+                              capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    finally:
+        # Stock DeepSpeed leaves a 64 MiB /dev/shm buffer per rank; a test run must not fill tmpfs.
+        from offloadctl.commands.train import remove_shm_buffers
+
+        remove_shm_buffers(port)
 
 
 def ours(ranks, losses, nvme, run_dir, *extra, opts=(), script=SCRIPT, port=None):

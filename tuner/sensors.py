@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import psutil
 
 from engine.blockdev import device_of
+from engine.nvml import open_nvml
 
 
 class Sensors:
@@ -92,21 +93,8 @@ class _NvmlGpus:
 
     @classmethod
     def open(cls) -> "_NvmlGpus | None":
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-        except Exception:  # no package, no driver, no GPU: a CPU-only node
-            return None
-        try:
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:
-            pynvml.nvmlShutdown()
-            return None
-        if not handles:
-            pynvml.nvmlShutdown()
-            return None
-        return cls(pynvml, handles)
+        opened = open_nvml()
+        return None if opened is None else cls(*opened)
 
     def sample(self) -> dict | None:
         n = self.nvml

@@ -32,7 +32,6 @@ def parse_params(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--profile", required=True, metavar="NAME|PATH", help="hardware profile: a name or a TOML file")
     p.add_argument("--params", required=True, metavar="N", help="model parameters: 7e9, 7B, 1.5T, 70M")
     p.add_argument("--ranks", type=int, default=1, metavar="R", help="ranks (GPUs) per node (default 1)")

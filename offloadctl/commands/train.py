@@ -103,7 +103,9 @@ def build(args: argparse.Namespace) -> dict:
            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
     out = {"command": cmd, "env": env, "settings": settings.to_json(), "tuner": tuner}
     if profile and args.params:
-        out["plan_preview"] = preview_plan(settings, parse_count(args.params))
+        from .plan import parse_params
+
+        out["plan_preview"] = preview_plan(settings, parse_params(args.params))
     return out
 
 
@@ -118,21 +120,6 @@ def tuner_target(value: str) -> str:
         raise ConfigError(f"--tuner {value}: no socket there; start the daemon (offloadctl tuner start --socket "
                           f"{value}), or use --tuner auto")
     return path
-
-
-def parse_count(text: str) -> int:
-    """'7e9', '70M', '1.5B', '2T' -> an integer count."""
-    from engine.errors import ConfigError
-
-    t = text.strip().upper()
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
-    try:
-        n = float(t[:-1] if scale != 1 else t) * scale
-    except ValueError:
-        n = -1
-    if not n >= 1:
-        raise ConfigError(f"--params {text}: give a parameter count such as 7e9, 70M, 1.5B")
-    return int(n)
 
 
 def preview_plan(settings, params: int) -> dict:
