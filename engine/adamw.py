@@ -114,6 +114,16 @@ def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float
     return {k: numel / statistics.median(v) for k, v in times.items()}
 
 
+_measured_rates: dict[str, float] = {}
+
+
+def host_kernel_rate(name: str) -> float:
+    """Params/s of host kernel ``name`` in this process (measured once, on first need)."""
+    if name not in _measured_rates:
+        _measured_rates.update(measure_host_kernels())
+    return _measured_rates.get(name, 0.0)
+
+
 @functools.lru_cache(maxsize=None)
 def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
@@ -122,6 +132,7 @@ def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     if choice == "deepspeed":
         return "deepspeed", _DeepSpeedCpuAdam()
     rates = measure_host_kernels()
+    _measured_rates.update(rates)
     best = max(rates, key=rates.get)
     log.info("host AdamW kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
     return (best, _DeepSpeedCpuAdam()) if best == "deepspeed" else (best, adamw_update_torch_)

@@ -22,8 +22,17 @@ class SubgroupBinding(Protocol):
 
     def grads(self) -> Sequence[torch.Tensor | None]:
         """Per slice, its gradient as a flat tensor of any float dtype and device, or None
-        when the slice has no gradient this step (it is then not updated, as in torch AdamW)."""
+        when the slice has no gradient this step (it is then not updated, as in torch AdamW).
+        The engine only reads them."""
         ...
+
+    # Optional members (see grad_scale_of, flat_weights_of, weights_written):
+    #   grad_scale: float        multiply the gradients by this before the update (clipping,
+    #                            loss scale); 1.0 when absent.
+    #   flat_weights: Tensor     the subgroup's weights as one flat tensor of any dtype and
+    #                            device, written in place chunk by chunk instead of through
+    #                            write_weights.
+    #   weights_written()        called after flat_weights was written.
 
     def read_weights(self, out: torch.Tensor) -> None:
         """Copy the current weights into ``out`` (flat fp32), to seed the master copy."""
@@ -32,6 +41,20 @@ class SubgroupBinding(Protocol):
     def write_weights(self, master: torch.Tensor) -> None:
         """Copy the updated master weights (flat fp32, host or device) into the model's weights."""
         ...
+
+
+def grad_scale_of(binding) -> float:
+    return float(getattr(binding, "grad_scale", 1.0))
+
+
+def flat_weights_of(binding) -> torch.Tensor | None:
+    return getattr(binding, "flat_weights", None)
+
+
+def weights_written(binding) -> None:
+    hook = getattr(binding, "weights_written", None)
+    if hook is not None:
+        hook()
 
 
 class FlatSubgroup:
@@ -43,6 +66,7 @@ class FlatSubgroup:
 
     def __init__(self, weight: torch.Tensor, grad: torch.Tensor | None = None, group: int = 0) -> None:
         self.weight, self.grad, self.group = weight.view(-1), grad, group
+        self.flat_weights = self.weight
         self.numel = self.weight.numel()
         self.slice_numels = (self.numel,)
 

@@ -59,8 +59,13 @@ class EngineConfig:
     host_cache_bytes: int | None = None
     """Budget for optimizer state that stays in host memory. None: all state in host memory.
     The swap staging buffers (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
-    device_cache_bytes: int = 0
-    """Budget for optimizer state that stays in device memory (device lane, no transfers)."""
+    device_cache_bytes: int | None = 0
+    """Budget for optimizer state that stays in device memory (updated there, no transfers).
+    None: as much as the device has free after the first forward/backward, less a safety
+    margin (``engine.gpumem``)."""
+    auto_device_fraction: bool = False
+    """At the first step, set ``Knobs.device_fraction`` so that the host lane and the device
+    lane's PCIe copies finish together (measured host-lane and pinned PCIe rates)."""
     paths: tuple[StoragePath, ...] = ()
     """NVMe and remote paths, striped in proportion to their bandwidth."""
     device: str | None = None
@@ -86,7 +91,8 @@ class EngineConfig:
         _positive_int("subgroup_numel", self.subgroup_numel)
         if self.host_cache_bytes is not None:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
-        _non_negative_int("device_cache_bytes", self.device_cache_bytes)
+        if self.device_cache_bytes is not None:
+            _non_negative_int("device_cache_bytes", self.device_cache_bytes)
         if self.io_backend not in ("auto", "aio", "posix"):
             raise ConfigError(f"io_backend must be 'auto', 'aio' or 'posix', got {self.io_backend!r}")
         if self.host_adam not in ("auto", "torch", "deepspeed"):

@@ -11,8 +11,11 @@ host memory, or a swap file on a storage path. ``step()`` visits every subgroup 
   current one updates, and each updated subgroup is written back asynchronously. Staging
   buffers: ``prefetch_depth + 2`` working ones (reading ahead, updating, writing back) plus
   ``prefetch_depth + 1`` kept across the step boundary.
-- **Lanes.** A ``device_fraction`` of subgroups, evenly interleaved, is updated on the device
-  lane; the rest on the host lane (Deep Optimizer States).
+- **Lanes.** A ``device_fraction`` of the subgroups outside the device tier, evenly
+  interleaved, is updated on the device lane; the rest on the host lane (Deep Optimizer States).
+- **Device tier.** A prefix of subgroups keeps its state in device memory and is updated
+  there with no transfer. Its size is ``device_cache_bytes``, or, when that is None, what the
+  GPU has free after the first forward/backward, less a safety margin (:meth:`fit_device_tier`).
 - **Knobs** set with :meth:`set_knobs` take effect at the start of the next step, when no
   transfer is in flight.
 
@@ -29,13 +32,14 @@ from typing import Sequence
 
 import torch
 
-from .adamw import AdamWHyper, select_host_kernel
+from .adamw import AdamWHyper, host_kernel_rate, select_host_kernel
 from .binding import SubgroupBinding
 from .buffers import StateBuffer, payload_bytes
 from .config import EngineConfig, Knobs
 from .errors import ConfigError, OffloadError, StorageIOError
+from .gpumem import gpu_headroom_bytes, measure_pcie
 from .io_backends import open_backend
-from .lanes import DeviceLane, HostLane
+from .lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader, working_bytes
 from .placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
 from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
 from .telemetry import StepRecord, TelemetryLog
@@ -99,13 +103,13 @@ class SubgroupEngine:
         self._closed = False
         self._failures: list[OffloadError] = []
         self.device = self._resolve_device(config.device)
-        self._pin = torch.cuda.is_available()
         self._check_knobs(self.knobs)
+        self._device_grads_ok = False  # device-lane gradients may live on the device (set by fit_device_tier)
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
         self.path_bandwidth: list[float] = []
-        host_only = config.host_cache_bytes is None and config.device_cache_bytes == 0
+        host_only = config.host_cache_bytes is None
         if config.paths and not host_only:
             backend = open_backend(config.io_backend)
             self.io_backend = backend.name
@@ -119,9 +123,12 @@ class SubgroupEngine:
             for spec in config.paths:  # unused, but a bad path is still an error at construction
                 check_usable(spec.path)
 
-        if config.device_cache_bytes and self.device is None:
-            raise ConfigError("device_cache_bytes > 0 needs a device lane: set device='cuda' (or 'cpu' in tests)")
-        placement = place(sizes, device_budget=config.device_cache_bytes, host_budget=config.host_cache_bytes,
+        if (config.device_cache_bytes is None or config.device_cache_bytes > 0) and self.device is None:
+            raise ConfigError("device_cache_bytes needs a device: set device='cuda' (or 'cpu' in tests), or "
+                              "device_cache_bytes=0")
+        # Fitted at the first step, once forward/backward has shown what device memory it needs.
+        self._device_tier_pending = self.device is not None
+        placement = place(sizes, device_budget=config.device_cache_bytes or 0, host_budget=config.host_cache_bytes,
                           path_weights=self._stripe_weights(self.knobs))
         self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
         try:
@@ -131,9 +138,11 @@ class SubgroupEngine:
             raise
 
         self.host_kernel_name, kernel = select_host_kernel(config.host_adam)
-        self.host_lane = HostLane(self.host_kernel_name, kernel)
-        self.device_lane = DeviceLane(self.device) if self.device is not None else None
-        self._lane_mask = device_lane_mask(len(self.subgroups), self.knobs.device_fraction)
+        capacity = max((sg.numel for sg in self.subgroups), default=0)
+        self.device_lane = DeviceLane(self.device, capacity) if self.device is not None else None
+        self.host_lane = HostLane(self.host_kernel_name, kernel,
+                                  WeightUploader(self.device_lane.upload_stream if self.device_lane else None))
+        self._lane_mask = self._make_lane_mask(self.knobs.device_fraction)
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
 
     # -- construction ------------------------------------------------------------------------
@@ -165,7 +174,9 @@ class SubgroupEngine:
             if sg.tier == DEVICE:
                 sg.resident = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
             elif sg.tier == HOST:
-                sg.resident = StateBuffer(sg.numel, pin=self._pin)
+                # Exact size; pages are touched at the first step. Pinned in place only if the
+                # subgroup takes the device lane.
+                sg.resident = StateBuffer(sg.numel)
             else:
                 sg.file = self._create_file(sg, sg.tier)
         swapped = [sg.numel for sg in self.subgroups if isinstance(sg.tier, int)]
@@ -180,7 +191,7 @@ class SubgroupEngine:
 
     def _resize_staging(self, n: int) -> None:
         while self._n_staging < n:
-            self._free.append(StateBuffer(self._staging_capacity, pin=self._pin))
+            self._free.append(StateBuffer(self._staging_capacity))
             self._n_staging += 1
         while self._n_staging > n and self._free:
             self._free.pop()
@@ -210,7 +221,7 @@ class SubgroupEngine:
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
-        self._lane_mask = device_lane_mask(len(self.subgroups), k.device_fraction)
+        self._lane_mask = self._make_lane_mask(k.device_fraction)
         if k.prefetch_depth != old.prefetch_depth and self._n_staging:
             self._resize_staging(_staging_count(k))
             # Shrinking may need kept buffers back: write them out until the pool fits.
@@ -250,13 +261,15 @@ class SubgroupEngine:
         if self._closed:
             raise OffloadError("this optimizer engine was closed; create a new one")
         self._apply_pending_knobs()
+        if self._device_tier_pending:
+            self.fit_device_tier()
         t_start = time.perf_counter()
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = self.iteration % 2 == 0
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
         seq = [i for i in order if isinstance(self.subgroups[i].tier, int)]
         st = _StepState(seq, {i: k for k, i in enumerate(seq)})
-        update_s = 0.0
+        update_s = host_s = 0.0
         lanes = [0, 0]
         if self.device_lane:
             self.device_lane.begin_step()
@@ -273,6 +286,7 @@ class SubgroupEngine:
                         self.device_lane.update_staged(buf, sg.binding, sg.steps, hp)
                     else:
                         self.host_lane.update(buf, sg.binding, sg.steps, hp)
+                        host_s += time.perf_counter() - t0
                     update_s += time.perf_counter() - t0
                     sg.dirty = True
                     # The tail stays in its buffers: it is the head of the next step's (reversed)
@@ -289,6 +303,7 @@ class SubgroupEngine:
                         self.device_lane.update_staged(sg.resident, sg.binding, sg.steps, hp)
                     else:
                         self.host_lane.update(sg.resident, sg.binding, sg.steps, hp)
+                        host_s += time.perf_counter() - t0
                     update_s += time.perf_counter() - t0
                 lanes[on_device] += 1
         except BaseException:
@@ -299,16 +314,137 @@ class SubgroupEngine:
         write_wait_s = time.perf_counter() - t0
         for sg in self.subgroups:
             sg.kept = sg.staged is not None
+        t0 = time.perf_counter()
         if self.device_lane:
             self.device_lane.end_step()
+        device_wait_s = time.perf_counter() - t0
         wall = time.perf_counter() - t_start
         rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
+        rec.host_lane_s, rec.device_wait_s = host_s, device_wait_s
+        rec.device_tier_subgroups = sum(sg.tier == DEVICE for sg in self.subgroups)
         self.iteration += 1
         self.telemetry.append(rec)
         if self._failures:
             err, self._failures = self._failures[0], []
             raise err
         return rec
+
+    # -- the device tier and the lanes ------------------------------------------------------------
+
+    def _make_lane_mask(self, fraction: float) -> list[bool]:
+        """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread."""
+        rest = [sg.index for sg in self.subgroups if sg.tier != DEVICE]
+        mask = [False] * len(self.subgroups)
+        for i, on in zip(rest, device_lane_mask(len(rest), fraction)):
+            mask[i] = on
+        return mask
+
+    def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None) -> dict:
+        """Fit the device tier and the device lane to the device memory free now.
+
+        Called at the first step (after the first forward/backward, so the headroom is what
+        training leaves), or by an adapter before it. ``grad_bytes_per_element``: what keeping
+        a subgroup's gradient on the device adds (0 when gradients are there anyway).
+        ``headroom_bytes`` overrides the measurement (:func:`engine.gpumem.gpu_headroom_bytes`).
+
+        - ``device_cache_bytes=None``: the tier takes the longest prefix of subgroups whose
+          state (and gradient) fits, leaving the device lane's working set free unless every
+          subgroup fits;
+        - ``auto_device_fraction``: the device fraction that makes the host lane and the PCIe
+          copies finish together (measured rates: :meth:`_balanced_fraction`);
+        - device-lane gradients stay on the device if what is left holds them.
+        Returns the decision, for logs.
+        """
+        self._device_tier_pending = False
+        if self.device is None:
+            return {}
+        if headroom_bytes is None:
+            headroom_bytes = gpu_headroom_bytes(self.device) or 0
+        cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
+        lane_ws = working_bytes(max((sg.numel for sg in self.subgroups), default=0))
+        if self.config.device_cache_bytes is None:
+            if sum(cost) <= headroom_bytes:
+                tier = len(cost)
+            else:
+                left, tier = headroom_bytes - lane_ws, 0
+                while tier < len(cost) and cost[tier] <= left:
+                    left -= cost[tier]
+                    tier += 1
+            self._set_device_tier(tier)
+        used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
+        rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
+        if rest and self.config.auto_device_fraction:
+            f = self._balanced_fraction(rest)
+            if f is not None:
+                self.knobs = self.knobs.replace(device_fraction=f)
+        self._lane_mask = self._make_lane_mask(self.knobs.device_fraction)
+        lane_grads = sum(grad_bytes_per_element * sg.numel for sg in rest if self._lane_mask[sg.index])
+        self._device_grads_ok = used + (lane_ws if rest else 0) + lane_grads <= headroom_bytes
+        return {"headroom_bytes": headroom_bytes, "device_tier_subgroups": len(self.subgroups) - len(rest),
+                "device_tier_bytes": used, "device_fraction": self.knobs.device_fraction,
+                "device_lane_grads_on_device": self._device_grads_ok}
+
+    def _balanced_fraction(self, rest: list[_Subgroup]) -> float | None:
+        """The device fraction of ``rest`` (not in the device tier) with the shortest update:
+        host lane at its measured kernel rate, device lane at the measured PCIe rate (12 B
+        in and 12 B out per element, both directions at once), host-lane weights sharing the
+        way in. Mask granularity (one subgroup) is searched exhaustively."""
+        pcie = measure_pcie(self.device)
+        rate = host_kernel_rate(self.host_kernel_name)
+        if pcie is None or not rate:
+            return None
+        h2d, d2h = pcie
+        total = sum(sg.numel for sg in rest)
+        best = None
+        for k in range(len(rest) + 1):
+            f = k / len(rest)
+            mask = device_lane_mask(len(rest), f)
+            dev = sum(sg.numel for sg, m in zip(rest, mask) if m)
+            host = total - dev
+            t = max(host / (rate * HOST_LANE_EFFICIENCY), 12 * dev / d2h, (12 * dev + 2 * host) / h2d)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, f)
+        return best[1]
+
+    def _set_device_tier(self, count: int) -> None:
+        """Keep the state of subgroups [0, count) in device memory, the rest off it. At a step
+        boundary (no transfer in flight)."""
+        for sg in self.subgroups:
+            if sg.index < count and sg.tier != DEVICE:
+                self._to_device(sg)
+            elif sg.index >= count and sg.tier == DEVICE:
+                self._off_device(sg)
+
+    def _to_device(self, sg: _Subgroup) -> None:
+        state = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
+        if not sg.fresh:
+            view = self._host_view(sg)
+            view.wait_ready()
+            state.copy_(view.state)
+        if sg.tier == HOST:
+            sg.resident = None
+        elif isinstance(sg.tier, int):
+            self._release(sg)
+            for f in (sg.file, sg.next_file):
+                if f is not None:
+                    f.path.remove_file(f)
+            sg.file = sg.next_file = None
+            sg.dirty = sg.kept = False
+        sg.tier, sg.resident = DEVICE, state
+
+    def _off_device(self, sg: _Subgroup) -> None:
+        """Out of the device tier, into host memory (whatever the host budget says)."""
+        buf = StateBuffer(sg.numel)
+        if not sg.fresh:
+            self.device_lane.sync()
+            buf.state.copy_(sg.resident[:3 * sg.numel])
+        sg.tier, sg.resident = HOST, buf
+
+    def device_grad_subgroups(self) -> list[int]:
+        """Subgroups whose gradients are best produced on the device: those in the device tier,
+        and those on the device lane when device memory holds their gradients too."""
+        return [sg.index for sg in self.subgroups
+                if sg.tier == DEVICE or (self._device_grads_ok and self._lane_mask[sg.index])]
 
     def _abort_step(self, st: _StepState) -> None:
         """After an error: let every transfer finish, and forget reads nobody will check."""
@@ -368,9 +504,7 @@ class SubgroupEngine:
         if not sg.fresh:
             return
         if sg.tier == DEVICE:
-            n = sg.numel
-            sg.binding.read_weights(sg.resident[:n])
-            sg.resident[n:].zero_()
+            self.device_lane.seed_resident(sg.resident, sg.binding)
             sg.fresh = False
         else:
             self._materialize(sg, sg.resident)
@@ -402,7 +536,7 @@ class SubgroupEngine:
             if not kept:
                 # Only after failed writes pinned buffers in memory: grow rather than stall.
                 self._n_staging += 1
-                return StateBuffer(self._staging_capacity, pin=self._pin)
+                return StateBuffer(self._staging_capacity)
             victim = kept[-1] if self.iteration % 2 == 0 else kept[0]  # the one needed last
             self._write_back(victim)
 
@@ -458,6 +592,7 @@ class SubgroupEngine:
         sg = self.subgroups[index]
         if sg.tier == DEVICE:
             self._materialize_resident(sg)
+            self.device_lane.sync()
             n = sg.numel
             return (*(t.detach().to("cpu", copy=True) for t in sg.resident.split(n)), list(sg.steps))
         buf = self._host_view(sg)

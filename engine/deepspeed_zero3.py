@@ -8,8 +8,11 @@ ZeRO-3 already keeps each rank's parameters as flat partitions split into subgro
   (``_create_fp32_partitions``, ``initialize_optimizer_states``,
   ``_offload_grad_partition_at_boundary``), and creates no swapper: the engine owns the state
   and its tiers.
-- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``) in their
-  own dtype; they are upcast and unscaled per subgroup at update time, never written to storage.
+- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``, pinned
+  in place at its exact size) in their own dtype; they are upcast and unscaled per chunk at
+  update time, never written to storage. Gradients of subgroups updated on the GPU (the device
+  tier, and the device lane when memory allows) stay on the GPU: their entries in DeepSpeed's
+  per-parameter gradient map point into device buffers, so backward never copies them out.
 - ``step()`` keeps DeepSpeed's overflow check, loss-scale update and clipping, then hands the
   whole update loop to the engine.
 - ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adamw import hyper_from_group
+from .buffers import pin_in_place
 from .config import EngineConfig, Knobs, StoragePath
 from .core import SubgroupEngine
 from .errors import ConfigError
@@ -43,6 +47,11 @@ class ZeroEngineSettings:
     run_dir: str | None = None
     knobs: Knobs = field(default_factory=Knobs)
     """Starting knobs without a profile."""
+    device_cache_bytes: int | None = None
+    """State kept on the GPU. None: what the GPU has free after the first forward/backward."""
+    auto_device_fraction: bool = True
+    """Start from the device fraction that balances the lanes (measured rates, or the plan's
+    with a profile); False: ``knobs.device_fraction`` as given."""
     knob_overrides: dict = field(default_factory=dict)
     """Knobs the user set explicitly; with a profile they win over the model's plan."""
     io_backend: str = "auto"
@@ -56,6 +65,7 @@ class ZeroEngineSettings:
         return {"nvme_paths": list(self.nvme_paths), "remote_paths": list(self.remote_paths),
                 "host_cache_bytes": self.host_cache_bytes, "run_dir": self.run_dir,
                 "knobs": self.knobs.to_dict(), "knob_overrides": dict(self.knob_overrides),
+                "device_cache_bytes": self.device_cache_bytes, "auto_device_fraction": self.auto_device_fraction,
                 "io_backend": self.io_backend, "profile": self.profile, "tuner_socket": self.tuner_socket,
                 "run_id": self.run_id}
 
@@ -64,6 +74,7 @@ class ZeroEngineSettings:
         return cls(nvme_paths=tuple(d.get("nvme_paths", ())), remote_paths=tuple(d.get("remote_paths", ())),
                    host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
                    knobs=Knobs(**d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
+                   device_cache_bytes=d.get("device_cache_bytes"), auto_device_fraction=d.get("auto_device_fraction", True),
                    io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
                    tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
 
@@ -86,21 +97,33 @@ class ZeroPartitionSubgroup:
         self.numel = opt.fp16_partitioned_groups_flat_numel[index]
         self.slice_numels = (self.numel,)
         # DeepSpeed's host buffer of reduced gradients, in the gradient-accumulation dtype.
-        self._grad = opt.grad_partitions_flat_buffer.narrow(0, grad_offset, self.numel)
+        self.host_grad = opt.grad_partitions_flat_buffer.narrow(0, grad_offset, self.numel)
+        self.device_grad: torch.Tensor | None = None  # set while backward writes this subgroup's gradients on the GPU
 
     def grads(self) -> list[torch.Tensor]:
-        scale = self.opt._engine_grad_scale
-        if scale == 1.0:
-            return [self._grad]
-        # DeepSpeed's math, fp32 grad * (1 / combined scale), on a copy: DeepSpeed's buffer stays as reduced.
-        return [self._grad.to(torch.float32, copy=True).mul_(scale)]
+        # As reduced; the engine unscales them (grad_scale) as it reads them.
+        return [self.device_grad if self.device_grad is not None else self.host_grad]
+
+    @property
+    def grad_scale(self) -> float:
+        return self.opt._engine_grad_scale  # DeepSpeed's math: fp32 grad * (1 / combined scale)
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        return self.opt.fp16_partitioned_groups_flat[self.index]
+
+    def weights_written(self) -> None:
+        self.opt._unflatten_partitioned_parameters(self.index)
 
     def read_weights(self, out: torch.Tensor) -> None:
-        out.copy_(self.opt.fp16_partitioned_groups_flat[self.index])
+        out.copy_(self.flat_weights)
 
     def write_weights(self, master: torch.Tensor) -> None:
-        self.opt.fp16_partitioned_groups_flat[self.index].data.copy_(master)
-        self.opt._unflatten_partitioned_parameters(self.index)
+        self.flat_weights.data.copy_(master)
+        self.weights_written()
+
+    def params(self):
+        return self.opt.fp16_groups[self.index]
 
 
 def make_optimizer_class(settings: ZeroEngineSettings):
@@ -142,7 +165,15 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
 
         def _setup_for_real_optimizer(self):
-            super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
+            # DeepSpeed pins its gradient buffer through torch's pinned allocator, which rounds
+            # it up to a power of two (a 4.1 GB buffer takes 8 GiB locked): pin it in place.
+            pin, self.offload_optimizer_pin_memory = self.offload_optimizer_pin_memory, False
+            try:
+                super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
+            finally:
+                self.offload_optimizer_pin_memory = pin
+            if pin:
+                pin_in_place(self.grad_partitions_flat_buffer)
             _check_adamw(self.optimizer)
             self._engine_grad_scale = 1.0
             self._bindings, off = [], 0
@@ -151,6 +182,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 off += self.fp16_partitioned_groups_flat_numel[i]
             config, knobs = self._engine_config()
             self.offload_engine = SubgroupEngine(self._bindings, config, knobs)
+            self.device_fit = None  # the first step fits the device tier to what backward left free
             self.tuner_client = self._connect_tuner()
 
         def _engine_config(self) -> tuple[EngineConfig, Knobs]:
@@ -175,8 +207,46 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
             device = None if not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
             config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
+                                  device_cache_bytes=(settings.device_cache_bytes if device else 0),
+                                  auto_device_fraction=bool(device) and settings.auto_device_fraction and not settings.profile,
                                   io_backend=settings.io_backend, run_dir=settings.run_dir, rank=rank)
             return config, knobs
+
+        def _place_grads(self) -> None:
+            """Point DeepSpeed's per-parameter gradient entries of the subgroups the engine
+            updates on the GPU at device buffers, and the others at the host buffer, for the
+            next backward. DeepSpeed copies (or accumulates) each reduced partition into its
+            entry, and takes the norm from it there."""
+            mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+            on_device = set(self.offload_engine.device_grad_subgroups())
+            dev = self.offload_engine.device
+            for b in self._bindings:
+                want = b.index in on_device
+                if want == (b.device_grad is not None):
+                    continue
+                if want:
+                    b.device_grad = torch.zeros(b.numel, dtype=b.host_grad.dtype, device=dev)
+                    b.host_grad.zero_()  # stale host values must not reach DeepSpeed's overflow scan
+                    flat = b.device_grad
+                else:
+                    b.device_grad, flat = None, b.host_grad
+                off = 0
+                for p in b.params():
+                    n = p.partition_numel()
+                    mapping[p.ds_id] = flat.narrow(0, off, n)
+                    off += n
+
+        def has_overflow(self, partition_gradients=True):
+            overflow = super().has_overflow(partition_gradients)  # DeepSpeed scans its host buffer
+            device_grads = [b.device_grad for b in self._bindings if b.device_grad is not None]
+            if not (partition_gradients and device_grads):
+                return overflow
+            import deepspeed.comm as dist
+
+            bad = torch.stack([(~torch.isfinite(g)).any() for g in device_grads]).any().to(torch.uint8).view(1)
+            bad |= torch.tensor([overflow], dtype=torch.uint8, device=bad.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+            return bool(bad.item())
 
         def _connect_tuner(self):
             if not settings.tuner_socket:
@@ -218,6 +288,10 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             tuner = self.tuner_client
             if tuner is not None:
                 tuner.apply_pending(self.offload_engine)  # all ranks switch at the same iteration
+            if self.device_fit is None and self.offload_engine.device is not None:
+                # After the first forward/backward: keep on the GPU what its peak leaves room for.
+                grad_bytes = self.grad_partitions_flat_buffer.element_size()
+                self.device_fit = self.offload_engine.fit_device_tier(grad_bytes_per_element=grad_bytes)
             try:
                 rec = self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
             except BaseException as e:
@@ -226,6 +300,8 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 raise
             if tuner is not None:
                 tuner.report(rec)
+            if self.offload_engine.device is not None:
+                self._place_grads()  # for the next backward, after any lane change
             # The wrapped optimizer holds no params (the engine owns them), so its step() updates
             # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
             # Face attaches its scheduler to this optimizer) and registered step hooks.

@@ -175,6 +175,7 @@ class SwapPath:
         sf.generation, sf.crcs = generation, crcs
 
     def _read_subgroup(self, sf: SwapFile, buf: StateBuffer) -> None:
+        buf.wait_ready()  # a device-lane copy back into this buffer has landed before it is overwritten
         buf.bind(sf.numel)
         futs = [self._chunk_pool.submit(self._read_chunk, sf, buf.header, 0, False)]
         futs += [self._chunk_pool.submit(self._read_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True)

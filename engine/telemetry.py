@@ -33,6 +33,14 @@ class StepRecord:
     """Swapped subgroups read from storage this step."""
     host_lane_subgroups: int = 0
     device_lane_subgroups: int = 0
+    """Subgroups updated on each lane; device-tier subgroups count on the device lane."""
+    device_tier_subgroups: int = 0
+    """Subgroups whose state stayed in device memory."""
+    host_lane_s: float = 0.0
+    """Time in host-lane updates (the CPU's share of ``update_s``)."""
+    device_wait_s: float = 0.0
+    """Time waiting, at the end of the step, for device-lane work still queued (the GPU's and
+    PCIe's tail past the CPU's)."""
     params: int = 0
     knobs: dict = field(default_factory=dict)
 

@@ -1,0 +1,60 @@
+"""What the GPU can give the optimizer state: headroom after forward/backward, and PCIe rates.
+
+Both are measured in the training process itself, at the first step: the headroom is what the
+first forward/backward left (its peak as the caching allocator saw it), and the PCIe rates are
+those of this process's pinned copies, both directions at once, as the device lane runs them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MARGIN_MIN_BYTES = 2 << 30
+MARGIN_SHARE = 0.06
+"""Device memory kept free beyond the measured peak: the larger of 2 GiB and 6% of the GPU
+(allocator fragmentation, a longer batch later, the CUDA context growing)."""
+
+
+def gpu_headroom_bytes(device: torch.device, margin_bytes: int | None = None) -> int | None:
+    """Bytes that state kept on ``device`` may take, so that forward/backward still reaches
+    its peak so far: ``total - (other processes) - (this process's peak reserved) - margin``.
+    None when ``device`` is not a CUDA device."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    peak = max(torch.cuda.max_memory_reserved(device), reserved)
+    others = max(0, total - free - reserved)  # other processes, and this one's CUDA context
+    margin = margin_bytes if margin_bytes is not None else max(MARGIN_MIN_BYTES, int(MARGIN_SHARE * total))
+    return max(0, total - others - peak - margin)
+
+
+@functools.lru_cache(maxsize=None)
+def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -> tuple[float, float] | None:
+    """(host-to-device, device-to-host) bytes/s of pinned copies running both at once, the best
+    of ``reps``; None without CUDA. About 0.1 s."""
+    if device.type != "cuda":
+        return None
+    from .buffers import aligned_empty
+
+    host_in, host_out = aligned_empty(nbytes, pin=True), aligned_empty(nbytes, pin=True)
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    best = (0.0, 0.0)
+    for _ in range(reps + 1):  # the first round warms up
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(up):
+            marks[0].record(up)
+            dev_in.copy_(host_in, non_blocking=True)
+            marks[1].record(up)
+        with torch.cuda.stream(down):
+            marks[2].record(down)
+            host_out.copy_(dev_out, non_blocking=True)
+            marks[3].record(down)
+        torch.cuda.synchronize(device)
+        rate = (nbytes / (marks[0].elapsed_time(marks[1]) / 1e3), nbytes / (marks[2].elapsed_time(marks[3]) / 1e3))
+        best = (max(best[0], rate[0]), max(best[1], rate[1]))
+    return best
