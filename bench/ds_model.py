@@ -11,6 +11,7 @@ import time
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
@@ -34,7 +35,8 @@ config = {
             "overlap_events": True},
 }
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-x, y = torch.randn(8, width), torch.randn(8, width)
+device = get_accelerator().current_device_name()
+x, y = torch.randn(8, width, device=device), torch.randn(8, width, device=device)
 iters, steps = [], []
 for _ in range(args.iters):
     t0 = time.perf_counter()

@@ -42,19 +42,20 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t))
-        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
         for b in self.blocks:
             x = b(x, mask)
         return self.head(self.ln(x))
 
 
 def make_batches(text: str, chars: list[str], ctx: int, batch: int, n: int, seed: int = 0):
-    """``n`` (input, target) batches of ``batch`` sequences of ``ctx`` characters."""
-    data = torch.tensor([chars.index(c) for c in text])
+    """``n`` (input, target) batches of ``batch`` sequences of ``ctx`` characters, on the CPU
+    (a seeded CPU generator makes them the same on every machine); move them to the device."""
+    data = torch.tensor([chars.index(c) for c in text])  # cpu ok: moved to the device by the caller
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ix = torch.randint(len(data) - ctx - 1, (batch,), generator=gen)
+        ix = torch.randint(len(data) - ctx - 1, (batch,), generator=gen)  # cpu ok: indices into CPU data
         out.append((torch.stack([data[i:i + ctx] for i in ix]), torch.stack([data[i + 1:i + ctx + 1] for i in ix])))
     return out

@@ -37,8 +37,9 @@ def main() -> int:
     torch.manual_seed(0)
     text = generate_text(4000)
     chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text])
-    model = GPT(len(chars), ctx=args.ctx)
+    data = torch.tensor([chars.index(c) for c in text])  # cpu ok: batches are moved to the model's device
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = GPT(len(chars), ctx=args.ctx).to(device)
     n_params = sum(p.numel() for p in model.parameters())
 
     with tempfile.TemporaryDirectory(prefix="offloadctl-demo-", dir=args.nvme or "/var/tmp") as nvme:
@@ -54,9 +55,9 @@ def main() -> int:
         with Progress(*cols, console=console) as progress:
             task = progress.add_task("training", total=args.steps, loss="-")
             for _ in range(args.steps):
-                ix = torch.randint(len(data) - args.ctx - 1, (args.batch,))
-                x = torch.stack([data[i:i + args.ctx] for i in ix])
-                y = torch.stack([data[i + 1:i + args.ctx + 1] for i in ix])
+                ix = torch.randint(len(data) - args.ctx - 1, (args.batch,))  # cpu ok: indices into CPU data
+                x = torch.stack([data[i:i + args.ctx] for i in ix]).to(device)
+                y = torch.stack([data[i + 1:i + args.ctx + 1] for i in ix]).to(device)
                 loss = nn.functional.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -11,6 +11,7 @@ import sys
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,9 @@ cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.complet
         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]
 with Progress(*cols, disable=engine.global_rank != 0) as progress:
     task = progress.add_task("training", total=args.steps, loss="-")
+    device = get_accelerator().current_device_name()  # this rank's GPU, or the CPU
     for x, y in batches:
+        x, y = x.to(device), y.to(device)
         loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, len(chars)), y.reshape(-1))
         engine.backward(loss)
         engine.step()

@@ -45,6 +45,7 @@ def feed_same_grads(models_opts, steps: int, seed: int = 1, skip=None, scale: fl
     gen = torch.Generator().manual_seed(seed)
     ref_params = list(models_opts[0][0].parameters())
     for t in range(steps):
+        # On the CPU (seeded, the same everywhere), then onto each parameter's device below.
         grads = [torch.randn(p.shape, generator=gen) * scale for p in ref_params]
         if grad_dtype is not None:  # round once, so that every model sees the same values
             grads = [g.to(grad_dtype).float() for g in grads]
@@ -52,7 +53,7 @@ def feed_same_grads(models_opts, steps: int, seed: int = 1, skip=None, scale: fl
             opt.zero_grad(set_to_none=True)
             for k, (p, g) in enumerate(zip(model.parameters(), grads)):
                 if skip is None or not skip(t, k):
-                    p.grad = g.to(p.dtype).clone()
+                    p.grad = g.to(device=p.device, dtype=p.dtype).clone()
             opt.step()
 
 

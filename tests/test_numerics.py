@@ -189,15 +189,99 @@ def test_knob_changes_between_steps_keep_numerics(swap_dirs):
     opt.close()
 
 
-@needs_cuda
-def test_device_lane_on_cuda_matches_adamw(swap_dir):
-    def model_fn():
-        return make_model().cuda()
+CUDA_LAYOUTS = {
+    "host": dict(host_cache_bytes=None),
+    "device_lane_half": dict(host_cache_bytes=None, device_fraction=0.5),
+    "device_lane_all": dict(host_cache_bytes=None, device_fraction=1.0),
+    "device_lane_nvme": dict(host_cache_bytes=0, device_fraction=0.5, nvme=True),
+    "device_tier": dict(device_cache_bytes=STATE // 3, host_cache_bytes=STATE // 3, nvme=True, device_fraction=0.5),
+    "device_tier_auto": dict(device_cache_bytes=None, host_cache_bytes=None),
+}
 
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
-                                               nvme_paths=[swap_dir], device="cuda", device_fraction=0.5,
-                                               host_adam="torch"), model_fn=model_fn)
+
+@needs_cuda
+@pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
+def test_cuda_layouts_match_adamw(layout, swap_dir):
+    """Every lane and tier on a real GPU, the model on the GPU: the side streams, events and
+    pinned buffers must order every copy (a missing wait fails on these thin layers)."""
+    kw = dict(CUDA_LAYOUTS[layout])
+    if kw.pop("nvme", False):
+        kw["nvme_paths"] = [swap_dir]
+    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device="cuda",
+                                               host_adam="torch", **kw), steps=5, model_fn=lambda: make_model().cuda())
+    rec = opt.telemetry[-1]
+    if layout == "device_tier_auto":
+        assert rec.device_tier_subgroups == N_SUB  # a few kB of state: all of it fits the GPU
+    elif layout == "device_tier":
+        assert rec.device_tier_subgroups > 0 and rec.host_lane_subgroups > 0
     opt.close()
+
+
+@needs_cuda
+def test_cuda_knob_switches_match_adamw(swap_dir):
+    """Subgroups move between the lanes from step to step (a tuner's trials)."""
+    model = make_model().cuda()
+    ref = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, device="cuda", host_cache_bytes=STATE // 2,
+                       nvme_paths=[swap_dir], host_adam="torch")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    from conftest import feed_same_grads
+
+    for k, f in enumerate([0.0, 1.0, 0.5, 0.0, 1.0]):
+        opt.set_knobs(opt.knobs.replace(device_fraction=f, prefetch_depth=k % 3))
+        feed_same_grads([(model, opt), (ref, ref_opt)], 1, seed=30 + k)
+        assert_params_close(model, ref)
+    opt.close()
+
+
+def _flat_reference_run(device: str, layout: str, monkeypatch) -> None:
+    """What the DeepSpeed binding hands the engine: bf16 flat weights on the device, bf16
+    gradients (on the host, or on the device for the GPU-updated layouts) and a gradient
+    scale (clipping). Against torch AdamW on fp32 masters fed fp32(grad) * scale."""
+    import engine.lanes as lanes
+    from engine.adamw import AdamWHyper
+    from engine.binding import FlatSubgroup
+    from engine.config import EngineConfig
+    from engine.core import SubgroupEngine
+
+    monkeypatch.setattr(lanes, "HOST_CHUNK_NUMEL", 64)  # chunk edges fall inside subgroups
+    gen = torch.Generator().manual_seed(3)
+    sizes = [300, 257, 300, 129]
+    weights = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    masters = [torch.nn.Parameter(w.float().cpu()) for w in weights]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01)
+    grad_dev = device if layout != "host" else "cpu"
+    bindings = [FlatSubgroup(w) for w in weights]
+    kw = {"host": dict(), "device_lane": dict(knobs=Knobs(device_fraction=0.5)),
+          "device_tier": dict(device_cache_bytes=2 * 12 * 300)}[layout]
+    eng = SubgroupEngine(bindings, EngineConfig(subgroup_numel=300, device=device, host_adam="torch",
+                                                device_cache_bytes=kw.get("device_cache_bytes", 0)), kw.get("knobs"))
+    for step in range(4):
+        scale = 1.0 if step == 2 else 0.37 + 0.1 * step
+        for b, m in zip(bindings, masters):
+            g = (torch.randn(b.numel, generator=gen) * 3).to(torch.bfloat16)
+            b.grad = g.to(grad_dev)
+            b.grad_scale = scale
+            m.grad = g.float() * scale
+        eng.step([AdamWHyper(lr=1e-2)])
+        ref.step()
+        for k, (b, m) in enumerate(zip(bindings, masters)):
+            got = eng.read_state(k)[0]
+            torch.testing.assert_close(got, m.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(b.weight.float().cpu(), m.detach().bfloat16().float(), rtol=0, atol=0)
+            assert b.grad.dtype == torch.bfloat16  # the engine read the gradient, never unscaled it in place
+    eng.close()
+
+
+@pytest.mark.parametrize("layout", ["host", "device_lane", "device_tier"])
+def test_flat_bf16_binding_with_grad_scale_on_cpu(layout, monkeypatch):
+    _flat_reference_run("cpu", layout, monkeypatch)
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["host", "device_lane", "device_tier"])
+def test_flat_bf16_binding_with_grad_scale_on_cuda(layout, monkeypatch):
+    _flat_reference_run("cuda", layout, monkeypatch)
 
 
 @pytest.mark.parametrize("backend", ["aio", "posix"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -41,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--remote", action="append", default=[], metavar="PATH", help="parallel file system directory (repeatable)")
     o.add_argument("--host-cache-gb", type=float, metavar="X", help="optimizer state kept in host memory per rank, GB "
                    "(default: 0 when paths are given, else all)")
+    o.add_argument("--device-cache-gb", default="auto", metavar="X|auto",
+                   help="optimizer state kept on each rank's GPU, GB; auto: what the GPU has free after the first "
+                   "forward/backward, less a safety margin (default auto)")
+    o.add_argument("--device-fraction", default="auto", metavar="F|auto",
+                   help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
+                   "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)")
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
     o.add_argument("--profile", metavar="NAME|PATH", help="hardware profile (offloadctl profile save): start from the "
@@ -70,10 +77,13 @@ def build(args: argparse.Namespace) -> dict:
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     for path in args.nvme + args.remote:
         check_usable(os.path.abspath(path))
-    if args.host_cache_gb is not None and args.host_cache_gb < 0:
-        raise ConfigError(f"--host-cache-gb must be >= 0, got {args.host_cache_gb}")
+    if args.host_cache_gb is not None and not (math.isfinite(args.host_cache_gb) and 0 <= args.host_cache_gb < 1e9):
+        raise ConfigError(f"--host-cache-gb must be a number of GB >= 0, got {args.host_cache_gb}")
+    device_cache = _auto_or_number("--device-cache-gb", args.device_cache_gb, 0.0, 1e6, "a number of GB >= 0")
+    device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
-    overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock)) if v is not None}
+    overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
+                                   ("device_fraction", device_fraction)) if v is not None}
     profile = None
     if args.profile:
         from engine.profile_toml import load_profile, resolve_profile
@@ -84,6 +94,8 @@ def build(args: argparse.Namespace) -> dict:
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
+        device_cache_bytes=None if device_cache is None else int(device_cache * 1e9),
+        auto_device_fraction=device_fraction is None,
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
@@ -107,6 +119,21 @@ def build(args: argparse.Namespace) -> dict:
 
         out["plan_preview"] = preview_plan(settings, parse_params(args.params))
     return out
+
+
+def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:
+    """None for 'auto', else ``value`` as a finite number in [lo, hi]."""
+    from engine.errors import ConfigError
+
+    if value == "auto":
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise ConfigError(f"{flag} must be 'auto' or {what}, got {value!r}")
+    return x
 
 
 def tuner_target(value: str) -> str:

@@ -29,7 +29,8 @@ accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_confi
 set_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(256, 8))
 gen = torch.Generator().manual_seed(1234 + accelerator.process_index)
-batches = [(torch.randn(4, 32, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(2 * args.steps)]
+# cpu ok: seeded on the CPU, moved to accelerator.device at use
+batches = [(torch.randn(4, 32, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(2 * args.steps)]  # cpu ok
 model, optimizer, scheduler = accelerator.prepare(model, DummyOptim(model.parameters()), DummyScheduler(None))
 for step in range(args.steps):
     for micro in range(2):

@@ -32,7 +32,8 @@ training_args = TrainingArguments(
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4))
 gen = torch.Generator().manual_seed(1234)
-data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (64, 32), generator=gen)]
+# cpu ok: the Trainer moves each batch to the model's device
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (64, 32), generator=gen)]  # cpu ok
 
 
 class LossLog(TrainerCallback):

@@ -7,6 +7,7 @@ import json
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
@@ -59,8 +60,10 @@ start = 0
 if args.resume:
     _, client = engine.load_checkpoint(args.resume, tag="ckpt")
     start = client["step"]
-gen = torch.Generator().manual_seed(1234 + rank)
-batches = [(torch.randn(4, 32, generator=gen), torch.randn(4, 8, generator=gen)) for _ in range(2 * args.steps)]
+gen = torch.Generator().manual_seed(1234 + rank)  # on the CPU: the same data on every machine
+device = get_accelerator().current_device_name()
+batches = [(torch.randn(4, 32, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device))
+           for _ in range(2 * args.steps)]
 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
 for step in range(start, args.steps):
     for micro in range(2):
