@@ -10,8 +10,8 @@ A nanoGPT-style decoder (pre-LayerNorm blocks, causal scaled-dot-product attenti
 untied head) built under ``deepspeed.zero.Init`` on the rank's device, bf16, AdamW,
 ``gradient_clipping`` 1.0, ``sub_group_size`` 1e8; random tokens generated on the device.
 Sizes (parameters): ``2b`` 24 layers, d 2560, 20 heads (2.06e9); ``4b`` 28 layers, d 3328,
-26 heads (3.93e9); ``cpu`` 2 layers, d 1024, 32 tokens (9.1e7: a step that
-weighs, forward/backward a CPU can do; the CPU-only bench); ``tiny`` 2 layers,
+26 heads (3.93e9); ``cpu`` 2 layers, d 1024, 8 tokens (9.1e7: a step that
+weighs, a forward/backward a 2-core CPU does in seconds; the CPU-only bench); ``tiny`` 2 layers,
 d 128 (tests). Writes per-iteration times (iteration,
 forward+backward, step), losses, GPU peak memory and host RSS as JSON to ``--out``.
 """
@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 
 SIZES = {  # layers, d_model, heads, vocab, sequence, micro-batch
     "tiny": (2, 128, 4, 512, 64, 2),
-    "cpu": (2, 1024, 16, 32000, 32, 1),
+    "cpu": (2, 1024, 16, 32000, 8, 1),
     "2b": (24, 2560, 20, 32000, 2048, 4),
     "4b": (28, 3328, 26, 32000, 2048, 4),
 }

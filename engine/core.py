@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import psutil
 import torch
 
 from .adamw import AdamWHyper, host_kernel_rate, select_host_kernel
@@ -39,8 +40,8 @@ from .config import EngineConfig, Knobs
 from .errors import ConfigError, OffloadError, StorageIOError
 from .gpumem import gpu_headroom_bytes, measure_pcie
 from .io_backends import open_backend
-from .lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader, working_bytes
-from .placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
+from .lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
+from .placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
 from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
 from .telemetry import StepRecord, TelemetryLog
 
@@ -359,9 +360,11 @@ class SubgroupEngine:
         if self.device is None:
             return {}
         if headroom_bytes is None:
-            headroom_bytes = gpu_headroom_bytes(self.device) or 0
+            headroom_bytes = gpu_headroom_bytes(self.device)
+            if headroom_bytes is None:  # a CPU "device" (tests): its memory is host memory
+                headroom_bytes = psutil.virtual_memory().available // 2
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
-        lane_ws = working_bytes(max((sg.numel for sg in self.subgroups), default=0))
+        lane_ws = device_lane_working_bytes(max((sg.numel for sg in self.subgroups), default=0))
         if self.config.device_cache_bytes is None:
             if sum(cost) <= headroom_bytes:
                 tier = len(cost)

@@ -52,6 +52,10 @@ class ZeroEngineSettings:
     auto_device_fraction: bool = True
     """Start from the device fraction that balances the lanes (measured rates, or the plan's
     with a profile); False: ``knobs.device_fraction`` as given."""
+    lane_device: str | None = None
+    """Device of the device lane and tier. None: the rank's CUDA device (none without CUDA).
+    'cpu' runs them, and keeps their gradients in separate buffers, on the CPU: how the tests
+    drive the GPU path's bookkeeping against stock DeepSpeed on machines without a GPU."""
     knob_overrides: dict = field(default_factory=dict)
     """Knobs the user set explicitly; with a profile they win over the model's plan."""
     io_backend: str = "auto"
@@ -66,6 +70,7 @@ class ZeroEngineSettings:
                 "host_cache_bytes": self.host_cache_bytes, "run_dir": self.run_dir,
                 "knobs": self.knobs.to_dict(), "knob_overrides": dict(self.knob_overrides),
                 "device_cache_bytes": self.device_cache_bytes, "auto_device_fraction": self.auto_device_fraction,
+                "lane_device": self.lane_device,
                 "io_backend": self.io_backend, "profile": self.profile, "tuner_socket": self.tuner_socket,
                 "run_id": self.run_id}
 
@@ -75,6 +80,7 @@ class ZeroEngineSettings:
                    host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
                    knobs=Knobs(**d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
                    device_cache_bytes=d.get("device_cache_bytes"), auto_device_fraction=d.get("auto_device_fraction", True),
+                   lane_device=d.get("lane_device"),
                    io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
                    tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
 
@@ -188,7 +194,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
         def _engine_config(self) -> tuple[EngineConfig, Knobs]:
             import deepspeed.comm as dist
 
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            rank = dist.get_rank() if dist.is_initialized() else 0
             nvme = list(settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
             paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
                 StoragePath(path=p, kind="remote") for p in settings.remote_paths)
@@ -198,25 +204,48 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
             self.plan_summary = None
             if settings.profile:
-                from .planning import plan_for_rank
-
-                rp = plan_for_rank(settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
-                                   world_size=world, subgroup_numel=subgroup_numel, paths=paths,
-                                   weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
-                                   host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
+                rp = self._rank_plan(paths)
                 host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
-            device = None if not torch.cuda.is_available() else f"cuda:{torch.cuda.current_device()}"
+            device = settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
             config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
                                   device_cache_bytes=(settings.device_cache_bytes if device else 0),
                                   auto_device_fraction=bool(device) and settings.auto_device_fraction and not settings.profile,
                                   io_backend=settings.io_backend, run_dir=settings.run_dir, rank=rank)
             return config, knobs
 
+        def _rank_plan(self, paths, **measured):
+            """The performance model's plan for this rank's real partition (``--profile``)."""
+            import deepspeed.comm as dist
+
+            from .planning import plan_for_rank
+
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            return plan_for_rank(settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
+                                 world_size=world, subgroup_numel=max(self.fp16_partitioned_groups_flat_numel),
+                                 paths=paths, weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
+                                 host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides,
+                                 **measured)
+
+        def _fit_to_gpu(self) -> None:
+            """At the first step, after the first forward/backward: keep on the GPU what its peak
+            leaves room for, then start the lanes from the plan for the rest (with --profile)."""
+            engine = self.offload_engine
+            grad_bytes = self.grad_partitions_flat_buffer.element_size()
+            self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes)
+            if settings.profile and settings.auto_device_fraction:
+                rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
+                                     gpu_headroom_bytes=self.device_fit["headroom_bytes"],
+                                     device_cache_bytes=self.device_fit["device_tier_bytes"])
+                engine.set_knobs(engine.knobs.replace(device_fraction=rp.knobs.device_fraction))
+                self.plan_summary = rp.summary
+                self.device_fit["device_fraction"] = rp.knobs.device_fraction
+
         def _place_grads(self) -> None:
             """Point DeepSpeed's per-parameter gradient entries of the subgroups the engine
             updates on the GPU at device buffers, and the others at the host buffer, for the
             next backward. DeepSpeed copies (or accumulates) each reduced partition into its
-            entry, and takes the norm from it there."""
+            entry, and takes the norm from it there: an inf or nan in a device buffer makes the
+            norm invalid, which DeepSpeed's step treats as an overflow, as for its own buffer."""
             mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
             on_device = set(self.offload_engine.device_grad_subgroups())
             dev = self.offload_engine.device
@@ -235,18 +264,6 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                     n = p.partition_numel()
                     mapping[p.ds_id] = flat.narrow(0, off, n)
                     off += n
-
-        def has_overflow(self, partition_gradients=True):
-            overflow = super().has_overflow(partition_gradients)  # DeepSpeed scans its host buffer
-            device_grads = [b.device_grad for b in self._bindings if b.device_grad is not None]
-            if not (partition_gradients and device_grads):
-                return overflow
-            import deepspeed.comm as dist
-
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in device_grads]).any().to(torch.uint8).view(1)
-            bad |= torch.tensor([overflow], dtype=torch.uint8, device=bad.device)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-            return bool(bad.item())
 
         def _connect_tuner(self):
             if not settings.tuner_socket:
@@ -289,9 +306,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             if tuner is not None:
                 tuner.apply_pending(self.offload_engine)  # all ranks switch at the same iteration
             if self.device_fit is None and self.offload_engine.device is not None:
-                # After the first forward/backward: keep on the GPU what its peak leaves room for.
-                grad_bytes = self.grad_partitions_flat_buffer.element_size()
-                self.device_fit = self.offload_engine.fit_device_tier(grad_bytes_per_element=grad_bytes)
+                self._fit_to_gpu()
             try:
                 rec = self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
             except BaseException as e:

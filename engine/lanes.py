@@ -13,7 +13,7 @@ copy (:class:`WeightUploader`), so the CPU goes on to the next subgroup at once.
 
 Device lane (Deep Optimizer States): the subgroup's fp32 state (master, exp_avg, exp_avg_sq,
 back to back) is copied host-to-device on one stream, updated with the fused kernel on a
-second, and copied back on a third, through ``DEVICE_SLOTS`` device buffers, so that the copy
+second, and copied back on a third, through ``DEVICE_LANE_SLOTS`` device buffers, so that the copy
 in of one subgroup, the update of the next-older one and the copy back of the one before run
 at once (both PCIe directions), while the host lane updates other subgroups on the CPU.
 An event on the host buffer orders every later use of it after its copy back. Gradients that
@@ -32,6 +32,7 @@ import torch
 from .adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
 from .binding import SubgroupBinding, grad_scale_of, flat_weights_of, weights_written
 from .buffers import StateBuffer, aligned_empty
+from .placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
 
 HOST_CHUNK_NUMEL = 1 << 21
 """Elements per host-lane chunk: 8 MB of fp32 gradient, small enough to stay in the caches
@@ -39,8 +40,6 @@ between its upcast and the kernel, large enough that per-call overhead is noise 
 HOST_LANE_EFFICIENCY = 0.9
 """The host lane's rate inside a step over the bare kernel's (the upcast and the weight cast
 ride in cache); what the engine's own lane balancing assumes."""
-DEVICE_SLOTS = 3
-"""Device buffers of the device lane: one copying in, one updating, one copying back."""
 
 
 class _Scratch:
@@ -241,12 +240,6 @@ class HostLane:
         return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights)
 
 
-def working_bytes(capacity_numel: int, slots: int = DEVICE_SLOTS) -> int:
-    """Device memory of a device lane over subgroups of at most ``capacity_numel``: ``slots``
-    buffers of fp32 state (12 B/element) and one fp32 gradient scratch (4 B/element)."""
-    return (12 * slots + 4) * capacity_numel
-
-
 class _Slot:
     """One device buffer of the device lane and the events that order its reuse."""
 
@@ -258,7 +251,7 @@ class _Slot:
 class DeviceLane:
     """Updates subgroups on ``device``: staged from host buffers, or resident there."""
 
-    def __init__(self, device: torch.device, capacity_numel: int, slots: int = DEVICE_SLOTS) -> None:
+    def __init__(self, device: torch.device, capacity_numel: int, slots: int = DEVICE_LANE_SLOTS) -> None:
         self.device, self.capacity_numel = device, capacity_numel
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
@@ -278,7 +271,7 @@ class DeviceLane:
 
     def working_bytes(self) -> int:
         """Device memory the lane uses at most: its slots and a gradient scratch."""
-        return working_bytes(self.capacity_numel, len(self._slots))
+        return device_lane_working_bytes(self.capacity_numel, len(self._slots))
 
     def begin_step(self) -> None:
         if self.is_cuda:

@@ -14,9 +14,11 @@ derives each formula. Notation, per rank unless said otherwise:
   the paths by weight (greedy least-finish, as :func:`engine.placement.stripe`).
 - Alternating order: ``K = min(S, d + 1)`` swapped subgroups stay in staging buffers across a
   step (``d`` = prefetch depth), so ``M = S - K`` are read and ``M`` written per step.
-- ``u = n / (R_cpu / ranks) + n * e / B_copy``: host-lane time of one subgroup (fused AdamW at
-  the node's rate shared by the ranks, plus ``e`` bytes per param copied: the weights written
-  back, the gradient upcast).
+- ``u = n * ranks / R_lane``: host-lane time of one subgroup, ``R_lane`` the profile's
+  measured host-lane rate (the whole integrated path: 16-bit gradient upcast and unscaled,
+  fused AdamW, weights cast and uploaded), the node's rate shared by the ranks. Profiles
+  without it: ``n / (R_cpu / ranks) + n * e / B_copy`` (the kernel rate plus ``e`` bytes per
+  param copied: the gradient upcast, the weights written back).
 
 Per step, with every rank on a node in lockstep and ``j`` ranging over the storage devices
 (paths on one device share one bandwidth, so they never add up):
@@ -26,10 +28,14 @@ Per step, with every rank on a node in lockstep and ``j`` ranging over the stora
   write and mixed (both at once) bandwidth at the in-flight requests ``c`` on that device;
 - CPU       ``T_adam = P_host * (1 / (R_cpu / ranks) + e / B_copy)`` on the host lane, and
   ``crc = (R + W) / (C_crc * cores / ranks)`` of checksums on the I/O threads, same cores;
-- GPU       ``T_gpu = G * (n (12 + g) / B_h2d + n / R_gpu + 12 n / B_d2h) + D * n / R_gpu``, one
-  side stream, ``G`` staged device-lane subgroups;
+- GPU       ``T_gpu = 12 n / B_h2d + 12 n / B_d2h + (G + D) n / R_gpu``: the pipeline's fill and
+  drain (one subgroup in and out) and the updates, ``G`` staged device-lane subgroups, ``D``
+  resident ones; copies in, updates and copies back of successive subgroups overlap (three
+  streams), so the copies themselves count in the PCIe chain;
 - PCIe      ``T_pcie = max(H2D / (L * B_h2d'), D2H / (L * B_d2h'), (H2D + D2H) / B_mem)`` per node,
-  ``L`` links, duplex figures, host memory shared by every link;
+  ``L`` links, duplex figures, host memory shared by every link; H2D carries 12 B per staged
+  device-lane param (its gradient is already on the GPU) and the 16-bit weights of host-lane
+  params, D2H 12 B per staged param;
 - prefetch  ``T_lat = sum over misses (r1 + u) / (d + 1)`` (Little's law on ``d + 1`` reads in
   flight; ``r1`` one subgroup's read, with a concurrent write when ``d = 0``).
 
@@ -54,7 +60,7 @@ from typing import Literal, Mapping, Sequence
 
 from .config import Knobs
 from .errors import ConfigError
-from .placement import stripe
+from .placement import device_lane_working_bytes, stripe
 from .profile import PathProfile, Profile
 
 STATE_BYTES_PER_PARAM = 12
@@ -67,8 +73,6 @@ MAX_CHUNKS = (HEADER_BYTES - 60) // 4
 """Chunk CRCs that fit a swap-file header; larger payloads get larger chunks (engine.swapfile)."""
 CRC_BYTES_PER_S_PER_CORE = 4e9
 """zlib CRC32 of every chunk read and written, on the I/O threads (engine.swapfile)."""
-DEVICE_LANE_SCRATCH_BYTES_PER_PARAM = 16
-"""Device lane: one subgroup's fp32 state (12) and fp32 gradient (4) on the device at a time."""
 BACKWARD_SHARE = 2 / 3
 """Share of forward+backward spent in backward, where ZeRO-Infinity flushes gradients."""
 DEFAULT_HOST_SHARE = 0.5
@@ -269,6 +273,20 @@ def _gpu_headroom(profile: Profile, wl: Workload) -> int:
     return int(profile.gpu.memory_bytes * DEFAULT_GPU_HEADROOM_SHARE)
 
 
+def host_lane_seconds_per_param(profile: Profile, wl: Workload) -> float:
+    """Seconds per parameter of the host lane with ``wl.ranks`` ranks sharing the node: the
+    measured integrated rate when the profile has it, else the kernel rate plus the gradient
+    upcast and weight copy at memory bandwidth (and the weight upload over PCIe)."""
+    lane = profile.host.host_lane_params_per_s
+    if lane is not None and lane.value > 0:
+        return wl.ranks / lane.value
+    extra_mem = (4 if wl.grad_bytes != 4 else 0) + (0 if profile.gpu else wl.weight_bytes)
+    t = wl.ranks / profile.cpu_adamw_params_per_s() + extra_mem * wl.ranks / profile.host.memory_bandwidth.value
+    if profile.gpu is not None:
+        t += wl.weight_bytes / profile.gpu.h2d_bytes_per_s.value  # 16-bit weights to the device, in the loop
+    return t
+
+
 def _gb(b: float) -> str:
     return f"{b / 1e9:.3g} GB"
 
@@ -429,12 +447,18 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
         raise ConfigError(f"plan {plan.name!r} needs {_gb(host_node)} of host memory per node for optimizer state and "
                           f"staging buffers, over the budget of {_gb(budget)}: lower host_cache_bytes or prefetch_depth, "
                           f"or raise the host memory budget (--host-gb)")
-    lane_used = f > 0 and N > 0
-    gpu_rank = plan.device_cache_bytes + (DEVICE_LANE_SCRATCH_BYTES_PER_PARAM * n if lane_used else 0)
+    G_host = _lane_count(D, D + H, f)
+    G_swap = _lane_count(D + H, N, f)
+    G = G_host + G_swap
+    lane_used = G > 0
+    # Resident state, the gradients of every subgroup updated on the GPU (kept there through
+    # backward), and the lane's working buffers.
+    gpu_rank = (plan.device_cache_bytes + (D + G) * n * wl.grad_bytes
+                + (device_lane_working_bytes(n) if lane_used else 0))
     headroom = _gpu_headroom(profile, wl)
     if gpu is not None and gpu_rank > headroom:
-        raise ConfigError(f"plan {plan.name!r} needs {_gb(gpu_rank)} of GPU memory per rank during the update "
-                          f"(device cache and one subgroup's state and gradient), over the GPU headroom of "
+        raise ConfigError(f"plan {plan.name!r} needs {_gb(gpu_rank)} of GPU memory per rank (device cache, the "
+                          f"gradients of GPU-updated subgroups, the device lane's buffers), over the GPU headroom of "
                           f"{_gb(headroom)}: lower device_fraction to 0, device_cache_bytes, or subgroup_numel")
 
     # Swap traffic, per path and per order.
@@ -453,28 +477,21 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
 
     # Rates.
     cores = max(1, profile.machine.cores_logical or profile.machine.cores_physical)
-    cpu_rate = profile.cpu_adamw_params_per_s() / ranks
     mem_bw = profile.host.memory_bandwidth.value
-    extra_mem = (4 if wl.grad_bytes != 4 else 0) + (0 if gpu else wl.weight_bytes)  # gradient upcast, weight copy
-    per_param_host = 1.0 / cpu_rate + extra_mem * ranks / mem_bw
-    if gpu is not None:
-        per_param_host += wl.weight_bytes / gpu.h2d_bytes_per_s.value  # 16-bit weights to the device, in the loop
+    per_param_host = host_lane_seconds_per_param(profile, wl)
     u = n * per_param_host
 
-    G_host = _lane_count(D, D + H, f)
-    G_swap = _lane_count(D + H, N, f)
-    G = G_host + G_swap
     lane_params = min(P, (D + G) * n)
     host_params = P - lane_params
     A = (H - G_host) * u  # host-lane time of the host-resident subgroups
     if gpu is not None:
         gpus = max(1, profile.machine.gpu_count)
         per_gpu = -(-ranks // gpus)
-        g_staged = n * ((STATE_BYTES_PER_PARAM + wl.grad_bytes) / gpu.h2d_bytes_per_s.value
-                        + 1.0 / gpu.adamw_params_per_s.value + STATE_BYTES_PER_PARAM / gpu.d2h_bytes_per_s.value)
-        T_gpu = per_gpu * (G * g_staged + D * n / gpu.adamw_params_per_s.value)
+        fill = (n * STATE_BYTES_PER_PARAM / gpu.h2d_bytes_per_s.value + n * STATE_BYTES_PER_PARAM / gpu.d2h_bytes_per_s.value
+                if G else 0.0)
+        T_gpu = per_gpu * (fill + lane_params / gpu.adamw_params_per_s.value) if G + D else 0.0
         links = min(ranks, gpus)
-        h2d = ranks * (G * n * (STATE_BYTES_PER_PARAM + wl.grad_bytes) + host_params * wl.weight_bytes)
+        h2d = ranks * (G * n * STATE_BYTES_PER_PARAM + host_params * wl.weight_bytes)
         d2h = ranks * G * n * STATE_BYTES_PER_PARAM
         T_pcie = max(h2d / (links * gpu.duplex_h2d_bytes_per_s.value), d2h / (links * gpu.duplex_d2h_bytes_per_s.value),
                      (h2d + d2h) / mem_bw)
@@ -648,6 +665,9 @@ def stock_deepspeed(profile: Profile, workload: Workload, kind: str, ratio: floa
     mem_bw = profile.host.memory_bandwidth.value
     weight_s = wl.weight_bytes / (gpu.h2d_bytes_per_s.value if gpu else mem_bw / ranks)
     per_param = 1.0 / cpu_rate + weight_s + (4 * ranks / mem_bw if wl.grad_bytes != 4 else 0.0)
+    # DeepSpeed's CPU path does at least what the engine's host lane does (and more: a separate
+    # unscale pass, pageable weight copies), so it is never modelled faster than it.
+    per_param = max(per_param, host_lane_seconds_per_param(profile, wl))
     budget = _host_budget(profile, wl)
     fwd_bwd = wl.fwd_bwd_s if wl.fwd_bwd_s is not None else 0.0
     notes: list[str] = []
@@ -676,12 +696,12 @@ def stock_deepspeed(profile: Profile, workload: Workload, kind: str, ratio: floa
             return result("stock Twin-Flow", Plan(), math.inf, {}, 0.0, "none")
         headroom = _gpu_headroom(profile, wl)
         if ratio is None:
-            gpu_share = math.floor(min(1.0, headroom / (P * STATE_BYTES_PER_PARAM)) * 20) / 20
+            gpu_share = math.floor(min(1.0, headroom / (P * (STATE_BYTES_PER_PARAM + 4))) * 20) / 20
             ratio = 1.0 - gpu_share
         if not (isinstance(ratio, (int, float)) and 0.0 <= ratio <= 1.0):
             raise ConfigError(f"Twin-Flow ratio must be in [0, 1] (the share of state on the CPU), got {ratio!r}")
         on_gpu = round((1 - ratio) * P)
-        gpu_need = on_gpu * STATE_BYTES_PER_PARAM
+        gpu_need = on_gpu * (STATE_BYTES_PER_PARAM + 4)  # and its fp32 gradient, on the GPU too
         host_need = ranks * (P - on_gpu) * STATE_BYTES_PER_PARAM
         if gpu_need > headroom:
             infeasible.append(f"ratio {ratio:g} keeps {_gb(gpu_need)} of state on each GPU, over the headroom of {_gb(headroom)}")
@@ -775,23 +795,39 @@ def _tune_paths(paths: Sequence[PathProfile], ranks: int, lock: bool) -> tuple[d
 
 
 def best_plan(profile: Profile, workload: Workload, paths: Sequence[str] | None = None, *,
-              device_cache: bool = False) -> Prediction:
+              device_cache: bool = True) -> Prediction:
     """The plan with the shortest predicted update phase, over the storage ``paths`` of the
     profile (default: all of them).
 
     Search: all state in host memory when it fits; otherwise, for each prefetch depth in
     ``DEPTHS`` the host cache is what the host budget leaves after the ``2 d + 3`` staging
     buffers, and the device fraction runs over 0..1 in steps of 0.05 (when the GPU headroom
-    holds one subgroup); per device the concurrency and stripe weight come from
-    :func:`_tune_paths`, with and without the node lock. With ``device_cache``, it also tries
-    keeping state resident on the GPU (``EngineConfig.device_cache_bytes``: what the headroom
-    leaves beside the device lane), which the GPU must then hold through forward and backward
-    too; ``offloadctl train`` does not set it. Among plans within 1% of the fastest it takes no
-    device cache, then the smallest prefetch depth, then device fraction, then no lock. At most
-    a few hundred evaluations of :func:`predict`, each O(paths): well under a second at any
+    holds the lane's buffers); per device the concurrency and stripe weight come from
+    :func:`_tune_paths`, with and without the node lock. With ``device_cache`` (the default, as
+    ``offloadctl train`` fits a device tier to the headroom) it also tries keeping state
+    resident on the GPU: all of it when it fits, else what the headroom leaves beside the
+    device lane, and less, so the lane's gradients fit too. Among plans within 1% of the
+    fastest it takes no device cache, then the smallest prefetch depth, then device fraction,
+    then no lock. Finally the engine can always run what stock DeepSpeed runs, so a stock
+    configuration the model finds faster is taken as the plan (its placement, run by the
+    engine): the best is never slower than a stock row of :func:`alternatives`. At most a
+    few hundred evaluations of :func:`predict`, each O(paths): well under a second at any
     model size.
     """
-    return _search(profile, workload, paths, name="best", device_cache=device_cache)
+    best = _search(profile, workload, paths, name="best", device_cache=device_cache)
+    for kind in STOCK_KINDS:
+        stock = stock_deepspeed(profile, workload, kind)
+        if not stock.feasible or stock.iteration_s >= best.iteration_s:
+            continue
+        if not device_cache and stock.plan.device_cache_bytes:
+            continue
+        try:
+            mirror = predict(profile, workload, stock.plan.replace(name="best"))
+        except ConfigError:
+            continue
+        if mirror.update_s < best.update_s:
+            best = mirror
+    return best
 
 
 def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name: str, device_lane: bool = True,
@@ -805,13 +841,20 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     budget_rank = _host_budget(profile, wl) // wl.ranks
     fb = _pay(n) + HEADER_BYTES
     headroom = _gpu_headroom(profile, wl)
-    lane_ok = device_lane and profile.gpu is not None and headroom >= DEVICE_LANE_SCRATCH_BYTES_PER_PARAM * n
+    lane_ws = device_lane_working_bytes(n)
+    lane_ok = device_lane and profile.gpu is not None and headroom >= lane_ws + n * wl.grad_bytes
     fractions = [i / 20 for i in range(21)] if lane_ok else [0.0]
-    # State kept on the GPU through the whole iteration (as Twin-Flow does): what the headroom
-    # leaves beside the device lane's scratch.
-    dev_cache = headroom - DEVICE_LANE_SCRATCH_BYTES_PER_PARAM * n if device_cache and profile.gpu is not None else 0
-    dev_caches = [0, dev_cache] if dev_cache >= _pay(n) else [0]
     state_rank = _pay(n) * (-(-P // n))
+    # State kept on the GPU through the whole iteration, with its gradients: all of it when it
+    # fits, else what the headroom leaves beside the device lane, and less (the lane's own
+    # gradients need room too).
+    dev_caches = [0]
+    if device_cache and profile.gpu is not None:
+        per_byte = (STATE_BYTES_PER_PARAM + wl.grad_bytes) / STATE_BYTES_PER_PARAM
+        if state_rank * per_byte <= headroom:
+            dev_caches.append(state_rank)
+        room = (headroom - lane_ws) / per_byte
+        dev_caches += sorted({int(room * k // _pay(n)) * _pay(n) for k in (1.0, 0.75, 0.5) if room * k >= _pay(n)})
     preds: list[tuple[tuple, Prediction]] = []
     refusals: list[ConfigError] = []
 

@@ -16,6 +16,15 @@ from .errors import ConfigError
 DEVICE = "device"
 HOST = "host"
 
+DEVICE_LANE_SLOTS = 3
+"""Device buffers of the device lane: one copying in, one updating, one copying back."""
+
+
+def device_lane_working_bytes(capacity_numel: int, slots: int = DEVICE_LANE_SLOTS) -> int:
+    """Device memory a device lane over subgroups of at most ``capacity_numel`` elements uses:
+    ``slots`` buffers of fp32 state (12 B/element) and one fp32 gradient scratch (4 B/element)."""
+    return (12 * slots + 4) * capacity_numel
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -33,16 +33,22 @@ def node_layout(world_size: int) -> tuple[int, int]:
 
 def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subgroup_numel: int,
                   paths: tuple[StoragePath, ...], weight_bytes: int, host_cache_bytes: int | None,
-                  knob_overrides: dict) -> RankPlan:
+                  knob_overrides: dict, gpu_headroom_bytes: int | None = None,
+                  device_cache_bytes: int | None = None) -> RankPlan:
     """The model's best plan for this run, with ``host_cache_bytes`` (when not None) and
-    ``knob_overrides`` (knob name -> value the user set) taking precedence."""
+    ``knob_overrides`` (knob name -> value the user set) taking precedence.
+
+    ``gpu_headroom_bytes``: what the first forward/backward left free on the GPU (measured by
+    the engine at the first step); ``device_cache_bytes``: the device tier the engine fitted to
+    it. With both, the plan is for the rest: what the CPU and the device lane share."""
     from .perfmodel import Workload, best_plan, predict
     from .profile_toml import load_profile
 
     profile = load_profile(profile_path)
     ranks, nodes = node_layout(world_size)
     workload = Workload(params=max(1, params_total), ranks=ranks, nodes=nodes, subgroup_numel=max(1, subgroup_numel),
-                        weight_bytes=weight_bytes if weight_bytes in (2, 4) else 4)
+                        weight_bytes=weight_bytes if weight_bytes in (2, 4) else 4,
+                        grad_bytes=weight_bytes if weight_bytes in (2, 4) else 4, gpu_headroom_bytes=gpu_headroom_bytes)
     names = [p.path for p in paths]
     for p in names:
         if profile.path(p) is None:
@@ -50,6 +56,10 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
                               f"`offloadctl profile save NAME --nvme {p}`, or run without --profile")
     best = best_plan(profile, workload, paths=names)
     plan = best.plan
+    if device_cache_bytes is not None:
+        # The tier is fitted; the lane's share of what is left is the model's.
+        best = _best_fraction(profile, workload, plan.replace(device_cache_bytes=device_cache_bytes))
+        plan = best.plan
     if host_cache_bytes is not None:
         plan = plan.replace(host_cache_bytes=host_cache_bytes)
     if knob_overrides:
@@ -61,6 +71,22 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     # Without storage paths everything stays in host memory, whatever the plan says.
     host = plan.host_cache_bytes if paths else None
     summary = (f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
-               f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, prefetch {plan.prefetch_depth}, "
-               f"concurrency {dict(plan.io_concurrency) or 'default'}")
+               f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, "
+               f"device cache {plan.device_cache_bytes / 1e9:.3g} GB, device fraction {plan.device_fraction:g}, "
+               f"prefetch {plan.prefetch_depth}, concurrency {dict(plan.io_concurrency) or 'default'}")
     return RankPlan(host, plan.to_knobs(), declared, pred.update_s, summary)
+
+
+def _best_fraction(profile, workload, plan):
+    """``plan`` with the device fraction (steps of 0.05) the model predicts fastest."""
+    from .perfmodel import predict
+
+    best = None
+    for k in range(21):
+        try:
+            pr = predict(profile, workload, plan.replace(device_fraction=k / 20))
+        except ConfigError:
+            continue
+        if best is None or pr.update_s < best.update_s * 0.99:
+            best = pr
+    return best if best is not None else predict(profile, workload, plan.replace(device_fraction=0.0))

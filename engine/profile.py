@@ -67,6 +67,10 @@ class Host:
     """Copy bandwidth of host memory (bytes/s counted once per byte copied)."""
     adamw: tuple[AdamWRate, ...]
     """CPU AdamW throughput by thread count, ascending threads."""
+    host_lane_params_per_s: Figure | None = None
+    """The engine's host lane as a step runs it, all threads: 16-bit gradients upcast and
+    unscaled, fused AdamW, weights cast to 16 bits and (with a GPU) uploaded. None in profiles
+    that did not measure it: the model then uses the kernel rate plus copy costs."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,11 +56,23 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+# Subgroups of train_tiny.py: 2048, 64, 4096 and 584 elements. A 30 kB device tier holds the
+# first two; the device lane takes one of the other two, swapped, one of them read each step.
+LANE_ON_CPU = ("--lane-device", "cpu", "--device-cache-gb", "0.00003", "--device-fraction", "0.5", "--prefetch-depth", "0",
+               "--tuner", "off")
+# With two ranks each holds half of every parameter: a 20 kB tier holds the first two, the lane the rest.
+LANE_ON_CPU_2 = LANE_ON_CPU[:3] + ("0.00002", "--device-fraction", "1.0") + LANE_ON_CPU[6:]
+
+
 @pytest.mark.parametrize("ranks,dtype,opts,script_opts", [
     (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",)),
     # Dynamic loss scaling; step 3's gradients overflow, so DeepSpeed skips it and halves the scale.
-    (1, "fp16", (), ("--overflow-at", "3"))],
-    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip"])
+    (1, "fp16", (), ("--overflow-at", "3")),
+    # The GPU path's bookkeeping, run on the CPU: a device tier and the device lane for half the rest, their gradients written by DeepSpeed's backward into the engine's own
+    # buffers (accumulated over 2 micro-steps), unscaled as they are read, overflow seen there.
+    (1, "bf16", LANE_ON_CPU, ()), (2, "fp32", LANE_ON_CPU_2, ()), (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first"))],
+    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip",
+         "lane-on-cpu-bf16", "lane-on-cpu-2ranks", "lane-on-cpu-fp16-overflow-skip"])
 def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -80,6 +92,8 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path)
     for rank in range(ranks):
         recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
         assert len(recs) == 6 - skipped and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+        if opts in (LANE_ON_CPU, LANE_ON_CPU_2):
+            assert recs[-1]["device_tier_subgroups"] == 2 and recs[-1]["device_lane_subgroups"] > 2
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
 
 

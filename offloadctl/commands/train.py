@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--device-fraction", default="auto", metavar="F|auto",
                    help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
                    "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)")
+    o.add_argument("--lane-device", choices=["cpu"], help=argparse.SUPPRESS)  # tests: the GPU path's bookkeeping on a CPU
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
     o.add_argument("--profile", metavar="NAME|PATH", help="hardware profile (offloadctl profile save): start from the "
@@ -95,7 +96,7 @@ def build(args: argparse.Namespace) -> dict:
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
         device_cache_bytes=None if device_cache is None else int(device_cache * 1e9),
-        auto_device_fraction=device_fraction is None,
+        auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")

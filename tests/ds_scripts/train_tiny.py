@@ -15,6 +15,8 @@ ap.add_argument("--steps", type=int, default=6)
 ap.add_argument("--losses-out", required=True)
 ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
 ap.add_argument("--overflow-at", type=int, default=0, help="make this step's gradients inf (fp16: a skipped step)")
+ap.add_argument("--overflow-in", choices=["all", "first"], default="all",
+                help="first: only the first layer's weight gradient overflows (it may live apart from the rest)")
 ap.add_argument("--stage", type=int, default=3)
 ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"])
 ap.add_argument("--nvme-path")
@@ -54,6 +56,9 @@ if args.dtype == "fp16":
 params = list(model.parameters())
 if args.groups:
     params = [{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.1}]
+inject = {"on": False}
+if args.overflow_in == "first":
+    model[0].weight.register_hook(lambda g: g * float("inf") if inject["on"] else g)
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
 rank = engine.global_rank
 start = 0
@@ -70,7 +75,12 @@ for step in range(start, args.steps):
         x, y = batches[2 * step + micro]
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         if args.overflow_at == step + 1 and micro == 1:
-            loss = loss * float("inf")
+            if args.overflow_in == "first":
+                inject["on"] = True
+            else:
+                loss = loss * float("inf")
+        else:
+            inject["on"] = False
         engine.backward(loss)
         engine.step()
     if rank == 0:
