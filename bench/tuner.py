@@ -140,7 +140,9 @@ class ThroughDaemon:
     def step(self) -> dict:
         applied = self.client.apply_pending(self.engine)
         rec = self.engine.step(HYPERS)
-        self.client.report(rec)
+        # No training loop here: the step is the whole iteration (the time since the last report
+        # would count the reference engine stepped in between).
+        self.client.report(rec, iter_time_s=rec.wall_s)
         return _row(rec, f"daemon's change applied: {applied.to_dict()}" if applied is not None else None)
 
     def good_knobs(self) -> Knobs:

@@ -105,7 +105,8 @@ class SubgroupEngine:
         self._failures: list[OffloadError] = []
         self.device = self._resolve_device(config.device)
         self._check_knobs(self.knobs)
-        self._device_grads_ok = False  # device-lane gradients may live on the device (set by fit_device_tier)
+        self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
+        self._device_grads_ok = False  # the device lane's gradients fit that budget: they live on the device
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -143,7 +144,9 @@ class SubgroupEngine:
         self.device_lane = DeviceLane(self.device, capacity) if self.device is not None else None
         self.host_lane = HostLane(self.host_kernel_name, kernel,
                                   WeightUploader(self.device_lane.upload_stream if self.device_lane else None))
-        self._lane_mask = self._make_lane_mask(self.knobs.device_fraction)
+        self._grad_bytes_per_element = 0
+        self._last_step_end: float | None = None
+        self._set_lane_mask(self.knobs.device_fraction)
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
 
     # -- construction ------------------------------------------------------------------------
@@ -222,7 +225,7 @@ class SubgroupEngine:
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
-        self._lane_mask = self._make_lane_mask(k.device_fraction)
+        self._set_lane_mask(k.device_fraction)
         if k.prefetch_depth != old.prefetch_depth and self._n_staging:
             self._resize_staging(_staging_count(k))
             # Shrinking may need kept buffers back: write them out until the pool fits.
@@ -261,10 +264,12 @@ class SubgroupEngine:
         """Update every subgroup once. ``hypers[g]`` are the hyper-parameters of param group g."""
         if self._closed:
             raise OffloadError("this optimizer engine was closed; create a new one")
+        t_start = time.perf_counter()
+        fwd_bwd_s = t_start - self._last_step_end if self._last_step_end is not None else None
         self._apply_pending_knobs()
         if self._device_tier_pending:
             self.fit_device_tier()
-        t_start = time.perf_counter()
+            t_start = time.perf_counter()
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = self.iteration % 2 == 0
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
@@ -321,10 +326,13 @@ class SubgroupEngine:
         device_wait_s = time.perf_counter() - t0
         wall = time.perf_counter() - t_start
         rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
-        rec.host_lane_s, rec.device_wait_s = host_s, device_wait_s
+        rec.host_lane_s, rec.device_wait_s, rec.fwd_bwd_s = host_s, device_wait_s, fwd_bwd_s
         rec.device_tier_subgroups = sum(sg.tier == DEVICE for sg in self.subgroups)
+        if self.device is not None and self.device.type == "cuda":
+            rec.device_headroom_bytes = gpu_headroom_bytes(self.device)
         self.iteration += 1
         self.telemetry.append(rec)
+        self._last_step_end = time.perf_counter()
         if self._failures:
             err, self._failures = self._failures[0], []
             raise err
@@ -332,13 +340,16 @@ class SubgroupEngine:
 
     # -- the device tier and the lanes ------------------------------------------------------------
 
-    def _make_lane_mask(self, fraction: float) -> list[bool]:
-        """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread."""
+    def _set_lane_mask(self, fraction: float) -> None:
+        """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread.
+        Their gradients live on the device only while they fit what the fit left for them."""
         rest = [sg.index for sg in self.subgroups if sg.tier != DEVICE]
         mask = [False] * len(self.subgroups)
         for i, on in zip(rest, device_lane_mask(len(rest), fraction)):
             mask[i] = on
-        return mask
+        self._lane_mask = mask
+        need = sum(self._grad_bytes_per_element * self.subgroups[i].numel for i in rest if mask[i])
+        self._device_grads_ok = need <= self._lane_grad_budget
 
     def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None) -> dict:
         """Fit the device tier and the device lane to the device memory free now.
@@ -380,9 +391,11 @@ class SubgroupEngine:
             f = self._balanced_fraction(rest)
             if f is not None:
                 self.knobs = self.knobs.replace(device_fraction=f)
-        self._lane_mask = self._make_lane_mask(self.knobs.device_fraction)
-        lane_grads = sum(grad_bytes_per_element * sg.numel for sg in rest if self._lane_mask[sg.index])
-        self._device_grads_ok = used + (lane_ws if rest else 0) + lane_grads <= headroom_bytes
+        # What stays for the device lane's gradients; a later fraction (the tuner's) keeps them
+        # on the device only within it, so no knob change can take more than the fit allowed.
+        self._grad_bytes_per_element = grad_bytes_per_element
+        self._lane_grad_budget = max(0, headroom_bytes - used - (lane_ws if rest else 0))
+        self._set_lane_mask(self.knobs.device_fraction)
         return {"headroom_bytes": headroom_bytes, "device_tier_subgroups": len(self.subgroups) - len(rest),
                 "device_tier_bytes": used, "device_fraction": self.knobs.device_fraction,
                 "device_lane_grads_on_device": self._device_grads_ok}

@@ -38,6 +38,12 @@ class StepRecord:
     """Subgroups whose state stayed in device memory."""
     host_lane_s: float = 0.0
     """Time in host-lane updates (the CPU's share of ``update_s``)."""
+    fwd_bwd_s: float | None = None
+    """Time from the end of the previous step to the start of this one: forward, backward and
+    whatever else the training loop does between steps. None at the first step."""
+    device_headroom_bytes: int | None = None
+    """Device memory still free beyond what forward/backward and the engine use, at the end of
+    the step (``engine.gpumem.gpu_headroom_bytes``); None without a CUDA device."""
     device_wait_s: float = 0.0
     """Time waiting, at the end of the step, for device-lane work still queued (the GPU's and
     PCIe's tail past the CPU's)."""

@@ -98,6 +98,8 @@ class TunerClient:
         if iter_time_s is None and self._last_report is not None:
             iter_time_s = now - self._last_report
         self._last_report = now
+        if device_headroom_bytes is None:
+            device_headroom_bytes = rec.device_headroom_bytes  # the engine's, refreshed every step
         if device_headroom_bytes is not None:
             self._headroom = device_headroom_bytes
         self._iteration = max(self._iteration, rec.iteration + 1)
@@ -311,11 +313,9 @@ def engine_facts(engine) -> dict:
 
 
 def device_headroom_bytes(engine) -> int | None:
-    """Free memory on the engine's CUDA device now, or None without one."""
-    import torch
+    """Device memory the engine could still use (forward/backward's peak left room for), or
+    None without a CUDA device."""
+    from engine.gpumem import gpu_headroom_bytes
 
     d = engine.device
-    if d is None or d.type != "cuda" or not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info(d)
-    return int(free)
+    return None if d is None else gpu_headroom_bytes(d)

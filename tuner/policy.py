@@ -5,26 +5,35 @@ an :class:`Observation` aggregated over the run's ranks; it returns a :class:`De
 the knobs should change. The search is hill climbing, one bounded move at a time:
 
 1. **Measure.** After every change the next ``settle_iters`` iterations are discarded (a
-   stripe change migrates state lazily, a prefetch change refills buffers), then the update
-   phase is timed over ``window`` iterations; the median is the figure. The first iterations
-   of a run are discarded too (they materialise state).
-2. **Try a move** on one knob, within bounds: per-path concurrency x2 or /2, prefetch depth
-   +1/+2 or -1, device-lane fraction +-0.1, at most 25% of a path's stripe weight moved to
-   the others, node lock on/off (more than one rank). Moves are ranked by what the baseline
-   shows (read wait -> prefetch, I/O wait -> concurrency, no I/O wait -> device lane, a
+   stripe change migrates state lazily, a prefetch change refills buffers), then the
+   iteration is timed over ``window`` iterations; the median is the figure. Users pay for the
+   iteration, so that is what every move is judged on (the update phase when a run does not
+   report iteration times); the update phase's breakdown explains the moves. The first
+   iterations of a run are discarded too (they materialise state).
+2. **Leave well alone.** When what the knobs can change (the update's I/O waits; with a
+   device lane, the whole update phase) is under ``negligible_share`` of the iteration, or
+   under twice the noise threshold, no move could be confirmed and trials cost iterations:
+   hold, and say so. Re-examine when the share grows.
+3. **Try a move** on one knob, within bounds: per-path concurrency x2 or /2, prefetch depth
+   +1/+2 or -1, the device-lane fraction, at most 25% of a path's stripe weight moved to the
+   others, node lock on/off (more than one rank). The device fraction moves the way the
+   lanes' times say: when the GPU's tail (``device_wait_s``) is what the step waits for, to
+   the fraction where host lane and device lane finish together at their measured rates;
+   when the GPU kept up, halfway to all of it. Moves are ranked by what the baseline shows
+   (read wait -> prefetch, I/O wait -> concurrency, unbalanced lanes -> device fraction, a
    contended path -> stripe weight away from it); a move that just helped is tried again.
-3. **Keep or revert.** The move is kept when its median update time beats the baseline by
-   more than the noise threshold (``max(min_gain, noise_k * sigma)``, the relative noise
-   sigma pooled over every window measured) and the iteration time, when reported, did not get
-   worse. Otherwise it is reverted and not tried again until something changes. Clear
-   verdicts end a trial early (two samples far beyond the threshold).
-4. **Hold** when no move is left; re-explore when the update time drifts up, when contention
+4. **Keep or revert.** The move is kept when its median beats the baseline by more than the
+   noise threshold (``max(min_gain, noise_k * sigma)``, the relative noise sigma pooled over
+   every window measured). Otherwise it is reverted and not tried again until something
+   changes. Clear verdicts end a trial early (two samples far beyond the threshold).
+5. **Hold** when no move is left; re-explore when the iteration drifts up, when contention
    appears or vanishes, and every ``reexplore_every_iters`` iterations.
 
-Guard rails: the device lane never needs more GPU memory than the headroom the engine
-reports (``device_fraction * subgroups * subgroup_bytes``) and shrinks at once when the
-headroom does; staging memory is capped; an error or OOM on any rank rolls back to the last
-good knobs and marks the knobs that caused it as bad for the rest of the run. Pins (from the
+Guard rails: the engine keeps the device lane within the GPU memory its first step measured
+(its buffers are reserved then; its gradients stay on the GPU only while they fit), so the
+fraction is free to move; staging memory is capped; an error or OOM on any rank rolls back to
+the last good knobs, marks the knobs that caused it as bad for the rest of the run, and an
+OOM caps the device fraction below where it happened. Pins (from the
 user) always win and are never searched. Every decision is logged with its reason.
 
 With a hardware profile the run starts from the performance model's best plan
@@ -71,6 +80,14 @@ class Observation:
     knobs: Mapping[str, Any] | None = None
     """The knobs in force for this iteration (``StepRecord.knobs``), when known. An observation
     made under other knobs than the last decision's is ignored: the change has not arrived yet."""
+    host_lane_s: float | None = None
+    """Time the CPU spent in host-lane updates (``StepRecord.host_lane_s``), max over ranks."""
+    device_wait_s: float | None = None
+    """Time the step waited at its end for the device lane (``StepRecord.device_wait_s``)."""
+    host_lane_subgroups: int = 0
+    device_lane_subgroups: int = 0
+    """Device-tier subgroups included, as ``StepRecord`` counts them."""
+    device_tier_subgroups: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,11 @@ class PolicyConfig:
     second still writes fresh file extents)."""
     min_gain: float = 0.03
     """Smallest relative improvement that keeps a move."""
+    negligible_share: float = 0.05
+    """Hold when what the knobs can change (the update's I/O waits; with a device lane, the
+    whole update) is under this share of the iteration, or under twice the noise threshold:
+    no move could be confirmed, and trials cost iterations. Re-examined when the share
+    exceeds twice that."""
     noise_k: float = 2.5
     """Threshold = ``noise_k`` x the relative noise (sigma) pooled over the windows measured."""
     max_threshold: float = 0.15
@@ -161,11 +183,24 @@ class _Sample:
     read_wait_s: float
     write_wait_s: float
     path_bytes_per_s: dict[str, float]
+    lanes: tuple | None = None
+    """(host_lane_s, device_wait_s, host-lane subgroups, device-lane ones, device-tier ones)."""
+
+    @property
+    def cost(self) -> float:
+        """What a move is judged on: the iteration, or the update phase when no iteration time
+        is reported."""
+        return self.iter_time_s if self.iter_time_s else self.update_s
 
     @classmethod
     def of(cls, obs: Observation, paths: Sequence[str]) -> "_Sample":
         moved = {p: obs.path_read_bytes_per_s.get(p, 0.0) + obs.path_write_bytes_per_s.get(p, 0.0) for p in paths}
-        return cls(obs.update_s, obs.iter_time_s, obs.read_wait_s, obs.write_wait_s, moved)
+        it = obs.iter_time_s if obs.iter_time_s and math.isfinite(obs.iter_time_s) and obs.iter_time_s >= obs.update_s else None
+        lanes = None
+        if obs.host_lane_s is not None and obs.device_wait_s is not None:
+            lanes = (obs.host_lane_s, obs.device_wait_s, obs.host_lane_subgroups, obs.device_lane_subgroups,
+                     obs.device_tier_subgroups)
+        return cls(obs.update_s, it, obs.read_wait_s, obs.write_wait_s, moved, lanes)
 
 
 @dataclass
@@ -229,7 +264,8 @@ class Policy:
         self._need = self.cfg.window  # samples of the good knobs wanted before the next move
         self._trial: _Trial | None = None
         self._holding_since: int | None = None  # iteration the search ran out of moves
-        self._reference: float | None = None  # median update time when it did
+        self._reference: float | None = None  # median cost (iteration) when it did
+        self._idle: str | None = None  # why the policy holds without searching (update too small to matter)
         self._rejects = 0  # reverted moves since the baseline was last measured
         self._failed: set[str] = set()  # moves that did not help, since the last re-exploration
         self._bad: set[str] = set()  # knob settings that caused an error: never again
@@ -276,6 +312,9 @@ class Policy:
             "trial": self._trial.move.what if self._trial else None,
             "good_knobs": self._good.to_dict(),
             "good_update_s": _median([s.update_s for s in self._base[-5:]]) if self._base else None,
+            "good_iteration_s": (_median([s.iter_time_s for s in self._base[-5:] if s.iter_time_s])
+                                 if any(s.iter_time_s for s in self._base[-5:]) else None),
+            "holding_reason": self._idle,
             "threshold": self._threshold(),
             "contended_paths": sorted(self._contended),
             "pins": dict(self._pins),
@@ -297,9 +336,6 @@ class Policy:
             return None
         if obs.error:
             return self._on_error(obs.error)
-        d = self._enforce_headroom()
-        if d is not None:
-            return d
         if changes:
             d = self._on_contention_change(changes)
             if d is not None:
@@ -319,7 +355,13 @@ class Policy:
             return self._hold()
         if len(self._base) < self._need:
             return None
-        self._add_noise([x.update_s for x in self._base[-self._need:]])
+        self._add_noise([x.cost for x in self._base[-self._need:]])
+        idle = self._negligible()
+        if idle is not None and self._knobs == self._good:
+            self._holding_since, self._idle = self._iteration, idle
+            self._reference = _median([x.cost for x in self._base[-self.cfg.window:]])
+            self._note(idle, "hold")
+            return None
         return self._propose("")
 
     def pin(self, knob: str, value) -> None:
@@ -328,9 +370,9 @@ class Policy:
         value = self._coerce(name, path, value)
         new = self._set(self._good, name, path, value)
         if name == "device_fraction" and new.device_fraction > 0 and not self._device_fits(new.device_fraction):
-            raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: the device lane would need "
-                              f"{self._device_bytes(new.device_fraction)} bytes of GPU memory and the engine reports "
-                              f"{self._headroom} bytes of headroom; pin a smaller fraction")
+            why = ("this run has no device lane" if not self.has_device
+                   else f"it ran out of GPU memory above {self._device_cap:g}")
+            raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: {why}; pin a smaller fraction")
         self._pins[knob if path is None else f"{name}[{path}]"] = value
         self._trial = None
         self._good = new
@@ -423,8 +465,8 @@ class Policy:
             return self._decide(self._good, prefix.rstrip("; "), "revert")
         if move is None:
             self._holding_since = self._iteration
-            self._reference = _median([s.update_s for s in self._base[-self.cfg.window:]]) if self._base else None
-            msg = prefix + f"no move left to try; holding (update {self._reference:.3f} s)" if self._reference else prefix + "holding"
+            self._reference = _median([s.cost for s in self._base[-self.cfg.window:]]) if self._base else None
+            msg = prefix + f"no move left to try; holding ({self._cost_name()} {self._reference:.3f} s)" if self._reference else prefix + "holding"
             if self._knobs != self._good:
                 return self._decide(self._good, msg, "revert")
             self._note(msg, "hold")
@@ -436,8 +478,8 @@ class Policy:
     def _judge(self, s: _Sample) -> Decision | None:
         t = self._trial
         t.samples.append(s)
-        xs = [x.update_s for x in t.samples]
-        base = _median([x.update_s for x in self._base[-5:]])
+        xs = [x.cost for x in t.samples]
+        base = _median([x.cost for x in self._base[-5:]])
         thr = self._threshold()
         n = len(xs)
         verdict = None
@@ -459,13 +501,10 @@ class Policy:
             return None
         self._add_noise(xs)
         med = _median(xs)
-        figures = f"update {base:.3f} -> {med:.3f} s, {100 * (med / base - 1):+.0f}%, threshold {100 * thr:.0f}%"
-        if verdict:
-            it_base = [x.iter_time_s for x in self._base[-5:] if x.iter_time_s is not None]
-            it_new = [x.iter_time_s for x in t.samples if x.iter_time_s is not None]
-            if it_base and it_new and _median(it_new) > _median(it_base) * (1 + thr):
-                verdict = False
-                figures += f"; but iteration {_median(it_base):.3f} -> {_median(it_new):.3f} s"
+        figures = f"{self._cost_name()} {base:.3f} -> {med:.3f} s, {100 * (med / base - 1):+.0f}%, threshold {100 * thr:.0f}%"
+        if self._cost_name() == "iteration":  # the explanation: what the update phase did
+            figures += (f"; update {_median([x.update_s for x in self._base[-5:]]):.3f} -> "
+                        f"{_median([x.update_s for x in t.samples]):.3f} s")
         self._trial = None
         move = t.move
         if verdict:
@@ -488,12 +527,18 @@ class Policy:
     def _hold(self) -> Decision | None:
         w = self.cfg.window
         self._base = self._base[-2 * w:]
-        recent = [s.update_s for s in self._base[-w:]]
+        recent = [s.cost for s in self._base[-w:]]
+        if self._idle is not None:
+            if len(recent) >= w and self._negligible(2.0) is None:
+                self._idle, self._holding_since = None, None
+                self._base = self._base[-w:]
+                return self._propose("the update phase grew past the point where tuning pays; re-exploring; ")
+            return None  # holding: nothing the knobs change is worth measuring
         if len(recent) >= w and self._reference and _median(recent) > self._reference * (1 + self.cfg.drift):
             self._failed.clear()
             self._holding_since = None
             self._base = self._base[-w:]
-            return self._propose(f"update time rose {100 * (_median(recent) / self._reference - 1):.0f}% while "
+            return self._propose(f"{self._cost_name()} rose {100 * (_median(recent) / self._reference - 1):.0f}% while "
                                  f"holding; re-exploring; ")
         every = self.cfg.reexplore_every_iters
         if every and self._iteration - self._holding_since >= every:
@@ -501,6 +546,30 @@ class Policy:
             self._holding_since = None
             return self._propose(f"{every} iterations since the last move; re-exploring; ")
         return None
+
+    def _cost_name(self) -> str:
+        return "iteration" if self._base and all(x.iter_time_s for x in self._base[-self.cfg.window:]) else "update"
+
+    def _negligible(self, factor: float = 1.0) -> str | None:
+        """Why no move can pay, or None when one can: what the knobs can change is under the
+        bar (``factor`` x the larger of ``negligible_share`` and twice the noise threshold) as
+        a share of the iteration, medians of the last window. Without a device lane the knobs
+        change only the update's I/O waits; with one, the whole update phase."""
+        b = self._base[-self.cfg.window:]
+        if not b:
+            return None
+        it = _median([x.cost for x in b])
+        upd = _median([x.update_s for x in b])
+        if self.has_device:
+            tunable, what = upd, "the update phase"
+        else:
+            tunable, what = _median([x.read_wait_s + x.write_wait_s for x in b]), "the update's I/O waits"
+        bar = factor * max(self.cfg.negligible_share, 2 * self._threshold())
+        share = tunable / it if it > 0 else 1.0
+        if share >= bar:
+            return None
+        return (f"holding: what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
+                f"{self._cost_name()} ({1e3 * it:.0f} ms), under {100 * bar:.0f}%: no move could show above the noise")
 
     def _why(self, move: _Move) -> str:
         st = self._stats()
@@ -553,7 +622,7 @@ class Policy:
                 self._returning = None
         if self._start_alt is not None:
             out.append((2.5, _Move("start", self._start_alt, f"the starting knobs ({_diff(k, self._start_alt)})")))
-        if not self._pinned("prefetch_depth"):
+        if self.paths and not self._pinned("prefetch_depth"):  # prefetch only matters with state on storage
             d = k.prefetch_depth
             up = min(d + (2 if read_share > 0.3 else 1), self._prefetch_cap())
             if up > d:
@@ -586,17 +655,66 @@ class Policy:
                                          f"stripe weight of {p} {w[p]:.3g}->{new[p]:.3g}")))
         if self.has_device and not self._pinned("device_fraction"):
             f = k.device_fraction
-            up = round(min(1.0, self._device_cap, f + cfg.device_step), 6)
-            if up > f + 1e-9 and self._device_fits(up):
-                out.append((0.1 + (1 - io_share), _Move("device_fraction+", k.replace(device_fraction=up),
-                                                        f"device_fraction {f:.2g}->{up:.2g}")))
-            if f > 0:
-                down = round(max(0.0, f - cfg.device_step), 6)
-                out.append((0.03, _Move("device_fraction-", k.replace(device_fraction=down), f"device_fraction {f:.2g}->{down:.2g}")))
+            target = self._balanced_fraction()
+            if target is not None:
+                t, why = target
+                t = min(t, self._device_cap)
+                if abs(t - f) >= 0.05 - 1e-9:
+                    key = "device_fraction+" if t > f else "device_fraction-"
+                    out.append((1.2, _Move(key, k.replace(device_fraction=t), f"device_fraction {f:.2g}->{t:.2g} ({why})")))
+            else:  # no lane times reported: bounded steps
+                up = round(min(1.0, self._device_cap, f + cfg.device_step), 6)
+                if up > f + 1e-9 and self._device_fits(up):
+                    out.append((0.1 + (1 - io_share), _Move("device_fraction+", k.replace(device_fraction=up),
+                                                            f"device_fraction {f:.2g}->{up:.2g}")))
+                if f > 0:
+                    down = round(max(0.0, f - cfg.device_step), 6)
+                    out.append((0.03, _Move("device_fraction-", k.replace(device_fraction=down),
+                                            f"device_fraction {f:.2g}->{down:.2g}")))
         if self.ranks > 1 and not self._pinned("node_lock"):
             out.append((0.1 + 0.5 * io_share, _Move("node_lock", k.replace(node_lock=not k.node_lock),
                                                     f"node_lock {k.node_lock}->{not k.node_lock}")))
         return [(s + (1.0 if m.key == self._momentum else 0.0), m) for s, m in out]
+
+    def _balanced_fraction(self) -> tuple[float, str] | None:
+        """Where the lanes' measured times say the device fraction should go (steps of 0.05),
+        and why; None without lane times, or when no subgroup is outside the device tier.
+
+        The step waits at its end only for the device lane, so a wait means the GPU side (its
+        PCIe copies) finished last and took about the whole update: its rate is lane subgroups
+        over the update time, the host lane's is its subgroups over its busy time, and the
+        fraction where both finish together is ``r_dev / (r_dev + r_host)``. No wait means the
+        GPU kept up and its rate is only known to be enough: one ``device_step`` more (runs
+        start from the engine's measured balance, so this is a refinement). No device lane yet:
+        half the subgroups, once."""
+        lanes = [x.lanes for x in self._base[-self.cfg.window:] if x.lanes is not None]
+        if not lanes:
+            return None
+        host_s = _median([x[0] for x in lanes])
+        wait = _median([x[1] for x in lanes])
+        host_n, dev_n, tier = lanes[-1][2], lanes[-1][3], lanes[-1][4]
+        lane_n = dev_n - tier
+        rest = host_n + lane_n
+        if rest <= 0:
+            return None
+        upd = _median([x.update_s for x in self._base[-self.cfg.window:]])
+        f = self._good.device_fraction
+        if lane_n > 0 and host_n > 0 and wait > 0.05 * upd and host_s > 0:
+            r_dev, r_host = lane_n / upd, host_n / host_s
+            t = r_dev / (r_dev + r_host)
+            why = f"the GPU's tail is {1e3 * wait:.0f} ms of the update: the lanes finish together there"
+        elif lane_n > 0 and host_n == 0 and wait > 0.05 * upd:
+            t = 0.5
+            why = f"every subgroup on the GPU and its tail is {1e3 * wait:.0f} ms: share with the CPU"
+        elif host_n > 0 and lane_n == 0:
+            t = 0.5  # nothing known of the GPU's rate yet: one bold probe, refined from its times
+            why = "no device lane yet: half of the subgroups to the GPU"
+        elif host_n > 0:
+            t = f + self.cfg.device_step  # its rate is only known to be at least enough: probe upward
+            why = f"the GPU kept up (tail {1e3 * wait:.0f} ms): give it more"
+        else:
+            return None
+        return round(round(t * 20) / 20, 6), why
 
     # -- stripe weights ------------------------------------------------------------------------
 
@@ -665,16 +783,12 @@ class Policy:
     def _subgroups_per_rank(self) -> int | None:
         if not self.params or not self.subgroup_bytes:
             return None
-        return max(1, math.ceil(12 * self.params / self.ranks / self.subgroup_bytes))
-
-    def _device_bytes(self, f: float) -> int | None:
-        n = self._subgroups_per_rank()
-        return None if n is None else int(math.ceil(f * n)) * self.subgroup_bytes
+        return max(1, math.ceil(12 * self.params / self.subgroup_bytes))  # params are per rank
 
     def _device_fits(self, f: float) -> bool:
-        """The device lane at fraction ``f`` fits the reported headroom; unknown sizes never fit."""
-        need = self._device_bytes(f)
-        return f <= 0 or (self.has_device and need is not None and self._headroom is not None and need <= self._headroom)
+        """The device lane may run at fraction ``f``: there is a device, and no OOM happened at or
+        below ``f``. Its memory is the engine's to keep within the headroom (module docstring)."""
+        return f <= 0 or (self.has_device and f <= self._device_cap + 1e-9)
 
     def _prefetch_cap(self) -> int:
         cap = self.cfg.max_prefetch_depth
@@ -685,20 +799,6 @@ class Policy:
             per = self.subgroup_bytes * self.ranks
             cap = min(cap, max(0, (self._staging_cap // per - 3) // 2))
         return cap
-
-    def _enforce_headroom(self) -> Decision | None:
-        f = self._knobs.device_fraction
-        if f <= 0 or self._headroom is None or self._device_bytes(f) is None or self._device_fits(f):
-            return None
-        fit = f
-        while fit > 0 and not self._device_fits(fit):
-            fit = round(max(0.0, fit - self.cfg.device_step), 6)
-        self._good = self._good.replace(device_fraction=min(self._good.device_fraction, fit))
-        self._trial = None
-        self._restart_measuring()
-        return self._decide(self._knobs.replace(device_fraction=fit),
-                            f"GPU headroom is {self._headroom / 2**30:.2f} GiB, below the {self._device_bytes(f) / 2**30:.2f} GiB "
-                            f"the device lane needs at {f:.2g}: lowered to {fit:.2g}", "guard")
 
     def _on_error(self, error: str) -> Decision | None:
         if self._trial is not None:
@@ -778,7 +878,8 @@ class Policy:
             # The host cache is fixed for the run's life and not a knob: plan for state on the
             # paths, with host memory for the staging buffers of the deepest prefetch only.
             staging = (2 * self.cfg.max_prefetch_depth + 3) * self.subgroup_bytes * self.ranks if self.paths else None
-            wl = perfmodel.Workload(params=self.params, ranks=self.ranks,
+            # params are per rank; the model's are the whole model (it divides by ranks and nodes).
+            wl = perfmodel.Workload(params=self.params * self.ranks, ranks=self.ranks,
                                     subgroup_numel=max(1, self.subgroup_bytes // 12),
                                     host_bytes=staging, gpu_headroom_bytes=self._headroom)
             pred = perfmodel.best_plan(profile, wl, paths=list(self.paths))

@@ -183,6 +183,8 @@ RECORD = Obj({
     "update_s": (Num(0), True), "write_wait_s": (Num(0), True),
     "path_bytes_read": (Dict(Int(0), PATH, 64), False), "path_bytes_written": (Dict(Int(0), PATH, 64), False),
     "cache_hits": (Int(0), False), "cache_misses": (Int(0), False), "knobs": (KNOBS, False),
+    "host_lane_s": (Num(0), False), "device_wait_s": (Num(0), False), "host_lane_subgroups": (Int(0), False),
+    "device_lane_subgroups": (Int(0), False), "device_tier_subgroups": (Int(0), False),
 }, extra=True)
 PROFILE = Opt(lambda v, where: v if isinstance(v, (str, dict)) else _fail(where, "a string, an object or null", v))
 

@@ -635,7 +635,7 @@ class TunerServer:
                               path_read_bytes_per_s=read_bw, path_write_bytes_per_s=write_bw,
                               path_other_bytes_per_s={p: v for p, v in other.items() if v is not None},
                               device_headroom_bytes=min(headrooms) if headrooms else None, error=run.error,
-                              knobs=in_force)
+                              knobs=in_force, **_lane_figures(recs))
             run.error = None
             decision = run.policy.observe(obs)
         except Exception as e:
@@ -915,3 +915,16 @@ def serve(config: ServerConfig, *, policy_factory=None, sensors_factory=None, hi
 
     asyncio.run(main())
     return 0
+
+
+def _lane_figures(recs: list[dict]) -> dict:
+    """The lanes' times of the slowest rank (the one the iteration waits for), for the policy's
+    device-fraction moves; nothing when the ranks' engines do not report them."""
+    have = [r for r in recs if "host_lane_s" in r and "device_wait_s" in r]
+    if not have:
+        return {}
+    r = max(have, key=lambda r: r["wall_s"])
+    return {"host_lane_s": r["host_lane_s"], "device_wait_s": r["device_wait_s"],
+            "host_lane_subgroups": r.get("host_lane_subgroups", 0), "device_lane_subgroups": r.get("device_lane_subgroups", 0),
+            "device_tier_subgroups": r.get("device_tier_subgroups", 0)}
+

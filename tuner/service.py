@@ -84,6 +84,23 @@ def status(socket_path: str | None = None) -> dict:
     return out
 
 
+def run_verdict(socket_path: str, run_id: str) -> str | None:
+    """The policy's last word on one run, for the end of ``offloadctl train``: why it holds,
+    else its last decision; None when the daemon does not answer or knows no such run."""
+    try:
+        with Connection(socket_path, timeout_s=2.0) as c:
+            snap = c.request("snapshot", history=0)
+    except (OSError, ProtocolError, ValueError):
+        return None
+    for r in snap["runs"]:
+        if r["run_id"] == run_id:
+            held = (r.get("policy") or {}).get("holding_reason")
+            if held:
+                return held
+            return r["decisions"][-1]["reason"] if r.get("decisions") else None
+    return None
+
+
 def start(socket_path: str | None = None, *, db_path: str | None = None, timeout_s: float = 30.0,
           extra_args: tuple[str, ...] = ()) -> dict:
     """Start a detached daemon at the socket (idempotent); return its pid, socket and log."""

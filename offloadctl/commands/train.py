@@ -201,7 +201,15 @@ def run(args: argparse.Namespace) -> int:
         plan = with_tuner_socket(plan, socket_path)
     env = dict(os.environ, **plan["env"])
     try:
-        return _launch(plan, env, args, run_dir)
+        rc = _launch(plan, env, args, run_dir)
+        socket_path = plan["settings"].get("tuner_socket")
+        if rc == 0 and socket_path:
+            from tuner.service import run_verdict
+
+            verdict = run_verdict(socket_path, plan["settings"]["run_id"])
+            if verdict:
+                print(f"tuner: {verdict}")
+        return rc
     finally:
         if stop_tuner is not None:
             stop_tuner()

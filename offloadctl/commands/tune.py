@@ -209,6 +209,9 @@ def run_panel(r: dict):
     state = "[yellow]frozen[/]" if r["frozen"] else "tuning"
     if r["pins"]:
         state += ", pinned: " + escape(", ".join(f"{k}={v!r}" for k, v in r["pins"].items()))
+    held = (r.get("policy") or {}).get("holding_reason")
+    if held:
+        state += f", [green]{escape(held)}[/]"
     if r.get("policy_error"):
         state += f", [red]policy stopped: {escape(r['policy_error'])}[/]"
 
