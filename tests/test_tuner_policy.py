@@ -609,3 +609,23 @@ def test_a_move_that_slows_forward_backward_is_rejected():
     sim = Pressure(pol, None, noise=0.02, seed=4).run(25)
     assert sim.knobs.device_fraction == 0.0, [d[2] for d in sim.decisions]
     assert any(d[2].startswith("reverted device_fraction") and "iteration" in d[2] for d in sim.decisions)
+
+
+def test_params_are_per_rank(monkeypatch):
+    """The engine registers its own partition's size: the policy must not divide it by the ranks
+    again (it capped prefetch at 2 for 4 ranks of 10 subgroups each, and seeded the model with a
+    model 4x too small)."""
+    import engine.perfmodel as perfmodel
+
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4,
+                 config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10 ** 15))
+    assert pol._subgroups_per_rank() == 10 and pol._prefetch_cap() == 8
+    seen = {}
+
+    def best_plan(profile, wl, paths=None, **kw):
+        seen["per_rank"] = wl.params_per_rank
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(perfmodel, "best_plan", best_plan)
+    Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4, profile=object())
+    assert seen["per_rank"] == PARAMS
