@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ SCRIPT = os.path.join(HERE, "gpt_zero3.py")
 console = Console(stderr=True)
 
 # Twin-Flow ratios (share of the state on the CPU) swept per size; the smallest that fits wins.
-TWINFLOW_RATIOS = {"2b": (0.1, 0.3), "4b": (0.4, 0.6), "cpu": ()}
+TWINFLOW_RATIOS = {"2b": (0.1, 0.3), "4b": (0.5, 0.7), "cpu": ()}
 NO_OFFLOAD_FITS = {"2b": True, "4b": False, "cpu": False}
 FORCED_FRACTIONS = (0.0, 0.5, 1.0)
 
@@ -72,7 +73,7 @@ def rows_for(size: str, gpu: bool, profile: str | None) -> list[tuple[str, list[
     return rows
 
 
-def run_row(cmd: list[str], iters: int, workdir: str, name: str) -> dict:
+def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: float) -> dict:
     out = os.path.join(workdir, "row.json")
     if os.path.exists(out):
         os.unlink(out)
@@ -80,10 +81,18 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str) -> dict:
     if "offloadctl.cli" in cmd:
         i = cmd.index("train") + 1
         cmd = cmd[:i] + ["--run-dir", run_dir] + cmd[i:]
-    p = subprocess.run([*cmd, "--iters", str(iters), "--out", out], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    # A session of its own, so that a row past its time is killed whole (launcher and ranks).
+    p = subprocess.Popen([*cmd, "--iters", str(iters), "--out", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, cwd=ROOT, start_new_session=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    try:
+        output, _ = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return {"failed": f"over the row's {timeout_s:.0f} s limit"}
     if p.returncode != 0 or not os.path.exists(out):
-        tail = [ln for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
+        tail = [ln for ln in output.splitlines() if ln.strip()]
         why = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), tail[-1] if tail else "no output")
         return {"failed": why[-300:]}
     with open(out) as f:
@@ -158,7 +167,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="2b,4b", help="comma-separated sizes of bench/gpt_zero3.py (default 2b,4b)")
     ap.add_argument("--cpu", action="store_true", help="CPU-only mode: host lane vs stock CPU offload, size 'cpu'")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=6, help="iterations per run; medians over 3..N (default 6)")
+    ap.add_argument("--iters", type=int, default=5, help="iterations per run; medians over 3..N (default 5)")
+    ap.add_argument("--row-timeout", type=float, default=300, help="seconds a row may take before it is killed")
     ap.add_argument("--rows", help="comma-separated substrings: run only rows whose name contains one")
     ap.add_argument("--profile", help="use this profile instead of measuring one")
     ap.add_argument("--json", metavar="FILE", help="write every row's figures here")
@@ -179,7 +189,10 @@ def main() -> int:
         for rnd in range(args.rounds):
             for name, cmd in rows:
                 console.print(f"[dim]{size} round {rnd + 1}: {name}[/dim]")
-                results[name].append(summarize(run_row(list(cmd), args.iters, workdir, name)))
+                results[name].append(summarize(run_row(list(cmd), args.iters, workdir, name, args.row_timeout)))
+                if args.json:  # as it goes: a call cut short keeps the rows it finished
+                    report["sizes"][size] = results
+                    _write(args.json, report)
         table = {}
         for name, runs in results.items():
             ok = [r for r in runs if "failed" not in r]
@@ -193,9 +206,15 @@ def main() -> int:
         report["sizes"][size] = table
         _print(size, table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        _write(args.json, report)
     return 0
+
+
+def _write(path: str, report: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _print(size: str, table: dict) -> None:

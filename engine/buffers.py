@@ -47,10 +47,15 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
 
 
 _pin_failed_once = False
+_registered: set[int] = set()
+"""Start addresses pinned by :func:`pin_in_place` and not yet released. (``is_pinned()`` looks
+at a storage's base address, which an aligned view starts after, so it cannot tell.)"""
 
 
-def _unregister(ptr: int, _keep_alive: torch.Tensor) -> None:
-    # Runs before the memory is freed (the finalizer holds the storage until it returns).
+def _unregister(ptr: int) -> None:
+    # A finalizer of the storage's Python object: its weak references are cleared (and this
+    # runs) before the storage's memory is freed.
+    _registered.discard(ptr)
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases it with the process
@@ -64,7 +69,7 @@ def pin_in_place(t: torch.Tensor) -> bool:
     global _pin_failed_once
     if not torch.cuda.is_available() or t.device.type != "cpu" or t.numel() == 0:
         return False
-    if t.is_pinned():
+    if t.data_ptr() in _registered:
         return True
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
@@ -74,7 +79,8 @@ def pin_in_place(t: torch.Tensor) -> bool:
                         "these buffers run synchronously; raise `ulimit -l` to fix", nbytes, err)
             _pin_failed_once = True
         return False
-    weakref.finalize(t.untyped_storage(), _unregister, t.data_ptr(), t)
+    _registered.add(t.data_ptr())
+    weakref.finalize(t.untyped_storage(), _unregister, t.data_ptr())
     return True
 
 

@@ -142,8 +142,10 @@ class SubgroupEngine:
         self.host_kernel_name, kernel = select_host_kernel(config.host_adam)
         capacity = max((sg.numel for sg in self.subgroups), default=0)
         self.device_lane = DeviceLane(self.device, capacity) if self.device is not None else None
-        self.host_lane = HostLane(self.host_kernel_name, kernel,
-                                  WeightUploader(self.device_lane.upload_stream if self.device_lane else None))
+        # Host-lane weight uploads on a stream of their own: on the device lane's H2D stream they
+        # would queue behind its waits for copies back, and the CPU with them.
+        upload = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
+        self.host_lane = HostLane(self.host_kernel_name, kernel, WeightUploader(upload))
         self._grad_bytes_per_element = 0
         self._last_step_end: float | None = None
         self._set_lane_mask(self.knobs.device_fraction)
@@ -350,14 +352,27 @@ class SubgroupEngine:
         self._lane_mask = mask
         need = sum(self._grad_bytes_per_element * self.subgroups[i].numel for i in rest if mask[i])
         self._device_grads_ok = need <= self._lane_grad_budget
+        if self.device is not None and self.device.type == "cuda" and any(mask):
+            # Page-lock what the device lane copies from now, between steps, not inside the
+            # first update of each buffer (pinning faults in every page).
+            lane = [self.subgroups[i] for i in rest if mask[i]]
+            for sg in lane:
+                if sg.tier == HOST and sg.resident is not None:
+                    sg.resident.pin()
+            if any(isinstance(sg.tier, int) for sg in lane):
+                for buf in self._free:
+                    buf.pin()
 
-    def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None) -> dict:
+    def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
+                        reserve_bytes: int = 0) -> dict:
         """Fit the device tier and the device lane to the device memory free now.
 
         Called at the first step (after the first forward/backward, so the headroom is what
         training leaves), or by an adapter before it. ``grad_bytes_per_element``: what keeping
         a subgroup's gradient on the device adds (0 when gradients are there anyway).
-        ``headroom_bytes`` overrides the measurement (:func:`engine.gpumem.gpu_headroom_bytes`).
+        ``headroom_bytes`` overrides the measurement (:func:`engine.gpumem.gpu_headroom_bytes`);
+        ``reserve_bytes`` is kept free on top (what later forward/backward passes may need beyond
+        the first one's peak: DeepSpeed prefetches parameters only from the second).
 
         - ``device_cache_bytes=None``: the tier takes the longest prefix of subgroups whose
           state (and gradient) fits, leaving the device lane's working set free unless every
@@ -370,12 +385,19 @@ class SubgroupEngine:
         self._device_tier_pending = False
         if self.device is None:
             return {}
+        capacity = max((sg.numel for sg in self.subgroups), default=0)
         if headroom_bytes is None:
+            if self.device.type == "cuda":
+                # Fresh segments for the state rather than carved out of cached activation blocks.
+                torch.cuda.empty_cache()
             headroom_bytes = gpu_headroom_bytes(self.device)
             if headroom_bytes is None:  # a CPU "device" (tests): its memory is host memory
                 headroom_bytes = psutil.virtual_memory().available // 2
+        # Always kept free: the caller's reserve, and the update's gradient upcast (fp32 scratch
+        # and a 16-bit temporary of one subgroup).
+        headroom_bytes = max(0, headroom_bytes - reserve_bytes - 6 * capacity)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
-        lane_ws = device_lane_working_bytes(max((sg.numel for sg in self.subgroups), default=0))
+        lane_ws = device_lane_working_bytes(capacity)
         if self.config.device_cache_bytes is None:
             if sum(cost) <= headroom_bytes:
                 tier = len(cost)

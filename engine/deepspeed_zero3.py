@@ -231,7 +231,13 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             leaves room for, then start the lanes from the plan for the rest (with --profile)."""
             engine = self.offload_engine
             grad_bytes = self.grad_partitions_flat_buffer.element_size()
-            self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes)
+            # From the second forward on, DeepSpeed prefetches and keeps live up to these many
+            # gathered parameters beyond what the first pass (the measured peak) held.
+            offload = self.parameter_offload
+            live = (getattr(offload, "_max_available_parameters_in_numel", 0) or 0) + self.prefetch_elements
+            total = sum(p.ds_numel for g in self.fp16_groups for p in g)
+            reserve = min(live, total) * self.fp16_partitioned_groups_flat[0].element_size()
+            self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes, reserve_bytes=reserve)
             if settings.profile and settings.auto_device_fraction:
                 rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
                                      gpu_headroom_bytes=self.device_fit["headroom_bytes"],

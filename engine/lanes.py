@@ -264,10 +264,6 @@ class DeviceLane:
         self._next = 0
         self._grad = _Scratch(device)
 
-    @property
-    def upload_stream(self):
-        """The stream host-lane weight uploads share with the state copies in (PCIe H2D)."""
-        return self.h2d
 
     def working_bytes(self) -> int:
         """Device memory the lane uses at most: its slots and a gradient scratch."""
