@@ -28,6 +28,7 @@ from engine.errors import ConfigError, OffloadError
 from engine.telemetry import StepRecord
 
 from .protocol import (API_VERSION, MAX_FRAME_BYTES, RANK, RUN_ID, SERVER_SCHEMAS, ErrorCode, FrameBuffer, Int,
+                       connect_daemon,
                        ProtocolError, encode, knobs_from_dict, recv_message, validate)
 
 log = logging.getLogger("offloadctl.tuner.client")
@@ -201,10 +202,8 @@ class TunerClient:
             delay = min(delay * 2, self._backoff[1])
 
     def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = connect_daemon(self.socket_path, self._connect_timeout)  # refuses a daemon it cannot trust
         try:
-            sock.settimeout(self._connect_timeout)
-            sock.connect(self.socket_path)
             sock.sendall(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine",
                                  "client": f"offloadctl engine pid {os.getpid()}"}))
             self._expect(sock, "welcome")

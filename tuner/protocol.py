@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import socket
+import stat
 import struct
 import time
 from enum import IntEnum
@@ -73,18 +75,27 @@ def _fail(where: str, expected: str, value) -> None:
     raise ProtocolError(ErrorCode.SCHEMA, f"{where} must be {expected}, got {shown}")
 
 
-def Int(lo: int | None = None, hi: int | None = None) -> Spec:
+NUM_MAX = 1e15
+"""Largest number a client may send: no real figure (seconds, bytes/s, a knob) comes near it,
+and anything derived from numbers under it stays finite."""
+INT_MAX = 1 << 62
+SECONDS_MAX = 1e7
+"""Largest duration a client may report (about four months)."""
+
+
+def Int(lo: int | None = None, hi: int = INT_MAX) -> Spec:
     def check(v, where):
-        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or v > hi or v < -INT_MAX:
             _fail(where, f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]", v)
         return v
     return check
 
 
-def Num(lo: float | None = None) -> Spec:
+def Num(lo: float | None = None, hi: float = NUM_MAX) -> Spec:
     def check(v, where):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (lo is not None and v < lo):
-            _fail(where, "a finite number" + (f" >= {lo}" if lo is not None else ""), v)
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (lo is not None and v < lo)
+                or v > hi):
+            _fail(where, f"a finite number in [{lo if lo is not None else -hi}, {hi:g}]", v)
         return v
     return check
 
@@ -178,12 +189,13 @@ KNOBS = Obj({
     "stripe_weights": (Dict(Num(0), PATH, 64), False),
 })
 # The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
+SECONDS = Num(0, SECONDS_MAX)
 RECORD = Obj({
-    "iteration": (Int(0), True), "wall_s": (Num(0), True), "read_wait_s": (Num(0), True),
-    "update_s": (Num(0), True), "write_wait_s": (Num(0), True),
+    "iteration": (Int(0), True), "wall_s": (SECONDS, True), "read_wait_s": (SECONDS, True),
+    "update_s": (SECONDS, True), "write_wait_s": (SECONDS, True),
     "path_bytes_read": (Dict(Int(0), PATH, 64), False), "path_bytes_written": (Dict(Int(0), PATH, 64), False),
     "cache_hits": (Int(0), False), "cache_misses": (Int(0), False), "knobs": (KNOBS, False),
-    "host_lane_s": (Num(0), False), "device_wait_s": (Num(0), False), "host_lane_subgroups": (Int(0), False),
+    "host_lane_s": (SECONDS, False), "device_wait_s": (SECONDS, False), "host_lane_subgroups": (Int(0), False),
     "device_lane_subgroups": (Int(0), False), "device_tier_subgroups": (Int(0), False),
 }, extra=True)
 PROFILE = Opt(lambda v, where: v if isinstance(v, (str, dict)) else _fail(where, "a string, an object or null", v))
@@ -199,7 +211,7 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                  "has_device": (Bool, True), "device_headroom_bytes": (Opt(Int(0)), False),
                  "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False)},
     "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
-                  "iter_time_s": (Opt(Num(0)), False), "device_headroom_bytes": (Opt(Int(0)), False)},
+                  "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},
     "applied": {**_RUN_RANK, "seq": (Int(1), True), "iteration": (Int(0), True), "apply_at": (Int(0), True)},
     "bye": dict(_RUN_RANK),
@@ -222,7 +234,8 @@ SERVER_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                    "seq": (Opt(Int(0)), False), "reason": (Opt(Str(4096)), False)},
     "knobs": {"run_id": (RUN_ID, True), "knobs": (KNOBS, True), "apply_at": (Int(0), True), "seq": (Int(1), True),
               "reason": (Str(4096), True)},
-    "snapshot": {"runs": (List(Dict(Any_, max_items=64), 4096), True), "daemon": (Dict(Any_), True)},
+    "snapshot": {"runs": (List(Dict(Any_, max_items=64), 4096), True), "daemon": (Dict(Any_), True),
+                 "omitted": (List(RUN_ID, 100_000), False)},
     "error": {"code": (Int(0), True), "message": (Str(4096), True)},
 }
 
@@ -336,6 +349,62 @@ class FrameBuffer:
         return out
 
 
+def check_daemon_socket(path: str) -> None:
+    """Refuse a daemon socket that another user could have put in place (a fake daemon would
+    learn the run's paths and push it knobs). Raises :class:`ProtocolError` (PERMISSION).
+
+    The trust model: a client trusts a socket, and the directory holding it, owned by itself or
+    root, in a directory nobody else may write to, whose own parent is also its or root's (so
+    nobody else could have made the directory: the /tmp trap). Root trusts a service user's
+    socket under a root-owned parent (systemd's /run/offloadctl). After connecting, the server's
+    credentials must match (:func:`check_daemon_peer`)."""
+    me = os.geteuid()
+    st = os.lstat(path)  # FileNotFoundError (an OSError): nothing listens there
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ProtocolError(ErrorCode.PERMISSION, f"{path} is not a socket: not a tuner daemon")
+    d = os.path.dirname(os.path.abspath(path))
+    dst, pst = os.stat(d), os.stat(os.path.dirname(d))
+    if dst.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ProtocolError(ErrorCode.PERMISSION, f"{d} is writable by other users, so the daemon socket in it cannot "
+                                                  f"be trusted: use a private directory (--socket)")
+    if me != 0:
+        owners = {"socket": st.st_uid, "its directory": dst.st_uid, "the directory above": pst.st_uid}
+        bad = {k: u for k, u in owners.items() if u not in (me, 0)}
+    else:  # a service user's daemon (systemd's /run/offloadctl): its own directory under root's
+        bad = {k: u for k, u in (("its directory", dst.st_uid), ("the directory above", pst.st_uid))
+               if u not in (0, st.st_uid) or (k == "the directory above" and u != 0)}
+    if bad:
+        what, uid = next(iter(bad.items()))
+        raise ProtocolError(ErrorCode.PERMISSION, f"the daemon socket {path}: {what} belongs to uid {uid}, not to you "
+                                                  f"or root, so another user could have put it there; not trusted: "
+                                                  f"use your own --socket")
+
+
+def check_daemon_peer(sock: socket.socket, path: str) -> None:
+    """The process serving ``sock`` runs as us or root (or, for root, as the socket's owner)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    me = os.geteuid()
+    allowed = (me, 0) if me != 0 else (0, os.lstat(path).st_uid)
+    if uid not in allowed:
+        raise ProtocolError(ErrorCode.PERMISSION, f"the process serving {path} runs as uid {uid}, not as you or root: "
+                                                  f"not trusted; use your own --socket")
+
+
+def connect_daemon(path: str, timeout_s: float) -> socket.socket:
+    """A connected socket to a trusted daemon at ``path`` (:func:`check_daemon_socket`,
+    :func:`check_daemon_peer`); ``OSError`` when nothing listens there."""
+    check_daemon_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        check_daemon_peer(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class Connection:
     """A blocking request/reply client (the CLI and ``tuner.service``); pushes are skipped.
 
@@ -345,11 +414,9 @@ class Connection:
 
     def __init__(self, path: str, *, role: str = "cli", timeout_s: float = 5.0, client: str = "offloadctl") -> None:
         self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout_s)
+        self.sock = connect_daemon(path, timeout_s)
         self._next_id = 0
         try:
-            self.sock.connect(path)
             self.welcome = self.request("hello", api=API_VERSION, role=role, client=client)
         except BaseException:
             self.sock.close()

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import stat
@@ -118,8 +120,12 @@ class _Conn:
             return
         try:
             data = encode(msg, self.server.config.max_frame_bytes)
-        except ProtocolError as e:  # a reply too large for a frame (a huge snapshot): say so instead
+        except ProtocolError as e:  # a reply too large for a frame: say so instead
             data = encode(e.to_message(msg.get("id")))
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:  # not JSON (a NaN): never the peer's fault
+            log.error("a reply of type %r could not be encoded: %s", msg.get("type"), e)
+            data = encode(ProtocolError(ErrorCode.INTERNAL, f"the daemon could not encode its reply: {e}").to_message(
+                msg.get("id")))
         self.writer.write(data)
         if self.writer.transport.get_write_buffer_size() > self.server.config.max_outbuf_bytes:
             log.warning("dropping client pid %s: %d bytes of replies unread", self.pid,
@@ -241,11 +247,19 @@ class TunerServer:
         self.messages = 0
         """Messages handled without error."""
         self._handle_s: deque[float] = deque(maxlen=10_000)  # recent handling times, for daemon_view
+        self.max_connections = config.max_connections  # lowered to fit the open-file limit at start
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._stop = asyncio.Event()
+        soft = raise_fd_limit()
+        # Below the descriptor limit, with room for the daemon's own files: a client past it
+        # gets BUSY, never an accept() that fails (and asyncio's log line per retry).
+        self.max_connections = max(1, min(self.config.max_connections, soft - min(FD_RESERVE, soft // 2)))
+        if self.max_connections < self.config.max_connections:
+            log.info("serving at most %d connections (open-file limit %d)", self.max_connections, soft)
+        logging.getLogger("asyncio").addFilter(_quiet_accept_errors)
         sock = _inherited_socket()
         if sock is not None:
             self._inherited = True
@@ -314,7 +328,7 @@ class TunerServer:
                 conn.error(ProtocolError(ErrorCode.PERMISSION, f"uid {conn.uid} may not use this daemon: only uid "
                                          f"{os.geteuid()} and root may; run as that user or start your own daemon"))
                 return
-            if len(self.conns) >= self.config.max_connections:
+            if len(self.conns) >= self.max_connections:
                 conn.error(ProtocolError(ErrorCode.BUSY, f"the daemon already serves {len(self.conns)} connections"))
                 return
             self.conns.add(conn)
@@ -601,7 +615,7 @@ class TunerServer:
         read_bw: dict[str, float] = {}
         write_bw: dict[str, float] = {}
         for r in recs:
-            if r["wall_s"] > 0:
+            if r["wall_s"] >= 1e-6:  # a shorter update is no measurement: rates from it would be noise or infinite
                 for p, b in r.get("path_bytes_read", {}).items():
                     read_bw[p] = read_bw.get(p, 0.0) + b / r["wall_s"]
                 for p, b in r.get("path_bytes_written", {}).items():
@@ -776,9 +790,44 @@ class TunerServer:
         asyncio.get_running_loop().call_later(0.05, self.request_stop)
 
     def _on_snapshot(self, conn: _Conn, msg: dict) -> dict:
+        """Every run (or the one asked for), within one frame: a run whose view cannot be encoded
+        or is too large for its share comes as a compact view, and runs beyond the frame are
+        listed by id in ``omitted`` (ask for one with ``run_id``). One run never breaks the
+        answer for the others."""
         n = msg.get("history", 60)
-        runs = [self.run_view(r, n) for r in self.runs.values() if msg.get("run_id") in (None, r.run_id)]
-        return {"type": "snapshot", "runs": runs, "daemon": self.daemon_view()}
+        budget = self.config.max_frame_bytes - 64 * 1024  # the daemon's view, ids of omitted runs, framing
+        wanted = [r for r in self.runs.values() if msg.get("run_id") in (None, r.run_id)]
+        share = max(budget // max(1, len(wanted)), 16 * 1024)
+        runs, omitted, used = [], [], 0
+        for r in wanted:
+            view, size = self._encodable_view(r, n, share)
+            if used + size > budget:
+                omitted.append(r.run_id)
+                continue
+            runs.append(view)
+            used += size
+        out = {"type": "snapshot", "runs": runs, "daemon": self.daemon_view()}
+        if omitted:
+            out["omitted"] = omitted
+        return out
+
+    def _encodable_view(self, run: _Run, history: int, share: int) -> tuple[dict, int]:
+        """``run``'s view and its encoded size; the compact view when the full one fails to
+        encode or passes ``share`` bytes."""
+        try:
+            view = self.run_view(run, history)
+            size = len(json.dumps(view, separators=(",", ":"), allow_nan=False))
+            if size <= share:
+                return view, size
+            why = f"view of {size} bytes over this snapshot's share of {share}: ask for this run alone"
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
+            why = f"view could not be encoded ({e})"
+            log.error("run %s: %s", run.run_id, why)
+        view = {"run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
+                "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
+                "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
+                "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None}
+        return view, len(json.dumps(view))
 
     def daemon_view(self) -> dict:
         """The daemon itself; ``handle_ms``: time spent on each of the last 10,000 messages,
@@ -840,6 +889,46 @@ def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
 
 
 # -- the listening socket --------------------------------------------------------------------------
+
+FD_RESERVE = 64
+"""Descriptors kept for the daemon itself (listening socket, log, SQLite, sensors' reads)."""
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit where allowed; the soft
+    limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+class _QuietAcceptErrors(logging.Filter):
+    """asyncio logs a traceback each time accept() fails for want of descriptors and retries a
+    second later: keep one such line a minute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "out of system resource" not in record.getMessage():
+            return True
+        now = time.monotonic()
+        if now - self._last < 60.0:
+            return False
+        self._last = now
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+_quiet_accept_errors = _QuietAcceptErrors()
+
 
 def _inherited_socket() -> socket.socket | None:
     """The listening socket systemd passed (``LISTEN_FDS``), if it was passed to this process."""

@@ -48,8 +48,6 @@ if args.dtype == "bf16":
 if args.dtype == "fp16":
     # Dynamic loss scaling from 2**8, halved after each overflow.
     config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
-    from deepspeed.accelerator import get_accelerator
-
     # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels; torch's CPU fp16 math
     # is enough for this test, for the stock run and for offloadctl's alike.
     type(get_accelerator()).is_fp16_supported = lambda self: True
