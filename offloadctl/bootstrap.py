@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import runpy
+import signal
 import sys
 
 CONFIG_FLAG = "--offloadctl-config"
@@ -35,12 +36,35 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class Stopped(BaseException):
+    """Raised in the main thread by SIGTERM or SIGHUP (DeepSpeed's launcher sends SIGTERM to every
+    rank when one fails or when it is interrupted): the script unwinds, and the engine's swap
+    files go at exit, as after the end of the script."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    def handler(signum, frame):
+        # The first signal unwinds the script; later ones (the launcher repeats them, Ctrl-C
+        # twice) must not interrupt the cleanup it started.
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, handler)
+
+
 def main() -> int:
     from engine.deepspeed_zero3 import ZeroEngineSettings, install
     from engine.errors import OffloadError
 
     cfg, script, script_args = split_argv(sys.argv[1:])
     state = {"engaged": 0}
+    _stop_on_signals()
     try:
         cls = install(ZeroEngineSettings.from_json(cfg))
         import deepspeed
@@ -83,6 +107,13 @@ def main() -> int:
     except OffloadError as e:
         print(f"offloadctl: {e}", file=sys.stderr, flush=True)
         return 2
+    except (Stopped, KeyboardInterrupt) as e:
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)  # the swap files are removed at exit: let nothing cut that short
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     if not state["engaged"]:
         print(f"offloadctl: {script} finished without calling deepspeed.initialize, so the engine never ran: "
               f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)", file=sys.stderr)

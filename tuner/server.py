@@ -78,10 +78,18 @@ class ServerConfig:
     """Minimum time between two sensor samples of one run."""
     summary_interval_s: float = 30.0
     """Time between two points of a run written to the history database."""
+    owner_pid: int | None = None
+    """A private daemon's owner (the ``offloadctl train`` that started it): the daemon stops
+    once that process is gone, however it ended. None: it serves until told to stop."""
+    idle_exit_s: float | None = None
+    """Stop after this long with no run connected. None: never."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket_path, str) or not self.socket_path:
             raise ConfigError(f"ServerConfig.socket_path must be a path, got {self.socket_path!r}")
+        if self.idle_exit_s is not None and not (isinstance(self.idle_exit_s, (int, float)) and self.idle_exit_s > 0
+                                                 and math.isfinite(self.idle_exit_s)):
+            raise ConfigError(f"ServerConfig.idle_exit_s must be a positive number of seconds, got {self.idle_exit_s!r}")
         for name in ("frame_timeout_s", "handshake_timeout_s", "margin_s", "finished_keep_s", "sensor_interval_s",
                      "summary_interval_s"):
             v = getattr(self, name)
@@ -306,9 +314,21 @@ class TunerServer:
         t.add_done_callback(self._tasks.discard)
 
     async def _housekeeping(self) -> None:
-        """Forget finished runs after ``finished_keep_s``; end runs whose ranks never came back."""
+        """Forget finished runs after ``finished_keep_s``; end runs whose ranks never came back;
+        stop when the owner is gone or nothing ran for ``idle_exit_s``."""
+        idle_since = time.monotonic()
         while True:
-            await asyncio.sleep(min(5.0, self.config.finished_keep_s / 2))
+            await asyncio.sleep(min(1.0 if self.config.owner_pid else 5.0, self.config.finished_keep_s / 2))
+            if self.config.owner_pid and not _alive(self.config.owner_pid):
+                log.info("owner pid %d is gone: stopping", self.config.owner_pid)
+                self.request_stop()
+                return
+            if any(r.status == "running" for r in self.runs.values()) or self.conns:
+                idle_since = time.monotonic()
+            elif self.config.idle_exit_s and time.monotonic() - idle_since > self.config.idle_exit_s:
+                log.info("no run for %.0f s: stopping", self.config.idle_exit_s)
+                self.request_stop()
+                return
             now = time.time()
             for run in list(self.runs.values()):
                 if run.status != "running" and now - (run.ended_at or now) > self.config.finished_keep_s:
@@ -889,6 +909,16 @@ def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
 
 
 # -- the listening socket --------------------------------------------------------------------------
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 FD_RESERVE = 64
 """Descriptors kept for the daemon itself (listening socket, log, SQLite, sensors' reads)."""

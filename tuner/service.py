@@ -102,8 +102,10 @@ def run_verdict(socket_path: str, run_id: str) -> str | None:
 
 
 def start(socket_path: str | None = None, *, db_path: str | None = None, timeout_s: float = 30.0,
-          extra_args: tuple[str, ...] = ()) -> dict:
-    """Start a detached daemon at the socket (idempotent); return its pid, socket and log."""
+          extra_args: tuple[str, ...] = (), owned: bool = False) -> dict:
+    """Start a detached daemon at the socket (idempotent); return its pid, socket and log.
+    ``owned``: a private daemon of this process, which stops when this process is gone, however
+    it ends (a parent-death signal, and its own check of this pid)."""
     path = os.path.abspath(socket_path or default_socket_path())
     welcome = probe(path)
     if welcome is not None:
@@ -115,8 +117,10 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     with open(logfile_for(path), "ab") as logf:
         # A new session: the daemon outlives this command and ignores its terminal's signals.
+        if owned:
+            cmd += ["--owner-pid", str(os.getpid())]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, cwd="/", env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent if owned else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -169,7 +173,7 @@ def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None)
     if scratch:
         base = tempfile.mkdtemp(prefix="offloadctl-")
     own = os.path.join(private_dir(os.path.join(base, "tuner")), "tuner.sock")
-    info = start(own)
+    info = start(own, owned=True)
     proc = info.get("process")
 
     def stop_private() -> None:
@@ -180,6 +184,16 @@ def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None)
             shutil.rmtree(base, ignore_errors=True)
 
     return own, stop_private
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the daemon's own check of its owner's pid still stops it
 
 
 def _tail(path: str, n: int = 400) -> str:

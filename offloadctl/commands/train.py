@@ -14,6 +14,8 @@ import json
 import math
 import os
 import shlex
+import signal
+import stat
 import subprocess
 import sys
 import time
@@ -74,6 +76,8 @@ def build(args: argparse.Namespace) -> dict:
     from engine.errors import ConfigError
     from engine.storage import check_usable
 
+    if os.path.isdir(args.script):
+        raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     for path in args.nvme + args.remote:
@@ -83,6 +87,8 @@ def build(args: argparse.Namespace) -> dict:
     device_cache = _auto_or_number("--device-cache-gb", args.device_cache_gb, 0.0, 1e6, "a number of GB >= 0")
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
     overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
                                    ("device_fraction", device_fraction)) if v is not None}
     profile = None
@@ -147,6 +153,9 @@ def tuner_target(value: str) -> str:
     if not os.path.exists(path):
         raise ConfigError(f"--tuner {value}: no socket there; start the daemon (offloadctl tuner start --socket "
                           f"{value}), or use --tuner auto")
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise ConfigError(f"--tuner {value} is not a socket: give the daemon's socket (offloadctl tuner status shows "
+                          f"it), or use --tuner auto or off")
     return path
 
 
@@ -161,6 +170,37 @@ def preview_plan(settings, params: int) -> dict:
                        weight_bytes=2, host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
     return {"host_cache_bytes": rp.host_cache_bytes, "knobs": rp.knobs.to_dict(),
             "predicted_update_s": rp.predicted_update_s, "summary": rp.summary}
+
+
+def remove_stale_shm_buffers() -> int:
+    """Remove this user's DeepSpeed allreduce buffers in /dev/shm that no live process maps: left
+    by runs killed before they could clean up (any port). Returns the count."""
+    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)]
+    if not mine:
+        return 0
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
+        except (OSError, IndexError):
+            continue  # gone, or another user's: theirs never map our files
+    removed = 0
+    for f in mine:
+        if f not in mapped:
+            try:
+                os.unlink(f)
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def _owned(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def remove_shm_buffers(master_port: str | None) -> int:
@@ -193,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     run_dir = plan["settings"]["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
+    remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
     if plan["tuner"] == "auto":
         from tuner.service import ensure_daemon
@@ -215,6 +256,28 @@ def run(args: argparse.Namespace) -> int:
             stop_tuner()
 
 
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the launcher's process group (launcher, ranks); wait until every process in it
+    is gone, SIGKILL what is left after ``STOP_GRACE_S``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the launcher: a zombie still counts as a member of the group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def with_tuner_socket(plan: dict, socket_path: str) -> dict:
     """The launch with the ranks pointed at ``socket_path``."""
     settings = dict(plan["settings"], tuner_socket=socket_path)
@@ -224,14 +287,39 @@ def with_tuner_socket(plan: dict, socket_path: str) -> dict:
     return dict(plan, command=cmd, settings=settings)
 
 
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_GRACE_S = 45.0
+"""How long the ranks get to unwind after SIGTERM (DeepSpeed's launcher gives them 30 s)."""
+
+
 def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> int:
-    proc = subprocess.Popen(plan["command"], env=env)
+    # Its own session: Ctrl-C reaches this process only, which stops the launcher and the ranks
+    # with SIGTERM, so each rank unwinds and removes its swap files, instead of every process
+    # getting SIGINT at once (and the launcher's traceback).
+    proc = subprocess.Popen(plan["command"], env=env, start_new_session=True)
+
+    def on_signal(signum, frame):
+        raise _Interrupted(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, on_signal) for s in handled}
     try:
         rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+    except _Interrupted as e:
+        for s in handled:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        _stop_group(proc)
+        print(f"offloadctl: stopped by {signal.Signals(e.signum).name}: the ranks were stopped and their swap files "
+              f"removed", file=sys.stderr)
+        return 128 + e.signum
     finally:
+        for s, h in before.items():
+            signal.signal(s, h)
         remove_shm_buffers(args.ds_master_port)
     telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
     if rc == 0 and os.path.exists(telemetry):

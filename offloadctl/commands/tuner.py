@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="seconds of iterations between a decision and the iteration it applies at "
                                 "(at least 2 iterations; default 0.5)")
             s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+            s.add_argument("--owner-pid", type=int, metavar="PID",
+                           help="stop when this process is gone (a run's private daemon)")
+            s.add_argument("--idle-exit", type=float, metavar="S", help="stop after S seconds with no run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,24 +61,32 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(socket_path=os.path.abspath(args.socket or default_socket_path()),
                           frame_timeout_s=args.frame_timeout, handshake_timeout_s=args.handshake_timeout,
-                          margin_s=args.margin)
+                          margin_s=args.margin, owner_pid=args.owner_pid, idle_exit_s=args.idle_exit)
     history = _open_history(args.db or default_db_path())
     policy = _load_factory(args.policy) if args.policy else None
 
     def ready(server) -> None:
-        if args.pidfile:
-            with open(args.pidfile, "w") as f:
+        if args.pidfile:  # only once the socket is ours; atomically, so a reader never sees half
+            tmp = f"{args.pidfile}.{os.getpid()}"
+            with open(tmp, "w") as f:
                 f.write(f"{os.getpid()}\n")
+            os.replace(tmp, args.pidfile)
 
     try:
         return serve(config, policy_factory=policy, sensors_factory=None if not args.no_sensors else False,
                      history=history, ready=ready)
     finally:
-        if args.pidfile:
-            try:
-                os.unlink(args.pidfile)
-            except FileNotFoundError:
-                pass
+        # Only our own pidfile: a daemon that lost the race for the socket leaves the winner's.
+        if args.pidfile and _pid_in(args.pidfile) == os.getpid():
+            os.unlink(args.pidfile)
+
+
+def _pid_in(pidfile: str) -> int | None:
+    try:
+        with open(pidfile) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _open_history(db: str):
