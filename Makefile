@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation 'deepspeed>=0.19,<0.20'
 	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
-	@# DeepSpeed builds its ops on first use (minutes); build them now, once, so runs and tests start fast.
-	@$(VPY) -c "from engine.native_ops import main; raise SystemExit(main(['--build']))"
+	@# DeepSpeed's native ops: built here, once, with progress (minutes); runs never compile them,
+	@# whether or not the venv is activated (engine/native_ops.py).
+	@$(VENV)/bin/offloadctl info --build
 	@touch $(STAMP)
 
 # The main job: an unmodified DeepSpeed ZeRO-3 script under `offloadctl train`, all optimizer

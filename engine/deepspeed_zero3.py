@@ -385,6 +385,28 @@ def _check_adamw(optimizer) -> None:
 
 
 
+def _keep_deepspeed_from_compiling() -> None:
+    """DeepSpeed loads native ops itself in a rank (cpu_adam for DeepSpeedCPUAdam, the shm comm op
+    on the CPU accelerator), and would compile a missing one there, for minutes, with no output.
+    Load them first without compiling (DeepSpeed then finds them in its cache); when cpu_adam is not
+    built, DeepSpeed builds torch's AdamW instead: the engine takes only the param groups and
+    hyperparameters from that optimizer and never steps it."""
+    from deepspeed.runtime.config import TORCH_ADAM_PARAM
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from .native_ops import prepare_deepspeed_loads
+
+    if prepare_deepspeed_loads()["cpu_adam"] or getattr(DeepSpeedEngine, "_offloadctl_torch_adam", False):
+        return
+    original = DeepSpeedEngine.get_optimizer_configuration
+
+    def get_optimizer_configuration(self, optimizer_parameters, *args, **kwargs):
+        optimizer_parameters.setdefault(TORCH_ADAM_PARAM, True)  # a copy: DeepSpeed pops from it
+        return original(self, optimizer_parameters, *args, **kwargs)
+
+    DeepSpeedEngine.get_optimizer_configuration = get_optimizer_configuration
+    DeepSpeedEngine._offloadctl_torch_adam = True
+
 
 def install(settings: ZeroEngineSettings):
     """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
@@ -392,6 +414,7 @@ def install(settings: ZeroEngineSettings):
 
     ds = import_deepspeed()
     check_deepspeed_version(ds.__version__)
+    _keep_deepspeed_from_compiling()
     import deepspeed.runtime.zero.stage3 as stage3
 
     cls = make_optimizer_class(settings)

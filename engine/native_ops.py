@@ -1,50 +1,149 @@
-"""DeepSpeed's native ops the engine can use, loaded once per process.
+"""DeepSpeed's native ops the engine can use: built ahead of time, loaded without compiling.
 
-DeepSpeed builds its ops with a C++ compiler the first time they are loaded, which takes
-minutes; ``make setup`` (through ``main(['--build'])``) does it ahead of time.
-Each op is optional: when one cannot build, the engine uses its pure-PyTorch path.
+DeepSpeed compiles an op the first time it is loaded (torch's JIT: a ``build.ninja``, then
+``ninja``), which takes minutes. Here building and loading are apart:
 
-Builds go to ``<venv>/torch_extensions`` unless ``TORCH_EXTENSIONS_DIR`` is set, so two
-checkouts never rebuild over each other. torch guards a build with a ``lock`` file and waits
-for it forever; a build killed half-way leaves the file behind. So while a lock exists the
-engine does not wait: it uses the fallback and says which file to remove.
+- :func:`build_ops` (``offloadctl info --build``, run by ``make setup``) compiles what is missing
+  or out of date, and reports each compiler step;
+- every other load (ranks, ``OffloadAdamW``, ``offloadctl info``) compiles nothing: torch writes
+  its ``build.ninja`` as usual, ``ninja -n`` says whether anything would run, and if something
+  would, the op is left out, the engine uses its fallback and says so in one line.
+
+Each op is optional: when one cannot build here, the engine uses its pure-PyTorch path.
+
+**One ninja.** torch runs whichever ``ninja`` PATH yields. The venv has its own (pip's, which
+DeepSpeed requires) and the system may have another, so activating the venv switched between
+them; ninja 1.11 and 1.13 keep ``.ninja_log`` in different formats and each discards the other's,
+so every switch recompiled every op (even ``ninja -n`` deletes a log of the other format). This
+module puts the interpreter's ninja (found from the interpreter, never from PATH) first on PATH,
+through a directory that holds only that link, before anything loads an op: DeepSpeed's own
+loads and child processes (ranks) use it too. The compiler (``c++``, or ``$CXX``) and the flags
+did not differ between the two environments; ``build.ninja`` was byte-identical.
+
+**Locks.** Builds go to ``<venv>/torch_extensions/<op>`` unless ``TORCH_EXTENSIONS_DIR`` is set,
+so two checkouts never rebuild over each other. torch guards a build directory with a ``lock``
+file that it keeps open while it builds, and waits forever while the file exists; a build killed
+half-way leaves it behind. A lock file that no live process has open is stale: the next load or
+build removes it. Our loads and builds of an op take an ``flock`` on ``offloadctl.flock`` in its
+directory, which also names the holder; a build hands it on to ninja and the compilers, so it is
+held, and the op reported as building, until the last process of the build has exited.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import fcntl
 import functools
-import glob
 import logging
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
+import threading
 import time
-import warnings
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
-
-STALE_LOCK_S = 1800  # no build of these ops takes half an hour; an older lock is left over
+# Ops the engine (or DeepSpeed inside a rank) loads, and what is used when one is not there.
+FALLBACKS = {
+    "async_io": "the posix I/O backend",
+    "cpu_adam": "torch's AdamW kernel",
+    "deepspeed_shm_comm": "torch.distributed's all-reduce",
+}
+OPS = tuple(FALLBACKS)
+# Ops DeepSpeed loads first when it loads one of ours: AsyncIOBuilder.load() loads pin_memory.
+DEPENDENCIES = {"async_io": ("pin_memory",)}
+BUILD_HINT = "run `make setup` or `offloadctl info --build`"
+LOAD_WAIT_S = 60.0  # longest wait of a load behind other loads (each holds the flock well under a second)
+FLOCK_NAME = "offloadctl.flock"
 
 
 def extensions_dir() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
-extensions_dir()  # before anything loads an op, DeepSpeed's own (shm comm) included
+def interpreter_ninja() -> str | None:
+    """The ninja that goes with this interpreter, the same whatever PATH or activation says:
+    pip's ninja package (a DeepSpeed requirement) in the interpreter's environment, else the first
+    on PATH outside the interpreter's own scripts directory."""
+    try:
+        import ninja  # pip's package; BIN_DIR is computed from sysconfig, not from PATH
+
+        exe = os.path.join(ninja.BIN_DIR, "ninja") if ninja.BIN_DIR else ""
+        if os.access(exe, os.X_OK):
+            return os.path.realpath(exe)
+    except ImportError:
+        pass
+    own = {os.path.realpath(d) for d in (sysconfig.get_path("scripts"), _shim_dir())}
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and os.path.realpath(d) not in own]
+    exe = shutil.which("ninja", path=os.pathsep.join(path))
+    return os.path.realpath(exe) if exe else None
 
 
-def _build_lock(op: str) -> str | None:
-    locks = glob.glob(os.path.join(extensions_dir(), "*", op, "lock")) + glob.glob(os.path.join(extensions_dir(), op, "lock"))
-    return locks[0] if locks else None
+def _shim_dir() -> str:
+    return os.path.join(extensions_dir(), ".ninja-bin")
 
 
-def _no_build_running(op: str) -> bool:
-    lock = _build_lock(op)
-    if lock:
-        warnings.warn(f"DeepSpeed's {op} op is being built by another process, or a build was interrupted "
-                      f"({lock}); using the fallback for now. If no build is running, remove that file.", stacklevel=3)
-    return lock is None
+def pin_build_environment() -> str | None:
+    """Set TORCH_EXTENSIONS_DIR (when unset) and put :func:`interpreter_ninja` first on PATH, for
+    this process and its children. Returns the pinned ninja, or None when there is none."""
+    extensions_dir()
+    exe = interpreter_ninja()
+    if exe is None:
+        return None  # torch says "Ninja is required" when something tries to build
+    shim, link = _shim_dir(), os.path.join(_shim_dir(), "ninja")
+    try:
+        if os.path.realpath(link) != exe:
+            os.makedirs(shim, exist_ok=True)
+            tmp = f"{link}.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            os.symlink(exe, tmp)
+            os.replace(tmp, link)  # atomic: ranks starting together never see a half-made link
+    except OSError as e:  # a read-only extensions dir: builds cannot happen there anyway
+        log.info("cannot pin ninja in %s: %s", shim, e)
+        return None
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d != shim]
+    os.environ["PATH"] = os.pathsep.join([shim, *path])
+    return exe
+
+
+pin_build_environment()  # before anything loads an op, DeepSpeed's own (shm comm, cpu_adam) included
+
+
+@dataclasses.dataclass(frozen=True)
+class OpState:
+    """Where one op stands in this process."""
+
+    name: str
+    state: str
+    """'built' (loaded, nothing compiled), 'building' (a live build holds it: ``pid``), 'not built'
+    (missing or out of date), 'unavailable' (cannot build here) or 'not needed'."""
+    detail: str = ""
+    """Why; for 'built', the build directory."""
+    pid: int | None = None
+    """The building process, for 'building'."""
+
+    @property
+    def fallback(self) -> str | None:
+        """What the engine uses instead, or None when the op is used (or not needed)."""
+        return None if self.state in ("built", "not needed") else FALLBACKS[self.name]
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "detail": self.detail, "pid": self.pid, "fallback": self.fallback}
+
+
+class _WouldCompile(Exception):
+    pass
+
+
+_modules: dict[str, object] = {}
+_states: dict[str, OpState] = {}
+_said: set[str] = set()  # ops whose fallback this process has announced
+_mutex = threading.RLock()  # one load or build at a time per process: the ninja hook is process-wide
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,8 +152,6 @@ def import_deepspeed():
 
     DeepSpeed's logger writes to stdout; its handler is moved, not silenced.
     """
-    import logging
-
     with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
         import deepspeed
 
@@ -64,58 +161,269 @@ def import_deepspeed():
     return deepspeed
 
 
-def _load_op(op: str, make_builder):
-    """Load (building if needed) one DeepSpeed op; None when it cannot build or a build is under way."""
-    if not _no_build_running(op):
-        return None
-    try:
-        import_deepspeed()
-        # The build prints compiler progress on stdout; keep it off our users' output.
-        with contextlib.redirect_stdout(sys.stderr):
-            builder = make_builder()
-            if builder is None or not builder.is_compatible(verbose=False):
-                return None
-            return builder.load(verbose=False)
-    except Exception as e:  # a failed build is an expected outcome here, not a crash
-        log.info("DeepSpeed %s unavailable: %s", op, e)
-        return None
-
-
-def _accelerator_builder(name: str):
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().create_op_builder(name)
-
-
-@functools.lru_cache(maxsize=None)
-def load_async_io():
-    """DeepSpeed's ``async_io`` op module, or None when it cannot build (no libaio-dev).
-
-    Built with the accelerator's builder, as ZeRO-Infinity does: the same flags, so one build
-    serves both and neither rebuilds over the other.
-    """
-    return _load_op("async_io", lambda: _accelerator_builder("AsyncIOBuilder"))
-
-
-@functools.lru_cache(maxsize=None)
-def load_cpu_adam():
-    """DeepSpeed's ``cpu_adam`` op module (the one DeepSpeedCPUAdam loads), or None."""
-    def make():
+def _make_builder(name: str):
+    if name == "cpu_adam":  # the builder DeepSpeedCPUAdam uses, so that one build serves both
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         return CPUAdamBuilder()
+    # The accelerator's builders, as ZeRO-Infinity and DeepSpeed's comm use: the same flags, so one
+    # build serves both and neither rebuilds over the other.
+    from deepspeed.accelerator import get_accelerator
 
-    return _load_op("cpu_adam", make)
+    return get_accelerator().create_op_builder({"async_io": "AsyncIOBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}[name])
+
+
+# ---- who holds a build -------------------------------------------------------------------------
+
+def _processes_holding(path: str) -> list[int]:
+    """Pids of the live processes that have ``path`` open (those we may inspect)."""
+    target, pids = os.path.realpath(path), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        fd_dir = f"/proc/{entry}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(os.path.join(fd_dir, fd)) == target:
+                    pids.append(int(entry))
+                    break
+    return pids
+
+
+def _holder(flock_path: str) -> tuple[str, int] | None:
+    """(mode, pid) the flock's current holder wrote, or None."""
+    try:
+        with open(flock_path) as f:
+            mode, pid = f.read().split()
+        return mode, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _take_flock(build_dir: str, build: bool, on_note) -> tuple[int, int | None]:
+    """Lock ``build_dir`` against our other loads and builds: (fd, None) when held, or (-1, pid)
+    for a load that found a build under way. A build waits for another build; a load does not."""
+    path = os.path.join(build_dir, FLOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + LOAD_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = _holder(path)
+            building = holder is not None and holder[0] == "build"
+            if building and build:
+                on_note(f"waiting for the build started by pid {holder[1]}")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                break
+            if building or time.monotonic() > deadline:
+                os.close(fd)
+                return -1, holder[1] if holder else None
+            time.sleep(0.05)  # another process's load: a fraction of a second
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{'build' if build else 'load'} {os.getpid()}\n".encode(), 0)
+    return fd, None
+
+
+def _release_flock(fd: int) -> None:
+    os.ftruncate(fd, 0)  # a holder that is gone must not read as a build
+    os.close(fd)  # releases the flock (ninja and compilers hand theirs back as they exit)
+
+
+# ---- torch's ninja step, replaced for the duration of one load ---------------------------------
+
+def _ninja_steps(build_dir: str) -> list[str]:
+    """The commands ninja would run in ``build_dir`` (its dry run)."""
+    out = subprocess.run([_ninja(), "-n", "-v"], cwd=build_dir, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ninja -n in {build_dir}: {out.stdout.strip()} {out.stderr.strip()}")
+    return [line for line in out.stdout.splitlines() if line.startswith("[")]
+
+
+def _ninja() -> str:
+    return shutil.which("ninja") or "ninja"  # the pinned one: its link is first on PATH
+
+
+def _target(step: str) -> str:
+    """What a ninja step ``[k/N] c++ ... -o x.o`` makes."""
+    words = step.split()
+    return os.path.basename(words[words.index("-o") + 1]) if "-o" in words[:-1] else words[-1]
+
+
+@contextlib.contextmanager
+def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
+    """Within: torch's ``_run_ninja_build`` is a dry run that raises :class:`_WouldCompile` when
+    anything would compile (a load), or a ninja run that reports each step (a build)."""
+    from torch.utils import cpp_extension
+
+    def dry_run(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        steps = _ninja_steps(build_directory)
+        if steps:
+            raise _WouldCompile(f"{len(steps)} compiler steps to run in {build_directory}")
+
+    def run_with_progress(build_directory: str, verbose: bool, error_prefix: str) -> None:
+        total = len(_ninja_steps(build_directory))
+        if total == 0:
+            return  # built, and up to date
+        where = os.path.basename(build_directory)
+        on_step(name, 0, total, where)
+        cmd = [_ninja(), "-v"]
+        if os.environ.get("MAX_JOBS", "").isdigit():
+            cmd += ["-j", os.environ["MAX_JOBS"]]
+        # ninja and the compilers inherit the flock: a build whose Python process is killed is
+        # still seen as under way until its last compiler exits.
+        proc = subprocess.Popen(cmd, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, pass_fds=tuple(flock_fds))
+        output, done = [], 0
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("["):
+                done += 1
+                on_step(name, done, max(total, done), f"{where}/{_target(line)}")
+        if proc.wait() != 0:
+            raise RuntimeError(f"{error_prefix}: {''.join(output[-40:])}")
+
+    original = cpp_extension._run_ninja_build
+    cpp_extension._run_ninja_build = run_with_progress if build else dry_run
+    try:
+        yield
+    finally:
+        cpp_extension._run_ninja_build = original
+
+
+# ---- load and build -----------------------------------------------------------------------------
+
+def _load(name: str, build: bool, on_step=None, on_note=None) -> OpState:
+    """Load op ``name`` (compiling only when ``build``); records the module and returns its state."""
+    on_step = on_step or (lambda *a: None)
+    on_note = on_note or (lambda msg: None)
+    import torch
+
+    if name == "deepspeed_shm_comm" and torch.cuda.is_available():
+        return OpState(name, "not needed", "CUDA runs all-reduce with NCCL")
+    try:
+        import_deepspeed()
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its checks on stdout
+            builder = _make_builder(name)
+            compatible = builder is not None and builder.is_compatible(verbose=False)
+    except Exception as e:  # DeepSpeed missing or broken: an expected outcome here, not a crash
+        return OpState(name, "unavailable", f"DeepSpeed cannot provide it: {e}")
+    if not compatible:
+        why = {"async_io": "DeepSpeed finds no libaio (install libaio-dev)"}.get(name, "DeepSpeed says it cannot build here")
+        return OpState(name, "unavailable", why)
+    # Dependencies first, in a fixed order, so that two processes never wait on each other.
+    build_dirs = [os.path.join(extensions_dir(), d) for d in (*DEPENDENCIES.get(name, ()), builder.name)]
+    fds: list[int] = []
+    try:
+        for build_dir in build_dirs:
+            os.makedirs(build_dir, exist_ok=True)
+            fd, builder_pid = _take_flock(build_dir, build, on_note)
+            if fd < 0:
+                return OpState(name, "building", f"being built by pid {builder_pid}", pid=builder_pid)
+            fds.append(fd)
+        for build_dir in build_dirs:
+            lock = os.path.join(build_dir, "lock")
+            if not os.path.exists(lock):
+                continue
+            holders = _processes_holding(lock)
+            if holders and not build:  # a build that did not go through here (DeepSpeed's own)
+                return OpState(name, "building", f"being built by pid {holders[0]}", pid=holders[0])
+            if holders:
+                on_note(f"waiting for the build by pid {holders[0]}")  # torch waits on its lock
+            else:
+                on_note(f"removed a stale build lock left by an interrupted build ({lock})")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+        from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+        # torch skips the ninja step for an op it has already tried in this process.
+        for build_dir in build_dirs:
+            JIT_EXTENSION_VERSIONER.entries.pop(os.path.basename(build_dir), None)
+        try:
+            with _ninja_hook(name, build, fds, on_step), contextlib.redirect_stdout(sys.stderr):
+                _modules[name] = builder.load(verbose=False)
+        except _WouldCompile as e:
+            return OpState(name, "not built", f"missing or out of date: {e}")
+        except Exception as e:  # a failed build is an expected outcome here, not a crash
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return OpState(name, "unavailable", f"build failed: {first[:300]}")
+        return OpState(name, "built", build_dirs[-1])
+    finally:
+        for fd in fds:
+            _release_flock(fd)
+
+
+def op_state(name: str) -> OpState:
+    """The state of op ``name`` in this process; the first call loads it, compiling nothing."""
+    with _mutex:
+        if name not in _states:
+            _states[name] = _load(name, build=False)
+        return _states[name]
+
+
+def _loaded(name: str):
+    """The op's module, or None after one line saying what is used instead and why."""
+    st = op_state(name)
+    if st.state == "built":
+        return _modules[name]
+    if st.state in ("building", "not built") and name not in _said:
+        _said.add(name)
+        if st.state == "building":
+            msg = f"offloadctl: DeepSpeed's {name} op is {st.detail}; this run uses {st.fallback}"
+        else:
+            msg = f"offloadctl: DeepSpeed's {name} op is not built ({st.detail}); using {st.fallback}: {BUILD_HINT}"
+        # One line per node (every rank there sees the same build directory), none per call.
+        (log.warning if os.environ.get("LOCAL_RANK", "0") == "0" else log.info)("%s", msg)
+    elif st.state == "unavailable":
+        log.info("DeepSpeed %s unavailable: %s", name, st.detail)
+    return None
+
+
+def load_async_io():
+    """DeepSpeed's ``async_io`` op module, or None (not built, being built, or no libaio-dev)."""
+    return _loaded("async_io")
+
+
+def load_cpu_adam():
+    """DeepSpeed's ``cpu_adam`` op module (the one DeepSpeedCPUAdam loads), or None."""
+    return _loaded("cpu_adam")
 
 
 def load_shm_comm():
-    """DeepSpeed's shared-memory all-reduce for the CPU accelerator (built by DeepSpeed on first
-    use; built here ahead of time). Not needed with CUDA."""
-    import torch
+    """DeepSpeed's shared-memory all-reduce for the CPU accelerator (DeepSpeed loads it itself in
+    ``init_distributed``), or None (not built, or not needed: with CUDA)."""
+    return _loaded("deepspeed_shm_comm")
 
-    if torch.cuda.is_available():
-        return "not needed with CUDA"
-    return _load_op("deepspeed_shm_comm", lambda: _accelerator_builder("ShareMemCommBuilder"))
+
+def prepare_deepspeed_loads() -> dict[str, bool]:
+    """In a rank, before DeepSpeed starts: load the ops DeepSpeed loads by itself (cpu_adam for
+    DeepSpeedCPUAdam, the shm comm op in ``init_distributed`` on the CPU accelerator), so that its
+    loads find them in its cache and run no ninja. An op that is not built is kept from DeepSpeed,
+    which would compile it: the shm comm op is marked incompatible (torch.distributed's all-reduce
+    is used). Returns {op: usable}; the caller keeps DeepSpeedCPUAdam out when cpu_adam is not."""
+    out = {"cpu_adam": load_cpu_adam() is not None}
+    out["deepspeed_shm_comm"] = load_shm_comm() is not None
+    if not out["deepspeed_shm_comm"] and op_state("deepspeed_shm_comm").state != "not needed":
+        import_deepspeed().ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return out
+
+
+def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None = None,
+              on_note: Callable[[str, str], None] | None = None) -> dict[str, OpState]:
+    """Build (or find built) each op in ``ops``, recovering stale locks and waiting for builds under
+    way. ``on_step(op, done, total, target)`` follows the compiler steps; ``on_note(op, message)``
+    says what else happens (a stale lock removed, a wait). Returns each op's state."""
+    out = {}
+    with _mutex:
+        for name in ops:
+            st = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
+            _states[name] = out[name] = st
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,12 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.build:
         ap.print_help()
         return 0
-    for name, loader in (("async_io", load_async_io), ("cpu_adam", load_cpu_adam), ("deepspeed_shm_comm", load_shm_comm)):
-        lock = _build_lock(name)
-        if lock and time.time() - os.stat(lock).st_mtime > STALE_LOCK_S:
-            print(f"native op {name}: removing a build lock left by an interrupted build ({lock})")
-            os.unlink(lock)
-        print(f"native op {name}: {'ready' if loader() is not None else 'unavailable (fallback in use)'}")
+
+    def step(op, done, total, target):
+        print(f"native op {op}: {f'compiling {target}' if done == 0 else target} [{done}/{total}]", flush=True)
+
+    states = build_ops(on_step=step, on_note=lambda op, msg: print(f"native op {op}: {msg}", flush=True))
+    for st in states.values():
+        print(f"native op {st.name}: {st.state}" + (f" ({st.detail}; using {st.fallback})" if st.fallback else ""))
     return 0
 
 

@@ -10,6 +10,10 @@ import tempfile
 import pytest
 import torch
 
+# Every process the tests start, stock DeepSpeed runs included, builds and finds DeepSpeed's ops
+# with the same ninja and in the same directory as the engine (see engine/native_ops.py).
+import engine.native_ops  # noqa: F401,E402
+
 IS_ROOT = os.geteuid() == 0
 
 

@@ -1,6 +1,8 @@
-"""Show what the engine can use on this machine: I/O backends, AdamW kernels, devices.
+"""Show what the engine can use on this machine: DeepSpeed's native ops, I/O backends, AdamW kernels, devices.
 
 Measures the host AdamW kernels briefly (under a second once DeepSpeed's ops are built).
+Compiles nothing unless asked: ``--build`` first builds the native ops that are missing or out of
+date (minutes, with progress; ``make setup`` runs it), recovering locks left by interrupted builds.
 """
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ from rich.table import Table
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--build", action="store_true",
+                   help="first build DeepSpeed's native ops that are missing or out of date (progress on stderr)")
 
 
 def collect() -> dict:
     import torch
 
     from engine.adamw import measure_host_kernels
-    from engine.native_ops import import_deepspeed, load_async_io
+    from engine.native_ops import OPS, import_deepspeed, op_state
 
     from .. import __version__
 
@@ -27,24 +31,60 @@ def collect() -> dict:
         ds_version = import_deepspeed().__version__
     except Exception:
         ds_version = None
+    ops = {name: op_state(name) for name in OPS}
     return {
         "offloadctl": __version__,
         "torch": torch.__version__,
         "deepspeed": ds_version,
         "cuda": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "io_backends": ["aio", "posix"] if load_async_io() is not None else ["posix"],
+        "native_ops": {name: st.to_json() for name, st in ops.items()},
+        "io_backends": ["aio", "posix"] if ops["async_io"].state == "built" else ["posix"],
         "host_adamw_params_per_s": measure_host_kernels(),
     }
 
 
+def build(console: Console) -> None:
+    """Build the native ops, one progress bar per compiling op on ``console``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from engine.native_ops import build_ops
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        tasks: dict[tuple[str, str], int] = {}
+
+        def on_step(op: str, done: int, total: int, target: str) -> None:
+            where = target.split("/")[0]  # an op's own build directory, or a dependency's
+            key = (op, where)
+            if key not in tasks:
+                label = op if where == op else f"{op} ({where})"
+                tasks[key] = progress.add_task(f"compiling {label}", total=total)
+            progress.update(tasks[key], completed=done, total=total)
+
+        build_ops(on_step=on_step, on_note=lambda op, msg: progress.console.print(f"{op}: {msg}"))
+
+
+def _op_cell(st: dict) -> str:
+    if st["state"] in ("built", "not needed"):
+        return st["state"] if st["state"] == "built" else f"not needed ({st['detail']})"
+    hint = "; `offloadctl info --build`" if st["state"] == "not built" else ""
+    return f"{st['state']} ({st['detail']}): fallback {st['fallback']}{hint}"
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.build:
+        build(Console(stderr=True))  # stderr: stdout stays clean for --json
     data = collect()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     t = Table("what", "value", title="offloadctl info")
     for k, v in data.items():
+        if k == "native_ops":
+            for name, st in v.items():
+                t.add_row(f"op {name}", _op_cell(st))
+            continue
         if k == "host_adamw_params_per_s":
             v = ", ".join(f"{n}: {r:.3g}" for n, r in v.items())
         elif isinstance(v, list):
