@@ -87,6 +87,9 @@ EXACT_SUBGROUPS = 512
 above, by proportion (the difference is under one subgroup per path)."""
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+MAX_PARAMS = 10 ** 15
+"""Largest model the model plans for (a thousand times today's largest): beyond it the byte
+counts stop being numbers a float holds exactly."""
 StockKind = Literal["zero3-cpu", "zero-infinity-nvme", "twinflow"]
 STOCK_KINDS: tuple[str, ...] = ("zero3-cpu", "zero-infinity-nvme", "twinflow")
 
@@ -120,6 +123,9 @@ class Workload:
         if isinstance(p, float) and math.isfinite(p) and p.is_integer():
             object.__setattr__(self, "params", int(p))
         _int_at_least("Workload.params", self.params, 1, "give the model's parameter count, e.g. 7e9")
+        if self.params > MAX_PARAMS:
+            raise ConfigError(f"Workload.params is {self.params:.3g}, over {MAX_PARAMS:.0e}: no model is that large; "
+                              f"give the model's parameter count, e.g. 7e9")
         _int_at_least("Workload.ranks", self.ranks, 1, "give the ranks (GPUs) per node")
         _int_at_least("Workload.nodes", self.nodes, 1, "give the number of nodes")
         _int_at_least("Workload.subgroup_numel", self.subgroup_numel, 1, "use e.g. 10_000_000")

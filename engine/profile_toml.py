@@ -111,10 +111,13 @@ def loads_profile(text: str | bytes, *, file: str = "<profile>") -> Profile:
             raise ConfigError(f"profile {file} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
     try:
         data = tomllib.loads(text)
+        return profile_from_dict(data, key_lines(text), file=file)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"profile {file} is not valid TOML: {e}; fix the syntax there, or re-create the profile "
                           f"with `offloadctl profile save`") from None
-    return profile_from_dict(data, key_lines(text), file=file)
+    except RecursionError:  # arrays or tables nested thousands deep: no profile looks like that
+        raise ConfigError(f"profile {file} nests arrays or tables too deeply to read: it is not a profile; re-create "
+                          f"it with `offloadctl profile save`") from None
 
 
 class _SchemaError(Exception):

@@ -73,6 +73,9 @@ def check_usable(path: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoragePathError(f"storage path {path} is full ({e.strerror}): free space there, or give another "
+                                   f"path") from None
         raise StoragePathError(
             f"storage path {path} does not support O_DIRECT ({e.strerror}), which offloading needs to bypass "
             f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs") from None

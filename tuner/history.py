@@ -43,6 +43,12 @@ CREATE TABLE IF NOT EXISTS summaries (
     knobs       TEXT NOT NULL,
     PRIMARY KEY (run_id, iteration)
 );
+CREATE TABLE IF NOT EXISTS controls (  -- the user's pins and freeze of a run, kept across daemon restarts
+    run_id      TEXT PRIMARY KEY,
+    pins        TEXT NOT NULL,      -- JSON {knob: value}
+    frozen      INTEGER NOT NULL,
+    updated_s   REAL NOT NULL
+);
 """
 
 
@@ -97,6 +103,26 @@ class History:
                 "iter_time_s=excluded.iter_time_s, updated_s=excluded.updated_s",
                 (run_id, self.host, profile_key(profile), int(params), int(ranks), json.dumps(list(paths)),
                  json.dumps(knobs.to_dict(), sort_keys=True), _float_or_none(iter_time_s), now, now))
+
+    def save_controls(self, run_id: str, pins: dict, frozen: bool) -> None:
+        """Remember ``run_id``'s pins and freeze (a restarted daemon puts them back)."""
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT INTO controls (run_id, pins, frozen, updated_s) VALUES (?, ?, ?, ?) ON CONFLICT(run_id) DO "
+                "UPDATE SET pins=excluded.pins, frozen=excluded.frozen, updated_s=excluded.updated_s",
+                (run_id, json.dumps(pins, sort_keys=True), int(bool(frozen)), time.time()))
+
+    def controls(self, run_id: str) -> tuple[dict, bool] | None:
+        """``(pins, frozen)`` saved for ``run_id``, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT pins, frozen FROM controls WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        try:
+            pins = json.loads(row[0])
+        except ValueError:
+            return None
+        return (pins if isinstance(pins, dict) else {}), bool(row[1])
 
     def record_summary(self, run_id: str, iteration: int, iter_time_s: float | None, update_s: float | None,
                        knobs: Knobs) -> None:

@@ -520,7 +520,47 @@ class TunerServer:
         log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.world_size, run.params, list(paths))
         if from_history is not None:  # pushed once every rank is here to take it at the same iteration
             run.start_change = (from_history, "best knobs of earlier runs with the same profile, size and ranks")
+        self._restore_controls(run, knobs)
         return run
+
+    def _restore_controls(self, run: _Run, knobs: Knobs) -> None:
+        """The user's pins and freeze of this run, saved before a daemon restart: put them back."""
+        saved = None
+        if self.history is not None:
+            try:
+                saved = self.history.controls(run.run_id)
+            except Exception as e:
+                log.warning("run %s: saved pins not read: %s", run.run_id, e)
+        if not saved:
+            return
+        pins, frozen = saved
+        try:
+            if self._policy_ok(run):
+                for knob, value in pins.items():
+                    run.policy.pin(knob, value)
+                if frozen:
+                    run.policy.freeze(True)
+                target, run.pins = run.policy.knobs, run.policy.pins
+            else:
+                target = knobs
+                for knob, value in pins.items():
+                    target = target.replace(**{knob: value})
+                run.pins = dict(pins)
+            _check_knobs_for(target, run.paths, run.has_device)
+        except (ConfigError, ProtocolError, TypeError) as e:
+            log.warning("run %s: saved pins %s not restored: %s", run.run_id, pins, e)
+            return
+        run.frozen = frozen
+        log.info("run %s: restored the user's pins %s%s", run.run_id, pins, " and freeze" if frozen else "")
+        if target != knobs:
+            run.start_change = (target, "the user's pins, restored after a daemon restart")
+
+    def _save_controls(self, run: _Run) -> None:
+        if self.history is not None:
+            try:
+                self.history.save_controls(run.run_id, dict(run.pins), run.frozen)
+            except Exception as e:
+                log.warning("run %s: pins not saved: %s", run.run_id, e)
 
     def _rank_of(self, conn: _Conn, msg: dict) -> tuple[_Run, _Rank]:
         key = (msg["run_id"], msg["rank"])
@@ -769,6 +809,7 @@ class TunerServer:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
         _check_knobs_for(knobs, run.paths, run.has_device)
         self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
+        self._save_controls(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def _on_unpin(self, conn: _Conn, msg: dict) -> dict:
@@ -783,6 +824,7 @@ class TunerServer:
         elif run.pins.pop(knob, None) is None:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"knob {knob!r} is not pinned (pinned: {sorted(run.pins) or 'none'})")
         self._user_change(run, run.knobs, f"{knob} unpinned by the user")
+        self._save_controls(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def _on_freeze(self, conn: _Conn, msg: dict) -> dict:
@@ -793,6 +835,7 @@ class TunerServer:
             run.policy.freeze(run.frozen)  # freezing mid-trial goes back to the last good knobs
             knobs = run.policy.knobs
         self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
+        self._save_controls(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def _user_change(self, run: _Run, knobs: Knobs, reason: str) -> None:

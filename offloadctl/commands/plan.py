@@ -28,6 +28,8 @@ def parse_params(text: str) -> int:
     value = float(m.group(1)) * _SUFFIX[m.group(2).upper()] if m else math.nan
     if not (math.isfinite(value) and value >= 1):
         raise ConfigError(f"--params {text!r} is not a parameter count: give a number like 7e9, 7B, 1.5T or 70M")
+    if value > 1e15:
+        raise ConfigError(f"--params {text!r} is over 1e15 parameters: give the model's real size, like 7e9 or 70B")
     return int(round(value))
 
 
