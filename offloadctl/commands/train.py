@@ -256,25 +256,31 @@ def run(args: argparse.Namespace) -> int:
             stop_tuner()
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the launcher's process group (launcher, ranks); wait until every process in it
-    is gone, SIGKILL what is left after ``STOP_GRACE_S``."""
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_run(proc: subprocess.Popen, signum: int) -> None:
+    """Stop the launcher and every process under it: SIGTERM to each (after SIGINT, which they
+    ignore, DeepSpeed's launcher has sent it already), wait until all are gone, SIGKILL what is
+    left after ``STOP_GRACE_S``."""
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + STOP_GRACE_S
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the launcher: a zombie still counts as a member of the group
+        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in reversed(tree):  # the ranks first, so that no launcher reports them as failed first
         try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
 
 
@@ -298,10 +304,11 @@ STOP_GRACE_S = 45.0
 
 
 def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> int:
-    # Its own session: Ctrl-C reaches this process only, which stops the launcher and the ranks
-    # with SIGTERM, so each rank unwinds and removes its swap files, instead of every process
-    # getting SIGINT at once (and the launcher's traceback).
-    proc = subprocess.Popen(plan["command"], env=env, start_new_session=True)
+    # The launcher stays in our process group, so killing the group kills the whole run. It and
+    # the ranks ignore SIGINT (inherited: the ranks are started before DeepSpeed's launcher sets
+    # its handlers): on Ctrl-C, DeepSpeed's per-node launcher alone acts, sending the ranks
+    # SIGTERM, on which each rank unwinds and removes its swap files; no launcher traceback.
+    proc = subprocess.Popen(plan["command"], env=env, preexec_fn=_ignore_sigint)
 
     def on_signal(signum, frame):
         raise _Interrupted(signum)
@@ -313,7 +320,7 @@ def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> in
     except _Interrupted as e:
         for s in handled:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        _stop_group(proc)
+        _stop_run(proc, e.signum)
         print(f"offloadctl: stopped by {signal.Signals(e.signum).name}: the ranks were stopped and their swap files "
               f"removed", file=sys.stderr)
         return 128 + e.signum
