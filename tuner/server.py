@@ -57,7 +57,11 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0
     """A new connection must complete ``hello`` within this."""
     max_connections: int = 1024
-    """Connections beyond this are refused with error BUSY."""
+    """Connections beyond this are refused with error BUSY (and never more than the open-file
+    limit allows, less 64)."""
+    max_runs: int = 1024
+    """Runs kept at once. A new run past it replaces the oldest finished or vanished one; with
+    every one running, it is refused with BUSY. Bounds the daemon's memory whatever clients do."""
     max_outbuf_bytes: int = 4 << 20
     """A peer that leaves more than this of our replies unread is dropped."""
     margin_s: float = 0.5
@@ -96,7 +100,7 @@ class ServerConfig:
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"ServerConfig.{name} must be a positive number of seconds, got {v!r}")
         for name in ("max_frame_bytes", "max_connections", "max_outbuf_bytes", "min_margin", "max_margin", "window",
-                     "history_points"):
+                     "history_points", "max_runs"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"ServerConfig.{name} must be a positive integer, got {v!r}")
@@ -490,6 +494,15 @@ class TunerServer:
         return {"type": "registered", "run_id": run_id, "rank": rank}
 
     def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> _Run:
+        if len(self.runs) >= self.config.max_runs:
+            idle = [r for r in self.runs.values() if r.status != "running"]
+            if not idle:
+                raise ProtocolError(ErrorCode.BUSY, f"the daemon already tunes {len(self.runs)} running runs: start "
+                                    f"this one with --tuner off, or another daemon (--tuner SOCKET)")
+            oldest = min(idle, key=lambda r: r.ended_at or 0.0)
+            log.info("run %s: forgotten to make room for run %s", oldest.run_id, msg["run_id"])
+            del self.runs[oldest.run_id]
+            _close_sensors(oldest)
         run = _Run(run_id=msg["run_id"], world_size=msg["world_size"], params=msg["params"], paths=paths,
                    profile=msg.get("profile"), has_device=msg["has_device"], subgroup_bytes=msg["subgroup_bytes"],
                    knobs=knobs, history=deque(maxlen=self.config.history_points))
