@@ -74,6 +74,16 @@ def _gather(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offsets: li
         out[lo - a:hi - a].copy_(g[lo - offsets[k]:hi - offsets[k]], non_blocking=True)
 
 
+def _read_grads(binding: SubgroupBinding, steps: list[int]):
+    """(flat gradients per slice, runs of slices to update, gradient scale, slice offsets) of a
+    subgroup; None when no slice has a gradient this step."""
+    grads = [None if g is None else g.reshape(-1) for g in binding.grads()]
+    runs = group_runs(steps, [g is not None for g in grads])
+    if not runs:
+        return None
+    return grads, runs, grad_scale_of(binding), _offsets(binding)
+
+
 def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
     # torch.full launches a fill on the current stream; torch.tensor(..., device=cuda) would copy
     # from pageable memory, which waits for the stream and stalls the device lane's pipeline.
@@ -86,12 +96,10 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
     them. Returns the slices updated."""
     buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
-    grads = [None if g is None else g.reshape(-1) for g in binding.grads()]
-    runs = group_runs(steps, [g is not None for g in grads])
-    if not runs:
+    read = _read_grads(binding, steps)
+    if read is None:
         return 0
-    scale = grad_scale_of(binding)
-    offsets = _offsets(binding)
+    grads, runs, scale, offsets = read
     master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
     direct = (len(grads) == 1 and scale == 1.0 and grads[0].dtype == torch.float32
               and grads[0].device.type == "cpu" and grads[0].is_contiguous())
@@ -131,12 +139,10 @@ def device_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch
                   steps: list[int], hp: AdamWHyper, scratch: _Scratch) -> int:
     """One AdamW step of a subgroup whose state views are on the device, on the current stream.
     Gradients are upcast (and unscaled) into ``scratch`` unless they are fp32 there already."""
-    grads = [None if g is None else g.reshape(-1) for g in binding.grads()]
-    runs = group_runs(steps, [g is not None for g in grads])
-    if not runs:
+    read = _read_grads(binding, steps)
+    if read is None:
         return 0
-    scale = grad_scale_of(binding)
-    offsets = _offsets(binding)
+    grads, runs, scale, offsets = read
     g0 = grads[0]
     if (len(grads) == 1 and scale == 1.0 and g0.dtype == torch.float32 and g0.device == master.device
             and g0.is_contiguous()):

@@ -6,6 +6,7 @@ import copy
 import os
 import subprocess
 import tempfile
+import time
 
 import pytest
 import torch
@@ -87,6 +88,17 @@ def mounted(fstype: str, options: str = ""):
     finally:
         subprocess.run(["umount", "-l", d], check=False, capture_output=True)
         os.rmdir(d)
+
+
+def wait_for(cond, timeout_s: float, what: str):
+    """Poll ``cond()`` until it is truthy (and return it), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a file system")

@@ -15,7 +15,6 @@ import resource
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 import pytest
 
 from conftest import mounted, needs_root
+from conftest import wait_for as _wait
 from tuner import service
 from tuner.protocol import API_VERSION, Connection, ErrorCode, ProtocolError, encode, recv_message
 
@@ -39,16 +39,6 @@ def _env(**extra) -> dict:
 def _offloadctl(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env=kw.pop("env", _env()), timeout=timeout, **kw)
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _port() -> str:

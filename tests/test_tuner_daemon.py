@@ -19,6 +19,7 @@ import torch
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, SubgroupEngine
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
+from conftest import wait_for as _wait
 from tuner import service
 from tuner.client import TunerClient, engine_facts
 from tuner.protocol import Connection
@@ -119,16 +120,6 @@ def _serve(sock: str, *extra: str, policy_dir: str | None = None) -> subprocess.
     _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
     assert proc.poll() is None, open(sock + ".log").read()
     return proc
-
-
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _lines(path: str) -> list[dict]:

@@ -185,14 +185,17 @@ def remove_stale_shm_buffers() -> int:
                 mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
         except (OSError, IndexError):
             continue  # gone, or another user's: theirs never map our files
+    return _unlink_all(f for f in mine if f not in mapped)
+
+
+def _unlink_all(paths) -> int:
     removed = 0
-    for f in mine:
-        if f not in mapped:
-            try:
-                os.unlink(f)
-                removed += 1
-            except OSError:
-                pass
+    for f in paths:
+        try:
+            os.unlink(f)
+            removed += 1
+        except OSError:
+            pass
     return removed
 
 
@@ -207,14 +210,7 @@ def remove_shm_buffers(master_port: str | None) -> int:
     """Remove the shared-memory allreduce buffers that DeepSpeed's CPU comm op leaves in /dev/shm
     (64 MiB per rank, never unlinked by DeepSpeed 0.19), for this run's port. Returns the count."""
     port = master_port or "29500"  # the DeepSpeed launcher's default
-    removed = 0
-    for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            os.unlink(f)
-            removed += 1
-        except OSError:
-            pass
-    return removed
+    return _unlink_all(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 def run(args: argparse.Namespace) -> int:
