@@ -21,6 +21,8 @@ of update time per iteration with the writer window and the decisions.
     .venv/bin/python bench/tuner.py --emulate --params 3e7 --subgroup 3e6 --iters 30   # a smoke run
     .venv/bin/python bench/tuner.py --emulate --daemon        # through `offloadctl tuner serve` and
                                                               # tuner.client.TunerClient
+    .venv/bin/python bench/tuner.py --part 3 --params 2e9 --subgroup 1e8 --iters 100   # GPU: the device
+                                                              # fraction from 0 against a static sweep
 
 The emulated tiers come from bench/tiers.sh; OFFLOADCTL_TIERS_ROOT, _IMG and _CGROUP are honoured.
 """
@@ -288,6 +290,92 @@ def part1(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
             "log": driver.log()}
 
 
+def gpu_engine(numel: int, sub: int, device: str, fraction: float) -> SubgroupEngine:
+    """A ZeRO-3 rank's shape on a GPU: bf16 weights on the device, bf16 gradients in host memory,
+    a gradient scale (clipping), all state in host memory, no device tier."""
+    torch.manual_seed(0)
+    weight = torch.randn(numel, device=device).to(torch.bfloat16)
+    grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)  # cpu ok: ZeRO-3 offload keeps gradients in host memory
+    bindings = []
+    for o in range(0, numel, sub):
+        b = FlatSubgroup(weight[o:o + sub], grad[o:o + sub])
+        b.grad_scale = 0.5
+        bindings.append(b)
+    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=None, device=device, device_cache_bytes=0, host_adam="auto")
+    return SubgroupEngine(bindings, cfg, Knobs(device_fraction=fraction))
+
+
+def part3(args, progress: Progress) -> dict:
+    """The device fraction from a poor start (0: every subgroup on the CPU) against a static sweep
+    of fractions, in the same process, alternating. A fixed forward/backward time
+    (--fwd-bwd-s) is added to each update to make the iteration the policy judges."""
+    device = args.lane_device or ("cuda" if torch.cuda.is_available() else None)
+    if device is None:
+        raise SystemExit("part 3 needs CUDA (or --lane-device cpu for a smoke run of its code)")
+    numel, sub = int(args.params), int(args.subgroup)
+    grid = [k / 4 for k in range(5)]
+    tuned = gpu_engine(numel, sub, device, 0.0)
+    static = gpu_engine(numel, sub, device, grid[0])
+    policy = Policy(tuned.knobs, paths=[], has_device=True, subgroup_bytes=payload_bytes(sub), params=numel,
+                    config=PolicyConfig())
+    schedule = [(k, step) for k in range(len(grid)) for step in range(4)]
+    rows, static_times = [], [[] for _ in grid]
+    n = max(args.iters, len(schedule))
+    task = progress.add_task("part 3: device fraction", total=n)
+    try:
+        for i in range(n):
+            if i < args.iters:
+                rec = tuned.step(HYPERS)
+                it = rec.wall_s + args.fwd_bwd_s
+                obs = Observation(iteration=rec.iteration, iter_time_s=it, update_s=rec.wall_s, read_wait_s=0.0,
+                                  write_wait_s=0.0, path_read_bytes_per_s={}, path_write_bytes_per_s={},
+                                  path_other_bytes_per_s={}, device_headroom_bytes=rec.device_headroom_bytes,
+                                  knobs=rec.knobs, host_lane_s=rec.host_lane_s, device_wait_s=rec.device_wait_s,
+                                  host_lane_subgroups=rec.host_lane_subgroups,
+                                  device_lane_subgroups=rec.device_lane_subgroups,
+                                  device_tier_subgroups=rec.device_tier_subgroups)
+                d = policy.observe(obs)
+                if d is not None:
+                    tuned.set_knobs(d.knobs)
+                rows.append({"iteration": rec.iteration, "iteration_s": it, "update_s": rec.wall_s,
+                             "fraction": rec.knobs["device_fraction"], "decision": d.reason if d else None})
+            if i < len(schedule):
+                k, step = schedule[i]
+                if step == 0 and k > 0:
+                    static.set_knobs(static.knobs.replace(device_fraction=grid[k]))
+                rec = static.step(HYPERS)
+                if step > 0:
+                    static_times[k].append(rec.wall_s + args.fwd_bwd_s)
+            progress.advance(task)
+    finally:
+        tuned.close()
+        static.close()
+    plans = [{"device_fraction": f, "iteration_s": statistics.median(t)} for f, t in zip(grid, static_times)]
+    best = min(plans, key=lambda p: p["iteration_s"])
+    its = [r["iteration_s"] for r in rows]
+    reached = next((i for i in range(WINDOW, len(its)) if _sliding(its, i) <= 1.05 * best["iteration_s"]), None)
+    untuned = plans[0]["iteration_s"] * len(its)
+    return {"device": device, "static_plans": plans, "best_static": best, "rows": rows,
+            "reached_within_5pct_at_iteration": reached, "goal_iteration": 30,
+            "tuned_total_s": sum(its), "untuned_total_s": untuned, "final_fraction": rows[-1]["fraction"]}
+
+
+def print_part3(r: dict, c: Console) -> None:
+    t = Table(title=f"part 3: device fraction on {r['device']}, static plans (iteration, median of 3)")
+    t.add_column("fraction")
+    t.add_column("iteration s")
+    for p in r["static_plans"]:
+        t.add_row(f"{p['device_fraction']:g}", f"{p['iteration_s']:.3f}")
+    c.print(t)
+    c.print(f"tuned from fraction 0: within 5% of the best static ({r['best_static']['device_fraction']:g}) at iteration "
+            f"{r['reached_within_5pct_at_iteration']} (goal <= {r['goal_iteration']}); final fraction "
+            f"{r['final_fraction']:g}; total over the run {r['tuned_total_s']:.1f} s against "
+            f"{r['untuned_total_s']:.1f} s untuned")
+    for row in r["rows"]:
+        if row["decision"]:
+            c.print(f"  {row['iteration']:>3}: {escape(row['decision'])}")
+
+
 def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress: Progress) -> dict:
     paths = [s.path for s in specs]
     numel, sub = int(args.params), int(args.subgroup)
@@ -436,7 +524,10 @@ def main() -> int:
     ap.add_argument("--nvme", help="directory of the NVMe-like path (parts 1 and 2)")
     ap.add_argument("--remote", help="directory of the PFS-like path (part 2)")
     ap.add_argument("--bandwidth", metavar="NR:NW,PR:PW", help="declare the paths' MB/s instead of probing them")
-    ap.add_argument("--part", choices=["1", "2", "all"], default="all")
+    ap.add_argument("--part", choices=["1", "2", "3", "all"], default="all",
+                    help="1: poor start on storage; 2: contention; 3: the device fraction on a GPU (not in 'all')")
+    ap.add_argument("--fwd-bwd-s", type=float, default=1.0, help="part 3: forward/backward seconds per iteration")
+    ap.add_argument("--lane-device", choices=["cpu"], help="part 3 on the CPU: a smoke run of its code, not figures")
     ap.add_argument("--params", type=float, default=100e6, help="parameters per engine (default 1e8)")
     ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
     ap.add_argument("--iters", type=int, default=40, help="part 1: iterations of the tuned run (default 40)")
@@ -459,6 +550,14 @@ def main() -> int:
     ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = ap.parse_args()
+    if args.part == "3":
+        with Progress(console=console, transient=True) as progress:
+            r = part3(args, progress)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": update_phase._machine(), "command": " ".join(sys.argv), "part3": r}, f, indent=2)
+        print_part3(r, Console(width=180))
+        return 0
     if args.emulate:
         return run_emulated_tiers(args, sys.argv[1:])
     if not args.nvme or not os.path.isdir(args.nvme):
