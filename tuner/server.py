@@ -335,7 +335,10 @@ class TunerServer:
                 return
             now = time.time()
             for run in list(self.runs.values()):
-                if run.status != "running" and now - (run.ended_at or now) > self.config.finished_keep_s:
+                # A run that never reported an iteration has nothing to show or to resume: it
+                # goes after a minute (clients that only register must not pile up).
+                keep = self.config.finished_keep_s if run.max_iteration >= 0 else min(60.0, self.config.finished_keep_s)
+                if run.status != "running" and now - (run.ended_at or now) > keep:
                     if run.status == "disconnected":
                         log.info("run %s: no rank came back in %.0f s; forgetting it", run.run_id, now - run.ended_at)
                     del self.runs[run.run_id]
