@@ -6,12 +6,19 @@ tensors, the device lane with device tensors. It applies decoupled weight decay 
 ``torch._fused_adamw_``, so results match the reference to rounding.
 
 The host lane may instead use DeepSpeed's AVX ``DeepSpeedCPUAdam`` kernel; ``select_host_kernel``
-measures both once per process and keeps the faster.
+measures both and keeps the faster. The two round differently in the last bit, so the choice is
+measured once per machine and environment and kept in a file (``KERNEL_CHOICE_FILE``): every
+rank, every run and every resume then takes the same kernel, and the same seed gives the same
+losses.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
+import json
 import logging
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .native_ops import load_cpu_adam
+from .native_ops import extensions_dir, load_cpu_adam
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +131,84 @@ def host_kernel_rate(name: str) -> float:
     return _measured_rates.get(name, 0.0)
 
 
+KERNEL_CHOICE_FILE = "offloadctl-host-kernel.json"
+"""Kept beside the built ops (one per environment: the same torch, DeepSpeed and compiler)."""
+
+
+def _machine_key() -> str:
+    """What the kernels' relative speed depends on: the CPU, the threads a process uses, the
+    library versions."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        import deepspeed
+        ds = deepspeed.__version__
+    except Exception:
+        ds = "none"
+    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}"
+
+
+def _chosen_kernel() -> str:
+    """The faster host kernel on this machine: read from ``KERNEL_CHOICE_FILE``, or measured once
+    (under a lock, so that ranks starting together agree) and written there."""
+    path = os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)
+    key = _machine_key()
+    try:
+        os.makedirs(extensions_dir(), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        fd = -1  # nowhere to keep it: measured in this process
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+            if not isinstance(known, dict):
+                known = {}
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(key)
+        if isinstance(entry, dict) and entry.get("kernel") in ("torch", "deepspeed"):
+            rates = entry.get("params_per_s", {})
+            # Measured before the cpu_adam op was built, or the op is gone since: measure again.
+            if ("deepspeed" in rates) == (load_cpu_adam() is not None):
+                _measured_rates.update({k: float(v) for k, v in rates.items()})
+                return entry["kernel"]
+        rates = measure_host_kernels()
+        _measured_rates.update(rates)
+        best = max(rates, key=rates.get)
+        known[key] = {"kernel": best, "params_per_s": rates}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only environment: measured each time, still correct
+            log.info("cannot keep the host kernel choice in %s: %s", path, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        log.info("host AdamW kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
+        return best
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 @functools.lru_cache(maxsize=None)
 def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
-    if choice == "torch":
-        return "torch", adamw_update_torch_
+    if choice == "auto":
+        choice = _chosen_kernel()
     if choice == "deepspeed":
         return "deepspeed", _DeepSpeedCpuAdam()
-    rates = measure_host_kernels()
-    _measured_rates.update(rates)
-    best = max(rates, key=rates.get)
-    log.info("host AdamW kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
-    return (best, _DeepSpeedCpuAdam()) if best == "deepspeed" else (best, adamw_update_torch_)
+    return "torch", adamw_update_torch_
 
 
 def group_runs(step_counts: Sequence[int], has_grad: Sequence[bool]) -> list[tuple[int, int]]:
