@@ -284,11 +284,17 @@ class Recorder:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            c0 = time.perf_counter()
+            rec._account_io("update")  # what the step moved since the last edge
             t0 = time.perf_counter()
+            rec._cost_s += t0 - c0
             try:
                 return fn(*args, **kwargs)
             finally:
-                rec._span(part, t0, time.perf_counter())
+                t1 = time.perf_counter()
+                rec._account_io(f"update.{part}")
+                rec._span(part, t0, t1)
+                rec._cost_s += time.perf_counter() - t1
 
         return wrapper
 

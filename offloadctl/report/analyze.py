@@ -24,6 +24,8 @@ SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "wri
             "update_other", "outside")
 UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_wait", "update_other")
 PHASES = ("forward", "backward", "update", "outside")
+RATE_WINDOW_S = 0.2
+"""Bandwidth in the timeline is averaged over this much time."""
 SEGMENT_LABELS = {
     "forward": "forward", "backward": "backward", "read_wait": "update: waiting for reads",
     "host_lane": "update: host lane (CPU Adam)", "device_lane": "update: device lane (queueing)",
@@ -114,11 +116,16 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         "phases": phases, "segments": segments, "measured_share": measured / iter_s,
         "skipped": bool(it.get("skipped")), "failed": bool(it.get("failed")),
         "disk_bytes": _disk_bytes(it.get("io") or {}, tiers),
+        "disk_bytes_update_parts": {k: v for k, v in _disk_bytes(it.get("io") or {}, tiers, parts=True).items()
+                                    if k.startswith("update")} if any("." in k for k in it.get("io") or {}) else None,
         "recorder_s": it.get("recorder_s", 0.0),
     }
     params_node = (run.record.init.get("params_rank") or 0) * (run.record.init.get("local_world_size") or 1)
-    out["disk_bytes_per_param"] = {ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}
-                                   for ph, d in out["disk_bytes"].items()} if params_node else {}
+    per_param = lambda db: {ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}  # noqa: E731
+                            for ph, d in db.items()} if params_node else {}
+    out["disk_bytes_per_param"] = per_param(out["disk_bytes"])
+    if out["disk_bytes_update_parts"]:
+        out["disk_bytes_per_param_update_parts"] = per_param(out["disk_bytes_update_parts"])
     if eng is not None:
         kinds = sorted(set(eng.get("bytes_read", {})) | set(eng.get("bytes_written", {})))
         out["engine_bytes"] = {k: {"read": eng.get("bytes_read", {}).get(k, 0),
@@ -137,12 +144,17 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
     return out
 
 
-def _disk_bytes(io: dict, tiers: list[dict]) -> dict:
-    """{phase: {tier label: {"read": bytes, "written": bytes}}} from the per-device counters."""
+def _disk_bytes(io: dict, tiers: list[dict], parts: bool = False) -> dict:
+    """{phase: {tier label: {"read": bytes, "written": bytes}}} from the per-device counters;
+    the update's parts (stock ZeRO-3: ``update.read_wait`` ...) count in ``update``, or, with
+    ``parts``, on their own (``update`` then holds the rest of the step)."""
     labels = _device_labels(tiers)
     out: dict = {}
-    for phase in PHASES:
-        for dev, (r, w) in (io.get(phase) or {}).items():
+    for key, per_dev in io.items():
+        phase = key if parts else key.split(".")[0]
+        if not parts and phase not in PHASES:
+            continue
+        for dev, (r, w) in per_dev.items():
             lab = labels.get(dev, dev)
             d = out.setdefault(phase, {}).setdefault(lab, {"read": 0, "written": 0})
             d["read"] += r
@@ -187,6 +199,14 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
         disk.setdefault(ph, {})[t] = {d: _median(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0)
                                                  for i in steady) for d in ("read", "written")}
     s["disk_bytes_per_param"] = disk
+    if any(i.get("disk_bytes_per_param_update_parts") for i in steady):
+        # The update's bytes by part (stock ZeRO-3): where in the step the gradients' round trip falls.
+        keys = {(ph, t) for i in steady for ph, d in (i.get("disk_bytes_per_param_update_parts") or {}).items() for t in d}
+        parts: dict = {}
+        for ph, t in sorted(keys):
+            parts.setdefault(ph, {})[t] = {d: _median((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {})
+                                                      .get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
+        s["disk_bytes_per_param_update_parts"] = parts
     s["disk_bytes_per_param_total"] = _median(
         sum(v for d in i["disk_bytes_per_param"].values() for rw in d.values() for v in rw.values()) for i in steady
     ) if has_devices else None
@@ -269,11 +289,14 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
         out["missing"].append("PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU in this run)")
     labels = _device_labels(tiers)
     tier_bw = {}
+    # Rates over at least RATE_WINDOW_S: a throttled device moves in bursts finer than that.
+    smooth = max(1, round(RATE_WINDOW_S * (header.get("hz") or 20)))
+    out["rate_window_s"] = smooth / (header.get("hz") or 20)
     for dev, lab in labels.items():
         rc, wc = cols.get(f"disk_read_bytes:{dev}"), cols.get(f"disk_write_bytes:{dev}")
         if rc is None or wc is None:
             continue
-        tier_bw[lab] = {"read_bytes_per_s": _rates(window, rc), "write_bytes_per_s": _rates(window, wc)}
+        tier_bw[lab] = {"read_bytes_per_s": _rates(window, rc, smooth), "write_bytes_per_s": _rates(window, wc, smooth)}
     series["tier_bytes_per_s"] = tier_bw
     if not tier_bw:
         out["missing"].append("tier bandwidth: no storage tier with a block device in this run")
@@ -287,10 +310,12 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     return out
 
 
-def _rates(rows: list[list], col: int) -> list[float | None]:
-    """Per-interval rate of a cumulative counter; the first row has none."""
+def _rates(rows: list[list], col: int, window: int = 1) -> list[float | None]:
+    """Rate of a cumulative counter at each row, over the ``window`` rows before it (fewer at the
+    start); the first row has none."""
     out: list[float | None] = [None]
-    for a, b in zip(rows, rows[1:]):
+    for k in range(1, len(rows)):
+        a, b = rows[max(0, k - window)], rows[k]
         if a[col] is None or b[col] is None or b[0] <= a[0]:
             out.append(None)
         else:

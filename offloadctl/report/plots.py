@@ -25,6 +25,8 @@ SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")
 COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "read_wait": "#e15759", "host_lane": "#59a14f",
           "device_lane": "#76b7b2", "write_wait": "#edc948", "device_wait": "#b07aa1", "update_other": "#9c755f",
           "outside": "#d3cfcc", "update": "#59a14f", "update_loop": "#8cd17d"}
+UPDATE_PART_NAMES = {"read_wait": "swap-in", "host_lane": "optimizer", "write_wait": "swap-out"}
+"""Stock ZeRO-3's update parts, by DeepSpeed's names for them."""
 WIDTH_IN = 11.0
 DPI = 100
 GB = 1e9
@@ -125,10 +127,8 @@ def timeline(runs: list[dict]):
         if tiers:
             for k, (lab, bw) in enumerate(tiers.items()):
                 color = f"C{k}"
-                col[3].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, drawstyle="steps-pre",
-                            label=f"{lab} read")
-                col[3].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", drawstyle="steps-pre",
-                            label=f"{lab} write")
+                col[3].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read")
+                col[3].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write")
             col[3].legend(fontsize=7, loc="upper left")
         else:
             _absent(col[3], "tier bandwidth: no storage tier\non a block device in this run")
@@ -211,6 +211,14 @@ def bytes_per_param(runs: list[dict]):
         s = run["summary"]
         cats = list(PHASES)
         data = {ph: s["disk_bytes_per_param"].get(ph, {}) for ph in PHASES}
+        parts = s.get("disk_bytes_per_param_update_parts")
+        if parts:  # stock ZeRO-3: the update by part, where the gradients' round trip shows
+            k = cats.index("update")
+            names = [(f"update.{p}", f"update:\n{UPDATE_PART_NAMES[p]}") for p in ("read_wait", "host_lane", "write_wait")]
+            names.append(("update", "update:\nother"))
+            cats[k:k + 1] = [label for _, label in names]
+            for key, label in names:
+                data[label] = parts.get(key, {})
         if "engine_bytes_per_param" in s:
             cats.append("update\n(engine's count)")
             data["update\n(engine's count)"] = s["engine_bytes_per_param"]
@@ -224,12 +232,13 @@ def bytes_per_param(runs: list[dict]):
                     if v <= 0:
                         continue
                     ax.bar(k, v, bottom=bottom, color=color, hatch=hatch, edgecolor="white", width=0.7)
-                    if v >= 0.5:
+                    if v >= 1.5:
                         ax.text(k, bottom + v / 2, f"{v:.1f}", ha="center", va="center", fontsize=7, color="white")
                     bottom += v
             if bottom > 0:
                 ax.text(k, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(cats)), cats, fontsize=8)
+        ax.set_xticks(range(len(cats)), cats, fontsize=7 if len(cats) > 5 else 8)
+        ax.set_xlim(-0.6, len(cats) - 0.4)
         total = s.get("disk_bytes_per_param_total")
         ax.set_title(f"{run['label']}\n{total:.1f} B/param per iteration on disk" if total is not None
                      else run["label"], fontsize=9)

@@ -28,9 +28,11 @@ SECTION_TEXT = {
     "bytes": ("Bytes per parameter, by phase and tier",
               "Bytes each tier's device read (solid) and wrote (hatched) in each phase of an iteration, per parameter "
               "of the node's ranks (kernel counters, median over iterations), and the engine's own count for its "
-              "update. Stock ZeRO-Infinity writes fp32 gradients in backward and reads them back with the state in "
-              "the update (about 4 + 16 + 12 = 32 B/param); offloadctl keeps gradients in memory and leaves the "
-              "subgroups it updates last in memory for the next step."),
+              "update (and, for stock ZeRO-3, of each part of its update). Stock ZeRO-Infinity writes the fp32 "
+              "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
+              "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
+              "offloadctl keeps gradients in memory and leaves the subgroups it updates last in memory for the "
+              "next step: at most 24."),
     "cache": ("Cache hits and knobs",
               "Swapped subgroups updated from memory kept since the previous step (the alternating order), against "
               "those read from storage, per iteration, with the knobs in force and the tuner's changes marked."),
