@@ -138,7 +138,8 @@ def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
         return None
     import deepspeed
 
-    rec = Recorder(RecorderConfig.from_json(cfg), rank=rank, script=script)
+    global _CURRENT
+    rec = _CURRENT = Recorder(RecorderConfig.from_json(cfg), rank=rank, script=script)
     original = deepspeed.initialize
 
     @functools.wraps(original)
@@ -160,6 +161,14 @@ def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
 
     sys.excepthook = excepthook
     return rec
+
+
+_CURRENT: "Recorder | None" = None
+
+
+def current() -> "Recorder | None":
+    """This rank's recorder, when ``offloadctl train`` installed one."""
+    return _CURRENT
 
 
 def _round(x: float, digits: int = 6) -> float:
@@ -190,6 +199,16 @@ class Recorder:
         self._reset_iteration()
         self._cost_s = 0.0  # time spent in the hooks' own bookkeeping
         self._closed = False
+        self.suspended = False
+
+    def suspend(self, suspended: bool = True) -> None:
+        """Stop (True) or restart (False) recording between two iterations: the hooks pass calls
+        straight through and the sampler takes no samples. For measuring what recording costs,
+        iteration by iteration in one process (bench/record_overhead.py). Iterations run while
+        suspended are not recorded; the next recorded one starts where the last recorded ended."""
+        self.suspended = suspended
+        if self._sampler is not None:
+            self._sampler.paused = suspended
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -262,7 +281,7 @@ class Recorder:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if rec._depth:  # a nested call (one phase inside another): its outer span holds it
+            if rec._depth or rec.suspended:  # a nested call (one phase inside another): its outer span holds it
                 return fn(*args, **kwargs)
             steps = getattr(engine, "global_steps", None)
             rec._enter(phase)
@@ -284,6 +303,8 @@ class Recorder:
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            if rec.suspended:
+                return fn(*args, **kwargs)
             c0 = time.perf_counter()
             rec._account_io("update")  # what the step moved since the last edge
             t0 = time.perf_counter()
@@ -436,6 +457,7 @@ class _Sampler(threading.Thread):
         self.interval_s = 1.0 / hz
         self.rows = 0
         self.busy_s = 0.0
+        self.paused = False
         self._next_double = max_rows
         self._max_rows = max_rows
         self._devices = devices
@@ -478,6 +500,10 @@ class _Sampler(threading.Thread):
         next_t = time.perf_counter()
         try:
             while not self._stop_event.is_set():
+                if self.paused:
+                    self._stop_event.wait(self.interval_s)
+                    next_t = time.perf_counter()
+                    continue
                 t0 = time.perf_counter()
                 c0 = time.thread_time()  # CPU time, not wall: waits for the GIL are not our cost
                 rows.append(json.dumps(self._sample(t0), separators=(",", ":")))

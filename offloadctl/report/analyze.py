@@ -24,6 +24,8 @@ SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "wri
             "update_other", "outside")
 UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_wait", "update_other")
 PHASES = ("forward", "backward", "update", "outside")
+ADAM_STATE_BYTES = 12
+"""fp32 master weight, exp_avg and exp_avg_sq, per parameter."""
 RATE_WINDOW_S = 0.2
 """Bandwidth in the timeline is averaged over this much time."""
 SEGMENT_LABELS = {
@@ -52,6 +54,14 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     median = _median_iteration(steady)
     chosen = _choose(iters, iteration, run) if iteration is not None else median
     summary = _summary(steady, iters, median, any(t["device"] for t in tiers))
+    off = init.get("offload_optimizer") or {}
+    if run.engine == "stock" and str(off.get("device", "")).endswith("nvme") and summary["disk_bytes_per_param_total"]:
+        # ZeRO-Infinity swaps every subgroup's Adam state in and out at every step (12 B/param of
+        # fp32 master, exp_avg, exp_avg_sq each way); what its tier moves beyond that is its fp32
+        # gradients, written out (in backward, and flushed at the update's first swap-in) and read back.
+        summary["gradient_round_trip_bytes_per_param"] = {
+            d: max(0.0, _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values())
+                                for i in steady) - ADAM_STATE_BYTES) for d in ("read", "written")}
     return {
         "label": run.label, "path": run.path, "engine": run.engine, "status": run.status, "rank": rec.rank,
         "ranks": run.ranks, "notes": list(rec.notes),

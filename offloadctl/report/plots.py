@@ -25,8 +25,6 @@ SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")
 COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "read_wait": "#e15759", "host_lane": "#59a14f",
           "device_lane": "#76b7b2", "write_wait": "#edc948", "device_wait": "#b07aa1", "update_other": "#9c755f",
           "outside": "#d3cfcc", "update": "#59a14f", "update_loop": "#8cd17d"}
-UPDATE_PART_NAMES = {"read_wait": "swap-in", "host_lane": "optimizer", "write_wait": "swap-out"}
-"""Stock ZeRO-3's update parts, by DeepSpeed's names for them."""
 WIDTH_IN = 11.0
 DPI = 100
 GB = 1e9
@@ -211,14 +209,6 @@ def bytes_per_param(runs: list[dict]):
         s = run["summary"]
         cats = list(PHASES)
         data = {ph: s["disk_bytes_per_param"].get(ph, {}) for ph in PHASES}
-        parts = s.get("disk_bytes_per_param_update_parts")
-        if parts:  # stock ZeRO-3: the update by part, where the gradients' round trip shows
-            k = cats.index("update")
-            names = [(f"update.{p}", f"update:\n{UPDATE_PART_NAMES[p]}") for p in ("read_wait", "host_lane", "write_wait")]
-            names.append(("update", "update:\nother"))
-            cats[k:k + 1] = [label for _, label in names]
-            for key, label in names:
-                data[label] = parts.get(key, {})
         if "engine_bytes_per_param" in s:
             cats.append("update\n(engine's count)")
             data["update\n(engine's count)"] = s["engine_bytes_per_param"]
@@ -237,13 +227,19 @@ def bytes_per_param(runs: list[dict]):
                     bottom += v
             if bottom > 0:
                 ax.text(k, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(cats)), cats, fontsize=7 if len(cats) > 5 else 8)
+        ax.set_xticks(range(len(cats)), cats, fontsize=8)
         ax.set_xlim(-0.6, len(cats) - 0.4)
         total = s.get("disk_bytes_per_param_total")
         ax.set_title(f"{run['label']}\n{total:.1f} B/param per iteration on disk" if total is not None
                      else run["label"], fontsize=9)
         if not any(data[c] for c in cats):
             _absent(ax, "no storage tier on a block device:\nno bytes to count")
+        trip = s.get("gradient_round_trip_bytes_per_param")
+        if trip:
+            ax.text(0.02, 0.97, f"beyond Adam's 12 B/param of state each way:\n{trip['written']:.1f} written, "
+                    f"{trip['read']:.1f} read back: the fp32\ngradients' round trip through the tier",
+                    transform=ax.transAxes, va="top", fontsize=8,
+                    bbox={"facecolor": "white", "edgecolor": "#bbb", "boxstyle": "round"})
     axes[0, 0].set_ylabel("bytes/param per iteration")
     handles = [Patch(facecolor=c, label=t) for t, c in tier_colors.items()]
     handles += [Patch(facecolor="grey", label="read"), Patch(facecolor="grey", hatch="//", edgecolor="white",
@@ -262,8 +258,8 @@ def cache_and_knobs(runs: list[dict]):
         its = [i for i in run["iterations"] if "cache" in i]
         ax.set_title(run["label"], fontsize=9, loc="left")
         if not its:
-            _absent(ax, "no engine telemetry in this run (stock DeepSpeed): nothing is kept across steps,\n"
-                        "every swapped subgroup is read and written at every step")
+            _absent(ax, "no engine telemetry in this run (stock DeepSpeed): it keeps no state in memory across steps;\n"
+                        "with NVMe offload (ZeRO-Infinity) every subgroup is swapped in and out at every step")
             ax.set_xticks([])
             continue
         x = [i["iteration"] for i in its]

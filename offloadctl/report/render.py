@@ -28,7 +28,7 @@ SECTION_TEXT = {
     "bytes": ("Bytes per parameter, by phase and tier",
               "Bytes each tier's device read (solid) and wrote (hatched) in each phase of an iteration, per parameter "
               "of the node's ranks (kernel counters, median over iterations), and the engine's own count for its "
-              "update (and, for stock ZeRO-3, of each part of its update). Stock ZeRO-Infinity writes the fp32 "
+              "update. Stock ZeRO-Infinity writes the fp32 "
               "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
               "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
               "offloadctl keeps gradients in memory and leaves the subgroups it updates last in memory for the "
@@ -117,6 +117,9 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
         row(f"disk B/param, {ph}", lambda r, ph=ph: _bpp(r["summary"]["disk_bytes_per_param"].get(ph)))
     row("disk B/param, iteration", lambda r: f"{r['summary']['disk_bytes_per_param_total']:.1f}"
         if r["summary"].get("disk_bytes_per_param_total") is not None else "-")
+    row("gradients' round trip B/param", lambda r: "{written:.1f}w {read:.1f}r".format(
+        **r["summary"]["gradient_round_trip_bytes_per_param"]) if "gradient_round_trip_bytes_per_param" in r["summary"]
+        else "-")
     row("engine's B/param", lambda r: _bpp(r["summary"].get("engine_bytes_per_param")))
     row("cache hits (of swapped)", lambda r: f"{r['summary']['median_cache_hits']:.0f} of "
         f"{r['summary']['swapped_subgroups']:.0f}" if r["summary"].get("swapped_subgroups") is not None else "-")
