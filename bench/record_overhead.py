@@ -12,6 +12,7 @@ recorder. Between separate runs the noise of a shared 2-core machine is several 
 effect; within one run, iteration by iteration, it mostly cancels. Reported: the median
 iteration of each kind, the median of the paired ratios (on / off, neighbouring iterations),
 and the recorder's own cost as it measured it (time in its hooks; its sampler thread's CPU time).
+``--record-hz 0`` measures the phase hooks alone.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def launch(args) -> int:
         out = os.path.join(run_dir, "overhead.json")
         tiers = ["--nvme", args.nvme, "--host-cache-gb", "0"] if args.nvme else []
         cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", "29752",
-               "--tuner", "off", "--run-dir", os.path.join(run_dir, "run"), *tiers, HERE, "--worker",
+               "--tuner", "off", "--record-hz", str(args.record_hz), "--run-dir", os.path.join(run_dir, "run"), *tiers,
+               HERE, "--worker",
                "--iters", str(args.iters), "--out", out]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode != 0:
@@ -46,12 +48,15 @@ def launch(args) -> int:
     end = next(x for x in lines if x["type"] == "end")
     on_s = sum(res["on"])
     res["hooks_share"] = sum(x["recorder_s"] for x in its) / on_s
-    res["sampler_cpu_share"] = end["sampler_busy_s"] / on_s
-    res["sampler_rows"] = end["sampler_rows"]
+    res["sampler_cpu_share"] = end.get("sampler_busy_s", 0.0) / on_s
+    res["sampler_rows"] = end.get("sampler_rows", 0)
     on, off = statistics.median(res["on"]), statistics.median(res["off"])
     print(f"iterations {len(res['on'])} on, {len(res['off'])} off (after 2 warm-up), alternating ABBA in one run")
-    print(f"median iteration: recording off {off:.3f} s, on {on:.3f} s; ratio {on / off:.4f}; median of paired "
-          f"ratios {statistics.median(res['pair_ratios']):.4f}")
+    pairs = res["pair_ratios"]
+    se = statistics.stdev(pairs) / len(pairs) ** 0.5
+    print(f"median iteration: recording off {off:.3f} s, on {on:.3f} s; ratio {on / off:.4f}; paired ratios "
+          f"(on / off, neighbours): mean {statistics.fmean(pairs):.4f} +- {se:.4f} (standard error), median "
+          f"{statistics.median(pairs):.4f}")
     print(f"recorder's own cost over the recorded iterations: hooks {100 * res['hooks_share']:.3f}% of their time; "
           f"sampler thread {100 * res['sampler_cpu_share']:.2f}% of one core ({res['sampler_rows']} samples)")
     if args.json:
@@ -104,6 +109,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=40, help="measured iterations, half of each kind (default 40)")
     ap.add_argument("--nvme", help="a storage tier for the engine (default: state in host memory)")
+    ap.add_argument("--record-hz", type=float, default=20.0, help="the sampler's rate (default 20; 0: phase hooks only)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

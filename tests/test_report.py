@@ -279,3 +279,22 @@ def test_recorder_spans_with_gradient_accumulation(tmp_path):
     assert run["iterations"][1]["iter_s"] == pytest.approx(0.11, abs=0.04)
     header = json.loads(open(tmp_path / "samples-rank0.jsonl").readline())
     assert header["columns"][:3] == ["t", "rss_bytes", "cpu_percent"] and not header["gpu"]
+
+
+def test_knob_changes_are_marked(runs, tmp_path):
+    """A tuner change (here written into a copy of the record) shows with its reason where it took effect."""
+    run_dir = tmp_path / "tuned"
+    shutil.copytree(runs["ours"], run_dir)
+    rec = run_dir / "record-rank0.jsonl"
+    lines = [json.loads(x) for x in rec.read_text().splitlines()]
+    for x in lines:
+        if x["type"] == "iteration" and x["iteration"] >= 3:
+            x["engine"]["knobs"]["prefetch_depth"] = 1
+            if x["iteration"] == 3:
+                x["tuner"] = {"seq": 1, "reason": "reads wait: try prefetch 1", "apply_at": 3}
+    rec.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    data = _report_json(str(run_dir), "--png", str(tmp_path / "png"))
+    [change] = data["runs"][0]["knob_changes"]
+    assert change["iteration"] == 3 and change["changed"] == {"prefetch_depth": [2, 1]}
+    assert change["reason"] == "reads wait: try prefetch 1"
+    assert _png_size(str(tmp_path / "png" / "cache.png"))[0] >= 800
