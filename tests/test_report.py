@@ -298,3 +298,51 @@ def test_knob_changes_are_marked(runs, tmp_path):
     assert change["iteration"] == 3 and change["changed"] == {"prefetch_depth": [2, 1]}
     assert change["reason"] == "reads wait: try prefetch 1"
     assert _png_size(str(tmp_path / "png" / "cache.png"))[0] >= 800
+
+
+def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
+    """Where CUDA and NVML exist (faked here: no GPU on the test machines), GPU memory and PCIe
+    are sampled on the rank's device, and the report draws them and their peaks by phase."""
+    import types
+
+    from offloadctl import recorder
+    from offloadctl.report.analyze import analyze
+    from offloadctl.report.load import load_run
+    from offloadctl.report.plots import figures, png_bytes
+    from offloadctl.report.render import summary_rows
+
+    class FakeNvml:
+        NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return types.SimpleNamespace(used=5 << 30)
+
+        def nvmlDeviceGetPcieThroughput(self, handle, counter):
+            return 1_000_000 if counter == self.NVML_PCIE_UTIL_TX_BYTES else 2_000_000  # KB/s
+
+        def nvmlShutdown(self):
+            pass
+
+    asked = []
+    monkeypatch.setattr(recorder, "_own_nvml", lambda dev: asked.append(dev) or (FakeNvml(), "handle"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 4 << 30)
+    rec = recorder.Recorder(recorder.RecorderConfig(run_dir=str(tmp_path), sample_hz=100), rank=0)
+    eng = _FakeEngine()
+    eng.device = torch.device("cuda", 1)  # only its name reaches the (faked) CUDA and NVML calls
+    rec.attach(eng)
+    for _ in range(4):
+        for _ in range(2):
+            eng.backward(eng.forward(1.0))
+            eng.step()
+    rec.close()
+    assert asked == [torch.device("cuda", 1)]
+    analysis = analyze([load_run(str(tmp_path))])
+    tl = analysis["runs"][0]["timeline"]
+    assert set(tl["series"]) >= {"gpu_allocated_bytes", "gpu_reserved_bytes", "nvml_used_bytes",
+                                 "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"}
+    assert set(tl["series"]["pcie_rx_bytes_per_s"]) == {2_000_000 * 1024}
+    assert not any("not recorded" in m for m in tl["missing"] if m.startswith(("GPU", "PCIe")))
+    assert tl["gpu_peak_by_phase"]["nvml_used_bytes"]["backward"] == 5 << 30
+    assert "5.4" in dict(summary_rows(analysis))["GPU peak fwd/bwd/update"][0]
+    assert all(len(png_bytes(fig)) > 5000 for fig in figures(analysis).values())

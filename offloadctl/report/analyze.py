@@ -299,9 +299,11 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
         out["missing"].append("PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU in this run)")
     labels = _device_labels(tiers)
     tier_bw = {}
-    # Rates over at least RATE_WINDOW_S: a throttled device moves in bursts finer than that.
-    smooth = max(1, round(RATE_WINDOW_S * (header.get("hz") or 20)))
-    out["rate_window_s"] = smooth / (header.get("hz") or 20)
+    # Rates over a window of up to RATE_WINDOW_S (an eighth of a shorter iteration), centred on
+    # each sample: a throttled device moves in bursts finer than one sampling interval.
+    hz = header.get("hz") or 20
+    smooth = max(1, round(min(RATE_WINDOW_S, it["iter_s"] / 8) * hz))
+    out["rate_window_s"] = smooth / hz
     for dev, lab in labels.items():
         rc, wc = cols.get(f"disk_read_bytes:{dev}"), cols.get(f"disk_write_bytes:{dev}")
         if rc is None or wc is None:
@@ -321,11 +323,12 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
 
 
 def _rates(rows: list[list], col: int, window: int = 1) -> list[float | None]:
-    """Rate of a cumulative counter at each row, over the ``window`` rows before it (fewer at the
-    start); the first row has none."""
-    out: list[float | None] = [None]
-    for k in range(1, len(rows)):
-        a, b = rows[max(0, k - window)], rows[k]
+    """Rate of a cumulative counter at each row, over ``window`` sampling intervals centred on
+    it (fewer at the ends)."""
+    out: list[float | None] = []
+    back, ahead = window // 2, window - window // 2
+    for k in range(len(rows)):
+        a, b = rows[max(0, k - back)], rows[min(len(rows) - 1, k + ahead)]
         if a[col] is None or b[col] is None or b[0] <= a[0]:
             out.append(None)
         else:
