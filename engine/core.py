@@ -329,6 +329,7 @@ class SubgroupEngine:
         wall = time.perf_counter() - t_start
         rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
         rec.host_lane_s, rec.device_wait_s, rec.fwd_bwd_s = host_s, device_wait_s, fwd_bwd_s
+        rec.start_s = t_start
         rec.device_tier_subgroups = sum(sg.tier == DEVICE for sg in self.subgroups)
         if self.device is not None and self.device.type == "cuda":
             rec.device_headroom_bytes = gpu_headroom_bytes(self.device)

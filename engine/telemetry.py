@@ -49,6 +49,11 @@ class StepRecord:
     PCIe's tail past the CPU's)."""
     params: int = 0
     knobs: dict = field(default_factory=dict)
+    start_s: float | None = None
+    """``time.perf_counter()`` when the update loop started (after knob changes and the device
+    tier's fit): with the durations above it places the step's parts on a timeline. The clock is
+    CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The loop
+    runs for ``wall_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
 
     @property
     def bytes_moved_per_param(self) -> float:

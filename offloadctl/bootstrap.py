@@ -62,11 +62,14 @@ def main() -> int:
     from engine.deepspeed_zero3 import ZeroEngineSettings, install
     from engine.errors import OffloadError
 
+    from offloadctl import recorder
+
     cfg, script, script_args = split_argv(sys.argv[1:])
     state = {"engaged": 0}
     _stop_on_signals()
     try:
-        cls = install(ZeroEngineSettings.from_json(cfg))
+        stock = recorder.is_stock(cfg)  # --engine stock: DeepSpeed's own optimizer, recorded only
+        cls = None if stock else install(ZeroEngineSettings.from_json(cfg))
         import deepspeed
 
         original = deepspeed.initialize
@@ -75,6 +78,9 @@ def main() -> int:
         def initialize(*args, **kwargs):
             result = original(*args, **kwargs)
             engine = result[0]
+            if stock:
+                state["engaged"] += 1
+                return result
             stage = engine.zero_optimization_stage()
             if stage != 3:
                 raise OffloadError(f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
@@ -95,6 +101,7 @@ def main() -> int:
             return result
 
         deepspeed.initialize = initialize
+        recorder.install(cfg, script=script, rank=_rank())
         if not os.path.isfile(script):
             raise OffloadError(f"training script {script} does not exist: check the path")
         sys.argv = [script, *script_args]

@@ -13,7 +13,7 @@ import sys
 
 from . import __version__
 
-COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune")
+COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune", "report")
 COMMANDS = {name: importlib.import_module(f"{__package__}.commands.{name}") for name in COMMAND_NAMES}
 
 

@@ -21,6 +21,8 @@ import sys
 import time
 import uuid
 
+from .. import recorder
+
 # DeepSpeed launcher options passed through: (flags, takes a value).
 LAUNCHER_OPTIONS = [
     (("--num_gpus", "--num_accelerators"), True), (("--num_nodes",), True), (("--hostfile", "-H"), True),
@@ -65,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(7e9, 70M, 1.5B); the ranks plan for the real size")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    recorder.add_train_arguments(o)
     p.add_argument("script", help="the DeepSpeed training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, untouched")
 
@@ -97,7 +100,7 @@ def build(args: argparse.Namespace) -> dict:
 
         profile = resolve_profile(args.profile)
         load_profile(profile)  # a malformed profile fails here, once, not in every rank
-    tuner = tuner_target(args.tuner)
+    tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
@@ -106,6 +109,7 @@ def build(args: argparse.Namespace) -> dict:
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
+    rank_settings = recorder.launch_settings(settings.to_json(), args, run_dir)
     launcher = []
     for flags, takes_value in LAUNCHER_OPTIONS:
         v = getattr(args, "ds_" + flags[0].lstrip("-"))
@@ -116,11 +120,11 @@ def build(args: argparse.Namespace) -> dict:
     bootstrap = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bootstrap.py")
     root = os.path.dirname(os.path.dirname(bootstrap))
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, bootstrap,
-           "--offloadctl-config", json.dumps(settings.to_json()), os.path.abspath(args.script), *args.script_args]
+           "--offloadctl-config", json.dumps(rank_settings), os.path.abspath(args.script), *args.script_args]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
-    out = {"command": cmd, "env": env, "settings": settings.to_json(), "tuner": tuner}
+    out = {"command": cmd, "env": env, "settings": rank_settings, "tuner": tuner}
     if profile and args.params:
         from .plan import parse_params
 
@@ -239,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, **plan["env"])
     try:
         rc = _launch(plan, env, args, run_dir)
+        if plan["settings"].get("recorder"):
+            print(f"recorded: offloadctl report {run_dir}")
         socket_path = plan["settings"].get("tuner_socket")
         if rc == 0 and socket_path:
             from tuner.service import run_verdict

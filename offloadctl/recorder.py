@@ -1,0 +1,608 @@
+"""Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``).
+
+``offloadctl/bootstrap.py`` installs it in every rank, for offloadctl's engine and for stock
+DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in training:
+
+- **Phase hooks.** ``deepspeed.initialize`` is wrapped, and the DeepSpeed engine it returns gets
+  its ``forward``, ``backward`` and ``step`` wrapped as instance attributes (so Hugging Face
+  Trainer and Accelerate, which call those methods, are covered). Each call is a span on
+  ``time.perf_counter()``; an iteration ends with the ``step()`` that advances
+  ``engine.global_steps`` (the accumulation boundary; earlier micro-batches' spans belong to
+  it). At every span edge the kernel's byte counters of the devices behind the storage tiers
+  are read (/proc/diskstats, about 40 us), so each phase gets the bytes it read and wrote per
+  device. Inside the update: offloadctl's engine's :class:`engine.telemetry.StepRecord` for the
+  step (read waits, host lane, device lane, write and device waits, bytes per tier, cache hits,
+  knobs) goes into the record as it is, with the tuner's reason when the knobs changed; for
+  stock DeepSpeed ZeRO-3, its per-subgroup swap-in, optimizer step and swap-out are spans.
+- **Sampler thread.** At ``sample_hz`` (default 20): host RSS and this process's CPU use, the
+  cumulative bytes of each tier device, and, where CUDA and NVML exist, torch's allocated and
+  reserved GPU memory, NVML's used memory and PCIe TX/RX throughput of this rank's GPU. Series
+  that cannot be measured are left out of the file, not written as zeros. Memory stays bounded:
+  rows are written out every second, and past ``max_rows`` rows the interval doubles (and so on),
+  so a long run's file grows with the logarithm of its length.
+
+Files, one pair per rank in the run directory, JSON lines written as they happen (a crashed
+run keeps everything up to its last full line):
+
+- ``record-rank<R>.jsonl``: a header line, an ``init`` line once ``deepspeed.initialize``
+  returns (model size, tiers and their devices, the engine's plan), one ``iteration`` line per
+  optimizer step, and an ``end`` line at exit (with ``status`` and the recorder's own cost);
+- ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
+
+docs/report.md describes the fields and what recording costs.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+# Imported here, before bootstrap puts the user's script directory first on sys.path: a script
+# beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
+from engine.blockdev import device_of
+from engine.errors import ConfigError
+from engine.nvml import open_nvml
+from engine.planning import node_layout
+from tuner.sensors import disk_bytes
+
+RECORD_FORMAT = "offloadctl-record"
+SAMPLES_FORMAT = "offloadctl-samples"
+FORMAT_VERSION = 1
+ENGINES = ("offloadctl", "stock")
+MAX_SPANS = 4000
+"""Spans kept per iteration (stock DeepSpeed has three per subgroup); past it only their sums."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecorderConfig:
+    """What ``offloadctl train`` asks every rank to record."""
+
+    run_dir: str
+    """Directory of the record files (the run directory)."""
+    engine: str = "offloadctl"
+    """'offloadctl' (the engine is installed) or 'stock' (DeepSpeed's own optimizer)."""
+    sample_hz: float = 20.0
+    """Sampled series per second; 0: no sampler thread (phases are still recorded)."""
+    max_rows: int = 72_000
+    """Samples at ``sample_hz`` before the interval doubles (72,000: one hour at 20 Hz)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not (isinstance(self.sample_hz, (int, float)) and math.isfinite(self.sample_hz) and 0 <= self.sample_hz <= 1000):
+            raise ConfigError(f"--record-hz must be a number of samples per second in [0, 1000], got {self.sample_hz!r}")
+        if not (isinstance(self.max_rows, int) and self.max_rows >= 1):
+            raise ConfigError(f"RecorderConfig.max_rows must be a positive integer, got {self.max_rows!r}")
+
+    def to_json(self) -> dict:
+        return {"run_dir": self.run_dir, "engine": self.engine, "sample_hz": self.sample_hz, "max_rows": self.max_rows}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RecorderConfig":
+        return cls(run_dir=d["run_dir"], engine=d.get("engine", "offloadctl"), sample_hz=float(d.get("sample_hz", 20.0)),
+                   max_rows=int(d.get("max_rows", 72_000)))
+
+
+# -- offloadctl train's side -------------------------------------------------------------------
+
+def add_train_arguments(group) -> None:
+    """``offloadctl train``'s options for the engine choice and the recording."""
+    group.add_argument("--engine", choices=ENGINES, default="offloadctl",
+                       help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
+                       "offload, untouched, with only the recording on (to characterize a current setup and compare "
+                       "with offloadctl report)")
+    group.add_argument("--record-hz", type=float, default=20.0, metavar="HZ",
+                       help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 20)")
+    group.add_argument("--no-record", action="store_true",
+                       help="record nothing for offloadctl report (the engine's telemetry is still written)")
+
+
+def launch_settings(settings: dict, args: argparse.Namespace, run_dir: str) -> dict:
+    """The ranks' settings with the engine choice and the recorder's config added."""
+    if args.engine == "stock":
+        given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote),
+                                      ("--host-cache-gb", args.host_cache_gb), ("--profile", args.profile),
+                                      ("--prefetch-depth", args.prefetch_depth), ("--node-lock", args.node_lock),
+                                      ("--lane-device", args.lane_device)) if v]
+        given += [flag for flag, v in (("--device-cache-gb", args.device_cache_gb),
+                                       ("--device-fraction", args.device_fraction)) if v != "auto"]
+        if given:
+            raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
+                              f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
+                              f"--engine stock")
+    recorder = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine,
+                                                          sample_hz=args.record_hz).to_json()
+    return dict(settings, engine=args.engine, recorder=recorder)
+
+
+def is_stock(settings: dict) -> bool:
+    """Whether the ranks run DeepSpeed's own optimizer (``--engine stock``): no engine to install."""
+    return settings.get("engine") == "stock"
+
+
+# -- each rank's side --------------------------------------------------------------------------
+
+def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
+    """Wrap ``deepspeed.initialize`` so that every engine it returns is recorded; None when
+    recording is off. Call after anything else that wraps it (the engine's checks)."""
+    cfg = settings.get("recorder")
+    if not cfg:
+        return None
+    import deepspeed
+
+    global _CURRENT
+    rec = _CURRENT = Recorder(RecorderConfig.from_json(cfg), rank=rank, script=script)
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            rec.attach(result[0])
+        except Exception as e:  # recording must never stop training
+            print(f"offloadctl: recording off in rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return result
+
+    deepspeed.initialize = initialize
+    atexit.register(rec.close)
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        rec.error = f"{kind.__name__}: {value}"
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = excepthook
+    return rec
+
+
+_CURRENT: "Recorder | None" = None
+
+
+def current() -> "Recorder | None":
+    """This rank's recorder, when ``offloadctl train`` installed one."""
+    return _CURRENT
+
+
+def _round(x: float, digits: int = 6) -> float:
+    return round(x, digits)
+
+
+class Recorder:
+    """One rank's record: phase spans per iteration, and the sampler thread."""
+
+    def __init__(self, config: RecorderConfig, *, rank: int, script: str = "") -> None:
+        os.makedirs(config.run_dir, exist_ok=True)
+        self.config, self.rank = config, rank
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._file = open(os.path.join(config.run_dir, f"record-rank{rank}.jsonl"), "w", buffering=1)
+        self._write({"type": "header", "format": RECORD_FORMAT, "version": FORMAT_VERSION, "rank": rank,
+                     "world_size": int(os.environ.get("WORLD_SIZE", "1")), "engine": config.engine,
+                     "script": script, "host": socket.gethostname(), "pid": os.getpid(),
+                     "unix_time": time.time(), "clock": "perf_counter", "t0": time.perf_counter(),
+                     "sample_hz": config.sample_hz})
+        self._engine = None
+        self._sampler: _Sampler | None = None
+        self._devices: list[str] = []
+        self._depth = 0
+        self._iteration = 0
+        self._engine_records = 0
+        self._last_knobs = None
+        self._reset_iteration()
+        self._cost_s = 0.0  # time spent in the hooks' own bookkeeping
+        self._closed = False
+        self.suspended = False
+
+    def suspend(self, suspended: bool = True) -> None:
+        """Stop (True) or restart (False) recording between two iterations: the hooks pass calls
+        straight through and the sampler takes no samples. For measuring what recording costs,
+        iteration by iteration in one process (bench/record_overhead.py). Iterations run while
+        suspended are not recorded; the next recorded one starts where the last recorded ended."""
+        self.suspended = suspended
+        if self._sampler is not None:
+            self._sampler.paused = suspended
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def attach(self, engine) -> None:
+        """Record ``engine`` (a DeepSpeedEngine): its init facts, then every call of its
+        forward, backward and step; start the sampler."""
+        opt = getattr(engine, "optimizer", None)
+        tiers = self._tiers(engine, opt)
+        for t in tiers:
+            try:
+                info = device_of(t["path"])
+                t["device"] = info.name if info.is_block else None
+            except OSError:
+                t["device"] = None
+        devices = list(dict.fromkeys(t["device"] for t in tiers if t["device"]))
+        params = [p for p in engine.module.parameters()]
+        params_total = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        flat = getattr(opt, "fp16_partitioned_groups_flat_numel", None)
+        params_rank = int(sum(flat)) if flat else -(-params_total // world)
+        device = getattr(engine, "device", None)
+        init = {"type": "init", "t": _round(time.perf_counter()), "argv": sys.argv[1:], "params_total": params_total,
+                "params_rank": params_rank, "local_world_size": node_layout(world)[0],
+                "zero_stage": _call(engine, "zero_optimization_stage"), "optimizer": type(opt).__name__,
+                "offload_optimizer": _offload(engine, "zero_offload_optimizer"),
+                "offload_param": _offload(engine, "zero_offload_param"),
+                "device": str(device) if device is not None else None, "tiers": tiers,
+                "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps")}
+        oe = getattr(opt, "offload_engine", None)
+        if oe is not None:
+            init["engine_plan"] = oe.describe()
+        self._write(init)
+        self._engine = engine
+        self._devices = devices
+        self._last_disk = self._disk()
+        for name, phase in (("forward", "forward"), ("backward", "backward"), ("step", "update")):
+            setattr(engine, name, self._wrap(getattr(engine, name), phase, engine))
+        if self.config.engine == "stock" and opt is not None:
+            # ZeRO-3's per-subgroup update: swap-in (state and gradients read), the optimizer
+            # step (CPU Adam or the GPU's), swap-out (state written). Private names of DeepSpeed
+            # 0.19; where they are missing the update is one span.
+            for name, part in (("_prepare_sub_group", "read_wait"), ("_optimizer_step", "host_lane"),
+                               ("_release_sub_group", "write_wait")):
+                fn = getattr(opt, name, None)
+                if callable(fn):
+                    setattr(opt, name, self._wrap_part(fn, part))
+        if self.config.sample_hz > 0 and self._sampler is None:
+            cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
+            self._sampler = _Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
+                                     self.config.sample_hz, devices, cuda, self.config.max_rows)
+            self._sampler.start()
+
+    @staticmethod
+    def _tiers(engine, opt) -> list[dict]:
+        oe = getattr(opt, "offload_engine", None)
+        if oe is not None:
+            return [{"kind": p.spec.kind, "path": p.path} for p in oe.paths]
+        tiers = []
+        for getter in ("zero_offload_optimizer", "zero_offload_param"):
+            off = _call(engine, getter)
+            path = getattr(off, "nvme_path", None) if off is not None else None
+            if path and str(getattr(off, "device", "")).endswith("nvme"):
+                p = os.path.abspath(str(path))
+                if p not in [t["path"] for t in tiers]:
+                    tiers.append({"kind": "nvme", "path": p})
+        return tiers
+
+    def _wrap(self, fn, phase: str, engine):
+        rec = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if rec._depth or rec.suspended:  # a nested call (one phase inside another): its outer span holds it
+                return fn(*args, **kwargs)
+            steps = getattr(engine, "global_steps", None)
+            rec._enter(phase)
+            rec._depth += 1
+            failed = True
+            try:
+                out = fn(*args, **kwargs)
+                failed = False
+                return out
+            finally:
+                rec._depth -= 1
+                boundary = phase == "update" and (failed or getattr(engine, "global_steps", None) != steps)
+                rec._exit(phase, boundary, failed)
+
+        return wrapper
+
+    def _wrap_part(self, fn, part: str):
+        rec = self
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if rec.suspended:
+                return fn(*args, **kwargs)
+            c0 = time.perf_counter()
+            rec._account_io("update")  # what the step moved since the last edge
+            t0 = time.perf_counter()
+            rec._cost_s += t0 - c0
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                rec._account_io(f"update.{part}")
+                rec._span(part, t0, t1)
+                rec._cost_s += time.perf_counter() - t1
+
+        return wrapper
+
+    def _reset_iteration(self) -> None:
+        self._spans: list[list] = []
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._io: dict[str, dict[str, list[int]]] = {}
+        self._t_enter = 0.0
+        self._tuner_pending: list[dict] = []
+
+    def _disk(self) -> dict[str, tuple[int, int]]:
+        if not self._devices:
+            return {}
+        return disk_bytes(self._devices)
+
+    def _account_io(self, phase: str) -> None:
+        if not self._devices:
+            return
+        now = self._disk()
+        acc = self._io.setdefault(phase, {})
+        for dev, (r, w) in now.items():
+            r0, w0 = self._last_disk.get(dev, (r, w))
+            if r != r0 or w != w0:
+                cur = acc.setdefault(dev, [0, 0])
+                cur[0] += r - r0
+                cur[1] += w - w0
+        self._last_disk = now
+
+    def _enter(self, phase: str) -> None:
+        t0 = time.perf_counter()
+        self._account_io("outside")
+        if phase == "update":
+            client = getattr(getattr(self._engine, "optimizer", None), "tuner_client", None)
+            if client is not None:
+                try:
+                    self._tuner_pending = client.pending_changes()
+                except Exception:
+                    self._tuner_pending = []
+        t1 = time.perf_counter()
+        self._cost_s += t1 - t0
+        self._t_enter = t1
+
+    def _exit(self, phase: str, boundary: bool, failed: bool) -> None:
+        t_end = time.perf_counter()
+        self._account_io(phase)
+        self._span(phase, self._t_enter, t_end)
+        if boundary:
+            self._close_iteration(t_end, failed)
+        self._cost_s += time.perf_counter() - t_end
+
+    def _span(self, name: str, t0: float, t1: float) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + (t1 - t0)
+        self._counts[name] = self._counts.get(name, 0) + 1
+        if len(self._spans) < MAX_SPANS:
+            self._spans.append([name, _round(t0), _round(t1)])
+
+    def _close_iteration(self, t_end: float, failed: bool) -> None:
+        opt = getattr(self._engine, "optimizer", None)
+        line = {"type": "iteration", "iteration": self._iteration, "t_end": _round(t_end),
+                "spans": self._spans, "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
+                "sums": {k: _round(v) for k, v in self._sums.items()}, "counts": self._counts,
+                "io": self._io, "skipped": bool(getattr(opt, "overflow", False)), "failed": failed}
+        oe = getattr(opt, "offload_engine", None)
+        if oe is not None:
+            recs = oe.telemetry.records
+            if len(recs) > self._engine_records:
+                rec = recs[-1].to_dict()
+                line["engine"] = rec
+                if self._last_knobs is not None and rec["knobs"] != self._last_knobs:
+                    line["tuner"] = self._tuner_reason(rec)
+                self._last_knobs = rec["knobs"]
+            self._engine_records = len(recs)
+        line["recorder_s"] = _round(self._cost_s)
+        self._write(line)
+        self._iteration += 1
+        self._cost_s = 0.0
+        self._reset_iteration()
+
+    def _tuner_reason(self, rec: dict) -> dict:
+        """Why the knobs changed: the tuner's change applied at this step, else unattributed."""
+        due = [c for c in self._tuner_pending if c["apply_at"] <= rec["iteration"]]
+        if due:
+            c = due[-1]
+            return {"seq": c["seq"], "reason": c["reason"], "apply_at": c["apply_at"]}
+        return {"seq": None, "reason": "knobs changed (not by a tuner change seen here)", "apply_at": None}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _write(self, obj: dict) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        """Stop the sampler and write the ``end`` line. Idempotent (atexit calls it)."""
+        if self._closed:
+            return
+        self._closed = True
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.stop()
+        end = {"type": "end", "t": _round(time.perf_counter()), "status": "error" if self.error else "ok",
+               "error": self.error, "iterations": self._iteration,
+               "open_spans": len(self._spans)}
+        if sampler is not None:
+            end.update(sampler_rows=sampler.rows, sampler_busy_s=_round(sampler.busy_s),
+                       sampler_interval_s=_round(sampler.interval_s))
+        self._write(end)
+        with self._lock:
+            self._file.close()
+
+
+def _call(obj, name: str):
+    fn = getattr(obj, name, None)
+    try:
+        return fn() if callable(fn) else None
+    except Exception:
+        return None
+
+
+def _offload(engine, getter: str) -> dict | None:
+    off = _call(engine, getter)
+    if off is None:
+        return None
+    device = getattr(off, "device", None)
+    device = getattr(device, "value", device)
+    path = getattr(off, "nvme_path", None)
+    return {"device": str(device) if device is not None else None, "nvme_path": str(path) if path else None}
+
+
+class _Sampler(threading.Thread):
+    """Samples the rank's process, its tier devices and its GPU at a fixed rate, on its own thread."""
+
+    FLUSH_S = 1.0
+
+    def __init__(self, path: str, hz: float, devices: list[str], cuda_device, max_rows: int) -> None:
+        super().__init__(name="offloadctl-recorder", daemon=True)
+        self.interval_s = 1.0 / hz
+        self.rows = 0
+        self.busy_s = 0.0
+        self.paused = False
+        self._next_double = max_rows
+        self._max_rows = max_rows
+        self._devices = devices
+        self._stop_event = threading.Event()
+        self._cuda = cuda_device
+        self._nvml = _own_nvml(cuda_device) if cuda_device is not None else None
+        self._statm = _open_statm()
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        columns = ["t", "rss_bytes", "cpu_percent"]
+        for d in devices:
+            columns += [f"disk_read_bytes:{d}", f"disk_write_bytes:{d}"]
+        if cuda_device is not None:
+            columns += ["gpu_allocated_bytes", "gpu_reserved_bytes"]
+        if self._nvml is not None:
+            columns += ["nvml_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"]
+        self.columns = columns
+        self._file = open(path, "w")
+        self._file.write(json.dumps({"type": "header", "format": SAMPLES_FORMAT, "version": FORMAT_VERSION,
+                                     "columns": columns, "hz": hz, "max_rows": max_rows,
+                                     "clock": "perf_counter", "t0": time.perf_counter(),
+                                     "gpu": cuda_device is not None, "nvml": self._nvml is not None}) + "\n")
+        self._file.flush()
+        self._cpu = (time.perf_counter(), _cpu_s())
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=2.0)
+        if not self._file.closed:
+            self._file.close()
+        if self._nvml is not None:
+            try:
+                self._nvml[0].nvmlShutdown()
+            except Exception:
+                pass
+
+    def run(self) -> None:
+        rows: list[str] = []
+        last_flush = time.perf_counter()
+        next_t = time.perf_counter()
+        try:
+            while not self._stop_event.is_set():
+                if self.paused:
+                    self._stop_event.wait(self.interval_s)
+                    next_t = time.perf_counter()
+                    continue
+                t0 = time.perf_counter()
+                c0 = time.thread_time()  # CPU time, not wall: waits for the GIL are not our cost
+                rows.append(json.dumps(self._sample(t0), separators=(",", ":")))
+                self.rows += 1
+                if self.rows >= self._next_double:  # bounded growth: halve the rate
+                    self.interval_s *= 2
+                    self._next_double += self._max_rows
+                t1 = time.perf_counter()
+                if t1 - last_flush >= self.FLUSH_S:
+                    self._file.write("\n".join(rows) + "\n")
+                    self._file.flush()
+                    rows, last_flush = [], t1
+                self.busy_s += time.thread_time() - c0
+                next_t += self.interval_s
+                if next_t < t1:  # fell behind (a long NVML call): skip, do not burst
+                    next_t = t1 + self.interval_s
+                self._stop_event.wait(max(0.0, next_t - time.perf_counter()))
+        finally:
+            if rows and not self._file.closed:
+                self._file.write("\n".join(rows) + "\n")
+                self._file.flush()
+
+    def _sample(self, t: float) -> list:
+        cpu_t, cpu_s = t, _cpu_s()
+        t_prev, s_prev = self._cpu
+        self._cpu = (cpu_t, cpu_s)
+        row = [round(t, 4), self._rss(), round(100.0 * (cpu_s - s_prev) / max(cpu_t - t_prev, 1e-6), 1)]
+        if self._devices:
+            disk = disk_bytes(self._devices)
+            for d in self._devices:
+                row += list(disk.get(d, (None, None)))
+        if self._cuda is not None:
+            import torch
+
+            try:
+                row += [torch.cuda.memory_allocated(self._cuda), torch.cuda.memory_reserved(self._cuda)]
+            except Exception:
+                row += [None, None]
+        if self._nvml is not None:
+            n, h = self._nvml
+            try:
+                # NVML reports PCIe throughput in KB/s, over its last 20 ms.
+                row += [int(n.nvmlDeviceGetMemoryInfo(h).used),
+                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024,
+                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024]
+            except Exception:
+                row += [None, None, None]
+        return row
+
+    def _rss(self) -> int | None:
+        if self._statm is not None:
+            try:
+                return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
+            except (OSError, IndexError, ValueError):
+                pass
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+        except Exception:
+            return None
+
+
+def _open_statm() -> int | None:
+    try:
+        return os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _own_nvml(cuda_device):
+    """(pynvml, handle) of the GPU behind ``cuda_device``, or None (no NVML, or no match)."""
+    opened = open_nvml()
+    if opened is None:
+        return None
+    nvml, handles = opened
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(cuda_device)
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            try:
+                return nvml, nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            except Exception:
+                pass
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:
+            bus_id = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+            return nvml, nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
+    except Exception:
+        pass
+    try:
+        nvml.nvmlShutdown()
+    except Exception:
+        pass
+    return None

@@ -1,0 +1,336 @@
+"""The numbers behind every plot of ``offloadctl report``: pure functions of the records.
+
+An iteration runs from the end of the previous optimizer step (for the first, from its first
+recorded call) to the end of its own. It splits into the **segments** of :data:`SEGMENTS`:
+forward, backward, the update (the DeepSpeed ``step()`` span) in its parts, and ``outside``,
+the training loop's own time between DeepSpeed calls. The update's parts come from the
+engine's StepRecord (offloadctl), or from the spans of stock ZeRO-3's per-subgroup swap-in,
+optimizer step and swap-out; ``update_other`` is the rest of the step span (DeepSpeed's
+gradient norm, clipping and partitioning, the engine's loop bookkeeping). The segments add up
+to the iteration exactly, by construction; ``measured_share`` says how much of it the recorded
+spans cover.
+
+Bytes per parameter: the engine's own counts per tier kind (``engine_bytes``), and the
+kernel's per-device counters per phase (``disk_bytes``), node-wide, so divided by the
+parameters of the node's ranks. Times are seconds, bytes are bytes.
+"""
+from __future__ import annotations
+
+import statistics
+
+from .load import Run
+
+SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "write_wait", "device_wait",
+            "update_other", "outside")
+UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_wait", "update_other")
+PHASES = ("forward", "backward", "update", "outside")
+ADAM_STATE_BYTES = 12
+"""fp32 master weight, exp_avg and exp_avg_sq, per parameter."""
+RATE_WINDOW_S = 0.2
+"""Bandwidth in the timeline is averaged over this much time."""
+SEGMENT_LABELS = {
+    "forward": "forward", "backward": "backward", "read_wait": "update: waiting for reads",
+    "host_lane": "update: host lane (CPU Adam)", "device_lane": "update: device lane (queueing)",
+    "write_wait": "update: waiting for writes", "device_wait": "update: waiting for the device",
+    "update_other": "update: other (norm, clip, bookkeeping)", "outside": "outside DeepSpeed (the script)"}
+
+
+def analyze(runs: list[Run], iteration: int | None = None) -> dict:
+    """Every run's numbers, and their comparison against the first."""
+    out = [analyze_run(r, iteration) for r in runs]
+    base = out[0]["summary"]["median_iter_s"]
+    for a in out:
+        med = a["summary"]["median_iter_s"]
+        a["summary"]["speedup_vs_first"] = base / med if med else None
+    return {"version": 1, "baseline": out[0]["label"], "runs": out}
+
+
+def analyze_run(run: Run, iteration: int | None = None) -> dict:
+    rec = run.record
+    init = rec.init
+    tiers = _tiers(init)
+    iters = [_iteration(run, it, prev, tiers) for prev, it in zip([None] + rec.iterations[:-1], rec.iterations)]
+    steady = [i for i in iters if i["iteration"] > 0 and not i["skipped"]] or iters
+    median = _median_iteration(steady)
+    chosen = _choose(iters, iteration, run) if iteration is not None else median
+    summary = _summary(steady, iters, median, any(t["device"] for t in tiers))
+    off = init.get("offload_optimizer") or {}
+    if run.engine == "stock" and str(off.get("device", "")).endswith("nvme") and summary["disk_bytes_per_param_total"]:
+        # ZeRO-Infinity swaps every subgroup's Adam state in and out at every step (12 B/param of
+        # fp32 master, exp_avg, exp_avg_sq each way); what its tier moves beyond that is its fp32
+        # gradients, written out (in backward, and flushed at the update's first swap-in) and read back.
+        summary["gradient_round_trip_bytes_per_param"] = {
+            d: max(0.0, _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values())
+                                for i in steady) - ADAM_STATE_BYTES) for d in ("read", "written")}
+    return {
+        "label": run.label, "path": run.path, "engine": run.engine, "status": run.status, "rank": rec.rank,
+        "ranks": run.ranks, "notes": list(rec.notes),
+        "params_total": init.get("params_total"), "params_rank": init.get("params_rank"),
+        "local_world_size": init.get("local_world_size", 1), "zero_stage": init.get("zero_stage"),
+        "offload_optimizer": init.get("offload_optimizer"), "offload_param": init.get("offload_param"),
+        "device": init.get("device"), "tiers": tiers, "argv": init.get("argv"), "script": rec.header.get("script"),
+        "iterations": iters, "summary": summary, "knob_changes": _knob_changes(iters),
+        "timeline": _timeline(run, chosen, tiers),
+        "recorder": _recorder_cost(rec, iters),
+    }
+
+
+# -- per iteration ---------------------------------------------------------------------------
+
+def _tiers(init: dict) -> list[dict]:
+    """Tier devices with a label each: 'nvme', 'remote', numbered when a kind repeats."""
+    tiers = init.get("tiers") or []
+    kinds = [t["kind"] for t in tiers]
+    out = []
+    for i, t in enumerate(tiers):
+        n = kinds[:i + 1].count(t["kind"])
+        label = t["kind"] if kinds.count(t["kind"]) == 1 else f"{t['kind']}{n - 1}"
+        out.append({"label": label, "kind": t["kind"], "path": t["path"], "device": t.get("device")})
+    return out
+
+
+def _device_labels(tiers: list[dict]) -> dict[str, str]:
+    labels: dict[str, list[str]] = {}
+    for t in tiers:
+        if t["device"]:
+            labels.setdefault(t["device"], []).append(t["label"])
+    return {d: "+".join(ls) + f" ({d})" for d, ls in labels.items()}
+
+
+def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict:
+    spans = it.get("spans") or []
+    sums = it.get("sums") or {}
+    if prev is not None:
+        t_start = prev["t_end"]
+    else:
+        t_start = min((s[1] for s in spans), default=it["t_end"] - sum(sums.get(p, 0.0) for p in PHASES[:3]))
+    iter_s = max(it["t_end"] - t_start, 1e-9)
+    phases = {p: sums.get(p, 0.0) for p in PHASES[:3]}
+    measured = sum(phases.values())
+    phases["outside"] = iter_s - measured
+    parts = dict.fromkeys(UPDATE_PARTS, 0.0)
+    eng = it.get("engine")
+    if eng is not None:
+        parts["read_wait"] = eng["read_wait_s"]
+        parts["host_lane"] = eng.get("host_lane_s", eng["update_s"])
+        parts["device_lane"] = max(0.0, eng["update_s"] - parts["host_lane"])
+        parts["write_wait"] = eng["write_wait_s"]
+        parts["device_wait"] = eng.get("device_wait_s", 0.0)
+    else:
+        for k in ("read_wait", "host_lane", "write_wait"):
+            parts[k] = sums.get(k, 0.0)
+    parts["update_other"] = phases["update"] - sum(v for k, v in parts.items() if k != "update_other")
+    segments = {"forward": phases["forward"], "backward": phases["backward"], **parts, "outside": phases["outside"]}
+    out = {
+        "iteration": it["iteration"], "t_start": t_start, "t_end": it["t_end"], "iter_s": iter_s,
+        "phases": phases, "segments": segments, "measured_share": measured / iter_s,
+        "skipped": bool(it.get("skipped")), "failed": bool(it.get("failed")),
+        "disk_bytes": _disk_bytes(it.get("io") or {}, tiers),
+        "disk_bytes_update_parts": {k: v for k, v in _disk_bytes(it.get("io") or {}, tiers, parts=True).items()
+                                    if k.startswith("update")} if any("." in k for k in it.get("io") or {}) else None,
+        "recorder_s": it.get("recorder_s", 0.0),
+    }
+    params_node = (run.record.init.get("params_rank") or 0) * (run.record.init.get("local_world_size") or 1)
+    per_param = lambda db: {ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}  # noqa: E731
+                            for ph, d in db.items()} if params_node else {}
+    out["disk_bytes_per_param"] = per_param(out["disk_bytes"])
+    if out["disk_bytes_update_parts"]:
+        out["disk_bytes_per_param_update_parts"] = per_param(out["disk_bytes_update_parts"])
+    if eng is not None:
+        kinds = sorted(set(eng.get("bytes_read", {})) | set(eng.get("bytes_written", {})))
+        out["engine_bytes"] = {k: {"read": eng.get("bytes_read", {}).get(k, 0),
+                                   "written": eng.get("bytes_written", {}).get(k, 0)} for k in kinds}
+        p = eng.get("params") or 0
+        out["engine_bytes_per_param"] = {k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()} if p else {}
+        out["engine_iteration"] = eng["iteration"]
+        out["cache"] = {"hits": eng.get("cache_hits", 0), "misses": eng.get("cache_misses", 0)}
+        out["lanes"] = {"host": eng.get("host_lane_subgroups", 0), "device": eng.get("device_lane_subgroups", 0),
+                        "device_tier": eng.get("device_tier_subgroups", 0)}
+        out["knobs"] = eng.get("knobs", {})
+        out["engine_start_s"] = eng.get("start_s")
+        out["engine_wall_s"] = eng["wall_s"]
+        if it.get("tuner"):
+            out["tuner"] = it["tuner"]
+    return out
+
+
+def _disk_bytes(io: dict, tiers: list[dict], parts: bool = False) -> dict:
+    """{phase: {tier label: {"read": bytes, "written": bytes}}} from the per-device counters;
+    the update's parts (stock ZeRO-3: ``update.read_wait`` ...) count in ``update``, or, with
+    ``parts``, on their own (``update`` then holds the rest of the step)."""
+    labels = _device_labels(tiers)
+    out: dict = {}
+    for key, per_dev in io.items():
+        phase = key if parts else key.split(".")[0]
+        if not parts and phase not in PHASES:
+            continue
+        for dev, (r, w) in per_dev.items():
+            lab = labels.get(dev, dev)
+            d = out.setdefault(phase, {}).setdefault(lab, {"read": 0, "written": 0})
+            d["read"] += r
+            d["written"] += w
+    return out
+
+
+# -- across iterations -----------------------------------------------------------------------
+
+def _choose(iters: list[dict], iteration: int, run: Run) -> dict:
+    from engine.errors import ConfigError
+
+    for i in iters:
+        if i["iteration"] == iteration:
+            return i
+    raise ConfigError(f"{run.path} recorded iterations {iters[0]['iteration']}..{iters[-1]['iteration']}: "
+                      f"--iteration {iteration} is not among them")
+
+
+def _median_iteration(steady: list[dict]) -> dict:
+    """The steady iteration of median time (the lower one of an even count): the run's
+    representative, whose breakdown adds up to its time (medians of parts would not)."""
+    ordered = sorted(steady, key=lambda i: i["iter_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: bool) -> dict:
+    s = {"iterations": len(iters), "steady_iterations": [i["iteration"] for i in steady],
+         "median_iteration": median["iteration"], "median_iter_s": median["iter_s"],
+         "median_segments_s": dict(median["segments"]), "median_phases_s": dict(median["phases"]),
+         "mean_iter_s": statistics.fmean(i["iter_s"] for i in steady),
+         "median_measured_share": _median(i["measured_share"] for i in steady)}
+    # Disk bytes/param per phase and tier, median over steady iterations (absent counts as 0).
+    keys = {(ph, t) for i in steady for ph, d in i["disk_bytes_per_param"].items() for t in d}
+    disk: dict = {}
+    for ph, t in sorted(keys):
+        disk.setdefault(ph, {})[t] = {d: _median(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0)
+                                                 for i in steady) for d in ("read", "written")}
+    s["disk_bytes_per_param"] = disk
+    if any(i.get("disk_bytes_per_param_update_parts") for i in steady):
+        # The update's bytes by part (stock ZeRO-3): where in the step the gradients' round trip falls.
+        keys = {(ph, t) for i in steady for ph, d in (i.get("disk_bytes_per_param_update_parts") or {}).items() for t in d}
+        parts: dict = {}
+        for ph, t in sorted(keys):
+            parts.setdefault(ph, {})[t] = {d: _median((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {})
+                                                      .get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
+        s["disk_bytes_per_param_update_parts"] = parts
+    s["disk_bytes_per_param_total"] = _median(
+        sum(v for d in i["disk_bytes_per_param"].values() for rw in d.values() for v in rw.values()) for i in steady
+    ) if has_devices else None
+    if any("engine_bytes_per_param" in i for i in steady):
+        kinds = sorted({k for i in steady for k in i.get("engine_bytes_per_param", {})})
+        s["engine_bytes_per_param"] = {k: {d: _median(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0)
+                                                       for i in steady) for d in ("read", "written")} for k in kinds}
+        s["engine_bytes_per_param_total"] = _median(
+            sum(v for rw in i.get("engine_bytes_per_param", {}).values() for v in rw.values()) for i in steady)
+        s["median_cache_hits"] = _median(i["cache"]["hits"] for i in steady if "cache" in i)
+        s["swapped_subgroups"] = _median(i["cache"]["hits"] + i["cache"]["misses"] for i in steady if "cache" in i)
+    return s
+
+
+def _knob_changes(iters: list[dict]) -> list[dict]:
+    out, prev = [], None
+    for i in iters:
+        k = i.get("knobs")
+        if k is None:
+            continue
+        if prev is not None and k != prev:
+            changed = {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev)) if k.get(n) != prev.get(n)}
+            out.append({"iteration": i["iteration"], "engine_iteration": i.get("engine_iteration"), "changed": changed,
+                        "reason": (i.get("tuner") or {}).get("reason")})
+        prev = k
+    return out
+
+
+def _recorder_cost(rec, iters: list[dict]) -> dict:
+    end = rec.end or {}
+    total_s = sum(i["iter_s"] for i in iters)
+    hooks = sum(i["recorder_s"] for i in iters)
+    busy = end.get("sampler_busy_s")
+    return {"hooks_s": hooks, "hooks_share": hooks / total_s if total_s else None,
+            "sampler_rows": end.get("sampler_rows", len(rec.samples)), "sampler_busy_s": busy,
+            "sampler_hz": (rec.samples_header or {}).get("hz")}
+
+
+# -- the chosen iteration on a time axis ------------------------------------------------------
+
+def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
+    rec = run.record
+    raw = next(r for r in rec.iterations if r["iteration"] == it["iteration"])
+    t0, t1 = it["t_start"], it["t_end"]
+    spans = [[s[0], s[1] - t0, s[2] - t0] for s in raw.get("spans") or []]
+    phase_spans = [s for s in spans if s[0] in PHASES]
+    update_spans = [s for s in spans if s[0] in UPDATE_PARTS]
+    if "engine_start_s" in it and it["engine_start_s"] is not None:
+        # The engine's step on the same clock: its loop, then the write wait, then the device wait.
+        start = it["engine_start_s"] - t0
+        loop_s = it["engine_wall_s"] - it["segments"]["write_wait"] - it["segments"]["device_wait"]
+        update_spans = [["update_loop", start, start + loop_s],
+                        ["write_wait", start + loop_s, start + loop_s + it["segments"]["write_wait"]],
+                        ["device_wait", start + loop_s + it["segments"]["write_wait"], start + it["engine_wall_s"]]]
+    out = {"iteration": it["iteration"], "iter_s": it["iter_s"], "phase_spans": phase_spans,
+           "update_spans": update_spans, "series": {}, "missing": []}
+    header = rec.samples_header
+    if not header or not rec.samples:
+        out["missing"].append("no sampled series in this run (--record-hz 0, or the samples file is missing)")
+        return out
+    cols = {c: k for k, c in enumerate(header["columns"])}
+    pad = max(0.03 * it["iter_s"], 2.0 / (header.get("hz") or 20))
+    rows = rec.samples
+    lo = next((k for k, r in enumerate(rows) if r[0] >= t0 - pad), len(rows))
+    hi = next((k for k, r in enumerate(rows) if r[0] > t1 + pad), len(rows))
+    window = rows[max(0, lo - 1):hi]  # one row before, for the first rate
+    if len(window) < 2:
+        out["missing"].append("fewer than two samples fell within this iteration (a faster iteration than the "
+                              "sampling interval: raise --record-hz)")
+    t = [r[0] - t0 for r in window]
+    series = out["series"]
+    series["t"] = t
+    for name in ("rss_bytes", "cpu_percent", "gpu_allocated_bytes", "gpu_reserved_bytes", "nvml_used_bytes",
+                 "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"):
+        if name in cols:
+            series[name] = [r[cols[name]] for r in window]
+    if "gpu_allocated_bytes" not in cols:
+        out["missing"].append("GPU memory: not recorded (no CUDA device in this run)")
+    if "pcie_tx_bytes_per_s" not in cols:
+        out["missing"].append("PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU in this run)")
+    labels = _device_labels(tiers)
+    tier_bw = {}
+    # Rates over a window of up to RATE_WINDOW_S (an eighth of a shorter iteration), centred on
+    # each sample: a throttled device moves in bursts finer than one sampling interval.
+    hz = header.get("hz") or 20
+    smooth = max(1, round(min(RATE_WINDOW_S, it["iter_s"] / 8) * hz))
+    out["rate_window_s"] = smooth / hz
+    for dev, lab in labels.items():
+        rc, wc = cols.get(f"disk_read_bytes:{dev}"), cols.get(f"disk_write_bytes:{dev}")
+        if rc is None or wc is None:
+            continue
+        tier_bw[lab] = {"read_bytes_per_s": _rates(window, rc, smooth), "write_bytes_per_s": _rates(window, wc, smooth)}
+    series["tier_bytes_per_s"] = tier_bw
+    if not tier_bw:
+        out["missing"].append("tier bandwidth: no storage tier with a block device in this run")
+    # GPU memory per phase (FlexScience'24: what the update phase leaves free).
+    for name in ("gpu_reserved_bytes", "nvml_used_bytes"):
+        if name in series:
+            out.setdefault("gpu_peak_by_phase", {})[name] = {
+                ph: max((v for tt, v in zip(t, series[name]) if v is not None and
+                         any(s[0] == ph and s[1] <= tt <= s[2] for s in phase_spans)), default=None)
+                for ph in PHASES[:3]}
+    return out
+
+
+def _rates(rows: list[list], col: int, window: int = 1) -> list[float | None]:
+    """Rate of a cumulative counter at each row, over ``window`` sampling intervals centred on
+    it (fewer at the ends)."""
+    out: list[float | None] = []
+    back, ahead = window // 2, window - window // 2
+    for k in range(len(rows)):
+        a, b = rows[max(0, k - back)], rows[min(len(rows) - 1, k + ahead)]
+        if a[col] is None or b[col] is None or b[0] <= a[0]:
+            out.append(None)
+        else:
+            out.append(max(0, b[col] - a[col]) / (b[0] - a[0]))
+    return out

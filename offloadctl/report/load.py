@@ -1,0 +1,162 @@
+"""Reading a run directory's records (``offloadctl/recorder.py``), with one-line errors.
+
+A run directory holds, per rank, ``record-rank<R>.jsonl`` and ``samples-rank<R>.jsonl`` (the
+recorder's) and, for offloadctl's engine, ``telemetry-rank<R>.jsonl`` (the engine's). A crashed
+run keeps every full line it wrote: a last line cut short is skipped with a note, a missing
+``end`` line marks the run incomplete, and what was recorded still reports. What cannot report
+is an error naming the directory and what to do: an empty or foreign directory, a record
+damaged before its last line, a run that stopped before its first complete iteration.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+
+from ..recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
+
+
+@dataclass
+class RankRecord:
+    """What one rank recorded."""
+
+    rank: int
+    header: dict
+    init: dict
+    iterations: list[dict]
+    end: dict | None
+    samples_header: dict | None = None
+    samples: list[list] = field(default_factory=list)
+    telemetry: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was odd but did not stop the report (a cut last line, a missing samples file)."""
+
+
+@dataclass
+class Run:
+    path: str
+    label: str
+    engine: str
+    ranks: list[int]
+    """Every rank with a record in the directory."""
+    record: RankRecord
+    """The rank reported (``--rank``)."""
+
+    @property
+    def status(self) -> str:
+        end = self.record.end
+        if end is None:
+            return "incomplete: no end line (the process was killed, or is still running)"
+        if end.get("status") == "error":
+            return f"crashed: {end.get('error')}"
+        return "complete"
+
+
+def load_run(path: str, rank: int = 0, label: str | None = None) -> Run:
+    """The records of ``rank`` in run directory ``path``; :class:`ConfigError` when there is
+    nothing to report."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is not a directory: give the --run-dir of an `offloadctl train` run")
+    names = os.listdir(path)
+    if not names:
+        raise ConfigError(f"{path} is empty: no run recorded there (offloadctl train writes record-rank<R>.jsonl "
+                          f"into its --run-dir)")
+    ranks = sorted(int(m.group(1)) for m in (re.fullmatch(r"record-rank(\d+)\.jsonl", n) for n in names) if m)
+    if not ranks:
+        if any(re.fullmatch(r"telemetry-rank\d+\.jsonl", n) for n in names):
+            raise ConfigError(f"{path} has the engine's telemetry but no record-rank<R>.jsonl: the run was made with "
+                              f"--no-record or by an older offloadctl; run it again to report it")
+        raise ConfigError(f"{path} is not an offloadctl run directory (no record-rank<R>.jsonl among its "
+                          f"{len(names)} entries): give the --run-dir of an `offloadctl train` run")
+    if rank not in ranks:
+        raise ConfigError(f"{path} has no record of rank {rank} (ranks recorded: {', '.join(map(str, ranks))}): "
+                          f"choose one with --rank")
+    rec = _load_record(os.path.join(path, f"record-rank{rank}.jsonl"), rank)
+    _load_samples(os.path.join(path, f"samples-rank{rank}.jsonl"), rec)
+    tel = os.path.join(path, f"telemetry-rank{rank}.jsonl")
+    if os.path.exists(tel):
+        rec.telemetry, _ = _json_lines(tel, rec.notes)
+    engine = rec.header.get("engine", "offloadctl")
+    name = label or f"{os.path.basename(os.path.normpath(os.path.abspath(path)))} ({engine})"
+    return Run(path=os.path.abspath(path), label=name, engine=engine, ranks=ranks, record=rec)
+
+
+def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
+    """Every JSON line of ``path``; a last line cut short (a crash mid-write) is skipped with a
+    note, a bad line before it is an error. Returns (values, line count)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    complete = data.endswith(b"\n")
+    if complete:
+        lines = lines[:-1]
+    out = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            out.append(json.loads(raw))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if i == len(lines) and not complete:
+                notes.append(f"{os.path.basename(path)}: its last line was cut short (the run stopped while writing "
+                             f"it); reported up to the line before")
+                break
+            raise ConfigError(f"{path}:{i}: not a JSON line: the record is damaged (or not offloadctl's); "
+                              f"nothing after a damaged line can be trusted") from None
+    return out, len(lines)
+
+
+def _load_record(path: str, rank: int) -> RankRecord:
+    notes: list[str] = []
+    if os.path.getsize(path) == 0:
+        raise ConfigError(f"{path} is empty: the run stopped before it started recording")
+    try:
+        values, _ = _json_lines(path, notes)
+    except ConfigError as e:
+        if ":1:" in str(e):  # not even a header: someone else's file of that name
+            raise ConfigError(f"{path} is not an offloadctl record (its first line is not JSON)") from None
+        raise
+    if not values or not isinstance(values[0], dict) or values[0].get("format") != RECORD_FORMAT:
+        raise ConfigError(f"{path} is not an offloadctl record (its first line is not a {RECORD_FORMAT} header)")
+    header = values[0]
+    if int(header.get("version", 0)) > FORMAT_VERSION:
+        raise ConfigError(f"{path} is record format version {header.get('version')}, newer than this offloadctl "
+                          f"reads ({FORMAT_VERSION}): upgrade offloadctl")
+    init, iterations, end = None, [], None
+    for v in values[1:]:
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "init" and init is None:
+            init = v
+        elif kind == "iteration":
+            iterations.append(v)
+        elif kind == "end":
+            end = v
+    if init is None:
+        raise ConfigError(f"{path}: the run stopped before deepspeed.initialize returned (or never called it): "
+                          f"no iteration to report")
+    if not iterations:
+        raise ConfigError(f"{path}: the run recorded no complete iteration (it stopped before its first optimizer "
+                          f"step ended): nothing to report")
+    return RankRecord(rank=rank, header=header, init=init, iterations=iterations, end=end, notes=notes)
+
+
+def _load_samples(path: str, rec: RankRecord) -> None:
+    if not os.path.exists(path):
+        if rec.header.get("sample_hz", 0) > 0:
+            rec.notes.append(f"{os.path.basename(path)} is missing: no sampled series")
+        return
+    try:
+        values, _ = _json_lines(path, rec.notes)
+    except ConfigError as e:
+        rec.notes.append(f"sampled series left out: {e}")
+        return
+    if not values or not isinstance(values[0], dict) or values[0].get("format") != SAMPLES_FORMAT:
+        rec.notes.append(f"{os.path.basename(path)} is not an offloadctl samples file: no sampled series")
+        return
+    width = len(values[0]["columns"])
+    rec.samples_header = values[0]
+    rec.samples = [r for r in values[1:] if isinstance(r, list) and len(r) == width]
+

@@ -1,0 +1,157 @@
+"""The report's outputs: PNG files, a self-contained HTML page, a terminal summary, JSON."""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+
+from rich.console import Console
+from rich.table import Table
+
+from .analyze import PHASES, SEGMENTS
+
+SHORT_LABELS = {"forward": "forward", "backward": "backward", "read_wait": "update: read wait",
+                "host_lane": "update: host lane", "device_lane": "update: device lane", "write_wait": "update: write wait",
+                "device_wait": "update: device wait", "update_other": "update: other", "outside": "outside DeepSpeed"}
+
+SECTION_TEXT = {
+    "breakdown": ("Iteration time, per iteration",
+                  "Each bar is one iteration (one optimizer step), stacked by where its time went: forward, backward, "
+                  "the update's parts, and the script's own time between DeepSpeed calls. Dashed lines mark knob "
+                  "changes (the tuner's, with what changed)."),
+    "timeline": ("One iteration on a time axis",
+                 "The chosen iteration (--iteration, default the median one) of every run: the phases and the "
+                 "update's parts, then GPU memory, PCIe TX/RX, each tier's read (solid) and write (dashed) bandwidth "
+                 "from the kernel's disk counters, and the process's RSS and CPU use, with the phases shaded behind. "
+                 "Series that a run could not measure (no GPU, no NVML) say so instead of showing zeros."),
+    "bytes": ("Bytes per parameter, by phase and tier",
+              "Bytes each tier's device read (solid) and wrote (hatched) in each phase of an iteration, per parameter "
+              "of the node's ranks (kernel counters, median over iterations), and the engine's own count for its "
+              "update. Stock ZeRO-Infinity writes the fp32 "
+              "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
+              "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
+              "offloadctl keeps gradients in memory and leaves the subgroups it updates last in memory for the "
+              "next step: at most 24."),
+    "cache": ("Cache hits and knobs",
+              "Swapped subgroups updated from memory kept since the previous step (the alternating order), against "
+              "those read from storage, per iteration, with the knobs in force and the tuner's changes marked."),
+    "compare": ("Runs side by side",
+                "Median iteration of every run by segment, with its speed against the first run given."),
+}
+
+
+def write_pngs(pngs: dict[str, bytes], directory: str) -> dict[str, str]:
+    os.makedirs(directory, exist_ok=True)
+    out = {}
+    for name, data in pngs.items():
+        path = os.path.join(directory, f"{name}.png")
+        with open(path, "wb") as f:
+            f.write(data)
+        out[name] = path
+    return out
+
+
+def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
+    runs = analysis["runs"]
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>offloadctl report</title><style>",
+             "body{font-family:sans-serif;max-width:1150px;margin:1em auto;color:#222}"
+             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "th:first-child,td:first-child{text-align:left}img{max-width:100%}.note{color:#a33}"
+             "p.how{color:#444;font-size:14px}</style></head><body>",
+             "<h1>offloadctl report</h1>"]
+    parts.append("<ul>")
+    for r in runs:
+        parts.append(f"<li><b>{html.escape(r['label'])}</b>: {html.escape(r['path'])}, engine {r['engine']}, "
+                     f"rank {r['rank']} of ranks {r['ranks']}, {r['params_total']:,} parameters; "
+                     f"{html.escape(r['status'])}</li>")
+        for n in r["notes"]:
+            parts.append(f"<li class='note'>{html.escape(r['label'])}: {html.escape(n)}</li>")
+    parts.append("</ul>")
+    parts.append(_html_table(summary_rows(analysis), [r["label"] for r in runs]))
+    for name, data in pngs.items():
+        title, how = SECTION_TEXT[name]
+        b64 = base64.b64encode(data).decode()
+        parts.append(f"<h2 id='{name}'>{title}</h2><p class='how'>{html.escape(how)}</p>"
+                     f"<img alt='{name}' src='data:image/png;base64,{b64}'>")
+    parts.append("<p class='how'>The numbers behind every plot: <code>offloadctl report --json</code>.</p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _html_table(rows: list[tuple[str, list[str]]], labels: list[str]) -> str:
+    head = "<tr><th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in labels) + "</tr>"
+    body = "".join("<tr><td>" + html.escape(name) + "</td>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals)
+                   + "</tr>" for name, vals in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def _fmt_s(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if abs(x) < 1 else f"{x:.3f} s"
+
+
+def _bpp(d: dict | None) -> str:
+    if not d:
+        return "-"
+    return ", ".join(f"{t.split(' ')[0]} {rw.get('read', 0):.1f}r {rw.get('written', 0):.1f}w" for t, rw in sorted(d.items()))
+
+
+def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
+    """The terminal's and the HTML page's table: one column per run."""
+    runs = analysis["runs"]
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(name, fn):
+        rows.append((name, [fn(r) for r in runs]))
+
+    row("status", lambda r: r["status"].split(":")[0])
+    row("iterations (steady)", lambda r: f"{r['summary']['iterations']} ({len(r['summary']['steady_iterations'])})")
+    row("median iteration", lambda r: f"{_fmt_s(r['summary']['median_iter_s'])} (#{r['summary']['median_iteration']})")
+    row("speed vs the first run", lambda r: f"{r['summary']['speedup_vs_first']:.2f}x")
+    for k in SEGMENTS:
+        row(f"  {SHORT_LABELS[k]}", lambda r, k=k: _fmt_s(r["summary"]["median_segments_s"][k]))
+    row("phases recorded / iteration", lambda r: f"{100 * r['summary']['median_measured_share']:.1f}%")
+    for ph in PHASES:
+        row(f"disk B/param, {ph}", lambda r, ph=ph: _bpp(r["summary"]["disk_bytes_per_param"].get(ph)))
+    row("disk B/param, iteration", lambda r: f"{r['summary']['disk_bytes_per_param_total']:.1f}"
+        if r["summary"].get("disk_bytes_per_param_total") is not None else "-")
+    row("gradients' round trip B/param", lambda r: "{written:.1f}w {read:.1f}r".format(
+        **r["summary"]["gradient_round_trip_bytes_per_param"]) if "gradient_round_trip_bytes_per_param" in r["summary"]
+        else "-")
+    row("engine's B/param", lambda r: _bpp(r["summary"].get("engine_bytes_per_param")))
+    row("cache hits (of swapped)", lambda r: f"{r['summary']['median_cache_hits']:.0f} of "
+        f"{r['summary']['swapped_subgroups']:.0f}" if r["summary"].get("swapped_subgroups") is not None else "-")
+    row("knob changes", lambda r: str(len(r["knob_changes"])) if any("knobs" in i for i in r["iterations"]) else "-")
+    row("GPU peak fwd/bwd/update", _gpu_peaks)
+    row("recorder: hooks; sampler CPU", lambda r: f"{100 * (r['recorder']['hooks_share'] or 0):.2f}%; "
+        + (f"{r['recorder']['sampler_busy_s']:.2f} s" if r["recorder"]["sampler_busy_s"] is not None else "-"))
+    return rows
+
+
+def _gpu_peaks(r: dict) -> str:
+    peaks = r["timeline"].get("gpu_peak_by_phase") or {}
+    p = peaks.get("nvml_used_bytes") or peaks.get("gpu_reserved_bytes")
+    if not p:
+        return "not recorded"
+    return " / ".join("-" if p.get(ph) is None else f"{p[ph] / 1e9:.1f}" for ph in PHASES[:3]) + " GB"
+
+
+def print_summary(analysis: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table("", *[r["label"] for r in analysis["runs"]], title="offloadctl report: the median iteration of each run (B/param: medians)")
+    for name, vals in summary_rows(analysis):
+        t.add_row(name, *vals)
+    console.print(t)
+    for r in analysis["runs"]:
+        for n in r["notes"]:
+            console.print(f"[yellow]{r['label']}: {n}[/yellow]")
+        if r["status"] != "complete":
+            console.print(f"[yellow]{r['label']}: {r['status']}; reported what it recorded[/yellow]")
+        for m in r["timeline"]["missing"]:
+            console.print(f"[dim]{r['label']}: {m}[/dim]")
+
+
+def to_json(analysis: dict, files: dict) -> str:
+    return json.dumps(dict(analysis, files=files), indent=1, default=float)
