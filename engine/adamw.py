@@ -152,7 +152,7 @@ def _machine_key() -> str:
     return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}"
 
 
-def _chosen_kernel() -> str:
+def chosen_host_kernel() -> str:
     """The faster host kernel on this machine: read from ``KERNEL_CHOICE_FILE``, or measured once
     (under a lock, so that ranks starting together agree) and written there."""
     path = os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)
@@ -205,7 +205,7 @@ def _chosen_kernel() -> str:
 def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
     if choice == "auto":
-        choice = _chosen_kernel()
+        choice = chosen_host_kernel()
     if choice == "deepspeed":
         return "deepspeed", _DeepSpeedCpuAdam()
     return "torch", adamw_update_torch_

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def collect() -> dict:
     import torch
 
-    from engine.adamw import measure_host_kernels
+    from engine.adamw import chosen_host_kernel, measure_host_kernels
     from engine.native_ops import OPS, import_deepspeed, op_state
 
     from .. import __version__
@@ -41,6 +41,8 @@ def collect() -> dict:
         "native_ops": {name: st.to_json() for name, st in ops.items()},
         "io_backends": ["aio", "posix"] if ops["async_io"].state == "built" else ["posix"],
         "host_adamw_params_per_s": measure_host_kernels(),
+        # What runs take (measured once per machine and environment, then kept: same seed, same losses).
+        "host_adamw_kernel": chosen_host_kernel(),
     }
 
 
