@@ -255,6 +255,16 @@ class _FakeEngine:
         return 3
 
 
+def _train(rec, eng, *, iterations: int, micro_batches: int) -> None:
+    """Drive a fake engine through ``iterations`` optimizer steps under the recorder, then close it."""
+    rec.attach(eng)
+    for _ in range(iterations):
+        for _ in range(micro_batches):
+            eng.backward(eng.forward(1.0))
+            eng.step()
+    rec.close()
+
+
 def test_recorder_spans_with_gradient_accumulation(tmp_path):
     from offloadctl.recorder import Recorder, RecorderConfig
     from offloadctl.report.analyze import analyze
@@ -262,12 +272,7 @@ def test_recorder_spans_with_gradient_accumulation(tmp_path):
 
     rec = Recorder(RecorderConfig(run_dir=str(tmp_path), engine="stock", sample_hz=50), rank=0, script="fake.py")
     eng = _FakeEngine()
-    rec.attach(eng)
-    for _ in range(3):
-        for _ in range(2):
-            eng.backward(eng.forward(1.0))
-            eng.step()
-    rec.close()
+    _train(rec, eng, iterations=3, micro_batches=2)
     lines = [json.loads(x) for x in open(tmp_path / "record-rank0.jsonl")]
     assert [x["type"] for x in lines] == ["header", "init", "iteration", "iteration", "iteration", "end"]
     it = lines[3]
@@ -330,12 +335,7 @@ def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
     rec = recorder.Recorder(recorder.RecorderConfig(run_dir=str(tmp_path), sample_hz=100), rank=0)
     eng = _FakeEngine()
     eng.device = torch.device("cuda", 1)  # only its name reaches the (faked) CUDA and NVML calls
-    rec.attach(eng)
-    for _ in range(4):
-        for _ in range(2):
-            eng.backward(eng.forward(1.0))
-            eng.step()
-    rec.close()
+    _train(rec, eng, iterations=4, micro_batches=2)
     assert asked == [torch.device("cuda", 1)]
     analysis = analyze([load_run(str(tmp_path))])
     tl = analysis["runs"][0]["timeline"]
