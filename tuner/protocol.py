@@ -64,8 +64,16 @@ class ProtocolError(OffloadError):
 
 # -- schemas -------------------------------------------------------------------------------------
 # A spec is a function (value, where) -> value that raises ProtocolError(SCHEMA) naming ``where``.
+# Containers call their members with an empty ``where`` and put the member's place in front of
+# the message only when it fails: the daemon checks every field of thousands of messages a
+# second, and building each field's path up front took a third of its time.
 
 Spec = Callable[[Any, str], Any]
+
+
+def _inside(where: str, place: str, e: ProtocolError) -> ProtocolError:
+    """``e`` (raised by a member checked with an empty ``where``) with the member's place in front."""
+    return ProtocolError(e.code, f"{where}{place}{e.message}")
 
 
 def _fail(where: str, expected: str, value) -> None:
@@ -141,8 +149,14 @@ def Dict(value: Spec, key: Spec | None = None, max_items: int = 256) -> Spec:
         if not isinstance(v, dict) or len(v) > max_items:
             _fail(where, f"an object of at most {max_items} entries", v)
         for k, x in v.items():
-            key(k, f"{where} key")
-            value(x, f"{where}[{k!r}]")
+            try:
+                key(k, "")
+            except ProtocolError as e:
+                raise _inside(where, " key", e) from None
+            try:
+                value(x, "")
+            except ProtocolError as e:
+                raise _inside(where, f"[{k!r}]", e) from None
         return v
     return check
 
@@ -152,24 +166,31 @@ def List(item: Spec, max_items: int = 256) -> Spec:
         if not isinstance(v, list) or len(v) > max_items:
             _fail(where, f"a list of at most {max_items} items", v)
         for i, x in enumerate(v):
-            item(x, f"{where}[{i}]")
+            try:
+                item(x, "")
+            except ProtocolError as e:
+                raise _inside(where, f"[{i}]", e) from None
         return v
     return check
 
 
 def Obj(fields: dict[str, tuple[Spec, bool]], *, extra: bool = False) -> Spec:
     """An object whose ``fields`` map name -> (spec, required); ``extra`` admits other keys."""
+    known = frozenset(fields)
 
     def check(v, where):
         if not isinstance(v, dict):
             _fail(where, "an object", v)
         for name, (spec, required) in fields.items():
             if name in v:
-                spec(v[name], f"{where}.{name}")
+                try:
+                    spec(v[name], "")
+                except ProtocolError as e:
+                    raise _inside(where, f".{name}", e) from None
             elif required:
                 raise ProtocolError(ErrorCode.SCHEMA, f"{where}.{name} is missing")
-        if not extra:
-            unknown = set(v) - set(fields)
+        if not extra and not known.issuperset(v):
+            unknown = set(v) - known
             if unknown:
                 raise ProtocolError(ErrorCode.SCHEMA, f"{where} has unknown field(s) {sorted(unknown)}")
         return v
