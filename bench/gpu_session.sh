@@ -3,7 +3,7 @@
 # lent GPU session should run it (each part fits one 10-minute device call):
 #
 #   bash bench/gpu_session.sh check OUTDIR   # ops, CUDA tests, demo, DeepSpeed integration tests (~8 min)
-#   bash bench/gpu_session.sh 2b OUTDIR      # bench/gpu_vs_stock.py --sizes 2b (~9 min)
+#   bash bench/gpu_session.sh 2b OUTDIR      # bench/gpu_vs_stock.py --sizes 2b, with the recorded report (~10 min)
 #   bash bench/gpu_session.sh 4b OUTDIR      # bench/gpu_vs_stock.py --sizes 4b, profile reused (~10 min)
 #
 # On the device machine: `source .gpu/env.sh && bash bench/gpu_session.sh PART $OUT` (see
@@ -30,6 +30,7 @@ case "$part" in
       offloadctl profile save gpu-bench --quick --output "$profile" --force 2>&1 | tail -3
     fi
     python3 bench/gpu_vs_stock.py --sizes "$part" --iters 5 --profile "$profile" --json "$out/bench-$part.json" \
+      --report "$out/report" \
       2>&1 | tee "$out/bench-$part.log" | tail -30
     ;;
   *) echo "unknown part $part"; exit 2 ;;

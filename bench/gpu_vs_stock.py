@@ -20,6 +20,12 @@ model's predicted iteration (the measured profile and the row's measured forward
 The physical limits measured in the same run (the profile: pinned PCIe, duplex, GPU and CPU
 AdamW rates) are printed with the table. ``--cpu`` runs the same script at a CPU size: stock
 ZeRO-3 CPU offload against offloadctl's host lane.
+
+``--report DIR`` adds a row: stock CPU offload again, under ``offloadctl train --engine stock``
+(DeepSpeed's own optimizer, only recorded). Its iteration over the plain stock row's is the
+recording's overhead in this run; its record and offloadctl default's go into one
+``offloadctl report`` (DIR/report-SIZE.html, PNGs in DIR/png-SIZE, numbers in DIR/report-SIZE.json):
+GPU memory, PCIe and the update's parts of both on one time axis.
 """
 from __future__ import annotations
 
@@ -46,7 +52,15 @@ NO_OFFLOAD_FITS = {"2b": True, "4b": False, "cpu": False}
 FORCED_FRACTIONS = (0.0, 0.5, 1.0)
 
 
-def rows_for(size: str, gpu: bool, profile: str | None) -> list[tuple[str, list[str]]]:
+RECORDED_STOCK = "stock ZeRO-3 CPU offload, recorded"
+REPORTED_OURS = {True: "offloadctl default", False: "offloadctl (host lane)"}
+
+
+def _run_dir(workdir: str, name: str) -> str:
+    return os.path.join(workdir, "run-" + "".join(c if c.isalnum() else "-" for c in name))
+
+
+def rows_for(size: str, gpu: bool, profile: str | None, recorded: bool = False) -> list[tuple[str, list[str]]]:
     """(name, command) of every row for ``size``."""
     script = [SCRIPT, "--size", size] + (["--sub-group-size", "20000000"] if size == "cpu" else [])
 
@@ -62,6 +76,9 @@ def rows_for(size: str, gpu: bool, profile: str | None) -> list[tuple[str, list[
     if gpu and NO_OFFLOAD_FITS[size]:
         rows.append(("stock, no offload", stock("--offload", "none")))
     rows.append(("stock ZeRO-3 CPU offload", stock("--offload", "cpu")))
+    if recorded:
+        rows.append((RECORDED_STOCK, [sys.executable, "-m", "offloadctl.cli", "train", "--engine", "stock",
+                                      "--num_gpus", "1", "--master_port", "29743", *script, "--offload", "cpu"]))
     if gpu:
         for r in TWINFLOW_RATIOS[size]:
             rows.append((f"stock Twin-Flow ratio {r:g}", stock("--offload", "twinflow", "--ratio", str(r))))
@@ -77,7 +94,7 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: floa
     out = os.path.join(workdir, "row.json")
     if os.path.exists(out):
         os.unlink(out)
-    run_dir = os.path.join(workdir, "run-" + "".join(c if c.isalnum() else "-" for c in name))
+    run_dir = _run_dir(workdir, name)
     if "offloadctl.cli" in cmd:
         i = cmd.index("train") + 1
         cmd = cmd[:i] + ["--run-dir", run_dir] + cmd[i:]
@@ -172,6 +189,8 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated substrings: run only rows whose name contains one")
     ap.add_argument("--profile", help="use this profile instead of measuring one")
     ap.add_argument("--json", metavar="FILE", help="write every row's figures here")
+    ap.add_argument("--report", metavar="DIR", help="add a recorded stock row and write offloadctl report of it "
+                    "and offloadctl default into DIR")
     args = ap.parse_args()
     import torch
 
@@ -181,7 +200,7 @@ def main() -> int:
     profile = args.profile or measure_profile(workdir, gpu)
     report: dict = {"machine": _machine(), "profile": _limits(profile), "sizes": {}}
     for size in sizes:
-        rows = rows_for(size, gpu, profile)
+        rows = rows_for(size, gpu, profile, recorded=bool(args.report))
         if args.rows:
             keep = args.rows.split(",")
             rows = [r for r in rows if any(k in r[0] for k in keep)]
@@ -205,9 +224,34 @@ def main() -> int:
             table[name] = best
         report["sizes"][size] = table
         _print(size, table)
+        if args.report:
+            report.setdefault("report", {})[size] = write_report(args.report, size, workdir, table, gpu)
     if args.json:
         _write(args.json, report)
     return 0
+
+
+def write_report(out: str, size: str, workdir: str, table: dict, gpu: bool) -> dict:
+    """``offloadctl report`` of the recorded stock row and offloadctl's, and the recording's overhead."""
+    os.makedirs(out, exist_ok=True)
+    ours = REPORTED_OURS[gpu]
+    names = [RECORDED_STOCK, ours]
+    base = os.path.join(out, f"report-{size}")
+    cmd = [sys.executable, "-m", "offloadctl.cli", "report", *(_run_dir(workdir, n) for n in names),
+           "--label", "stock ZeRO-3 CPU offload", "--label", "offloadctl", "--output", base + ".html",
+           "--png", os.path.join(out, f"png-{size}")]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    console.print(p.stdout[-3000:] + p.stderr[-1000:])
+    q = subprocess.run([*cmd, "--json"], cwd=ROOT, env=env, capture_output=True, text=True)
+    if q.returncode == 0:
+        with open(base + ".json", "w") as f:
+            f.write(q.stdout)
+    plain, recorded = (table.get(n, {}).get("iteration_s") for n in ("stock ZeRO-3 CPU offload", RECORDED_STOCK))
+    overhead = recorded / plain - 1 if plain and recorded else None
+    if overhead is not None:
+        console.print(f"recording overhead (stock, recorded over plain): {100 * overhead:+.1f}% of the iteration")
+    return {"html": base + ".html", "rc": p.returncode, "recording_overhead": overhead}
 
 
 def _write(path: str, report: dict) -> None:
