@@ -220,6 +220,7 @@ def main() -> int:
                 continue
             best = min(ok, key=lambda r: r["iteration_s"])
             best["iteration_s_rounds"] = [r["iteration_s"] for r in ok]
+            best["step_s_rounds"] = [r["step_s"] for r in ok]  # the step's noise between processes, per round
             best["predicted_iteration_s"] = predict(profile, name, best)
             table[name] = best
         report["sizes"][size] = table
