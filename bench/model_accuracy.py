@@ -121,8 +121,9 @@ def run_plan(plan: Plan, specs: tuple, numel: int, sub: int, steps: int, backend
     """The engine's update phase under ``plan``: the mean of the median forward step and the median
     reverse step, after ``WARMUP_STEPS``."""
     torch.manual_seed(0)
-    weight = torch.randn(numel)
-    grad = torch.randn(numel) * 1e-3
+    # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
+    weight = torch.randn(numel, device="cpu")
+    grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=plan.host_cache_bytes, paths=specs, io_backend=backend,
                        device="cpu" if plan.device_fraction else None)

@@ -72,8 +72,9 @@ HYPERS = [AdamWHyper(lr=1e-4)]
 def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str) -> SubgroupEngine:
     """A SubgroupEngine over ``numel`` parameters, every subgroup swapped (no host cache)."""
     torch.manual_seed(0)
-    weight = torch.randn(numel)
-    grad = torch.randn(numel) * 1e-3
+    # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
+    weight = torch.randn(numel, device="cpu")
+    grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs)
     return SubgroupEngine(bindings, cfg, knobs)

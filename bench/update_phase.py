@@ -76,8 +76,9 @@ def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> d
 def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: str | None, steps: int,
                backend: str, progress: Progress) -> dict:
     torch.manual_seed(0)
-    weight = torch.randn(numel)
-    grad = torch.randn(numel) * 1e-3
+    # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
+    weight = torch.randn(numel, device="cpu")
+    grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=host_cache, io_backend=backend, host_adam="auto",
                        paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else ())
