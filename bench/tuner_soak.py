@@ -30,7 +30,6 @@ import os
 import queue
 import random
 import shutil
-import socket
 import struct
 import subprocess
 import sys

@@ -114,7 +114,7 @@ def test_noise_alone_does_not_move_the_knobs_for_long():
 
     pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
                  config=PolicyConfig(reexplore_every_iters=0))
-    sim = Sim(pol, flat, noise=0.05, seed=11).run(80)
+    Sim(pol, flat, noise=0.05, seed=11).run(80)
     kept = [e for e in pol.log if e["reason"].startswith("kept")]
     assert len(kept) <= 1, [e["reason"] for e in kept]
     assert pol.state()["mode"] == "holding"
