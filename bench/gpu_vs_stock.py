@@ -240,14 +240,15 @@ def write_report(out: str, size: str, workdir: str, table: dict, gpu: bool) -> d
     base = os.path.join(out, f"report-{size}")
     cmd = [sys.executable, "-m", "offloadctl.cli", "report", *(_run_dir(workdir, n) for n in names),
            "--label", "stock ZeRO-3 CPU offload", "--label", "offloadctl", "--output", base + ".html",
-           "--png", os.path.join(out, f"png-{size}")]
+           "--png", os.path.join(out, f"png-{size}"), "--json"]  # one pass: HTML, PNGs and the numbers
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    console.print(p.stdout[-3000:] + p.stderr[-1000:])
-    q = subprocess.run([*cmd, "--json"], cwd=ROOT, env=env, capture_output=True, text=True)
-    if q.returncode == 0:
+    if p.returncode == 0:
         with open(base + ".json", "w") as f:
-            f.write(q.stdout)
+            f.write(p.stdout)
+        console.print(f"report: {base}.html, PNGs in {out}/png-{size}, numbers in {base}.json")
+    else:
+        console.print(f"offloadctl report failed: {p.stderr[-1000:]}")
     plain, recorded = (table.get(n, {}).get("iteration_s") for n in ("stock ZeRO-3 CPU offload", RECORDED_STOCK))
     overhead = recorded / plain - 1 if plain and recorded else None
     if overhead is not None:

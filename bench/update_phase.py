@@ -115,8 +115,9 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     torch.manual_seed(0)
-    grad = torch.randn(numel) * 1e-3
-    weight = torch.randn(numel)
+    # Host tensors on purpose: the anchor is a CPU optimizer, and the engine has no device here.
+    grad = torch.randn(numel, device="cpu") * 1e-3
+    weight = torch.randn(numel, device="cpu")
     ds_weight = weight.clone()
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     eng = SubgroupEngine(bindings, EngineConfig(subgroup_numel=sub, host_adam="auto"))
