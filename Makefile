@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation 'deepspeed>=0.19,<0.20'
 	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
 	@# DeepSpeed's native ops: built here, once, with progress (minutes); runs never compile them,
-	@# whether or not the venv is activated (engine/native_ops.py).
+	@# whether or not the venv is activated (engine/storage/native_ops.py).
 	@$(VENV)/bin/offloadctl info --build
 	@touch $(STAMP)
 

@@ -146,8 +146,8 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
     """The model's iteration for this row: the measured profile, the row's forward+backward."""
     if not profile_path or "failed" in s:
         return None
-    from engine.perfmodel import Plan, Workload, predict as model_predict, stock_deepspeed
-    from engine.profile_toml import load_profile
+    from perf.model import Plan, Workload, predict as model_predict, stock_deepspeed
+    from perf.profile_toml import load_profile
 
     prof = load_profile(profile_path)
     fit = (s.get("engine") or {}).get("fit") or {}
@@ -295,7 +295,7 @@ def _machine() -> dict:
 def _limits(profile: str | None) -> dict:
     if not profile:
         return {}
-    from engine.profile_toml import load_profile
+    from perf.profile_toml import load_profile
 
     p = load_profile(profile)
     out = {"cpu_adamw_params_per_s": p.cpu_adamw_params_per_s(), "host_memory_bytes_per_s": p.host.memory_bandwidth.value}

@@ -4,7 +4,7 @@ In one run: it measures a profile of the path (O_DIRECT sweep of reads, writes a
 once over the engine's concurrencies, host memory bandwidth, CPU AdamW), then runs the engine's
 update phase on ~100M parameters under at least 6 plans (host/storage mixes, concurrency 1..8,
 prefetch depth 0..4, two directories on one disk), and prints each plan's predicted time
-(engine.perfmodel.predict, from the profile just measured), its measured time, their ratio,
+(perf.model.predict, from the profile just measured), its measured time, their ratio,
 and the median and worst error. Goal: median error <= 15%, worst <= 30%.
 
 Raw disk:
@@ -41,10 +41,10 @@ from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from bench.update_phase import _machine  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
-from engine.hwprobe import (available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths,  # noqa: E402
+from perf.probe import (available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths,  # noqa: E402
                             probe_machine)
-from engine.perfmodel import Plan, Workload, predict  # noqa: E402
-from engine.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
+from perf.model import Plan, Workload, predict  # noqa: E402
+from perf.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
 
 console = Console(stderr=True)
 GOAL_MEDIAN, GOAL_WORST = 0.15, 0.30
@@ -208,7 +208,7 @@ def main() -> int:
                memory_bytes_per_s=profile.host.memory_bandwidth.value)
     _print(out)
     if args.save_profile:
-        from engine.profile_toml import save_profile
+        from perf.profile_toml import save_profile
 
         save_profile(profile, args.save_profile)
     if args.json:

@@ -5,7 +5,7 @@
 
 It starts itself under ``offloadctl train --tuner off`` as a DeepSpeed ZeRO-3 script: the model
 of bench/ds_model.py (92M parameters, micro-batch 8, one rank, CPU accelerator). Iterations
-alternate between recording on and suspended (``offloadctl.recorder.current().suspend()``:
+alternate between recording on and suspended (``report.recorder.current().suspend()``:
 hooks pass straight through, the sampler takes no samples), in ABBA order so that a drift in
 the machine's load falls on both. Each iteration is timed by the script itself, not by the
 recorder. Between separate runs the noise of a shared 2-core machine is several times the
@@ -71,7 +71,7 @@ def worker(args) -> int:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from offloadctl import recorder
+    from report import recorder
 
     torch.manual_seed(0)
     width, layers = 3200, 9

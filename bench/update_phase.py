@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.adamw import measure_host_kernels  # noqa: E402
 from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
-from engine.io_backends import open_backend  # noqa: E402
-from engine.storage import SwapPath  # noqa: E402
+from engine.storage.io_backends import open_backend  # noqa: E402
+from engine.storage.paths import SwapPath  # noqa: E402
 from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 
 console = Console(stderr=True)
@@ -188,7 +188,7 @@ def main() -> int:
 def _machine() -> dict:
     import psutil
 
-    from engine.hwprobe import cpu_model
+    from perf.probe import cpu_model
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,

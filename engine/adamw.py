@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .native_ops import extensions_dir, load_cpu_adam
+from engine.storage.native_ops import extensions_dir, load_cpu_adam
 
 log = logging.getLogger(__name__)
 

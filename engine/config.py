@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal, Mapping
 
-from .errors import ConfigError
+from engine.errors import ConfigError
 
 TierKind = Literal["nvme", "remote"]
 

@@ -33,17 +33,17 @@ from typing import Sequence
 import psutil
 import torch
 
-from .adamw import AdamWHyper, host_kernel_rate, select_host_kernel
-from .binding import SubgroupBinding
-from .buffers import StateBuffer, payload_bytes
-from .config import EngineConfig, Knobs
-from .errors import ConfigError, OffloadError, StorageIOError
-from .gpumem import gpu_headroom_bytes, measure_pcie
-from .io_backends import open_backend
-from .lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
-from .placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
-from .storage import SwapFile, SwapPath, check_usable, measure_bandwidth
-from .telemetry import StepRecord, TelemetryLog
+from engine.adamw import AdamWHyper, host_kernel_rate, select_host_kernel
+from engine.binding import SubgroupBinding
+from engine.buffers import StateBuffer, payload_bytes
+from engine.config import EngineConfig, Knobs
+from engine.errors import ConfigError, OffloadError, StorageIOError
+from engine.gpumem import gpu_headroom_bytes, measure_pcie
+from engine.storage.io_backends import open_backend
+from engine.lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
+from engine.placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
+from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
+from engine.telemetry import StepRecord, TelemetryLog
 
 
 def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:

@@ -36,7 +36,7 @@ def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -
     of ``reps``; None without CUDA. About 0.1 s."""
     if device.type != "cuda":
         return None
-    from .buffers import aligned_empty
+    from engine.buffers import aligned_empty
 
     host_in, host_out = aligned_empty(nbytes, pin=True), aligned_empty(nbytes, pin=True)
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)

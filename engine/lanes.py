@@ -29,10 +29,10 @@ from typing import Sequence
 
 import torch
 
-from .adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
-from .binding import SubgroupBinding, grad_scale_of, flat_weights_of, weights_written
-from .buffers import StateBuffer, aligned_empty
-from .placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
+from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
+from engine.binding import SubgroupBinding, grad_scale_of, flat_weights_of, weights_written
+from engine.buffers import StateBuffer, aligned_empty
+from engine.placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
 
 HOST_CHUNK_NUMEL = 1 << 21
 """Elements per host-lane chunk: 8 MB of fp32 gradient, small enough to stay in the caches

@@ -12,12 +12,12 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .adamw import hyper_from_group
-from .checkpoint import save_atomic
-from .config import EngineConfig, Knobs, StoragePath
-from .core import SubgroupEngine
-from .errors import ConfigError
-from .telemetry import StepRecord
+from engine.adamw import hyper_from_group
+from engine.checkpoint import save_atomic
+from engine.config import EngineConfig, Knobs, StoragePath
+from engine.core import SubgroupEngine
+from engine.errors import ConfigError
+from engine.telemetry import StepRecord
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import ConfigError
+from engine.errors import ConfigError
 
 DEVICE = "device"
 HOST = "host"

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+from offloadctl import __version__
 
 COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune", "report")
 COMMANDS = {name: importlib.import_module(f"{__package__}.commands.{name}") for name in COMMAND_NAMES}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 # Every process the tests start, stock DeepSpeed runs included, builds and finds DeepSpeed's ops
-# with the same ninja and in the same directory as the engine (see engine/native_ops.py).
-import engine.native_ops  # noqa: F401,E402
+# with the same ninja and in the same directory as the engine (see engine/storage/native_ops.py).
+import engine.storage.native_ops  # noqa: F401,E402
 
 IS_ROOT = os.geteuid() == 0
 

@@ -191,7 +191,7 @@ def _profile_for(nvme, out):
     """The shipped example profile, pointed at ``nvme``: a valid profile without measuring."""
     import dataclasses
 
-    from engine.profile_toml import load_profile, save_profile
+    from perf.profile_toml import load_profile, save_profile
 
     p = load_profile(os.path.join(ROOT, "profiles", "example-cpu-vm.toml"))
     p = dataclasses.replace(p, name="test-profile", paths=tuple(dataclasses.replace(q, path=str(nvme)) for q in p.paths))
@@ -200,7 +200,7 @@ def _profile_for(nvme, out):
 
 def test_profile_starts_from_the_model_plan(tmp_path):
     from engine.config import StoragePath
-    from engine.planning import plan_for_rank
+    from perf.plan import plan_for_rank
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

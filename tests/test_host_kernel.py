@@ -7,7 +7,7 @@ import json
 import pytest
 
 import engine.adamw as adamw
-from engine.native_ops import load_cpu_adam
+from engine.storage.native_ops import load_cpu_adam
 
 
 @pytest.fixture

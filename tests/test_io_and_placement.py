@@ -12,10 +12,10 @@ import torch
 
 from engine import OffloadAdamW, StoragePath
 from engine.buffers import StateBuffer
-from engine.io_backends import DeepSpeedAIO, PosixDirectIO
-from engine.iolimits import NodeLock, RateLimiter, ResizableSemaphore
+from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO
+from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe
-from engine.storage import SwapPath
+from engine.storage.paths import SwapPath
 from conftest import feed_same_grads
 
 

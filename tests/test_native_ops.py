@@ -26,20 +26,20 @@ pytestmark = pytest.mark.slow
 LOAD = """
 import json, sys, time
 t0 = time.perf_counter()
-from engine import native_ops
+from engine.storage import native_ops
 module = {"async_io": native_ops.load_async_io, "cpu_adam": native_ops.load_cpu_adam,
           "deepspeed_shm_comm": native_ops.load_shm_comm}[sys.argv[1]]()
 st = native_ops.op_state(sys.argv[1])
 out = dict(st.to_json(), loaded=module is not None, seconds=time.perf_counter() - t0)
 if sys.argv[1] == "async_io":
-    from engine.io_backends import open_backend
+    from engine.storage.io_backends import open_backend
     out["io_backend"] = open_backend("auto").name
 print(json.dumps(out))
 """
 BUILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from engine import native_ops
+from engine.storage import native_ops
 steps, notes = [], []
 states = native_ops.build_ops([sys.argv[1]], on_step=lambda op, done, total, what: steps.append(what) if done else None,
                               on_note=lambda op, msg: notes.append(msg))
@@ -49,7 +49,7 @@ print(json.dumps(dict(states[sys.argv[1]].to_json(), steps=steps, notes=notes, s
 
 def _usual_path() -> str:
     """PATH as a shell has it: without the venv's bin and without the link directory that
-    engine.native_ops puts first (this process may have imported it)."""
+    engine.storage.native_ops puts first (this process may have imported it)."""
     return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
                            if d and not d.endswith(".ninja-bin") and os.path.realpath(d) != os.path.realpath(VENV_BIN))
 
@@ -184,7 +184,7 @@ def _async_io_seed(ext: str) -> bool:
     """Copy a built async_io (and pin_memory, which it loads first) into ``ext`` when the default
     build directory has one built by this ninja, less the library and a few objects: the build
     below then compiles those (a minute) instead of the whole op (several). False: no seed."""
-    src = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")  # as engine.native_ops
+    src = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")  # as engine.storage.native_ops
     probe = subprocess.run([sys.executable, "-c", LOAD, "async_io"], capture_output=True, text=True, cwd=ROOT,
                            env=_env(src), timeout=300)
     if probe.returncode != 0 or json.loads(probe.stdout.strip().splitlines()[-1])["state"] != "built":

@@ -71,7 +71,7 @@ def test_device_tier_on_cpu_matches_adamw(swap_dir):
 
 def test_deepspeed_host_kernel_matches_adamw(swap_dir):
     pytest.importorskip("deepspeed")
-    from engine.native_ops import load_cpu_adam
+    from engine.storage.native_ops import load_cpu_adam
 
     if load_cpu_adam() is None:
         pytest.skip("DeepSpeed cpu_adam op does not build here")

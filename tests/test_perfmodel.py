@@ -21,8 +21,8 @@ import time
 import pytest
 
 from engine.errors import ConfigError
-from engine.perfmodel import Plan, Workload, alternatives, best_plan, predict, stock_deepspeed
-from engine.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
+from perf.model import Plan, Workload, alternatives, best_plan, predict, stock_deepspeed
+from perf.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
                             SweepPoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_all_state_on_the_gpu_when_it_fits():
 def test_best_plan_is_never_slower_than_stock():
     """The engine can run what stock DeepSpeed runs, so the best plan of a table never loses to
     one of its stock rows (issue: 'best' 1.12 s, 'stock Twin-Flow' 0.67 s in one table)."""
-    from engine.profile_toml import load_profile
+    from perf.profile_toml import load_profile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for name, ranks in (("example-h100-node.toml", 4), ("example-h100-node.toml", 8), ("example-cpu-vm.toml", 1)):
@@ -355,7 +355,7 @@ def test_parse_params():
 
 
 def test_plan_json(tmp_path):
-    profile_toml = pytest.importorskip("engine.profile_toml")
+    profile_toml = pytest.importorskip("perf.profile_toml")
     prof = machine_profile([disk(str(tmp_path / "nvme"), "nvme0n1", capacity=10**14)], memory=64 << 30)
     profile_toml.save_profile(prof, str(tmp_path / "profiles" / "box.toml"))
     out = _run_cli("plan", "--profile", "box", "--params", "20B", "--fwd-bwd-s", "3", "--host-gb", "32", "--json",

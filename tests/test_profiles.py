@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from engine.errors import ConfigError, StoragePathError
-from engine.hwprobe import best_concurrency, measure_memory_bandwidth, measure_path, measure_paths, thread_counts
-from engine.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
+from perf.probe import best_concurrency, measure_memory_bandwidth, measure_path, measure_paths, thread_counts
+from perf.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
                             SweepPoint)
-from engine.profile_toml import (dumps_profile, key_lines, list_profiles, load_profile, loads_profile,
+from perf.profile_toml import (dumps_profile, key_lines, list_profiles, load_profile, loads_profile,
                                  profile_from_dict, profile_to_dict, resolve_profile, save_profile)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -266,9 +266,9 @@ def _train(rec, eng, *, iterations: int, micro_batches: int) -> None:
 
 
 def test_recorder_spans_with_gradient_accumulation(tmp_path):
-    from offloadctl.recorder import Recorder, RecorderConfig
-    from offloadctl.report.analyze import analyze
-    from offloadctl.report.load import load_run
+    from report.recorder import Recorder, RecorderConfig
+    from report.analyze import analyze
+    from report.load import load_run
 
     rec = Recorder(RecorderConfig(run_dir=str(tmp_path), engine="stock", sample_hz=50), rank=0, script="fake.py")
     eng = _FakeEngine()
@@ -310,11 +310,11 @@ def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
     are sampled on the rank's device, and the report draws them and their peaks by phase."""
     import types
 
-    from offloadctl import recorder
-    from offloadctl.report.analyze import analyze
-    from offloadctl.report.load import load_run
-    from offloadctl.report.plots import figures, png_bytes
-    from offloadctl.report.render import summary_rows
+    from report import recorder
+    from report.analyze import analyze
+    from report.load import load_run
+    from report.plots import figures, png_bytes
+    from report.render import summary_rows
 
     class FakeNvml:
         NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1

@@ -362,8 +362,8 @@ def test_observations_under_old_knobs_are_not_measured():
 
 
 def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it():
-    pytest.importorskip("engine.perfmodel")
-    pytest.importorskip("engine.profile_toml")
+    pytest.importorskip("perf.model")
+    pytest.importorskip("perf.profile_toml")
     profile = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles",
                            "example-cpu-vm.toml")
     path = "/var/tmp/offloadctl"  # the example profile's path
@@ -615,7 +615,7 @@ def test_params_are_per_rank(monkeypatch):
     """The engine registers its own partition's size: the policy must not divide it by the ranks
     again (it capped prefetch at 2 for 4 ranks of 10 subgroups each, and seeded the model with a
     model 4x too small)."""
-    import engine.perfmodel as perfmodel
+    import perf.model as perfmodel
 
     pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4,
                  config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10 ** 15))

@@ -27,7 +27,7 @@ from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
 from engine.telemetry import StepRecord
 
-from .protocol import (API_VERSION, MAX_FRAME_BYTES, RANK, RUN_ID, SERVER_SCHEMAS, ErrorCode, FrameBuffer, Int,
+from tuner.protocol import (API_VERSION, MAX_FRAME_BYTES, RANK, RUN_ID, SERVER_SCHEMAS, ErrorCode, FrameBuffer, Int,
                        connect_daemon,
                        ProtocolError, encode, knobs_from_dict, recv_message, validate)
 

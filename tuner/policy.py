@@ -37,7 +37,7 @@ OOM caps the device fraction below where it happened. Pins (from the
 user) always win and are never searched. Every decision is logged with its reason.
 
 With a hardware profile the run starts from the performance model's best plan
-(:func:`engine.perfmodel.best_plan`), and the run's own starting knobs are the first
+(:func:`perf.model.best_plan`), and the run's own starting knobs are the first
 alternative measured against it.
 """
 from __future__ import annotations
@@ -871,9 +871,9 @@ class Policy:
 
     def _start_from_model(self, profile, start: Knobs) -> None:
         try:
-            from engine import perfmodel  # written alongside; optional until it exists
+            from perf import model as perfmodel
             if isinstance(profile, str):
-                from engine.profile_toml import load_profile
+                from perf.profile_toml import load_profile
                 profile = load_profile(profile)
             # The host cache is fixed for the run's life and not a knob: plan for state on the
             # paths, with host memory for the staging buffers of the deepest prefetch only.

@@ -1,7 +1,7 @@
 """What the node is doing besides our engines: disk traffic per device, CPU use, and the GPUs.
 
 Disk traffic comes from the kernel's per-disk counters (psutil, ``/proc/diskstats``) of the
-device behind each storage path (:func:`engine.blockdev.device_of`), so two paths on one disk
+device behind each storage path (:func:`engine.storage.blockdev.device_of`), so two paths on one disk
 share one figure. What the engines report as theirs is subtracted: the rest is other
 processes' traffic on that device, the contention the policy reacts to. File systems without
 a block device (tmpfs, NFS, Lustre) have no counters; their paths report ``measured: False``
@@ -17,8 +17,8 @@ from typing import Mapping, Sequence
 
 import psutil
 
-from engine.blockdev import device_of
-from engine.nvml import open_nvml
+from engine.storage.blockdev import device_of
+from perf.nvml import open_nvml
 
 
 class Sensors:

@@ -35,9 +35,9 @@ from engine.config import Knobs
 from engine.errors import ConfigError
 
 from offloadctl import __version__
-from .protocol import (API_VERSION, CLIENT_SCHEMAS, HEADER, MAX_FRAME_BYTES, ROLES, ErrorCode, ProtocolError,
+from tuner.protocol import (API_VERSION, CLIENT_SCHEMAS, HEADER, MAX_FRAME_BYTES, ROLES, ErrorCode, ProtocolError,
                        check_length, decode, encode, knobs_from_dict, validate)
-from .service import private_dir
+from tuner.service import private_dir
 
 log = logging.getLogger("offloadctl.tuner")
 
@@ -221,13 +221,13 @@ class _Run:
 # -- the server ------------------------------------------------------------------------------------
 
 def _default_policy_factory(start: Knobs, **kw):
-    from .policy import Policy
+    from tuner.policy import Policy
 
     return Policy(start, **kw)
 
 
 def _default_sensors_factory(paths):
-    from .sensors import Sensors
+    from tuner.sensors import Sensors
 
     return Sensors(paths)
 
@@ -721,7 +721,7 @@ class TunerServer:
         if not decide or run.policy is None or run.policy_error:
             return
         try:
-            from .policy import Observation
+            from tuner.policy import Observation
 
             obs = Observation(iteration=i, iter_time_s=iter_time, update_s=update_s,
                               read_wait_s=phases["read_wait_s"], write_wait_s=phases["write_wait_s"],

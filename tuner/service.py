@@ -21,7 +21,7 @@ import time
 
 from engine.errors import ConfigError
 
-from .protocol import Connection, ProtocolError
+from tuner.protocol import Connection, ProtocolError
 
 
 def default_socket_path() -> str:

@@ -23,9 +23,9 @@ def collect() -> dict:
     import torch
 
     from engine.adamw import chosen_host_kernel, measure_host_kernels
-    from engine.native_ops import OPS, import_deepspeed, op_state
+    from engine.storage.native_ops import OPS, import_deepspeed, op_state
 
-    from .. import __version__
+    from offloadctl import __version__
 
     try:
         ds_version = import_deepspeed().__version__
@@ -50,7 +50,7 @@ def build(console: Console) -> None:
     """Build the native ops, one progress bar per compiling op on ``console``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine.native_ops import build_ops
+    from engine.storage.native_ops import build_ops
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:

@@ -1,7 +1,7 @@
 """Predict iteration time of the best offload plan and of stock DeepSpeed's.
 
 From a hardware profile (``offloadctl profile save``) and the model size, the performance
-model (engine.perfmodel, docs/perfmodel.md) picks the best plan (host cache, device-lane
+model (perf.model, docs/perfmodel.md) picks the best plan (host cache, device-lane
 fraction, prefetch depth, per-path concurrency and stripe weights, node lock) and prints it
 beside a few alternatives and stock DeepSpeed ZeRO-3 CPU offload, ZeRO-Infinity NVMe and
 Twin-Flow. Nothing is measured: it answers at once, for any model size.
@@ -61,8 +61,8 @@ def _gb_arg(name: str, v: float | None) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
-    from engine.perfmodel import Workload, alternatives
-    from engine.profile_toml import load_profile
+    from perf.model import Workload, alternatives
+    from perf.profile_toml import load_profile
 
     profile = load_profile(args.profile)
     if not (math.isfinite(args.subgroup) and args.subgroup >= 1 and float(args.subgroup).is_integer()):

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError
-from engine.profile import Figure, Profile
+from perf.profile import Figure, Profile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,10 +77,10 @@ def _size_arg(s: str) -> int:
 def _save(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engine import hwprobe
-    from engine.profile_toml import check_name, path_for_name, save_profile
+    from perf import probe
+    from perf.profile_toml import check_name, path_for_name, save_profile
 
-    from .. import __version__
+    from offloadctl import __version__
 
     if args.name:
         name = check_name(args.name)
@@ -90,7 +90,7 @@ def _save(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.output) if args.output else path_for_name(name)
     if os.path.exists(out) and not args.force:
         raise ConfigError(f"profile {out} exists: pass --force to replace it, or give another NAME or --output")
-    sizes = hwprobe.QUICK if args.quick else hwprobe.FULL
+    sizes = probe.QUICK if args.quick else probe.FULL
     if args.io_bytes is not None or args.io_seconds is not None:
         if args.io_seconds is not None and not args.io_seconds > 0:
             raise ConfigError(f"--io-seconds must be positive, got {args.io_seconds}")
@@ -102,7 +102,7 @@ def _save(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
-        profile = hwprobe.measure_profile(name, nvme=args.nvme, remote=args.remote, quick=args.quick, sizes=sizes,
+        profile = probe.measure_profile(name, nvme=args.nvme, remote=args.remote, quick=args.quick, sizes=sizes,
                                           backend=args.backend, tool=f"offloadctl {__version__}", progress=bar)
     save_profile(profile, out)
     shown = name if out == path_for_name(name) else out
@@ -174,7 +174,7 @@ def _source_line(p: Profile) -> str:
 # -- show -----------------------------------------------------------------------------------------
 
 def _show(args: argparse.Namespace) -> int:
-    from engine.profile_toml import load_profile, profile_to_dict, resolve_profile
+    from perf.profile_toml import load_profile, profile_to_dict, resolve_profile
 
     path = resolve_profile(args.profile)
     p = load_profile(path)
@@ -221,7 +221,7 @@ def _show(args: argparse.Namespace) -> int:
 # -- list -----------------------------------------------------------------------------------------
 
 def _list(args: argparse.Namespace) -> int:
-    from engine.profile_toml import list_profiles, load_profile, profile_dir
+    from perf.profile_toml import list_profiles, load_profile, profile_dir
 
     d = os.path.abspath(args.dir) if args.dir else profile_dir()
     if args.dir and not os.path.isdir(d):
@@ -286,7 +286,7 @@ def diff_rows(a: Profile, b: Profile, *, sweep: bool = False) -> tuple[list[dict
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from engine.profile_toml import load_profile, resolve_profile
+    from perf.profile_toml import load_profile, resolve_profile
 
     pa, pb = resolve_profile(args.a), resolve_profile(args.b)
     a, b = load_profile(pa), load_profile(pb)

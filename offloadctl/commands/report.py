@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import build_report
-    from ..report.render import html_page, print_summary, to_json, write_pngs
+    from report import build_report
+    from report.render import html_page, print_summary, to_json, write_pngs
 
     analysis, pngs = build_report(args.run_dirs, iteration=args.iteration, rank=args.rank, labels=args.label)
     output = args.output

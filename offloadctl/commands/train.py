@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 
-from .. import recorder
+from report import recorder
 
 # DeepSpeed launcher options passed through: (flags, takes a value).
 LAUNCHER_OPTIONS = [
@@ -75,9 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> dict:
     """The resolved launch: command, environment additions and engine settings."""
     from engine.config import Knobs
-    from engine.deepspeed_zero3 import ZeroEngineSettings
+    from integrations.deepspeed_zero3 import ZeroEngineSettings
     from engine.errors import ConfigError
-    from engine.storage import check_usable
+    from engine.storage.paths import check_usable
 
     if os.path.isdir(args.script):
         raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
@@ -96,7 +96,7 @@ def build(args: argparse.Namespace) -> dict:
                                    ("device_fraction", device_fraction)) if v is not None}
     profile = None
     if args.profile:
-        from engine.profile_toml import load_profile, resolve_profile
+        from perf.profile_toml import load_profile, resolve_profile
 
         profile = resolve_profile(args.profile)
         load_profile(profile)  # a malformed profile fails here, once, not in every rank
@@ -117,7 +117,9 @@ def build(args: argparse.Namespace) -> dict:
             launcher += [flags[0], str(v)]
         elif not takes_value and v:
             launcher.append(flags[0])
-    bootstrap = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bootstrap.py")
+    from integrations import bootstrap as bootstrap_module
+
+    bootstrap = os.path.abspath(bootstrap_module.__file__)
     root = os.path.dirname(os.path.dirname(bootstrap))
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, bootstrap,
            "--offloadctl-config", json.dumps(rank_settings), os.path.abspath(args.script), *args.script_args]
@@ -126,7 +128,7 @@ def build(args: argparse.Namespace) -> dict:
            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
     out = {"command": cmd, "env": env, "settings": rank_settings, "tuner": tuner}
     if profile and args.params:
-        from .plan import parse_params
+        from offloadctl.commands.plan import parse_params
 
         out["plan_preview"] = preview_plan(settings, parse_params(args.params))
     return out
@@ -166,7 +168,7 @@ def tuner_target(value: str) -> str:
 def preview_plan(settings, params: int) -> dict:
     """What each rank would plan for a model of ``params`` parameters on one node."""
     from engine.config import StoragePath
-    from engine.planning import plan_for_rank
+    from perf.plan import plan_for_rank
 
     paths = tuple(StoragePath(path=p, kind="nvme") for p in settings.nvme_paths) + tuple(
         StoragePath(path=p, kind="remote") for p in settings.remote_paths)
@@ -332,7 +334,7 @@ def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> in
         remove_shm_buffers(args.ds_master_port)
     telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
     if rc == 0 and os.path.exists(telemetry):
-        from ..summary import load_records, print_summary
+        from offloadctl.summary import load_records, print_summary
 
         print_summary(load_records(telemetry), title=f"update phase, rank 0 (telemetry in {run_dir})")
     return rc

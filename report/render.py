@@ -9,7 +9,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from .analyze import PHASES, SEGMENTS
+from report.analyze import PHASES, SEGMENTS
 
 SHORT_LABELS = {"forward": "forward", "backward": "backward", "read_wait": "update: read wait",
                 "host_lane": "update: host lane", "device_lane": "update: device lane", "write_wait": "update: write wait",

@@ -1,7 +1,7 @@
 """Blocking O_DIRECT transfers between an aligned host buffer and a file.
 
 Two backends with one interface. Each call moves one chunk and blocks its thread with the
-GIL released; :mod:`engine.storage` runs many of them in parallel on a thread pool.
+GIL released; :mod:`engine.storage.paths` runs many of them in parallel on a thread pool.
 
 - ``aio``: DeepSpeed's ``async_io`` op (libaio, the DeepNVMe path of ZeRO-Infinity) for
   reads. One handle per I/O thread, since a handle's ``wait`` covers all of its requests.
@@ -18,8 +18,8 @@ import threading
 
 import torch
 
-from .errors import ConfigError
-from .native_ops import load_async_io
+from engine.errors import ConfigError
+from engine.storage.native_ops import load_async_io
 
 
 class ShortFileError(OSError):

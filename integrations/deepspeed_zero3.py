@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adamw import hyper_from_group
-from .buffers import pin_in_place
-from .config import EngineConfig, Knobs, StoragePath
-from .core import SubgroupEngine
-from .errors import ConfigError
+from engine.adamw import hyper_from_group
+from engine.buffers import pin_in_place
+from engine.config import EngineConfig, Knobs, StoragePath
+from engine.core import SubgroupEngine
+from engine.errors import ConfigError
 
 SUPPORTED_DEEPSPEED = ((0, 19), (0, 19))  # inclusive (major, minor) range the overrides are written against
 
@@ -217,7 +217,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
             """The performance model's plan for this rank's real partition (``--profile``)."""
             import deepspeed.comm as dist
 
-            from .planning import plan_for_rank
+            from perf.plan import plan_for_rank
 
             world = dist.get_world_size() if dist.is_initialized() else 1
             return plan_for_rank(settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
@@ -278,7 +278,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
 
             from tuner.client import TunerClient, engine_facts
 
-            from .planning import node_layout
+            from perf.plan import node_layout
 
             # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
             world = dist.get_world_size() if dist.is_initialized() else 1
@@ -394,7 +394,7 @@ def _keep_deepspeed_from_compiling() -> None:
     from deepspeed.runtime.config import TORCH_ADAM_PARAM
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from .native_ops import prepare_deepspeed_loads
+    from engine.storage.native_ops import prepare_deepspeed_loads
 
     if prepare_deepspeed_loads()["cpu_adam"] or getattr(DeepSpeedEngine, "_offloadctl_torch_adam", False):
         return
@@ -410,7 +410,7 @@ def _keep_deepspeed_from_compiling() -> None:
 
 def install(settings: ZeroEngineSettings):
     """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
-    from .native_ops import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     ds = import_deepspeed()
     check_deepspeed_version(ds.__version__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from .config import Knobs, StoragePath
-from .errors import ConfigError
+from engine.config import Knobs, StoragePath
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     ``gpu_headroom_bytes``: what the first forward/backward left free on the GPU (measured by
     the engine at the first step); ``device_cache_bytes``: the device tier the engine fitted to
     it. With both, the plan is for the rest: what the CPU and the device lane share."""
-    from .perfmodel import Workload, best_plan, predict
-    from .profile_toml import load_profile
+    from perf.model import Workload, best_plan, predict
+    from perf.profile_toml import load_profile
 
     profile = load_profile(profile_path)
     ranks, nodes = node_layout(world_size)
@@ -79,7 +79,7 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
 
 def _best_fraction(profile, workload, plan):
     """``plan`` with the device fraction (steps of 0.05) the model predicts fastest."""
-    from .perfmodel import predict
+    from perf.model import predict
 
     best = None
     for k in range(21):

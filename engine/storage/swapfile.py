@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .buffers import HEADER_BYTES
-from .errors import CorruptSwapFileError
+from engine.buffers import HEADER_BYTES
+from engine.errors import CorruptSwapFileError
 
 MAGIC = b"OFLDSWP1"
 _FIXED = struct.Struct("<8sIIqqqqqI")  # magic, version, reserved, index, numel, payload, generation, chunk, n

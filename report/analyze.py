@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 
-from .load import Run
+from report.load import Run
 
 SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "write_wait", "device_wait",
             "update_other", "outside")

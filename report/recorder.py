@@ -1,6 +1,6 @@
 """Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``).
 
-``offloadctl/bootstrap.py`` installs it in every rank, for offloadctl's engine and for stock
+``integrations/bootstrap.py`` installs it in every rank, for offloadctl's engine and for stock
 DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in training:
 
 - **Phase hooks.** ``deepspeed.initialize`` is wrapped, and the DeepSpeed engine it returns gets
@@ -47,10 +47,10 @@ from dataclasses import dataclass
 
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
-from engine.blockdev import device_of
+from engine.storage.blockdev import device_of
 from engine.errors import ConfigError
-from engine.nvml import open_nvml
-from engine.planning import node_layout
+from perf.nvml import open_nvml
+from perf.plan import node_layout
 from tuner.sensors import disk_bytes
 
 RECORD_FORMAT = "offloadctl-record"

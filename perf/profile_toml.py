@@ -1,6 +1,6 @@
 """Hardware profiles as strict TOML files: where they live, how they are read and written.
 
-The strict check is derived from the dataclass annotations of :mod:`engine.profile` (str, int,
+The strict check is derived from the dataclass annotations of :mod:`perf.profile` (str, int,
 float, bool, ``Literal``, tuples, nested and optional dataclasses), so the schema has one
 definition. An unknown key, a value of the wrong type, a missing required key, another
 ``schema_version`` or a TOML syntax error is a :class:`ConfigError` naming the file, the dotted
@@ -25,8 +25,8 @@ from typing import Any, Literal, Mapping
 
 import tomli_w
 
-from .errors import ConfigError
-from .profile import SCHEMA_VERSION, Figure, Profile
+from engine.errors import ConfigError
+from perf.profile import SCHEMA_VERSION, Figure, Profile
 
 if sys.version_info >= (3, 11):
     import tomllib

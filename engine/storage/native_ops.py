@@ -427,7 +427,7 @@ def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.native_ops", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.storage.native_ops", description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="store_true", help="build (or find already built) the optional ops")
     args = ap.parse_args(argv)
     if not args.build:

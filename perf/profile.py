@@ -1,7 +1,7 @@
 """Hardware profile: what one machine measured (or a datasheet declares), as plain dataclasses.
 
-This module is the schema only. ``engine.profile_toml`` reads and writes it as strict TOML;
-``engine.hwprobe`` measures it; ``engine.perfmodel`` predicts from it. Every figure is a
+This module is the schema only. ``perf.profile_toml`` reads and writes it as strict TOML;
+``perf.probe`` measures it; ``perf.model`` predicts from it. Every figure is a
 :class:`Figure` that carries how and when it was obtained. Bandwidths are bytes/s, rates are
 per second, sizes are bytes.
 

@@ -1,7 +1,7 @@
 """Performance model of the update phase and the iteration, and an optimizer over plans.
 
 Pure functions over frozen dataclasses: no I/O, no torch. Inputs are a hardware
-:class:`~engine.profile.Profile` (measured figures), a :class:`Workload` (model size, ranks,
+:class:`~perf.profile.Profile` (measured figures), a :class:`Workload` (model size, ranks,
 forward/backward time) and a :class:`Plan` (where state lives and the engine's knobs). The
 model follows what :class:`engine.core.SubgroupEngine` does, step by step; ``docs/perfmodel.md``
 derives each formula. Notation, per rank unless said otherwise:
@@ -58,10 +58,10 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Literal, Mapping, Sequence
 
-from .config import Knobs
-from .errors import ConfigError
-from .placement import device_lane_working_bytes, stripe
-from .profile import PathProfile, Profile
+from engine.config import Knobs
+from engine.errors import ConfigError
+from engine.placement import device_lane_working_bytes, stripe
+from perf.profile import PathProfile, Profile
 
 STATE_BYTES_PER_PARAM = 12
 """fp32 master, exp_avg, exp_avg_sq."""
@@ -70,9 +70,9 @@ ALIGN_BYTES = 4096
 CHUNK_BYTES = 8 << 20
 """The engine's I/O request size (``EngineConfig.io_chunk_bytes``)."""
 MAX_CHUNKS = (HEADER_BYTES - 60) // 4
-"""Chunk CRCs that fit a swap-file header; larger payloads get larger chunks (engine.swapfile)."""
+"""Chunk CRCs that fit a swap-file header; larger payloads get larger chunks (engine.storage.swapfile)."""
 CRC_BYTES_PER_S_PER_CORE = 4e9
-"""zlib CRC32 of every chunk read and written, on the I/O threads (engine.swapfile)."""
+"""zlib CRC32 of every chunk read and written, on the I/O threads (engine.storage.swapfile)."""
 BACKWARD_SHARE = 2 / 3
 """Share of forward+backward spent in backward, where ZeRO-Infinity flushes gradients."""
 DEFAULT_HOST_SHARE = 0.5

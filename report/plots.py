@@ -1,4 +1,4 @@
-"""The report's figures, drawn with matplotlib (Agg) from :func:`offloadctl.report.analyze.analyze`'s
+"""The report's figures, drawn with matplotlib (Agg) from :func:`report.analyze.analyze`'s
 numbers: one figure per section, every run in it side by side.
 
 - ``breakdown``: each iteration's time, stacked by segment; knob changes marked.
@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .analyze import PHASES, SEGMENT_LABELS, SEGMENTS  # noqa: E402
+from report.analyze import PHASES, SEGMENT_LABELS, SEGMENTS  # noqa: E402
 
 SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")
 COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "read_wait": "#e15759", "host_lane": "#59a14f",

@@ -1,6 +1,6 @@
 """``offloadctl report``: where every iteration's time, memory and bandwidth went, for any run.
 
-- :mod:`.load`: a run directory's records (``offloadctl/recorder.py``), with one-line errors;
+- :mod:`.load`: a run directory's records (``report/recorder.py``), with one-line errors;
 - :mod:`.analyze`: the numbers behind every plot (pure functions; ``--json`` prints them);
 - :mod:`.plots`: one matplotlib figure per section;
 - :mod:`.render`: PNG files, the self-contained HTML page, the terminal summary.
@@ -9,14 +9,14 @@
 """
 from __future__ import annotations
 
-from .analyze import analyze
-from .load import Run, load_run
+from report.analyze import analyze
+from report.load import Run, load_run
 
 
 def build_report(run_dirs: list[str], *, iteration: int | None = None, rank: int = 0,
                  labels: list[str] | None = None) -> tuple[dict, dict[str, bytes]]:
     """(the numbers, {section: PNG bytes}) for ``run_dirs``, side by side, the first the baseline."""
-    from .plots import figures, png_bytes
+    from report.plots import figures, png_bytes
 
     runs = [load_run(d, rank=rank, label=(labels[k] if labels and k < len(labels) else None))
             for k, d in enumerate(run_dirs)]

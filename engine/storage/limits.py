@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 
-from .blockdev import device_of
+from engine.storage.blockdev import device_of
 
 
 class ResizableSemaphore:
@@ -77,7 +77,7 @@ def lock_dir() -> str:
 class NodeLock:
     """One process at a time on a storage device of this node, while the lock is enabled.
 
-    Keyed by the whole disk behind the path (:func:`engine.blockdev.device_of`, as profiles and
+    Keyed by the whole disk behind the path (:func:`engine.storage.blockdev.device_of`, as profiles and
     the performance model group paths), so directories or partitions of one disk share a lock. The
     threads of the holding process share it: the first takes the ``flock``, the last releases it,
     so a process keeps its own requests in flight while other processes wait.

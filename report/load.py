@@ -1,4 +1,4 @@
-"""Reading a run directory's records (``offloadctl/recorder.py``), with one-line errors.
+"""Reading a run directory's records (``report/recorder.py``), with one-line errors.
 
 A run directory holds, per rank, ``record-rank<R>.jsonl`` and ``samples-rank<R>.jsonl`` (the
 recorder's) and, for offloadctl's engine, ``telemetry-rank<R>.jsonl`` (the engine's). A crashed
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 
-from ..recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
+from report.recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
 
 
 @dataclass

@@ -59,10 +59,10 @@ def _stop_on_signals() -> None:
 
 
 def main() -> int:
-    from engine.deepspeed_zero3 import ZeroEngineSettings, install
+    from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from engine.errors import OffloadError
 
-    from offloadctl import recorder
+    from report import recorder
 
     cfg, script, script_args = split_argv(sys.argv[1:])
     state = {"engaged": 0}

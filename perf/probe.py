@@ -1,10 +1,10 @@
-"""Measure this machine into a :class:`engine.profile.Profile`.
+"""Measure this machine into a :class:`perf.profile.Profile`.
 
 Each measurement returns schema objects whose figures say how and when they were taken, and
 reports progress through a callback ``progress(what, done, total)`` or a ``rich`` Progress.
 
 - storage paths: O_DIRECT sequential reads, writes, and both at once, through the engine's own
-  I/O backend (``engine.io_backends``, aio or posix), over a sweep of requests in flight (the
+  I/O backend (``engine.storage.io_backends``, aio or posix), over a sweep of requests in flight (the
   engine's per-path ``io_concurrency`` knob) and request sizes (the engine's 8 MiB chunk, and a
   smaller one). Paths on one device are measured once: they share its bandwidth.
 - host: memory copy bandwidth, and fused CPU AdamW params/s by thread count (the faster of the
@@ -28,17 +28,17 @@ from typing import Callable, Iterable, Literal, Sequence
 import psutil
 import torch
 
-from .adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels, select_host_kernel
-from .blockdev import device_of
-from .buffers import ALIGN_BYTES, aligned_empty
-from .config import EngineConfig
-from .errors import ConfigError, StoragePathError
-from .io_backends import open_backend
-from .nvml import open_nvml
-from .profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
+from engine.adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels, select_host_kernel
+from engine.storage.blockdev import device_of
+from engine.buffers import ALIGN_BYTES, aligned_empty
+from engine.config import EngineConfig
+from engine.errors import ConfigError, StoragePathError
+from engine.storage.io_backends import open_backend
+from perf.nvml import open_nvml
+from perf.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
                       SweepPoint)
-from .storage import check_usable
-from .swapdir import make_swap_dir, remove_swap_dir
+from engine.storage.paths import check_usable
+from engine.storage.swapdir import make_swap_dir, remove_swap_dir
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(what, done, total)``: ``done`` of ``total`` steps of the measurement ``what``."""
@@ -415,9 +415,9 @@ def measure_host_lane(numel: int = FULL.adamw_numel, reps: int = FULL.reps, *,
     ``numel / 4`` elements, each with a bf16 gradient in host memory unscaled by 0.5 (clipping
     engaged), the faster fused AdamW kernel, and the new weights cast to bf16 into flat weights
     on the GPU (uploaded asynchronously) or in host memory without one. Median of ``reps``."""
-    from .binding import FlatSubgroup
-    from .buffers import StateBuffer
-    from .lanes import HostLane, WeightUploader
+    from engine.binding import FlatSubgroup
+    from engine.buffers import StateBuffer
+    from engine.lanes import HostLane, WeightUploader
 
     report = as_progress(progress)
     what = "host lane (integrated)"

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import swapfile
-from .buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
-from .config import StoragePath
-from .errors import CorruptSwapFileError, StorageIOError, StoragePathError
-from .io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
-from .iolimits import NodeLock, RateLimiter, ResizableSemaphore
-from .swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
+from engine.storage import swapfile
+from engine.buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
+from engine.config import StoragePath
+from engine.errors import CorruptSwapFileError, StorageIOError, StoragePathError
+from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
+from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
+from engine.storage.swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
 
 MAX_IO_THREADS = 64
 

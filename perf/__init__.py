@@ -1,0 +1,1 @@
+"""Hardware profiles, their measurement, the performance model and planning."""
