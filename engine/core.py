@@ -104,7 +104,7 @@ class SubgroupEngine:
         self._closed = False
         self._failures: list[OffloadError] = []
         self.device = self._resolve_device(config.device)
-        self._check_knobs(self.knobs)
+        self.knobs.check_for([p.path for p in config.paths], has_device=self.device is not None)
         self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
         self._device_grads_ok = False  # the device lane's gradients fit that budget: they live on the device
 
@@ -207,18 +207,8 @@ class SubgroupEngine:
 
     def set_knobs(self, knobs: Knobs) -> None:
         """Validate ``knobs`` now; apply them at the start of the next ``step()``."""
-        self._check_knobs(knobs)
+        knobs.check_for([p.path for p in self.config.paths], has_device=self.device is not None)
         self._pending_knobs = knobs
-
-    def _check_knobs(self, knobs: Knobs) -> None:
-        known = {p.path for p in self.config.paths}
-        for name in ("io_concurrency", "stripe_weights"):
-            unknown = set(getattr(knobs, name)) - known
-            if unknown:
-                raise ConfigError(f"Knobs.{name} names {sorted(unknown)}, which are not storage paths of this engine "
-                                  f"(paths: {sorted(known) or 'none'})")
-        if knobs.device_fraction > 0 and self.device is None:
-            raise ConfigError("Knobs.device_fraction > 0 needs a device lane: CUDA, or device='cpu' in tests")
 
     def _apply_pending_knobs(self) -> None:
         k, self._pending_knobs = self._pending_knobs, None

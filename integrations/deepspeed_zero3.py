@@ -78,7 +78,7 @@ class ZeroEngineSettings:
     def from_json(cls, d: dict) -> "ZeroEngineSettings":
         return cls(nvme_paths=tuple(d.get("nvme_paths", ())), remote_paths=tuple(d.get("remote_paths", ())),
                    host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
-                   knobs=Knobs(**d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
+                   knobs=Knobs.from_dict(d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
                    device_cache_bytes=d.get("device_cache_bytes"), auto_device_fraction=d.get("auto_device_fraction", True),
                    lane_device=d.get("lane_device"),
                    io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),

@@ -137,7 +137,7 @@ def test_bad_values_are_config_errors(swap_dir, tmp_path):
     with pytest.raises(ConfigError, match="device_fraction must be in"):
         Knobs(device_fraction=2)
     opt = _opt(m, swap_dir)
-    with pytest.raises(ConfigError, match="not storage paths of this engine"):
+    with pytest.raises(ConfigError, match="not storage paths of this run"):
         opt.set_knobs(Knobs(io_concurrency={str(tmp_path / "other"): 2}))
     with pytest.raises(ConfigError, match="cannot add param groups"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})

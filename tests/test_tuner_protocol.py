@@ -408,3 +408,25 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
     _send(run, {"type": "bye", "id": 2, "run_id": "steady", "rank": 0})
     while _recv(run)["type"] != "ok":
         pass
+
+
+
+def test_knob_names_have_one_owner():
+    """The tuner's protocol, its policy and `offloadctl tune` take the knob names from Knobs, so a
+    knob of the engine is one the daemon accepts and the CLI can pin, and nothing else is."""
+    from engine.config import Knobs
+    from engine.errors import ConfigError
+    from offloadctl.commands.tune import parse_pin
+    from tuner.protocol import KNOBS, ProtocolError, knobs_from_dict
+
+    defaults = Knobs().to_dict()
+    assert KNOBS(defaults, "knobs") == defaults
+    for name in Knobs.names():
+        assert parse_pin(f"run-1:{name}=1")[1] == name
+        assert knobs_from_dict({name: defaults[name]}) == Knobs()
+    with pytest.raises(ProtocolError, match="knobs has unknown field"):
+        KNOBS({"prefetch_depths": 2}, "knobs")
+    with pytest.raises(ConfigError, match=r"unknown knob\(s\) \['prefetch_depths'\]: the knobs are device_fraction"):
+        Knobs.from_dict({"prefetch_depths": 2})
+    with pytest.raises(ConfigError, match="--pin"):
+        parse_pin("run-1:prefetch_depths=2")

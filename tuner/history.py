@@ -147,7 +147,7 @@ class History:
             return None
         want = set(paths) if paths is not None else None
         best = min(rows, key=lambda r: (want is not None and set(json.loads(r[1])) != want, r[2] / r[3]))
-        knobs = Knobs(**json.loads(best[0]))
+        knobs = Knobs.from_dict(json.loads(best[0]))
         if want is None:
             return knobs
         conc = {p: v for p, v in knobs.io_concurrency.items() if p in want}

@@ -54,7 +54,6 @@ import psutil
 from engine.config import Knobs
 from engine.errors import ConfigError
 
-KNOB_NAMES = ("device_fraction", "prefetch_depth", "io_concurrency", "node_lock", "stripe_weights")
 LOG_ENTRIES = 1000
 
 
@@ -232,7 +231,7 @@ def _opposite(key: str) -> str | None:
 
 
 def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
-    return k if isinstance(k, Knobs) else Knobs(**dict(k))
+    return k if isinstance(k, Knobs) else Knobs.from_dict(dict(k))
 
 
 class Policy:
@@ -366,9 +365,9 @@ class Policy:
 
     def pin(self, knob: str, value) -> None:
         """Fix ``knob`` (a Knobs field, or ``io_concurrency[PATH]``) at ``value``; never searched."""
-        name, path = self._parse_knob(knob)
-        value = self._coerce(name, path, value)
-        new = self._set(self._good, name, path, value)
+        name, path = Knobs.parse_name(knob, self.paths)
+        value = Knobs.read_value(name, value, self.paths)
+        new = self._good.with_value(knob, value, self.paths, self.has_device)
         if name == "device_fraction" and new.device_fraction > 0 and not self._device_fits(new.device_fraction):
             why = ("this run has no device lane" if not self.has_device
                    else f"it ran out of GPU memory above {self._device_cap:g}")
@@ -384,7 +383,7 @@ class Policy:
             self._note(f"pinned {knob}={value} by the user (already in force)", "user")
 
     def unpin(self, knob: str) -> None:
-        name, path = self._parse_knob(knob)
+        name, path = Knobs.parse_name(knob, self.paths)
         key = knob if path is None else f"{name}[{path}]"
         if self._pins.pop(key, None) is None:
             raise ConfigError(f"knob {knob!r} is not pinned (pinned: {sorted(self._pins) or 'none'})")
@@ -915,57 +914,6 @@ class Policy:
 
     def _pinned(self, name: str, path: str | None = None) -> bool:
         return name in self._pins or (path is not None and f"{name}[{path}]" in self._pins)
-
-    def _parse_knob(self, knob: str) -> tuple[str, str | None]:
-        name, path = knob, None
-        if isinstance(knob, str) and knob.endswith("]") and "[" in knob:
-            name, path = knob[:-1].split("[", 1)
-        if name not in KNOB_NAMES:
-            raise ConfigError(f"unknown knob {knob!r}: use one of {', '.join(KNOB_NAMES)}, or io_concurrency[PATH]")
-        if path is not None:
-            if name != "io_concurrency":
-                raise ConfigError(f"knob {knob!r}: only io_concurrency takes a [PATH]; pin {name} as a whole")
-            if path not in self.paths:
-                raise ConfigError(f"knob {knob!r} names a path this run does not use (paths: {self.paths})")
-        return name, path
-
-    def _coerce(self, name: str, path: str | None, value):
-        if isinstance(value, str):
-            v = value.strip()
-            if name == "node_lock":
-                if v.lower() not in ("true", "false", "1", "0", "on", "off"):
-                    raise ConfigError(f"node_lock must be true or false, got {value!r}")
-                return v.lower() in ("true", "1", "on")
-            try:
-                value = json.loads(v)
-            except ValueError:
-                raise ConfigError(f"{name}: cannot read {value!r} as a number or a JSON object") from None
-        if name == "node_lock":
-            if not isinstance(value, bool):
-                raise ConfigError(f"node_lock must be true or false, got {value!r}")
-        elif name == "stripe_weights":
-            if not isinstance(value, dict) or set(value) != set(self.paths):
-                raise ConfigError(f"stripe_weights must give a weight for each path {self.paths}, got {value!r}")
-        elif name == "io_concurrency" and isinstance(value, dict):
-            unknown = set(value) - set(self.paths)
-            if unknown:
-                raise ConfigError(f"io_concurrency names paths this run does not use: {sorted(unknown)}")
-        return value
-
-    def _set(self, k: Knobs, name: str, path: str | None, value) -> Knobs:
-        """``k`` with one knob changed; :class:`Knobs` validates the value (ConfigError)."""
-        if name == "io_concurrency":
-            conc = dict(k.io_concurrency)
-            if path is not None:
-                conc[path] = value
-            elif isinstance(value, dict):
-                conc = dict(value)
-            else:
-                conc = {p: value for p in self.paths}
-            return k.replace(io_concurrency=conc)
-        if name == "device_fraction" and value and not self.has_device:
-            raise ConfigError("device_fraction > 0 needs a device lane, and this run has none")
-        return k.replace(**{name: value})
 
 
 def _diff(a: Knobs, b: Knobs) -> str:

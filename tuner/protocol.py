@@ -24,7 +24,8 @@ import time
 from enum import IntEnum
 from typing import Any, Callable
 
-from engine.errors import OffloadError
+from engine.config import Knobs
+from engine.errors import ConfigError, OffloadError
 
 API_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
@@ -201,14 +202,14 @@ RUN_ID = Str(128, r"[^\x00-\x1f\x7f]+", min_len=1)
 """Any printable text (a run directory's name, say), no control characters."""
 RANK = Int(0, 1 << 20)
 PATH = Str(4096, min_len=1)
-KNOB_NAMES = ("device_fraction", "prefetch_depth", "io_concurrency", "node_lock", "stripe_weights")
+KNOB_NAMES = Knobs.names()
 KNOB = Str(4200, r"(%s)(\[.+\])?" % "|".join(KNOB_NAMES))
 """A knob to pin: a Knobs field, or ``io_concurrency[PATH]`` for one path."""
-KNOBS = Obj({
-    "device_fraction": (Num(0), False), "prefetch_depth": (Int(0), False),
-    "io_concurrency": (Dict(Int(1), PATH, 64), False), "node_lock": (Bool, False),
-    "stripe_weights": (Dict(Num(0), PATH, 64), False),
-})
+# The wire type of each knob; the names (and their ranges) are Knobs'. A knob added there
+# without a wire type here fails at import, not at the first message.
+_KNOB_WIRE = {"device_fraction": Num(0), "prefetch_depth": Int(0), "io_concurrency": Dict(Int(1), PATH, 64),
+              "node_lock": Bool, "stripe_weights": Dict(Num(0), PATH, 64)}
+KNOBS = Obj({name: (_KNOB_WIRE[name], False) for name in KNOB_NAMES})
 # The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
 SECONDS = Num(0, SECONDS_MAX)
 RECORD = Obj({
@@ -286,12 +287,9 @@ def validate(msg: dict, schemas: dict[str, dict]) -> dict:
 
 def knobs_from_dict(d: dict):
     """``engine.Knobs`` from a schema-checked dict; a value out of range is BAD_VALUE."""
-    from engine.config import Knobs
-    from engine.errors import ConfigError
-
     try:
-        return Knobs(**d)
-    except (ConfigError, TypeError) as e:  # TypeError: a field Knobs does not have
+        return Knobs.from_dict(d)
+    except (ConfigError, TypeError) as e:  # TypeError: a value of the wrong kind
         raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
 
 

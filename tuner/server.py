@@ -961,13 +961,11 @@ def _close_sensors(run: _Run) -> None:
 
 
 def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
-    """The checks ``SubgroupEngine.set_knobs`` would make, done here so no rank refuses a change."""
-    unknown = (set(knobs.io_concurrency) | set(knobs.stripe_weights)) - set(paths)
-    if unknown:
-        raise ProtocolError(ErrorCode.BAD_VALUE, f"knobs name {sorted(unknown)}, which are not storage paths of the run "
-                            f"(paths: {sorted(paths) or 'none'})")
-    if knobs.device_fraction > 0 and not has_device:
-        raise ProtocolError(ErrorCode.BAD_VALUE, "device_fraction > 0 needs a device lane, and this run has none")
+    """``Knobs.check_for`` as the protocol's BAD_VALUE, so no rank refuses a change."""
+    try:
+        knobs.check_for(paths, has_device)
+    except ConfigError as e:
+        raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
 
 
 # -- the listening socket --------------------------------------------------------------------------

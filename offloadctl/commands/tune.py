@@ -31,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unfreeze", action="append", default=[], metavar="RUN", help="resume tuning a run")
 
 
-KNOB_RX = r"(?P<knob>(?:device_fraction|prefetch_depth|io_concurrency|node_lock|stripe_weights)(?:\[[^\]]+\])?)"
+def _knob_rx() -> str:
+    from engine.config import Knobs
+
+    return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(Knobs.names())
 
 
 def parse_pin(spec: str) -> tuple[str, str, object]:
@@ -39,10 +42,12 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
     knob names anchor the split, so run ids and paths may hold ':' and '='."""
     from engine.errors import ConfigError
 
-    m = re.fullmatch(r"(?P<run>.+?):" + KNOB_RX + r"=(?P<value>.*)", spec, re.S)
+    m = re.fullmatch(r"(?P<run>.+?):" + _knob_rx() + r"=(?P<value>.*)", spec, re.S)
     if not m:
+        from engine.config import Knobs
+
         raise ConfigError(f"--pin {spec!r}: write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
-                          "device_fraction, prefetch_depth, io_concurrency[PATH], node_lock, stripe_weights)")
+                          f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)")
     try:
         value = json.loads(m["value"])
     except ValueError:
@@ -54,7 +59,7 @@ def parse_unpin(spec: str) -> tuple[str, str]:
     """``RUN:KNOB`` -> (run, knob)."""
     from engine.errors import ConfigError
 
-    m = re.fullmatch(r"(?P<run>.+?):" + KNOB_RX, spec, re.S)
+    m = re.fullmatch(r"(?P<run>.+?):" + _knob_rx(), spec, re.S)
     if not m:
         raise ConfigError(f"--unpin {spec!r}: write RUN:KNOB, e.g. myrun:prefetch_depth")
     return m["run"], m["knob"]
