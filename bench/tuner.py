@@ -132,20 +132,20 @@ class ThroughDaemon:
     """The real daemon and engine client: report each step, apply changes before the next."""
 
     def __init__(self, engine: SubgroupEngine, paths: list[str], run_id: str, socket_path: str) -> None:
-        from tuner.client import TunerClient, engine_facts
+        from tuner.client import TunerClient
 
         self.engine = engine
-        self.client = TunerClient(socket_path, run_id=run_id, rank=0, world_size=1, **engine_facts(engine))
+        # The engine's step hook, as in training. No training loop here: the step is the whole
+        # iteration (the time since the last report would count the reference engine's step).
+        self.client = TunerClient.for_engine(socket_path, engine, run_id=run_id, step_is_iteration=True)
         if not self.client.connected.wait(15):
             raise SystemExit(f"the tuner daemon at {socket_path} did not register the run: {self.client.last_error}")
         self._changes: list[dict] = []
 
     def step(self) -> dict:
-        applied = self.client.apply_pending(self.engine)
+        before = self.client.knobs
         rec = self.engine.step(HYPERS)
-        # No training loop here: the step is the whole iteration (the time since the last report
-        # would count the reference engine stepped in between).
-        self.client.report(rec, iter_time_s=rec.wall_s)
+        applied = self.client.knobs if self.client.knobs is not before else None
         return _row(rec, f"daemon's change applied: {applied.to_dict()}" if applied is not None else None)
 
     def good_knobs(self) -> Knobs:

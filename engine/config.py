@@ -50,6 +50,21 @@ class StoragePath:
         return cls(path=os.fspath(value), kind=kind)
 
 
+def resolve_host_cache(host_cache_bytes: int | None, paths) -> int | None:
+    """How much optimizer state stays in host memory: the one rule, for ``OffloadAdamW``,
+    ``offloadctl train`` and the planner alike.
+
+    - A budget given is the budget (state beyond it goes to the paths; with no paths, a budget
+      the state does not fit is an error at placement, naming the fix).
+    - None with storage paths: 0. Paths are given to hold the state, so it goes there and host
+      memory holds only the staging buffers; keep some in memory with a budget.
+    - None without paths: None, all of it in host memory (there is nowhere else).
+    """
+    if host_cache_bytes is not None:
+        return host_cache_bytes
+    return 0 if paths else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Settings fixed for the engine's lifetime."""
@@ -58,8 +73,9 @@ class EngineConfig:
     """Target elements per subgroup. Larger: fewer, longer I/O requests; smaller: finer
     placement and earlier overlap. Each subgroup holds 12 bytes of state per element."""
     host_cache_bytes: int | None = None
-    """Budget for optimizer state that stays in host memory. None: all state in host memory.
-    The swap staging buffers (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
+    """Budget for optimizer state that stays in host memory, read by :func:`resolve_host_cache`:
+    None means all of it without storage paths, none of it with paths (the state goes to the
+    paths). The swap staging buffers (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
     device_cache_bytes: int | None = 0
     """Budget for optimizer state that stays in device memory (updated there, no transfers).
     None: as much as the device has free after the first forward/backward, less a safety
@@ -92,6 +108,7 @@ class EngineConfig:
         _positive_int("subgroup_numel", self.subgroup_numel)
         if self.host_cache_bytes is not None:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
+        object.__setattr__(self, "host_cache_bytes", resolve_host_cache(self.host_cache_bytes, self.paths))
         if self.device_cache_bytes is not None:
             _non_negative_int("device_cache_bytes", self.device_cache_bytes)
         if self.io_backend not in ("auto", "aio", "posix"):

@@ -100,6 +100,7 @@ class SubgroupEngine:
         self.config = config
         self.knobs = knobs or Knobs()
         self._pending_knobs: Knobs | None = None
+        self._hooks: list = []
         self.iteration = 0
         self._closed = False
         self._failures: list[OffloadError] = []
@@ -205,6 +206,10 @@ class SubgroupEngine:
 
     # -- knobs ---------------------------------------------------------------------------------
 
+    def add_step_hook(self, hook) -> None:
+        """Call ``hook`` around every step (``engine.hooks``); the engine closes it in ``close()``."""
+        self._hooks.append(hook)
+
     def set_knobs(self, knobs: Knobs) -> None:
         """Validate ``knobs`` now; apply them at the start of the next ``step()``."""
         knobs.check_for([p.path for p in self.config.paths], has_device=self.device is not None)
@@ -258,6 +263,19 @@ class SubgroupEngine:
             raise OffloadError("this optimizer engine was closed; create a new one")
         t_start = time.perf_counter()
         fwd_bwd_s = t_start - self._last_step_end if self._last_step_end is not None else None
+        try:
+            rec = self._step(hypers, t_start, fwd_bwd_s)
+        except BaseException as e:
+            for hook in self._hooks:
+                hook.on_error(self, e)
+            raise
+        for hook in self._hooks:
+            hook.after_step(self, rec)
+        return rec
+
+    def _step(self, hypers: Sequence[AdamWHyper], t_start: float, fwd_bwd_s: float | None) -> StepRecord:
+        for hook in self._hooks:
+            hook.before_step(self)  # a knob change it makes is applied just below
         self._apply_pending_knobs()
         if self._device_tier_pending:
             self.fit_device_tier()
@@ -669,6 +687,13 @@ class SubgroupEngine:
         if self._closed:
             return
         self._closed = True
+        for hook in self._hooks:
+            close = getattr(hook, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # a hook's failure must not keep the swap files on disk
+                    pass
         try:
             self._drain()
         except Exception:
@@ -677,7 +702,8 @@ class SubgroupEngine:
             p.close()
 
     def describe(self) -> dict:
-        """The plan in force: tiers, bytes per tier, knobs; for logs and ``--dry-run``."""
+        """The plan in force: tiers, bytes per tier, knobs; for logs, ``--dry-run`` and the
+        tuner (which learns what it tunes from this, not from the engine's internals)."""
         tiers: dict[str, int] = {}
         for sg in self.subgroups:
             key = sg.tier if isinstance(sg.tier, str) else self.paths[sg.tier].path
@@ -692,4 +718,8 @@ class SubgroupEngine:
             "device": str(self.device) if self.device is not None else None,
             "path_bandwidth_bytes_per_s": {p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
             "knobs": self.knobs.to_dict(),
+            "paths": [p.path for p in self.config.paths],
+            "has_device": self.device is not None,
+            "subgroup_bytes": max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
+            "device_headroom_bytes": None if self.device is None else gpu_headroom_bytes(self.device),
         }

@@ -101,8 +101,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) with state across tiers.
 
     Args:
-        host_cache_bytes: budget for optimizer state kept in host memory. None: all of it.
-            The rest is striped over ``nvme_paths`` and ``remote_paths`` by bandwidth.
+        host_cache_bytes: budget for optimizer state kept in host memory; the rest is striped
+            over ``nvme_paths`` and ``remote_paths`` by bandwidth. None: all of it without
+            paths, none with paths (``engine.config.resolve_host_cache``).
         nvme_paths, remote_paths: directories (or :class:`StoragePath` with declared
             bandwidth and, for shared file systems, a cap).
         subgroup_numel: elements per subgroup (12 bytes of state each).
@@ -153,6 +154,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     def set_knobs(self, knobs: Knobs) -> None:
         """Change the knobs; they take effect at the next ``step()``."""
         self.engine.set_knobs(knobs)
+
+    def add_step_hook(self, hook) -> None:
+        """Call ``hook`` around every step (``engine.hooks``): how a tuner drives this optimizer,
+        e.g. ``tuner.client.TunerClient.for_engine(socket, opt.engine, run_id=...)`` registers itself."""
+        self.engine.add_step_hook(hook)
 
     @property
     def knobs(self) -> Knobs:

@@ -21,7 +21,7 @@ from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from conftest import wait_for as _wait
 from tuner import service
-from tuner.client import TunerClient, engine_facts
+from tuner.client import TunerClient
 from tuner.protocol import Connection
 from tuner.server import bind_socket
 
@@ -58,6 +58,16 @@ class Static(Scripted):
 
     def observe(self, obs):
         return None
+
+
+class HeadroomEcho(Scripted):
+    """Deepens the prefetch once it observes 7000 bytes of GPU headroom: the figure the ranks
+    report after registering with another."""
+
+    def observe(self, obs):
+        if obs.device_headroom_bytes == 7000 and self.knobs.prefetch_depth != 5:
+            self.knobs = self.knobs.replace(prefetch_depth=5)
+            return Decision(self.knobs, "saw the refreshed headroom")
 '''
 
 # One rank of a run: a real SubgroupEngine (state on a swap path), ranks kept in lockstep by a
@@ -68,7 +78,7 @@ import json, os, sys, time
 import torch
 import torch.distributed as dist
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine
-from tuner.client import TunerClient, engine_facts
+from tuner.client import TunerClient
 
 a = json.loads(sys.argv[1])
 if a["world"] > 1:
@@ -80,12 +90,12 @@ eng = SubgroupEngine([FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in 
                      EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend="posix", host_adam="torch",
                                   paths=(StoragePath(path=a["swap"], read_bytes_per_s=1e9, write_bytes_per_s=1e9),)),
                      Knobs(prefetch_depth=a["prefetch"]))
-client = TunerClient(a["socket"], run_id=a["run"], rank=a["rank"], world_size=a["world"],
-                     backoff_s=(0.05, 0.3), **engine_facts(eng))
+# The client is the engine's step hook: changes applied before each step, telemetry after.
+client = TunerClient.for_engine(a["socket"], eng, run_id=a["run"], rank=a["rank"], world_size=a["world"],
+                                backoff_s=(0.05, 0.3))
 with open(a["out"], "w") as out:
     stop = False
     while not stop:
-        client.apply_pending(eng)
         grad.normal_()
         rec = eng.step([AdamWHyper(lr=1e-3)])
         # The slowest rank sets the pace; and all ranks stop after the same iteration.
@@ -93,7 +103,6 @@ with open(a["out"], "w") as out:
         if a["world"] > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
-        client.report(rec)
         out.write(json.dumps({"it": rec.iteration, "pd": rec.knobs["prefetch_depth"], "t": time.time(),
                               "connected": client.connected.is_set()}) + "\n")
         out.flush()
@@ -223,14 +232,13 @@ def test_client_never_blocks_and_connects_when_a_daemon_appears(tmp_path):
     sock = str(tmp_path / "tuner.sock")
     w, g = torch.zeros(100), torch.ones(100)
     eng = SubgroupEngine([FlatSubgroup(w, g)], EngineConfig(subgroup_numel=100, host_adam="torch"))
-    client = TunerClient(sock, run_id="late", rank=0, world_size=1, queue_size=8, backoff_s=(0.05, 0.2),
-                         **engine_facts(eng))
+    client = TunerClient.for_engine(sock, eng, run_id="late", queue_size=8, backoff_s=(0.05, 0.2), hook=False)
     rec = lambda i: StepRecord(iteration=i, order="forward", wall_s=0.01, read_wait_s=0, update_s=0.01,
                                write_wait_s=0)
     with pytest.raises(ConfigError, match="run_id"):  # refused here, not silently at every registration
-        TunerClient(sock, run_id="my\nrun", rank=0, world_size=1, **engine_facts(eng))
+        TunerClient.for_engine(sock, eng, run_id="my\nrun", hook=False)
     with pytest.raises(ConfigError, match="rank 2 must be below world_size 2"):
-        TunerClient(sock, run_id="r", rank=2, world_size=2, **engine_facts(eng))
+        TunerClient.for_engine(sock, eng, run_id="r", rank=2, world_size=2, hook=False)
     t0 = time.perf_counter()
     for i in range(1000):
         client.report(rec(i), iter_time_s=0.02)
@@ -259,7 +267,7 @@ def test_late_change_applies_at_next_boundary_and_is_logged(tmp_path, policy_dir
     w, g = torch.zeros(300), torch.ones(300)
     eng = SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, 300, 100)],
                          EngineConfig(subgroup_numel=100, host_adam="torch"))
-    client = TunerClient(sock, run_id="slow", rank=0, world_size=1, **engine_facts(eng))
+    client = TunerClient.for_engine(sock, eng, run_id="slow", hook=False)
     try:
         assert client.connected.wait(20)
         for _ in range(5):
@@ -501,3 +509,65 @@ def _unit(path: str) -> dict[str, dict[str, list[str]]]:
                 k, _, v = line.partition("=")
                 section.setdefault(k.strip(), []).append(v.strip())
     return out
+
+
+def test_gpu_headroom_is_refreshed_every_step(tmp_path, policy_dir):
+    """The headroom the policy's guard rails use is the one each step measured, not the one at
+    registration (forward/backward's peak changes after the first iterations). The engine puts
+    it in each StepRecord; the client passes it on."""
+    sock = str(tmp_path / "tuner.sock")
+    daemon = _serve(sock, "--policy", "scripted:HeadroomEcho", policy_dir=policy_dir)
+    w, g = torch.zeros(300), torch.ones(300)
+    eng = SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, 300, 100)],
+                         EngineConfig(subgroup_numel=100, host_adam="torch"))
+    client = TunerClient.for_engine(sock, eng, run_id="room", device_headroom_bytes=1000, hook=False)
+    try:
+        assert client.connected.wait(20)
+        for _ in range(4):
+            rec = eng.step([AdamWHyper(lr=1e-3)])
+            rec.device_headroom_bytes = 7000  # as the engine measures it after each step on a CUDA device
+            client.report(rec, iter_time_s=0.01)
+        _wait(lambda: _snapshot(sock)["room"]["knobs"]["prefetch_depth"] == 5, 10, "the policy's reaction")
+    finally:
+        client.close()
+        eng.close()
+        daemon.terminate()
+        daemon.wait(10)
+
+
+def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
+    """OffloadAdamW, without DeepSpeed, takes the daemon's changes at a step boundary through
+    the same hook as the ZeRO-3 integration; closing the optimizer says bye to the daemon."""
+    from engine import OffloadAdamW
+
+    sock = str(tmp_path / "tuner.sock")
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
+    model = torch.nn.Linear(64, 64)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=1024, host_adam="torch", io_backend="posix",
+                       nvme_paths=[str(swap)])
+    TunerClient.for_engine(sock, opt.engine, run_id="plain")
+    try:
+        def train_step():
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            train_step()
+        _wait(lambda: _snapshot(sock).get("plain", {}).get("iteration") == 2, 20, "telemetry through the hook")
+        with Connection(sock) as c:
+            c.request("pin", run_id="plain", knob="prefetch_depth", value=6)
+        for _ in range(200):
+            train_step()
+            if opt.engine.knobs.prefetch_depth == 6:
+                break
+            time.sleep(0.02)
+        assert opt.engine.knobs.prefetch_depth == 6 and opt.telemetry[-1].knobs["prefetch_depth"] == 6
+        opt.close()
+        assert _wait(lambda: _snapshot(sock)["plain"]["status"] == "finished", 10, "bye at close")
+    finally:
+        opt.close()
+        daemon.terminate()
+        daemon.wait(10)

@@ -52,7 +52,8 @@ class TunerClient:
     def __init__(self, socket_path: str, *, run_id: str, rank: int, world_size: int, params: int,
                  paths: Sequence[str], knobs: Knobs, profile=None, has_device: bool = False,
                  device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, queue_size: int = 256,
-                 backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0) -> None:
+                 backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0,
+                 step_is_iteration: bool = False) -> None:
         try:  # what the daemon would refuse at every registration: refuse it now, once
             RUN_ID(run_id, "run_id")
             RANK(rank, "rank")
@@ -66,6 +67,7 @@ class TunerClient:
         self._static = {"params": int(params), "paths": [os.path.abspath(p) for p in paths], "profile": profile,
                         "has_device": bool(has_device), "subgroup_bytes": int(subgroup_bytes)}
         self.knobs = knobs
+        self.step_is_iteration = step_is_iteration
         """The knobs in force (as last applied)."""
         self._headroom = device_headroom_bytes
         self._iteration = 0
@@ -88,6 +90,34 @@ class TunerClient:
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name=f"tuner-client-{run_id}-{rank}", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_engine(cls, socket_path: str, engine, *, run_id: str, rank: int = 0, world_size: int = 1,
+                   profile=None, hook: bool = True, **kw) -> "TunerClient":
+        """A client for ``engine`` (a ``SubgroupEngine``), from what its ``describe()`` says, and
+        (``hook``) registered as its step hook: knob changes applied before each step, telemetry
+        after. ``hook=False`` leaves calling :meth:`apply_pending` and :meth:`report` to the caller."""
+        facts = engine.describe()
+        kw.setdefault("device_headroom_bytes", facts["device_headroom_bytes"])
+        client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
+                     params=facts["params"], paths=facts["paths"], knobs=Knobs.from_dict(facts["knobs"]),
+                     has_device=facts["has_device"], subgroup_bytes=facts["subgroup_bytes"], **kw)
+        if hook:
+            engine.add_step_hook(client)
+        return client
+
+    # -- the engine's step hook (engine.hooks) -------------------------------------------------
+
+    def before_step(self, engine) -> None:
+        self.apply_pending(engine)  # every rank switches at the same iteration
+
+    def after_step(self, engine, record: StepRecord) -> None:
+        # The iteration is the time between reports (forward and backward included), unless the
+        # caller's loop is the step alone (benchmarks driving engines side by side).
+        self.report(record, iter_time_s=record.wall_s if self.step_is_iteration else None)
+
+    def on_error(self, engine, error: BaseException) -> None:
+        self.report_event("oom" if type(error).__name__ == "OutOfMemoryError" else "error", str(error))
 
     # -- the training side (never blocks) ----------------------------------------------------
 
@@ -298,23 +328,3 @@ class TunerClient:
                 log.warning("rank %d: tuner daemon error %s: %s", self.rank, msg["code"], msg["message"])
         except ProtocolError as e:
             log.warning("rank %d: ignoring a bad message from the tuner daemon: %s", self.rank, e)
-
-
-def engine_facts(engine) -> dict:
-    """The ``TunerClient`` arguments that describe a ``SubgroupEngine``: params, paths, knobs,
-    has_device, subgroup_bytes, device_headroom_bytes."""
-    from engine.buffers import payload_bytes
-
-    return {"params": sum(sg.numel for sg in engine.subgroups), "paths": [p.path for p in engine.config.paths],
-            "knobs": engine.knobs, "has_device": engine.device is not None,
-            "subgroup_bytes": max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
-            "device_headroom_bytes": device_headroom_bytes(engine)}
-
-
-def device_headroom_bytes(engine) -> int | None:
-    """Device memory the engine could still use (forward/backward's peak left room for), or
-    None without a CUDA device."""
-    from engine.gpumem import gpu_headroom_bytes
-
-    d = engine.device
-    return None if d is None else gpu_headroom_bytes(d)

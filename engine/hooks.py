@@ -1,0 +1,33 @@
+"""How a tuner, or anything else, plugs into the engine's step without the engine knowing it.
+
+A step hook is any object with these three methods (all optional to act on; ``StepHook`` is the
+base to inherit from). :class:`engine.core.SubgroupEngine` calls them in order of registration:
+
+- ``before_step(engine)``: at the start of ``step()``, before the knobs pending in the engine
+  are applied, so a hook may call ``engine.set_knobs`` and have it in force for this step;
+- ``after_step(engine, record)``: once the step finished, with its :class:`StepRecord`;
+- ``on_error(engine, error)``: when the step raised (the error is raised again afterwards).
+
+The engine closes its hooks in ``close()`` (``close()`` on a hook is optional). The tuner's
+client (``tuner.client.TunerClient``) is one; ``OffloadAdamW`` and the DeepSpeed integration
+register it the same way. A hook that raises in ``before_step``/``after_step`` fails the step:
+hooks are part of training, not observers of it; one that must never fail training catches its
+own errors (the tuner client does).
+"""
+from __future__ import annotations
+
+
+class StepHook:
+    """A hook that does nothing; subclass and override what you need."""
+
+    def before_step(self, engine) -> None:
+        pass
+
+    def after_step(self, engine, record) -> None:
+        pass
+
+    def on_error(self, engine, error: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,297 @@
+"""The engine inside DeepSpeed ZeRO-3: :class:`OffloadZero3Optimizer`, a subclass of
+``DeepSpeedZeroOptimizer_Stage3``, and the binding of its subgroups to the engine.
+
+Imported only by :func:`integrations.deepspeed_zero3.install`, after DeepSpeed was imported
+the way that keeps it from compiling native ops in a rank; what the subclass changes against
+stock DeepSpeed is described there.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from typing import ClassVar
+
+import torch
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT, PARTITION_COUNT, ZERO_STAGE
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from engine.adamw import hyper_from_group
+from engine.buffers import pin_in_place
+from engine.config import EngineConfig, Knobs, StoragePath
+from engine.core import SubgroupEngine
+from engine.errors import ConfigError
+from integrations.deepspeed_zero3 import ZeroEngineSettings
+
+
+class ZeroPartitionSubgroup:
+    """A :class:`SubgroupBinding` over one ZeRO-3 subgroup of this rank's partition."""
+
+    def __init__(self, opt, index: int, grad_offset: int) -> None:
+        self.opt, self.index = opt, index
+        self.group = opt.sub_group_to_group_id[index]
+        self.numel = opt.fp16_partitioned_groups_flat_numel[index]
+        self.slice_numels = (self.numel,)
+        # DeepSpeed's host buffer of reduced gradients, in the gradient-accumulation dtype.
+        self.host_grad = opt.grad_partitions_flat_buffer.narrow(0, grad_offset, self.numel)
+        self.device_grad: torch.Tensor | None = None  # set while backward writes this subgroup's gradients on the GPU
+
+    def grads(self) -> list[torch.Tensor]:
+        # As reduced; the engine unscales them (grad_scale) as it reads them.
+        return [self.device_grad if self.device_grad is not None else self.host_grad]
+
+    @property
+    def grad_scale(self) -> float:
+        return self.opt._engine_grad_scale  # DeepSpeed's math: fp32 grad * (1 / combined scale)
+
+    @property
+    def flat_weights(self) -> torch.Tensor:
+        return self.opt.fp16_partitioned_groups_flat[self.index]
+
+    def weights_written(self) -> None:
+        self.opt._unflatten_partitioned_parameters(self.index)
+
+    def read_weights(self, out: torch.Tensor) -> None:
+        out.copy_(self.flat_weights)
+
+    def write_weights(self, master: torch.Tensor) -> None:
+        self.flat_weights.data.copy_(master)
+        self.weights_written()
+
+    def params(self):
+        return self.opt.fp16_groups[self.index]
+
+
+
+class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+    """DeepSpeed's ZeRO-3 optimizer with the engine in place of its optimizer offload (see the
+    module docstring for what changes). ``settings`` is set by :func:`install` before
+    ``deepspeed.initialize`` builds it."""
+
+    settings: ClassVar[ZeroEngineSettings] = ZeroEngineSettings()
+
+    def _configure_offloading(self, offload_optimizer_config, offload_param_config):
+        super()._configure_offloading(offload_optimizer_config, offload_param_config)
+        if not self.offload_optimizer:
+            raise ConfigError("offloadctl needs `offload_optimizer` (device cpu or nvme) in the ZeRO-3 config: "
+                              "add it, or use engine.OffloadAdamW without DeepSpeed")
+        nvme = getattr(offload_optimizer_config, "nvme_path", None) if self.swap_optimizer else None
+        self._ds_nvme_path = str(nvme) if nvme else None
+        self.swap_optimizer = False  # the engine owns the tiers; DeepSpeed creates no swapper
+
+    def _create_fp32_partitions(self):
+        # Placeholders only: the engine holds the fp32 masters, in its tiers.
+        self.subgroup_to_device = {i: "cpu" for i in range(len(self.fp16_partitioned_groups_flat))}
+        for i in range(len(self.fp16_partitioned_groups_flat)):
+            t = torch.empty(0, dtype=torch.float32)
+            ids = self.fp16_partitioned_groups_flat_id[i]
+            t.ds_id = f"{ids[0]}_{ids[-1]}"
+            self.fp32_partitioned_groups_flat.append(t)
+        for pg in self.optimizer.param_groups:
+            pg["params"] = []
+
+    def initialize_optimizer_states(self):
+        pass  # no fp32 gradient buffers, no Adam state: both live in the engine
+
+    def _offload_grad_partition_at_boundary(self, param, grad_buffer, *args):
+        # Keep DeepSpeed's norm bookkeeping; skip its fp32 copy of the gradient.
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+    def _setup_for_real_optimizer(self):
+        # DeepSpeed pins its gradient buffer through torch's pinned allocator, which rounds
+        # it up to a power of two (a 4.1 GB buffer takes 8 GiB locked): pin it in place.
+        pin, self.offload_optimizer_pin_memory = self.offload_optimizer_pin_memory, False
+        try:
+            super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
+        finally:
+            self.offload_optimizer_pin_memory = pin
+        if pin:
+            pin_in_place(self.grad_partitions_flat_buffer)
+        _check_adamw(self.optimizer)
+        self._engine_grad_scale = 1.0
+        self._bindings, off = [], 0
+        for i in range(len(self.fp16_groups)):
+            self._bindings.append(ZeroPartitionSubgroup(self, i, off))
+            off += self.fp16_partitioned_groups_flat_numel[i]
+        config, knobs = self._engine_config()
+        self.offload_engine = SubgroupEngine(self._bindings, config, knobs)
+        self.device_fit = None  # the first step fits the device tier to what backward left free
+        self.tuner_client = self._connect_tuner()
+
+    def _engine_config(self) -> tuple[EngineConfig, Knobs]:
+        import deepspeed.comm as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
+        paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
+            StoragePath(path=p, kind="remote") for p in self.settings.remote_paths)
+        host_cache = self.settings.host_cache_bytes  # engine.config.resolve_host_cache reads None
+        knobs = self.settings.knobs
+        subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
+        self.plan_summary = None
+        if self.settings.profile:
+            rp = self._rank_plan(paths)
+            host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
+        device = self.settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
+        config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
+                              device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
+                              auto_device_fraction=bool(device) and self.settings.auto_device_fraction and not self.settings.profile,
+                              io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank)
+        return config, knobs
+
+    def _rank_plan(self, paths, **measured):
+        """The performance model's plan for this rank's real partition (``--profile``)."""
+        import deepspeed.comm as dist
+
+        from perf.plan import plan_for_rank
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return plan_for_rank(self.settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
+                             world_size=world, subgroup_numel=max(self.fp16_partitioned_groups_flat_numel),
+                             paths=paths, weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
+                             host_cache_bytes=self.settings.host_cache_bytes, knob_overrides=self.settings.knob_overrides,
+                             **measured)
+
+    def _fit_to_gpu(self) -> None:
+        """At the first step, after the first forward/backward: keep on the GPU what its peak
+        leaves room for, then start the lanes from the plan for the rest (with --profile)."""
+        engine = self.offload_engine
+        grad_bytes = self.grad_partitions_flat_buffer.element_size()
+        # From the second forward on, DeepSpeed prefetches and keeps live up to these many
+        # gathered parameters beyond what the first pass (the measured peak) held.
+        offload = self.parameter_offload
+        live = (getattr(offload, "_max_available_parameters_in_numel", 0) or 0) + self.prefetch_elements
+        total = sum(p.ds_numel for g in self.fp16_groups for p in g)
+        reserve = min(live, total) * self.fp16_partitioned_groups_flat[0].element_size()
+        self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes, reserve_bytes=reserve)
+        if self.settings.profile and self.settings.auto_device_fraction:
+            rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
+                                 gpu_headroom_bytes=self.device_fit["headroom_bytes"],
+                                 device_cache_bytes=self.device_fit["device_tier_bytes"])
+            engine.set_knobs(engine.knobs.replace(device_fraction=rp.knobs.device_fraction))
+            self.plan_summary = rp.summary
+            self.device_fit["device_fraction"] = rp.knobs.device_fraction
+
+    def _place_grads(self) -> None:
+        """Point DeepSpeed's per-parameter gradient entries of the subgroups the engine
+        updates on the GPU at device buffers, and the others at the host buffer, for the
+        next backward. DeepSpeed copies (or accumulates) each reduced partition into its
+        entry, and takes the norm from it there: an inf or nan in a device buffer makes the
+        norm invalid, which DeepSpeed's step treats as an overflow, as for its own buffer."""
+        mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        on_device = set(self.offload_engine.device_grad_subgroups())
+        dev = self.offload_engine.device
+        for b in self._bindings:
+            want = b.index in on_device
+            if want == (b.device_grad is not None):
+                continue
+            if want:
+                b.device_grad = torch.zeros(b.numel, dtype=b.host_grad.dtype, device=dev)
+                b.host_grad.zero_()  # stale host values must not reach DeepSpeed's overflow scan
+                flat = b.device_grad
+            else:
+                b.device_grad, flat = None, b.host_grad
+            off = 0
+            for p in b.params():
+                n = p.partition_numel()
+                mapping[p.ds_id] = flat.narrow(0, off, n)
+                off += n
+
+    def _connect_tuner(self):
+        if not self.settings.tuner_socket:
+            return None
+        import deepspeed.comm as dist
+
+        from perf.plan import node_layout
+        from tuner.client import TunerClient
+
+        # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local_size, _ = node_layout(world)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        client = TunerClient.for_engine(self.settings.tuner_socket, self.offload_engine,
+                                        run_id=self.settings.run_id or "run", rank=local_rank,
+                                        world_size=local_size, profile=self.settings.profile)
+        atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
+        return client
+
+    def step(self, closure=None):
+        self._pre_step()
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_norm = None
+        if not self.overflow:
+            scaled_norm = combine_grad_norm_groups(self._get_norm_groups())
+            if is_invalid_grad_norm(scaled_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            return  # overflow: DeepSpeed skips the step (fp16 loss scaling)
+        self._global_grad_norm = scaled_norm / self.loss_scale
+        combined = self.loss_scale
+        if self.clip_grad > 0.0:
+            clip = ((scaled_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined = torch.clamp(clip, min=1.0) * self.loss_scale if torch.is_tensor(clip) else max(clip, 1.0) * self.loss_scale
+        inv = 1.0 / combined
+        self._engine_grad_scale = float(inv)
+        if self.device_fit is None and self.offload_engine.device is not None:
+            self._fit_to_gpu()
+        # The tuner client, when there is one, is the engine's step hook (engine.hooks).
+        self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
+        if self.offload_engine.device is not None:
+            self._place_grads()  # for the next backward, after any lane change
+        # The wrapped optimizer holds no params (the engine owns them), so its step() updates
+        # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
+        # Face attaches its scheduler to this optimizer) and registered step hooks.
+        self.optimizer.step()
+        self._post_step(set())
+
+    def state_dict(self):
+        n = len(self.fp16_groups)
+        state, masters = {}, []
+        for i in range(n):
+            master, m, v, steps = self.offload_engine.read_state(i)
+            masters.append(master)
+            state[i] = {"step": steps[0], "exp_avg": m, "exp_avg_sq": v}
+        groups = []
+        for gid, g in enumerate(self.optimizer.param_groups):
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = [i for i in range(n) if self.sub_group_to_group_id[i] == gid]
+            groups.append(d)
+        return {ZERO_STAGE: ZeroStageEnum.weights, LOSS_SCALER: self.loss_scaler,
+                "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
+                PARTITION_COUNT: self.partition_count,
+                OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters}
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        self.loss_scaler = state_dict[LOSS_SCALER]
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.overflow = state_dict["overflow"]
+        osd = state_dict[OPTIMIZER_STATE_DICT]
+        if load_optimizer_states:
+            for g, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        for i, master in enumerate(state_dict[FP32_FLAT_GROUPS]):
+            st = osd["state"].get(i) if load_optimizer_states else None
+            if st:
+                self.offload_engine.write_state(i, master, st["exp_avg"], st["exp_avg_sq"], [int(st["step"])])
+            else:
+                zeros = torch.zeros_like(master)
+                self.offload_engine.write_state(i, master, zeros, zeros, [0])
+            self._bindings[i].write_weights(master)
+
+    def destroy(self):
+        self.offload_engine.close()  # closes its step hooks: the tuner client says bye
+        super_destroy = getattr(super(), "destroy", None)
+        if super_destroy:
+            super_destroy()
+
+
+def _check_adamw(optimizer) -> None:
+    """The engine implements AdamW with bias correction; refuse anything else clearly."""
+    name = type(optimizer).__name__
+    adamw = (isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "adam_w_mode", False)
+             or getattr(optimizer, "adamw_mode", False))
+    if not adamw or getattr(optimizer, "bias_correction", True) is False:
+        raise ConfigError(f"offloadctl's engine runs AdamW (decoupled weight decay, bias correction); the ds_config "
+                          f"asks for {name} without them: set \"optimizer\": {{\"type\": \"AdamW\"}}")
