@@ -6,7 +6,7 @@ import pytest
 
 from engine import Knobs
 from tuner.daemon_config import ServerConfig
-from tuner.policy import Decision
+from tuner.observation import Decision
 from tuner.protocol import ErrorCode, ProtocolError
 
 

@@ -1,7 +1,7 @@
 """The tuner daemon's runs: their state, their ranks, and what the policy is told and decides.
 
 :class:`Runs` owns every run the daemon knows: registering ranks, aggregating each iteration's
-per-rank telemetry into a ``tuner.observation.Observation`` (the slowest rank's times, the sum
+per-rank telemetry into a :class:`tuner.observation.Observation` (the slowest rank's times, the sum
 of the ranks' bandwidths) once every rank reported it, asking the run's policy, and pushing a
 change to every rank with ``apply_at``, an iteration far enough ahead that all ranks have the
 message before they reach it, so every rank switches at the same iteration. The user's pins
@@ -26,6 +26,7 @@ from engine.config import Knobs
 from engine.errors import ConfigError
 
 from tuner.daemon_config import ServerConfig
+from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
 from tuner.run_state import Rank, Run, encodable_view
 
@@ -382,8 +383,6 @@ class Runs:
             return
         headrooms = [h for h in run.headroom.values() if h is not None]
         try:
-            from tuner.policy import Observation
-
             obs = Observation(iteration=i, iter_time_s=iter_time, update_s=update_s,
                               read_wait_s=phases["read_wait_s"], write_wait_s=phases["write_wait_s"],
                               path_read_bytes_per_s=read_bw, path_write_bytes_per_s=write_bw,
