@@ -1,0 +1,79 @@
+"""The tuner daemon's run bookkeeping (``tuner.runs.Runs``) driven directly, without a socket:
+peers are plain objects, and what the daemon would send them is read from the outbox."""
+from __future__ import annotations
+
+import pytest
+
+from engine import Knobs
+from tuner.daemon_config import ServerConfig
+from tuner.observation import Decision
+from tuner.protocol import ErrorCode, ProtocolError
+
+
+class Peer:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+class OneChange:
+    """Deeper prefetch at the 2nd observation; records what it was told."""
+
+    def __init__(self, start, **kw):
+        self.knobs, self.pins, self.seen = start, {}, []
+
+    def observe(self, obs):
+        self.seen.append(obs)
+        if len(self.seen) == 2:
+            self.knobs = self.knobs.replace(prefetch_depth=self.knobs.prefetch_depth + 1)
+            return Decision(self.knobs, "one deeper")
+        return None
+
+
+def _register(runs, peer, rank, world=2):
+    return runs.register(peer, {"type": "register", "run_id": "r", "rank": rank, "world_size": world, "params": 1000,
+                                "paths": [], "knobs": Knobs().to_dict(), "has_device": False,
+                                "subgroup_bytes": 12000})
+
+
+def _telemetry(runs, peer, rank, i, wall_s):
+    rec = {"wall_s": wall_s, "read_wait_s": 0.0, "write_wait_s": 0.0, "update_s": wall_s,
+           "knobs": Knobs().to_dict()}
+    runs.telemetry(peer, {"type": "telemetry", "run_id": "r", "rank": rank, "iteration": i, "record": rec,
+                          "iter_time_s": 1.0 + wall_s})
+
+
+def test_runs_aggregate_ranks_and_push_one_change_to_all():
+    from tuner.runs import Runs
+
+    policies = []
+
+    def factory(start, **kw):
+        policies.append(OneChange(start, **kw))
+        return policies[-1]
+
+    runs = Runs(ServerConfig(socket_path="unused"), policy_factory=factory, sensors_factory=False)
+    a, b = Peer(1), Peer(2)
+    assert _register(runs, a, 0) == {"type": "registered", "run_id": "r", "rank": 0}
+    _register(runs, b, 1)
+    assert runs.take_outbox() == []
+    _telemetry(runs, a, 0, 0, 0.5)
+    assert policies[0].seen == []  # rank 1 has not reported iteration 0 yet
+    _telemetry(runs, b, 1, 0, 0.7)
+    assert [(o.iteration, o.update_s, o.iter_time_s) for o in policies[0].seen] == [(0, 0.7, 1.7)]  # the slowest
+    _telemetry(runs, a, 0, 1, 0.5)
+    _telemetry(runs, b, 1, 1, 0.5)
+    pushed = runs.take_outbox()
+    assert [p for p, _ in pushed] == [a, b]
+    assert {m["apply_at"] for _, m in pushed} == {1 + runs.config.min_margin}
+    assert all(m["type"] == "knobs" and m["seq"] == 1 and m["knobs"]["prefetch_depth"] == Knobs().prefetch_depth + 1
+               for _, m in pushed)
+    with pytest.raises(ProtocolError) as e:
+        runs.telemetry(b, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 2, "record": {}})
+    assert e.value.code == ErrorCode.UNKNOWN_RUN  # rank 0 is a's, not b's
+
+    for peer, rank in ((a, 0), (b, 1)):
+        runs.bye(peer, {"type": "bye", "run_id": "r", "rank": rank})
+        runs.detach(peer)
+    assert runs.runs["r"].status == "finished" and not runs.any_running()
+    views, omitted = runs.views(None, 10, 1 << 20)
+    assert omitted == [] and views[0]["history"]["iteration"] == [0, 1] and views[0]["seq"] == 1

@@ -1,0 +1,67 @@
+"""What the tuner's policy measures and how far it trusts it: :class:`Sample` (one iteration's
+figures, the cost a move is judged on) and :class:`Noise` (the relative noise pooled over the
+windows measured, and the threshold a move must beat because of it).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from tuner.observation import Observation
+from tuner.policy_config import PolicyConfig
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+@dataclass
+class Sample:
+    update_s: float
+    iter_time_s: float | None
+    read_wait_s: float
+    write_wait_s: float
+    path_bytes_per_s: dict[str, float]
+    lanes: tuple | None = None
+    """(host_lane_s, device_wait_s, host-lane subgroups, device-lane ones, device-tier ones)."""
+
+    @property
+    def cost(self) -> float:
+        """What a move is judged on: the iteration, or the update phase when no iteration time
+        is reported."""
+        return self.iter_time_s if self.iter_time_s else self.update_s
+
+    @classmethod
+    def of(cls, obs: Observation, paths: Sequence[str]) -> "Sample":
+        moved = {p: obs.path_read_bytes_per_s.get(p, 0.0) + obs.path_write_bytes_per_s.get(p, 0.0) for p in paths}
+        it = obs.iter_time_s if obs.iter_time_s and math.isfinite(obs.iter_time_s) and obs.iter_time_s >= obs.update_s else None
+        lanes = None
+        if obs.host_lane_s is not None and obs.device_wait_s is not None:
+            lanes = (obs.host_lane_s, obs.device_wait_s, obs.host_lane_subgroups, obs.device_lane_subgroups,
+                     obs.device_tier_subgroups)
+        return cls(obs.update_s, it, obs.read_wait_s, obs.write_wait_s, moved, lanes)
+
+
+class Noise:
+    """The run's relative noise, one estimate per measured window (the last 20 kept)."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self._sigmas: deque[float] = deque(maxlen=20)
+
+    def threshold(self) -> float:
+        """The relative gain a move must show: ``noise_k`` sigma, within [min_gain, max_threshold]."""
+        # A prior of 2% keeps the first verdicts cautious until real windows have been measured.
+        sigma = median([*self._sigmas, 0.02])
+        return min(self.cfg.max_threshold, max(self.cfg.min_gain, self.cfg.noise_k * sigma))
+
+    def add(self, xs: list[float]) -> None:
+        """Pool a relative-noise estimate from one window: its range over its median, divided by
+        the expected range of n normal samples in units of sigma (d2, as in control charts)."""
+        d2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326}.get(min(len(xs), 5))
+        m = median(xs) if xs else 0.0
+        if d2 and m > 0:
+            self._sigmas.append((max(xs) - min(xs)) / m / d2)

@@ -1,0 +1,126 @@
+"""One run's state as the daemon keeps it (:class:`Run`, :class:`Rank`), and its view: what
+``offloadctl tune`` and snapshots show of it. :mod:`tuner.runs` changes this state; nothing
+here changes it, so views can be made at any time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import Knobs
+
+log = logging.getLogger("offloadctl.tuner")
+
+
+@dataclass
+class Rank:
+    peer: Any | None
+    """The connection the rank registered on; None while it is away."""
+    iteration: int = -1
+    iter_time_s: float | None = None
+    bye: bool = False
+
+
+@dataclass
+class Run:
+    run_id: str
+    world_size: int
+    params: int
+    paths: tuple[str, ...]
+    profile: Any
+    has_device: bool
+    subgroup_bytes: int
+    knobs: Knobs
+    """The run's knobs: the latest change pushed (in force once its ``apply_at`` is reached)."""
+    knobs_dict: dict = field(default_factory=dict)  # knobs.to_dict(), kept up to date: asdict is slow
+    policy: Any = None
+    sensors: Any = None
+    ranks: dict[int, Rank] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    status: str = "running"          # running | disconnected | finished
+    ended_at: float | None = None
+    seq: int = 0                     # number of knob changes pushed
+    apply_at: int | None = None      # of the latest change
+    reason: str = ""                 # of the latest change
+    max_iteration: int = -1          # furthest iteration any rank reported (or registered at)
+    last_observed: int = -1          # latest iteration given to the policy
+    pending: dict[int, dict[int, dict]] = field(default_factory=dict)  # iteration -> rank -> telemetry
+    frozen: bool = False
+    pins: dict[str, Any] = field(default_factory=dict)
+    headroom: dict[int, int | None] = field(default_factory=dict)
+    error: str | None = None         # an event to pass with the next observation
+    policy_error: str | None = None
+    in_force: dict | None = None     # knobs of the latest observed iteration, as the engines report them
+    in_force_since: int = 0          # first iteration observed under them
+    start_change: tuple[Knobs, str] | None = None  # from the history, pushed once all ranks registered
+    history: deque = field(default_factory=deque)   # (iteration, iter_time_s, update_s)
+    phases: dict = field(default_factory=dict)
+    bandwidth: dict = field(default_factory=dict)
+    sensor_sample: dict | None = None
+    sensor_bytes: dict = field(default_factory=dict)  # our bytes per path since the last sample
+    sensor_at: float = 0.0
+    summary_at: float = 0.0
+    decisions: deque = field(default_factory=lambda: deque(maxlen=200))
+    events: deque = field(default_factory=lambda: deque(maxlen=100))
+    applied: dict[int, dict[int, int]] = field(default_factory=dict)  # seq -> rank -> iteration applied
+
+    def __post_init__(self) -> None:
+        self.knobs_dict = self.knobs.to_dict()
+
+    def connected(self) -> int:
+        return sum(1 for r in self.ranks.values() if r.peer is not None)
+
+    def policy_ok(self) -> bool:
+        return self.policy is not None and self.policy_error is None
+
+
+def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
+    """``run``'s view and its encoded size; the compact view when the full one fails to
+    encode or passes ``share`` bytes."""
+    try:
+        view = run_view(run, history)
+        size = len(json.dumps(view, separators=(",", ":"), allow_nan=False))
+        if size <= share:
+            return view, size
+        why = f"view of {size} bytes over this snapshot's share of {share}: ask for this run alone"
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        why = f"view could not be encoded ({e})"
+        log.error("run %s: %s", run.run_id, why)
+    view = {"run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
+            "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
+            "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
+            "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None}
+    return view, len(json.dumps(view))
+
+
+def run_view(run: Run, history: int = 60) -> dict:
+    """What ``tune`` shows of a run; ``history`` bounds the per-iteration lists."""
+    hist = list(run.history)[-history:] if history else []
+    last = run.history[-1] if run.history else None
+    iter_time = last[1] if last else max((r.iter_time_s for r in run.ranks.values() if r.iter_time_s), default=None)
+    return {
+        "run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
+        "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
+        "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": dict(run.pins),
+        "params": run.params, "paths": list(run.paths), "has_device": run.has_device,
+        "started_at": run.started_at, "ended_at": run.ended_at,
+        "rank_iterations": {str(k): r.iteration for k, r in sorted(run.ranks.items())},
+        "history": {"iteration": [h[0] for h in hist], "iter_time_s": [h[1] for h in hist],
+                    "update_s": [h[2] for h in hist]},
+        "phases": run.phases, "bandwidth": run.bandwidth, "sensors": run.sensor_sample,
+        "decisions": list(run.decisions)[-20:], "events": list(run.events)[-20:],
+        "applied": {str(s): {str(r): i for r, i in d.items()} for s, d in list(run.applied.items())[-8:]},
+        "policy_error": run.policy_error, "policy": _policy_state(run),
+    }
+
+
+def _policy_state(run: Run) -> dict | None:
+    state = getattr(run.policy, "state", None)
+    try:
+        return state() if callable(state) else None
+    except Exception as e:
+        return {"error": str(e)}

@@ -1,0 +1,581 @@
+"""The tuner daemon's runs: their state, their ranks, and what the policy is told and decides.
+
+:class:`Runs` owns every run the daemon knows: registering ranks, aggregating each iteration's
+per-rank telemetry into a :class:`tuner.observation.Observation` (the slowest rank's times, the sum
+of the ranks' bandwidths) once every rank reported it, asking the run's policy, and pushing a
+change to every rank with ``apply_at``, an iteration far enough ahead that all ranks have the
+message before they reach it, so every rank switches at the same iteration. The user's pins
+and freeze, the history database (best earlier knobs, saved controls, summaries) and the end
+of a run are here too. One run's state, policy or client failing never touches another run.
+
+No sockets: a rank's connection is an opaque *peer* (any hashable object; its ``pid``
+attribute, if it has one, is named in logs). Messages for peers are queued in an outbox that
+the caller (:class:`tuner.server.TunerServer`) takes with :meth:`Runs.take_outbox` and sends,
+so this module can be driven and checked without a daemon.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable
+
+from engine.config import Knobs
+from engine.errors import ConfigError
+
+from tuner.daemon_config import ServerConfig
+from tuner.observation import Observation
+from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
+from tuner.run_state import Rank, Run, encodable_view
+
+log = logging.getLogger("offloadctl.tuner")
+
+
+def _default_policy_factory(start: Knobs, **kw):
+    from tuner.policy import Policy
+
+    return Policy(start, **kw)
+
+
+def _default_sensors_factory(paths):
+    from tuner.sensors import Sensors
+
+    return Sensors(paths)
+
+
+class Runs:
+    """Every run of one daemon, driven by the messages of its ranks and of the CLI.
+
+    ``policy_factory(start_knobs, paths=, has_device=, subgroup_bytes=, device_headroom_bytes=,
+    profile=, params=, ranks=)`` makes one run's policy (default ``tuner.policy.Policy``);
+    ``sensors_factory(paths)`` its sensors (default ``tuner.sensors.Sensors``; False: none);
+    ``history`` is a ``tuner.history.History`` or None.
+
+    The message methods take the sender (a peer) and the validated message, return the reply's
+    body (or None) and raise ``ProtocolError`` for the sender; pushes to other peers wait in
+    the outbox.
+    """
+
+    def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
+                 sensors_factory: Callable | None | bool = None, history=None) -> None:
+        self.config = config
+        self.policy_factory = policy_factory or _default_policy_factory
+        self.sensors_factory = _default_sensors_factory if sensors_factory is None else sensors_factory
+        self.history = history
+        self.runs: dict[str, Run] = {}
+        self._peer_ranks: dict[Any, set[tuple[str, int]]] = {}  # peer -> (run_id, rank) registered on it
+        self._outbox: list[tuple[Any, dict]] = []
+
+    # -- for the transport -------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Callable[[Any, dict], dict | None]]:
+        """The message types this object answers, as ``handler(peer, msg)``."""
+        return {"register": self.register, "telemetry": self.telemetry, "event": self.event,
+                "applied": self.applied, "bye": self.bye,
+                "pin": lambda peer, msg: self.pin(msg), "unpin": lambda peer, msg: self.unpin(msg),
+                "freeze": lambda peer, msg: self.freeze(msg)}
+
+    def take_outbox(self) -> list[tuple[Any, dict]]:
+        """The (peer, message) pairs queued since the last call, in order: the caller sends them."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _push(self, peer, msg: dict) -> None:
+        self._outbox.append((peer, msg))
+
+    def any_running(self) -> bool:
+        return any(r.status == "running" for r in self.runs.values())
+
+    def forget_ended(self, now: float) -> None:
+        """Forget finished runs after ``finished_keep_s``, and runs whose ranks never came back."""
+        for run in list(self.runs.values()):
+            # A run that never reported an iteration has nothing to show or to resume: it
+            # goes after a minute (clients that only register must not pile up).
+            keep = self.config.finished_keep_s if run.max_iteration >= 0 else min(60.0, self.config.finished_keep_s)
+            if run.status != "running" and now - (run.ended_at or now) > keep:
+                if run.status == "disconnected":
+                    log.info("run %s: no rank came back in %.0f s; forgetting it", run.run_id, now - run.ended_at)
+                del self.runs[run.run_id]
+                _close_sensors(run)
+
+    def detach(self, peer) -> None:
+        """A connection ended: its ranks are gone until they register again."""
+        for run_id, r in self._peer_ranks.pop(peer, set()):
+            run = self.runs.get(run_id)
+            if run is not None and r in run.ranks and run.ranks[r].peer is peer:
+                run.ranks[r].peer = None
+                log.info("run %s: rank %d disconnected", run_id, r)
+                self._maybe_end(run)
+
+    # -- engine messages ---------------------------------------------------------------------
+
+    def register(self, peer, msg: dict) -> dict:
+        run_id, rank, world = msg["run_id"], msg["rank"], msg["world_size"]
+        if rank >= world:
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"rank {rank} is not below world_size {world}")
+        knobs = knobs_from_dict(msg["knobs"])
+        paths = tuple(msg["paths"])
+        _check_knobs_for(knobs, paths, msg["has_device"])
+        run = self.runs.get(run_id)
+        if run is not None and run.status == "finished":
+            run = None  # a run id used again after its end: a new run
+        if run is None:
+            run = self._new_run(msg, knobs, paths)
+        elif run.world_size != world:
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"run {run_id} has world_size {run.world_size}, but rank {rank} "
+                                f"says {world}: give each run its own run_id")
+        self._attach(run, rank, peer, msg)
+        if run.start_change is not None and run.connected() == run.world_size:
+            (start, reason), run.start_change = run.start_change, None
+            self._change(run, start, reason, source="history")
+            return {"type": "registered", "run_id": run_id, "rank": rank}
+        if knobs != run.knobs:
+            if run.seq and run.apply_at > run.max_iteration:
+                # A change no rank has reached yet: this rank takes it at the same iteration as the others.
+                self._push(peer, self._knobs_message(run))
+            else:
+                log.warning("run %s: rank %d registered with knobs %s, not the run's %s; resynchronizing every rank",
+                            run_id, rank, knobs.to_dict(), run.knobs_dict)
+                self._change(run, run.knobs, f"rank {rank} registered with other knobs; every rank takes the run's",
+                             source="resync")
+        return {"type": "registered", "run_id": run_id, "rank": rank}
+
+    def _attach(self, run: Run, rank: int, peer, msg: dict) -> None:
+        """``rank`` of ``run`` is on ``peer`` now (a first registration or a reconnect)."""
+        old = run.ranks.get(rank)
+        if old is not None and old.peer is not None and old.peer is not peer:
+            # A reconnect before we noticed the old one die.
+            self._peer_ranks.get(old.peer, set()).discard((run.run_id, rank))
+        run.ranks[rank] = Rank(peer, iteration=max(msg.get("iteration", 0) - 1, old.iteration if old else -1))
+        run.headroom[rank] = msg.get("device_headroom_bytes")
+        run.max_iteration = max(run.max_iteration, run.ranks[rank].iteration)
+        run.status, run.ended_at = "running", None
+        self._peer_ranks.setdefault(peer, set()).add((run.run_id, rank))
+        log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.world_size,
+                 getattr(peer, "pid", None))
+
+    def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
+        self._make_room(msg["run_id"])
+        run = Run(run_id=msg["run_id"], world_size=msg["world_size"], params=msg["params"], paths=paths,
+                  profile=msg.get("profile"), has_device=msg["has_device"], subgroup_bytes=msg["subgroup_bytes"],
+                  knobs=knobs, history=deque(maxlen=self.config.history_points))
+        self.runs[run.run_id] = run
+        from_history = self._best_from_history(run, knobs)
+        start = from_history if from_history is not None else knobs
+        try:
+            run.policy = self.policy_factory(start, paths=list(paths), has_device=run.has_device,
+                                             subgroup_bytes=run.subgroup_bytes,
+                                             device_headroom_bytes=msg.get("device_headroom_bytes"),
+                                             profile=run.profile, params=run.params, ranks=run.world_size)
+        except Exception as e:
+            run.policy_error = f"policy failed to start: {e}"
+            log.exception("run %s: policy failed to start; the run keeps its knobs", run.run_id)
+        if self.sensors_factory and paths:
+            try:
+                run.sensors = self.sensors_factory(list(paths))
+            except Exception as e:
+                log.warning("run %s: no sensors: %s", run.run_id, e)
+        run.sensor_at = time.monotonic()
+        log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.world_size, run.params, list(paths))
+        if from_history is not None:  # pushed once every rank is here to take it at the same iteration
+            run.start_change = (from_history, "best knobs of earlier runs with the same profile, size and ranks")
+        self._restore_controls(run, knobs)
+        return run
+
+    def _make_room(self, run_id: str) -> None:
+        """At ``max_runs``: forget the oldest run that ended, or refuse with BUSY when all run."""
+        if len(self.runs) < self.config.max_runs:
+            return
+        idle = [r for r in self.runs.values() if r.status != "running"]
+        if not idle:
+            raise ProtocolError(ErrorCode.BUSY, f"the daemon already tunes {len(self.runs)} running runs: start "
+                                f"this one with --tuner off, or another daemon (--tuner SOCKET)")
+        oldest = min(idle, key=lambda r: r.ended_at or 0.0)
+        log.info("run %s: forgotten to make room for run %s", oldest.run_id, run_id)
+        del self.runs[oldest.run_id]
+        _close_sensors(oldest)
+
+    def _best_from_history(self, run: Run, knobs: Knobs) -> Knobs | None:
+        """The best knobs of earlier runs like this one, when usable here and not ``knobs``."""
+        if self.history is None:
+            return None
+        try:
+            best = self.history.best_knobs(run.profile, run.params, run.world_size, paths=list(run.paths))
+            if best is not None and best != knobs:
+                _check_knobs_for(best, run.paths, run.has_device)
+                return best
+        except Exception as e:  # history is advice; a bad entry must not stop the run
+            log.warning("run %s: history not used: %s", run.run_id, e)
+        return None
+
+    def _rank_of(self, peer, msg: dict) -> tuple[Run, Rank]:
+        key = (msg["run_id"], msg["rank"])
+        run = self.runs.get(key[0])
+        if key not in self._peer_ranks.get(peer, ()) or run is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {key[0]} rank {key[1]} is not registered on this "
+                                "connection: send register first")
+        return run, run.ranks[key[1]]
+
+    def telemetry(self, peer, msg: dict) -> None:
+        run, rank = self._rank_of(peer, msg)
+        i = msg["iteration"]
+        rank.iteration = max(rank.iteration, i)
+        if msg.get("iter_time_s") is not None:
+            rank.iter_time_s = msg["iter_time_s"]
+        if "device_headroom_bytes" in msg:
+            run.headroom[msg["rank"]] = msg["device_headroom_bytes"]
+        run.max_iteration = max(run.max_iteration, i)
+        if i <= run.last_observed:
+            return  # late: its iteration was already aggregated without it
+        run.pending.setdefault(i, {})[msg["rank"]] = msg
+        self._aggregate_ready(run)
+
+    def event(self, peer, msg: dict) -> None:
+        run, _ = self._rank_of(peer, msg)
+        run.error = msg["kind"] if msg["kind"] == "oom" else msg["message"]
+        run.events.append({"time": time.time(), "rank": msg["rank"], "kind": msg["kind"], "message": msg["message"]})
+        log.warning("run %s rank %d: %s: %s", run.run_id, msg["rank"], msg["kind"], msg["message"])
+
+    def applied(self, peer, msg: dict) -> None:
+        run, _ = self._rank_of(peer, msg)
+        run.applied.setdefault(msg["seq"], {})[msg["rank"]] = msg["iteration"]
+        while len(run.applied) > 64:
+            del run.applied[min(run.applied)]
+        if msg["iteration"] > msg["apply_at"]:
+            log.warning("run %s rank %d: change #%d applied late, at iteration %d instead of %d", run.run_id,
+                        msg["rank"], msg["seq"], msg["iteration"], msg["apply_at"])
+            run.events.append({"time": time.time(), "rank": msg["rank"], "kind": "late",
+                               "message": f"change #{msg['seq']} applied at iteration {msg['iteration']}, "
+                                          f"not {msg['apply_at']}"})
+
+    def bye(self, peer, msg: dict) -> None:
+        run, rank = self._rank_of(peer, msg)
+        rank.bye = True
+        rank.peer = None
+        self._peer_ranks.get(peer, set()).discard((run.run_id, msg["rank"]))
+        self._maybe_end(run)
+
+    def _maybe_end(self, run: Run) -> None:
+        if run.connected():
+            return
+        run.ended_at = time.time()
+        if len(run.ranks) == run.world_size and all(r.bye for r in run.ranks.values()):
+            run.status = "finished"
+            self._aggregate_ready(run, flush=True)
+            log.info("run %s: finished at iteration %d with knobs %s", run.run_id, run.max_iteration,
+                     run.in_force or run.knobs_dict)
+            self._record_history(run)
+            _close_sensors(run)
+        else:
+            run.status = "disconnected"
+
+    # -- the history database ----------------------------------------------------------------
+
+    def _record_history(self, run: Run) -> None:
+        """The knobs the run ended with (as the engines reported them) and their iteration time."""
+        if self.history is None or not run.history:
+            return
+        times = [t if t is not None else u for i, t, u in run.history if i >= run.in_force_since]
+        try:
+            knobs = knobs_from_dict(run.in_force) if run.in_force else run.knobs
+            self.history.record_run(run.run_id, run.profile, run.params, run.world_size, knobs,
+                                    statistics.median(times) if times else None, paths=list(run.paths))
+        except Exception as e:
+            log.warning("run %s: not recorded in the history: %s", run.run_id, e)
+
+    def _maybe_summarize(self, run: Run, i: int, iter_time: float | None, update_s: float) -> None:
+        """A point in the history database every ``summary_interval_s``: how the run went over time."""
+        now = time.monotonic()
+        if self.history is None or now - run.summary_at < self.config.summary_interval_s:
+            return
+        run.summary_at = now
+        try:
+            self.history.record_summary(run.run_id, i, iter_time, update_s, run.knobs)
+        except Exception as e:
+            log.warning("run %s: summary not recorded in the history: %s", run.run_id, e)
+
+    def _restore_controls(self, run: Run, knobs: Knobs) -> None:
+        """The user's pins and freeze of this run, saved before a daemon restart: put them back."""
+        saved = None
+        if self.history is not None:
+            try:
+                saved = self.history.controls(run.run_id)
+            except Exception as e:
+                log.warning("run %s: saved pins not read: %s", run.run_id, e)
+        if not saved:
+            return
+        pins, frozen = saved
+        try:
+            if run.policy_ok():
+                for knob, value in pins.items():
+                    run.policy.pin(knob, value)
+                if frozen:
+                    run.policy.freeze(True)
+                target, run.pins = run.policy.knobs, run.policy.pins
+            else:
+                target = knobs
+                for knob, value in pins.items():
+                    target = target.replace(**{knob: value})
+                run.pins = dict(pins)
+            _check_knobs_for(target, run.paths, run.has_device)
+        except (ConfigError, ProtocolError, TypeError) as e:
+            log.warning("run %s: saved pins %s not restored: %s", run.run_id, pins, e)
+            return
+        run.frozen = frozen
+        log.info("run %s: restored the user's pins %s%s", run.run_id, pins, " and freeze" if frozen else "")
+        if target != knobs:
+            run.start_change = (target, "the user's pins, restored after a daemon restart")
+
+    def _save_controls(self, run: Run) -> None:
+        if self.history is not None:
+            try:
+                self.history.save_controls(run.run_id, dict(run.pins), run.frozen)
+            except Exception as e:
+                log.warning("run %s: pins not saved: %s", run.run_id, e)
+
+    # -- aggregation and decisions -----------------------------------------------------------
+
+    def _aggregate_ready(self, run: Run, flush: bool = False) -> None:
+        """Observe every iteration that all ranks reported, in order; and older ones anyway.
+
+        Nothing is decided while a rank is away (a change could not reach it): iterations wait,
+        and those older than the window are dropped. ``flush`` (the run ended) records what is
+        left without asking the policy."""
+        if not flush and run.connected() < run.world_size:
+            for i in [i for i in run.pending if i < run.max_iteration - self.config.window]:
+                del run.pending[i]
+            return
+        for i in sorted(run.pending):
+            got = run.pending[i]
+            complete = len(got) >= run.world_size
+            stale = i < run.max_iteration - self.config.window
+            if not (complete or stale or flush):
+                break
+            del run.pending[i]
+            run.last_observed = i
+            self._observe(run, i, list(got.values()), decide=not flush)
+
+    def _observe(self, run: Run, i: int, msgs: list[dict], decide: bool = True) -> None:
+        """Record iteration ``i`` from its ranks' messages; with ``decide``, ask the policy."""
+        recs = [m["record"] for m in msgs]
+        times = [m["iter_time_s"] for m in msgs if m.get("iter_time_s") is not None]
+        iter_time = max(times) if times else None
+        update_s = max(r["wall_s"] for r in recs)
+        read_bw, write_bw = self._bandwidths(run, recs)
+        other = self._sample_sensors(run)
+        phases = {"update_s": update_s, "read_wait_s": max(r["read_wait_s"] for r in recs),
+                  "write_wait_s": max(r["write_wait_s"] for r in recs), "compute_s": max(r["update_s"] for r in recs)}
+        run.history.append((i, iter_time, update_s))
+        run.phases = {"iteration": i, "iter_time_s": iter_time, **phases, "ranks_reported": len(msgs)}
+        run.bandwidth = {p: {"read_bytes_per_s": read_bw.get(p, 0.0), "write_bytes_per_s": write_bw.get(p, 0.0),
+                             "other_bytes_per_s": other.get(p), "concurrency": run.knobs.concurrency_for(p)}
+                         for p in run.paths}
+        # The knobs this iteration ran under; when ranks disagree (a late change), the odd one,
+        # so that the policy does not take the mix for a measurement of its knobs.
+        in_force = [r.get("knobs") for r in recs if r.get("knobs")]
+        in_force = next((k for k in in_force if k != run.knobs_dict), in_force[0] if in_force else None)
+        if in_force is not None and in_force != run.in_force:
+            run.in_force, run.in_force_since = in_force, i
+        self._maybe_summarize(run, i, iter_time, update_s)
+        if not decide or run.policy is None or run.policy_error:
+            return
+        headrooms = [h for h in run.headroom.values() if h is not None]
+        try:
+            obs = Observation(iteration=i, iter_time_s=iter_time, update_s=update_s,
+                              read_wait_s=phases["read_wait_s"], write_wait_s=phases["write_wait_s"],
+                              path_read_bytes_per_s=read_bw, path_write_bytes_per_s=write_bw,
+                              path_other_bytes_per_s={p: v for p, v in other.items() if v is not None},
+                              device_headroom_bytes=min(headrooms) if headrooms else None, error=run.error,
+                              knobs=in_force, **_lane_figures(recs))
+            run.error = None
+            decision = run.policy.observe(obs)
+        except Exception as e:
+            run.policy_error = f"{type(e).__name__}: {e}"
+            log.exception("run %s: policy failed at iteration %d; the run keeps knobs %s", run.run_id, i,
+                          run.knobs_dict)
+            return
+        self._take_decision(run, decision)
+
+    @staticmethod
+    def _bandwidths(run: Run, recs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+        """Read and write bytes/s per path, summed over the ranks' records; each path's bytes are
+        added to those the next sensor sample counts as ours."""
+        read_bw: dict[str, float] = {}
+        write_bw: dict[str, float] = {}
+        for r in recs:
+            if r["wall_s"] >= 1e-6:  # a shorter update is no measurement: rates from it would be noise or infinite
+                for p, b in r.get("path_bytes_read", {}).items():
+                    read_bw[p] = read_bw.get(p, 0.0) + b / r["wall_s"]
+                for p, b in r.get("path_bytes_written", {}).items():
+                    write_bw[p] = write_bw.get(p, 0.0) + b / r["wall_s"]
+            for key in ("path_bytes_read", "path_bytes_written"):
+                for p, b in r.get(key, {}).items():
+                    run.sensor_bytes[p] = run.sensor_bytes.get(p, 0) + b
+        return read_bw, write_bw
+
+    def _take_decision(self, run: Run, decision) -> None:
+        """Push the policy's decision, unless it is none, no change, or knobs a rank would refuse."""
+        if decision is None:
+            return
+        try:
+            _check_knobs_for(decision.knobs, run.paths, run.has_device)
+        except ProtocolError as e:
+            run.policy_error = f"policy proposed unusable knobs: {e}"
+            log.error("run %s: %s", run.run_id, run.policy_error)
+            return
+        if decision.knobs != run.knobs:
+            self._change(run, decision.knobs, decision.reason, source="policy")
+
+    def _sample_sensors(self, run: Run) -> dict[str, float | None]:
+        """Other processes' traffic per path, sampled at most every ``sensor_interval_s``."""
+        now = time.monotonic()
+        if run.sensors is not None and now - run.sensor_at >= self.config.sensor_interval_s:
+            ours = {p: b / (now - run.sensor_at) for p, b in run.sensor_bytes.items()}
+            run.sensor_bytes, run.sensor_at = {}, now
+            try:
+                run.sensor_sample = run.sensors.sample(ours)
+            except Exception as e:
+                log.warning("run %s: sensors failed, disabled for this run: %s", run.run_id, e)
+                run.sensors = None
+        paths = (run.sensor_sample or {}).get("paths", {})
+        return {p: (paths.get(p) or {}).get("other_bytes_per_s") for p in run.paths}
+
+    def _margin(self, run: Run) -> int:
+        """Iterations ahead for ``apply_at``: ``margin_s`` worth of recent iterations, at least min_margin."""
+        recent = [t if t is not None else u for _, t, u in list(run.history)[-8:]]
+        recent = [t for t in recent if t and t > 0]
+        if not recent:
+            return self.config.min_margin
+        n = math.ceil(self.config.margin_s / statistics.median(recent))
+        return max(self.config.min_margin, min(n, self.config.max_margin))
+
+    def _change(self, run: Run, knobs: Knobs, reason: str, *, source: str) -> None:
+        """Push ``knobs`` to every rank of ``run``, to apply at one iteration all ranks reach later."""
+        run.seq += 1
+        run.apply_at = max(run.max_iteration, 0) + self._margin(run)
+        run.knobs, run.knobs_dict, run.reason = knobs, knobs.to_dict(), reason
+        run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq,
+                              "apply_at": run.apply_at, "knobs": run.knobs_dict, "reason": reason, "source": source})
+        log.info("run %s: iteration %d: change #%d at iteration %d (%s): %s; knobs %s", run.run_id, run.max_iteration,
+                 run.seq, run.apply_at, source, reason, run.knobs_dict)
+        msg = self._knobs_message(run)
+        for r in run.ranks.values():
+            if r.peer is not None:
+                self._push(r.peer, msg)
+
+    @staticmethod
+    def _knobs_message(run: Run) -> dict:
+        return {"v": API_VERSION, "type": "knobs", "run_id": run.run_id, "knobs": run.knobs_dict,
+                "apply_at": run.apply_at, "seq": run.seq, "reason": run.reason}
+
+    # -- the user's controls -----------------------------------------------------------------
+
+    def _run_for_cli(self, msg: dict) -> Run:
+        run = self.runs.get(msg["run_id"])
+        if run is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"no run {msg['run_id']!r}; runs: "
+                                f"{', '.join(sorted(self.runs)) or 'none'}")
+        if run.status == "finished":
+            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {run.run_id} has finished")
+        return run
+
+    def pin(self, msg: dict) -> dict:
+        run = self._run_for_cli(msg)
+        knob, value = msg["knob"], msg["value"]
+        try:
+            if run.policy_ok():  # the policy owns pins: it knows io_concurrency[PATH] and its trials
+                run.policy.pin(knob, value)
+                knobs, run.pins = run.policy.knobs, run.policy.pins
+            else:
+                knobs = run.knobs.replace(**{knob: value})
+                run.pins[knob] = value
+        except (ConfigError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
+        _check_knobs_for(knobs, run.paths, run.has_device)
+        self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
+        self._save_controls(run)
+        return {"type": "ok", "knobs": run.knobs_dict}
+
+    def unpin(self, msg: dict) -> dict:
+        run = self._run_for_cli(msg)
+        knob = msg["knob"]
+        if run.policy_ok():
+            try:
+                run.policy.unpin(knob)
+            except ConfigError as e:
+                raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
+            run.pins = run.policy.pins
+        elif run.pins.pop(knob, None) is None:
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"knob {knob!r} is not pinned (pinned: {sorted(run.pins) or 'none'})")
+        self._user_change(run, run.knobs, f"{knob} unpinned by the user")
+        self._save_controls(run)
+        return {"type": "ok", "knobs": run.knobs_dict}
+
+    def freeze(self, msg: dict) -> dict:
+        run = self._run_for_cli(msg)
+        run.frozen = msg["frozen"]
+        knobs = run.knobs
+        if run.policy_ok():
+            run.policy.freeze(run.frozen)  # freezing mid-trial goes back to the last good knobs
+            knobs = run.policy.knobs
+        self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
+        self._save_controls(run)
+        return {"type": "ok", "knobs": run.knobs_dict}
+
+    def _user_change(self, run: Run, knobs: Knobs, reason: str) -> None:
+        """Push ``knobs`` now if they differ; log the request either way."""
+        if knobs != run.knobs:
+            self._change(run, knobs, reason, source="user")
+            return
+        log.info("run %s: %s", run.run_id, reason)
+        run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq, "apply_at": None,
+                              "knobs": run.knobs_dict, "source": "user", "reason": reason})
+
+    # -- views -------------------------------------------------------------------------------
+
+    def views(self, run_id: str | None, history: int, budget: int) -> tuple[list[dict], list[str]]:
+        """Views of every run (or of ``run_id``) within ``budget`` encoded bytes, and the ids of
+        those left out. A run whose view cannot be encoded or is too large for its share comes
+        as a compact view; one run never breaks the answer for the others."""
+        wanted = [r for r in self.runs.values() if run_id in (None, r.run_id)]
+        share = max(budget // max(1, len(wanted)), 16 * 1024)
+        runs, omitted, used = [], [], 0
+        for r in wanted:
+            view, size = encodable_view(r, history, share)
+            if used + size > budget:
+                omitted.append(r.run_id)
+                continue
+            runs.append(view)
+            used += size
+        return runs, omitted
+
+
+def _close_sensors(run: Run) -> None:
+    close, run.sensors = getattr(run.sensors, "close", None), None
+    if callable(close):
+        try:
+            close()
+        except Exception as e:
+            log.warning("run %s: closing sensors: %s", run.run_id, e)
+
+
+def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
+    """``Knobs.check_for`` as the protocol's BAD_VALUE, so no rank refuses a change."""
+    try:
+        knobs.check_for(paths, has_device)
+    except ConfigError as e:
+        raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
+
+
+def _lane_figures(recs: list[dict]) -> dict:
+    """The lanes' times of the slowest rank (the one the iteration waits for), for the policy's
+    device-fraction moves; nothing when the ranks' engines do not report them."""
+    have = [r for r in recs if "host_lane_s" in r and "device_wait_s" in r]
+    if not have:
+        return {}
+    r = max(have, key=lambda r: r["wall_s"])
+    return {"host_lane_s": r["host_lane_s"], "device_wait_s": r["device_wait_s"],
+            "host_lane_subgroups": r.get("host_lane_subgroups", 0), "device_lane_subgroups": r.get("device_lane_subgroups", 0),
+            "device_tier_subgroups": r.get("device_tier_subgroups", 0)}
