@@ -84,7 +84,7 @@ def rows_for(size: str, gpu: bool, profile: str | None, recorded: bool = False) 
             rows.append((f"stock Twin-Flow ratio {r:g}", stock("--offload", "twinflow", "--ratio", str(r))))
         rows.append(("offloadctl default", ours(*(["--profile", profile] if profile else []))))
         for f in FORCED_FRACTIONS:
-            rows.append((f"offloadctl fraction {f:g}", ours("--device-fraction", str(f), "--device-cache-gb", "0")))
+            rows.append((f"offloadctl fraction {f:g}", ours("--device-fraction", str(f), "--device-cache", "0")))
     else:
         rows.append(("offloadctl (host lane)", ours()))
     return rows

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 def launch(args) -> int:
     with tempfile.TemporaryDirectory(prefix="offloadctl-overhead-") as run_dir:
         out = os.path.join(run_dir, "overhead.json")
-        tiers = ["--nvme", args.nvme, "--host-cache-gb", "0"] if args.nvme else []
+        tiers = ["--nvme", args.nvme, "--host-cache", "0"] if args.nvme else []
         cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", "29752",
                "--tuner", "off", "--record-hz", str(args.record_hz), "--run-dir", os.path.join(run_dir, "run"), *tiers,
                HERE, "--worker",

@@ -28,7 +28,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from offloadctl.commands.train import remove_shm_buffers  # noqa: E402
+from integrations.launcher import remove_shm_buffers  # noqa: E402
 
 TIERS = os.path.join(HERE, "tiers.sh")
 NAME = "offloadctl-report-bench"
@@ -54,7 +54,7 @@ def main() -> int:
         runs = {}
         for name, engine_opts, script_opts in (
                 ("stock", ["--engine", "stock"], ["--offload", "nvme", "--nvme-path", os.path.join(mnt, "stock")]),
-                ("ours", ["--nvme", os.path.join(mnt, "ours"), "--host-cache-gb", "0", "--tuner", "off"], [])):
+                ("ours", ["--nvme", os.path.join(mnt, "ours"), "--host-cache", "0", "--tuner", "off"], [])):
             os.makedirs(os.path.join(mnt, name), exist_ok=True)
             run_dir = os.path.join(out, name)
             cmd = [TIERS, "run", sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port",

@@ -216,3 +216,55 @@ def test_save_is_atomic(swap_dir, tmp_path):
     assert target.read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["opt.pt"]
     opt.close()
+
+
+# -- sizes on the command line: one line naming the flag, exit 2, no traceback -----------------
+
+@pytest.mark.parametrize("text", ["", " ", "-1GB", "-0.5", "nan", "NaN GB", "inf", "infGB", "4X", "4GBs", "4 G B",
+                                  "GB", "1..2GB", "0x10GB", "1,5GB", "64", "1.5", "1e400GB", "2000000TB", "9" * 400])
+def test_bad_sizes_are_one_line_config_errors(text):
+    from engine.units import parse_size
+
+    with pytest.raises(ConfigError) as e:
+        parse_size(text, flag="--host-cache")
+    msg = str(e.value)
+    assert msg.startswith("--host-cache ") and "\n" not in msg and len(msg) < 200, msg
+    assert "GB" in msg and "GiB" in msg, msg  # valid examples
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-1", "1e400", "64GBs"])
+def test_bad_deprecated_sizes_name_the_old_flag(text):
+    from engine.units import parse_size
+
+    with pytest.raises(ConfigError, match=r"^--host-cache-gb .*e\.g\. 64 or 1\.5"):
+        parse_size(text, flag="--host-cache-gb", bare_unit="GB")
+
+
+def _cli(*args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=root, env=dict(os.environ, PYTHONPATH=root))
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["train", "--host-cache", "64", "SCRIPT"], "--host-cache '64' has no unit"),
+    (["train", "--host-cache=-1GB", "SCRIPT"], "--host-cache '-1GB' is negative"),
+    (["train", "--device-cache", "8XB", "SCRIPT"], "--device-cache '8XB' is not a size"),
+    (["train", "--host-cache-gb", "nan", "SCRIPT"], "--host-cache-gb 'nan' is not a size"),
+    (["plan", "--profile", "PROFILE", "--params", "7B", "--host-memory", "1.5"], "--host-memory '1.5' has no unit"),
+    (["plan", "--profile", "PROFILE", "--params", "7B", "--gpu-headroom", "nan"], "--gpu-headroom 'nan' is not"),
+    (["profile", "save", "x", "--output", "OUT", "--io-size", "16"], "--io-size '16' has no unit"),
+    (["profile", "save", "x", "--output", "OUT", "--io-bytes", "16Q"], "--io-bytes '16Q' is not a size"),
+], ids=["train-bare", "train-negative", "train-unit", "train-old-nan", "plan-bare", "plan-nan", "profile-bare",
+        "profile-old-unit"])
+def test_bad_size_on_the_command_line_is_one_line_exit_2(args, expect, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subst = {"SCRIPT": str(script), "PROFILE": os.path.join(root, "profiles", "example-cpu-vm.toml"),
+             "OUT": str(tmp_path / "p.toml")}
+    r = _cli(*(subst.get(a, a) for a in args))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offloadctl: ") and expect in lines[0], r.stderr
+    assert not (tmp_path / "p.toml").exists() and r.stdout == ""

@@ -41,7 +41,7 @@ def stock(ranks, losses, *extra, script=SCRIPT):
                               capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     finally:
         # Stock DeepSpeed leaves a 64 MiB /dev/shm buffer per rank; a test run must not fill tmpfs.
-        from offloadctl.commands.train import remove_shm_buffers
+        from integrations.launcher import remove_shm_buffers
 
         remove_shm_buffers(port)
 

@@ -250,7 +250,7 @@ def test_stale_shared_memory_of_killed_runs_is_removed(tmp_path):
     `offloadctl train`; a buffer a live process maps stays."""
     import mmap
 
-    from offloadctl.commands.train import remove_stale_shm_buffers
+    from integrations.launcher import remove_stale_shm_buffers
 
     port = _port()
     stale = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0"

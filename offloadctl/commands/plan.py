@@ -7,7 +7,7 @@ beside a few alternatives and stock DeepSpeed ZeRO-3 CPU offload, ZeRO-Infinity 
 Twin-Flow. Nothing is measured: it answers at once, for any model size.
 
   offloadctl plan --profile h100-node --params 70B --ranks 8 --fwd-bwd-s 12
-  offloadctl plan --profile ./my.toml --params 1.5T --host-gb 1024 --json
+  offloadctl plan --profile ./my.toml --params 1.5T --host-memory 1024GB --json
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import argparse
 import json
 import math
 import re
+
+from offloadctl.options import add_size_epilog, add_size_option, size_bytes
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _PARAMS_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
@@ -38,25 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", required=True, metavar="N", help="model parameters: 7e9, 7B, 1.5T, 70M")
     p.add_argument("--ranks", type=int, default=1, metavar="R", help="ranks (GPUs) per node (default 1)")
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (default 1)")
-    p.add_argument("--host-gb", type=float, metavar="H",
-                   help="host memory per node for optimizer state, GB (default: half the profile's memory)")
-    p.add_argument("--gpu-headroom-gb", type=float, metavar="G",
-                   help="GPU memory free during the update phase, GB per GPU (default: half the GPU's memory)")
+    add_size_option(p, "--host-memory", dest="host_memory", deprecated="--host-gb",
+                    help="host memory for optimizer state, per node, e.g. 512GB or 480GiB (default: half the "
+                    "profile's memory)")
+    add_size_option(p, "--gpu-headroom", dest="gpu_headroom", deprecated="--gpu-headroom-gb",
+                    help="GPU memory free during the update phase, per GPU, e.g. 40GB (default: half the GPU's "
+                    "memory)")
     p.add_argument("--fwd-bwd-s", type=float, metavar="S", help="forward+backward seconds per iteration (default 0)")
     p.add_argument("--subgroup", type=float, default=1e7, metavar="N", help="elements per subgroup (default 1e7)")
     p.add_argument("--path", action="append", default=None, metavar="PATH",
                    help="use only these of the profile's storage paths (repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _gb_arg(name: str, v: float | None) -> int | None:
-    from engine.errors import ConfigError
-
-    if v is None:
-        return None
-    if not (math.isfinite(v) and v >= 0):
-        raise ConfigError(f"{name} must be a non-negative number of GB, got {v}")
-    return int(v * 1e9)
+    add_size_epilog(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--subgroup must be a whole number of elements, got {args.subgroup}")
     wl = Workload(params=parse_params(args.params), ranks=args.ranks, nodes=args.nodes,
                   subgroup_numel=int(args.subgroup), fwd_bwd_s=args.fwd_bwd_s,
-                  host_bytes=_gb_arg("--host-gb", args.host_gb),
-                  gpu_headroom_bytes=_gb_arg("--gpu-headroom-gb", args.gpu_headroom_gb))
+                  host_bytes=size_bytes(args.host_memory), gpu_headroom_bytes=size_bytes(args.gpu_headroom))
     preds = alternatives(profile, wl, args.path)
     if args.json:
         print(json.dumps({"profile": {"name": profile.name, "source": profile.source.kind},

@@ -1,6 +1,7 @@
 """Measure, show, list and compare hardware profiles (TOML).
 
-  offloadctl profile save [NAME] [--nvme PATH ...] [--remote PATH ...] [--quick] [--output FILE] [--force]
+  offloadctl profile save [NAME] [--nvme PATH ...] [--remote PATH ...] [--quick] [--io-size SIZE]
+                         [--io-backend auto|aio|posix] [--output FILE] [--force]
   offloadctl profile show NAME|FILE [--sweep] [--json]
   offloadctl profile list [--dir DIR] [--json]
   offloadctl profile diff A B [--sweep] [--json]
@@ -23,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError
+from offloadctl.options import SizeText, add_size_epilog, add_size_option, size_bytes
 from perf.profile import Figure, Profile
 
 
@@ -40,12 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--quick", action="store_true", help="smaller and shorter measurements (under 2 minutes)")
     s.add_argument("--output", metavar="FILE", help="write here instead of the profile directory")
     s.add_argument("--force", action="store_true", help="replace an existing profile")
-    s.add_argument("--backend", choices=("auto", "aio", "posix"), default="auto",
+    s.add_argument("--io-backend", dest="io_backend", choices=("auto", "aio", "posix"), default="auto",
                    help="the engine's I/O backend to measure with (default: auto, as the engine)")
-    s.add_argument("--io-bytes", type=_size_arg, metavar="SIZE",
-                   help="data file per path, e.g. 4G (default 8G, 1G with --quick; at most 1/8 of free space)")
+    # The old name, as offloadctl train calls it --io-backend; hidden, kept for one release.
+    s.add_argument("--backend", dest="io_backend", choices=("auto", "aio", "posix"), default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
+    add_size_option(s, "--io-size", dest="io_size",
+                    help="data file per path, e.g. 4GiB (default 8GiB, 1GiB with --quick; at most 1/8 of free space)")
+    s.add_argument("--io-bytes", dest="io_size", type=_io_bytes_arg, default=argparse.SUPPRESS, metavar="BYTES",
+                   help="deprecated, use --io-size: the same with a bare number of bytes and K/M/G/T as powers of 1024")
     s.add_argument("--io-seconds", type=float, metavar="S",
                    help="seconds per point of the I/O sweep (default 3, 0.5 with --quick)")
+    add_size_epilog(s)
 
     for name, help_ in (("show", "show one profile"), ("list", "list saved profiles"), ("diff", "compare two profiles")):
         q = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
@@ -67,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
 # -- save -----------------------------------------------------------------------------------------
 
-def _size_arg(s: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", s, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a size: write bytes or e.g. 512M, 4G")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+def _io_bytes_arg(text: str) -> SizeText:
+    """--io-bytes, deprecated, with its old meaning: a bare number is bytes, and K/M/G/T (with or
+    without i and B) are powers of 1024, where the size rule makes K/M/G/T powers of 1000."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])i?B?\s*", text, re.IGNORECASE)
+    return SizeText("--io-bytes", f"{m.group(1)}{m.group(2)}iB" if m else text, "B")
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -91,10 +99,11 @@ def _save(args: argparse.Namespace) -> int:
     if os.path.exists(out) and not args.force:
         raise ConfigError(f"profile {out} exists: pass --force to replace it, or give another NAME or --output")
     sizes = probe.QUICK if args.quick else probe.FULL
-    if args.io_bytes is not None or args.io_seconds is not None:
+    io_bytes = size_bytes(args.io_size)
+    if io_bytes is not None or args.io_seconds is not None:
         if args.io_seconds is not None and not args.io_seconds > 0:
             raise ConfigError(f"--io-seconds must be positive, got {args.io_seconds}")
-        sizes = dataclasses.replace(sizes, io_bytes=args.io_bytes or sizes.io_bytes,
+        sizes = dataclasses.replace(sizes, io_bytes=io_bytes or sizes.io_bytes,
                                     io_seconds=args.io_seconds or sizes.io_seconds)
     if not args.nvme and not args.remote:
         print("offloadctl: no --nvme or --remote path given: the profile will hold host (and GPU) figures only",
@@ -103,7 +112,7 @@ def _save(args: argparse.Namespace) -> int:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         profile = probe.measure_profile(name, nvme=args.nvme, remote=args.remote, quick=args.quick, sizes=sizes,
-                                          backend=args.backend, tool=f"offloadctl {__version__}", progress=bar)
+                                          backend=args.io_backend, tool=f"offloadctl {__version__}", progress=bar)
     save_profile(profile, out)
     shown = name if out == path_for_name(name) else out
     print(f"wrote profile {name} to {out} ({time.monotonic() - t0:.0f} s); see it with `offloadctl profile show {shown}`")

@@ -4,57 +4,50 @@
 
 Launcher options are DeepSpeed's, with the same names and meaning; everything after the script
 goes to the script untouched. Tier options override the ds_config's offload_optimizer; a
-ds_config ``nvme_path`` becomes an NVMe tier when no --nvme is given.
+ds_config ``nvme_path`` becomes an NVMe tier when no --nvme is given. The launch itself (command,
+environment, signals, DeepSpeed's /dev/shm buffers) is integrations.launcher's.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import shlex
-import signal
 import stat
-import subprocess
 import sys
 import time
 import uuid
 
+from integrations import launcher
+from offloadctl.options import add_size_epilog, add_size_option, size_bytes
 from report import recorder
-
-# DeepSpeed launcher options passed through: (flags, takes a value).
-LAUNCHER_OPTIONS = [
-    (("--num_gpus", "--num_accelerators"), True), (("--num_nodes",), True), (("--hostfile", "-H"), True),
-    (("--include", "-i"), True), (("--exclude", "-e"), True), (("--master_addr",), True), (("--master_port",), True),
-    (("--launcher",), True), (("--launcher_args",), True), (("--node_rank",), True), (("--bind_core_list",), True),
-    (("--ssh_port",), True), (("--min_elastic_nodes",), True), (("--max_elastic_nodes",), True),
-    (("--force_multi",), False), (("--no_local_rank",), False), (("--no_python",), False), (("--module",), False),
-    (("--bind_cores_to_rank",), False), (("--enable_each_rank_log",), True), (("--save_pid",), False),
-]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DeepSpeed launcher options (passed through)")
-    for flags, takes_value in LAUNCHER_OPTIONS:
+    for flags, takes_value in launcher.LAUNCHER_OPTIONS:
         if takes_value:
-            g.add_argument(*flags, dest="ds_" + flags[0].lstrip("-"), metavar="VALUE")
+            g.add_argument(*flags, dest=launcher.option_dest(flags), metavar="VALUE")
         else:
-            g.add_argument(*flags, dest="ds_" + flags[0].lstrip("-"), action="store_true")
+            g.add_argument(*flags, dest=launcher.option_dest(flags), action="store_true")
     o = p.add_argument_group("offloadctl options")
     o.add_argument("--nvme", action="append", default=[], metavar="PATH", help="node-local NVMe directory (repeatable)")
     o.add_argument("--remote", action="append", default=[], metavar="PATH", help="parallel file system directory (repeatable)")
-    o.add_argument("--host-cache-gb", type=float, metavar="X", help="optimizer state kept in host memory per rank, GB "
-                   "(default: 0 when paths are given, else all)")
-    o.add_argument("--device-cache-gb", default="auto", metavar="X|auto",
-                   help="optimizer state kept on each rank's GPU, GB; auto: what the GPU has free after the first "
-                   "forward/backward, less a safety margin (default auto)")
+    add_size_option(o, "--host-cache", dest="host_cache", deprecated="--host-cache-gb",
+                    help="optimizer state kept in host memory, per rank, e.g. 64GB or 60GiB (default: 0 when paths "
+                    "are given, else all)")
+    add_size_option(o, "--device-cache", dest="device_cache", deprecated="--device-cache-gb", auto=True,
+                    help="optimizer state kept on the GPU, per rank, e.g. 8GB; auto: what the GPU has free after the "
+                    "first forward/backward, less a safety margin (default auto)")
     o.add_argument("--device-fraction", default="auto", metavar="F|auto",
                    help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
                    "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)")
     o.add_argument("--lane-device", choices=["cpu"], help=argparse.SUPPRESS)  # tests: the GPU path's bookkeeping on a CPU
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
-    o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
+    o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto",
+                   help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
+                   "aio where it is built (default auto)")
     o.add_argument("--profile", metavar="NAME|PATH", help="hardware profile (offloadctl profile save): start from the "
                    "performance model's best plan (default: a quick probe of the paths and default knobs)")
     o.add_argument("--tuner", default="auto", metavar="auto|off|SOCKET",
@@ -70,24 +63,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     recorder.add_train_arguments(o)
     p.add_argument("script", help="the DeepSpeed training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, untouched")
+    add_size_epilog(p)
 
 
 def build(args: argparse.Namespace) -> dict:
     """The resolved launch: command, environment additions and engine settings."""
-    from engine.config import Knobs
-    from integrations.deepspeed_zero3 import ZeroEngineSettings
     from engine.errors import ConfigError
-    from engine.storage.paths import check_usable
 
     if os.path.isdir(args.script):
         raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
+    host_cache = size_bytes(args.host_cache)
+    device_cache = size_bytes(args.device_cache, auto=True)
+    # Imported after the cheap checks: torch and DeepSpeed take seconds, and a typo should fail at once.
+    from engine.storage.paths import check_usable
+
     for path in args.nvme + args.remote:
         check_usable(os.path.abspath(path))
-    if args.host_cache_gb is not None and not (math.isfinite(args.host_cache_gb) and 0 <= args.host_cache_gb < 1e9):
-        raise ConfigError(f"--host-cache-gb must be a number of GB >= 0, got {args.host_cache_gb}")
-    device_cache = _auto_or_number("--device-cache-gb", args.device_cache_gb, 0.0, 1e6, "a number of GB >= 0")
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
@@ -101,32 +94,23 @@ def build(args: argparse.Namespace) -> dict:
         profile = resolve_profile(args.profile)
         load_profile(profile)  # a malformed profile fails here, once, not in every rank
     tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
+
+    from engine.config import Knobs
+    from integrations.deepspeed_zero3 import ZeroEngineSettings
+
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
-        host_cache_bytes=None if args.host_cache_gb is None else int(args.host_cache_gb * 1e9), run_dir=run_dir,
-        device_cache_bytes=None if device_cache is None else int(device_cache * 1e9),
+        host_cache_bytes=host_cache, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
-    rank_settings = recorder.launch_settings(settings.to_json(), args, run_dir)
-    launcher = []
-    for flags, takes_value in LAUNCHER_OPTIONS:
-        v = getattr(args, "ds_" + flags[0].lstrip("-"))
-        if takes_value and v is not None:
-            launcher += [flags[0], str(v)]
-        elif not takes_value and v:
-            launcher.append(flags[0])
-    from integrations import bootstrap as bootstrap_module
-
-    bootstrap = os.path.abspath(bootstrap_module.__file__)
-    root = os.path.dirname(os.path.dirname(bootstrap))
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, bootstrap,
-           "--offloadctl-config", json.dumps(rank_settings), os.path.abspath(args.script), *args.script_args]
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-           # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
-           "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
-    out = {"command": cmd, "env": env, "settings": rank_settings, "tuner": tuner}
+    # report.recorder reads the caches by their old attribute names (given: truthy; device: "auto")
+    recorder_args = argparse.Namespace(**vars(args), host_cache_gb=host_cache,
+                                       device_cache_gb="auto" if device_cache is None else device_cache)
+    rank_settings = recorder.launch_settings(settings.to_json(), recorder_args, run_dir)
+    cmd = launcher.launch_command(launcher.launcher_args(vars(args)), rank_settings, args.script, args.script_args)
+    out = {"command": cmd, "env": launcher.launch_env(), "settings": rank_settings, "tuner": tuner}
     if profile and args.params:
         from offloadctl.commands.plan import parse_params
 
@@ -178,47 +162,6 @@ def preview_plan(settings, params: int) -> dict:
             "predicted_update_s": rp.predicted_update_s, "summary": rp.summary}
 
 
-def remove_stale_shm_buffers() -> int:
-    """Remove this user's DeepSpeed allreduce buffers in /dev/shm that no live process maps: left
-    by runs killed before they could clean up (any port). Returns the count."""
-    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)]
-    if not mine:
-        return 0
-    mapped: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
-        except (OSError, IndexError):
-            continue  # gone, or another user's: theirs never map our files
-    return _unlink_all(f for f in mine if f not in mapped)
-
-
-def _unlink_all(paths) -> int:
-    removed = 0
-    for f in paths:
-        try:
-            os.unlink(f)
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
-
-def _owned(path: str) -> bool:
-    try:
-        return os.stat(path).st_uid == os.getuid()
-    except OSError:
-        return False
-
-
-def remove_shm_buffers(master_port: str | None) -> int:
-    """Remove the shared-memory allreduce buffers that DeepSpeed's CPU comm op leaves in /dev/shm
-    (64 MiB per rank, never unlinked by DeepSpeed 0.19), for this run's port. Returns the count."""
-    port = master_port or "29500"  # the DeepSpeed launcher's default
-    return _unlink_all(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
-
-
 def run(args: argparse.Namespace) -> int:
     plan = build(args)
     if args.dry_run:
@@ -235,16 +178,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     run_dir = plan["settings"]["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
-    remove_stale_shm_buffers()  # what killed runs left behind
+    launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
     if plan["tuner"] == "auto":
         from tuner.service import ensure_daemon
 
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
         plan = with_tuner_socket(plan, socket_path)
-    env = dict(os.environ, **plan["env"])
     try:
-        rc = _launch(plan, env, args, run_dir)
+        rc, stopped_by = launcher.run_launcher(plan["command"], dict(os.environ, **plan["env"]),
+                                               master_port=args.ds_master_port)
+        if stopped_by is not None:
+            print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
+                  file=sys.stderr)
+        telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
+        if rc == 0 and os.path.exists(telemetry):
+            from offloadctl.summary import load_records, print_summary
+
+            print_summary(load_records(telemetry), title=f"update phase, rank 0 (telemetry in {run_dir})")
         if plan["settings"].get("recorder"):
             print(f"recorded: offloadctl report {run_dir}")
         socket_path = plan["settings"].get("tuner_socket")
@@ -260,81 +211,7 @@ def run(args: argparse.Namespace) -> int:
             stop_tuner()
 
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _stop_run(proc: subprocess.Popen, signum: int) -> None:
-    """Stop the launcher and every process under it: SIGTERM to each (after SIGINT, which they
-    ignore, DeepSpeed's launcher has sent it already), wait until all are gone, SIGKILL what is
-    left after ``STOP_GRACE_S``."""
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in reversed(tree):  # the ranks first, so that no launcher reports them as failed first
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
 def with_tuner_socket(plan: dict, socket_path: str) -> dict:
     """The launch with the ranks pointed at ``socket_path``."""
     settings = dict(plan["settings"], tuner_socket=socket_path)
-    cmd = list(plan["command"])
-    i = cmd.index("--offloadctl-config")
-    cmd[i + 1] = json.dumps(settings)
-    return dict(plan, command=cmd, settings=settings)
-
-
-class _Interrupted(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-STOP_GRACE_S = 45.0
-"""How long the ranks get to unwind after SIGTERM (DeepSpeed's launcher gives them 30 s)."""
-
-
-def _launch(plan: dict, env: dict, args: argparse.Namespace, run_dir: str) -> int:
-    # The launcher stays in our process group, so killing the group kills the whole run. It and
-    # the ranks ignore SIGINT (inherited: the ranks are started before DeepSpeed's launcher sets
-    # its handlers): on Ctrl-C, DeepSpeed's per-node launcher alone acts, sending the ranks
-    # SIGTERM, on which each rank unwinds and removes its swap files; no launcher traceback.
-    proc = subprocess.Popen(plan["command"], env=env, preexec_fn=_ignore_sigint)
-
-    def on_signal(signum, frame):
-        raise _Interrupted(signum)
-
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {s: signal.signal(s, on_signal) for s in handled}
-    try:
-        rc = proc.wait()
-    except _Interrupted as e:
-        for s in handled:
-            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        _stop_run(proc, e.signum)
-        print(f"offloadctl: stopped by {signal.Signals(e.signum).name}: the ranks were stopped and their swap files "
-              f"removed", file=sys.stderr)
-        return 128 + e.signum
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
-        remove_shm_buffers(args.ds_master_port)
-    telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
-    if rc == 0 and os.path.exists(telemetry):
-        from offloadctl.summary import load_records, print_summary
-
-        print_summary(load_records(telemetry), title=f"update phase, rank 0 (telemetry in {run_dir})")
-    return rc
+    return dict(plan, command=launcher.with_rank_settings(plan["command"], settings), settings=settings)

@@ -1,0 +1,187 @@
+"""DeepSpeed's launcher, run with the engine in every rank: its command line and environment,
+the process tree's life (signals, stop), and the shared memory DeepSpeed leaves in /dev/shm.
+
+``offloadctl train`` parses, calls these and prints; the launch itself is decided here:
+
+    deepspeed.launcher.runner [launcher options] integrations/bootstrap.py \\
+        --offloadctl-config JSON script.py [script args]
+
+Every rank runs the bootstrap (integrations/bootstrap.py), which installs the engine from the
+JSON settings and then runs the script with the argv the launcher would have given it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from integrations import bootstrap
+
+# DeepSpeed launcher options passed through: (flags, takes a value).
+LAUNCHER_OPTIONS = [
+    (("--num_gpus", "--num_accelerators"), True), (("--num_nodes",), True), (("--hostfile", "-H"), True),
+    (("--include", "-i"), True), (("--exclude", "-e"), True), (("--master_addr",), True), (("--master_port",), True),
+    (("--launcher",), True), (("--launcher_args",), True), (("--node_rank",), True), (("--bind_core_list",), True),
+    (("--ssh_port",), True), (("--min_elastic_nodes",), True), (("--max_elastic_nodes",), True),
+    (("--force_multi",), False), (("--no_local_rank",), False), (("--no_python",), False), (("--module",), False),
+    (("--bind_cores_to_rank",), False), (("--enable_each_rank_log",), True), (("--save_pid",), False),
+]
+
+DEFAULT_MASTER_PORT = "29500"
+"""The DeepSpeed launcher's, when --master_port is not given."""
+
+STOP_GRACE_S = 45.0
+"""How long the ranks get to unwind after SIGTERM (DeepSpeed's launcher gives them 30 s)."""
+
+
+def option_dest(flags: Sequence[str]) -> str:
+    """The attribute a launcher option is parsed into: ``--num_gpus`` -> ``ds_num_gpus``."""
+    return "ds_" + flags[0].lstrip("-")
+
+
+def launcher_args(values: Mapping[str, object]) -> list[str]:
+    """The launcher's own arguments from parsed ``values`` (by :func:`option_dest`; None or False:
+    not given), each option by its first spelling."""
+    out: list[str] = []
+    for flags, takes_value in LAUNCHER_OPTIONS:
+        v = values.get(option_dest(flags))
+        if takes_value and v is not None:
+            out += [flags[0], str(v)]
+        elif not takes_value and v:
+            out.append(flags[0])
+    return out
+
+
+def launch_command(launcher: Sequence[str], rank_settings: dict, script: str, script_args: Sequence[str]) -> list[str]:
+    """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, os.path.abspath(bootstrap.__file__),
+            bootstrap.CONFIG_FLAG, json.dumps(rank_settings), os.path.abspath(script), *script_args]
+
+
+def launch_env() -> dict[str, str]:
+    """What the launch adds to the environment: this checkout on PYTHONPATH, so that every rank
+    (on any node the launcher reaches) imports the same engine and bootstrap."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(bootstrap.__file__)))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
+            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
+
+
+def with_rank_settings(command: Sequence[str], rank_settings: dict) -> list[str]:
+    """``command`` with the ranks' settings replaced (e.g. once the tuner's socket is known)."""
+    cmd = list(command)
+    i = cmd.index(bootstrap.CONFIG_FLAG)
+    cmd[i + 1] = json.dumps(rank_settings)
+    return cmd
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run_launcher(command: Sequence[str], env: Mapping[str, str], *,
+                 master_port: str | None) -> tuple[int, signal.Signals | None]:
+    """Run the launch to its end: (exit status, None), or (128 + signal, the signal) when SIGINT,
+    SIGTERM or SIGHUP stopped it, after every rank has unwound (or been killed). Either way this
+    run's /dev/shm buffers are removed."""
+    # The launcher stays in our process group, so killing the group kills the whole run. It and
+    # the ranks ignore SIGINT (inherited: the ranks are started before DeepSpeed's launcher sets
+    # its handlers): on Ctrl-C, DeepSpeed's per-node launcher alone acts, sending the ranks
+    # SIGTERM, on which each rank unwinds and removes its swap files; no launcher traceback.
+    proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint)
+
+    def on_signal(signum, frame):
+        raise _Interrupted(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.signal(s, on_signal) for s in handled}
+    try:
+        return proc.wait(), None
+    except _Interrupted as e:
+        for s in handled:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        _stop_run(proc)
+        return 128 + e.signum, signal.Signals(e.signum)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+        remove_shm_buffers(master_port)
+
+
+def _stop_run(proc: subprocess.Popen) -> None:
+    """Stop the launcher and every process under it: SIGTERM to each (after SIGINT, which they
+    ignore, DeepSpeed's launcher has sent it already), wait until all are gone, SIGKILL what is
+    left after ``STOP_GRACE_S``."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in reversed(tree):  # the ranks first, so that no launcher reports them as failed first
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+# -- DeepSpeed's shared memory ------------------------------------------------------------------
+
+def remove_shm_buffers(master_port: str | None) -> int:
+    """Remove the shared-memory allreduce buffers that DeepSpeed's CPU comm op leaves in /dev/shm
+    (64 MiB per rank, never unlinked by DeepSpeed 0.19), for this run's port. Returns the count."""
+    port = master_port or DEFAULT_MASTER_PORT
+    return _unlink_all(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def remove_stale_shm_buffers() -> int:
+    """Remove this user's DeepSpeed allreduce buffers in /dev/shm that no live process maps: left
+    by runs killed before they could clean up (any port). Returns the count."""
+    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)]
+    if not mine:
+        return 0
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
+        except (OSError, IndexError):
+            continue  # gone, or another user's: theirs never map our files
+    return _unlink_all(f for f in mine if f not in mapped)
+
+
+def _unlink_all(paths) -> int:
+    removed = 0
+    for f in paths:
+        try:
+            os.unlink(f)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _owned(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
