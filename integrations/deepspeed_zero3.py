@@ -33,8 +33,7 @@ from engine.buffers import pin_in_place
 from engine.config import EngineConfig, Knobs, StoragePath
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
-
-SUPPORTED_DEEPSPEED = ((0, 19), (0, 19))  # inclusive (major, minor) range the overrides are written against
+from integrations import ds_compat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,15 +82,6 @@ class ZeroEngineSettings:
                    lane_device=d.get("lane_device"),
                    io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
                    tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
-
-
-def check_deepspeed_version(version: str) -> None:
-    major, minor = (int(x) for x in version.split(".")[:2])
-    lo, hi = SUPPORTED_DEEPSPEED
-    if not lo <= (major, minor) <= hi:
-        raise ConfigError(f"offloadctl's ZeRO-3 engine supports DeepSpeed {lo[0]}.{lo[1]}.x to {hi[0]}.{hi[1]}.x, "
-                          f"found {version}: install a supported version (pip install 'deepspeed>={lo[0]}.{lo[1]},"
-                          f"<{hi[0]}.{hi[1] + 1}' --no-build-isolation)")
 
 
 class ZeroPartitionSubgroup:
@@ -178,6 +168,7 @@ def make_optimizer_class(settings: ZeroEngineSettings):
                 super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
             finally:
                 self.offload_optimizer_pin_memory = pin
+            ds_compat.check_optimizer_instance(self)  # the DeepSpeed internals used from here on
             if pin:
                 pin_in_place(self.grad_partitions_flat_buffer)
             _check_adamw(self.optimizer)
@@ -413,7 +404,7 @@ def install(settings: ZeroEngineSettings):
     from engine.storage.native_ops import import_deepspeed
 
     ds = import_deepspeed()
-    check_deepspeed_version(ds.__version__)
+    ds_compat.check_deepspeed(ds)
     _keep_deepspeed_from_compiling()
     import deepspeed.runtime.zero.stage3 as stage3
 
