@@ -6,6 +6,9 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.offloadctl-setup
 # torch goes in first: the CPU wheel where there is no CUDA, so nothing later pulls the CUDA build.
 TORCH_CPU := torch==2.13.0
+# The supported DeepSpeed range is pyproject.toml's (integrations/ds_compat.py reads it from the
+# installed metadata): taken from there, so that it is written in one place.
+DS_REQ  := $(shell sed -n 's/^ *"\(deepspeed[^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: setup demo test bench clean-venv
 setup: $(STAMP)
@@ -23,10 +26,12 @@ $(STAMP): pyproject.toml Makefile
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null \
 	      || echo "setup: libaio-dev not installed; the engine will use its posix O_DIRECT backend"; \
 	fi
-	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation 'deepspeed>=0.19,<0.20'
+	@$(VPY) -c "import deepspeed" 2>/dev/null || $(VPY) -m pip install -q --no-build-isolation '$(DS_REQ)'
 	@$(VPY) -m pip install -q --no-build-isolation -e '.[test]'
 	@# DeepSpeed's native ops: built here, once, with progress (minutes); runs never compile them,
-	@# whether or not the venv is activated (engine/storage/native_ops.py).
+	@# whether or not the venv is activated (engine/storage/native_ops.py). It also checks the
+	@# installed DeepSpeed against the internals the ZeRO-3 integration uses, and fails here with
+	@# one line if they differ (the stamp is not written, so the next `make setup` checks again).
 	@$(VENV)/bin/offloadctl info --build
 	@touch $(STAMP)
 

@@ -27,9 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import Knobs
-from engine.errors import ConfigError
+from integrations import ds_compat
 
-SUPPORTED_DEEPSPEED = ((0, 19), (0, 19))  # inclusive (major, minor) range the overrides are written against
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,15 +79,6 @@ class ZeroEngineSettings:
                    tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
 
 
-def check_deepspeed_version(version: str) -> None:
-    major, minor = (int(x) for x in version.split(".")[:2])
-    lo, hi = SUPPORTED_DEEPSPEED
-    if not lo <= (major, minor) <= hi:
-        raise ConfigError(f"offloadctl's ZeRO-3 engine supports DeepSpeed {lo[0]}.{lo[1]}.x to {hi[0]}.{hi[1]}.x, "
-                          f"found {version}: install a supported version (pip install 'deepspeed>={lo[0]}.{lo[1]},"
-                          f"<{hi[0]}.{hi[1] + 1}' --no-build-isolation)")
-
-
 def _keep_deepspeed_from_compiling() -> None:
     """DeepSpeed loads native ops itself in a rank (cpu_adam for DeepSpeedCPUAdam, the shm comm op
     on the CPU accelerator), and would compile a missing one there, for minutes, with no output.
@@ -117,7 +107,7 @@ def install(settings: ZeroEngineSettings):
     from engine.storage.native_ops import import_deepspeed
 
     ds = import_deepspeed()
-    check_deepspeed_version(ds.__version__)
+    ds_compat.check_deepspeed(ds)
     _keep_deepspeed_from_compiling()
     import deepspeed.runtime.zero.stage3 as stage3
 

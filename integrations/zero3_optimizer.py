@@ -22,6 +22,7 @@ from engine.buffers import pin_in_place
 from engine.config import EngineConfig, Knobs, StoragePath
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
+from integrations import ds_compat
 from integrations.deepspeed_zero3 import ZeroEngineSettings
 
 
@@ -106,6 +107,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             super()._setup_for_real_optimizer()  # creates grad_partitions_flat_buffer
         finally:
             self.offload_optimizer_pin_memory = pin
+        ds_compat.check_optimizer_instance(self)  # the DeepSpeed internals used from here on
         if pin:
             pin_in_place(self.grad_partitions_flat_buffer)
         _check_adamw(self.optimizer)

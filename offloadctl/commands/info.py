@@ -3,11 +3,15 @@
 Measures the host AdamW kernels briefly (under a second once DeepSpeed's ops are built).
 Compiles nothing unless asked: ``--build`` first builds the native ops that are missing or out of
 date (minutes, with progress; ``make setup`` runs it), recovering locks left by interrupted builds.
+Checks the installed DeepSpeed against what the ZeRO-3 integration overrides and reads
+(``integrations/ds_compat.py``): a mismatch is shown, then exits with status 2 and the one-line
+error, so that ``make setup`` stops there.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -23,7 +27,9 @@ def collect() -> dict:
     import torch
 
     from engine.adamw import chosen_host_kernel, measure_host_kernels
+    from engine.errors import ConfigError
     from engine.storage.native_ops import OPS, import_deepspeed, op_state
+    from integrations import ds_compat
 
     from offloadctl import __version__
 
@@ -31,11 +37,17 @@ def collect() -> dict:
         ds_version = import_deepspeed().__version__
     except Exception:
         ds_version = None
+    try:
+        integration = ds_compat.integration_status()
+    except ConfigError as e:
+        integration = str(e)
     ops = {name: op_state(name) for name in OPS}
     return {
         "offloadctl": __version__,
         "torch": torch.__version__,
         "deepspeed": ds_version,
+        # "ok (DeepSpeed X)", or the one-line error naming what does not match and the fix.
+        "deepspeed_integration": integration,
         "cuda": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "native_ops": {name: st.to_json() for name, st in ops.items()},
@@ -80,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     data = collect()
     if args.json:
         print(json.dumps(data, indent=2))
-        return 0
+        return _integration_exit(data)
     t = Table("what", "value", title="offloadctl info")
     for k, v in data.items():
         if k == "native_ops":
@@ -93,4 +105,12 @@ def run(args: argparse.Namespace) -> int:
             v = ", ".join(v) or "none"
         t.add_row(k, str(v))
     Console().print(t)
-    return 0
+    return _integration_exit(data)
+
+
+def _integration_exit(data: dict) -> int:
+    # The one line again, last and on stderr: where `make setup` (which runs info --build) stops.
+    if data["deepspeed_integration"].startswith("ok "):
+        return 0
+    print(f"offloadctl: {data['deepspeed_integration']}", file=sys.stderr)
+    return 2

@@ -1,0 +1,205 @@
+"""The check of the installed DeepSpeed against what the ZeRO-3 integration overrides and reads."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+import engine.adamw
+from engine.errors import ConfigError
+from integrations import ds_compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ds():
+    from engine.storage.native_ops import import_deepspeed
+
+    return import_deepspeed()
+
+
+@pytest.fixture
+def stage3(ds):
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    return stage3.DeepSpeedZeroOptimizer_Stage3
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_installed_deepspeed_matches(ds):
+    ds_compat.check_deepspeed()
+    ds_compat.check_deepspeed(ds)
+    assert ds_compat.integration_status() == f"ok (DeepSpeed {ds.__version__})"
+
+
+@pytest.mark.parametrize("name, replacement, found", [
+    ("_post_step", lambda self: None, "found (self)"),  # a parameter dropped
+    ("_offload_grad_partition_at_boundary",  # an overridden method DeepSpeed now calls with one more
+     lambda self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra: None,
+     "found (self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra)"),
+    ("_get_norm_groups", None, "found no such method"),
+    ("_pre_step", staticmethod(lambda: None), "found a staticmethod"),
+])
+def test_changed_method_is_one_line_naming_version_and_method(ds, stage3, monkeypatch, name, replacement, found):
+    if replacement is None:
+        monkeypatch.delattr(stage3, name)
+    else:
+        monkeypatch.setattr(stage3, name, replacement)
+    expected = next(m for m in ds_compat.METHODS if m.name == name)
+    signature = f"DeepSpeedZeroOptimizer_Stage3.{name}(self{''.join(', ' + p for p in expected.params)})"
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed()
+    msg = _one_line(e)
+    assert msg.startswith(f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
+                          f"{signature} expected, {found}: "), msg
+    assert f"pip install 'deepspeed=={ds_compat.CHECKED_AGAINST}'" in msg
+
+
+def test_every_fault_is_counted_on_the_one_line(stage3, monkeypatch):
+    monkeypatch.delattr(stage3, "_get_norm_groups")
+    monkeypatch.setattr(stage3, "_post_step", lambda self: None)
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed()
+    assert "(and 1 more: DeepSpeedZeroOptimizer_Stage3._post_step(self, timer_names) expected" in _one_line(e)
+
+
+def test_the_class_install_puts_in_place_is_looked_through(ds, stage3, monkeypatch):
+    # install() replaces the class in DeepSpeed's module by the subclass, whose overrides differ
+    # from DeepSpeed's methods on purpose: a later check must still look at DeepSpeed's class.
+    import deepspeed.runtime.zero.stage3 as module
+
+    class Ours(stage3):
+        def _offload_grad_partition_at_boundary(self, param, grad_buffer, *args):
+            pass
+
+    monkeypatch.setattr(module, "DeepSpeedZeroOptimizer_Stage3", Ours)
+    ds_compat.check_deepspeed(ds)
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.18.9", "0.20.0.dev0", "1.0.0"])
+def test_version_outside_the_range_fails(version):
+    fake = types.SimpleNamespace(__version__=version, __name__="deepspeed")
+    req = ds_compat.supported_requirement()
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed(fake)
+    assert _one_line(e) == (f"DeepSpeed {version} is outside offloadctl's supported range {req} (the ZeRO-3 "
+                            f"integration overrides internals of those versions): install a DeepSpeed version in "
+                            f"the supported range (pip install '{req}' --no-build-isolation)")
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.19.9.dev0", "0.19.8+cpu"])
+def test_version_inside_the_range_passes(version):
+    ds_compat.check_deepspeed(types.SimpleNamespace(__version__=version, __name__="deepspeed"))
+
+
+def test_attribute_deepspeed_no_longer_sets_fails(monkeypatch):
+    monkeypatch.setattr(ds_compat, "ATTRIBUTES",
+                        (*ds_compat.ATTRIBUTES, ds_compat.Attribute(ds_compat.STAGE3, "fp32_flat_renamed")))
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed()
+    assert ("DeepSpeedZeroOptimizer_Stage3.fp32_flat_renamed expected, found nothing in its source that sets it"
+            in _one_line(e))
+
+
+def test_attribute_deepspeed_takes_from_us_fails(monkeypatch):
+    monkeypatch.setattr(ds_compat, "OWN_ATTRIBUTES", (*ds_compat.OWN_ATTRIBUTES, "partition_count"))
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed()
+    assert ("DeepSpeedZeroOptimizer_Stage3.partition_count expected to be offloadctl's own, found DeepSpeed "
+            "setting it too" in _one_line(e))
+
+
+def _live_optimizer():
+    param = types.SimpleNamespace(ds_id=0, ds_numel=4, partition_numel=lambda: 4)
+    opt = types.SimpleNamespace()
+    for a in ds_compat.ATTRIBUTES:
+        if a.live and a.owner == ds_compat.STAGE3:
+            setattr(opt, a.name, None)
+    opt.parameter_offload = types.SimpleNamespace(_max_available_parameters_in_numel=1)
+    opt.fp16_groups = [[param]]
+    return opt, param
+
+
+def test_live_optimizer_with_every_attribute_passes():
+    ds_compat.check_optimizer_instance(_live_optimizer()[0])
+
+
+@pytest.mark.parametrize("where, name", [
+    ("opt", "grad_partitions_flat_buffer"), ("opt", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"),
+    ("param", "partition_numel"), ("offload", "_max_available_parameters_in_numel")])
+def test_live_optimizer_missing_an_attribute_is_one_line(ds, where, name):
+    opt, param = _live_optimizer()
+    delattr({"opt": opt, "param": param, "offload": opt.parameter_offload}[where], name)
+    owner = {"opt": "DeepSpeedZeroOptimizer_Stage3", "param": "partition_parameters",
+             "offload": "DeepSpeedZeRoOffload"}[where]
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_optimizer_instance(opt)
+    msg = _one_line(e)
+    assert msg.startswith(f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
+                          f"{owner}.{name} expected, found no such attribute on "), msg
+
+
+def test_the_range_is_pyprojects():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    pin = next(d for d in deps if re.match(r"deepspeed\b", d))
+    from packaging.requirements import Requirement
+
+    assert Requirement(ds_compat.DEEPSPEED_REQUIREMENT).specifier == Requirement(pin).specifier
+    # What the check uses: the installed metadata (the same pin), or the constant without it.
+    assert Requirement(ds_compat.supported_requirement()).specifier == Requirement(pin).specifier
+    assert Requirement(pin).specifier.contains(ds_compat.CHECKED_AGAINST)
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    assert "deepspeed>=" not in makefile and "$(DS_REQ)" in makefile  # make setup takes it from pyproject.toml
+
+
+def test_the_fallback_without_package_metadata(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", missing)
+    assert ds_compat.supported_requirement() == ds_compat.DEEPSPEED_REQUIREMENT
+
+
+def test_info_json_includes_the_check(ds):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "info", "--json"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["deepspeed_integration"] == f"ok (DeepSpeed {ds.__version__})"
+
+
+def test_info_fails_with_the_one_line(stage3, monkeypatch, capsys):
+    # What `make setup` runs (info --build): a mismatch is status 2, with the one line last on stderr.
+    from offloadctl.commands import info
+
+    monkeypatch.setattr(engine.adamw, "measure_host_kernels", lambda: {"torch": 1.0})
+    monkeypatch.setattr(engine.adamw, "chosen_host_kernel", lambda: "torch")
+    monkeypatch.setattr(stage3, "_post_step", lambda self: None)
+    for as_json in (True, False):
+        assert info.run(argparse.Namespace(json=as_json, build=False)) == 2
+        out, err = capsys.readouterr()
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("offloadctl: DeepSpeed ") and "_post_step(self, timer_names) expected" in line
+        if as_json:
+            assert json.loads(out)["deepspeed_integration"] == line[len("offloadctl: "):]
