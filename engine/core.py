@@ -21,6 +21,12 @@ host memory, or a swap file on a storage path. ``step()`` visits every subgroup 
 
 The engine is driven by an adapter that supplies one :class:`SubgroupBinding` per subgroup
 (``OffloadAdamW``; the DeepSpeed ZeRO-3 integration).
+
+Why one file (over 600 lines): the step loop, the staging-buffer pool, the kept buffers across
+the step boundary and the knob changes between steps share one piece of state (which subgroup
+is in which buffer, in flight or kept); split, each part would reach into the others' internals.
+The lanes (``engine.lanes``), placement (``engine.placement``) and storage
+(``engine.storage``) are already their own modules.
 """
 from __future__ import annotations
 

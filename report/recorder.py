@@ -30,6 +30,9 @@ run keeps everything up to its last full line):
 - ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
 
 docs/report.md describes the fields and what recording costs.
+
+Why one file (about 600 lines): the phase hooks, the sampler and the writer share the run's
+files and their format version (read by ``report.load``); the sampler is a third of it.
 """
 from __future__ import annotations
 
