@@ -146,7 +146,8 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
     """The model's iteration for this row: the measured profile, the row's forward+backward."""
     if not profile_path or "failed" in s:
         return None
-    from perf.model import Plan, Workload, predict as model_predict, stock_deepspeed
+    from perf.model import Plan, Workload, stock_deepspeed
+    from perf.model import predict as model_predict
     from perf.profile_toml import load_profile
 
     prof = load_profile(profile_path)

@@ -41,9 +41,8 @@ from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from bench.update_phase import _machine  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
-from perf.probe import (available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths,  # noqa: E402
-                            probe_machine)
 from perf.model import Plan, Workload, predict  # noqa: E402
+from perf.probe import available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths, probe_machine  # noqa: E402
 from perf.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
 
 console = Console(stderr=True)
@@ -63,7 +62,8 @@ def measure_profile(dirs: list[str], io_bytes: int, io_seconds: float, backend: 
                 adamw=measure_cpu_adamw([available_cores()], reps=5, progress=progress))
     return Profile(schema_version=SCHEMA_VERSION, name="model-accuracy",
                    source=Source(kind="measured", description="bench/model_accuracy.py, measured in the same run"),
-                   machine=probe_machine(), host=host, paths=paths, gpu=None, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                   machine=probe_machine(), host=host, paths=paths, gpu=None,
+                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def capped(p: PathProfile, cap: float) -> PathProfile:
@@ -221,7 +221,7 @@ def _print(out: dict) -> None:
     c = Console(width=160)
     c.print(f"[bold]{out['params']:.3g} params[/bold], subgroup {out['subgroup']:.3g}, path {out['path']}; "
             f"CPU AdamW {out['cpu_adamw_params_per_s']:.3g} params/s, memory {out['memory_bytes_per_s'] / 1e9:.3g} GB/s")
-    for p, f in list(out["profile_paths"].items())[:1]:
+    for _path, f in list(out["profile_paths"].items())[:1]:
         c.print(f"profile (same run): read {f['read'] / 1e6:.0f} MB/s, write {f['write'] / 1e6:.0f} MB/s, "
                 f"mixed {f['mixed'] / 1e6:.0f} MB/s (best of the sweep)")
     tab = Table("plan", "B/param pred", "B/param meas", "predicted s", "measured s", "pred / meas", "bottleneck (model)")

@@ -51,11 +51,11 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 # This file's name would shadow the `tuner` package: the repository root, not bench/, goes first.
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
+from bench.emulate import run_emulated  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
-from bench.emulate import run_emulated  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("update_phase", os.path.join(BENCH, "update_phase.py"))
 update_phase = importlib.util.module_from_spec(_spec)

@@ -22,12 +22,12 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
 import struct
 import subprocess
 import sys
-import queue
 import tempfile
 import time
 

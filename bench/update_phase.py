@@ -36,12 +36,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.adamw import measure_host_kernels  # noqa: E402
 from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
 from engine.storage.io_backends import open_backend  # noqa: E402
 from engine.storage.paths import SwapPath  # noqa: E402
-from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -201,7 +201,8 @@ def _print(out: dict) -> None:
     c.print(f"[bold]{out['params']:.3g} params[/bold], subgroup {out['subgroup']:.3g}, path {out['path']}")
     c.print(f"ceiling (O_DIRECT, same run): read {ceil['read'] / 1e6:.0f} MB/s, write {ceil['write'] / 1e6:.0f} MB/s, "
             f"mixed {ceil['mixed'] / 1e6:.0f} MB/s")
-    tab = Table("layout", "update s", "read wait s", "write wait s", "B/param", "read MB/s", "write MB/s", "hits", "floor s", "time/floor")
+    tab = Table("layout", "update s", "read wait s", "write wait s", "B/param", "read MB/s", "write MB/s", "hits", "floor s",
+                "time/floor")
     for lay in out["layouts"]:
         tab.add_row(lay["layout"], f"{lay['update_s']:.3f}", f"{lay['read_wait_s']:.3f}", f"{lay['write_wait_s']:.3f}",
                     f"{lay['bytes_per_param']:.2f}", f"{lay['read_bytes_per_s'] / 1e6:.0f}",

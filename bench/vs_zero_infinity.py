@@ -42,7 +42,8 @@ CONFIGS = {
     "zero-offload-cpu": lambda d, out, it: ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29732",
                                             os.path.join(HERE, "ds_model.py"), "--iters", it, "--out", out],
     "offloadctl nvme": lambda d, out, it: _ours(d, out, it, ["--nvme", d["nvme"], "--host-cache", "0"]),
-    "offloadctl nvme, half cached": lambda d, out, it: _ours(d, out, it, ["--nvme", d["nvme"], "--host-cache", f"{HALF_GB:.4f}GB"]),
+    "offloadctl nvme, half cached": lambda d, out, it: _ours(d, out, it,
+                                                           ["--nvme", d["nvme"], "--host-cache", f"{HALF_GB:.4f}GB"]),
     "offloadctl nvme+pfs, half cached": lambda d, out, it: _ours(d, out, it, ["--nvme", d["nvme"], "--remote", d["pfs"],
                                                                               "--host-cache", f"{HALF_GB:.4f}GB"]),
 }

@@ -45,9 +45,9 @@ from engine.buffers import StateBuffer, payload_bytes
 from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError, StorageIOError
 from engine.gpumem import gpu_headroom_bytes, measure_pcie
-from engine.storage.io_backends import open_backend
 from engine.lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
 from engine.placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
+from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.telemetry import StepRecord, TelemetryLog
 
@@ -139,7 +139,8 @@ class SubgroupEngine:
         self._device_tier_pending = self.device is not None
         placement = place(sizes, device_budget=config.device_cache_bytes or 0, host_budget=config.host_cache_bytes,
                           path_weights=self._stripe_weights(self.knobs))
-        self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
+        self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels))
+                          for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
         try:
             self._allocate(placement)
         except BaseException:

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
-from engine.binding import SubgroupBinding, grad_scale_of, flat_weights_of, weights_written
+from engine.binding import SubgroupBinding, flat_weights_of, grad_scale_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
 from engine.placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
 

@@ -127,7 +127,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-        paths = tuple(StoragePath.coerce(p, "nvme") for p in nvme_paths) + tuple(StoragePath.coerce(p, "remote") for p in remote_paths)
+        paths = (tuple(StoragePath.coerce(p, "nvme") for p in nvme_paths)
+                 + tuple(StoragePath.coerce(p, "remote") for p in remote_paths))
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache_bytes,
                               device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
                               host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank)

@@ -20,8 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine import OffloadAdamW  # noqa: E402
 from gpt import GPT, generate_text  # noqa: E402
+
+from engine import OffloadAdamW  # noqa: E402
 from offloadctl.summary import print_summary  # noqa: E402
 
 

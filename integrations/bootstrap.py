@@ -59,9 +59,8 @@ def _stop_on_signals() -> None:
 
 
 def main() -> int:
-    from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from engine.errors import OffloadError
-
+    from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from report import recorder
 
     cfg, script, script_args = split_argv(sys.argv[1:])

@@ -30,7 +30,6 @@ from engine.config import Knobs
 from integrations import ds_compat
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class ZeroEngineSettings:
     """What ``offloadctl train`` decides for every rank; tier options override the ds_config."""

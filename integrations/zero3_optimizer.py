@@ -138,7 +138,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         device = self.settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
                               device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
-                              auto_device_fraction=bool(device) and self.settings.auto_device_fraction and not self.settings.profile,
+                              auto_device_fraction=(bool(device) and self.settings.auto_device_fraction
+                                                    and not self.settings.profile),
                               io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank)
         return config, knobs
 

@@ -29,16 +29,15 @@ import psutil
 import torch
 
 from engine.adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels, select_host_kernel
-from engine.storage.blockdev import device_of
 from engine.buffers import ALIGN_BYTES, aligned_empty
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StoragePathError
+from engine.storage.blockdev import device_of
 from engine.storage.io_backends import open_backend
-from perf.nvml import open_nvml
-from perf.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
-                      SweepPoint)
 from engine.storage.paths import check_usable
 from engine.storage.swapdir import make_swap_dir, remove_swap_dir
+from perf.nvml import open_nvml
+from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(what, done, total)``: ``done`` of ``total`` steps of the measurement ``what``."""

@@ -213,7 +213,8 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
         return v
     if tp is int:
         if type(v) is not int:
-            raise _SchemaError(key, f"must be an integer, got {_kind(v)} {v!r}", "write a whole number without quotes or a decimal point")
+            raise _SchemaError(key, f"must be an integer, got {_kind(v)} {v!r}",
+                               "write a whole number without quotes or a decimal point")
         if v < 0:
             raise _SchemaError(key, f"must not be negative, got {v}", "write a count or size of 0 or more")
         return v
@@ -221,7 +222,8 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
         if type(v) not in (int, float):  # an integer is a fine float; a boolean is not a number
             raise _SchemaError(key, f"must be a number, got {_kind(v)} {v!r}", "write a number without quotes, e.g. 1.5e9")
         if not math.isfinite(v) or v < 0:
-            raise _SchemaError(key, f"must be a finite number of 0 or more, got {v!r}", "write a measured or declared value, e.g. 1.5e9")
+            raise _SchemaError(key, f"must be a finite number of 0 or more, got {v!r}",
+                               "write a measured or declared value, e.g. 1.5e9")
         return float(v)
     if tp is str:
         if type(v) is not str:
@@ -232,7 +234,8 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
 
 def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     if not isinstance(v, Mapping):
-        raise _SchemaError(key, f"must be a table, got {_kind(v)} {v!r}", f"write a table with keys {', '.join(_field_names(cls))}")
+        raise _SchemaError(key, f"must be a table, got {_kind(v)} {v!r}",
+                           f"write a table with keys {', '.join(_field_names(cls))}")
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in v:

@@ -141,7 +141,8 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         out["engine_bytes"] = {k: {"read": eng.get("bytes_read", {}).get(k, 0),
                                    "written": eng.get("bytes_written", {}).get(k, 0)} for k in kinds}
         p = eng.get("params") or 0
-        out["engine_bytes_per_param"] = {k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()} if p else {}
+        out["engine_bytes_per_param"] = ({k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()}
+                                         if p else {})
         out["engine_iteration"] = eng["iteration"]
         out["cache"] = {"hits": eng.get("cache_hits", 0), "misses": eng.get("cache_misses", 0)}
         out["lanes"] = {"host": eng.get("host_lane_subgroups", 0), "device": eng.get("device_lane_subgroups", 0),

@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-
 from report.recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
 
 

@@ -118,7 +118,8 @@ def timeline(runs: list[dict]):
         s = tl["series"]
         t = s.get("t", [])
         _series(col[1], t, s, [("gpu_allocated_bytes", "torch allocated"), ("gpu_reserved_bytes", "torch reserved"),
-                               ("nvml_used_bytes", "NVML used")], 1 / GB, "GPU memory: not recorded\n(no CUDA device in this run)")
+                               ("nvml_used_bytes", "NVML used")], 1 / GB,
+                   "GPU memory: not recorded\n(no CUDA device in this run)")
         _series(col[2], t, s, [("pcie_tx_bytes_per_s", "TX (GPU\u2192host)"), ("pcie_rx_bytes_per_s", "RX (host\u2192GPU)")],
                 1 / GB, "PCIe TX/RX: not recorded\n(no NVML in this run)", steps=True)
         tiers = s.get("tier_bytes_per_s") or {}

@@ -48,10 +48,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.errors import ConfigError
+
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
 from engine.storage.blockdev import device_of
-from engine.errors import ConfigError
 from perf.nvml import open_nvml
 from perf.plan import node_layout
 from tuner.sensors import disk_bytes

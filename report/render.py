@@ -140,7 +140,8 @@ def _gpu_peaks(r: dict) -> str:
 
 def print_summary(analysis: dict, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table("", *[r["label"] for r in analysis["runs"]], title="offloadctl report: the median iteration of each run (B/param: medians)")
+    t = Table("", *[r["label"] for r in analysis["runs"]],
+              title="offloadctl report: the median iteration of each run (B/param: medians)")
     for name, vals in summary_rows(analysis):
         t.add_row(name, *vals)
     console.print(t)

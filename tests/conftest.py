@@ -64,7 +64,8 @@ def feed_same_grads(models_opts, steps: int, seed: int = 1, skip=None, scale: fl
 
 def assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.detach().float(), pb.detach().float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(pa.detach().float(), pb.detach().float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def reference_pair(opt_factory, steps: int = 4, *, model_fn=make_model, ref_kwargs=None, **feed):

@@ -5,15 +5,16 @@ import ctypes
 import errno
 import glob
 import os
+import pickle
 import stat
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
-from conftest import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 SUB = 700
 
@@ -211,7 +212,7 @@ def test_save_is_atomic(swap_dir, tmp_path):
     good = target.read_bytes()
     # A save that fails half-way (unpicklable state) leaves the previous file and no temp files.
     opt.param_groups[0]["bad"] = lambda: None
-    with pytest.raises(Exception):
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):  # what pickling a lambda raises
         opt.save(str(target))
     assert target.read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["opt.pt"]

@@ -68,9 +68,11 @@ LANE_ON_CPU_2 = LANE_ON_CPU[:3] + ("0.00002", "--device-fraction", "1.0") + LANE
     (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",)),
     # Dynamic loss scaling; step 3's gradients overflow, so DeepSpeed skips it and halves the scale.
     (1, "fp16", (), ("--overflow-at", "3")),
-    # The GPU path's bookkeeping, run on the CPU: a device tier and the device lane for half the rest, their gradients written by DeepSpeed's backward into the engine's own
-    # buffers (accumulated over 2 micro-steps), unscaled as they are read, overflow seen there.
-    (1, "bf16", LANE_ON_CPU, ()), (2, "fp32", LANE_ON_CPU_2, ()), (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first"))],
+    # The GPU path's bookkeeping, run on the CPU: a device tier and the device lane for half the
+    # rest, their gradients written by DeepSpeed's backward into the engine's own buffers
+    # (accumulated over 2 micro-steps), unscaled as they are read, overflow seen there.
+    (1, "bf16", LANE_ON_CPU, ()), (2, "fp32", LANE_ON_CPU_2, ()),
+    (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first"))],
     ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip",
          "lane-on-cpu-bf16", "lane-on-cpu-2ranks", "lane-on-cpu-fp16-overflow-skip"])
 def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):

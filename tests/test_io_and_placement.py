@@ -9,14 +9,14 @@ import time
 
 import pytest
 import torch
+from conftest import feed_same_grads
 
 from engine import OffloadAdamW, StoragePath
 from engine.buffers import StateBuffer
+from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
-from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe
 from engine.storage.paths import SwapPath
-from conftest import feed_same_grads
 
 
 @pytest.mark.parametrize("backend", [PosixDirectIO, DeepSpeedAIO])
@@ -122,7 +122,7 @@ def test_telemetry_bytes_alternation_and_jsonl(swap_dir, tmp_path):
     assert [r.order for r in full.telemetry] == ["forward", "reverse"] * 2 + ["forward"]
     for rec in half.telemetry[1:]:
         assert 0 < rec.bytes_moved_per_param <= 12.0 * overhead
-    lines = [json.loads(l) for l in open(os.path.join(run_dir, "telemetry-rank0.jsonl"))]
+    lines = [json.loads(line) for line in open(os.path.join(run_dir, "telemetry-rank0.jsonl"))]
     assert len(lines) == 5 and lines[-1]["iteration"] == 4 and "read_wait_s" in lines[-1]
     full.close()
     half.close()

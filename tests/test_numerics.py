@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from conftest import assert_params_close, make_model, needs_cuda, reference_pair
 
 from engine import Knobs, OffloadAdamW, StoragePath
-from conftest import assert_params_close, make_model, needs_cuda, reference_pair
 
 SUB = 700  # elements per subgroup: the test model's 3987 params make 6 subgroups
 N_SUB = 6
@@ -150,7 +150,8 @@ def test_bf16_params_keep_fp32_master(swap_dir):
     with torch.no_grad():
         for p, r in zip(model.parameters(), ref.parameters()):
             r.copy_(p.float())
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch")
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir],
+                       host_adam="torch")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     from conftest import feed_same_grads
 

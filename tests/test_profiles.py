@@ -13,10 +13,18 @@ import pytest
 
 from engine.errors import ConfigError, StoragePathError
 from perf.probe import best_concurrency, measure_memory_bandwidth, measure_path, measure_paths, thread_counts
-from perf.profile import (SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source,
-                            SweepPoint)
-from perf.profile_toml import (dumps_profile, key_lines, list_profiles, load_profile, loads_profile,
-                                 profile_from_dict, profile_to_dict, resolve_profile, save_profile)
+from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
+from perf.profile_toml import (
+    dumps_profile,
+    key_lines,
+    list_profiles,
+    load_profile,
+    loads_profile,
+    profile_from_dict,
+    profile_to_dict,
+    resolve_profile,
+    save_profile,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(os.path.join(ROOT, "profiles", f) for f in os.listdir(os.path.join(ROOT, "profiles")) if f.endswith(".toml"))

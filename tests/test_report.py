@@ -266,9 +266,9 @@ def _train(rec, eng, *, iterations: int, micro_batches: int) -> None:
 
 
 def test_recorder_spans_with_gradient_accumulation(tmp_path):
-    from report.recorder import Recorder, RecorderConfig
     from report.analyze import analyze
     from report.load import load_run
+    from report.recorder import Recorder, RecorderConfig
 
     rec = Recorder(RecorderConfig(run_dir=str(tmp_path), engine="stock", sample_hz=50), rank=0, script="fake.py")
     eng = _FakeEngine()

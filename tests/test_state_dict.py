@@ -4,9 +4,9 @@ from __future__ import annotations
 import copy
 
 import torch
+from conftest import assert_params_close, feed_same_grads, make_model
 
 from engine import OffloadAdamW
-from conftest import assert_params_close, feed_same_grads, make_model
 
 SUB = 700
 

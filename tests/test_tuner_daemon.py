@@ -15,11 +15,11 @@ import time
 
 import pytest
 import torch
+from conftest import wait_for as _wait
 
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, SubgroupEngine
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
-from conftest import wait_for as _wait
 from tuner import service
 from tuner.client import TunerClient
 from tuner.protocol import Connection

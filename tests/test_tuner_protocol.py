@@ -21,8 +21,21 @@ import time
 
 import pytest
 
-from tuner.protocol import (API_VERSION, CLIENT_SCHEMAS, MAX_FRAME_BYTES, SERVER_SCHEMAS, Connection, ErrorCode,
-                            FrameBuffer, ProtocolError, check_length, decode, encode, knobs_from_dict, validate)
+from tuner.protocol import (
+    API_VERSION,
+    CLIENT_SCHEMAS,
+    MAX_FRAME_BYTES,
+    SERVER_SCHEMAS,
+    Connection,
+    ErrorCode,
+    FrameBuffer,
+    ProtocolError,
+    check_length,
+    decode,
+    encode,
+    knobs_from_dict,
+    validate,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAME_TIMEOUT_S = 2.0

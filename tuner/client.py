@@ -26,10 +26,22 @@ from typing import Sequence
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
 from engine.telemetry import StepRecord
-
-from tuner.protocol import (API_VERSION, MAX_FRAME_BYTES, RANK, RUN_ID, SERVER_SCHEMAS, ErrorCode, FrameBuffer, Int,
-                       connect_daemon,
-                       ProtocolError, encode, knobs_from_dict, recv_message, validate)
+from tuner.protocol import (
+    API_VERSION,
+    MAX_FRAME_BYTES,
+    RANK,
+    RUN_ID,
+    SERVER_SCHEMAS,
+    ErrorCode,
+    FrameBuffer,
+    Int,
+    ProtocolError,
+    connect_daemon,
+    encode,
+    knobs_from_dict,
+    recv_message,
+    validate,
+)
 
 log = logging.getLogger("offloadctl.tuner.client")
 

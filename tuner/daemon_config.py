@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
-
 from tuner.protocol import MAX_FRAME_BYTES
 
 

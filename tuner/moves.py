@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from engine.config import Knobs
-
 from tuner.measurement import Sample, median
 
 
@@ -139,11 +138,13 @@ class MoveSearch:
             if c < 64:
                 conc[p] = min(64, 2 * c)
                 out.append((0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
-                            Move(f"io_concurrency[{p}]+", k.replace(io_concurrency=dict(conc)), f"io_concurrency[{p}] {c}->{conc[p]}")))
+                            Move(f"io_concurrency[{p}]+", k.replace(io_concurrency=dict(conc)),
+                                 f"io_concurrency[{p}] {c}->{conc[p]}")))
             if c > 1:
                 conc[p] = c // 2
                 out.append((1.5 if p in self._contended else 0.03,
-                            Move(f"io_concurrency[{p}]-", k.replace(io_concurrency=dict(conc)), f"io_concurrency[{p}] {c}->{c // 2}")))
+                            Move(f"io_concurrency[{p}]-", k.replace(io_concurrency=dict(conc)),
+                                 f"io_concurrency[{p}] {c}->{c // 2}")))
         return out
 
     def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:

@@ -73,6 +73,8 @@ class PolicyConfig:
         if not (isinstance(self.noise_k, (int, float)) and self.noise_k >= 0):
             raise ConfigError(f"PolicyConfig.noise_k must be a non-negative number, got {self.noise_k!r}")
         if not (isinstance(self.contention_min_bytes_per_s, (int, float)) and self.contention_min_bytes_per_s > 0):
-            raise ConfigError(f"PolicyConfig.contention_min_bytes_per_s must be positive, got {self.contention_min_bytes_per_s!r}")
+            raise ConfigError("PolicyConfig.contention_min_bytes_per_s must be positive, "
+                              f"got {self.contention_min_bytes_per_s!r}")
         if self.host_staging_bytes is not None and not (isinstance(self.host_staging_bytes, int) and self.host_staging_bytes > 0):
-            raise ConfigError(f"PolicyConfig.host_staging_bytes must be a positive integer or None, got {self.host_staging_bytes!r}")
+            raise ConfigError("PolicyConfig.host_staging_bytes must be a positive integer or None, "
+                              f"got {self.host_staging_bytes!r}")

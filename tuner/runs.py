@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 from engine.config import Knobs
 from engine.errors import ConfigError
-
 from tuner.daemon_config import ServerConfig
 from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict

@@ -30,10 +30,19 @@ from typing import Callable
 
 from engine.errors import ConfigError
 from engine.version import VERSION
-
 from tuner.daemon_config import ServerConfig
-from tuner.protocol import (API_VERSION, CLIENT_SCHEMAS, HEADER, ROLES, ErrorCode, ProtocolError, check_length, decode,
-                            encode, validate)
+from tuner.protocol import (
+    API_VERSION,
+    CLIENT_SCHEMAS,
+    HEADER,
+    ROLES,
+    ErrorCode,
+    ProtocolError,
+    check_length,
+    decode,
+    encode,
+    validate,
+)
 from tuner.runs import Runs
 from tuner.service import private_dir
 
@@ -103,8 +112,9 @@ class TunerServer:
     """The daemon's listening socket and connections, and its :class:`tuner.runs.Runs`;
     :func:`serve` runs one.
 
-    The keywords are those of :class:`tuner.runs.Runs`: ``policy_factory(start_knobs, paths=, has_device=, subgroup_bytes=, device_headroom_bytes=,
-    profile=, params=, ranks=)`` makes one run's policy (default ``tuner.policy.Policy``);
+    The keywords are those of :class:`tuner.runs.Runs`: ``policy_factory(start_knobs, paths=,
+    has_device=, subgroup_bytes=, device_headroom_bytes=, profile=, params=, ranks=)`` makes one
+    run's policy (default ``tuner.policy.Policy``);
     ``sensors_factory(paths)`` its sensors (default ``tuner.sensors.Sensors``; False: none);
     ``history`` is a ``tuner.history.History`` or None.
     """

@@ -20,7 +20,6 @@ import tempfile
 import time
 
 from engine.errors import ConfigError
-
 from tuner.protocol import Connection, ProtocolError
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.storage import swapfile
 from engine.buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
 from engine.config import StoragePath
 from engine.errors import CorruptSwapFileError, StorageIOError, StoragePathError
+from engine.storage import swapfile
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.storage.swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
@@ -60,7 +60,8 @@ def check_usable(path: str) -> None:
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except PermissionError:
-        raise StoragePathError(f"storage path {path} is not writable by this user: fix its permissions or choose another path") from None
+        raise StoragePathError(f"storage path {path} is not writable by this user: "
+                               "fix its permissions or choose another path") from None
     except OSError as e:
         raise StoragePathError(f"storage path {path} cannot hold files ({e.strerror}): choose another path") from None
     os.close(fd)

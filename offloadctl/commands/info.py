@@ -30,7 +30,6 @@ def collect() -> dict:
     from engine.errors import ConfigError
     from engine.storage.native_ops import OPS, import_deepspeed, op_state
     from integrations import ds_compat
-
     from offloadctl import __version__
 
     try:

@@ -85,10 +85,9 @@ def _io_bytes_arg(text: str) -> SizeText:
 def _save(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from offloadctl import __version__
     from perf import probe
     from perf.profile_toml import check_name, path_for_name, save_profile
-
-    from offloadctl import __version__
 
     if args.name:
         name = check_name(args.name)
