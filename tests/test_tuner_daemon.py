@@ -520,8 +520,9 @@ def test_gpu_headroom_is_refreshed_every_step(tmp_path, policy_dir):
     w, g = torch.zeros(300), torch.ones(300)
     eng = SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, 300, 100)],
                          EngineConfig(subgroup_numel=100, host_adam="torch"))
-    client = TunerClient.for_engine(sock, eng, run_id="room", device_headroom_bytes=1000, hook=False)
+    client = None
     try:
+        client = TunerClient.for_engine(sock, eng, run_id="room", device_headroom_bytes=1000, hook=False)
         assert client.connected.wait(20)
         for _ in range(4):
             rec = eng.step([AdamWHyper(lr=1e-3)])
@@ -529,7 +530,8 @@ def test_gpu_headroom_is_refreshed_every_step(tmp_path, policy_dir):
             client.report(rec, iter_time_s=0.01)
         _wait(lambda: _snapshot(sock)["room"]["knobs"]["prefetch_depth"] == 5, 10, "the policy's reaction")
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         eng.close()
         daemon.terminate()
         daemon.wait(10)
@@ -543,12 +545,12 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
     sock = str(tmp_path / "tuner.sock")
     swap = tmp_path / "swap"
     swap.mkdir()
-    daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
     model = torch.nn.Linear(64, 64)
     opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=1024, host_adam="torch", io_backend="posix",
                        nvme_paths=[str(swap)])
-    TunerClient.for_engine(sock, opt.engine, run_id="plain")
+    daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
     try:
+        TunerClient.for_engine(sock, opt.engine, run_id="plain")
         def train_step():
             model(torch.randn(8, 64)).square().mean().backward()
             opt.step()
