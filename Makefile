@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 # installed metadata): taken from there, so that it is written in one place.
 DS_REQ  := $(shell sed -n 's/^ *"\(deepspeed[^"]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test quick bench clean-venv
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -45,6 +45,10 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q tests
+
+# The quick loop: everything but real trainings, processes and signals (pytest -m "not slow").
+quick: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests
 
 bench: setup
 	$(VENV)/bin/python bench/update_phase.py

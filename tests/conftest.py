@@ -102,5 +102,7 @@ def wait_for(cond, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-needs_root = pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a file system")
+def needs_root(test, reason: str = "needs root to mount a file system"):
+    """Marked ``root`` (``pytest -m root`` runs these alone) and skipped without root."""
+    return pytest.mark.root(pytest.mark.skipif(not IS_ROOT, reason=reason)(test))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

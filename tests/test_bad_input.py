@@ -184,6 +184,7 @@ print("stepped", flush=True)
 
 @pytest.mark.parametrize("end,left_behind", [("", False), ("raise SystemExit(3)", False),
                                              ("os.kill(os.getpid(), 9)", True)], ids=["exit", "error-exit", "sigkill"])
+@pytest.mark.slow
 def test_swap_files_removed_at_exit_or_next_start(end, left_behind, swap_dir):
     code = _CHILD.format(tests=os.path.dirname(__file__), d=swap_dir, end=end)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

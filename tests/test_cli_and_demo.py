@@ -18,6 +18,7 @@ def _run(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_info_json():
     out = _run("-m", "offloadctl.cli", "info", "--json")
     assert out.returncode == 0, out.stderr
@@ -31,6 +32,7 @@ def test_info_json():
     assert ("aio" in data["io_backends"]) == (ops["async_io"]["state"] == "built")
 
 
+@pytest.mark.slow
 def test_offload_adamw_example(tmp_path):
     out = _run("examples/offload_adamw.py", "--steps", "6", "--nvme", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -49,6 +51,7 @@ def _builds(ext_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_demo_under_offloadctl_train(tmp_path):
     """What `make demo` runs, after `source .venv/bin/activate`: the GPT script under offloadctl
     train, state in an NVMe tier; it compiles nothing, whatever the ops' state."""

@@ -11,6 +11,9 @@ import sys
 import pytest
 import torch
 
+# Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
 TINY_CACHE_GB = "0.000002"  # 2 kB per rank: the smallest subgroups; the rest on NVMe

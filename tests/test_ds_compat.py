@@ -181,6 +181,7 @@ def test_the_fallback_without_package_metadata(monkeypatch):
     assert ds_compat.supported_requirement() == ds_compat.DEEPSPEED_REQUIREMENT
 
 
+@pytest.mark.slow
 def test_info_json_includes_the_check(ds):
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "info", "--json"], capture_output=True, text=True,

@@ -27,6 +27,9 @@ from conftest import wait_for as _wait
 from tuner import service
 from tuner.protocol import API_VERSION, Connection, ErrorCode, ProtocolError, encode, recv_message
 
+# Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
 NOBODY = 65534
@@ -67,6 +70,7 @@ def _register(c: Connection, run_id: str, paths=("/x",), **extra) -> None:
 
 FAKE_DAEMON = r'''
 import json, os, socket, struct, sys
+
 path, owner = sys.argv[1], int(sys.argv[3])
 os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
 s = socket.socket(socket.AF_UNIX); s.bind(path); os.chmod(path, 0o777); s.listen(8)

@@ -370,6 +370,7 @@ def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **env})
 
 
+@pytest.mark.slow
 def test_cli_save_show_list_diff(tmp_path, monkeypatch):
     pdir = tmp_path / "profiles"
     data = tmp_path / "data"

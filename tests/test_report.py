@@ -16,6 +16,9 @@ import time
 import pytest
 import torch
 
+# Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(ROOT, "examples", "train_gpt.py")
 SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")

@@ -4,6 +4,7 @@ commands (start/stop/status, ensure_daemon), socket activation, the CLI and the 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import time
 
 import pytest
 import torch
+from conftest import needs_root
 from conftest import wait_for as _wait
 
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, SubgroupEngine
@@ -144,6 +146,7 @@ def _snapshot(sock: str) -> dict:
         return {r["run_id"]: r for r in c.request("snapshot", history=0)["runs"]}
 
 
+@pytest.mark.slow
 def test_ranks_switch_together_across_runs_and_a_daemon_restart(tmp_path, policy_dir):
     """Run A (2 ranks) and run B (1 rank) train under one daemon whose policy makes one change
     per run. Both ranks of A switch at the same iteration, the one the daemon chose. The daemon
@@ -430,7 +433,7 @@ def test_bind_replaces_stale_socket_and_refuses_live_one(tmp_path):
         bind_socket(str(tmp_path / ("x" * 120)))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user owns")
+@functools.partial(needs_root, reason="needs root to make a directory another user owns")
 def test_socket_directory_of_another_user_is_refused(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()

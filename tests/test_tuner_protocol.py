@@ -7,6 +7,7 @@ disturb a well-behaved run that trains alongside them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import threading
 import time
 
 import pytest
+from conftest import needs_root
 
 from tuner.protocol import (
     API_VERSION,
@@ -339,7 +341,7 @@ def _as_uid(uid: int, fn):
     return json.loads(data)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+@functools.partial(needs_root, reason="needs root to run a client as another uid")
 def test_other_uid_is_refused(daemon):
     """A client of another uid: the socket's mode 0600 stops it at connect; and where the mode
     is loosened (a misconfigured socket), SO_PEERCRED refuses it with PERMISSION."""
