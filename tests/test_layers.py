@@ -58,3 +58,16 @@ def test_no_file_over_600_lines_without_a_reason():
             if text.count("\n") > 600 and "Why one file" not in (ast.get_docstring(ast.parse(text)) or ""):
                 long.append(f"{rel}: {text.count(chr(10))} lines")
     assert not long, "\n".join(long)
+
+
+def test_ruff_is_clean():
+    """The lint configuration in pyproject.toml holds for the whole tree."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    out = subprocess.run([ruff, "check", "--output-format", "concise", ROOT], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
