@@ -111,6 +111,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if pin:
             pin_in_place(self.grad_partitions_flat_buffer)
         _check_adamw(self.optimizer)
+        _check_supported(self)
         self._engine_grad_scale = 1.0
         self._bindings, off = [], 0
         for i in range(len(self.fp16_groups)):
@@ -288,6 +289,24 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         super_destroy = getattr(super(), "destroy", None)
         if super_destroy:
             super_destroy()
+
+
+def _check_supported(opt) -> None:
+    """DeepSpeed options whose work happens inside the per-subgroup step the engine replaces:
+    refused with the fix rather than run wrongly (checked against DeepSpeed 0.19.8's ``step``)."""
+    if getattr(opt, "use_muon", False):
+        raise ConfigError("offloadctl's engine runs AdamW, and the ds_config asks for Muon (MuonWithAuxAdam): "
+                          "use \"optimizer\": {\"type\": \"AdamW\"}, or run Muon with stock DeepSpeed")
+    if getattr(opt, "torch_autocast_gradscaler", None) is not None:
+        raise ConfigError("torch_autocast with fp16 scales the loss with torch's GradScaler, which offloadctl's engine "
+                          "does not unscale: use bf16 in torch_autocast, or DeepSpeed's \"fp16\" section")
+    if getattr(opt, "zenflow", False):
+        raise ConfigError("ZenFlow's selective updates replace the optimizer step that offloadctl's engine owns: "
+                          "remove \"zenflow\" from zero_optimization, or run it with stock DeepSpeed")
+    if any(flat is None for flat in opt.fp16_partitioned_groups_flat):
+        raise ConfigError("offload_param to nvme with more parameters than offload_param.max_in_cpu leaves subgroups "
+                          "without a host buffer, which offloadctl's engine needs: raise max_in_cpu above the "
+                          "model's size, or offload parameters to cpu")
 
 
 def _check_adamw(optimizer) -> None:

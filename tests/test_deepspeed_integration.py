@@ -172,6 +172,16 @@ def test_stage_2_is_refused(tmp_path):
     _one_line_error(out, r"offloadctl: offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage 2")
 
 
+def test_fp16_torch_autocast_is_refused(tmp_path):
+    """torch_autocast with fp16 scales the loss with torch's GradScaler inside DeepSpeed's
+    per-subgroup step, which the engine replaces: refused with the fix, not run unscaled."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"),
+               "--ds-extra", json.dumps({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}))
+    _one_line_error(out, r"offloadctl: torch_autocast with fp16 .* use bf16 in torch_autocast")
+
+
 def test_script_that_never_initializes(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()

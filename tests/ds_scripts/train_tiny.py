@@ -25,6 +25,7 @@ ap.add_argument("--resume", help="checkpoint directory to resume from")
 ap.add_argument("--ckpt-dir")
 ap.add_argument("--no-init", action="store_true", help="never call deepspeed.initialize")
 ap.add_argument("--groups", action="store_true", help="two param groups with their own lr and weight decay")
+ap.add_argument("--ds-extra", default="{}", help="JSON merged into the ds_config (options a test wants refused)")
 args = ap.parse_args()
 
 if args.no_init:
@@ -51,6 +52,7 @@ if args.dtype == "fp16":
     # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels; torch's CPU fp16 math
     # is enough for this test, for the stock run and for offloadctl's alike.
     type(get_accelerator()).is_fp16_supported = lambda self: True
+config.update(json.loads(args.ds_extra))
 params = list(model.parameters())
 if args.groups:
     params = [{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0}, {"params": params[2:], "weight_decay": 0.1}]
