@@ -111,17 +111,6 @@ def add_train_arguments(group) -> None:
 
 def launch_settings(settings: dict, args: argparse.Namespace, run_dir: str) -> dict:
     """The ranks' settings with the engine choice and the recorder's config added."""
-    if args.engine == "stock":
-        given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote),
-                                      ("--host-cache-gb", args.host_cache_gb), ("--profile", args.profile),
-                                      ("--prefetch-depth", args.prefetch_depth), ("--node-lock", args.node_lock),
-                                      ("--lane-device", args.lane_device)) if v]
-        given += [flag for flag, v in (("--device-cache-gb", args.device_cache_gb),
-                                       ("--device-fraction", args.device_fraction)) if v != "auto"]
-        if given:
-            raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
-                              f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
-                              f"--engine stock")
     recorder = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine,
                                                           sample_hz=args.record_hz).to_json()
     return dict(settings, engine=args.engine, recorder=recorder)

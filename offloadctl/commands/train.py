@@ -82,6 +82,16 @@ def build(args: argparse.Namespace) -> dict:
     for path in args.nvme + args.remote:
         check_usable(os.path.abspath(path))
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
+    if args.engine == "stock":
+        given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote), ("--host-cache", host_cache),
+                                      ("--device-cache", device_cache), ("--device-fraction", device_fraction),
+                                      ("--profile", args.profile), ("--prefetch-depth", args.prefetch_depth),
+                                      ("--node-lock", args.node_lock), ("--lane-device", args.lane_device))
+                 if v not in (None, False, [], ())]
+        if given:
+            raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
+                              f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
+                              f"--engine stock")
     run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
@@ -105,10 +115,7 @@ def build(args: argparse.Namespace) -> dict:
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
-    # report.recorder reads the caches by their old attribute names (given: truthy; device: "auto")
-    recorder_args = argparse.Namespace(**vars(args), host_cache_gb=host_cache,
-                                       device_cache_gb="auto" if device_cache is None else device_cache)
-    rank_settings = recorder.launch_settings(settings.to_json(), recorder_args, run_dir)
+    rank_settings = recorder.launch_settings(settings.to_json(), args, run_dir)
     cmd = launcher.launch_command(launcher.launcher_args(vars(args)), rank_settings, args.script, args.script_args)
     out = {"command": cmd, "env": launcher.launch_env(), "settings": rank_settings, "tuner": tuner}
     if profile and args.params:
