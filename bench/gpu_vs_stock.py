@@ -146,7 +146,9 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
     """The model's iteration for this row: the measured profile, the row's forward+backward."""
     if not profile_path or "failed" in s:
         return None
-    from perf.model import Plan, Workload, predict as model_predict, stock_deepspeed
+    from engine.config import Knobs
+    from perf.model import Plan, Workload, predict as model_predict
+    from perf.stock import stock_deepspeed
     from perf.profile_toml import load_profile
 
     prof = load_profile(profile_path)
@@ -162,7 +164,7 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
             return None
         knobs = s.get("knobs") or {}
         plan = Plan(host_cache_bytes=None, device_cache_bytes=int(fit.get("device_tier_bytes", 0) or 0),
-                    device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0)
+                    knobs=Knobs(device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0))
         return model_predict(prof, wl, plan).iteration_s
     except Exception as e:  # a plan the model refuses: say so in the row, keep the bench going
         console.print(f"[yellow]{name}: no prediction ({e})[/yellow]")

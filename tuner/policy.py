@@ -882,7 +882,7 @@ class Policy:
                                     subgroup_numel=max(1, self.subgroup_bytes // 12),
                                     host_bytes=staging, gpu_headroom_bytes=self._headroom)
             pred = perfmodel.best_plan(profile, wl, paths=list(self.paths))
-            plan = self._known_paths(pred.plan.to_knobs(), "the model's plan")
+            plan = self._known_paths(pred.plan.knobs, "the model's plan")
         except Exception as e:  # the model is advice: without it the search starts from `start`
             self._note(f"performance model not used ({type(e).__name__}: {e}); searching from the starting knobs", "model")
             return
