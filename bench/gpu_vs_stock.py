@@ -147,9 +147,10 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
     if not profile_path or "failed" in s:
         return None
     from engine.config import Knobs
-    from perf.model import Plan, Workload, predict as model_predict
-    from perf.stock import stock_deepspeed
+    from perf.model import Plan, Workload
+    from perf.model import predict as model_predict
     from perf.profile_toml import load_profile
+    from perf.stock import stock_deepspeed
 
     prof = load_profile(profile_path)
     fit = (s.get("engine") or {}).get("fit") or {}

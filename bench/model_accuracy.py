@@ -42,9 +42,8 @@ from bench.update_phase import _machine  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
 from engine.config import Knobs  # noqa: E402
-from perf.probe import (available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths,  # noqa: E402
-                            probe_machine)
 from perf.model import Plan, Workload, predict  # noqa: E402
+from perf.probe import available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths, probe_machine  # noqa: E402
 from perf.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
 
 console = Console(stderr=True)

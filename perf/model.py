@@ -75,10 +75,31 @@ from typing import Mapping
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.placement import device_lane_working_bytes
-from perf.hardware import (Device, check_profile, default_weight, device_time, gb, gpu_headroom, group_devices,
-                           host_budget, host_lane_seconds_per_param)
-from perf.layout import (CHUNK_BYTES, HEADER_BYTES, STATE_BYTES_PER_PARAM, SUBGROUP_NUMEL, Traffic, chunks,
-                         kept_subgroups, lane_count, pay, prefix_fit, staging_buffers, swap_traffic)
+from perf.hardware import (
+    Device,
+    check_profile,
+    default_weight,
+    device_time,
+    gb,
+    gpu_headroom,
+    group_devices,
+    host_budget,
+    host_lane_seconds_per_param,
+)
+from perf.layout import (
+    CHUNK_BYTES,
+    HEADER_BYTES,
+    STATE_BYTES_PER_PARAM,
+    SUBGROUP_NUMEL,
+    Traffic,
+    chunks,
+    kept_subgroups,
+    lane_count,
+    pay,
+    prefix_fit,
+    staging_buffers,
+    swap_traffic,
+)
 from perf.profile import PathProfile, Profile
 
 CRC_BYTES_PER_S_PER_CORE = 4e9

@@ -10,8 +10,7 @@ from typing import Literal, Sequence
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.placement import device_lane_working_bytes
-from perf.hardware import (Device, check_profile, default_weight, device_key, device_time, gb, gpu_headroom,
-                           host_budget)
+from perf.hardware import Device, check_profile, default_weight, device_key, device_time, gb, gpu_headroom, host_budget
 from perf.layout import CHUNK_BYTES, HEADER_BYTES, STATE_BYTES_PER_PARAM, pay, prefix_fit, staging_buffers
 from perf.model import Plan, Prediction, Workload, predict
 from perf.profile import PathProfile, Profile
@@ -143,14 +142,13 @@ def _tune_paths(paths: Sequence[PathProfile], ranks: int, lock: bool) -> tuple[d
         dev = Device.of(p)
         cs = sorted(set(CONCURRENCIES) | {s.concurrency for s in p.sweep if 1 <= s.concurrency <= 64})
 
-        def unit(c: int) -> float:
-            cd = c if lock else ranks * c
-            return device_time(dev, 1.0, 1.0, cd, cd, CHUNK_BYTES)[0]
-
-        best = min(unit(c) for c in cs)
-        c = next(c for c in cs if unit(c) <= best * 1.02) if p.sweep else Knobs.DEFAULT_IO_CONCURRENCY
+        # Seconds to read and write one byte at c requests per rank (all ranks, or one with the lock).
+        unit = {c: device_time(dev, 1.0, 1.0, c if lock else ranks * c, c if lock else ranks * c, CHUNK_BYTES)[0]
+                for c in set(cs) | {Knobs.DEFAULT_IO_CONCURRENCY}}
+        best = min(unit[c] for c in cs)
+        c = next(c for c in cs if unit[c] <= best * 1.02) if p.sweep else Knobs.DEFAULT_IO_CONCURRENCY
         conc[p.path] = c
-        weights[p.path] = 0.0 if key in seen else 2.0 / unit(c)
+        weights[p.path] = 0.0 if key in seen else 2.0 / unit[c]
         seen.add(key)
     return conc, weights
 

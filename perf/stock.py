@@ -12,8 +12,7 @@ from typing import Literal
 
 from engine.config import Knobs
 from engine.errors import ConfigError
-from perf.hardware import (Device, check_profile, device_time, gb, gpu_headroom, host_budget,
-                           host_lane_seconds_per_param)
+from perf.hardware import Device, check_profile, device_time, gb, gpu_headroom, host_budget, host_lane_seconds_per_param
 from perf.layout import pay
 from perf.model import Plan, Prediction, Workload
 from perf.profile import PathProfile, Profile
