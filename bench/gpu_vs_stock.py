@@ -146,9 +146,11 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
     """The model's iteration for this row: the measured profile, the row's forward+backward."""
     if not profile_path or "failed" in s:
         return None
-    from perf.model import Plan, Workload, stock_deepspeed
+    from engine.config import Knobs
+    from perf.model import Plan, Workload
     from perf.model import predict as model_predict
     from perf.profile_toml import load_profile
+    from perf.stock import stock_deepspeed
 
     prof = load_profile(profile_path)
     fit = (s.get("engine") or {}).get("fit") or {}
@@ -163,7 +165,7 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
             return None
         knobs = s.get("knobs") or {}
         plan = Plan(host_cache_bytes=None, device_cache_bytes=int(fit.get("device_tier_bytes", 0) or 0),
-                    device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0)
+                    knobs=Knobs(device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0))
         return model_predict(prof, wl, plan).iteration_s
     except Exception as e:  # a plan the model refuses: say so in the row, keep the bench going
         console.print(f"[yellow]{name}: no prediction ({e})[/yellow]")

@@ -41,6 +41,7 @@ from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from bench.update_phase import _machine  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
+from engine.config import Knobs  # noqa: E402
 from perf.model import Plan, Workload, predict  # noqa: E402
 from perf.probe import available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths, probe_machine  # noqa: E402
 from perf.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
@@ -81,17 +82,17 @@ def capped(p: PathProfile, cap: float) -> PathProfile:
 def plans(a: str, b: str, n_sub: int, sub: int) -> list[Plan]:
     """At least 6 plans that stress different parts of the model."""
     pay = payload_bytes(sub)
-    one = lambda c: {"io_concurrency": {a: c}, "stripe_weights": {a: 1.0}}  # noqa: E731
+    one = lambda d, c: Knobs(prefetch_depth=d, io_concurrency={a: c}, stripe_weights={a: 1.0})  # noqa: E731
     return [
         Plan(name="host only", host_cache_bytes=None),
-        Plan(name="storage, prefetch 2, conc 8", host_cache_bytes=0, prefetch_depth=2, **one(8)),
-        Plan(name="storage, prefetch 0, conc 1", host_cache_bytes=0, prefetch_depth=0, **one(1)),
-        Plan(name="storage, prefetch 1, conc 2", host_cache_bytes=0, prefetch_depth=1, **one(2)),
-        Plan(name="storage, prefetch 4, conc 4", host_cache_bytes=0, prefetch_depth=4, **one(4)),
-        Plan(name="half cached, prefetch 2, conc 8", host_cache_bytes=(n_sub // 2) * pay, prefetch_depth=2, **one(8)),
-        Plan(name="30% cached, prefetch 1, conc 4", host_cache_bytes=round(0.3 * n_sub) * pay, prefetch_depth=1, **one(4)),
-        Plan(name="two dirs on one disk, prefetch 2, conc 4", host_cache_bytes=0, prefetch_depth=2,
-             io_concurrency={a: 4, b: 4}, stripe_weights={a: 1.0, b: 1.0}),
+        Plan(name="storage, prefetch 2, conc 8", host_cache_bytes=0, knobs=one(2, 8)),
+        Plan(name="storage, prefetch 0, conc 1", host_cache_bytes=0, knobs=one(0, 1)),
+        Plan(name="storage, prefetch 1, conc 2", host_cache_bytes=0, knobs=one(1, 2)),
+        Plan(name="storage, prefetch 4, conc 4", host_cache_bytes=0, knobs=one(4, 4)),
+        Plan(name="half cached, prefetch 2, conc 8", host_cache_bytes=(n_sub // 2) * pay, knobs=one(2, 8)),
+        Plan(name="30% cached, prefetch 1, conc 4", host_cache_bytes=round(0.3 * n_sub) * pay, knobs=one(1, 4)),
+        Plan(name="two dirs on one disk, prefetch 2, conc 4", host_cache_bytes=0,
+             knobs=Knobs(prefetch_depth=2, io_concurrency={a: 4, b: 4}, stripe_weights={a: 1.0, b: 1.0})),
     ]
 
 
@@ -100,7 +101,7 @@ def run_plan_fresh(plan: Plan, profile: Profile, numel: int, sub: int, steps: in
     """:func:`run_plan` in a new process, so that no plan inherits the memory (allocator, page
     and thread-pool) state that the profile measurement or an earlier plan left behind; on this
     VM that state alone moved the host-only update by 1.5x."""
-    named = list(plan.stripe_weights)
+    named = list(plan.knobs.stripe_weights)
     job = {"plan": plan.to_dict(), "numel": numel, "sub": sub, "steps": steps, "backend": backend, "cap": cap,
            "paths": [(p.path, p.read_bytes_per_s.value, p.write_bytes_per_s.value) for p in profile.paths if p.path in named]}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-plan", json.dumps(job)],
@@ -111,7 +112,7 @@ def run_plan_fresh(plan: Plan, profile: Profile, numel: int, sub: int, steps: in
 
 
 def run_one_plan(job: dict) -> dict:
-    plan = Plan(**job["plan"])
+    plan = Plan.from_dict(job["plan"])
     specs = tuple(StoragePath(path=p, read_bytes_per_s=r, write_bytes_per_s=w, cap_bytes_per_s=job["cap"])
                   for p, r, w in job["paths"])
     return run_plan(plan, specs, job["numel"], job["sub"], job["steps"], job["backend"])
@@ -126,8 +127,8 @@ def run_plan(plan: Plan, specs: tuple, numel: int, sub: int, steps: int, backend
     grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=plan.host_cache_bytes, paths=specs, io_backend=backend,
-                       device="cpu" if plan.device_fraction else None)
-    eng = SubgroupEngine(bindings, cfg, plan.to_knobs())
+                       device="cpu" if plan.knobs.device_fraction else None)
+    eng = SubgroupEngine(bindings, cfg, plan.knobs)
     try:
         # Short steps (host-only plans: tens of ms) get more of them, so that a burst of noise on
         # a shared machine does not decide the median: at least MIN_MEASURED_S after warm-up.
@@ -185,14 +186,14 @@ def main() -> int:
                           host_bytes=profile.machine.memory_bytes)
             rows = []
             for plan in plans(dirs[0], dirs[1], n_sub, sub):
-                if cap and len(plan.stripe_weights) > 1:
+                if cap and len(plan.knobs.stripe_weights) > 1:
                     console.print(f"skipping '{plan.name}': --cap limits each path, not the disk behind them")
                     continue
                 pred = predict(profile, wl, plan)
                 task = progress.add_task(plan.name, total=None)
                 meas = run_plan_fresh(plan, profile, numel, sub, args.steps, args.io_backend, cap)
                 progress.remove_task(task)
-                rows.append({"plan": plan.name, "knobs": plan.to_knobs().to_dict(), "host_cache_bytes": plan.host_cache_bytes,
+                rows.append({"plan": plan.name, "knobs": plan.knobs.to_dict(), "host_cache_bytes": plan.host_cache_bytes,
                              "predicted_s": pred.update_s, "predicted_forward_s": pred.breakdown["forward_step"],
                              "predicted_reverse_s": pred.breakdown["reverse_step"], "bottleneck": pred.bottleneck,
                              "predicted_bytes_per_param": pred.bytes_per_param, "breakdown": pred.breakdown, **meas,

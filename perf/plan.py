@@ -41,8 +41,9 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     ``gpu_headroom_bytes``: what the first forward/backward left free on the GPU (measured by
     the engine at the first step); ``device_cache_bytes``: the device tier the engine fitted to
     it. With both, the plan is for the rest: what the CPU and the device lane share."""
-    from perf.model import Workload, best_plan, predict
+    from perf.model import Workload, predict
     from perf.profile_toml import load_profile
+    from perf.search import best_plan
 
     profile = load_profile(profile_path)
     ranks, nodes = node_layout(world_size)
@@ -63,7 +64,7 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     if host_cache_bytes is not None:
         plan = plan.replace(host_cache_bytes=host_cache_bytes)
     if knob_overrides:
-        plan = plan.replace(**knob_overrides)
+        plan = plan.with_knobs(**knob_overrides)
     pred = best if plan == best.plan else predict(profile, workload, plan)
     declared = tuple(replace(sp, read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
                              write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value)
@@ -72,9 +73,9 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     host = plan.host_cache_bytes if paths else None
     summary = (f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
                f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, "
-               f"device cache {plan.device_cache_bytes / 1e9:.3g} GB, device fraction {plan.device_fraction:g}, "
-               f"prefetch {plan.prefetch_depth}, concurrency {dict(plan.io_concurrency) or 'default'}")
-    return RankPlan(host, plan.to_knobs(), declared, pred.update_s, summary)
+               f"device cache {plan.device_cache_bytes / 1e9:.3g} GB, device fraction {plan.knobs.device_fraction:g}, "
+               f"prefetch {plan.knobs.prefetch_depth}, concurrency {dict(plan.knobs.io_concurrency) or 'default'}")
+    return RankPlan(host, plan.knobs, declared, pred.update_s, summary)
 
 
 def _best_fraction(profile, workload, plan):
@@ -84,9 +85,9 @@ def _best_fraction(profile, workload, plan):
     best = None
     for k in range(21):
         try:
-            pr = predict(profile, workload, plan.replace(device_fraction=k / 20))
+            pr = predict(profile, workload, plan.with_knobs(device_fraction=k / 20))
         except ConfigError:
             continue
         if best is None or pr.update_s < best.update_s * 0.99:
             best = pr
-    return best if best is not None else predict(profile, workload, plan.replace(device_fraction=0.0))
+    return best if best is not None else predict(profile, workload, plan.with_knobs(device_fraction=0.0))

@@ -20,9 +20,12 @@ import time
 
 import pytest
 
+from engine.config import Knobs
 from engine.errors import ConfigError
-from perf.model import Plan, Workload, alternatives, best_plan, predict, stock_deepspeed
+from perf.model import Plan, Workload, predict
 from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
+from perf.search import alternatives, best_plan
+from perf.stock import stock_deepspeed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FB = 120_004_608  # one subgroup's transfer: state padded to 4 KiB, plus the header
@@ -59,7 +62,7 @@ WL = Workload(params=100_000_000, subgroup_numel=10_000_000, weight_bytes=4, gra
 
 
 def all_nvme(depth=2, **kw) -> Plan:
-    return Plan(host_cache_bytes=0, prefetch_depth=depth, io_concurrency={"/nvme": 8}, **kw)
+    return Plan(host_cache_bytes=0, knobs=Knobs(prefetch_depth=depth, io_concurrency={"/nvme": 8}, **kw))
 
 
 # -- hand-computed cases --------------------------------------------------------------------------
@@ -104,8 +107,8 @@ def test_half_cached_counts_resident_updates_in_forward_steps():
 
 def test_two_paths_on_different_devices_add_up():
     prof = machine_profile([disk("/nvme0", "nvme0n1"), disk("/nvme1", "nvme1n1")])
-    p = predict(prof, WL, Plan(host_cache_bytes=0, io_concurrency={"/nvme0": 8, "/nvme1": 8},
-                               stripe_weights={"/nvme0": 1.0, "/nvme1": 1.0}))
+    p = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme0": 8, "/nvme1": 8},
+                                                           stripe_weights={"/nvme0": 1.0, "/nvme1": 1.0})))
     # Subgroups alternate between the disks; of the 7 reads and 7 writes, each disk does 3 + 4
     # (read 3 write 4, or the reverse): 4 * T1 per disk, both at once.
     assert p.update_s == pytest.approx(U + 4 * T1)
@@ -114,21 +117,21 @@ def test_two_paths_on_different_devices_add_up():
 
 def test_two_paths_on_the_same_device_do_not_add_up():
     prof = machine_profile([disk("/nvme/a", "nvme0n1"), disk("/nvme/b", "nvme0n1")])
-    p = predict(prof, WL, Plan(host_cache_bytes=0, io_concurrency={"/nvme/a": 8, "/nvme/b": 8},
-                               stripe_weights={"/nvme/a": 1.0, "/nvme/b": 1.0}))
+    p = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme/a": 8, "/nvme/b": 8},
+                                                           stripe_weights={"/nvme/a": 1.0, "/nvme/b": 1.0})))
     # One disk behind both directories: all 7 + 7 transfers share its bandwidth.
     assert p.update_s == pytest.approx(U + 7 * T1)
     assert [k for k in p.breakdown if k.startswith("storage:")] == ["storage:nvme0n1"]
     # The optimizer gives the whole device's weight to one of the two.
     best = best_plan(prof, dataclasses.replace(WL, host_bytes=0 + 7 * FB))
-    assert sorted(best.plan.stripe_weights.values())[0] == 0.0
+    assert sorted(best.plan.knobs.stripe_weights.values())[0] == 0.0
 
 
 def test_same_device_is_found_by_name_across_partitions():
     a, b = disk("/p1", "nvme0n1"), disk("/p2", "nvme0n1")
     b = dataclasses.replace(b, device_id="259:2")  # another partition of the same disk
     prof = machine_profile([a, b])
-    p = predict(prof, WL, Plan(host_cache_bytes=0, stripe_weights={"/p1": 1.0, "/p2": 1.0}))
+    p = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(stripe_weights={"/p1": 1.0, "/p2": 1.0})))
     assert p.update_s == pytest.approx(U + 7 * T1)
 
 
@@ -144,7 +147,7 @@ def test_ranks_share_pcie_through_host_memory():
     # Device lane for every subgroup, all state in host memory, 16-bit gradients (kept on the GPU).
     g = gpu(h2d=10e9, duplex=8e9, adamw=1e11)
     wl = Workload(params=100_000_000, subgroup_numel=10_000_000, weight_bytes=2, grad_bytes=2)
-    one = predict(machine_profile(gpu=g, gpus=2, mem=10e9), wl, Plan(host_cache_bytes=None, device_fraction=1.0))
+    one = predict(machine_profile(gpu=g, gpus=2, mem=10e9), wl, Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)))
     # The pipeline's fill and drain, one subgroup in and out, then the updates:
     # 1e7 * 12 / 10e9 + 1e7 * 12 / 10e9 + 1e8 / 1e11 = 0.025 s.
     assert one.breakdown["gpu_update"] == pytest.approx(0.025)
@@ -154,7 +157,7 @@ def test_ranks_share_pcie_through_host_memory():
     assert one.update_s == pytest.approx(0.24) and one.bottleneck == "pcie"
     # Two ranks (two GPUs, two links) move twice the bytes through the same host memory: 0.48 s.
     two = predict(machine_profile(gpu=g, gpus=2, mem=10e9), dataclasses.replace(wl, params=200_000_000, ranks=2),
-                  Plan(host_cache_bytes=None, device_fraction=1.0))
+                  Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)))
     assert two.breakdown["gpu_update"] == pytest.approx(0.025)
     assert two.update_s == pytest.approx(0.48) and two.bottleneck == "pcie"
 
@@ -181,18 +184,18 @@ def test_concurrency_from_the_sweep_and_the_node_lock():
     sweep = [SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(k * 100e6 * c))
              for c in (1, 2, 4, 8) for op, k in (("read", 1), ("write", 1), ("mixed", 2))]
     prof = machine_profile([disk("/nvme", "nvme0n1", sweep=sweep)])  # 100 MB/s per request, each direction
-    p1 = predict(prof, WL, Plan(host_cache_bytes=0, io_concurrency={"/nvme": 1}))
-    p4 = predict(prof, WL, Plan(host_cache_bytes=0, io_concurrency={"/nvme": 4}))
+    p1 = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 1})))
+    p4 = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 4})))
     assert p1.breakdown["storage"] == pytest.approx(7 * FB / 100e6)
     assert p4.breakdown["storage"] == pytest.approx(7 * FB / 400e6)
     # Two ranks at 2 each put 4 requests on the disk; with the node lock only one rank's 2.
     wl2 = dataclasses.replace(WL, params=200_000_000, ranks=2)
-    free = predict(prof, wl2, Plan(host_cache_bytes=0, io_concurrency={"/nvme": 2}))
-    locked = predict(prof, wl2, Plan(host_cache_bytes=0, io_concurrency={"/nvme": 2}, node_lock=True))
+    free = predict(prof, wl2, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 2})))
+    locked = predict(prof, wl2, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 2}, node_lock=True)))
     assert free.breakdown["storage"] == pytest.approx(14 * FB / 400e6)
     assert locked.breakdown["storage"] == pytest.approx(14 * FB / 200e6)
     # The optimizer takes the smallest concurrency that reaches the best bandwidth.
-    assert best_plan(prof, dataclasses.replace(WL, host_bytes=7 * FB)).plan.io_concurrency == {"/nvme": 8}
+    assert best_plan(prof, dataclasses.replace(WL, host_bytes=7 * FB)).plan.knobs.io_concurrency == {"/nvme": 8}
 
 
 def test_gpu_headroom_caps_the_device_lane():
@@ -203,7 +206,7 @@ def test_gpu_headroom_caps_the_device_lane():
     # The lane's buffers and one subgroup's fp32 gradient on the GPU.
     scratch = device_lane_working_bytes(10_000_000) + 4 * 10_000_000
     roomy = best_plan(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch), device_cache=False)
-    assert roomy.plan.device_fraction > 0 and roomy.plan.device_cache_bytes == 0
+    assert roomy.plan.knobs.device_fraction > 0 and roomy.plan.device_cache_bytes == 0
     assert roomy.memory["gpu_per_rank"] <= scratch
     # Room for a few subgroups' state and gradients too: the optimizer keeps them on the GPU.
     big = dataclasses.replace(WL, gpu_headroom_bytes=scratch + 5 * 120_000_512)
@@ -212,9 +215,10 @@ def test_gpu_headroom_caps_the_device_lane():
     assert cached.update_s < best_plan(prof, big, device_cache=False).update_s
     assert "forward and backward" in " ".join(cached.notes)
     tight = best_plan(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1), device_cache=False)
-    assert tight.plan.device_fraction == 0
+    assert tight.plan.knobs.device_fraction == 0
     with pytest.raises(ConfigError, match="GPU headroom"):
-        predict(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1), Plan(host_cache_bytes=None, device_fraction=0.5))
+        predict(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1),
+                Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=0.5)))
 
 
 def test_all_state_on_the_gpu_when_it_fits():
@@ -280,10 +284,10 @@ def test_best_plan_and_alternatives():
     ours = [p for p in alts if not p.plan.name.startswith("stock")]
     assert best.update_s <= 1.01 * min(p.update_s for p in ours)  # within 1%, the simplest plan
     # Stripes follow bandwidth: the disk twice as fast gets twice the weight.
-    w = best.plan.stripe_weights
+    w = best.plan.knobs.stripe_weights
     assert w["/nvme0"] == pytest.approx(2 * w["/nvme1"])
     # Every plan the optimizer returns is one the engine accepts, and one that fits.
-    best.plan.to_knobs()
+    assert isinstance(best.plan.knobs, Knobs)
     assert best.memory["host_per_node"] <= wl.host_bytes
     stock = {"stock ZeRO-3 CPU offload", "stock ZeRO-Infinity NVMe", "stock Twin-Flow"}
     assert {p.plan.name.split(" (")[0] for p in alts} >= stock
@@ -311,13 +315,19 @@ def test_bad_inputs_raise_config_error():
     with pytest.raises(ConfigError, match="Workload.fwd_bwd_s"):
         Workload(params=10, fwd_bwd_s=-1.0)
     with pytest.raises(ConfigError, match="device_fraction"):
-        Plan(device_fraction=1.5)
+        Plan(knobs={"device_fraction": 1.5})
     with pytest.raises(ConfigError, match="prefetch_depth"):
-        Plan(prefetch_depth=-1)
+        Plan(knobs=Knobs(prefetch_depth=-1))
+    with pytest.raises(ConfigError, match="unknown knob"):
+        Plan(knobs={"prefetch": 2})
+    with pytest.raises(ConfigError, match="Plan.knobs"):
+        Plan(knobs=2)
+    with pytest.raises(ConfigError, match="Plan.device_cache_bytes"):
+        Plan(device_cache_bytes=-1)
     with pytest.raises(ConfigError, match="/elsewhere"):
-        predict(ONE_DISK, WL, Plan(host_cache_bytes=0, stripe_weights={"/elsewhere": 1.0}))
+        predict(ONE_DISK, WL, Plan(host_cache_bytes=0, knobs=Knobs(stripe_weights={"/elsewhere": 1.0})))
     with pytest.raises(ConfigError, match="no GPU"):
-        predict(ONE_DISK, WL, Plan(device_fraction=0.5))
+        predict(ONE_DISK, WL, Plan(knobs=Knobs(device_fraction=0.5)))
     with pytest.raises(ConfigError, match="host memory"):
         predict(ONE_DISK, dataclasses.replace(WL, host_bytes=10**8), Plan(host_cache_bytes=None))
     with pytest.raises(ConfigError, match="no storage paths"):
@@ -331,6 +341,67 @@ def test_bad_inputs_raise_config_error():
     with pytest.raises(ConfigError, match="ratio"):
         stock_deepspeed(machine_profile(gpu=gpu(), gpus=1), WL, "twinflow", ratio=2.0)
 
+
+
+# -- Plan, and the engine's layout as the model counts it -----------------------------------------
+
+
+def test_plan_holds_the_engines_knobs_and_is_flat_in_json():
+    knobs = Knobs(device_fraction=0.25, prefetch_depth=3, io_concurrency={"/nvme": 8}, stripe_weights={"/nvme": 1.0})
+    plan = Plan(host_cache_bytes=5, device_cache_bytes=7, knobs=knobs, name="p")
+    assert plan.knobs is knobs and Plan().knobs == Knobs()
+    d = plan.to_dict()
+    assert list(d) == ["host_cache_bytes", "device_cache_bytes", *Knobs.names(), "name"]
+    assert Plan.from_dict(json.loads(json.dumps(d))) == plan
+    assert plan.with_knobs(prefetch_depth=0).knobs == knobs.replace(prefetch_depth=0)
+    with pytest.raises(ConfigError, match="unknown knob"):
+        plan.with_knobs(prefetch=0)
+    # A prediction's JSON (offloadctl plan --json) carries the plan flat.
+    pred = predict(ONE_DISK, WL, all_nvme())
+    assert pred.to_dict()["plan"] == pred.plan.to_dict() and pred.to_dict()["name"] == pred.plan.name
+
+
+def test_the_models_layout_is_the_engines():
+    """The figures perf.layout restates (their owners import torch, which `offloadctl plan` does
+    not) equal the engine's."""
+    pytest.importorskip("torch")
+    from engine import buffers, core
+    from engine.placement import device_lane_mask
+    from engine.storage import swapfile
+    from perf import layout
+
+    assert layout.STATE_BYTES_PER_PARAM == buffers.STATE_BYTES_PER_ELEMENT
+    assert layout.HEADER_BYTES == buffers.HEADER_BYTES and layout.ALIGN_BYTES == buffers.ALIGN_BYTES
+    assert layout.MAX_CHUNKS == swapfile.MAX_CHUNKS
+    for numel in (1, 1000, 341, 10_000_000, 123_456_789, 10**10):
+        assert layout.pay(numel) == buffers.payload_bytes(numel)
+        plan = swapfile.ChunkPlan.for_payload(buffers.payload_bytes(numel), layout.CHUNK_BYTES)
+        assert layout.chunks(numel) == len(plan.chunks()) + 1  # and the header
+    for depth in range(17):
+        assert layout.kept_subgroups(depth) == core._kept_count(Knobs(prefetch_depth=depth))
+        assert layout.staging_buffers(depth) == core._staging_count(Knobs(prefetch_depth=depth))
+    for f in (0.0, 0.05, 1 / 3, 0.5, 0.95, 1.0):
+        mask = device_lane_mask(40, f)
+        assert [layout.on_device_lane(i, f) for i in range(40)] == mask
+        assert all(layout.lane_count(a, b, f) == sum(mask[a:b]) for a in range(40) for b in range(a, 41))
+
+
+def test_perf_model_still_gives_the_search_and_stock():
+    import perf.model as perfmodel
+    from perf import search, stock
+
+    assert perfmodel.best_plan is search.best_plan and perfmodel.alternatives is search.alternatives
+    assert perfmodel.stock_deepspeed is stock.stock_deepspeed and perfmodel.STOCK_KINDS == stock.STOCK_KINDS
+    with pytest.raises(AttributeError):
+        perfmodel.no_such_name  # noqa: B018
+
+
+def test_offloadctl_plan_starts_without_torch():
+    code = ("import sys, perf.model, perf.search, perf.stock, perf.plan, offloadctl.commands.plan; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 # -- the command --------------------------------------------------------------------------------
 

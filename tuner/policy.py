@@ -53,7 +53,6 @@ from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
-
 from tuner.guards import Contention, Limits
 from tuner.measurement import Noise, Sample
 from tuner.measurement import median as _median
@@ -142,7 +141,8 @@ class Policy(MoveSearch):
     def state(self) -> dict:
         """What the policy is doing, for snapshots and the live view."""
         return {
-            "mode": "frozen" if self._frozen else "trial" if self._trial else "holding" if self._holding_since is not None else "measuring",
+            "mode": ("frozen" if self._frozen else "trial" if self._trial
+                     else "holding" if self._holding_since is not None else "measuring"),
             "trial": self._trial.move.what if self._trial else None,
             "good_knobs": self._good.to_dict(),
             "good_update_s": _median([s.update_s for s in self._base[-5:]]) if self._base else None,
@@ -287,7 +287,8 @@ class Policy(MoveSearch):
         if move is None:
             self._holding_since = self._iteration
             self._reference = _median([s.cost for s in self._base[-self.cfg.window:]]) if self._base else None
-            msg = prefix + f"no move left to try; holding ({self._cost_name()} {self._reference:.3f} s)" if self._reference else prefix + "holding"
+            msg = (prefix + f"no move left to try; holding ({self._cost_name()} {self._reference:.3f} s)"
+                   if self._reference else prefix + "holding")
             if self._knobs != self._good:
                 return self._decide(self._good, msg, "revert")
             self._note(msg, "hold")
@@ -400,7 +401,8 @@ class Policy(MoveSearch):
             return ": the run's own starting knobs, against the model's plan"
         if move.key.startswith("stripe_weights") and move.key[len("stripe_weights["):-2] in self._contended:
             return ": that path is contended"
-        if move.key.startswith("io_concurrency") and move.key.endswith("-") and move.key[len("io_concurrency["):-2] in self._contended:
+        if (move.key.startswith("io_concurrency") and move.key.endswith("-")
+                and move.key[len("io_concurrency["):-2] in self._contended):
             return ": that path is contended"
         if not st:
             return ""
@@ -483,7 +485,7 @@ class Policy(MoveSearch):
                                     subgroup_numel=max(1, self.subgroup_bytes // 12),
                                     host_bytes=staging, gpu_headroom_bytes=self._headroom)
             pred = perfmodel.best_plan(profile, wl, paths=list(self.paths))
-            plan = self._known_paths(pred.plan.to_knobs(), "the model's plan")
+            plan = self._known_paths(pred.plan.knobs, "the model's plan")
         except Exception as e:  # the model is advice: without it the search starts from `start`
             self._note(f"performance model not used ({type(e).__name__}: {e}); searching from the starting knobs", "model")
             return

@@ -1,7 +1,7 @@
 """Predict iteration time of the best offload plan and of stock DeepSpeed's.
 
 From a hardware profile (``offloadctl profile save``) and the model size, the performance
-model (perf.model, docs/perfmodel.md) picks the best plan (host cache, device-lane
+model (perf.model, perf.search; docs/perfmodel.md) picks the best plan (host cache, device-lane
 fraction, prefetch depth, per-path concurrency and stripe weights, node lock) and prints it
 beside a few alternatives and stock DeepSpeed ZeRO-3 CPU offload, ZeRO-Infinity NVMe and
 Twin-Flow. Nothing is measured: it answers at once, for any model size.
@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
-    from perf.model import Workload, alternatives
+    from perf.model import Workload
     from perf.profile_toml import load_profile
+    from perf.search import alternatives
 
     profile = load_profile(args.profile)
     if not (math.isfinite(args.subgroup) and args.subgroup >= 1 and float(args.subgroup).is_integer()):
@@ -104,6 +105,8 @@ def _print(profile, wl, preds) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from engine.config import Knobs
+
     con = Console()
     title = (f"{wl.params:.3g} params, {wl.ranks} rank(s)/node x {wl.nodes} node(s), profile {profile.name!r} "
              f"({profile.source.kind})")
@@ -117,14 +120,14 @@ def _print(profile, wl, preds) -> None:
                        min_width={"plan": 10, "state GB": 7, "bottleneck": 9}.get(name))
     best = preds[0]
     for p in preds:
-        plan, m = p.plan, p.memory
-        conc = ",".join(sorted({str(c) for c in plan.io_concurrency.values()}, key=int))
+        plan, knobs, m = p.plan, p.plan.knobs, p.memory
+        conc = ",".join(sorted({str(c) for c in knobs.io_concurrency.values()}, key=int))
         if not conc:
-            conc = "4" if m.get("storage_per_node") else "-"
+            conc = str(Knobs.DEFAULT_IO_CONCURRENCY) if m.get("storage_per_node") else "-"
         state = " ".join(f"{k}{_gb(m.get(key))}" for k, key in (("h", "host_per_node"), ("d", "storage_per_node"),
                                                                  ("g", "gpu_per_rank")) if m.get(key))
-        tab.add_row(escape(plan.name), state or "-", f"{plan.device_fraction:.2f}", str(plan.prefetch_depth),
-                    conc + ("+lock" if plan.node_lock else ""), f"{p.bytes_per_param:.1f}", _t(p.update_s),
+        tab.add_row(escape(plan.name), state or "-", f"{knobs.device_fraction:.2f}", str(knobs.prefetch_depth),
+                    conc + ("+lock" if knobs.node_lock else ""), f"{p.bytes_per_param:.1f}", _t(p.update_s),
                     _t(p.iteration_s), escape(p.bottleneck if p.feasible else "does not fit"),
                     style="bold green" if p is best else ("dim" if not p.feasible else None))
     con.print(tab)
@@ -132,9 +135,10 @@ def _print(profile, wl, preds) -> None:
     keys = [k for k in ("storage", "cpu_update", "gpu_update", "pcie", "prefetch_latency", "fill_drain") if b.get(k)]
     con.print(f"[bold green]best[/]: {_t(best.iteration_s)} s per iteration, {_t(best.update_s)} s of it the update "
               f"phase ({', '.join(f'{k} {b[k]:.3g} s' for k in keys)})")
-    if best.plan.stripe_weights:
-        total = sum(best.plan.stripe_weights.values()) or 1.0
-        con.print("stripes: " + ", ".join(f"{escape(k)} {w / total:.0%}" for k, w in best.plan.stripe_weights.items()))
+    weights = best.plan.knobs.stripe_weights
+    if weights:
+        total = sum(weights.values()) or 1.0
+        con.print("stripes: " + ", ".join(f"{escape(k)} {w / total:.0%}" for k, w in weights.items()))
     for note in best.notes:
         con.print(f"[dim]best: {escape(note)}[/]")
     for p in preds:
