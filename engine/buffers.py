@@ -21,18 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096
-HEADER_BYTES = 4096
-STATE_BYTES_PER_ELEMENT = 12  # fp32 master + exp_avg + exp_avg_sq
-
-
-def round_up(n: int, to: int = ALIGN_BYTES) -> int:
-    return (n + to - 1) // to * to
-
-
-def payload_bytes(numel: int) -> int:
-    """Bytes on storage for a subgroup's state, padded for O_DIRECT."""
-    return round_up(STATE_BYTES_PER_ELEMENT * numel)
+# The layout's figures are engine.layout's (torch-free, so the performance model shares them).
+from engine.layout import ALIGN_BYTES, HEADER_BYTES, STATE_BYTES_PER_ELEMENT, payload_bytes, round_up  # noqa: E402,F401
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:

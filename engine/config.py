@@ -51,8 +51,8 @@ class StoragePath:
 
 
 def resolve_host_cache(host_cache_bytes: int | None, paths) -> int | None:
-    """How much optimizer state stays in host memory: the one rule, for ``OffloadAdamW``,
-    ``offloadctl train`` and the planner alike.
+    """How much optimizer state a user's budget keeps in host memory: the one rule, for
+    ``OffloadAdamW`` and ``offloadctl train`` alike (a profile's plan gives its own budget).
 
     - A budget given is the budget (state beyond it goes to the paths; with no paths, a budget
       the state does not fit is an error at placement, naming the fix).
@@ -73,9 +73,11 @@ class EngineConfig:
     """Target elements per subgroup. Larger: fewer, longer I/O requests; smaller: finer
     placement and earlier overlap. Each subgroup holds 12 bytes of state per element."""
     host_cache_bytes: int | None = None
-    """Budget for optimizer state that stays in host memory, read by :func:`resolve_host_cache`:
-    None means all of it without storage paths, none of it with paths (the state goes to the
-    paths). The swap staging buffers (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
+    """Budget for optimizer state that stays in host memory. None: all of it. The adapters
+    (``OffloadAdamW``, ``offloadctl train``) read a user's budget through
+    :func:`resolve_host_cache` first, so for users None with paths means none of it; None here
+    is what a plan that keeps everything in memory says. The swap staging buffers
+    (``2 * prefetch_depth + 3`` subgroups) come on top of it."""
     device_cache_bytes: int | None = 0
     """Budget for optimizer state that stays in device memory (updated there, no transfers).
     None: as much as the device has free after the first forward/backward, less a safety
@@ -108,7 +110,6 @@ class EngineConfig:
         _positive_int("subgroup_numel", self.subgroup_numel)
         if self.host_cache_bytes is not None:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
-        object.__setattr__(self, "host_cache_bytes", resolve_host_cache(self.host_cache_bytes, self.paths))
         if self.device_cache_bytes is not None:
             _non_negative_int("device_cache_bytes", self.device_cache_bytes)
         if self.io_backend not in ("auto", "aio", "posix"):

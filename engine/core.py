@@ -46,6 +46,7 @@ from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError, StorageIOError
 from engine.gpumem import gpu_headroom_bytes, measure_pcie
 from engine.lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
+from engine.layout import kept_subgroups, staging_buffers
 from engine.placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
@@ -60,13 +61,11 @@ def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
 
 
 def _kept_count(knobs: Knobs) -> int:
-    """Swapped subgroups kept in staging buffers across a step boundary."""
-    return knobs.prefetch_depth + 1
+    return kept_subgroups(knobs.prefetch_depth)
 
 
 def _staging_count(knobs: Knobs) -> int:
-    """Staging buffers: read ahead + updating + writing back, plus the kept ones."""
-    return knobs.prefetch_depth + 2 + _kept_count(knobs)
+    return staging_buffers(knobs.prefetch_depth)
 
 
 @dataclass

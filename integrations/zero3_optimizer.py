@@ -19,7 +19,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from engine.adamw import hyper_from_group
 from engine.buffers import pin_in_place
-from engine.config import EngineConfig, Knobs, StoragePath
+from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
 from integrations import ds_compat
@@ -129,7 +129,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
         paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
             StoragePath(path=p, kind="remote") for p in self.settings.remote_paths)
-        host_cache = self.settings.host_cache_bytes  # engine.config.resolve_host_cache reads None
+        host_cache = resolve_host_cache(self.settings.host_cache_bytes, paths)
         knobs = self.settings.knobs
         subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
         self.plan_summary = None

@@ -2,13 +2,10 @@
 of a transfer, staging buffers, which subgroups are resident, on the device lane or swapped,
 and the swap traffic of one step.
 
-What the engine owns is imported from it where that stays torch-free (``engine.config``,
-``engine.placement``): the I/O request size, the default concurrency, the stripe rule, the
-device lane's working memory. The rest is owned by engine modules that import torch
-(``engine.buffers``: header, alignment, 12 B/element; ``engine.storage.swapfile``: chunk CRCs
-per header; ``engine.core``: kept and staging buffers per prefetch depth); ``offloadctl plan``
-starts without torch, so those few figures are restated here, each naming its owner, and
-``tests/test_perfmodel.py`` checks that they equal the engine's.
+Every figure of the layout is the engine's own, imported from its torch-free modules
+(``engine.layout``: header, alignment, 12 B/element, chunk CRCs, kept and staging buffers;
+``engine.config``: I/O request size, default concurrency; ``engine.placement``: the stripe
+rule), so ``offloadctl plan`` starts without torch and the model cannot drift from the engine.
 """
 from __future__ import annotations
 
@@ -16,21 +13,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import EngineConfig
+
+# Re-exported for the model's modules, under the names its formulas use.
+from engine.layout import ALIGN_BYTES, HEADER_BYTES, chunk_bytes_for, kept_subgroups, staging_buffers  # noqa: F401
+from engine.layout import STATE_BYTES_PER_ELEMENT as STATE_BYTES_PER_PARAM  # noqa: F401
+from engine.layout import payload_bytes as pay  # noqa: F401
 from engine.placement import stripe
 
 _ENGINE_DEFAULTS = EngineConfig()
 
-STATE_BYTES_PER_PARAM = 12
-"""fp32 master, exp_avg, exp_avg_sq (``engine.buffers.STATE_BYTES_PER_ELEMENT``)."""
-HEADER_BYTES = 4096
-"""A swap file's header, before its payload (``engine.buffers.HEADER_BYTES``)."""
-ALIGN_BYTES = 4096
-"""O_DIRECT alignment of a payload (``engine.buffers.ALIGN_BYTES``)."""
-_SWAP_HEADER_FIXED_BYTES = 60
-"""The fixed fields of a swap-file header (``engine.storage.swapfile._FIXED.size``)."""
-MAX_CHUNKS = (HEADER_BYTES - _SWAP_HEADER_FIXED_BYTES) // 4
-"""Chunk CRCs that fit a swap-file header; larger payloads get larger chunks
-(``engine.storage.swapfile.MAX_CHUNKS``)."""
 CHUNK_BYTES = _ENGINE_DEFAULTS.io_chunk_bytes
 """The engine's I/O request size (``EngineConfig.io_chunk_bytes``)."""
 SUBGROUP_NUMEL = _ENGINE_DEFAULTS.subgroup_numel
@@ -40,29 +31,12 @@ EXACT_SUBGROUPS = 512
 above, by proportion (the difference is under one subgroup per path)."""
 
 
-def kept_subgroups(prefetch_depth: int) -> int:
-    """Swapped subgroups kept in staging buffers across a step (``engine.core._kept_count``)."""
-    return prefetch_depth + 1
-
-
-def staging_buffers(prefetch_depth: int) -> int:
-    """Staging buffers of a rank with swapped state: read ahead, updating, writing back, and the
-    kept ones (``engine.core._staging_count``): ``2 d + 3``."""
-    return prefetch_depth + 2 + kept_subgroups(prefetch_depth)
-
-
-def pay(numel: int) -> int:
-    """Bytes of a subgroup's state, padded for O_DIRECT (``engine.buffers.payload_bytes``)."""
-    return -(-STATE_BYTES_PER_PARAM * numel // ALIGN_BYTES) * ALIGN_BYTES
-
 
 def chunks(numel: int) -> int:
     """I/O requests of one transfer: the payload's chunks and the header
     (``engine.storage.swapfile.ChunkPlan.for_payload``)."""
-    pay_, chunk = pay(numel), CHUNK_BYTES
-    while -(-pay_ // chunk) > MAX_CHUNKS:
-        chunk *= 2
-    return -(-pay_ // chunk) + 1
+    pay_ = pay(numel)
+    return -(-pay_ // chunk_bytes_for(pay_, CHUNK_BYTES)) + 1
 
 
 def prefix_fit(budget: int | None, start: int, N: int, pay_n: int, pay_last: int) -> int:

@@ -69,7 +69,8 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     declared = tuple(replace(sp, read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
                              write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value)
                      for sp in paths)
-    # Without storage paths everything stays in host memory, whatever the plan says.
+    # Without storage paths everything stays in host memory, whatever the plan says; with paths,
+    # the plan's None is all of it in memory (EngineConfig's None, not a user's).
     host = plan.host_cache_bytes if paths else None
     summary = (f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
                f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, "

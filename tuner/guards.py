@@ -13,6 +13,7 @@ from typing import Sequence
 
 import psutil
 
+from engine.layout import deepest_prefetch
 from tuner.measurement import median
 from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
@@ -48,7 +49,7 @@ class Limits:
             cap = min(cap, max(0, n - 1))  # deeper than the subgroups buys nothing
         if self.subgroup_bytes:
             per = self.subgroup_bytes * self.ranks
-            cap = min(cap, max(0, (self.staging_cap // per - 3) // 2))
+            cap = min(cap, max(0, deepest_prefetch(self.staging_cap // per)))
         return cap
 
 

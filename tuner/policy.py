@@ -53,6 +53,7 @@ from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
 from tuner.guards import Contention, Limits
 from tuner.measurement import Noise, Sample
 from tuner.measurement import median as _median
@@ -479,10 +480,11 @@ class Policy(MoveSearch):
                 profile = load_profile(profile)
             # The host cache is fixed for the run's life and not a knob: plan for state on the
             # paths, with host memory for the staging buffers of the deepest prefetch only.
-            staging = (2 * self.cfg.max_prefetch_depth + 3) * self.subgroup_bytes * self.ranks if self.paths else None
+            staging = (staging_buffers(self.cfg.max_prefetch_depth) * self.subgroup_bytes * self.ranks
+                       if self.paths else None)
             # params are per rank; the model's are the whole model (it divides by ranks and nodes).
             wl = perfmodel.Workload(params=self.params * self.ranks, ranks=self.ranks,
-                                    subgroup_numel=max(1, self.subgroup_bytes // 12),
+                                    subgroup_numel=max(1, self.subgroup_bytes // STATE_BYTES_PER_ELEMENT),
                                     host_bytes=staging, gpu_headroom_bytes=self._headroom)
             pred = perfmodel.best_plan(profile, wl, paths=list(self.paths))
             plan = self._known_paths(pred.plan.knobs, "the model's plan")

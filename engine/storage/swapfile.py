@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.buffers import HEADER_BYTES
 from engine.errors import CorruptSwapFileError
+from engine.layout import HEADER_BYTES, SWAP_HEADER_FIXED, chunk_bytes_for
 
 MAGIC = b"OFLDSWP1"
-_FIXED = struct.Struct("<8sIIqqqqqI")  # magic, version, reserved, index, numel, payload, generation, chunk, n
+_FIXED = SWAP_HEADER_FIXED
 VERSION = 1
-MAX_CHUNKS = (HEADER_BYTES - _FIXED.size) // 4
 
 
 @dataclass(frozen=True)
@@ -32,10 +31,7 @@ class ChunkPlan:
 
     @classmethod
     def for_payload(cls, payload_bytes: int, preferred_chunk_bytes: int) -> "ChunkPlan":
-        chunk = preferred_chunk_bytes
-        while -(-payload_bytes // chunk) > MAX_CHUNKS:  # keep every CRC in the header
-            chunk *= 2
-        return cls(chunk, payload_bytes)
+        return cls(chunk_bytes_for(payload_bytes, preferred_chunk_bytes), payload_bytes)
 
     def chunks(self) -> list[tuple[int, int]]:
         """(offset within payload, length) of each chunk."""
