@@ -555,7 +555,7 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
     try:
         TunerClient.for_engine(sock, opt.engine, run_id="plain")
         def train_step():
-            model(torch.randn(8, 64)).square().mean().backward()
+            model(torch.randn(8, 64, device="cpu")).square().mean().backward()  # the model is on the CPU here
             opt.step()
             opt.zero_grad()
 
