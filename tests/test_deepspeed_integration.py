@@ -269,7 +269,7 @@ def test_dry_run_passes_multi_node_options_through(tmp_path):
                 "--nvme", str(tmp_path), "--tuner", "off", SCRIPT, "--steps", "3", "--num_nodes", "7"])
     assert out.returncode == 0, out.stderr
     cmd = json.loads(out.stdout)["command"]
-    launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "offloadctl", "bootstrap.py"))]
+    launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "integrations", "bootstrap.py"))]
     assert launcher == ["--num_nodes", "2", "--hostfile", str(hostfile), "--include", "node1:0,1@node2:0,1",
                         "--master_addr", "node1", "--launcher", "pdsh"]
     assert cmd[-5:] == [SCRIPT, "--steps", "3", "--num_nodes", "7"]  # the script's own args, untouched
