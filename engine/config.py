@@ -237,37 +237,33 @@ class Knobs:
     def read_value(name: str, value, paths):
         """A user's value for knob ``name``: JSON text read, booleans spelled out, per-path
         dicts checked against the run's paths. The ranges are checked by constructing Knobs."""
-        return _knob_value(name, value, tuple(paths))
+        if isinstance(value, str):
+            v = value.strip()
+            if name == "node_lock":
+                if v.lower() not in ("true", "false", "1", "0", "on", "off"):
+                    raise ConfigError(f"node_lock must be true or false, got {value!r}")
+                return v.lower() in ("true", "1", "on")
+            try:
+                value = json.loads(v)
+            except ValueError:
+                raise ConfigError(f"{name}: cannot read {value!r} as a number or a JSON object") from None
+        if name == "node_lock":
+            if not isinstance(value, bool):
+                raise ConfigError(f"node_lock must be true or false, got {value!r}")
+        elif name == "stripe_weights":
+            if not isinstance(value, dict) or set(value) != set(paths):
+                raise ConfigError(f"stripe_weights must give a weight for each path {list(paths)}, got {value!r}")
+        elif name == "io_concurrency" and isinstance(value, dict):
+            unknown = set(value) - set(paths)
+            if unknown:
+                raise ConfigError(f"io_concurrency names paths this run does not use: {sorted(unknown)}")
+        return value
 
     def replace(self, **changes) -> "Knobs":
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _knob_value(name: str, value, paths: tuple[str, ...]):
-    if isinstance(value, str):
-        v = value.strip()
-        if name == "node_lock":
-            if v.lower() not in ("true", "false", "1", "0", "on", "off"):
-                raise ConfigError(f"node_lock must be true or false, got {value!r}")
-            return v.lower() in ("true", "1", "on")
-        try:
-            value = json.loads(v)
-        except ValueError:
-            raise ConfigError(f"{name}: cannot read {value!r} as a number or a JSON object") from None
-    if name == "node_lock":
-        if not isinstance(value, bool):
-            raise ConfigError(f"node_lock must be true or false, got {value!r}")
-    elif name == "stripe_weights":
-        if not isinstance(value, dict) or set(value) != set(paths):
-            raise ConfigError(f"stripe_weights must give a weight for each path {list(paths)}, got {value!r}")
-    elif name == "io_concurrency" and isinstance(value, dict):
-        unknown = set(value) - set(paths)
-        if unknown:
-            raise ConfigError(f"io_concurrency names paths this run does not use: {sorted(unknown)}")
-    return value
 
 
 def _positive_int(name: str, v) -> None:

@@ -60,14 +60,6 @@ def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
     buf.exp_avg_sq.zero_()
 
 
-def _kept_count(knobs: Knobs) -> int:
-    return kept_subgroups(knobs.prefetch_depth)
-
-
-def _staging_count(knobs: Knobs) -> int:
-    return staging_buffers(knobs.prefetch_depth)
-
-
 @dataclass
 class _Subgroup:
     index: int
@@ -196,7 +188,7 @@ class SubgroupEngine:
         self._staging_capacity = max(swapped, default=0)
         self._free: list[StateBuffer] = []
         self._n_staging = 0
-        self._resize_staging(_staging_count(self.knobs) if swapped else 0)
+        self._resize_staging(staging_buffers(self.knobs.prefetch_depth) if swapped else 0)
         self._writes: deque[tuple[_Subgroup, StateBuffer, Future]] = deque()
 
     def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
@@ -230,15 +222,15 @@ class SubgroupEngine:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
         self._set_lane_mask(k.device_fraction)
         if k.prefetch_depth != old.prefetch_depth and self._n_staging:
-            self._resize_staging(_staging_count(k))
+            self._resize_staging(staging_buffers(k.prefetch_depth))
             # Shrinking may need kept buffers back: write them out until the pool fits.
-            while self._n_staging > _staging_count(k):
+            while self._n_staging > staging_buffers(k.prefetch_depth):
                 kept = next((sg for sg in self.subgroups if sg.staged is not None), None)
                 if kept is None:
                     break
                 self._write_back(kept)
                 self._drain()
-                self._resize_staging(_staging_count(k))
+                self._resize_staging(staging_buffers(k.prefetch_depth))
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
 
@@ -314,7 +306,7 @@ class SubgroupEngine:
                     # The tail stays in its buffers: it is the head of the next step's (reversed)
                     # order. The kept buffers come on top of the working ones, so the next step's
                     # first reads start at once instead of waiting for write-backs.
-                    if st.pos[i] < len(seq) - _kept_count(self.knobs):
+                    if st.pos[i] < len(seq) - kept_subgroups(self.knobs.prefetch_depth):
                         self._write_back(sg)
                 else:
                     t0 = time.perf_counter()

@@ -361,11 +361,13 @@ def test_plan_holds_the_engines_knobs_and_is_flat_in_json():
     assert pred.to_dict()["plan"] == pred.plan.to_dict() and pred.to_dict()["name"] == pred.plan.name
 
 
-def test_the_models_layout_is_the_engines():
-    """The model counts the engine's layout as the engine lays state out (the figures are
-    engine.layout's; this checks the model's use of them against the torch-side code)."""
+def test_the_models_layout_is_the_engines(tmp_path):
+    """The model counts the engine's layout as the engine lays state out: the figures are
+    engine.layout's, and a real engine's staging pool and kept buffers are what the model counts."""
     pytest.importorskip("torch")
-    from engine import buffers, core
+    import torch
+
+    from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, SubgroupEngine, buffers
     from engine.placement import device_lane_mask
     from engine.storage import swapfile
     from perf import layout
@@ -376,9 +378,20 @@ def test_the_models_layout_is_the_engines():
         assert layout.pay(numel) == buffers.payload_bytes(numel)
         plan = swapfile.ChunkPlan.for_payload(buffers.payload_bytes(numel), layout.CHUNK_BYTES)
         assert layout.chunks(numel) == len(plan.chunks()) + 1  # and the header
-    for depth in range(17):
-        assert layout.kept_subgroups(depth) == core._kept_count(Knobs(prefetch_depth=depth))
-        assert layout.staging_buffers(depth) == core._staging_count(Knobs(prefetch_depth=depth))
+    n, sub = 8, 64
+    for depth in range(5):
+        w, g = torch.zeros(n * sub, device="cpu"), torch.ones(n * sub, device="cpu")  # a host engine, no model
+        eng = SubgroupEngine([FlatSubgroup(w[o:o + sub], g[o:o + sub]) for o in range(0, n * sub, sub)],
+                             EngineConfig(subgroup_numel=sub, host_cache_bytes=0, host_adam="torch", io_backend="posix",
+                                          paths=(StoragePath(path=str(tmp_path)),)),
+                             Knobs(prefetch_depth=depth))
+        try:
+            assert eng.describe()["staging_buffers"] == layout.staging_buffers(depth)
+            eng.step([AdamWHyper(lr=1e-3)])
+            kept = sum(sg.kept for sg in eng.subgroups)
+            assert kept == min(n, layout.kept_subgroups(depth)), (depth, kept)
+        finally:
+            eng.close()
     for f in (0.0, 0.05, 1 / 3, 0.5, 0.95, 1.0):
         mask = device_lane_mask(40, f)
         assert [layout.on_device_lane(i, f) for i in range(40)] == mask

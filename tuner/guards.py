@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from statistics import median
 from typing import Sequence
 
 import psutil
 
 from engine.layout import deepest_prefetch
-from tuner.measurement import median
 from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
 

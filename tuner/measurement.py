@@ -14,10 +14,6 @@ from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
 
 
-def median(xs) -> float:
-    return statistics.median(xs)
-
-
 @dataclass
 class Sample:
     update_s: float
@@ -55,13 +51,13 @@ class Noise:
     def threshold(self) -> float:
         """The relative gain a move must show: ``noise_k`` sigma, within [min_gain, max_threshold]."""
         # A prior of 2% keeps the first verdicts cautious until real windows have been measured.
-        sigma = median([*self._sigmas, 0.02])
+        sigma = statistics.median([*self._sigmas, 0.02])
         return min(self.cfg.max_threshold, max(self.cfg.min_gain, self.cfg.noise_k * sigma))
 
     def add(self, xs: list[float]) -> None:
         """Pool a relative-noise estimate from one window: its range over its median, divided by
         the expected range of n normal samples in units of sigma (d2, as in control charts)."""
         d2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326}.get(min(len(xs), 5))
-        m = median(xs) if xs else 0.0
+        m = statistics.median(xs) if xs else 0.0
         if d2 and m > 0:
             self._sigmas.append((max(xs) - min(xs)) / m / d2)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Mapping
 
 from engine.config import Knobs
-from tuner.measurement import Sample, median
+from tuner.measurement import Sample
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ and contention). ``Observation``, ``Decision`` and ``PolicyConfig`` are importab
 from __future__ import annotations
 
 import math
+from statistics import median as _median
 from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
@@ -56,7 +57,6 @@ from engine.errors import ConfigError
 from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
 from tuner.guards import Contention, Limits
 from tuner.measurement import Noise, Sample
-from tuner.measurement import median as _median
 from tuner.moves import Move, MoveSearch, Trial, family, knobs_key, opposite
 from tuner.moves import diff as _diff  # the name _start_from_model has always used
 from tuner.observation import Decision, Observation
