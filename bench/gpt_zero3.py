@@ -133,6 +133,7 @@ if engine.global_rank == 0:
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     opt = engine.optimizer
     if hasattr(opt, "offload_engine"):  # under offloadctl train: what the engine decided
-        rec["engine"] = {"fit": opt.device_fit, "describe": opt.offload_engine.describe(), "plan": opt.plan_summary}
+        fit = opt.device_fit.to_dict() if opt.device_fit else None
+        rec["engine"] = {"fit": fit, "describe": opt.offload_engine.describe(), "plan": opt.plan_summary}
     with open(args.out, "w") as f:
         json.dump(rec, f)

@@ -5,20 +5,12 @@ tensors, the device lane with device tensors. It applies decoupled weight decay 
 ``torch.optim.AdamW`` does (Loshchilov & Hutter), through the same fused kernel
 ``torch._fused_adamw_``, so results match the reference to rounding.
 
-The host lane may instead use DeepSpeed's AVX ``DeepSpeedCPUAdam`` kernel; ``select_host_kernel``
-measures both and keeps the faster. The two round differently in the last bit, so the choice is
-measured once per machine and environment and kept in a file (``KERNEL_CHOICE_FILE``): every
-rank, every run and every resume then takes the same kernel, and the same seed gives the same
-losses.
+The host lane may instead use DeepSpeed's AVX ``DeepSpeedCPUAdam`` kernel (``DeepSpeedCpuAdam``);
+which of the two it runs is :mod:`engine.host_kernel`'s choice.
 """
 from __future__ import annotations
 
-import fcntl
-import functools
-import json
 import logging
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.storage.native_ops import extensions_dir, load_cpu_adam
+from engine.storage.native_ops import load_cpu_adam
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +67,7 @@ def adamw_update_torch_(s: AdamWSlices, hp: AdamWHyper) -> None:
     )
 
 
-class _DeepSpeedCpuAdam:
+class DeepSpeedCpuAdam:
     """DeepSpeed's AVX CPU AdamW called on flat tensors, without its per-parameter state."""
 
     def __init__(self) -> None:
@@ -95,15 +87,22 @@ class _DeepSpeedCpuAdam:
 HostKernel = Callable[[AdamWSlices, AdamWHyper], None]
 
 
-def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float]:
-    """Measured params/s of each available host kernel ('torch', and 'deepspeed' when its op
-    builds), on one flat fp32 buffer larger than the caches. Runs alternate between kernels and
-    the median is kept, so that a burst of noise does not pick the slower one."""
+def host_kernels() -> dict[str, HostKernel]:
+    """The host kernels that run here: torch's always, DeepSpeed's when its op loads."""
     kernels: dict[str, HostKernel] = {"torch": adamw_update_torch_}
     try:
-        kernels["deepspeed"] = _DeepSpeedCpuAdam()
+        kernels["deepspeed"] = DeepSpeedCpuAdam()
     except Exception as e:  # op cannot build here (no compiler, no AVX): torch's kernel still works
         log.info("DeepSpeedCPUAdam unavailable: %s", e)
+    return kernels
+
+
+def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float]:
+    """Measured params/s of each bare host kernel ('torch', and 'deepspeed' when its op
+    builds), on one flat fp32 buffer larger than the caches: the profile's CPU AdamW figure. (The
+    host lane's own loop, which picks the kernel, is :mod:`engine.host_kernel`'s.) Runs alternate
+    between kernels and the median is kept, so that a burst of noise does not pick the slower one."""
+    kernels = host_kernels()
     # A private generator: the measurement runs inside the user's deepspeed.initialize and must
     # not move their RNG state (dropout masks would differ from a stock run).
     gen = torch.Generator().manual_seed(0)
@@ -119,96 +118,6 @@ def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float
             kernel(s, hp)
             times[k].append(time.perf_counter() - t0)
     return {k: numel / statistics.median(v) for k, v in times.items()}
-
-
-_measured_rates: dict[str, float] = {}
-
-
-def host_kernel_rate(name: str) -> float:
-    """Params/s of host kernel ``name`` in this process (measured once, on first need)."""
-    if name not in _measured_rates:
-        _measured_rates.update(measure_host_kernels())
-    return _measured_rates.get(name, 0.0)
-
-
-KERNEL_CHOICE_FILE = "offloadctl-host-kernel.json"
-"""Kept beside the built ops (one per environment: the same torch, DeepSpeed and compiler)."""
-
-
-def _machine_key() -> str:
-    """What the kernels' relative speed depends on: the CPU, the threads a process uses, the
-    library versions."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    try:
-        import deepspeed
-        ds = deepspeed.__version__
-    except Exception:
-        ds = "none"
-    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}"
-
-
-def chosen_host_kernel() -> str:
-    """The faster host kernel on this machine: read from ``KERNEL_CHOICE_FILE``, or measured once
-    (under a lock, so that ranks starting together agree) and written there."""
-    path = os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)
-    key = _machine_key()
-    try:
-        os.makedirs(extensions_dir(), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        fd = -1  # nowhere to keep it: measured in this process
-    try:
-        if fd >= 0:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            with open(path) as f:
-                known = json.load(f)
-            if not isinstance(known, dict):
-                known = {}
-        except (OSError, ValueError):
-            known = {}
-        entry = known.get(key)
-        if isinstance(entry, dict) and entry.get("kernel") in ("torch", "deepspeed"):
-            rates = entry.get("params_per_s", {})
-            # Measured before the cpu_adam op was built, or the op is gone since: measure again.
-            if ("deepspeed" in rates) == (load_cpu_adam() is not None):
-                _measured_rates.update({k: float(v) for k, v in rates.items()})
-                return entry["kernel"]
-        rates = measure_host_kernels()
-        _measured_rates.update(rates)
-        best = max(rates, key=rates.get)
-        known[key] = {"kernel": best, "params_per_s": rates}
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(known, f, indent=1)
-            os.replace(tmp, path)
-        except OSError as e:  # a read-only environment: measured each time, still correct
-            log.info("cannot keep the host kernel choice in %s: %s", path, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        log.info("host AdamW kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
-        return best
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-@functools.lru_cache(maxsize=None)
-def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
-    """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
-    if choice == "auto":
-        choice = chosen_host_kernel()
-    if choice == "deepspeed":
-        return "deepspeed", _DeepSpeedCpuAdam()
-    return "torch", adamw_update_torch_
 
 
 def group_runs(step_counts: Sequence[int], has_grad: Sequence[bool]) -> list[tuple[int, int]]:

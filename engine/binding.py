@@ -38,8 +38,10 @@ class SubgroupBinding(Protocol):
         """Copy the current weights into ``out`` (flat fp32), to seed the master copy."""
         ...
 
-    def write_weights(self, master: torch.Tensor) -> None:
-        """Copy the updated master weights (flat fp32, host or device) into the model's weights."""
+    def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
+        """Copy updated master weights (flat fp32, host or device) into the model's weights:
+        ``master`` holds elements [offset, offset + master.numel()) of the subgroup (the device
+        lane writes a subgroup chunk by chunk)."""
         ...
 
 
@@ -76,5 +78,5 @@ class FlatSubgroup:
     def read_weights(self, out: torch.Tensor) -> None:
         out.copy_(self.weight)
 
-    def write_weights(self, master: torch.Tensor) -> None:
-        self.weight.copy_(master)
+    def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
+        self.weight[offset:offset + master.numel()].copy_(master)

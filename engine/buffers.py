@@ -85,6 +85,7 @@ class StateBuffer:
         self.capacity_numel = capacity_numel
         self.raw = aligned_empty(HEADER_BYTES + payload_bytes(capacity_numel))
         self.pinned = False
+        self._pin_tried = False  # a refused pin is not tried again at every update
         if pin:
             self.pin()
         self.header = self.raw[:HEADER_BYTES]
@@ -108,8 +109,10 @@ class StateBuffer:
         return self.raw[:HEADER_BYTES + self.payload.numel()]
 
     def pin(self) -> bool:
-        """Page-lock this buffer in place (once), so device-lane copies run asynchronously."""
-        if not self.pinned:
+        """Page-lock this buffer in place, so device-lane copies run asynchronously. Tried once:
+        where the driver refuses (``ulimit -l``), the copies run synchronously from then on."""
+        if not self._pin_tried:
+            self._pin_tried = True
             self.pinned = pin_in_place(self.raw)
         return self.pinned
 

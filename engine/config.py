@@ -105,9 +105,12 @@ class EngineConfig:
     """If set, one telemetry record per step is appended to ``run_dir/telemetry-rank<R>.jsonl``."""
     rank: int = 0
     """Rank of this process, used in file and telemetry names."""
+    local_ranks: int = 1
+    """Ranks on this node: they share its host memory bandwidth, which the lane balance divides."""
 
     def __post_init__(self) -> None:
         _positive_int("subgroup_numel", self.subgroup_numel)
+        _positive_int("local_ranks", self.local_ranks)
         if self.host_cache_bytes is not None:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
         if self.device_cache_bytes is not None:

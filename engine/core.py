@@ -30,27 +30,34 @@ The lanes (``engine.lanes``), placement (``engine.placement``) and storage
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import psutil
 import torch
 
-from engine.adamw import AdamWHyper, host_kernel_rate, select_host_kernel
-from engine.binding import SubgroupBinding
+from engine.adamw import AdamWHyper
+from engine.binding import SubgroupBinding, flat_weights_of
 from engine.buffers import StateBuffer, payload_bytes
 from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError, StorageIOError
-from engine.gpumem import gpu_headroom_bytes, measure_pcie
-from engine.lanes import HOST_LANE_EFFICIENCY, DeviceLane, HostLane, WeightUploader
+from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
+from engine.host_kernel import host_lane_rate, select_host_kernel
+from engine.lane_model import LaneRates, balanced_fraction, grads_on_device
+from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import kept_subgroups, staging_buffers
-from engine.placement import DEVICE, HOST, Placement, device_lane_mask, device_lane_working_bytes, place, stripe
+from engine.placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
+from engine.streams import streams_for
 from engine.telemetry import StepRecord, TelemetryLog
+
+log = logging.getLogger(__name__)
 
 
 def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
@@ -58,6 +65,28 @@ def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
     binding.read_weights(buf.master)
     buf.exp_avg.zero_()
     buf.exp_avg_sq.zero_()
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """What :meth:`SubgroupEngine.fit_device_tier` decided (for logs, the adapter and the report)."""
+
+    headroom_bytes: int = 0
+    """Device memory the state could take after forward/backward (less the margin and reserve)."""
+    device_tier_subgroups: int = 0
+    device_tier_bytes: int = 0
+    """Device memory the device tier takes (state, and gradients kept on the device)."""
+    device_fraction: float = 0.0
+    """The device lane's starting fraction of the subgroups outside the device tier."""
+    device_lane_grads_on_device: int = 0
+    """Device-lane subgroups (at that fraction) whose gradients stay on the device."""
+    device_lane_bytes: int = 0
+    """Device memory the device lane's chunk slots take when it runs."""
+    device_lane_off: str | None = None
+    """Why the device lane cannot run (no room for its slots); None when it can."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -104,7 +133,10 @@ class SubgroupEngine:
         self.device = self._resolve_device(config.device)
         self.knobs.check_for([p.path for p in config.paths], has_device=self.device is not None)
         self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
-        self._device_grads_ok = False  # the device lane's gradients fit that budget: they live on the device
+        self._device_grads: set[int] = set()  # device-lane subgroups whose gradients fit that budget
+        self._lane_room = True  # the device has room for the device lane's slots (False: fit found none)
+        self._setup_s = 0.0  # one-time work outside a step (setup_time()) not yet taken out of fwd_bwd_s
+        self._lane_rates: LaneRates | None = None
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -140,11 +172,11 @@ class SubgroupEngine:
 
         self.host_kernel_name, kernel = select_host_kernel(config.host_adam)
         capacity = max((sg.numel for sg in self.subgroups), default=0)
-        self.device_lane = DeviceLane(self.device, capacity) if self.device is not None else None
+        self.streams = streams_for(self.device if self.device is not None else torch.device("cpu"))
+        self.device_lane = DeviceLane(self.streams, capacity) if self.device is not None else None
         # Host-lane weight uploads on a stream of their own: on the device lane's H2D stream they
         # would queue behind its waits for copies back, and the CPU with them.
-        upload = torch.cuda.Stream(self.device) if self.device is not None and self.device.type == "cuda" else None
-        self.host_lane = HostLane(self.host_kernel_name, kernel, WeightUploader(upload))
+        self.host_lane = HostLane(self.host_kernel_name, kernel, WeightUploader(self.streams))
         self._grad_bytes_per_element = 0
         self._last_step_end: float | None = None
         self._set_lane_mask(self.knobs.device_fraction)
@@ -217,6 +249,10 @@ class SubgroupEngine:
         k, self._pending_knobs = self._pending_knobs, None
         if k is None:
             return
+        if k.device_fraction > 0 and not self._lane_room:
+            log.warning("offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
+                        "(see the device fit at the first step)", k.device_fraction)
+            k = k.replace(device_fraction=0.0)
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
@@ -255,14 +291,28 @@ class SubgroupEngine:
 
     # -- the step ------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def setup_time(self):
+        """Time one-time work an adapter does between steps for the engine (allocating the
+        gradient buffers of subgroups that moved lanes): it is taken out of the next step's
+        ``fwd_bwd_s`` and counted in its ``setup_s``, so that a tuner's trial is not charged
+        with it."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._setup_s += time.perf_counter() - t0
+
     def step(self, hypers: Sequence[AdamWHyper]) -> StepRecord:
         """Update every subgroup once. ``hypers[g]`` are the hyper-parameters of param group g."""
         if self._closed:
             raise OffloadError("this optimizer engine was closed; create a new one")
-        t_start = time.perf_counter()
-        fwd_bwd_s = t_start - self._last_step_end if self._last_step_end is not None else None
+        t_call = time.perf_counter()
+        fwd_bwd_s = None
+        if self._last_step_end is not None:
+            fwd_bwd_s = max(0.0, t_call - self._last_step_end - self._setup_s)
         try:
-            rec = self._step(hypers, t_start, fwd_bwd_s)
+            rec = self._step(hypers, t_call, fwd_bwd_s)
         except BaseException as e:
             for hook in self._hooks:
                 hook.on_error(self, e)
@@ -271,27 +321,41 @@ class SubgroupEngine:
             hook.after_step(self, rec)
         return rec
 
-    def _step(self, hypers: Sequence[AdamWHyper], t_start: float, fwd_bwd_s: float | None) -> StepRecord:
+    def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None) -> StepRecord:
         for hook in self._hooks:
             hook.before_step(self)  # a knob change it makes is applied just below
+        # One-time work (a knob change pinning buffers, the device tier's fit) is the step's
+        # setup, not its update: a tuner trial that moves subgroups between lanes is measured
+        # without it.
         self._apply_pending_knobs()
         if self._device_tier_pending:
             self.fit_device_tier()
-            t_start = time.perf_counter()
+        t_start = time.perf_counter()
+        setup_s, self._setup_s = t_start - t_call + self._setup_s, 0.0
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = self.iteration % 2 == 0
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
         seq = [i for i in order if isinstance(self.subgroups[i].tier, int)]
         st = _StepState(seq, {i: k for k, i in enumerate(seq)})
         update_s = host_s = 0.0
-        lanes = [0, 0]
+        lanes = [0, 0]  # subgroups on the host lane, on the device lane (the device tier apart)
         if self.device_lane:
             self.device_lane.begin_step()
+            # The device tier first, whatever the order, on its own stream: its updates run on
+            # the GPU while the loop below feeds the lanes, never queued behind their copies.
+            t0 = time.perf_counter()
+            for sg in self.subgroups:
+                if sg.tier == DEVICE:
+                    self._materialize_resident(sg)
+                    self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hypers[sg.binding.group])
+            update_s += time.perf_counter() - t0
         try:
             for i in order:
                 sg = self.subgroups[i]
+                if sg.tier == DEVICE:
+                    continue
                 hp = hypers[sg.binding.group]
-                on_device = self._lane_mask[i] or sg.tier == DEVICE
+                on_device = self._lane_mask[i]
                 if isinstance(sg.tier, int):
                     self._prefetch(st, st.pos[i] + self.knobs.prefetch_depth)
                     buf = self._stage(sg, st)
@@ -311,9 +375,7 @@ class SubgroupEngine:
                 else:
                     t0 = time.perf_counter()
                     self._materialize_resident(sg)
-                    if sg.tier == DEVICE:
-                        self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hp)
-                    elif on_device:
+                    if on_device:
                         self.device_lane.update_staged(sg.resident, sg.binding, sg.steps, hp)
                     else:
                         self.host_lane.update(sg.resident, sg.binding, sg.steps, hp)
@@ -329,13 +391,12 @@ class SubgroupEngine:
         for sg in self.subgroups:
             sg.kept = sg.staged is not None
         t0 = time.perf_counter()
-        if self.device_lane:
-            self.device_lane.end_step()
+        self._end_streams()
         device_wait_s = time.perf_counter() - t0
         wall = time.perf_counter() - t_start
         rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
         rec.host_lane_s, rec.device_wait_s, rec.fwd_bwd_s = host_s, device_wait_s, fwd_bwd_s
-        rec.start_s = t_start
+        rec.start_s, rec.setup_s = t_start, setup_s
         rec.device_tier_subgroups = sum(sg.tier == DEVICE for sg in self.subgroups)
         if self.device is not None and self.device.type == "cuda":
             rec.device_headroom_bytes = gpu_headroom_bytes(self.device)
@@ -347,31 +408,51 @@ class SubgroupEngine:
             raise err
         return rec
 
+    def _end_streams(self) -> None:
+        """The step's end on the device: every stream that wrote weights the model reads (the
+        host lane's uploads, the device lane's updates, the device tier's) is joined to the
+        caller's current stream, so DeepSpeed's all-gather inside ``step()``, a checkpoint's
+        gather and the next forward are ordered after the new weights whatever stream they run
+        on. Then the step's one host sync: the lanes' tail, measured as ``device_wait_s``, and
+        no work of this step is left running when the caller frees or reuses its buffers."""
+        current = self.streams.current()
+        weight_streams = [self.host_lane.weights.stream]
+        if self.device_lane:
+            weight_streams += self.device_lane.weight_streams
+        for s in weight_streams:
+            current.wait_stream(s)
+        self.host_lane.weights.stream.synchronize()
+        if self.device_lane:
+            self.device_lane.sync()
+
     # -- the device tier and the lanes ------------------------------------------------------------
 
     def _set_lane_mask(self, fraction: float) -> None:
         """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread.
-        Their gradients live on the device only while they fit what the fit left for them."""
+        Their gradients live on the device, in order, as far as what the fit left for them holds."""
         rest = [sg.index for sg in self.subgroups if sg.tier != DEVICE]
         mask = [False] * len(self.subgroups)
         for i, on in zip(rest, device_lane_mask(len(rest), fraction)):
             mask[i] = on
         self._lane_mask = mask
-        need = sum(self._grad_bytes_per_element * self.subgroups[i].numel for i in rest if mask[i])
-        self._device_grads_ok = need <= self._lane_grad_budget
-        if self.device is not None and self.device.type == "cuda" and any(mask):
-            # Page-lock what the device lane copies from now, between steps, not inside the
-            # first update of each buffer (pinning faults in every page).
-            lane = [self.subgroups[i] for i in rest if mask[i]]
-            for sg in lane:
+        lane = [i for i in rest if mask[i]]
+        kept = grads_on_device([self.subgroups[i].numel for i in lane], self._lane_grad_budget,
+                               self._grad_bytes_per_element)
+        self._device_grads = {i for i, k in zip(lane, kept) if k and self._grad_bytes_per_element}
+        if self.streams.pins_host_memory and lane and not self._device_tier_pending:
+            # Page-lock what the device lane copies from now, between steps (the step's setup),
+            # not inside the first update of each buffer (pinning faults in every page); and only
+            # after the fit, which may move these subgroups to the device.
+            for i in lane:
+                sg = self.subgroups[i]
                 if sg.tier == HOST and sg.resident is not None:
                     sg.resident.pin()
-            if any(isinstance(sg.tier, int) for sg in lane):
+            if any(isinstance(self.subgroups[i].tier, int) for i in lane):
                 for buf in self._free:
                     buf.pin()
 
     def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
-                        reserve_bytes: int = 0) -> dict:
+                        reserve_bytes: int = 0) -> DeviceFit:
         """Fit the device tier and the device lane to the device memory free now.
 
         Called at the first step (after the first forward/backward, so the headroom is what
@@ -382,17 +463,19 @@ class SubgroupEngine:
         the first one's peak: DeepSpeed prefetches parameters only from the second).
 
         - ``device_cache_bytes=None``: the tier takes the longest prefix of subgroups whose
-          state (and gradient) fits, leaving the device lane's working set free unless every
+          state (and gradient) fits, leaving the device lane's slots free unless every
           subgroup fits;
-        - ``auto_device_fraction``: the device fraction that makes the host lane and the PCIe
-          copies finish together (measured rates: :meth:`_balanced_fraction`);
-        - device-lane gradients stay on the device if what is left holds them.
+        - the device lane runs only if its slots (a few hundred MB, whatever the subgroup size:
+          :func:`engine.placement.device_lane_working_bytes`) fit what is left; otherwise it is
+          off, with one line saying why, and no knob turns it on;
+        - ``auto_device_fraction``: the device fraction that makes the lanes finish together
+          (:func:`engine.lane_model.balanced_fraction`, on rates measured in this process);
+        - device-lane gradients stay on the device as far as what is left holds them.
         Returns the decision, for logs.
         """
         self._device_tier_pending = False
         if self.device is None:
-            return {}
-        capacity = max((sg.numel for sg in self.subgroups), default=0)
+            return DeviceFit()
         if headroom_bytes is None:
             if self.device.type == "cuda":
                 # Fresh segments for the state rather than carved out of cached activation blocks.
@@ -400,13 +483,11 @@ class SubgroupEngine:
             headroom_bytes = gpu_headroom_bytes(self.device)
             if headroom_bytes is None:  # a CPU "device" (tests): its memory is host memory
                 headroom_bytes = psutil.virtual_memory().available // 2
-        # Always kept free: the caller's reserve, and the update's gradient upcast (fp32 scratch
-        # and a 16-bit temporary of one subgroup).
-        headroom_bytes = max(0, headroom_bytes - reserve_bytes - 6 * capacity)
+        headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
-        lane_ws = device_lane_working_bytes(capacity)
+        lane_ws = self.device_lane.working_bytes()
         if self.config.device_cache_bytes is None:
-            if sum(cost) <= headroom_bytes:
+            if sum(cost) + lane_ws <= headroom_bytes:  # the tier's own update streams through the lane's scratch
                 tier = len(cost)
             else:
                 left, tier = headroom_bytes - lane_ws, 0
@@ -416,40 +497,55 @@ class SubgroupEngine:
             self._set_device_tier(tier)
         used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
         rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
-        if rest and self.config.auto_device_fraction:
+        self._grad_bytes_per_element = grad_bytes_per_element
+        self._lane_room = headroom_bytes - used >= lane_ws
+        # What stays for the device lane's gradients; a later fraction (the tuner's) keeps them
+        # on the device only within it, so no knob change can take more than the fit allowed.
+        self._lane_grad_budget = max(0, headroom_bytes - used - lane_ws)
+        lane_note = ""
+        if rest and not self._lane_room:
+            lane_note = (f"device lane off: its buffers need {lane_ws / 1e9:.2f} GB of GPU memory and "
+                         f"{max(0, headroom_bytes - used) / 1e9:.2f} GB is free after forward/backward "
+                         f"(and the device tier); lower the micro-batch or --device-cache to use it")
+            log.warning("offloadctl: %s", lane_note)
+            self.knobs = self.knobs.replace(device_fraction=0.0)
+        elif rest and self.config.auto_device_fraction:
             f = self._balanced_fraction(rest)
             if f is not None:
                 self.knobs = self.knobs.replace(device_fraction=f)
-        # What stays for the device lane's gradients; a later fraction (the tuner's) keeps them
-        # on the device only within it, so no knob change can take more than the fit allowed.
-        self._grad_bytes_per_element = grad_bytes_per_element
-        self._lane_grad_budget = max(0, headroom_bytes - used - (lane_ws if rest else 0))
         self._set_lane_mask(self.knobs.device_fraction)
-        return {"headroom_bytes": headroom_bytes, "device_tier_subgroups": len(self.subgroups) - len(rest),
-                "device_tier_bytes": used, "device_fraction": self.knobs.device_fraction,
-                "device_lane_grads_on_device": self._device_grads_ok}
+        return DeviceFit(headroom_bytes=headroom_bytes, device_tier_subgroups=len(self.subgroups) - len(rest),
+                         device_tier_bytes=used, device_fraction=self.knobs.device_fraction,
+                         device_lane_grads_on_device=len(self._device_grads), device_lane_bytes=lane_ws,
+                         device_lane_off=lane_note or None)
+
+    def lane_rates(self) -> LaneRates | None:
+        """The rates the lane balance uses, measured in this process (once; about 0.3 s on a
+        GPU): the host lane's loop with its kernel on this process's threads, pinned PCIe both
+        ways at once, GPU AdamW, host memory bandwidth shared with the node's other ranks."""
+        if self._lane_rates is None and self.device is not None:
+            measured = measure_lane_rates(self.device)
+            if measured is not None:
+                h2d, d2h, gpu_rate, mem = measured
+                self._lane_rates = LaneRates(host_lane_params_per_s=host_lane_rate(self.host_kernel_name),
+                                             h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, gpu_adamw_params_per_s=gpu_rate,
+                                             memory_bytes_per_s=mem / max(1, self.config.local_ranks))
+        return self._lane_rates
 
     def _balanced_fraction(self, rest: list[_Subgroup]) -> float | None:
-        """The device fraction of ``rest`` (not in the device tier) with the shortest update:
-        host lane at its measured kernel rate, device lane at the measured PCIe rate (12 B
-        in and 12 B out per element, both directions at once), host-lane weights sharing the
-        way in. Mask granularity (one subgroup) is searched exhaustively."""
-        pcie = measure_pcie(self.device)
-        rate = host_kernel_rate(self.host_kernel_name)
-        if pcie is None or not rate:
+        """The device fraction of ``rest`` (not in the device tier) with the shortest update by
+        the lane model; None where there are no rates (no CUDA device)."""
+        rates = self.lane_rates()
+        if rates is None or not rates.host_lane_params_per_s:
             return None
-        h2d, d2h = pcie
-        total = sum(sg.numel for sg in rest)
-        best = None
-        for k in range(len(rest) + 1):
-            f = k / len(rest)
-            mask = device_lane_mask(len(rest), f)
-            dev = sum(sg.numel for sg, m in zip(rest, mask) if m)
-            host = total - dev
-            t = max(host / (rate * HOST_LANE_EFFICIENCY), 12 * dev / d2h, (12 * dev + 2 * host) / h2d)
-            if best is None or t < best[0] - 1e-12:
-                best = (t, f)
-        return best[1]
+        resident = sum(sg.numel for sg in self.subgroups if sg.tier == DEVICE)
+        weights = [flat_weights_of(sg.binding) for sg in rest]
+        on_device = all(w is None or not self.streams.in_host_memory(w) for w in weights)
+        weight_bytes = next((w.element_size() for w in weights if w is not None), 4)
+        f, _ = balanced_fraction([sg.numel for sg in rest], rates, resident_params=resident,
+                                 grad_budget_bytes=self._lane_grad_budget, grad_bytes=self._grad_bytes_per_element or 4,
+                                 weight_bytes=weight_bytes, weights_on_device=on_device)
+        return f
 
     def _set_device_tier(self, count: int) -> None:
         """Keep the state of subgroups [0, count) in device memory, the rest off it. At a step
@@ -488,8 +584,7 @@ class SubgroupEngine:
     def device_grad_subgroups(self) -> list[int]:
         """Subgroups whose gradients are best produced on the device: those in the device tier,
         and those on the device lane when device memory holds their gradients too."""
-        return [sg.index for sg in self.subgroups
-                if sg.tier == DEVICE or (self._device_grads_ok and self._lane_mask[sg.index])]
+        return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in self._device_grads]
 
     def _abort_step(self, st: _StepState) -> None:
         """After an error: let every transfer finish, and forget reads nobody will check."""
@@ -720,4 +815,6 @@ class SubgroupEngine:
             "has_device": self.device is not None,
             "subgroup_bytes": max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
             "device_headroom_bytes": None if self.device is None else gpu_headroom_bytes(self.device),
+            "device_lane_bytes": self.device_lane.working_bytes() if self.device_lane else 0,
+            "device_lane_available": self.device_lane is not None and self._lane_room,
         }

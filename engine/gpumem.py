@@ -1,7 +1,8 @@
-"""What the GPU can give the optimizer state: headroom after forward/backward, and PCIe rates.
+"""What the GPU can give the optimizer state: headroom after forward/backward, and the rates
+the lane balance needs (PCIe, GPU AdamW, host memory bandwidth).
 
-Both are measured in the training process itself, at the first step: the headroom is what the
-first forward/backward left (its peak as the caching allocator saw it), and the PCIe rates are
+All are measured in the training process itself, at the first step: the headroom is what the
+first forward/backward left (its peak as the caching allocator saw it), the PCIe rates are
 those of this process's pinned copies, both directions at once, as the device lane runs them.
 """
 from __future__ import annotations
@@ -58,3 +59,47 @@ def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -
         rate = (nbytes / (marks[0].elapsed_time(marks[1]) / 1e3), nbytes / (marks[2].elapsed_time(marks[3]) / 1e3))
         best = (max(best[0], rate[0]), max(best[1], rate[1]))
     return best
+
+
+@functools.lru_cache(maxsize=None)
+def measure_gpu_adamw(device: torch.device, numel: int = 1 << 24, reps: int = 3) -> float | None:
+    """Params/s of fused AdamW on ``device`` over fp32 state (the best of ``reps``); None without CUDA."""
+    if device.type != "cuda":
+        return None
+    t = [torch.rand(numel, device=device) for _ in range(4)]
+    step = torch.ones((), device=device)
+    best = 0.0
+    for _ in range(reps + 1):  # the first round warms up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch._fused_adamw_([t[0]], [t[1]], [t[2]], [t[3]], [], [step], lr=1e-6, beta1=0.9, beta2=0.999,
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        end.record()
+        end.synchronize()
+        best = max(best, numel / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def measure_memory_bandwidth(nbytes: int = 256 << 20, reps: int = 3) -> float:
+    """Host memory bytes/s of a large copy (bytes read plus bytes written), this process's
+    threads, the best of ``reps``."""
+    import time
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def measure_lane_rates(device: torch.device) -> tuple[float, float, float, float] | None:
+    """(H2D, D2H bytes/s both at once, GPU AdamW params/s, host memory bytes/s) on ``device``;
+    None without CUDA. About 0.3 s, once per process."""
+    pcie, gpu = measure_pcie(device), measure_gpu_adamw(device)
+    if pcie is None or gpu is None:
+        return None
+    return pcie[0], pcie[1], gpu, measure_memory_bandwidth()

@@ -1,7 +1,8 @@
 """The two places a subgroup's update runs: the host lane and the device lane.
 
 Both call the same AdamW math (:mod:`engine.adamw`) on flat views; they differ only in where
-the state sits during the update and how it gets there.
+the state sits during the update and how it gets there. Streams and events come from
+:mod:`engine.streams` (CUDA's, or the host's, where everything runs at once).
 
 Host lane: the update runs over the subgroup in chunks of ``HOST_CHUNK_NUMEL`` elements. Each
 chunk's gradient is upcast to fp32 and unscaled (clipping, loss scale) into a small scratch
@@ -9,22 +10,28 @@ buffer that stays in the cores' caches, the fused kernel updates the chunk, and 
 new master is cast into the model's 16-bit weights while it is still in cache. Nothing is
 allocated per step; the gradient is read once from memory, the state once read and once
 written. Weights that live on a GPU go through a pinned staging buffer and an asynchronous
-copy (:class:`WeightUploader`), so the CPU goes on to the next subgroup at once.
+copy on the upload stream (:class:`WeightUploader`), so the CPU goes on to the next subgroup
+at once.
 
-Device lane (Deep Optimizer States): the subgroup's fp32 state (master, exp_avg, exp_avg_sq,
-back to back) is copied host-to-device on one stream, updated with the fused kernel on a
-second, and copied back on a third, through ``DEVICE_LANE_SLOTS`` device buffers, so that the copy
-in of one subgroup, the update of the next-older one and the copy back of the one before run
-at once (both PCIe directions), while the host lane updates other subgroups on the CPU.
-An event on the host buffer orders every later use of it after its copy back. Gradients that
-DeepSpeed keeps on the GPU are used where they are. State resident on the device (the device
-tier) is updated on the update stream with no transfer at all.
+Device lane (Deep Optimizer States): a subgroup goes through the lane in chunks of
+``DEVICE_LANE_CHUNK_NUMEL`` elements. A chunk's fp32 state (master, exp_avg, exp_avg_sq) and,
+when it is in host memory, its gradient are copied host-to-device on the ``h2d`` stream,
+updated with the fused kernel on ``compute``, and copied back on ``d2h``, through
+``DEVICE_LANE_SLOTS`` device slots, so that the copy in of one chunk, the update of the one
+before and the copy back of the one before that run at once (both PCIe directions), while the
+host lane updates other subgroups on the CPU. The lane's device memory is its slots, whatever
+the subgroup size. An event on the host buffer orders every later use of it after its copy
+back. Gradients that DeepSpeed keeps on the GPU are read where they are.
 
-With ``device='cpu'`` (tests) the device lane runs the same code synchronously.
+State resident on the device (the device tier) is updated on a stream of its own
+(``resident``), with no transfer, so that it never queues behind the lane's copies.
+
+At the end of a step every stream that wrote weights the model reads (upload, compute,
+resident) is joined to the caller's current stream: DeepSpeed's all-gather inside ``step()``
+and the next forward are ordered after the new weights without a host sync.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -32,14 +39,12 @@ import torch
 from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
 from engine.binding import SubgroupBinding, flat_weights_of, grad_scale_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
-from engine.placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
+from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS, device_lane_working_bytes
+from engine.streams import Event, Stream, Streams
 
 HOST_CHUNK_NUMEL = 1 << 21
 """Elements per host-lane chunk: 8 MB of fp32 gradient, small enough to stay in the caches
 between its upcast and the kernel, large enough that per-call overhead is noise (~1%)."""
-HOST_LANE_EFFICIENCY = 0.9
-"""The host lane's rate inside a step over the bare kernel's (the upcast and the weight cast
-ride in cache); what the engine's own lane balancing assumes."""
 
 
 class _Scratch:
@@ -74,14 +79,49 @@ def _gather(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offsets: li
         out[lo - a:hi - a].copy_(g[lo - offsets[k]:hi - offsets[k]], non_blocking=True)
 
 
-def _read_grads(binding: SubgroupBinding, steps: list[int]):
-    """(flat gradients per slice, runs of slices to update, gradient scale, slice offsets) of a
-    subgroup; None when no slice has a gradient this step."""
-    grads = [None if g is None else g.reshape(-1) for g in binding.grads()]
-    runs = group_runs(steps, [g is not None for g in grads])
-    if not runs:
-        return None
-    return grads, runs, grad_scale_of(binding), _offsets(binding)
+class _Grads:
+    """A subgroup's gradients as one step reads them: per slice (None: no gradient), the runs
+    of slices to update, the gradient scale, and the slices' offsets."""
+
+    def __init__(self, binding: SubgroupBinding, steps: list[int]) -> None:
+        self.per_slice = [None if g is None else g.reshape(-1) for g in binding.grads()]
+        self.runs = group_runs(steps, [g is not None for g in self.per_slice])
+        self.scale = grad_scale_of(binding)
+        self.offsets = _offsets(binding)
+
+    def slices_in(self, a: int, b: int):
+        """(slice, lo, hi) for each slice with a gradient that overlaps elements [a, b)."""
+        for k, g in enumerate(self.per_slice):
+            lo, hi = max(a, self.offsets[k]), min(b, self.offsets[k + 1])
+            if g is not None and lo < hi:
+                yield k, lo, hi
+
+    def source(self, k: int, lo: int, hi: int) -> torch.Tensor:
+        off = self.offsets[k]
+        return self.per_slice[k][lo - off:hi - off]
+
+    def slices_for(self, a: int, b: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, steps: list[int]) -> AdamWSlices:
+        """The fused call for elements [a, b): views (chunk-local) of each run that overlaps them."""
+        s = AdamWSlices([], [], [], [], [])
+        for i, j in self.runs:
+            lo, hi = max(a, self.offsets[i]), min(b, self.offsets[j])
+            if lo >= hi:
+                continue
+            x, y = lo - a, hi - a
+            s.params.append(master[x:y])
+            s.grads.append(grad[x:y])
+            s.exp_avgs.append(exp_avg[x:y])
+            s.exp_avg_sqs.append(exp_avg_sq[x:y])
+            s.steps.append(_step_tensor(steps[i] + 1, master.device))
+        return s
+
+    def advance(self, steps: list[int]) -> int:
+        """Count the step in every updated slice; the slices updated."""
+        for i, j in self.runs:
+            for k in range(i, j):
+                steps[k] += 1
+        return sum(j - i for i, j in self.runs)
 
 
 def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
@@ -96,16 +136,16 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
     them. Returns the slices updated."""
     buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
-    read = _read_grads(binding, steps)
-    if read is None:
+    grads = _Grads(binding, steps)
+    if not grads.runs:
         return 0
-    grads, runs, scale, offsets = read
+    per_slice, offsets, scale = grads.per_slice, grads.offsets, grads.scale
     master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
-    direct = (len(grads) == 1 and scale == 1.0 and grads[0].dtype == torch.float32
-              and grads[0].device.type == "cpu" and grads[0].is_contiguous())
+    direct = (len(per_slice) == 1 and scale == 1.0 and per_slice[0].dtype == torch.float32
+              and per_slice[0].device.type == "cpu" and per_slice[0].is_contiguous())
     sink = weights.begin(binding) if weights is not None else None
     covered = 0
-    for i, j in runs:
+    for i, j in grads.runs:
         step = _step_tensor(steps[i] + 1, master.device)
         lo, hi = offsets[i], offsets[j]
         if sink is not None and lo > covered:
@@ -113,64 +153,24 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
         for a in range(lo, hi, HOST_CHUNK_NUMEL):
             b = min(hi, a + HOST_CHUNK_NUMEL)
             if direct:
-                g = grads[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+                g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
             else:
                 g = scratch.get(b - a)
-                _gather(g, grads, offsets, a, b)
+                _gather(g, per_slice, offsets, a, b)
                 if scale != 1.0:
                     g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
             kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step]), hp)
             if sink is not None:
                 sink.write(a, b, master[a:b])  # cast while the chunk is in cache
         covered = hi
-    for i, j in runs:
-        for k in range(i, j):
-            steps[k] += 1
+    updated = grads.advance(steps)
     if sink is not None:
         if covered < binding.numel:
             sink.write(covered, binding.numel, master[covered:binding.numel])
         sink.finish()
     else:
         binding.write_weights(master)
-    return sum(j - i for i, j in runs)
-
-
-def device_update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, binding: SubgroupBinding,
-                  steps: list[int], hp: AdamWHyper, scratch: _Scratch) -> int:
-    """One AdamW step of a subgroup whose state views are on the device, on the current stream.
-    Gradients are upcast (and unscaled) into ``scratch`` unless they are fp32 there already."""
-    read = _read_grads(binding, steps)
-    if read is None:
-        return 0
-    grads, runs, scale, offsets = read
-    g0 = grads[0]
-    if (len(grads) == 1 and scale == 1.0 and g0.dtype == torch.float32 and g0.device == master.device
-            and g0.is_contiguous()):
-        grad = g0  # fp32 on this device already: read in place
-    else:
-        grad = scratch.get(master.numel())
-        _gather(grad, grads, offsets, 0, master.numel())
-        if scale != 1.0:
-            grad.mul_(scale)
-    s = AdamWSlices([], [], [], [], [])
-    for i, j in runs:
-        a, b = offsets[i], offsets[j]
-        s.params.append(master[a:b])
-        s.grads.append(grad[a:b])
-        s.exp_avgs.append(exp_avg[a:b])
-        s.exp_avg_sqs.append(exp_avg_sq[a:b])
-        s.steps.append(_step_tensor(steps[i] + 1, master.device))
-    adamw_update_torch_(s, hp)
-    for i, j in runs:
-        for k in range(i, j):
-            steps[k] += 1
-    flat = flat_weights_of(binding)
-    if flat is not None and flat.device == master.device:
-        flat.copy_(master)  # cast on the device, no transfer
-        weights_written(binding)
-    else:
-        binding.write_weights(master)
-    return sum(j - i for i, j in runs)
+    return updated
 
 
 class _WeightSink:
@@ -193,29 +193,29 @@ class _WeightSink:
 class WeightUploader:
     """Gets the host lane's updated weights into the model's flat weights.
 
-    A flat weight tensor on the host is written in place. One on a CUDA device is written
+    A flat weight tensor in host memory is written in place. One in device memory is written
     through two pinned staging buffers: the host lane casts into one while the other's
-    asynchronous copy runs on ``stream``. Bindings without a flat weight tensor (``OffloadAdamW``)
-    fall back to their ``write_weights``.
+    asynchronous copy runs on ``stream`` (the upload stream, which the engine joins to the
+    caller's stream at the end of the step). Bindings without a flat weight tensor
+    (``OffloadAdamW``) fall back to their ``write_weights``.
     """
 
-    def __init__(self, stream: "torch.cuda.Stream | None") -> None:
-        self.stream = stream
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.stream = streams.new_stream()
         self._staging: list[torch.Tensor | None] = [None, None]
-        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._done: list[Event | None] = [None, None]
         self._next = 0
 
     def begin(self, binding: SubgroupBinding) -> _WeightSink | None:
         target = flat_weights_of(binding)
         if target is None:
             return None
-        if target.device.type == "cpu":
+        if self.streams.in_host_memory(target):
             return _WeightSink(self, binding, target, None, -1)
-        if self.stream is None:
-            return None
         k, self._next = self._next, 1 - self._next
         if self._done[k] is not None:
-            self._done[k].synchronize()  # its previous copy has read it
+            self._done[k].synchronize()  # its previous copy has read it (a blocking event: this thread sleeps)
         nbytes = target.numel() * target.element_size()
         buf = self._staging[k]
         if buf is None or buf.numel() < nbytes:
@@ -224,10 +224,9 @@ class WeightUploader:
         return _WeightSink(self, binding, target, staging, k)
 
     def upload(self, target: torch.Tensor, staging: torch.Tensor, k: int) -> None:
-        with torch.cuda.stream(self.stream):
-            target.copy_(staging, non_blocking=True)
-            ev = self._done[k] = torch.cuda.Event()
-            ev.record(self.stream)
+        with self.streams.use(self.stream):
+            self.streams.copy(target, staging)
+            self._done[k] = self.streams.record(self.stream)
 
     @property
     def nbytes(self) -> int:
@@ -247,114 +246,195 @@ class HostLane:
 
 
 class _Slot:
-    """One device buffer of the device lane and the events that order its reuse."""
+    """One chunk-sized device buffer of the device lane (state, gradient, weights) and the
+    event that orders its reuse after its last copy out."""
 
-    def __init__(self) -> None:
-        self.state: torch.Tensor | None = None
-        self.loaded = self.updated = self.free = None
+    def __init__(self, device: torch.device, chunk_numel: int) -> None:
+        self.chunk_numel = chunk_numel
+        self.state = torch.empty(3 * chunk_numel, dtype=torch.float32, device=device)
+        # Raw bytes, viewed as the gradient's or the weights' dtype (4 bytes per element at most).
+        self.grad = torch.empty(4 * chunk_numel, dtype=torch.uint8, device=device)
+        self.weights = torch.empty(4 * chunk_numel, dtype=torch.uint8, device=device)
+        self.free: Event | None = None
+
+    def views(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.chunk_numel
+        return self.state[:m], self.state[c:c + m], self.state[2 * c:2 * c + m]
+
+    @staticmethod
+    def typed(raw: torch.Tensor, dtype: torch.dtype, m: int) -> torch.Tensor:
+        return raw.view(dtype)[:m]
 
 
 class DeviceLane:
-    """Updates subgroups on ``device``: staged from host buffers, or resident there."""
+    """Updates subgroups on ``device``: staged from host buffers through chunk slots, or resident there."""
 
-    def __init__(self, device: torch.device, capacity_numel: int, slots: int = DEVICE_LANE_SLOTS) -> None:
-        self.device, self.capacity_numel = device, capacity_numel
-        self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.h2d = torch.cuda.Stream(device)
-            self.compute = torch.cuda.Stream(device)
-            self.d2h = torch.cuda.Stream(device)
-        else:
-            self.h2d = self.compute = self.d2h = None
-        self._slots = [_Slot() for _ in range(max(1, slots))]
+    def __init__(self, streams: Streams, capacity_numel: int, slots: int = DEVICE_LANE_SLOTS,
+                 chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> None:
+        self.streams, self.device = streams, streams.device
+        self.capacity_numel = capacity_numel
+        self.chunk_numel = max(1, min(chunk_numel, capacity_numel))
+        self.n_slots = max(1, slots)
+        self.h2d, self.compute, self.d2h = streams.new_stream(), streams.new_stream(), streams.new_stream()
+        self.resident = streams.new_stream()
+        self._slots: list[_Slot] = []  # allocated at the first staged update
         self._next = 0
-        self._grad = _Scratch(device)
-
+        self._grad = _Scratch(self.device)  # the compute stream's fp32 gradient chunk
+        self._resident_grad = _Scratch(self.device)  # the resident stream's
+        self._weights_to_host = False  # this step copied weights into host memory on d2h
 
     def working_bytes(self) -> int:
-        """Device memory the lane uses at most: its slots and a gradient scratch."""
-        return device_lane_working_bytes(self.capacity_numel, len(self._slots))
+        """Device memory the lane uses at most: its slots and two gradient scratches."""
+        return device_lane_working_bytes(self.capacity_numel, self.n_slots, self.chunk_numel)
+
+    @property
+    def weight_streams(self) -> tuple[Stream, Stream]:
+        """The lane's streams that write weights the model reads."""
+        return self.compute, self.resident
 
     def begin_step(self) -> None:
-        if self.is_cuda:
-            # Everything the step reads (gradients, weights) was produced by backward on
-            # DeepSpeed's or the default stream: let all of it land first.
-            torch.cuda.synchronize(self.device)
+        # Everything the step reads (gradients, weights) was produced by backward on DeepSpeed's
+        # or the default stream, and host-lane gradients were copied out by it: let all of it land.
+        self.streams.synchronize()
+        self._weights_to_host = False
 
-    def end_step(self) -> None:
-        # The step's one sync point: every update, copy back and weight upload has landed
-        # before the next forward reads the weights, on whatever stream it runs.
-        self.sync()
+    def end_step(self, current: Stream) -> None:
+        """Order ``current`` after every weight the lane wrote (no host wait), and wait here for
+        weights copied into host memory, which the host reads without a stream."""
+        for s in self.weight_streams:
+            current.wait_stream(s)
+        if self._weights_to_host:
+            self.d2h.synchronize()
 
     def sync(self) -> None:
         """Wait for everything queued on the lane's streams."""
-        if self.is_cuda:
-            for s in (self.h2d, self.compute, self.d2h):
-                s.synchronize()
+        for s in (self.h2d, self.compute, self.d2h, self.resident):
+            s.synchronize()
+
+    # -- the device tier: state resident on the device ------------------------------------------
 
     def seed_resident(self, state: torch.Tensor, binding: SubgroupBinding) -> None:
         """First state of a device-tier subgroup: master from the weights, zero moments; on
-        the update stream, ahead of the subgroup's update."""
-        with self._on(self.compute):
+        the resident stream, ahead of the subgroup's update."""
+        with self.streams.use(self.resident):
             n = binding.numel
             binding.read_weights(state[:n])
             state[n:3 * n].zero_()
 
     def update_resident(self, state: torch.Tensor, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper) -> int:
-        """Update state that lives on the device (the device tier): no transfers."""
-        with self._on(self.compute):
-            n = binding.numel
-            m, ea, eas = state[:3 * n].split(n)
-            return device_update(m, ea, eas, binding, steps, hp, self._grad)
+        """Update state that lives on the device (the device tier), chunk by chunk through the
+        resident stream's gradient scratch: no transfers."""
+        grads = _Grads(binding, steps)
+        if not grads.runs:
+            return 0
+        n = binding.numel
+        master, exp_avg, exp_avg_sq = state[:3 * n].split(n)
+        flat = flat_weights_of(binding)
+        with self.streams.use(self.resident):
+            for a in range(0, n, self.chunk_numel):
+                b = min(n, a + self.chunk_numel)
+                g = self._grad_chunk(grads, a, b, self._resident_grad, None)
+                adamw_update_torch_(grads.slices_for(a, b, master[a:b], g, exp_avg[a:b], exp_avg_sq[a:b], steps), hp)
+                self._write_weights(binding, flat, master[a:b], a)
+        weights_written(binding)
+        return grads.advance(steps)
+
+    # -- the device lane: state staged from host memory ------------------------------------------
 
     def update_staged(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper) -> int:
-        """Copy a host buffer's state in, update it here, copy it back; asynchronous on CUDA."""
-        buf.wait_ready()
+        """Copy a host buffer's state in, chunk by chunk, update it here, copy it back; all
+        asynchronous (``buf.ready_event`` marks the last copy back)."""
+        grads = _Grads(binding, steps)
+        if not grads.runs:
+            return 0
+        if self.streams.pins_host_memory:
+            buf.pin()  # page-locked in place (tried once), so the copies run asynchronously
         n = binding.numel
-        if not self.is_cuda:
-            dev = self._slots[0].state = _grow(self._slots[0].state, 3 * n, self.device)[:3 * n]
-            dev.copy_(buf.state)
-            m, ea, eas = dev.split(n)
-            updated = device_update(m, ea, eas, binding, steps, hp, self._grad)
-            buf.state.copy_(dev)
-            return updated
-        buf.pin()  # once: page-locked in place, so both copies run asynchronously
+        flat = flat_weights_of(binding)
+        weights_via_host = flat is not None and not self.streams.on_device(flat)
+        previous = buf.ready_event  # a copy back into this buffer still in flight (an earlier step)
+        for a in range(0, n, self.chunk_numel):
+            b, slot = min(n, a + self.chunk_numel), self._take_slot()
+            m = b - a
+            master, exp_avg, exp_avg_sq = slot.views(m)
+            with self.streams.use(self.h2d):
+                if slot.free is not None:
+                    self.h2d.wait_event(slot.free)  # the slot's last chunk has been copied out
+                if previous is not None:
+                    self.h2d.wait_event(previous)  # the buffer holds its last copy back
+                    previous = None
+                self.streams.copy(master, buf.master[a:b])
+                self.streams.copy(exp_avg, buf.exp_avg[a:b])
+                self.streams.copy(exp_avg_sq, buf.exp_avg_sq[a:b])
+                uploaded = self._upload_grads(grads, a, b, slot)
+                loaded = self.streams.record(self.h2d)
+            with self.streams.use(self.compute):
+                self.compute.wait_event(loaded)  # the chunk's state (and gradient) has arrived
+                g = self._grad_chunk(grads, a, b, self._grad, uploaded)
+                adamw_update_torch_(grads.slices_for(a, b, master, g, exp_avg, exp_avg_sq, steps), hp)
+                if weights_via_host:
+                    weights = _Slot.typed(slot.weights, flat.dtype, m)
+                    weights.copy_(master)  # cast here; copied out with the state
+                else:
+                    self._write_weights(binding, flat, master, a)
+                updated = self.streams.record(self.compute)
+            with self.streams.use(self.d2h):
+                self.d2h.wait_event(updated)  # the chunk's update is done
+                self.streams.copy(buf.master[a:b], master)
+                self.streams.copy(buf.exp_avg[a:b], exp_avg)
+                self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
+                if weights_via_host:
+                    self.streams.copy(flat[a:b], weights)
+                    self._weights_to_host = True
+                slot.free = self.streams.record(self.d2h)
+        buf.ready_event = slot.free  # d2h runs in order: the last chunk's copy back covers them all
+        weights_written(binding)
+        return grads.advance(steps)
+
+    def _take_slot(self) -> _Slot:
+        if not self._slots:
+            self._slots = [_Slot(self.device, self.chunk_numel) for _ in range(self.n_slots)]
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        if slot.state is None:
-            # Allocated once, at the largest subgroup's size: a slot is never freed while a
-            # copy on another stream may still use it.
-            slot.state = torch.empty(3 * self.capacity_numel, dtype=torch.float32, device=self.device)
-        dev = slot.state[:3 * n]
-        with torch.cuda.stream(self.h2d):
-            if slot.free is not None:
-                self.h2d.wait_event(slot.free)  # the slot's previous copy back has read it
-            dev.copy_(buf.state, non_blocking=True)
-            slot.loaded = _record(self.h2d)
-        with torch.cuda.stream(self.compute):
-            self.compute.wait_event(slot.loaded)  # the state has arrived
-            m, ea, eas = dev.split(n)
-            updated = device_update(m, ea, eas, binding, steps, hp, self._grad)
-            slot.updated = _record(self.compute)
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(slot.updated)  # the update is done
-            buf.state.copy_(dev, non_blocking=True)
-            slot.free = _record(self.d2h)
-        buf.ready_event = slot.free  # the host buffer is not read or reused before this
-        return updated
+        return slot
 
-    @staticmethod
-    def _on(stream):
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    def _upload_grads(self, grads: _Grads, a: int, b: int, slot: _Slot) -> dict[int, torch.Tensor]:
+        """On the h2d stream: the chunk's gradient slices that are in host memory, into the
+        slot (in their own dtype; fp32 if they differ). Per slice, the slot's view of it."""
+        host = [(k, lo, hi) for k, lo, hi in grads.slices_in(a, b) if not self.streams.on_device(grads.per_slice[k])]
+        if not host:
+            return {}
+        dtypes = {grads.per_slice[k].dtype for k, _, _ in host}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        staged = _Slot.typed(slot.grad, dtype, b - a)
+        out = {}
+        for k, lo, hi in host:
+            dst = staged[lo - a:hi - a]
+            self.streams.copy(dst, grads.source(k, lo, hi))
+            out[k] = dst
+        return out
 
+    def _grad_chunk(self, grads: _Grads, a: int, b: int, scratch: _Scratch,
+                    uploaded: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """The fp32, unscaled gradient of elements [a, b) on the device, on the current stream:
+        read in place when it is one fp32 slice here already, else upcast into ``scratch``."""
+        one = grads.per_slice[0] if len(grads.per_slice) == 1 else None
+        if (one is not None and grads.scale == 1.0 and one.dtype == torch.float32 and not uploaded
+                and self.streams.on_device(one) and one.is_contiguous()):
+            return one[a:b]
+        out = scratch.get(b - a)
+        for k, lo, hi in grads.slices_in(a, b):
+            src = uploaded[k] if uploaded and k in uploaded else grads.source(k, lo, hi)
+            out[lo - a:hi - a].copy_(src, non_blocking=True)
+        if grads.scale != 1.0:
+            out.mul_(grads.scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
+        return out
 
-def _grow(t: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
-    if t is None or t.numel() < numel:
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    return t
-
-
-def _record(stream) -> "torch.cuda.Event":
-    ev = torch.cuda.Event()
-    ev.record(stream)
-    return ev
+    def _write_weights(self, binding: SubgroupBinding, flat: torch.Tensor | None, master: torch.Tensor,
+                       offset: int) -> None:
+        """The chunk's new weights, on the current stream: cast into flat weights on this device,
+        else through the binding."""
+        if flat is not None and self.streams.on_device(flat):
+            self.streams.copy(flat[offset:offset + master.numel()], master)  # cast on the device, no transfer
+        else:
+            binding.write_weights(master, offset)

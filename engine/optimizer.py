@@ -51,15 +51,22 @@ class ParamSubgroup:
             out[off:off + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.start + s.numel])
             off += s.numel
 
-    def write_weights(self, master: torch.Tensor) -> None:
-        off = 0
+    def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
+        end, off = offset + master.numel(), 0
         with torch.no_grad():
             for s in self.slices:
-                src = master[off:off + s.numel]
-                if s.param.is_contiguous():
-                    s.param.view(-1)[s.start:s.start + s.numel].copy_(src)
-                else:  # never split (see flatten_params): the slice is the whole parameter
-                    s.param.copy_(src.view(s.param.shape))
+                lo, hi = max(off, offset), min(off + s.numel, end)
+                if lo < hi:
+                    src = master[lo - offset:hi - offset]
+                    if s.param.is_contiguous():
+                        start = s.start + lo - off
+                        s.param.view(-1)[start:start + hi - lo].copy_(src)
+                    elif hi - lo == s.numel:  # never split across subgroups (see flatten_params)
+                        s.param.copy_(src.view(s.param.shape))
+                    else:  # a device-lane chunk ends inside it: read, modify, write the whole
+                        whole = s.param.detach().reshape(-1).clone()
+                        whole[lo - off:hi - off] = src.to(whole.device)
+                        s.param.copy_(whole.view(s.param.shape))
                 off += s.numel
 
 

@@ -18,12 +18,21 @@ HOST = "host"
 
 DEVICE_LANE_SLOTS = 3
 """Device buffers of the device lane: one copying in, one updating, one copying back."""
+DEVICE_LANE_CHUNK_NUMEL = 1 << 23
+"""Elements the device lane moves and updates at a time: a subgroup goes through the lane in
+chunks of this size, so the lane's device memory does not grow with ``sub_group_size``
+(DeepSpeed's default of 1e9 would need 40 GB in whole-subgroup slots). 32 MB per fp32 copy
+keeps pinned PCIe copies at their full rate."""
 
 
-def device_lane_working_bytes(capacity_numel: int, slots: int = DEVICE_LANE_SLOTS) -> int:
+def device_lane_working_bytes(capacity_numel: int, slots: int = DEVICE_LANE_SLOTS,
+                              chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> int:
     """Device memory a device lane over subgroups of at most ``capacity_numel`` elements uses:
-    ``slots`` buffers of fp32 state (12 B/element) and one fp32 gradient scratch (4 B/element)."""
-    return (12 * slots + 4) * capacity_numel
+    per slot, a chunk of fp32 state (12 B/element), of gradient and of 16- or 32-bit weights
+    (4 B each at most); and two fp32 gradient scratches (the lane's and the device tier's
+    update streams). Bounded by the chunk, whatever the subgroup size."""
+    c = min(capacity_numel, chunk_numel)
+    return (20 * slots + 8) * c
 
 
 @dataclass(frozen=True)

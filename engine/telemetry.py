@@ -32,10 +32,11 @@ class StepRecord:
     cache_misses: int = 0
     """Swapped subgroups read from storage this step."""
     host_lane_subgroups: int = 0
+    """Subgroups updated on the host lane (their state in host memory, or staged there)."""
     device_lane_subgroups: int = 0
-    """Subgroups updated on each lane; device-tier subgroups count on the device lane."""
+    """Subgroups updated on the device lane (state copied to the device and back)."""
     device_tier_subgroups: int = 0
-    """Subgroups whose state stayed in device memory."""
+    """Subgroups whose state stays in device memory, updated there (counted on neither lane)."""
     host_lane_s: float = 0.0
     """Time in host-lane updates (the CPU's share of ``update_s``)."""
     fwd_bwd_s: float | None = None
@@ -47,6 +48,10 @@ class StepRecord:
     device_wait_s: float = 0.0
     """Time waiting, at the end of the step, for device-lane work still queued (the GPU's and
     PCIe's tail past the CPU's)."""
+    setup_s: float = 0.0
+    """One-time work before the update loop, outside ``wall_s`` and ``fwd_bwd_s``: knob changes
+    (pinning the buffers of subgroups that moved to the device lane), the device tier's fit, the
+    adapter's work for them between steps (``SubgroupEngine.setup_time``)."""
     params: int = 0
     knobs: dict = field(default_factory=dict)
     start_s: float | None = None

@@ -56,8 +56,8 @@ class ZeroPartitionSubgroup:
     def read_weights(self, out: torch.Tensor) -> None:
         out.copy_(self.flat_weights)
 
-    def write_weights(self, master: torch.Tensor) -> None:
-        self.flat_weights.data.copy_(master)
+    def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
+        self.flat_weights.data[offset:offset + master.numel()].copy_(master)
         self.weights_written()
 
     def params(self):
@@ -108,8 +108,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         finally:
             self.offload_optimizer_pin_memory = pin
         ds_compat.check_optimizer_instance(self)  # the DeepSpeed internals used from here on
-        if pin:
-            pin_in_place(self.grad_partitions_flat_buffer)
         _check_adamw(self.optimizer)
         _check_supported(self)
         self._engine_grad_scale = 1.0
@@ -119,13 +117,22 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             off += self.fp16_partitioned_groups_flat_numel[i]
         config, knobs = self._engine_config()
         self.offload_engine = SubgroupEngine(self._bindings, config, knobs)
+        device = self.offload_engine.device
+        if pin or (device is not None and device.type == "cuda"):
+            # With a CUDA device lane, pinned whatever the ds_config says: a pageable gradient
+            # buffer makes every device-lane upload of it a synchronous copy (the host blocks
+            # once per chunk).
+            pin_in_place(self.grad_partitions_flat_buffer)
         self.device_fit = None  # the first step fits the device tier to what backward left free
         self.tuner_client = self._connect_tuner()
 
     def _engine_config(self) -> tuple[EngineConfig, Knobs]:
         import deepspeed.comm as dist
 
+        from perf.plan import node_layout
+
         rank = dist.get_rank() if dist.is_initialized() else 0
+        local_ranks, _ = node_layout(dist.get_world_size() if dist.is_initialized() else 1)
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
         paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
             StoragePath(path=p, kind="remote") for p in self.settings.remote_paths)
@@ -139,9 +146,9 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         device = self.settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
                               device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
-                              auto_device_fraction=(bool(device) and self.settings.auto_device_fraction
-                                                    and not self.settings.profile),
-                              io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank)
+                              auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
+                              io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank,
+                              local_ranks=local_ranks)
         return config, knobs
 
     def _rank_plan(self, paths, **measured):
@@ -159,7 +166,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _fit_to_gpu(self) -> None:
         """At the first step, after the first forward/backward: keep on the GPU what its peak
-        leaves room for, then start the lanes from the plan for the rest (with --profile)."""
+        leaves room for, and balance the lanes for the rest (the engine's lane model on rates
+        measured here; with --profile the plan's summary is redone for what the fit left)."""
         engine = self.offload_engine
         grad_bytes = self.grad_partitions_flat_buffer.element_size()
         # From the second forward on, DeepSpeed prefetches and keeps live up to these many
@@ -169,13 +177,15 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         total = sum(p.ds_numel for g in self.fp16_groups for p in g)
         reserve = min(live, total) * self.fp16_partitioned_groups_flat[0].element_size()
         self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes, reserve_bytes=reserve)
-        if self.settings.profile and self.settings.auto_device_fraction:
-            rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
-                                 gpu_headroom_bytes=self.device_fit["headroom_bytes"],
-                                 device_cache_bytes=self.device_fit["device_tier_bytes"])
-            engine.set_knobs(engine.knobs.replace(device_fraction=rp.knobs.device_fraction))
-            self.plan_summary = rp.summary
-            self.device_fit["device_fraction"] = rp.knobs.device_fraction
+        if self.settings.profile:
+            try:
+                rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
+                                     gpu_headroom_bytes=self.device_fit.headroom_bytes,
+                                     device_cache_bytes=self.device_fit.device_tier_bytes,
+                                     device_fraction=self.device_fit.device_fraction)
+                self.plan_summary = rp.summary
+            except ConfigError as e:  # the prediction is for the record; the run goes on as fitted
+                self.plan_summary = f"profile: no prediction for the fitted plan ({e})"
 
     def _place_grads(self) -> None:
         """Point DeepSpeed's per-parameter gradient entries of the subgroups the engine
@@ -243,7 +253,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         # The tuner client, when there is one, is the engine's step hook (engine.hooks).
         self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
         if self.offload_engine.device is not None:
-            self._place_grads()  # for the next backward, after any lane change
+            with self.offload_engine.setup_time():  # one-time buffers: not the next iteration's time
+                self._place_grads()  # for the next backward, after any lane change
         # The wrapped optimizer holds no params (the engine owns them), so its step() updates
         # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
         # Face attaches its scheduler to this optimizer) and registered step hooks.

@@ -34,13 +34,15 @@ def node_layout(world_size: int) -> tuple[int, int]:
 def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subgroup_numel: int,
                   paths: tuple[StoragePath, ...], weight_bytes: int, host_cache_bytes: int | None,
                   knob_overrides: dict, gpu_headroom_bytes: int | None = None,
-                  device_cache_bytes: int | None = None) -> RankPlan:
+                  device_cache_bytes: int | None = None, device_fraction: float | None = None) -> RankPlan:
     """The model's best plan for this run, with ``host_cache_bytes`` (when not None) and
     ``knob_overrides`` (knob name -> value the user set) taking precedence.
 
     ``gpu_headroom_bytes``: what the first forward/backward left free on the GPU (measured by
     the engine at the first step); ``device_cache_bytes``: the device tier the engine fitted to
-    it. With both, the plan is for the rest: what the CPU and the device lane share."""
+    it. With both, the plan is for the rest: what the CPU and the device lane share, at
+    ``device_fraction`` when given (the engine's own balance, by the same lane model), else at
+    the fraction the model predicts fastest."""
     from perf.model import Workload, predict
     from perf.profile_toml import load_profile
     from perf.search import best_plan
@@ -58,9 +60,14 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     best = best_plan(profile, workload, paths=names)
     plan = best.plan
     if device_cache_bytes is not None:
-        # The tier is fitted; the lane's share of what is left is the model's.
-        best = _best_fraction(profile, workload, plan.replace(device_cache_bytes=device_cache_bytes))
-        plan = best.plan
+        # The tier is fitted; the lane's share of what is left is the engine's, or the model's.
+        plan = plan.replace(device_cache_bytes=device_cache_bytes)
+        if device_fraction is not None:
+            plan = plan.with_knobs(device_fraction=device_fraction)
+            best = predict(profile, workload, plan)
+        else:
+            best = _best_fraction(profile, workload, plan)
+            plan = best.plan
     if host_cache_bytes is not None:
         plan = plan.replace(host_cache_bytes=host_cache_bytes)
     if knob_overrides:

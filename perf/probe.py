@@ -28,10 +28,11 @@ from typing import Callable, Iterable, Literal, Sequence
 import psutil
 import torch
 
-from engine.adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels, select_host_kernel
+from engine.adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels
 from engine.buffers import ALIGN_BYTES, aligned_empty
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StoragePathError
+from engine.host_kernel import select_host_kernel
 from engine.storage.blockdev import device_of
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import check_usable

@@ -17,6 +17,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 import engine.adamw
+import engine.host_kernel
 from engine.errors import ConfigError
 from integrations import ds_compat
 
@@ -195,7 +196,8 @@ def test_info_fails_with_the_one_line(stage3, monkeypatch, capsys):
     from offloadctl.commands import info
 
     monkeypatch.setattr(engine.adamw, "measure_host_kernels", lambda: {"torch": 1.0})
-    monkeypatch.setattr(engine.adamw, "chosen_host_kernel", lambda: "torch")
+    monkeypatch.setattr(engine.host_kernel, "chosen_host_kernel", lambda: "torch")
+    monkeypatch.setattr(engine.host_kernel, "host_lane_rate", lambda name: 1.0)
     monkeypatch.setattr(stage3, "_post_step", lambda self: None)
     for as_json in (True, False):
         assert info.run(argparse.Namespace(json=as_json, build=False)) == 2

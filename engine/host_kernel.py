@@ -1,0 +1,173 @@
+"""Which fused AdamW kernel the host lane runs, and the rate of the host lane with it.
+
+Two kernels can run the host lane: torch's ``_fused_adamw_`` and DeepSpeed's AVX
+``DeepSpeedCPUAdam``. The choice is made by timing the host lane's own loop with each (the
+gradient upcast and unscale, the kernel, the 16-bit weight cast, chunk by chunk: what a ZeRO-3
+step runs), not the bare kernels: two OpenMP runtimes handing over at every chunk can make the
+faster kernel the slower loop. The same timing is the host-lane rate the lane balance uses
+(:mod:`engine.lane_model`), measured with the threads this process runs (its share of the node's
+cores under ``offloadctl train``).
+
+The two kernels round differently in the last bit, so the choice is measured once per machine
+and environment and kept in a file (``KERNEL_CHOICE_FILE``, beside the built ops): every rank,
+every run and every resume then takes the same kernel, and the same seed gives the same losses.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from engine.adamw import AdamWHyper, DeepSpeedCpuAdam, HostKernel, adamw_update_torch_, host_kernels
+from engine.binding import FlatSubgroup
+from engine.buffers import StateBuffer
+from engine.lanes import HostLane, WeightUploader
+from engine.storage.native_ops import extensions_dir, load_cpu_adam
+from engine.streams import Streams, streams_for
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICE_FILE = "offloadctl-host-kernel.json"
+"""Kept beside the built ops (one per environment: the same torch, DeepSpeed and compiler)."""
+LANE_SUBGROUPS = 4
+"""Subgroups the timed loop updates per round (so that the staging of weights alternates)."""
+
+
+def time_host_lane(kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: int = 5,
+                   streams: Streams | None = None) -> dict[str, float]:
+    """Params/s of the host lane's loop with each kernel: ``LANE_SUBGROUPS`` subgroups of
+    ``numel / LANE_SUBGROUPS`` fp32 state with a bf16 gradient in host memory unscaled by 0.5
+    (clipping engaged) and bf16 flat weights (on ``streams``' device when it is a GPU, uploaded
+    as the engine does; in host memory otherwise). Rounds alternate between kernels and the
+    median is kept, so that a burst of noise does not pick the slower one."""
+    streams = streams or streams_for(torch.device("cpu"))
+    # A private generator: this runs inside the user's deepspeed.initialize and must not move
+    # their RNG state (dropout masks would differ from a stock run).
+    gen = torch.Generator().manual_seed(0)
+    part = max(1, numel // LANE_SUBGROUPS)
+    weights_device = streams.device if streams.device.type == "cuda" else torch.device("cpu")
+    work = []
+    for _ in range(LANE_SUBGROUPS):
+        b = FlatSubgroup(torch.zeros(part, dtype=torch.bfloat16, device=weights_device),
+                         torch.rand(part, generator=gen).to(torch.bfloat16))  # host: where ZeRO-3 offload keeps them
+        b.grad_scale = 0.5
+        buf = StateBuffer(part)
+        buf.master.copy_(torch.rand(part, generator=gen))
+        buf.exp_avg.zero_()
+        buf.exp_avg_sq.zero_()
+        work.append((b, buf, [0]))
+    hp = AdamWHyper(lr=1e-6)
+    lanes = {k: HostLane(k, kernel, WeightUploader(streams)) for k, kernel in kernels.items()}
+
+    def one_round(lane: HostLane) -> float:
+        t0 = time.perf_counter()
+        for b, buf, steps in work:
+            lane.update(buf, b, steps, hp)
+        lane.weights.stream.synchronize()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in lanes}
+    for lane in lanes.values():
+        one_round(lane)  # warm-up: first touches, staging buffers
+    for _ in range(reps):
+        for k, lane in lanes.items():
+            times[k].append(one_round(lane))
+    return {k: LANE_SUBGROUPS * part / statistics.median(v) for k, v in times.items()}
+
+
+def measure_host_lanes() -> dict[str, float]:
+    """The host lane's params/s with each kernel that runs here, this process's threads."""
+    return time_host_lane(host_kernels())
+
+
+_measured_rates: dict[str, float] = {}
+
+
+def host_lane_rate(name: str) -> float:
+    """Params/s of the host lane with kernel ``name`` in this process (kept, or measured once)."""
+    if name not in _measured_rates:
+        _measured_rates.update(measure_host_lanes())
+    return _measured_rates.get(name, 0.0)
+
+
+def _machine_key() -> str:
+    """What the loop's speed with each kernel depends on: the CPU, the threads a process uses,
+    the library versions."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        import deepspeed
+        ds = deepspeed.__version__
+    except Exception:
+        ds = "none"
+    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}|lane"
+
+
+def chosen_host_kernel() -> str:
+    """The kernel of the faster host lane on this machine: read from ``KERNEL_CHOICE_FILE``, or
+    measured once (under a lock, so that ranks starting together agree) and written there."""
+    path = os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)
+    key = _machine_key()
+    try:
+        os.makedirs(extensions_dir(), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        fd = -1  # nowhere to keep it: measured in this process
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+            if not isinstance(known, dict):
+                known = {}
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(key)
+        if isinstance(entry, dict) and entry.get("kernel") in ("torch", "deepspeed"):
+            rates = entry.get("params_per_s", {})
+            # Measured before the cpu_adam op was built, or the op is gone since: measure again.
+            if ("deepspeed" in rates) == (load_cpu_adam() is not None):
+                _measured_rates.update({k: float(v) for k, v in rates.items()})
+                return entry["kernel"]
+        rates = measure_host_lanes()
+        _measured_rates.update(rates)
+        best = max(rates, key=rates.get)
+        known[key] = {"kernel": best, "params_per_s": rates}
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only environment: measured each time, still correct
+            log.info("cannot keep the host kernel choice in %s: %s", path, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        log.info("host lane kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
+        return best
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+@functools.lru_cache(maxsize=None)
+def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
+    """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
+    if choice == "auto":
+        choice = chosen_host_kernel()
+    if choice == "deepspeed":
+        return "deepspeed", DeepSpeedCpuAdam()
+    return "torch", adamw_update_torch_

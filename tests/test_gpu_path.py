@@ -1,0 +1,301 @@
+"""The GPU path's ordering, memory and bookkeeping, checked on the CPU.
+
+The engine runs its CUDA code path with ``device='cpu'`` and a recording fake of its streams
+(``tests/fake_streams.py``): the model's weights are marked as device memory, so the host lane
+uploads them through staging buffers on its upload stream, the device lane copies state in and
+out chunk by chunk on its h2d/compute/d2h streams, and the device tier updates on its own stream.
+Every copy is real (the numerics are checked against torch's AdamW) and every wait is recorded,
+so the tests can say what happens before what. What a fake cannot show (the real asynchrony of
+copies, pinned memory, events that sleep) is checked by the GPU session (bench/gpu_session.sh).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from fake_streams import RecordingStreams
+
+import engine.buffers
+import engine.core
+from engine.adamw import AdamWHyper
+from engine.binding import FlatSubgroup
+from engine.buffers import StateBuffer
+from engine.config import EngineConfig, Knobs, StoragePath
+from engine.core import SubgroupEngine
+from engine.layout import payload_bytes
+from engine.placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
+
+HP = AdamWHyper(lr=1e-2, weight_decay=0.01)
+CHUNK = 256  # elements per device-lane chunk in these tests: subgroups go through the lane in several
+NUMELS = [1000, 700, 1300, 900, 1100, 600]
+STATE = [payload_bytes(n) for n in NUMELS]  # bytes of each subgroup's state, as placement counts them
+
+
+class _Run:
+    """A SubgroupEngine over flat bf16 'device' weights with host bf16 gradients, and torch's
+    AdamW on fp32 copies of the same weights, fed the same (unscaled) gradients."""
+
+    def __init__(self, monkeypatch, swap_dir, *, host_cache_bytes, device_cache_bytes=0, fraction=0.5,
+                 scale=0.5, numels=NUMELS, device_grads=(), fake=None, auto_fraction=False):
+        self.fake = fake or RecordingStreams()
+        monkeypatch.setattr(engine.core, "streams_for", lambda device: self.fake)
+        gen = torch.Generator().manual_seed(0)
+        self.weights = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in numels]
+        self._mark(*self.weights)
+        self.bindings = [FlatSubgroup(w) for w in self.weights]
+        self.device_grads = set(device_grads)
+        for b in self.bindings:
+            b.grad_scale = scale
+        self.scale = scale
+        self.ref = [torch.nn.Parameter(w.float()) for w in self.weights]
+        self.ref_opt = torch.optim.AdamW(self.ref, lr=HP.lr, weight_decay=HP.weight_decay)
+        cfg = EngineConfig(device="cpu", host_cache_bytes=host_cache_bytes, device_cache_bytes=device_cache_bytes,
+                           paths=(StoragePath(path=swap_dir),), host_adam="torch", io_backend="posix",
+                           auto_device_fraction=auto_fraction)
+        self.engine = SubgroupEngine(self.bindings, cfg, Knobs(device_fraction=fraction, prefetch_depth=1))
+        self.engine.device_lane.chunk_numel = CHUNK
+        self.gen = torch.Generator().manual_seed(1)
+
+    def _mark(self, *tensors):
+        if isinstance(self.fake, RecordingStreams):
+            self.fake.mark_device(*tensors)
+
+    @property
+    def copies(self):
+        return self.fake.copies if isinstance(self.fake, RecordingStreams) else []
+
+    def step(self):
+        for i, (b, p) in enumerate(zip(self.bindings, self.ref)):
+            g = torch.randn(b.numel, generator=self.gen).to(torch.bfloat16)
+            if i in self.device_grads:
+                g = g.clone()
+                self._mark(g)
+            b.grad = g
+            p.grad = g.float() * self.scale
+        first_copy = len(self.copies)
+        rec = self.engine.step([HP])
+        self.ref_opt.step()
+        return rec, self.copies[first_copy:]
+
+    def check_numerics(self):
+        for i, p in enumerate(self.ref):
+            master, _, _, _ = self.engine.read_state(i)
+            torch.testing.assert_close(master, p.detach(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(self.weights[i], p.detach().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def _stream_names(run: _Run) -> dict[str, str]:
+    lane = run.engine.device_lane
+    return {lane.h2d.name: "h2d", lane.compute.name: "compute", lane.d2h.name: "d2h", lane.resident.name: "resident",
+            run.engine.host_lane.weights.stream.name: "upload"}
+
+
+def test_every_weight_write_is_joined_to_the_current_stream_before_step_returns(monkeypatch, swap_dir):
+    """Issue 18, item 1: DeepSpeed's all-gather inside step(), checkpoints and the next forward
+    read the weights on the caller's stream; the host lane's uploads (and the lanes' casts) must
+    be ordered before anything queued there after step() returns."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=STATE[0])
+    names = _stream_names(run)
+    for _ in range(4):
+        rec, copies = run.step()
+        writes = [c for c in copies if c.to_device]
+        kinds = {names[c.stream] for c in writes}
+        assert {"upload", "compute", "resident"} <= kinds, kinds  # all three writers ran
+        late = [c for c in writes if not c.before(run.fake.default.clock)]
+        assert not late, f"{len(late)} weight writes on {sorted({names[c.stream] for c in late})} not joined"
+        assert rec.device_tier_subgroups == 1
+    assert not run.fake.races()
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_device_lane_copies_chunks_through_slots_in_order(monkeypatch, swap_dir):
+    """Slots are reused every DEVICE_LANE_SLOTS chunks: a chunk's copy in must wait for the copy
+    out of the chunk that last used its slot, and a buffer's next copy in for its last copy back."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:2]), fraction=1.0, device_grads={1, 4})
+    for _ in range(4):
+        rec, copies = run.step()
+        assert rec.device_lane_subgroups == len(NUMELS) and rec.host_lane_subgroups == 0
+    assert not run.fake.races()
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_device_tier_updates_never_wait_for_the_lane(monkeypatch, swap_dir):
+    """Item 5: in reverse-order steps the device tier's updates used to queue behind the lane's
+    last copy in. They run on their own stream, issued before any lane work of the step."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=sum(STATE[:2]),
+               fraction=1.0)
+    names = _stream_names(run)
+    for _ in range(4):  # two forward-order, two reverse-order steps
+        lane_before = {s.name: s.clock.get(s.name, 0) for s in run.fake.streams}
+        rec, copies = run.step()
+        resident = [k for k, c in enumerate(copies) if names.get(c.stream) == "resident"]
+        lane = [k for k, c in enumerate(copies) if names.get(c.stream) in ("h2d", "compute", "d2h")]
+        assert resident and lane and max(resident) < min(lane)  # queued first
+        for k in resident:
+            for s in ("h2d", "compute", "d2h"):
+                name = next(n for n, v in names.items() if v == s)
+                assert copies[k].clock.get(name, 0) <= lane_before[name]  # never after this step's lane work
+        assert rec.device_tier_subgroups == 2
+        assert rec.device_lane_subgroups == len(NUMELS) - 2  # item 9: the tier is not counted on the lane
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
+    """Item 2: the lane's device memory is its chunk slots, whatever the subgroup size."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=0, fraction=1.0, numels=[8000, 20000])
+    run.step()
+    lane = run.engine.device_lane
+    slot_bytes = sum(t.numel() * t.element_size() for s in lane._slots for t in (s.state, s.grad, s.weights))
+    assert len(lane._slots) == DEVICE_LANE_SLOTS
+    assert slot_bytes == DEVICE_LANE_SLOTS * 20 * CHUNK
+    assert lane.working_bytes() == device_lane_working_bytes(20000, chunk_numel=CHUNK) == (20 * 3 + 8) * CHUNK
+    assert device_lane_working_bytes(10 ** 9) == device_lane_working_bytes(10 ** 8)  # DeepSpeed's default and ours
+    run.check_numerics()
+    run.engine.close()
+
+
+def _fast_lane_rates(monkeypatch):
+    """Rates under which the balance would put everything on the device lane."""
+    monkeypatch.setattr(engine.core, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 200e9))
+    monkeypatch.setattr(engine.core, "host_lane_rate", lambda name: 1e6)
+
+
+def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
+    """Item 2: when the state does not fit the GPU, the balance used to turn the lane on from
+    rates alone and the first slot allocation ran out of memory. Now the lane runs only when its
+    slots fit what is left, says why it does not in one line, and no knob turns it on."""
+    _fast_lane_rates(monkeypatch)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
+               auto_fraction=True)
+    too_small = run.engine.device_lane.working_bytes() - 1
+    with caplog.at_level(logging.WARNING):
+        fit = run.engine.fit_device_tier(headroom_bytes=too_small)
+    assert fit.device_tier_subgroups == 0 and fit.device_fraction == 0.0 and fit.device_lane_off
+    assert any("device lane off" in r.getMessage() for r in caplog.records)
+    run.engine.set_knobs(run.engine.knobs.replace(device_fraction=0.5))  # as --device-fraction or a tuner push
+    for _ in range(2):
+        rec, _ = run.step()
+        assert rec.device_lane_subgroups == 0 and rec.knobs["device_fraction"] == 0.0
+    assert run.engine.device_lane._slots == []  # never allocated
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_lane_balance_runs_when_the_slots_fit(monkeypatch, swap_dir):
+    _fast_lane_rates(monkeypatch)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
+               auto_fraction=True)
+    fit = run.engine.fit_device_tier(headroom_bytes=run.engine.device_lane.working_bytes() + STATE[0] + 1)
+    assert fit.device_tier_subgroups == 1 and fit.device_lane_off is None and fit.device_fraction == 1.0
+    rec, _ = run.step()
+    assert rec.device_lane_subgroups == len(NUMELS) - 1
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_a_refused_pin_is_not_tried_again(monkeypatch):
+    """Item 6: pin() is called at every device-lane update; a refusal must not cost a driver call each time."""
+    calls = []
+    monkeypatch.setattr(engine.buffers, "pin_in_place", lambda t: calls.append(1) or False)
+    buf = StateBuffer(1000)
+    assert not buf.pin() and not buf.pin() and not buf.pin()
+    assert len(calls) == 1
+
+
+def test_nothing_is_pinned_before_the_device_fit(monkeypatch, swap_dir):
+    """Item 6: buffers used to be pinned at construction for the starting fraction, then freed when
+    the fit moved them to the device tier: seconds of start-up and an RSS spike for nothing."""
+    pinned = []
+    monkeypatch.setattr(StateBuffer, "pin", lambda self: pinned.append(self) or True)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=None, fraction=0.5)
+    assert pinned == []
+    run.step()  # the fit (headroom: half the host's free memory) puts every subgroup in the device tier
+    assert pinned == [] and run.engine.describe()["state_bytes_by_tier"] == {"device": sum(STATE)}
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_one_time_costs_of_a_lane_change_are_not_in_the_measured_step(monkeypatch, swap_dir):
+    """Item 6: a tuner trial that moves subgroups to the device lane pins their buffers (seconds
+    for GBs); that is the step's setup, not its update time or the next iteration's."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=0, fraction=0.0)
+    run.step()
+    slow = 0.3
+    pinned = set()
+
+    def pin(self):  # as the real one: the first call per buffer costs, the next ones return at once
+        if id(self) not in pinned:
+            pinned.add(id(self))
+            time.sleep(slow / len(NUMELS))
+        return True
+
+    monkeypatch.setattr(StateBuffer, "pin", pin)
+    run.engine.set_knobs(run.engine.knobs.replace(device_fraction=1.0))
+    rec, _ = run.step()
+    assert rec.device_lane_subgroups == len(NUMELS)
+    assert rec.setup_s >= slow * 0.9 and rec.wall_s < slow * 0.5
+    with run.engine.setup_time():  # what an adapter does between steps (device gradient buffers)
+        time.sleep(slow)
+    rec, _ = run.step()
+    assert rec.setup_s >= slow * 0.9 and rec.fwd_bwd_s < slow * 0.5
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_cuda_events_are_blocking(monkeypatch):
+    """Item 3: a host wait on a default event spins a core beside the host lane's AdamW threads.
+    Every event the engine waits on comes from CudaStreams.record, and it asks for a blocking one."""
+    from engine.streams import CudaStreams
+
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+            made.append(blocking)
+
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    CudaStreams(torch.device("cuda", 0)).record(object())
+    assert made == [True]
+
+
+def test_only_the_seam_makes_cuda_streams_and_events():
+    """Every stream and event of the step comes through engine.streams (blocking events, one
+    place to fake); gpumem's timing events are measurements, waited on once at start."""
+    import ast
+    import os
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine")
+    bad = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py") or f in ("streams.py", "gpumem.py"):
+                continue
+            path = os.path.join(dirpath, f)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.Attribute) and node.attr in ("Event", "Stream", "stream", "synchronize") \
+                        and isinstance(node.value, ast.Attribute) and node.value.attr == "cuda":
+                    bad.append(f"{os.path.relpath(path, root)}:{node.lineno} torch.cuda.{node.attr}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_host_streams_run_the_same_path(monkeypatch, swap_dir, fraction):
+    """Without the fake, device='cpu' runs the same code on HostStreams (everything at once)."""
+    from engine.streams import HostStreams
+
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=STATE[0],
+               fraction=fraction, fake=HostStreams(torch.device("cpu")))
+    for _ in range(3):
+        rec, _ = run.step()
+    assert rec.device_tier_subgroups == 1
+    assert rec.device_lane_subgroups == round((len(NUMELS) - 1) * fraction)
+    run.check_numerics()
+    run.engine.close()
