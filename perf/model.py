@@ -74,6 +74,7 @@ from typing import Mapping
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.lane_model import LaneLoad, LaneRates, lane_times
 from engine.placement import device_lane_working_bytes
 from perf.hardware import (
     Device,
@@ -89,7 +90,6 @@ from perf.hardware import (
 from perf.layout import (
     CHUNK_BYTES,
     HEADER_BYTES,
-    STATE_BYTES_PER_PARAM,
     SUBGROUP_NUMEL,
     Traffic,
     chunks,
@@ -325,11 +325,12 @@ def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[i
         raise ConfigError(f"plan {plan.name!r} needs {gb(host_node)} of host memory per node for optimizer state and "
                           f"staging buffers, over the budget of {gb(budget)}: lower host_cache_bytes or prefetch_depth, "
                           f"or raise the host memory budget (--host-gb)")
-    # Resident state, the gradients of every subgroup updated on the GPU (kept there through
-    # backward), and the lane's working buffers.
-    gpu_rank = (plan.device_cache_bytes + (lay.D + lay.G) * lay.n * wl.grad_bytes
-                + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0))
+    # Resident state and its gradients, the lane's working buffers, and the gradients of the
+    # device-lane subgroups that stay on the GPU (as many as fit: lane_load).
     headroom = gpu_headroom(profile, wl)
+    load = lane_load(wl, lay, plan, headroom)
+    gpu_rank = (plan.device_cache_bytes + (load.resident_params + load.staged_params - load.upload_grad_params)
+                * wl.grad_bytes + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0))
     if profile.gpu is not None and gpu_rank > headroom:
         raise ConfigError(f"plan {plan.name!r} needs {gb(gpu_rank)} of GPU memory per rank (device cache, the "
                           f"gradients of GPU-updated subgroups, the device lane's buffers), over the GPU headroom of "
@@ -351,26 +352,44 @@ def _swap_files(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, r
     return storage_node
 
 
-def _gpu_and_pcie(profile: Profile, wl: Workload, lay: _Layout, lane_params: int, host_params: int,
-                  notes: list[str]) -> tuple[float, float]:
-    """(T_gpu, T_pcie): the device lane's and the device tier's updates, and the node's PCIe traffic."""
-    gpu, ranks, G = profile.gpu, wl.ranks, lay.G
-    if gpu is None:
-        return 0.0, 0.0
-    n = lay.n
+def lane_rates(profile: Profile, wl: Workload) -> LaneRates:
+    """The profile's rates as one rank sees them (:class:`engine.lane_model.LaneRates`): the
+    node's PCIe links, GPUs and host memory shared by its ranks."""
+    gpu, ranks = profile.gpu, wl.ranks
     gpus = max(1, profile.machine.gpu_count)
-    per_gpu = -(-ranks // gpus)
-    fill = (n * STATE_BYTES_PER_PARAM / gpu.h2d_bytes_per_s.value + n * STATE_BYTES_PER_PARAM / gpu.d2h_bytes_per_s.value
-            if G else 0.0)
-    T_gpu = per_gpu * (fill + lane_params / gpu.adamw_params_per_s.value) if G + lay.D else 0.0
     links = min(ranks, gpus)
-    h2d = ranks * (G * n * STATE_BYTES_PER_PARAM + host_params * wl.weight_bytes)
-    d2h = ranks * G * n * STATE_BYTES_PER_PARAM
-    T_pcie = max(h2d / (links * gpu.duplex_h2d_bytes_per_s.value), d2h / (links * gpu.duplex_d2h_bytes_per_s.value),
-                 (h2d + d2h) / profile.host.memory_bandwidth.value)
-    if ranks > gpus:
-        notes.append(f"{ranks} ranks share {gpus} GPU(s)")
-    return T_gpu, T_pcie
+    return LaneRates(host_lane_params_per_s=1.0 / host_lane_seconds_per_param(profile, wl),
+                     h2d_bytes_per_s=gpu.duplex_h2d_bytes_per_s.value * links / ranks,
+                     d2h_bytes_per_s=gpu.duplex_d2h_bytes_per_s.value * links / ranks,
+                     gpu_adamw_params_per_s=gpu.adamw_params_per_s.value / -(-ranks // gpus),
+                     # The profile's figure is bytes copied per second: twice that crosses memory.
+                     memory_bytes_per_s=2 * profile.host.memory_bandwidth.value / ranks)
+
+
+def lane_load(wl: Workload, lay: _Layout, plan: Plan, headroom: int) -> LaneLoad:
+    """One rank's work by lane under ``plan``: the device tier's, the device lane's (their
+    gradients on the GPU as far as the headroom left holds them, as the engine keeps them), the
+    host lane's."""
+    resident = min(lay.P, lay.D * lay.n)
+    staged = min(lay.P - resident, lay.G * lay.n)
+    left = headroom - plan.device_cache_bytes - resident * wl.grad_bytes - device_lane_working_bytes(lay.n)
+    kept = min(lay.G, max(0, int(left // (lay.n * wl.grad_bytes)))) if lay.G else 0
+    return LaneLoad(host_params=lay.P - resident - staged, staged_params=staged,
+                    upload_grad_params=max(0, staged - kept * lay.n), resident_params=resident,
+                    grad_bytes=wl.grad_bytes, weight_bytes=wl.weight_bytes, weights_on_device=True)
+
+
+def _gpu_and_pcie(profile: Profile, wl: Workload, lay: _Layout, plan: Plan, notes: list[str]) -> tuple[float, float]:
+    """(T_gpu, T_pcie): the device lane's and the device tier's updates, and the rank's share of
+    PCIe and host memory, by :func:`engine.lane_model.lane_times` (the engine's own model)."""
+    if profile.gpu is None:
+        return 0.0, 0.0
+    t = lane_times(lane_load(wl, lay, plan, gpu_headroom(profile, wl)), lane_rates(profile, wl))
+    gpus = max(1, profile.machine.gpu_count)
+    if wl.ranks > gpus:
+        notes.append(f"{wl.ranks} ranks share {gpus} GPU(s)")
+    T_gpu = t["gpu"] if lay.G + lay.D else 0.0
+    return T_gpu, max(t["h2d"], t["d2h"], t["memory"])
 
 
 def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
@@ -398,7 +417,7 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
     lane_params = min(lay.P, (lay.D + lay.G) * lay.n)
     host_params = lay.P - lane_params
     A = (lay.H - lay.G_host) * u  # host-lane time of the host-resident subgroups
-    T_gpu, T_pcie = _gpu_and_pcie(profile, wl, lay, lane_params, host_params, notes)
+    T_gpu, T_pcie = _gpu_and_pcie(profile, wl, lay, plan, notes)
 
     devices = group_devices(paths, [w > 0 for w in wt]) if lay.S else []
     ctx = _StepInputs(paths=paths, devices=devices, knobs=plan.knobs, ranks=wl.ranks, fb=lay.fb, chunks=chunks(lay.n),

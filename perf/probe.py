@@ -411,49 +411,23 @@ def measure_cpu_adamw(threads: Sequence[int] | None = None, numel: int = FULL.ad
 
 def measure_host_lane(numel: int = FULL.adamw_numel, reps: int = FULL.reps, *,
                       progress: "ProgressFn | object | None" = None) -> Figure:
-    """The engine's host lane as a ZeRO-3 step runs it, all threads: four subgroups of
-    ``numel / 4`` elements, each with a bf16 gradient in host memory unscaled by 0.5 (clipping
-    engaged), the faster fused AdamW kernel, and the new weights cast to bf16 into flat weights
-    on the GPU (uploaded asynchronously) or in host memory without one. Median of ``reps``."""
-    from engine.binding import FlatSubgroup
-    from engine.buffers import StateBuffer
-    from engine.lanes import HostLane, WeightUploader
+    """The engine's host lane as a ZeRO-3 step runs it, all threads, with the kernel the engine
+    takes (:func:`engine.host_kernel.time_host_lane`: bf16 gradients unscaled, fused AdamW, bf16
+    weights uploaded to the GPU asynchronously, or in host memory without one). Median of ``reps``."""
+    from engine.host_kernel import LANE_SUBGROUPS, time_host_lane
+    from engine.streams import streams_for
 
     report = as_progress(progress)
     what = "host lane (integrated)"
     report(what, 0, 1)
     name, kernel = select_host_kernel("auto")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-    lane = HostLane(name, kernel, WeightUploader(stream))
-    gen = torch.Generator().manual_seed(0)
-    part = max(1, numel // 4)
-    subgroups = []
-    for _ in range(4):
-        b = FlatSubgroup(torch.zeros(part, dtype=torch.bfloat16, device=dev),
-                         torch.rand(part, generator=gen).to(torch.bfloat16))  # cpu ok: ZeRO-3 offload's gradients are on the host
-        b.grad_scale = 0.5
-        buf = StateBuffer(part)
-        buf.master.copy_(torch.rand(part, generator=gen))
-        buf.exp_avg.zero_()
-        buf.exp_avg_sq.zero_()
-        subgroups.append((b, buf, [0]))
-    hp = AdamWHyper(lr=1e-6)
-
-    def one_step() -> float:
-        t0 = time.perf_counter()
-        for b, buf, steps in subgroups:
-            lane.update(buf, b, steps, hp)
-        if stream is not None:
-            stream.synchronize()
-        return time.perf_counter() - t0
-
-    one_step()  # warm-up: first touches, staging buffers
-    seconds = statistics.median(one_step() for _ in range(reps))
+    rate = time_host_lane({name: kernel}, numel, reps, streams=streams_for(dev))[name]
     report(what, 1, 1)
-    where = "uploaded to the GPU" if stream is not None else "in host memory"
-    return Figure(value=_sig(4 * part / seconds), when=now_iso(),
-                  how=f"engine host lane ({name} kernel, {torch.get_num_threads()} threads) on 4 x {part} params: "
+    where = "uploaded to the GPU" if dev.type == "cuda" else "in host memory"
+    part = max(1, numel // LANE_SUBGROUPS)
+    return Figure(value=_sig(rate), when=now_iso(),
+                  how=f"engine host lane ({name} kernel, {torch.get_num_threads()} threads) on {LANE_SUBGROUPS} x {part} params: "
                       f"bf16 gradient upcast and unscaled, fused AdamW, bf16 weights {where}; median of {reps}")
 
 

@@ -179,7 +179,7 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     budget_rank = host_budget(profile, wl) // wl.ranks
     fb = pay(n) + HEADER_BYTES
     lane_ok = (device_lane and profile.gpu is not None
-               and gpu_headroom(profile, wl) >= device_lane_working_bytes(n) + n * wl.grad_bytes)
+               and gpu_headroom(profile, wl) >= device_lane_working_bytes(n))
     fractions = FRACTIONS if lane_ok else (0.0,)
     state_rank = pay(n) * (-(-P // n))
     dev_caches = _device_caches(profile, wl, n, state_rank, device_cache)

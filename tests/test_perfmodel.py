@@ -22,6 +22,7 @@ import pytest
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.placement import DEVICE_LANE_CHUNK_NUMEL
 from perf.model import Plan, Workload, predict
 from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
 from perf.search import alternatives, best_plan
@@ -148,18 +149,37 @@ def test_ranks_share_pcie_through_host_memory():
     g = gpu(h2d=10e9, duplex=8e9, adamw=1e11)
     wl = Workload(params=100_000_000, subgroup_numel=10_000_000, weight_bytes=2, grad_bytes=2)
     one = predict(machine_profile(gpu=g, gpus=2, mem=10e9), wl, Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)))
-    # The pipeline's fill and drain, one subgroup in and out, then the updates:
-    # 1e7 * 12 / 10e9 + 1e7 * 12 / 10e9 + 1e8 / 1e11 = 0.025 s.
-    assert one.breakdown["gpu_update"] == pytest.approx(0.025)
-    # PCIe: 1.2 GB in (state only: the gradients are on the GPU) and 1.2 GB out, duplex 8e9
-    # each (0.15 s), 2.4 GB through host memory at 10e9: 0.24 s.
-    assert one.breakdown["pcie"] == pytest.approx(0.24)
-    assert one.update_s == pytest.approx(0.24) and one.bottleneck == "pcie"
-    # Two ranks (two GPUs, two links) move twice the bytes through the same host memory: 0.48 s.
+    # The pipeline's fill and drain, one chunk in and out at the duplex rate, then the updates
+    # (engine.lane_model, the engine's own model).
+    chunk = 12 * DEVICE_LANE_CHUNK_NUMEL / 8e9
+    assert one.breakdown["gpu_update"] == pytest.approx(2 * chunk + 1e8 / 1e11)
+    # PCIe: 1.2 GB in (state only: the gradients are on the GPU) and 1.2 GB out, duplex 8e9 each
+    # (0.15 s, and the other direction's last chunk); 2.4 GB of DMA through host memory, which
+    # moves 2 x 10e9 B/s (the profile's figure is bytes copied: read and written): 0.12 s.
+    assert one.breakdown["pcie"] == pytest.approx(0.15 + chunk)
+    assert one.update_s == pytest.approx(0.15 + chunk) and one.bottleneck == "pcie"
+    # Two ranks (two GPUs, two links) move twice the bytes through the same host memory: 0.24 s.
     two = predict(machine_profile(gpu=g, gpus=2, mem=10e9), dataclasses.replace(wl, params=200_000_000, ranks=2),
                   Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)))
-    assert two.breakdown["gpu_update"] == pytest.approx(0.025)
-    assert two.update_s == pytest.approx(0.48) and two.bottleneck == "pcie"
+    assert two.breakdown["gpu_update"] == pytest.approx(2 * chunk + 1e8 / 1e11)
+    assert two.update_s == pytest.approx(0.24) and two.bottleneck == "pcie"
+
+
+def test_the_plan_and_the_engine_share_one_lane_model():
+    """Issue 18, item 4: the plan's GPU and PCIe times are engine.lane_model's, on the profile's rates."""
+    from engine.lane_model import lane_times
+    from perf.model import _layout, lane_load, lane_rates
+
+    g = gpu(h2d=10e9, duplex=8e9, adamw=1e11)
+    prof = machine_profile([disk("/nvme", "nvme0n1")], gpu=g, gpus=1, mem=10e9)
+    wl = Workload(params=100_000_000, subgroup_numel=10_000_000, gpu_headroom_bytes=4 << 30)
+    for f in (0.3, 0.5, 1.0):
+        plan = Plan(host_cache_bytes=None, device_cache_bytes=2 * 120_000_512, knobs=Knobs(device_fraction=f))
+        t = lane_times(lane_load(wl, _layout(wl, plan), plan, 4 << 30), lane_rates(prof, wl))
+        p = predict(prof, wl, plan)
+        assert p.breakdown["gpu_update"] == pytest.approx(t["gpu"])
+        assert p.breakdown["pcie"] == pytest.approx(max(t["h2d"], t["d2h"], t["memory"]))
+        assert p.breakdown["cpu_update"] == pytest.approx(t["host"])
 
 
 def test_alternating_order_keeps_the_tail_in_memory():
@@ -203,8 +223,8 @@ def test_gpu_headroom_caps_the_device_lane():
 
     g = gpu(h2d=25e9, duplex=20e9, adamw=1e11)
     prof = machine_profile([disk("/nvme", "nvme0n1")], cpu=1e8, gpu=g, gpus=1)  # a slow CPU: the GPU lane pays
-    # The lane's buffers and one subgroup's fp32 gradient on the GPU.
-    scratch = device_lane_working_bytes(10_000_000) + 4 * 10_000_000
+    # The lane's buffers (its gradients need not stay on the GPU: they are uploaded with the state).
+    scratch = device_lane_working_bytes(10_000_000)
     roomy = best_plan(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch), device_cache=False)
     assert roomy.plan.knobs.device_fraction > 0 and roomy.plan.device_cache_bytes == 0
     assert roomy.memory["gpu_per_rank"] <= scratch
