@@ -44,6 +44,8 @@ ap.add_argument("--offload", choices=["cpu", "twinflow", "none"], default="cpu",
 ap.add_argument("--ratio", type=float, default=0.5, help="twinflow: share of the state on the CPU")
 ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
 ap.add_argument("--sub-group-size", type=int, default=100_000_000)
+ap.add_argument("--trace-backward-at", type=int, default=None, metavar="I",
+                help="profile iteration I's backward (CUDA): bytes copied host-to-device and back in it")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
 layers, d, heads, vocab, seq, batch = SIZES[args.size]
@@ -106,13 +108,39 @@ init_s = time.perf_counter() - t_init
 gen = torch.Generator(device=device).manual_seed(1234 + engine.global_rank)
 tokens = torch.randint(0, vocab, (args.iters, batch, seq + 1), device=device, generator=gen)
 
+
+
+def traced_backward(loss) -> dict:
+    """engine.backward(loss) under the CUDA profiler: bytes of each memcpy kind (HtoD, DtoH)."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.backward(loss)
+        accel.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    out: dict = {}
+    for ev in json.load(open(path)).get("traceEvents", []):
+        name = ev.get("name", "")
+        if ev.get("cat") == "gpu_memcpy" or name.startswith("Memcpy"):
+            kind = "HtoD" if "HtoD" in name else "DtoH" if "DtoH" in name else "other"
+            out[kind] = out.get(kind, 0) + int((ev.get("args") or {}).get("bytes", 0))
+    return out
+
+
 rec = {"iter_s": [], "fwd_bwd_s": [], "step_s": [], "loss": []}
 for it in range(args.iters):
     accel.synchronize()
     t0 = time.perf_counter()
     logits = engine(tokens[it, :, :-1])
     loss = F.cross_entropy(logits.float().view(-1, vocab), tokens[it, :, 1:].reshape(-1))
-    engine.backward(loss)
+    if it == args.trace_backward_at and torch.cuda.is_available():
+        rec["backward_memcpy_bytes"] = traced_backward(loss)
+    else:
+        engine.backward(loss)
     accel.synchronize()
     t1 = time.perf_counter()
     engine.step()
@@ -133,7 +161,10 @@ if engine.global_rank == 0:
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     opt = engine.optimizer
     if hasattr(opt, "offload_engine"):  # under offloadctl train: what the engine decided
+        from engine.buffers import is_pinned_in_place
+
         fit = opt.device_fit.to_dict() if opt.device_fit else None
-        rec["engine"] = {"fit": fit, "describe": opt.offload_engine.describe(), "plan": opt.plan_summary}
+        rec["engine"] = {"fit": fit, "describe": opt.offload_engine.describe(), "plan": opt.plan_summary,
+                         "grad_buffer_pinned": is_pinned_in_place(opt.grad_partitions_flat_buffer)}
     with open(args.out, "w") as f:
         json.dump(rec, f)

@@ -14,9 +14,10 @@ tensors on the rank's device). Rows, per size, run one after the other in each r
   (``offloadctl profile save --quick``), device tier and device fraction ``auto``, tuner off;
 - offloadctl with the device fraction forced to 0, 0.5 and 1 and no device tier.
 
-Per row: median iteration, step and forward+backward over iterations 3..N, the first
-iteration, GPU peak memory, host peak RSS, the losses of steps 1-3, and the performance
-model's predicted iteration (the measured profile and the row's measured forward+backward).
+Our rows run first (a run cut short keeps them). Per row: median iteration, step and
+forward+backward over iterations 3..N, the first iteration, GPU peak memory, host peak RSS,
+the losses of steps 1-3, and the performance model's predicted iteration (the measured profile
+and the row's measured forward+backward).
 The physical limits measured in the same run (the profile: pinned PCIe, duplex, GPU and CPU
 AdamW rates) are printed with the table. ``--cpu`` runs the same script at a CPU size: stock
 ZeRO-3 CPU offload against offloadctl's host lane.
@@ -72,7 +73,14 @@ def rows_for(size: str, gpu: bool, profile: str | None, recorded: bool = False) 
         return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", "29742",
                 "--tuner", "off", *opts, *script]
 
+    # Our rows first: a call cut short by the device's time limit still has them.
     rows: list[tuple[str, list[str]]] = []
+    if gpu:
+        rows.append(("offloadctl default", ours(*(["--profile", profile] if profile else []))))
+        for f in FORCED_FRACTIONS:
+            rows.append((f"offloadctl fraction {f:g}", ours("--device-fraction", str(f), "--device-cache", "0")))
+    else:
+        rows.append(("offloadctl (host lane)", ours()))
     if gpu and NO_OFFLOAD_FITS[size]:
         rows.append(("stock, no offload", stock("--offload", "none")))
     rows.append(("stock ZeRO-3 CPU offload", stock("--offload", "cpu")))
@@ -82,11 +90,6 @@ def rows_for(size: str, gpu: bool, profile: str | None, recorded: bool = False) 
     if gpu:
         for r in TWINFLOW_RATIOS[size]:
             rows.append((f"stock Twin-Flow ratio {r:g}", stock("--offload", "twinflow", "--ratio", str(r))))
-        rows.append(("offloadctl default", ours(*(["--profile", profile] if profile else []))))
-        for f in FORCED_FRACTIONS:
-            rows.append((f"offloadctl fraction {f:g}", ours("--device-fraction", str(f), "--device-cache", "0")))
-    else:
-        rows.append(("offloadctl (host lane)", ours()))
     return rows
 
 
@@ -99,8 +102,9 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: floa
         i = cmd.index("train") + 1
         cmd = cmd[:i] + ["--run-dir", run_dir] + cmd[i:]
     # A session of its own, so that a row past its time is killed whole (launcher and ranks).
-    p = subprocess.Popen([*cmd, "--iters", str(iters), "--out", out], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, cwd=ROOT, start_new_session=True,
+    # Iteration 1 (not in the medians) traces backward's host-device copies (issue 18 item 8).
+    p = subprocess.Popen([*cmd, "--iters", str(iters), "--out", out, "--trace-backward-at", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True,
                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     try:
         output, _ = p.communicate(timeout=timeout_s)
@@ -132,6 +136,8 @@ def summarize(rec: dict) -> dict:
            "host_rss_bytes": rec["host_rss_bytes"], "init_s": rec["init_s"]}
     if "engine" in rec:
         out["engine"] = rec["engine"]
+    if "backward_memcpy_bytes" in rec:
+        out["backward_memcpy_bytes"] = rec["backward_memcpy_bytes"]
     if rec.get("telemetry"):
         t = rec["telemetry"][warm]
         out["update_breakdown"] = {k: statistics.median(r[k] for r in t) for k in

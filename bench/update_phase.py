@@ -1,7 +1,8 @@
 """Update-phase benchmark of the multi-tier engine, against the storage ceiling and DeepSpeedCPUAdam.
 
 For about 100M parameters it runs three layouts (host-only, all-NVMe, host cache of half the
-state) and reports, per layout: median update-phase time, bytes moved per parameter, achieved
+state), and the last two again with ``EngineConfig.io_cores=0`` (the host lane on every core,
+beside the I/O threads' checksums), and reports, per layout: median update-phase time, bytes moved per parameter, achieved
 storage bandwidth, and the floor that the path's own ceiling (measured in the same run, with
 O_DIRECT at high concurrency) implies. It also compares the host-lane AdamW kernel with
 DeepSpeedCPUAdam on the same buffer.
@@ -74,14 +75,15 @@ def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> d
 
 
 def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: str | None, steps: int,
-               backend: str, progress: Progress) -> dict:
+               backend: str, progress: Progress, io_cores: int = 1) -> dict:
     torch.manual_seed(0)
     # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
     weight = torch.randn(numel, device="cpu")
     grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=host_cache, io_backend=backend, host_adam="auto",
-                       paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else ())
+                       paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else (),
+                       io_cores=io_cores)
     eng = SubgroupEngine(bindings, cfg, Knobs(prefetch_depth=2, io_concurrency={path: 8} if path else {}))
     task = progress.add_task(f"{name}", total=steps)
     try:
@@ -105,6 +107,7 @@ def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: st
         "cache_hits": med(lambda r: r.cache_hits),
         "host_kernel": eng.host_kernel_name,
         "io_backend": eng.io_backend,
+        "io_cores": io_cores,
     }
 
 
@@ -170,6 +173,11 @@ def main() -> int:
             run_layout("host-only", numel, sub, None, None, args.steps, args.io_backend, progress),
             run_layout("all-nvme", numel, sub, 0, args.nvme, args.steps, args.io_backend, progress),
             run_layout("half-cache", numel, sub, half_cache, args.nvme, args.steps, args.io_backend, progress),
+            # EngineConfig.io_cores=0: the host lane's threads share every core with the I/O
+            # threads' checksums (before issue 18); the rows above leave them one core.
+            run_layout("all-nvme, io_cores=0", numel, sub, 0, args.nvme, args.steps, args.io_backend, progress, 0),
+            run_layout("half-cache, io_cores=0", numel, sub, half_cache, args.nvme, args.steps, args.io_backend,
+                       progress, 0),
         ]
     ceil = out["ceiling_bytes_per_s"]
     for lay in out["layouts"]:

@@ -74,6 +74,11 @@ def pin_in_place(t: torch.Tensor) -> bool:
     return True
 
 
+def is_pinned_in_place(t: torch.Tensor) -> bool:
+    """Whether :func:`pin_in_place` page-locked ``t`` (and it is not released)."""
+    return t.data_ptr() in _registered
+
+
 class StateBuffer:
     """One subgroup's state in host memory; see the module docstring for the layout.
 

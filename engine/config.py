@@ -99,8 +99,13 @@ class EngineConfig:
     host_adam: Literal["auto", "torch", "deepspeed"] = "auto"
     """Host-lane AdamW kernel. 'auto' measures both once per process and takes the faster."""
     verify_checksums: bool = True
-    """Check each swap file's CRC32 on read. Costs about 0.25 s per GB of one core, off the
-    critical path (in the I/O threads)."""
+    """Check each swap file's CRC32 on read. Costs about 0.4 s per GB of one core (zlib, 2.7 GB/s
+    measured on this project's CI machine), in the I/O threads."""
+    io_cores: int = 1
+    """Cores left to the I/O threads (checksums, system calls) during a step with state on
+    storage: the host lane runs on the others (``torch.set_num_threads`` for the step), so that
+    its OpenMP threads, which run at the pace of the slowest, never share a core with a checksum.
+    0: the host lane takes every core. Steps without swapped state use every core either way."""
     run_dir: str | None = None
     """If set, one telemetry record per step is appended to ``run_dir/telemetry-rank<R>.jsonl``."""
     rank: int = 0
@@ -111,6 +116,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive_int("subgroup_numel", self.subgroup_numel)
         _positive_int("local_ranks", self.local_ranks)
+        _non_negative_int("io_cores", self.io_cores)
         if self.host_cache_bytes is not None:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
         if self.device_cache_bytes is not None:

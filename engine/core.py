@@ -137,6 +137,7 @@ class SubgroupEngine:
         self._lane_room = True  # the device has room for the device lane's slots (False: fit found none)
         self._setup_s = 0.0  # one-time work outside a step (setup_time()) not yet taken out of fwd_bwd_s
         self._lane_rates: LaneRates | None = None
+        self._lane_off_said = False
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -250,13 +251,14 @@ class SubgroupEngine:
         if k is None:
             return
         if k.device_fraction > 0 and not self._lane_room:
-            log.warning("offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
-                        "(see the device fit at the first step)", k.device_fraction)
+            if not self._lane_off_said:
+                log.warning("offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
+                            "(see the device fit at the first step)", k.device_fraction)
+                self._lane_off_said = True
             k = k.replace(device_fraction=0.0)
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
-        self._set_lane_mask(k.device_fraction)
         if k.prefetch_depth != old.prefetch_depth and self._n_staging:
             self._resize_staging(staging_buffers(k.prefetch_depth))
             # Shrinking may need kept buffers back: write them out until the pool fits.
@@ -269,6 +271,7 @@ class SubgroupEngine:
                 self._resize_staging(staging_buffers(k.prefetch_depth))
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
+        self._set_lane_mask(k.device_fraction)  # last: it pins the staging pool as it now is
 
     def _restripe(self, knobs: Knobs) -> None:
         """Move swapped subgroups to new paths lazily: each goes at its next write."""
@@ -339,17 +342,20 @@ class SubgroupEngine:
         st = _StepState(seq, {i: k for k, i in enumerate(seq)})
         update_s = host_s = 0.0
         lanes = [0, 0]  # subgroups on the host lane, on the device lane (the device tier apart)
-        if self.device_lane:
-            self.device_lane.begin_step()
-            # The device tier first, whatever the order, on its own stream: its updates run on
-            # the GPU while the loop below feeds the lanes, never queued behind their copies.
-            t0 = time.perf_counter()
-            for sg in self.subgroups:
-                if sg.tier == DEVICE:
-                    self._materialize_resident(sg)
-                    self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hypers[sg.binding.group])
-            update_s += time.perf_counter() - t0
+        threads = torch.get_num_threads()
+        if seq and self.config.io_cores and threads > 1:
+            torch.set_num_threads(max(1, threads - self.config.io_cores))  # config.io_cores: why
         try:
+            if self.device_lane:
+                self.device_lane.begin_step()
+                # The device tier first, whatever the order, on its own stream: its updates run on
+                # the GPU while the loop below feeds the lanes, never queued behind their copies.
+                t0 = time.perf_counter()
+                for sg in self.subgroups:
+                    if sg.tier == DEVICE:
+                        self._materialize_resident(sg)
+                        self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hypers[sg.binding.group])
+                update_s += time.perf_counter() - t0
             for i in order:
                 sg = self.subgroups[i]
                 if sg.tier == DEVICE:
@@ -385,6 +391,8 @@ class SubgroupEngine:
         except BaseException:
             self._abort_step(st)
             raise
+        finally:
+            torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self._drain()
         write_wait_s = time.perf_counter() - t0
@@ -448,7 +456,7 @@ class SubgroupEngine:
                 if sg.tier == HOST and sg.resident is not None:
                     sg.resident.pin()
             if any(isinstance(self.subgroups[i].tier, int) for i in lane):
-                for buf in self._free:
+                for buf in self._free + [sg.staged for sg in self.subgroups if sg.staged is not None]:
                     buf.pin()
 
     def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
@@ -508,6 +516,7 @@ class SubgroupEngine:
                          f"{max(0, headroom_bytes - used) / 1e9:.2f} GB is free after forward/backward "
                          f"(and the device tier); lower the micro-batch or --device-cache to use it")
             log.warning("offloadctl: %s", lane_note)
+            self._lane_off_said = True  # a later knob push asking for the lane is not said again
             self.knobs = self.knobs.replace(device_fraction=0.0)
         elif rest and self.config.auto_device_fraction:
             f = self._balanced_fraction(rest)

@@ -60,6 +60,8 @@ def _stop_on_signals() -> None:
 
 def main() -> int:
     from engine.errors import OffloadError
+    from integrations.cores import bind_rank_cores
+    from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from report import recorder
 
@@ -67,6 +69,7 @@ def main() -> int:
     state = {"engaged": 0}
     _stop_on_signals()
     try:
+        cores = bind_rank_cores(cfg.get("bind_cores", "auto"))  # before torch starts its threads
         stock = recorder.is_stock(cfg)  # --engine stock: DeepSpeed's own optimizer, recorded only
         cls = None if stock else install(ZeroEngineSettings.from_json(cfg))
         import deepspeed
@@ -95,8 +98,8 @@ def main() -> int:
                 start = opt.plan_summary or "no profile: probed paths, default knobs"
                 tuner = f"tuner {opt.tuner_client.socket_path}" if opt.tuner_client else "tuner off"
                 print(f"offloadctl: engine active: {plan['subgroups']} subgroups per rank; state by tier: {tiers}; "
-                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}; {start}; {tuner}",
-                      file=sys.stderr, flush=True)
+                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {describe_cores(cores)}; "
+                      f"{start}; {tuner}", file=sys.stderr, flush=True)
             return result
 
         deepspeed.initialize = initialize

@@ -57,6 +57,8 @@ class ZeroEngineSettings:
     tuner_socket: str | None = None
     """The tuner daemon's socket; None: no tuning (the starting plan is kept)."""
     run_id: str | None = None
+    bind_cores: str = "auto"
+    """Each rank on its share of the node's cores (``integrations.cores``): 'auto', 'on', 'off'."""
 
     def to_json(self) -> dict:
         return {"nvme_paths": list(self.nvme_paths), "remote_paths": list(self.remote_paths),
@@ -65,7 +67,7 @@ class ZeroEngineSettings:
                 "device_cache_bytes": self.device_cache_bytes, "auto_device_fraction": self.auto_device_fraction,
                 "lane_device": self.lane_device,
                 "io_backend": self.io_backend, "profile": self.profile, "tuner_socket": self.tuner_socket,
-                "run_id": self.run_id}
+                "run_id": self.run_id, "bind_cores": self.bind_cores}
 
     @classmethod
     def from_json(cls, d: dict) -> "ZeroEngineSettings":
@@ -75,7 +77,7 @@ class ZeroEngineSettings:
                    device_cache_bytes=d.get("device_cache_bytes"), auto_device_fraction=d.get("auto_device_fraction", True),
                    lane_device=d.get("lane_device"),
                    io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
-                   tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"))
+                   tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"), bind_cores=d.get("bind_cores", "auto"))
 
 
 def _keep_deepspeed_from_compiling() -> None:

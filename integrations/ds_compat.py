@@ -24,6 +24,7 @@ where that is missing (a test keeps the two equal).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "state_dict", (), "override"),
     Method(STAGE3, "_rigid_load_state_dict", ("state_dict", "load_optimizer_states"), "override"),
     Method(STAGE3, "destroy", (), "override"),
+    Method(STAGE3, "partition_grads", ("params_to_release", "grad_partitions"), "override"),
     # Called by the overrides (step() is rebuilt from DeepSpeed's own helpers).
     Method(STAGE3, "_pre_step", (), "call"),
     Method(STAGE3, "_partition_all_parameters", (), "call"),
@@ -95,6 +97,9 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_unflatten_partitioned_parameters", ("sub_group_id",), "call"),
     Method(STAGE3, "get_param_id", ("param",), "call"),
     Method(STAGE3, "_constant_buffered_norm2", ("input", "buffer_size"), "call"),
+    Method(STAGE3, "_get_param_partition_rank", ("param",), "call"),
+    Method(STAGE3, "is_gradient_accumulation_boundary", (), "call"),
+    Method(STAGE3, "_swap_out_offload_fp32_gradients", ("offload_fp32_gradients", "offload_fp32_offsets"), "call"),
     Method(UTILS, "combine_grad_norm_groups", ("norm_groups", "norm_type"), "call"),
     Method(UTILS, "is_invalid_grad_norm", ("norm",), "call"),
     # Wrapped so that DeepSpeed builds torch's AdamW when cpu_adam is not built; the wrapper
@@ -113,12 +118,20 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         "subgroup_to_device", "grad_partitions_flat_buffer",
         "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
         "parameter_offload", "prefetch_elements", "overflow", "clip_grad", "_global_grad_norm",
-        "partition_count")),
+        "partition_count", "_offload_boundary_param_ids", "gradient_accumulation_dtype")),
     *(Attribute(STAGE3, name, live=False) for name in (
-        "norm_for_param_grads", "loss_scaler", "dynamic_loss_scale", "loss_scale")),
+        "norm_for_param_grads", "loss_scaler", "dynamic_loss_scale", "loss_scale", "micro_step_id")),
     Attribute(PARAM_OFFLOAD, "_max_available_parameters_in_numel"),
     *(Attribute(PARTITION_PARAMETERS, name) for name in ("ds_id", "ds_numel", "partition_numel")),
 )
+
+COPIED: dict[tuple[str, str], str] = {
+    (STAGE3, "partition_grads"): "ef0ab1c41f74894cf9d033df644e09bd26325849ed62cfe744affa20b775793c",
+}
+"""Methods whose body the integration copies with a change (sha256 of DeepSpeed's source, as
+:func:`copied_source_matches` reads it, in release ``CHECKED_AGAINST``). Where the installed body
+differs, the override runs DeepSpeed's own instead: a fix DeepSpeed made there is never lost,
+only our change to it."""
 
 OWN_ATTRIBUTES: tuple[str, ...] = (
     "_ds_nvme_path", "_engine_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
@@ -384,6 +397,19 @@ def check_optimizer_instance(opt) -> None:
             faults.append(f"{_short(a.owner)}.{a.name} expected, found no such attribute on {what[a.owner]}")
     if faults:
         raise _fail(str(deepspeed.__version__), supported_requirement(), faults)
+
+
+@functools.lru_cache(maxsize=None)
+def copied_source_matches(owner: str, name: str) -> bool:
+    """Whether the installed DeepSpeed's ``owner.name`` is the body :data:`COPIED` records."""
+    import hashlib
+
+    try:
+        fn = _unwrap(getattr(_resolve(owner, "deepspeed"), name), name)
+        src = inspect.cleandoc(inspect.getsource(fn))
+    except (AttributeError, OSError, TypeError, ImportError):
+        return False
+    return hashlib.sha256(src.encode()).hexdigest() == COPIED[(owner, name)]
 
 
 def integration_status() -> str:

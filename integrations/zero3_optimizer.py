@@ -12,6 +12,7 @@ import os
 from typing import ClassVar
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT, PARTITION_COUNT, ZERO_STAGE
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -98,6 +99,48 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, *args):
         # Keep DeepSpeed's norm bookkeeping; skip its fp32 copy of the gradient.
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        """DeepSpeed's ``partition_grads`` (copied from 0.19.8) less one PCIe round trip. For a
+        gradient reduced into host memory, stock copies the partition out, then copies the host
+        buffer back to the GPU only to take its norm there (2 B per element of a 16-bit gradient,
+        every step). Here the norm is taken from the partition while it is still on the GPU, cast
+        to the buffer's dtype first where they differ: the same values, the same norm. Where the
+        installed DeepSpeed's body is not the one copied (``ds_compat.COPIED``), its own runs."""
+        if not ds_compat.copied_source_matches(ds_compat.STAGE3, "partition_grads"):
+            return super().partition_grads(params_to_release, grad_partitions)
+        accel = get_accelerator()
+        mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        offload_fp32_gradients, offload_fp32_offsets, buffers = {}, {}, []
+        for param, grad_partition in zip(params_to_release, grad_partitions):
+            if not param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel:
+                param.grad = None  # this rank's partition of it is empty
+                continue
+            self._offload_boundary_param_ids.add(param.ds_id)
+            grad_buffer = mapping[param.ds_id].narrow(0, 0, grad_partition.numel())
+            buffers.append(grad_buffer)
+            if self.micro_step_id == 0:  # don't accumulate
+                grad_buffer.copy_(grad_partition, non_blocking=True)
+                if not accel.on_accelerator(grad_buffer):
+                    # Ours: the norm below reads the partition on the GPU, not a copy of the buffer.
+                    grad_buffer = (grad_partition if grad_partition.dtype == grad_buffer.dtype
+                                   else grad_partition.to(grad_buffer.dtype))
+            elif accel.on_accelerator(grad_buffer):
+                grad_buffer.add_(grad_partition.to(self.gradient_accumulation_dtype).view(grad_buffer.shape))
+            else:
+                # A host buffer: add on the GPU, copy back (DeepSpeed's: adding on the CPU is slow).
+                cuda_grad_buffer = grad_buffer.to(grad_partition.device, non_blocking=True)
+                cuda_grad_buffer.add_(grad_partition.to(self.gradient_accumulation_dtype).view(cuda_grad_buffer.shape))
+                grad_buffer.copy_(cuda_grad_buffer, non_blocking=True)
+                grad_buffer = cuda_grad_buffer
+            if self.offload_optimizer and self.is_gradient_accumulation_boundary():
+                self._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
+                                                         offload_fp32_offsets)
+            if not accel.is_synchronized_device() and param.grad is not None:
+                param.grad.record_stream(accel.current_stream())
+            param.grad = None
+        self._swap_out_offload_fp32_gradients(offload_fp32_gradients, offload_fp32_offsets)
+        return buffers
 
     def _setup_for_real_optimizer(self):
         # DeepSpeed pins its gradient buffer through torch's pinned allocator, which rounds

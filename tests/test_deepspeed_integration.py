@@ -79,6 +79,11 @@ LANE_ON_CPU_2 = LANE_ON_CPU[:3] + ("0.00002", "--device-fraction", "1.0") + LANE
     ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip",
          "lane-on-cpu-bf16", "lane-on-cpu-2ranks", "lane-on-cpu-fp16-overflow-skip"])
 def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):
+    if torch.cuda.is_available() and opts not in (LANE_ON_CPU, LANE_ON_CPU_2):
+        # On a GPU the default keeps this tiny model's whole state in the device tier (see
+        # test_gpu_default_keeps_a_small_state_on_the_device): these rows test the NVMe tier, so
+        # they keep the state off the GPU.
+        opts = (*opts, "--device-cache", "0", "--device-fraction", "0")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype, *script_opts)
@@ -98,8 +103,30 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path)
         recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
         assert len(recs) == 6 - skipped and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
         if opts in (LANE_ON_CPU, LANE_ON_CPU_2):
-            assert recs[-1]["device_tier_subgroups"] == 2 and recs[-1]["device_lane_subgroups"] > 2
+            # Of the 2 subgroups outside the tier, the lane takes half (1) or all (2).
+            assert recs[-1]["device_tier_subgroups"] == 2
+            assert recs[-1]["device_lane_subgroups"] == (1 if opts == LANE_ON_CPU else 2)
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_default_keeps_a_small_state_on_the_device(tmp_path):
+    """On a GPU, with the defaults (--device-cache auto), a state that fits what the GPU has free
+    after forward/backward stays there: every subgroup in the device tier, nothing read from
+    NVMe; losses as stock DeepSpeed's (its CPU Adam against our GPU fused AdamW: rounding only)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    a = stock(1, str(tmp_path / "stock.jsonl"), "--dtype", "fp32")
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(), "--nvme",
+              str(nvme), "--run-dir", str(tmp_path / "run"), "--tuner", "off", SCRIPT, "--losses-out",
+              str(tmp_path / "ours.jsonl"), "--dtype", "fp32"])
+    assert b.returncode == 0, b.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "ours.jsonl")), torch.tensor(_losses(tmp_path / "stock.jsonl")),
+                               rtol=1e-5, atol=0)
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "telemetry-rank0.jsonl")]
+    assert recs[-1]["device_tier_subgroups"] == 4 and recs[-1]["device_lane_subgroups"] == 0
+    assert sum(r["bytes_read"].get("nvme", 0) for r in recs) == 0
 
 
 HF_TRAINER = os.path.join(ROOT, "tests", "ds_scripts", "train_hf_trainer.py")

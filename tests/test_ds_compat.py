@@ -206,3 +206,25 @@ def test_info_fails_with_the_one_line(stage3, monkeypatch, capsys):
         assert line.startswith("offloadctl: DeepSpeed ") and "_post_step(self, timer_names) expected" in line
         if as_json:
             assert json.loads(out)["deepspeed_integration"] == line[len("offloadctl: "):]
+
+
+def test_the_copied_partition_grads_is_the_installed_one():
+    """The override of partition_grads copies DeepSpeed 0.19.8's body (less a PCIe round trip):
+    the installed body must be the one copied."""
+    ds_compat.copied_source_matches.cache_clear()
+    assert ds_compat.copied_source_matches(ds_compat.STAGE3, "partition_grads")
+
+
+def test_a_changed_body_runs_deepspeeds_own(stage3, monkeypatch):
+    """A DeepSpeed whose partition_grads differs from the copy keeps its own (and any fix in it)."""
+    from integrations.zero3_optimizer import OffloadZero3Optimizer
+
+    calls = []
+    monkeypatch.setattr(stage3, "partition_grads", lambda self, p, g: calls.append((p, g)) or ["theirs"])
+    ds_compat.copied_source_matches.cache_clear()
+    try:
+        assert not ds_compat.copied_source_matches(ds_compat.STAGE3, "partition_grads")
+        opt = OffloadZero3Optimizer.__new__(OffloadZero3Optimizer)
+        assert opt.partition_grads([1], [2]) == ["theirs"] and calls == [([1], [2])]
+    finally:
+        ds_compat.copied_source_matches.cache_clear()

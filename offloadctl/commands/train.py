@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
                    "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)")
     o.add_argument("--lane-device", choices=["cpu"], help=argparse.SUPPRESS)  # tests: the GPU path's bookkeeping on a CPU
+    o.add_argument("--bind-cores", choices=["auto", "on", "off"], default="auto",
+                   help="each rank's host lane on its own share of the cores (auto: with several ranks per node, "
+                        "unless --bind_cores_to_rank binds them)")
     o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto",
                    help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
@@ -108,13 +111,18 @@ def build(args: argparse.Namespace) -> dict:
     from engine.config import Knobs
     from integrations.deepspeed_zero3 import ZeroEngineSettings
 
+    # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
+    ds_binds = getattr(args, launcher.option_dest(("--bind_cores_to_rank",)), False)
+    bind_cores = "off" if args.bind_cores == "auto" and ds_binds else args.bind_cores
+
     settings = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=host_cache, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
-        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
+        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}",
+        bind_cores=bind_cores)
     rank_settings = recorder.launch_settings(settings.to_json(), args, run_dir)
     cmd = launcher.launch_command(launcher.launcher_args(vars(args)), rank_settings, args.script, args.script_args)
     out = {"command": cmd, "env": launcher.launch_env(), "settings": rank_settings, "tuner": tuner}
