@@ -60,3 +60,71 @@ def test_module_only_load_of_a_stock_checkpoint_matches_stock(layout, tmp_path):
     got, want = _losses(tmp_path / "ours.jsonl"), _losses(tmp_path / "stock.jsonl")
     assert len(got) == len(want) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+# -- checkpoints, both ways ------------------------------------------------------------------------
+
+TWO_PATHS = "two-paths"
+STOCK_RTOL = {"fp32": 1e-5, "bf16": 2e-3}
+"""Losses against stock's: the host lane's kernel (torch's fused AdamW or DeepSpeedCPUAdam, the
+faster here, engine.host_kernel) rounds the fp32 master differently in the last bit from stock's
+DeepSpeedCPUAdam; in bf16 that can flip a weight's last of 8 mantissa bits (2^-8 = 0.4%), and a
+loss moves by a small share of that. Resumed against uninterrupted runs of the same engine and
+kernel, every dtype is held to 1e-5."""
+
+
+def _tiers(tmp_path, name: str, layout: str) -> tuple[str, tuple[str, ...]]:
+    """(--nvme path, extra options) of a layout, its directories made under ``tmp_path/name``."""
+    base = tmp_path / name
+    first = base / "nvme0"
+    first.mkdir(parents=True)
+    if layout == TWO_PATHS:  # state split over two paths, none in host memory
+        (base / "nvme1").mkdir()
+        return str(first), ("--nvme", str(base / "nvme1"), "--host-cache", "0")
+    return str(first), LAYOUTS[layout]
+
+
+def _run(who: str, tmp_path, name: str, ranks: int, dtype: str, layout: str | None, *extra):
+    out = str(tmp_path / f"{name}.jsonl")
+    if who == "stock":
+        p = stock(ranks, out, "--dtype", dtype, *extra)
+    else:
+        nvme, opts = _tiers(tmp_path, name, layout)
+        p = ours(ranks, out, nvme, str(tmp_path / f"run-{name}"), "--dtype", dtype, *extra, opts=opts)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return _losses(out)
+
+
+@pytest.mark.parametrize("saver,loader,ranks,dtype", [
+    (("stock", None), ("ours", "all-nvme"), 2, "fp32"),
+    (("stock", None), ("ours", TWO_PATHS), 1, "bf16"),
+    (("ours", "nvme-and-host"), ("stock", None), 2, "bf16"),
+    (("ours", "all-nvme"), ("ours", TWO_PATHS), 2, "fp32"),
+    (("ours", TWO_PATHS), ("ours", "lane-on-cpu"), 1, "bf16"),
+], ids=["stock-to-ours-2ranks-fp32", "stock-to-ours-two-paths-bf16", "ours-to-stock-2ranks-bf16",
+        "ours-to-ours-other-paths-2ranks", "ours-to-ours-device-tiers-bf16"])
+def test_checkpoints_move_both_ways(saver, loader, ranks, dtype, tmp_path):
+    """A checkpoint saved at step 3 (gradient clipping on) and resumed by the other side, or by
+    offloadctl with another tier layout, continues with the losses of the uninterrupted run. The
+    loading run never sees the saving run's tiers."""
+    ckpt = str(tmp_path / "ckpt")
+    full = _run(saver[0], tmp_path, "full", ranks, dtype, saver[1], "--save-at", "3", "--ckpt-dir", ckpt)
+    resumed = _run(loader[0], tmp_path, "resumed", ranks, dtype, loader[1], "--resume", ckpt)
+    assert len(full) == 6 and len(resumed) == 3
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[3:]), rtol=1e-5, atol=0)
+    if saver[0] == "ours":  # the uninterrupted run itself is stock's
+        ref = _run("stock", tmp_path, "stock", ranks, dtype, None)
+        torch.testing.assert_close(torch.tensor(full), torch.tensor(ref), rtol=STOCK_RTOL[dtype], atol=0)
+
+
+def test_zero_to_fp32_reads_our_checkpoint_as_stocks(tmp_path):
+    """DeepSpeed's zero_to_fp32 on offloadctl's checkpoint gives the weights it gives on stock's."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for who, layout in (("stock", None), ("ours", TWO_PATHS)):
+        _run(who, tmp_path, who, 2, "bf16", layout, "--save-at", "3", "--ckpt-dir", str(tmp_path / f"ckpt-{who}"))
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt-stock"), tag="ckpt")
+    got = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt-ours"), tag="ckpt")
+    assert ref.keys() == got.keys() and len(ref) == 6
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
