@@ -128,3 +128,38 @@ def test_zero_to_fp32_reads_our_checkpoint_as_stocks(tmp_path):
     assert ref.keys() == got.keys() and len(ref) == 6
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _to_universal(ckpt: str) -> None:
+    import subprocess
+    import sys
+
+    from test_deepspeed_integration import ROOT, _env
+
+    p = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        f"{ckpt}/ckpt", "--output_folder", f"{ckpt}/universal"], capture_output=True, text=True,
+                       timeout=300, env=_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("saved_ranks,loaded_ranks", [(2, 1), (1, 2)])
+def test_universal_checkpoint_of_ours_resumes_at_another_rank_count(saved_ranks, loaded_ranks, tmp_path):
+    """DeepSpeed's universal checkpoint (ds_to_universal) made from offloadctl's checkpoint resumes
+    at a different number of ranks, under offloadctl (other tiers) and under stock, as stock's own
+    universal checkpoint does. (At another rank count the data per step differs, so the reference
+    is stock resuming from stock's universal checkpoint, not the uninterrupted run.)"""
+    universal = ("--resume-tag", "universal", "--ds-extra", '{"checkpoint": {"load_universal": true}}')
+    for who, layout in (("stock", None), ("ours", "all-nvme")):
+        ckpt = str(tmp_path / f"ckpt-{who}")
+        _run(who, tmp_path, f"save-{who}", saved_ranks, "fp32", layout, "--save-at", "3", "--ckpt-dir", ckpt)
+        _to_universal(ckpt)
+    ref = _run("stock", tmp_path, "stock-from-stock", loaded_ranks, "fp32", None, "--resume",
+               str(tmp_path / "ckpt-stock"), *universal)
+    ours_ckpt = str(tmp_path / "ckpt-ours")
+    stock_from_ours = _run("stock", tmp_path, "stock-from-ours", loaded_ranks, "fp32", None, "--resume", ours_ckpt,
+                           *universal)
+    ours_from_ours = _run("ours", tmp_path, "ours-from-ours", loaded_ranks, "fp32", TWO_PATHS, "--resume", ours_ckpt,
+                          *universal)
+    assert len(ref) == 3
+    for got in (stock_from_ours, ours_from_ours):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)

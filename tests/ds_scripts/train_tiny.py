@@ -22,6 +22,7 @@ ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"])
 ap.add_argument("--nvme-path")
 ap.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step (0: never)")
 ap.add_argument("--resume", help="checkpoint directory to resume from")
+ap.add_argument("--resume-tag", default="ckpt", help="the checkpoint's tag (a universal checkpoint's folder name)")
 ap.add_argument("--ckpt-dir")
 ap.add_argument("--no-init", action="store_true", help="never call deepspeed.initialize")
 ap.add_argument("--groups", action="store_true", help="two param groups with their own lr and weight decay")
@@ -68,7 +69,7 @@ rank = engine.global_rank
 start = 0
 if args.resume:
     only = dict(load_optimizer_states=False, load_module_only=True) if args.resume_module_only else {}
-    _, client = engine.load_checkpoint(args.resume, tag="ckpt", **only)
+    _, client = engine.load_checkpoint(args.resume, tag=args.resume_tag, **only)
     start = client["step"]
 gen = torch.Generator().manual_seed(1234 + rank)  # on the CPU: the same data on every machine
 device = get_accelerator().current_device_name()
