@@ -22,7 +22,7 @@ from engine.adamw import hyper_from_group
 from engine.buffers import pin_in_place
 from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
 from engine.core import SubgroupEngine
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from integrations import ds_compat
 from integrations.deepspeed_zero3 import ZeroEngineSettings
 
@@ -399,6 +399,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters}
 
     def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        self._check_loadable(state_dict, load_optimizer_states)  # before anything is written
         self.loss_scaler = state_dict[LOSS_SCALER]
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self.overflow = state_dict["overflow"]
@@ -414,6 +415,26 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 zeros = torch.zeros_like(master)
                 self.offload_engine.write_state(i, master, zeros, zeros, [0])
             self._bindings[i].write_weights(master)
+
+    def _check_loadable(self, state_dict, load_optimizer_states: bool) -> None:
+        """CheckpointError unless every subgroup of ``state_dict`` matches this run's: the check
+        comes first, so a load that fails changes nothing in the engine's tiers."""
+        masters = state_dict.get(FP32_FLAT_GROUPS)
+        mine = list(self.fp16_partitioned_groups_flat_numel)
+        theirs = [int(t.numel()) for t in masters] if masters is not None else None
+        if theirs != mine:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {theirs[:4] if theirs else []}"
+                f"{'...' if theirs and len(theirs) > 4 else ''} elements and this run has {len(mine)} of "
+                f"{mine[:4]}{'...' if len(mine) > 4 else ''}: it was saved with another sub_group_size, model or "
+                f"rank count; load it with the same ones, or convert it with ds_to_universal")
+        if load_optimizer_states:
+            states = state_dict[OPTIMIZER_STATE_DICT]["state"]
+            for i, n in enumerate(mine):
+                st = states.get(i)
+                if st and any(int(st[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
+                    raise CheckpointError(f"the checkpoint's moments of subgroup {i} do not have its {n} elements: "
+                                          f"the file is damaged or from another run; resume from another checkpoint")
 
     def destroy(self):
         self.offload_engine.close()  # closes its step hooks: the tuner client says bye

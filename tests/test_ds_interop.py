@@ -163,3 +163,58 @@ def test_universal_checkpoint_of_ours_resumes_at_another_rank_count(saved_ranks,
     assert len(ref) == 3
     for got in (stock_from_ours, ours_from_ours):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+# -- checkpoints that do not load ----------------------------------------------------------------
+
+def _saved(tmp_path, ranks: int, *extra) -> str:
+    ckpt = str(tmp_path / "ckpt")
+    _run("ours", tmp_path, "saver", ranks, "fp32", "all-nvme", "--save-at", "3", "--ckpt-dir", ckpt, *extra)
+    return ckpt
+
+
+def _damage(kind: str, ckpt: str) -> None:
+    import glob
+    import os
+
+    optim = sorted(glob.glob(os.path.join(ckpt, "ckpt", "*optim_states.pt")))
+    if kind == "truncated":
+        with open(optim[0], "r+b") as f:
+            f.truncate(os.path.getsize(optim[0]) // 2)
+    elif kind == "missing-rank-file":
+        os.unlink(optim[-1])
+
+
+@pytest.mark.parametrize("kind,ranks,load_ranks,extra,expect", [
+    ("another-model", 1, 1, ("--hidden", "48"), "holds another model: 0.weight is torch.Size([64, 32]) there and "
+                                                 "torch.Size([48, 32]) here"),
+    ("missing-rank-file", 2, 2, (), "lacks"),
+    ("truncated", 1, 1, (), "is truncated or damaged"),
+    ("rank-count", 2, 1, (), "was saved by 2 ranks and this run has 1"),
+    ("other-subgroups", 1, 1, ("--sub-group-size", "50"), "subgroups of"),
+])
+def test_a_checkpoint_that_does_not_load_is_one_line(kind, ranks, load_ranks, extra, expect, tmp_path):
+    """One line naming the checkpoint file or directory, what differs and the fix; no traceback."""
+    ckpt = _saved(tmp_path, ranks)
+    _damage(kind, ckpt)
+    nvme = tmp_path / "nvme-load"
+    nvme.mkdir()
+    p = ours(load_ranks, str(tmp_path / "load.jsonl"), str(nvme), str(tmp_path / "run-load"), "--resume", ckpt, *extra,
+             opts=("--host-cache", "0"))
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("offloadctl: ") and expect in line and str(tmp_path / "ckpt") in line or "subgroups" in line, line
+    assert "Traceback" not in p.stderr
+
+
+def test_a_failed_load_leaves_the_tiers_alone(tmp_path):
+    """A script that catches the failure and goes on finds the optimizer's state as it was, on
+    every tier: the subgroup check comes before anything is written."""
+    import json
+
+    ckpt = _saved(tmp_path, 1)
+    out = tmp_path / "try.json"
+    _run("ours", tmp_path, "goes-on", 1, "fp32", "nvme-and-host", "--resume", ckpt, "--try-resume", str(out),
+         "--sub-group-size", "50")
+    got = json.loads(out.read_text())
+    assert got["outcome"].startswith("failed: the checkpoint's optimizer state has") and got["tiers_unchanged"], got

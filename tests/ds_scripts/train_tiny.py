@@ -29,6 +29,11 @@ ap.add_argument("--groups", action="store_true", help="two param groups with the
 ap.add_argument("--ds-extra", default="{}", help="JSON merged into the ds_config (options a test wants refused)")
 ap.add_argument("--state-api-out", help="at step 2, read (and at step 3 change) partitioned state through "
                                        "DeepSpeed's safe_get_*/safe_set_* API; the values read go here (torch.save)")
+ap.add_argument("--try-resume", metavar="FILE",
+                help="with --resume: after training, try to load it; a load that fails is caught, and whether the "
+                     "optimizer's tiers kept their state (offloadctl only) is written here")
+ap.add_argument("--hidden", type=int, default=64, help="the model's width (another model: another checkpoint)")
+ap.add_argument("--sub-group-size", type=int, default=100)
 ap.add_argument("--resume-module-only", action="store_true",
                 help="with --resume: load_checkpoint(load_optimizer_states=False, load_module_only=True)")
 args = ap.parse_args()
@@ -36,9 +41,10 @@ args = ap.parse_args()
 if args.no_init:
     raise SystemExit(0)
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                            torch.nn.Linear(64, 8))
-zero = {"stage": args.stage, "sub_group_size": 100, "stage3_param_persistence_threshold": 0}
+h = args.hidden
+model = torch.nn.Sequential(torch.nn.Linear(32, h), torch.nn.GELU(), torch.nn.Linear(h, h), torch.nn.GELU(),
+                            torch.nn.Linear(h, 8))
+zero = {"stage": args.stage, "sub_group_size": args.sub_group_size, "stage3_param_persistence_threshold": 0}
 if args.offload != "none":
     zero["offload_optimizer"] = {"device": args.offload}
     if args.offload == "nvme":
@@ -67,7 +73,7 @@ if args.overflow_in == "first":
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
 rank = engine.global_rank
 start = 0
-if args.resume:
+if args.resume and not args.try_resume:
     only = dict(load_optimizer_states=False, load_module_only=True) if args.resume_module_only else {}
     _, client = engine.load_checkpoint(args.resume, tag=args.resume_tag, **only)
     start = client["step"]
@@ -137,3 +143,15 @@ for step in range(start, args.steps):
             f.write(json.dumps({"step": step + 1, "loss": loss.item(), "loss_scale": engine.optimizer.loss_scale}) + "\n")
     if args.save_at and step + 1 == args.save_at:
         engine.save_checkpoint(args.ckpt_dir, tag="ckpt", client_state={"step": step + 1})
+if args.resume and args.try_resume:  # after training: the state a failed load must leave alone
+    tiers = getattr(engine.optimizer, "offload_engine", None)
+    state = lambda: [tiers.read_state(i) for i in range(len(tiers.subgroups))] if tiers else []  # noqa: E731
+    before = state()
+    try:
+        engine.load_checkpoint(args.resume, tag=args.resume_tag)
+        outcome = "loaded"
+    except Exception as e:  # noqa: BLE001 - what a script that falls back does
+        outcome = f"failed: {e}"
+    same = all(torch.equal(x, y) for a, b in zip(before, state()) for x, y in zip(a[:3], b[:3]))
+    with open(args.try_resume, "w") as f:
+        json.dump({"outcome": outcome, "tiers_unchanged": same}, f)
