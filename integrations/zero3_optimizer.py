@@ -8,7 +8,6 @@ stock DeepSpeed is described there.
 from __future__ import annotations
 
 import atexit
-import os
 from typing import ClassVar
 
 import torch
@@ -261,15 +260,14 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             return None
         import deepspeed.comm as dist
 
-        from perf.plan import node_layout
+        from perf.plan import local_rank, node_layout
         from tuner.client import TunerClient
 
         # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
         world = dist.get_world_size() if dist.is_initialized() else 1
         local_size, _ = node_layout(world)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         client = TunerClient.for_engine(self.settings.tuner_socket, self.offload_engine,
-                                        run_id=self.settings.run_id or "run", rank=local_rank,
+                                        run_id=self.settings.run_id or "run", rank=local_rank(),
                                         world_size=local_size, profile=self.settings.profile)
         atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
         return client
