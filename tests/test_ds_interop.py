@@ -218,3 +218,51 @@ def test_a_failed_load_leaves_the_tiers_alone(tmp_path):
          "--sub-group-size", "50")
     got = json.loads(out.read_text())
     assert got["outcome"].startswith("failed: the checkpoint's optimizer state has") and got["tiers_unchanged"], got
+
+
+# -- launching: two nodes, each launched on its own --------------------------------------------------
+
+def test_two_nodes_launched_per_node_match_stock(tmp_path):
+    """Two per-node launches (--no_ssh --node_rank 0|1, one hostfile naming both nodes, one master
+    address), as on a cluster without ssh between nodes (Kubernetes, a Slurm step per node). Each
+    "node" has its own NVMe path, run dir and tuner daemon; losses equal the same launch of stock
+    DeepSpeed; each node's telemetry and report are complete."""
+    import json
+    import subprocess
+    import sys
+
+    from test_deepspeed_integration import ROOT, _env, _port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+
+    def launch(who: str) -> list[dict]:
+        port, procs = _port(), []
+        for node in (0, 1):
+            d = tmp_path / f"{who}{node}"
+            (d / "nvme").mkdir(parents=True)
+            per_node = ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+                        "127.0.0.1", "--master_port", port]
+            script = ["tests/ds_scripts/train_tiny.py", "--losses-out", str(d / "losses.jsonl")]
+            cmd = ([sys.executable, "-m", "deepspeed.launcher.runner", *per_node, *script] if who == "stock" else
+                   [sys.executable, "-m", "offloadctl.cli", "train", *per_node, "--nvme", str(d / "nvme"),
+                    "--host-cache", "0", "--run-dir", str(d / "run"), *script])
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                                          cwd=ROOT))
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out[-3000:]
+        return outs
+
+    launch("stock")
+    outs = launch("ours")
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "ours0" / "losses.jsonl")),
+                               torch.tensor(_losses(tmp_path / "stock0" / "losses.jsonl")), rtol=1e-5, atol=0)
+    for node in (0, 1):
+        run = tmp_path / f"ours{node}" / "run"
+        recs = [json.loads(line) for line in open(run / f"telemetry-rank{node}.jsonl")]  # node N runs rank N
+        assert len(recs) == 6 and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+        assert "tuner" in outs[node] and (run / "tuner").is_dir()  # its own daemon
+        p = subprocess.run([sys.executable, "-m", "offloadctl.cli", "report", str(run), "--output",
+                            str(run / "report.html")], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+        assert p.returncode == 0 and (run / "report.html").stat().st_size > 10_000, p.stderr[-2000:]
