@@ -750,7 +750,14 @@ class SubgroupEngine:
 
     def write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     steps: Sequence[int]) -> None:
-        """Replace subgroup ``index``'s state (flat tensors of its numel, any device)."""
+        """Replace subgroup ``index``'s state (flat tensors of its numel, any device). The
+        sources are read as data: a checkpoint's tensors may require grad, and the state is
+        never part of a graph."""
+        with torch.no_grad():
+            self._write_state(index, master.detach(), exp_avg.detach(), exp_avg_sq.detach(), steps)
+
+    def _write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     steps: Sequence[int]) -> None:
         sg = self.subgroups[index]
         sg.steps[:] = list(steps)
         if sg.tier == DEVICE:

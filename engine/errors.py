@@ -28,3 +28,8 @@ class StorageIOError(OffloadError):
 
 class CorruptSwapFileError(OffloadError):
     """A swap file's contents do not match the checksum written with them."""
+
+
+class CheckpointError(OffloadError):
+    """A checkpoint cannot be loaded into this run (missing or damaged files, another model, another
+    rank count or subgroup layout). Raised before anything in the engine's tiers changes."""

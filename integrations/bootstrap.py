@@ -60,6 +60,7 @@ def _stop_on_signals() -> None:
 
 def main() -> int:
     from engine.errors import OffloadError
+    from integrations.checkpoints import guard_load_checkpoint
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import ZeroEngineSettings, install
@@ -80,6 +81,7 @@ def main() -> int:
         def initialize(*args, **kwargs):
             result = original(*args, **kwargs)
             engine = result[0]
+            guard_load_checkpoint(engine)  # a checkpoint that does not load: one line, stock or ours
             if stock:
                 state["engaged"] += 1
                 return result
@@ -114,7 +116,8 @@ def main() -> int:
             if e.code not in (None, 0):
                 raise
     except OffloadError as e:
-        print(f"offloadctl: {e}", file=sys.stderr, flush=True)
+        if _rank() == 0 or not getattr(e, "every_rank", False):  # the same line from every rank: once
+            print(f"offloadctl: {e}", file=sys.stderr, flush=True)
         return 2
     except (Stopped, KeyboardInterrupt) as e:
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

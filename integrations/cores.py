@@ -36,13 +36,15 @@ def rank_cores(available: Sequence[int], local_rank: int, local_size: int) -> li
 def bind_rank_cores(mode: str, environ=os.environ) -> list[int] | None:
     """Bind this rank to its cores and set its thread count to match, per ``mode``; the cores,
     or None when not bound. Call before torch starts its thread pool (before the user's script)."""
-    local_size = int(environ.get("LOCAL_SIZE") or environ.get("LOCAL_WORLD_SIZE") or 1)
+    from perf.plan import local_rank
+    from perf.plan import local_size as launcher_local_size
+
+    local_size = launcher_local_size(environ) or 1
     if mode == "off" or (mode == "auto" and local_size <= 1):
         return None
     if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - not Linux
         return None
-    local_rank = int(environ.get("LOCAL_RANK", "0"))
-    cores = rank_cores(os.sched_getaffinity(0), local_rank, local_size)
+    cores = rank_cores(os.sched_getaffinity(0), local_rank(environ), local_size)
     if not cores:
         return None
     os.sched_setaffinity(0, cores)

@@ -87,6 +87,15 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_rigid_load_state_dict", ("state_dict", "load_optimizer_states"), "override"),
     Method(STAGE3, "destroy", (), "override"),
     Method(STAGE3, "partition_grads", ("params_to_release", "grad_partitions"), "override"),
+    # The partitioned-state API's swap hooks, overridden to check state out of the engine.
+    Method(STAGE3, "_swappable_optimizer_subgroup", ("sub_group_id",), "override"),
+    Method(STAGE3, "_optimizer_states_and_gradient_swap_in", ("sub_group_id", "timer_names"), "override"),
+    Method(STAGE3, "_optimizer_states_and_gradient_swap_out", ("sub_group_id", "timer_names"), "override"),
+    Method(STAGE3, "_release_swap_buffers", ("sub_group_id",), "override"),
+    Method(STAGE3, "_writeback_swap_state", ("sub_group_id", "write_opt_state", "write_gradients"), "override"),
+    Method(STAGE3, "_restore_from_bit16_weights", (), "override"),
+    Method(STAGE3, "_load_universal_checkpoint", ("checkpoint_folder", "load_optimizer_states",
+                                                  "load_from_fp32_weights"), "override"),
     # Called by the overrides (step() is rebuilt from DeepSpeed's own helpers).
     Method(STAGE3, "_pre_step", (), "call"),
     Method(STAGE3, "_partition_all_parameters", (), "call"),
@@ -135,7 +144,7 @@ only our change to it."""
 
 OWN_ATTRIBUTES: tuple[str, ...] = (
     "_ds_nvme_path", "_engine_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
-    "plan_summary", "settings")
+    "plan_summary", "settings", "_checked_out")
 """What OffloadZero3Optimizer sets on itself: a DeepSpeed that sets one of these too would
 have the subclass overwrite its state (or the reverse)."""
 

@@ -21,14 +21,17 @@ from collections.abc import Mapping, Sequence
 
 from integrations import bootstrap
 
-# DeepSpeed launcher options passed through: (flags, takes a value).
+# DeepSpeed launcher options passed through: (flags, takes a value). Every option of DeepSpeed's
+# own parser (deepspeed.launcher.runner.parse_args), no more: tests/test_launcher_options.py builds
+# that parser and fails when the two differ, so a DeepSpeed release that adds one cannot go unseen.
 LAUNCHER_OPTIONS = [
-    (("--num_gpus", "--num_accelerators"), True), (("--num_nodes",), True), (("--hostfile", "-H"), True),
-    (("--include", "-i"), True), (("--exclude", "-e"), True), (("--master_addr",), True), (("--master_port",), True),
-    (("--launcher",), True), (("--launcher_args",), True), (("--node_rank",), True), (("--bind_core_list",), True),
-    (("--ssh_port",), True), (("--min_elastic_nodes",), True), (("--max_elastic_nodes",), True),
-    (("--force_multi",), False), (("--no_local_rank",), False), (("--no_python",), False), (("--module",), False),
-    (("--bind_cores_to_rank",), False), (("--enable_each_rank_log",), True), (("--save_pid",), False),
+    (("--hostfile", "-H"), True), (("--include", "-i"), True), (("--exclude", "-e"), True), (("--num_nodes",), True),
+    (("--num_gpus", "--num_accelerators"), True), (("--master_port",), True), (("--master_addr",), True),
+    (("--node_rank",), True), (("--launcher",), True), (("--launcher_args",), True), (("--module",), False),
+    (("--no_python",), False), (("--no_local_rank",), False), (("--no_ssh",), False), (("--no_ssh_check",), False),
+    (("--force_multi",), False), (("--save_pid",), False), (("--enable_each_rank_log",), True),
+    (("--autotuning",), True), (("--bind_cores_to_rank",), False), (("--bind_core_list",), True),
+    (("--ssh_port",), True), (("--venv_script",), True), (("--log_level",), True), (("--quiet", "-q"), False),
 ]
 
 DEFAULT_MASTER_PORT = "29500"
@@ -60,6 +63,77 @@ def launch_command(launcher: Sequence[str], rank_settings: dict, script: str, sc
     """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, os.path.abspath(bootstrap.__file__),
             bootstrap.CONFIG_FLAG, json.dumps(rank_settings), os.path.abspath(script), *script_args]
+
+
+def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
+    """What DeepSpeed's launcher would start for ``command`` (:func:`launch_command`), worked out
+    by DeepSpeed's own runner in this process with nothing started: the per-node launch
+    (``deepspeed.launcher.launch``, locally or with ``--no_ssh``) or the pdsh, mpirun or srun
+    command of ``--launcher``, each carrying the bootstrap in place of the script. For
+    ``--dry-run``: ``{"command": [...]}``, or ``{"error": "..."}`` where DeepSpeed's runner refuses."""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs to stdout as it imports: not into --json
+        import deepspeed.launcher.multinode_runner as multinode
+        import deepspeed.launcher.runner as runner
+
+    seen: dict = {}
+
+    class Started:  # in place of subprocess.Popen: records what would have been started
+        returncode = 0
+
+        def __init__(self, cmd, env=None, **kw) -> None:
+            seen.setdefault("command", list(cmd))
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+        def send_signal(self, sig) -> None:
+            pass
+
+    class NothingRuns:  # the runner's subprocess module: nothing starts, probes succeed
+        Popen, PIPE, DEVNULL, STDOUT, CalledProcessError = Started, subprocess.PIPE, subprocess.DEVNULL, \
+            subprocess.STDOUT, subprocess.CalledProcessError
+
+        @staticmethod
+        def check_call(*a, **kw) -> int:
+            return 0
+
+        @staticmethod
+        def check_output(*a, **kw) -> bytes:
+            return b"127.0.0.1"
+
+    argv = list(command)[list(command).index("deepspeed.launcher.runner") + 1:]
+    # MVAPICH's runner writes a hostfile as it builds its command: a dry run leaves none behind.
+    scratch = getattr(multinode, "MVAPICH_TMP_HOSTFILE", None)
+    scratch = scratch if scratch and not os.path.exists(scratch) else None
+    runners = [c for c in vars(multinode).values()
+               if isinstance(c, type) and issubclass(c, multinode.MultiNodeRunner) and "backend_exists" in vars(c)]
+    saved = (runner.subprocess, {c: c.backend_exists for c in runners}, os.environ.copy())
+    try:
+        runner.subprocess = NothingRuns
+        for c in runners:
+            c.backend_exists = lambda self: True  # not installed here: the command all the same
+        os.environ.update(env)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            runner.main(argv)
+    except SystemExit:
+        pass
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's own refusal, shown as it says it
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if scratch and os.path.exists(scratch):
+            os.unlink(scratch)
+        runner.subprocess = saved[0]
+        for c, f in saved[1].items():
+            c.backend_exists = f
+        os.environ.clear()
+        os.environ.update(saved[2])
+    return {"command": seen.get("command", [])}
 
 
 def launch_env() -> dict[str, str]:

@@ -8,7 +8,6 @@ stock DeepSpeed is described there.
 from __future__ import annotations
 
 import atexit
-import os
 from typing import ClassVar
 
 import torch
@@ -22,7 +21,7 @@ from engine.adamw import hyper_from_group
 from engine.buffers import pin_in_place
 from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
 from engine.core import SubgroupEngine
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from integrations import ds_compat
 from integrations.deepspeed_zero3 import ZeroEngineSettings
 
@@ -154,6 +153,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         _check_adamw(self.optimizer)
         _check_supported(self)
         self._engine_grad_scale = 1.0
+        self._checked_out: dict[int, torch.Tensor] = {}  # subgroup -> its placeholder, while checked out
         self._bindings, off = [], 0
         for i in range(len(self.fp16_groups)):
             self._bindings.append(ZeroPartitionSubgroup(self, i, off))
@@ -260,15 +260,14 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             return None
         import deepspeed.comm as dist
 
-        from perf.plan import node_layout
+        from perf.plan import local_rank, node_layout
         from tuner.client import TunerClient
 
         # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
         world = dist.get_world_size() if dist.is_initialized() else 1
         local_size, _ = node_layout(world)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         client = TunerClient.for_engine(self.settings.tuner_socket, self.offload_engine,
-                                        run_id=self.settings.run_id or "run", rank=local_rank,
+                                        run_id=self.settings.run_id or "run", rank=local_rank(),
                                         world_size=local_size, profile=self.settings.profile)
         atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
         return client
@@ -304,6 +303,82 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.optimizer.step()
         self._post_step(set())
 
+    # -- DeepSpeed's partitioned-state API -------------------------------------------------------
+    # DeepSpeed's getters and setters of partitioned state (deepspeed.utils.safe_get_*/safe_set_*,
+    # safe_update_full_grad_vectorized), load_checkpoint(load_optimizer_states=False) and the
+    # universal checkpoint's loader read and write fp32_partitioned_groups_flat[i], its .grad and
+    # optimizer.state[it], between _optimizer_states_and_gradient_swap_in and _swap_out (or
+    # _release_swap_buffers, _writeback_swap_state) for a swappable subgroup. Here every
+    # subgroup is "swappable": swapping in checks its state out of the engine, from whichever tier
+    # holds it, into those places; swapping out writes it back there; releasing drops the copy.
+
+    def _swappable_optimizer_subgroup(self, sub_group_id):
+        return True  # every subgroup's fp32 state is in the engine (see above)
+
+    def _optimizer_states_and_gradient_swap_in(self, sub_group_id, timer_names=None):
+        self._check_out(sub_group_id)
+
+    def _optimizer_states_and_gradient_swap_out(self, sub_group_id, timer_names=None):
+        self._check_in(sub_group_id, write_state=True, write_grads=True)
+
+    def _release_swap_buffers(self, sub_group_id):
+        self._check_in(sub_group_id, write_state=False, write_grads=False)
+
+    def _writeback_swap_state(self, sub_group_id, write_opt_state, write_gradients):
+        self._check_in(sub_group_id, write_state=write_opt_state, write_grads=write_gradients)
+
+    def _check_out(self, i: int) -> None:
+        """Subgroup ``i``'s master, moments and fp32 gradient, copied out of the engine into
+        fp32_partitioned_groups_flat[i] (and its .grad) and optimizer.state[it]."""
+        if i in self._checked_out:
+            return
+        master, exp_avg, exp_avg_sq, steps = self.offload_engine.read_state(i)
+        placeholder = self.fp32_partitioned_groups_flat[i]
+        master.ds_id = placeholder.ds_id
+        # DeepSpeed's fp32 gradient of an offloaded subgroup: the reduced gradient, not unscaled.
+        master.grad = self._bindings[i].grads()[0].detach().to("cpu", torch.float32, copy=True)
+        self.fp32_partitioned_groups_flat[i] = master
+        self.optimizer.state[master] = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "step": steps[0]}
+        self._checked_out[i] = placeholder
+
+    def _check_in(self, i: int, *, write_state: bool, write_grads: bool) -> None:
+        """Put subgroup ``i``'s placeholder back, writing what was changed into the engine (the
+        state, to its tier) and the gradient buffer the engine reads."""
+        placeholder = self._checked_out.pop(i, None)
+        if placeholder is None:
+            return
+        master = self.fp32_partitioned_groups_flat[i]
+        st = self.optimizer.state.pop(master, {})
+        if write_state:
+            step = st.get("step", 0)
+            self.offload_engine.write_state(i, master, st["exp_avg"], st["exp_avg_sq"],
+                                            [int(step.item() if torch.is_tensor(step) else step)])
+        if write_grads and master.grad is not None:
+            self._bindings[i].grads()[0].copy_(master.grad)
+        master.grad = None
+        self.fp32_partitioned_groups_flat[i] = placeholder
+
+    def _restore_from_bit16_weights(self):
+        # load_checkpoint(load_optimizer_states=False or load_module_only=True): the masters from
+        # the loaded 16-bit weights, the moments as they are (DeepSpeed's own behaviour).
+        for i, flat16 in enumerate(self.fp16_partitioned_groups_flat):
+            _, exp_avg, exp_avg_sq, steps = self.offload_engine.read_state(i)
+            self.offload_engine.write_state(i, flat16.float(), exp_avg, exp_avg_sq, steps)
+
+    def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        # DeepSpeed's loader writes every subgroup's fp32_partitioned_groups_flat[i] and
+        # optimizer.state[it] in place: check them all out for it, then write them back.
+        for i in range(len(self.fp16_groups)):
+            self._check_out(i)
+        try:
+            super()._load_universal_checkpoint(checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+        except BaseException:
+            for i in range(len(self.fp16_groups)):
+                self._check_in(i, write_state=False, write_grads=False)
+            raise
+        for i in range(len(self.fp16_groups)):
+            self._check_in(i, write_state=True, write_grads=False)
+
     def state_dict(self):
         n = len(self.fp16_groups)
         state, masters = {}, []
@@ -322,6 +397,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters}
 
     def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        self._check_loadable(state_dict, load_optimizer_states)  # before anything is written
         self.loss_scaler = state_dict[LOSS_SCALER]
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self.overflow = state_dict["overflow"]
@@ -337,6 +413,26 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 zeros = torch.zeros_like(master)
                 self.offload_engine.write_state(i, master, zeros, zeros, [0])
             self._bindings[i].write_weights(master)
+
+    def _check_loadable(self, state_dict, load_optimizer_states: bool) -> None:
+        """CheckpointError unless every subgroup of ``state_dict`` matches this run's: the check
+        comes first, so a load that fails changes nothing in the engine's tiers."""
+        masters = state_dict.get(FP32_FLAT_GROUPS)
+        mine = list(self.fp16_partitioned_groups_flat_numel)
+        theirs = [int(t.numel()) for t in masters] if masters is not None else None
+        if theirs != mine:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {theirs[:4] if theirs else []}"
+                f"{'...' if theirs and len(theirs) > 4 else ''} elements and this run has {len(mine)} of "
+                f"{mine[:4]}{'...' if len(mine) > 4 else ''}: it was saved with another sub_group_size, model or "
+                f"rank count; load it with the same ones, or convert it with ds_to_universal")
+        if load_optimizer_states:
+            states = state_dict[OPTIMIZER_STATE_DICT]["state"]
+            for i, n in enumerate(mine):
+                st = states.get(i)
+                if st and any(int(st[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
+                    raise CheckpointError(f"the checkpoint's moments of subgroup {i} do not have its {n} elements: "
+                                          f"the file is damaged or from another run; resume from another checkpoint")
 
     def destroy(self):
         self.offload_engine.close()  # closes its step hooks: the tuner client says bye

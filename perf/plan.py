@@ -24,9 +24,33 @@ class RankPlan:
     """One line for the run log."""
 
 
+LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                   "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+"""Where launchers put the ranks on this node: DeepSpeed's own, torchrun, Open MPI, MPICH and
+Intel MPI, MVAPICH2, Slurm (DeepSpeed's --launcher options start ranks through each)."""
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                   "SLURM_LOCALID")
+
+
+def _first_env(names, environ=None) -> str | None:
+    environ = os.environ if environ is None else environ
+    return next((environ[n] for n in names if environ.get(n)), None)
+
+
+def local_rank(environ=None) -> int:
+    """This rank's index on its node, from whichever launcher started it (0 when none says)."""
+    return int(_first_env(LOCAL_RANK_VARS, environ) or 0)
+
+
+def local_size(environ=None) -> int | None:
+    """Ranks on this node, from whichever launcher started it; None when none says."""
+    v = _first_env(LOCAL_SIZE_VARS, environ)
+    return int(v.split("(")[0]) if v else None  # Slurm writes "4(x2)" for uneven nodes
+
+
 def node_layout(world_size: int) -> tuple[int, int]:
-    """(ranks per node, nodes) from the DeepSpeed launcher's environment."""
-    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    """(ranks per node, nodes) from the launcher's environment."""
+    local = local_size() or world_size
     local = max(1, min(local, world_size))
     return local, max(1, world_size // local)
 

@@ -13,7 +13,7 @@ from report.analyze import analyze
 from report.load import Run, load_run
 
 
-def build_report(run_dirs: list[str], *, iteration: int | None = None, rank: int = 0,
+def build_report(run_dirs: list[str], *, iteration: int | None = None, rank: int | None = None,
                  labels: list[str] | None = None) -> tuple[dict, dict[str, bytes]]:
     """(the numbers, {section: PNG bytes}) for ``run_dirs``, side by side, the first the baseline."""
     from report.plots import figures, png_bytes

@@ -54,9 +54,10 @@ class Run:
         return "complete"
 
 
-def load_run(path: str, rank: int = 0, label: str | None = None) -> Run:
-    """The records of ``rank`` in run directory ``path``; :class:`ConfigError` when there is
-    nothing to report."""
+def load_run(path: str, rank: int | None = None, label: str | None = None) -> Run:
+    """The records of ``rank`` in run directory ``path`` (None: the lowest rank recorded there,
+    which on a node of a multi-node run is not 0); :class:`ConfigError` when there is nothing
+    to report."""
     if not os.path.isdir(path):
         raise ConfigError(f"{path} is not a directory: give the --run-dir of an `offloadctl train` run")
     names = os.listdir(path)
@@ -70,6 +71,8 @@ def load_run(path: str, rank: int = 0, label: str | None = None) -> Run:
                               f"--no-record or by an older offloadctl; run it again to report it")
         raise ConfigError(f"{path} is not an offloadctl run directory (no record-rank<R>.jsonl among its "
                           f"{len(names)} entries): give the --run-dir of an `offloadctl train` run")
+    if rank is None:
+        rank = ranks[0]
     if rank not in ranks:
         raise ConfigError(f"{path} has no record of rank {rank} (ranks recorded: {', '.join(map(str, ranks))}): "
                           f"choose one with --rank")

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import assert_params_close, feed_same_grads, make_model
 
-from engine import OffloadAdamW
+from engine import OffloadAdamW, StoragePath
 
 SUB = 700
 
@@ -67,3 +68,25 @@ def _as_module(params):
     for i, p in enumerate(params):
         m.register_parameter(f"p{i}", p)
     return m
+
+
+@pytest.mark.parametrize("host_cache", [None, 0], ids=["host", "nvme"])
+def test_write_state_takes_tensors_that_require_grad(swap_dir, host_cache):
+    """A stock DeepSpeed checkpoint's fp32 groups may require grad, and DeepSpeed builds the
+    optimizer (so the engine's buffers and their views) under no_grad: writing one into the
+    engine must read it as data (it died with "A view was created in no_grad mode ...")."""
+    from engine import EngineConfig, FlatSubgroup, SubgroupEngine
+
+    w = torch.randn(3000)
+    with torch.no_grad():
+        eng = SubgroupEngine([FlatSubgroup(w[:1500]), FlatSubgroup(w[1500:])],
+                             EngineConfig(host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),),
+                                          host_adam="torch", io_backend="posix"))
+    master = torch.randn(1500, requires_grad=True)
+    m, v = torch.rand(1500, requires_grad=True), torch.rand(1500)
+    eng.write_state(1, master, m, v, [7])
+    got = eng.read_state(1)
+    torch.testing.assert_close(got[0], master.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got[1], m.detach(), rtol=0, atol=0)
+    assert got[3] == [7]
+    eng.close()

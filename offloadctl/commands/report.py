@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the numbers behind every plot as JSON (no summary)")
     p.add_argument("--iteration", type=int, metavar="N", help="the iteration of the timeline (0-based; default: "
                    "the median one of each run)")
-    p.add_argument("--rank", type=int, default=0, metavar="R", help="the rank to report (default 0)")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="the rank to report (default: the lowest recorded in the run directory)")
     p.add_argument("--label", action="append", metavar="NAME", help="a run's name in the report, in RUN_DIR order "
                    "(repeatable; default: the directory's name and engine)")
 

@@ -180,10 +180,14 @@ def preview_plan(settings, params: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     plan = build(args)
     if args.dry_run:
+        # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
+        plan["launch"] = launcher.resolved_launch(plan["command"], plan["env"])
         if args.json:
             print(json.dumps(plan, indent=2))
         else:
             print("command: " + shlex.join(plan["command"]))
+            launch = plan["launch"]
+            print("starts:  " + (shlex.join(launch["command"]) if "command" in launch else launch["error"]))
             print("env:     " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items()))
             print("plan:    " + json.dumps(plan["settings"]))
             print("tuner:   " + {"auto": "auto (the running daemon, else a private one for this run)",
