@@ -165,6 +165,7 @@ class SubgroupEngine:
                           path_weights=self._stripe_weights(self.knobs))
         self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels))
                           for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
+        self._placed_device_tier = sum(t == DEVICE for t in placement.tiers)
         try:
             self._allocate(placement)
         except BaseException:
@@ -494,7 +495,9 @@ class SubgroupEngine:
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
         lane_ws = self.device_lane.working_bytes()
-        if self.config.device_cache_bytes is None:
+        if self.config.device_cache_bytes is not None:
+            self._set_device_tier(self._placed_device_tier)  # the budget's prefix (back after release_device)
+        else:
             if sum(cost) + lane_ws <= headroom_bytes:  # the tier's own update streams through the lane's scratch
                 tier = len(cost)
             else:
@@ -589,6 +592,23 @@ class SubgroupEngine:
             self.device_lane.sync()
             buf.state.copy_(sg.resident[:3 * sg.numel])
         sg.tier, sg.resident = HOST, buf
+
+    def release_device(self) -> None:
+        """Give back every byte the engine holds on the device, between steps: the device tier's
+        state moves to host memory (the host budget aside: it is there until the next fit), the
+        device lane's slots and scratches are freed, and the next step fits the tier and the lane
+        again to what the device then has free. What DeepSpeed's ``offload_states`` asks of the
+        optimizer (RLHF frameworks free the GPU for generation between training steps)."""
+        if self.device is None:
+            return
+        self._end_streams()
+        for sg in self.subgroups:
+            if sg.tier == DEVICE:
+                self._off_device(sg)
+        self.device_lane.release()
+        self._lane_mask = [False] * len(self.subgroups)
+        self._device_grads = set()
+        self._device_tier_pending = True
 
     def device_grad_subgroups(self) -> list[int]:
         """Subgroups whose gradients are best produced on the device: those in the device tier,

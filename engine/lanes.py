@@ -306,6 +306,13 @@ class DeviceLane:
         if self._weights_to_host:
             self.d2h.synchronize()
 
+    def release(self) -> None:
+        """Free the slots and scratches (after :meth:`sync`); they are made again when needed."""
+        self.sync()
+        self._slots = []
+        self._grad = _Scratch(self.device)
+        self._resident_grad = _Scratch(self.device)
+
     def sync(self) -> None:
         """Wait for everything queued on the lane's streams."""
         for s in (self.h2d, self.compute, self.d2h, self.resident):

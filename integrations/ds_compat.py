@@ -94,6 +94,8 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_release_swap_buffers", ("sub_group_id",), "override"),
     Method(STAGE3, "_writeback_swap_state", ("sub_group_id", "write_opt_state", "write_gradients"), "override"),
     Method(STAGE3, "_restore_from_bit16_weights", (), "override"),
+    Method(STAGE3, "offload_states", ("include", "device", "pin_memory", "non_blocking"), "override"),
+    Method(STAGE3, "reload_states", ("non_blocking",), "override"),
     Method(STAGE3, "_load_universal_checkpoint", ("checkpoint_folder", "load_optimizer_states",
                                                   "load_from_fp32_weights"), "override"),
     # Called by the overrides (step() is rebuilt from DeepSpeed's own helpers).
@@ -129,7 +131,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
         "parameter_offload", "prefetch_elements", "overflow", "clip_grad", "_global_grad_norm",
         "partition_count", "_offload_boundary_param_ids", "gradient_accumulation_dtype")),
     *(Attribute(STAGE3, name, live=False) for name in (
-        "norm_for_param_grads", "loss_scaler", "dynamic_loss_scale", "loss_scale", "micro_step_id")),
+        "norm_for_param_grads", "loss_scaler", "dynamic_loss_scale", "loss_scale", "micro_step_id",
+        "offloaded_states")),
     Attribute(PARAM_OFFLOAD, "_max_available_parameters_in_numel"),
     *(Attribute(PARTITION_PARAMETERS, name) for name in ("ds_id", "ds_numel", "partition_numel")),
 )
@@ -152,7 +155,9 @@ NAMES: tuple[tuple[str, str], ...] = (
     ("deepspeed.checkpoint.constants", "FP32_FLAT_GROUPS"), ("deepspeed.checkpoint.constants", "LOSS_SCALER"),
     ("deepspeed.checkpoint.constants", "OPTIMIZER_STATE_DICT"), ("deepspeed.checkpoint.constants", "PARTITION_COUNT"),
     ("deepspeed.checkpoint.constants", "ZERO_STAGE"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.runtime.config", "TORCH_ADAM_PARAM"))
+    ("deepspeed.runtime.config", "TORCH_ADAM_PARAM"),
+    ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
+    ("deepspeed.runtime.zero.offload_config", "OffloadStateTypeEnum"))
 """Module-level names the integration imports."""
 
 

@@ -15,6 +15,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT, PARTITION_COUNT, ZERO_STAGE
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from engine.adamw import hyper_from_group
@@ -35,6 +36,7 @@ class ZeroPartitionSubgroup:
         self.numel = opt.fp16_partitioned_groups_flat_numel[index]
         self.slice_numels = (self.numel,)
         # DeepSpeed's host buffer of reduced gradients, in the gradient-accumulation dtype.
+        self.grad_offset = grad_offset
         self.host_grad = opt.grad_partitions_flat_buffer.narrow(0, grad_offset, self.numel)
         self.device_grad: torch.Tensor | None = None  # set while backward writes this subgroup's gradients on the GPU
 
@@ -236,7 +238,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         next backward. DeepSpeed copies (or accumulates) each reduced partition into its
         entry, and takes the norm from it there: an inf or nan in a device buffer makes the
         norm invalid, which DeepSpeed's step treats as an overflow, as for its own buffer."""
-        mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
         on_device = set(self.offload_engine.device_grad_subgroups())
         dev = self.offload_engine.device
         for b in self._bindings:
@@ -246,14 +247,19 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             if want:
                 b.device_grad = torch.zeros(b.numel, dtype=b.host_grad.dtype, device=dev)
                 b.host_grad.zero_()  # stale host values must not reach DeepSpeed's overflow scan
-                flat = b.device_grad
             else:
-                b.device_grad, flat = None, b.host_grad
-            off = 0
-            for p in b.params():
-                n = p.partition_numel()
-                mapping[p.ds_id] = flat.narrow(0, off, n)
-                off += n
+                b.device_grad = None
+            self._point_grads(b)
+
+    def _point_grads(self, b: ZeroPartitionSubgroup) -> None:
+        """DeepSpeed's gradient entries of ``b``'s parameters, into its device buffer or its
+        slice of the host buffer, whichever it has now."""
+        mapping = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        flat, off = (b.device_grad if b.device_grad is not None else b.host_grad), 0
+        for p in b.params():
+            n = p.partition_numel()
+            mapping[p.ds_id] = flat.narrow(0, off, n)
+            off += n
 
     def _connect_tuner(self):
         if not self.settings.tuner_socket:
@@ -378,6 +384,39 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise
         for i in range(len(self.fp16_groups)):
             self._check_in(i, write_state=True, write_grads=False)
+
+    # -- offload_states / reload_states (RLHF: the GPU freed for generation between steps) ---------
+
+    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=False):
+        """DeepSpeed's, with the optimizer's part done by the engine: its fp32 state (the hp
+        params and Adam states) is already off the GPU except the device tier, which goes to
+        host memory with the device lane's buffers and the gradients kept on the GPU
+        (:meth:`SubgroupEngine.release_device`). The rest (the 16-bit params, the gradient buffer,
+        the contiguous bucket) is DeepSpeed's own work."""
+        ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
+        asked = set(OffloadStateTypeEnum) if include is None else set(include)
+        if asked & ours - self.offloaded_states:
+            self.offload_engine.release_device()
+            for b in self._bindings:
+                b.device_grad = None  # the next backward reduces into host memory; the next step refits
+            self._remap_grads()
+            self.offloaded_states |= asked & ours
+        # DeepSpeed's own skips what is in offloaded_states: ours are there, so its FusedAdam-only
+        # path for them never runs.
+        super().offload_states(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking=False):
+        ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
+        self.offloaded_states -= ours  # the engine's come back at the next step's device fit
+        super().reload_states(non_blocking=non_blocking)
+        self._remap_grads()  # DeepSpeed rebuilt the gradient map over its flat buffer
+
+    def _remap_grads(self) -> None:
+        """After DeepSpeed moved its gradient buffer (``.data`` swapped) and rebuilt its map:
+        every subgroup's host slice and parameter entries, where its gradient lives now."""
+        for b in self._bindings:
+            b.host_grad = self.grad_partitions_flat_buffer.narrow(0, b.grad_offset, b.numel)
+            self._point_grads(b)
 
     def state_dict(self):
         n = len(self.fp16_groups)

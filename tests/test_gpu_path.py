@@ -397,3 +397,18 @@ def test_cuda_lane_memory_is_its_slots(swap_dir):
     assert torch.cuda.max_memory_allocated() - base <= eng.device_lane.working_bytes() // 4  # slots already there
     assert eng.device_lane.working_bytes() <= 600e6
     eng.close()
+
+
+def test_release_device_gives_everything_back_until_the_next_step(monkeypatch, swap_dir):
+    """What DeepSpeed's offload_states asks (RLHF: the GPU free for generation): the device tier's
+    state to host memory, the lane's slots freed; the next step fits both again, numbers exact."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=sum(STATE[:2]), fraction=1.0)
+    run.step()
+    assert run.engine.device_lane._slots
+    run.engine.release_device()
+    assert run.engine.describe()["state_bytes_by_tier"].get("device", 0) == 0
+    assert run.engine.device_lane._slots == []
+    rec, _ = run.step()
+    assert rec.device_tier_subgroups == 2 and rec.device_lane_subgroups == len(NUMELS) - 2
+    run.check_numerics()
+    run.engine.close()

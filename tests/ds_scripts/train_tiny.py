@@ -32,6 +32,10 @@ ap.add_argument("--state-api-out", help="at step 2, read (and at step 3 change) 
 ap.add_argument("--try-resume", metavar="FILE",
                 help="with --resume: after training, try to load it; a load that fails is caught, and whether the "
                      "optimizer's tiers kept their state (offloadctl only) is written here")
+ap.add_argument("--offload-states-at", type=int, default=0,
+                help="after this step: engine.offload_states(include), the local fp32 params and Adam states read "
+                     "before and after, then reload_states() (RLHF frameworks do this around generation)")
+ap.add_argument("--offload-include", default="all", help="comma-separated OffloadStateTypeEnum names, or all")
 ap.add_argument("--hidden", type=int, default=64, help="the model's width (another model: another checkpoint)")
 ap.add_argument("--sub-group-size", type=int, default=100)
 ap.add_argument("--resume-module-only", action="store_true",
@@ -123,6 +127,23 @@ def state_api(step: int) -> None:
     safe_update_full_grad_vectorized([p0, p2], lambda grad, param: grad * 2.0)
 
 
+def offload_and_reload() -> None:
+    """offload_states then reload_states: the state read through DeepSpeed's API is unchanged."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    def read():
+        return [t.float().cpu().clone() for p in model.parameters()
+                for t in (safe_get_local_fp32_param(p), safe_get_local_optimizer_state(p, "exp_avg"))]
+
+    include = None if args.offload_include == "all" else [OffloadStateTypeEnum(x) for x in args.offload_include.split(",")]
+    before = read()
+    engine.offload_states(include=include)
+    engine.reload_states()
+    after = read()
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "state changed across offload_states/reload_states"
+
+
 for step in range(start, args.steps):
     for micro in range(2):
         x, y = batches[2 * step + micro]
@@ -141,6 +162,8 @@ for step in range(start, args.steps):
     if rank == 0:
         with open(args.losses_out, "a") as f:
             f.write(json.dumps({"step": step + 1, "loss": loss.item(), "loss_scale": engine.optimizer.loss_scale}) + "\n")
+    if args.offload_states_at and step + 1 == args.offload_states_at:
+        offload_and_reload()
     if args.save_at and step + 1 == args.save_at:
         engine.save_checkpoint(args.ckpt_dir, tag="ckpt", client_state={"step": step + 1})
 if args.resume and args.try_resume:  # after training: the state a failed load must leave alone
