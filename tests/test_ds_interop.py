@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 # Where the state lives in our runs: on NVMe with a 2 kB host cache (the helper's default), all
 # of it on NVMe, on the GPU path's tiers (device tier, device lane, NVMe) run on the CPU.
-LAYOUTS = {"nvme-and-host": (), "all-nvme": ("--host-cache", "0"), "lane-on-cpu": LANE_ON_CPU}
+LAYOUTS = {"nvme-and-host": (), "all-nvme": ("--host-cache", "0"), "lane-on-cpu": LANE_ON_CPU,
+           "all-host": ("--host-cache", "1GB")}
 
 
 def _read_values(path: str, ranks: int) -> list[dict]:
@@ -101,8 +102,9 @@ def _run(who: str, tmp_path, name: str, ranks: int, dtype: str, layout: str | No
     (("ours", "nvme-and-host"), ("stock", None), 2, "bf16"),
     (("ours", "all-nvme"), ("ours", TWO_PATHS), 2, "fp32"),
     (("ours", TWO_PATHS), ("ours", "lane-on-cpu"), 1, "bf16"),
+    (("ours", "all-host"), ("ours", "all-nvme"), 1, "fp32"),
 ], ids=["stock-to-ours-2ranks-fp32", "stock-to-ours-two-paths-bf16", "ours-to-stock-2ranks-bf16",
-        "ours-to-ours-other-paths-2ranks", "ours-to-ours-device-tiers-bf16"])
+        "ours-to-ours-other-paths-2ranks", "ours-to-ours-device-tiers-bf16", "ours-host-to-ours-nvme"])
 def test_checkpoints_move_both_ways(saver, loader, ranks, dtype, tmp_path):
     """A checkpoint saved at step 3 (gradient clipping on) and resumed by the other side, or by
     offloadctl with another tier layout, continues with the losses of the uninterrupted run. The
