@@ -165,7 +165,9 @@ class SubgroupEngine:
                           path_weights=self._stripe_weights(self.knobs))
         self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels))
                           for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
-        self._placed_device_tier = sum(t == DEVICE for t in placement.tiers)
+        # The subgroups the device budget placed there (placement fills it in order, skipping those
+        # that do not fit: not always a prefix); the fit puts them back after release_device().
+        self._placed_on_device = {i for i, t in enumerate(placement.tiers) if t == DEVICE}
         try:
             self._allocate(placement)
         except BaseException:
@@ -496,7 +498,7 @@ class SubgroupEngine:
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
         lane_ws = self.device_lane.working_bytes()
         if self.config.device_cache_bytes is not None:
-            self._set_device_tier(self._placed_device_tier)  # the budget's prefix (back after release_device)
+            self._set_device_tier(self._placed_on_device)  # the budget's placement (back after release_device)
         else:
             if sum(cost) + lane_ws <= headroom_bytes:  # the tier's own update streams through the lane's scratch
                 tier = len(cost)
@@ -505,7 +507,7 @@ class SubgroupEngine:
                 while tier < len(cost) and cost[tier] <= left:
                     left -= cost[tier]
                     tier += 1
-            self._set_device_tier(tier)
+            self._set_device_tier(set(range(tier)))
         used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
         rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
         self._grad_bytes_per_element = grad_bytes_per_element
@@ -559,13 +561,13 @@ class SubgroupEngine:
                                  weight_bytes=weight_bytes, weights_on_device=on_device)
         return f
 
-    def _set_device_tier(self, count: int) -> None:
-        """Keep the state of subgroups [0, count) in device memory, the rest off it. At a step
+    def _set_device_tier(self, indices: set[int]) -> None:
+        """Keep the state of subgroups ``indices`` in device memory, the rest off it. At a step
         boundary (no transfer in flight)."""
         for sg in self.subgroups:
-            if sg.index < count and sg.tier != DEVICE:
+            if sg.index in indices and sg.tier != DEVICE:
                 self._to_device(sg)
-            elif sg.index >= count and sg.tier == DEVICE:
+            elif sg.index not in indices and sg.tier == DEVICE:
                 self._off_device(sg)
 
     def _to_device(self, sg: _Subgroup) -> None:

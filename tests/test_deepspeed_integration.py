@@ -59,8 +59,9 @@ def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
-# Subgroups of train_tiny.py: 2048, 64, 4096 and 584 elements. A 30 kB device tier holds the
-# first two; the device lane takes one of the other two, swapped, one of them read each step.
+# Subgroups of train_tiny.py: 24.6, 53.2, 8.2 and 4.1 kB of state. A 30 kB device tier holds the
+# first and the last (placement fills it in order, skipping what does not fit); the device lane
+# takes one of the other two, swapped, one of them read each step.
 LANE_ON_CPU = ("--lane-device", "cpu", "--device-cache-gb", "0.00003", "--device-fraction", "0.5", "--prefetch-depth", "0",
                "--tuner", "off")
 # With two ranks each holds half of every parameter: a 20 kB tier holds the first two, the lane the rest.
@@ -297,6 +298,7 @@ def test_dry_run_passes_multi_node_options_through(tmp_path):
     assert out.returncode == 0, out.stderr
     cmd = json.loads(out.stdout)["command"]
     launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "integrations", "bootstrap.py"))]
-    assert launcher == ["--num_nodes", "2", "--hostfile", str(hostfile), "--include", "node1:0,1@node2:0,1",
+    # In the order of DeepSpeed's own parser (integrations.launcher.LAUNCHER_OPTIONS).
+    assert launcher == ["--hostfile", str(hostfile), "--include", "node1:0,1@node2:0,1", "--num_nodes", "2",
                         "--master_addr", "node1", "--launcher", "pdsh"]
     assert cmd[-5:] == [SCRIPT, "--steps", "3", "--num_nodes", "7"]  # the script's own args, untouched

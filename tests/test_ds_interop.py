@@ -169,10 +169,24 @@ def test_universal_checkpoint_of_ours_resumes_at_another_rank_count(saved_ranks,
 
 # -- checkpoints that do not load ----------------------------------------------------------------
 
-def _saved(tmp_path, ranks: int, *extra) -> str:
-    ckpt = str(tmp_path / "ckpt")
-    _run("ours", tmp_path, "saver", ranks, "fp32", "all-nvme", "--save-at", "3", "--ckpt-dir", ckpt, *extra)
-    return ckpt
+@pytest.fixture(scope="module")
+def saved_by_ours(tmp_path_factory):
+    """Checkpoints offloadctl saved at step 3 (fp32, state on NVMe), by 1 and by 2 ranks: made
+    once for the tests below, each of which damages its own copy."""
+    out = {}
+    for ranks in (1, 2):
+        d = tmp_path_factory.mktemp(f"saved{ranks}")
+        _run("ours", d, "saver", ranks, "fp32", "all-nvme", "--save-at", "3", "--ckpt-dir", str(d / "ckpt"))
+        out[ranks] = d / "ckpt"
+    return out
+
+
+def _saved(saved_by_ours, tmp_path, ranks: int) -> str:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_by_ours[ranks], ckpt)
+    return str(ckpt)
 
 
 def _damage(kind: str, ckpt: str) -> None:
@@ -195,9 +209,9 @@ def _damage(kind: str, ckpt: str) -> None:
     ("rank-count", 2, 1, (), "was saved by 2 ranks and this run has 1"),
     ("other-subgroups", 1, 1, ("--sub-group-size", "50"), "subgroups of"),
 ])
-def test_a_checkpoint_that_does_not_load_is_one_line(kind, ranks, load_ranks, extra, expect, tmp_path):
+def test_a_checkpoint_that_does_not_load_is_one_line(kind, ranks, load_ranks, extra, expect, saved_by_ours, tmp_path):
     """One line naming the checkpoint file or directory, what differs and the fix; no traceback."""
-    ckpt = _saved(tmp_path, ranks)
+    ckpt = _saved(saved_by_ours, tmp_path, ranks)
     _damage(kind, ckpt)
     nvme = tmp_path / "nvme-load"
     nvme.mkdir()
@@ -209,12 +223,12 @@ def test_a_checkpoint_that_does_not_load_is_one_line(kind, ranks, load_ranks, ex
     assert "Traceback" not in p.stderr
 
 
-def test_a_failed_load_leaves_the_tiers_alone(tmp_path):
+def test_a_failed_load_leaves_the_tiers_alone(saved_by_ours, tmp_path):
     """A script that catches the failure and goes on finds the optimizer's state as it was, on
     every tier: the subgroup check comes before anything is written."""
     import json
 
-    ckpt = _saved(tmp_path, 1)
+    ckpt = _saved(saved_by_ours, tmp_path, 1)
     out = tmp_path / "try.json"
     _run("ours", tmp_path, "goes-on", 1, "fp32", "nvme-and-host", "--resume", ckpt, "--try-resume", str(out),
          "--sub-group-size", "50")

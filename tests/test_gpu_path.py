@@ -412,3 +412,18 @@ def test_release_device_gives_everything_back_until_the_next_step(monkeypatch, s
     assert rec.device_tier_subgroups == 2 and rec.device_lane_subgroups == len(NUMELS) - 2
     run.check_numerics()
     run.engine.close()
+
+
+def test_release_device_brings_back_the_placed_subgroups_not_a_prefix(monkeypatch, swap_dir):
+    """A device budget is filled in order, skipping subgroups that do not fit: here the first and
+    the last. After release_device the next step's fit puts back those two, not the first two."""
+    budget = STATE[0] + STATE[5]  # the 2nd to 5th are each larger than what is left after the 1st
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE), device_cache_bytes=budget, fraction=0.0)
+    for _ in range(2):
+        rec, _ = run.step()
+        assert [sg.index for sg in run.engine.subgroups if sg.tier == "device"] == [0, 5]
+        run.engine.release_device()
+    rec, _ = run.step()
+    assert rec.device_tier_subgroups == 2 and run.engine.describe()["state_bytes_by_tier"]["device"] == budget
+    run.check_numerics()
+    run.engine.close()

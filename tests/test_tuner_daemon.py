@@ -564,7 +564,8 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
         _wait(lambda: _snapshot(sock).get("plain", {}).get("iteration") == 2, 20, "telemetry through the hook")
         with Connection(sock) as c:
             c.request("pin", run_id="plain", knob="prefetch_depth", value=6)
-        for _ in range(200):
+        deadline = time.monotonic() + 60  # steps until the pin arrives: seconds on a loaded 2-core machine
+        while time.monotonic() < deadline:
             train_step()
             if opt.engine.knobs.prefetch_depth == 6:
                 break
