@@ -85,7 +85,15 @@ def _tiers(tmp_path, name: str, layout: str) -> tuple[str, tuple[str, ...]]:
     return str(first), LAYOUTS[layout]
 
 
+_STOCK_LOSSES: dict[tuple, list[float]] = {}
+"""Stock runs that only train (no checkpoint, no state read), by ranks, dtype and options: the
+same reference for every test that compares with one (each run is tens of seconds here)."""
+
+
 def _run(who: str, tmp_path, name: str, ranks: int, dtype: str, layout: str | None, *extra):
+    key = (ranks, dtype, extra)
+    if who == "stock" and not extra and key in _STOCK_LOSSES:
+        return _STOCK_LOSSES[key]
     out = str(tmp_path / f"{name}.jsonl")
     if who == "stock":
         p = stock(ranks, out, "--dtype", dtype, *extra)
@@ -93,6 +101,8 @@ def _run(who: str, tmp_path, name: str, ranks: int, dtype: str, layout: str | No
         nvme, opts = _tiers(tmp_path, name, layout)
         p = ours(ranks, out, nvme, str(tmp_path / f"run-{name}"), "--dtype", dtype, *extra, opts=opts)
     assert p.returncode == 0, p.stderr[-3000:]
+    if who == "stock" and not extra:
+        _STOCK_LOSSES[key] = _losses(out)
     return _losses(out)
 
 
