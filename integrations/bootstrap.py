@@ -58,7 +58,34 @@ def _stop_on_signals() -> None:
         signal.signal(s, handler)
 
 
+def _banner(opt, cores: str, run_dir: str | None) -> str:
+    """The run's start line, wrapped to the terminal: where the state lives and how it will move."""
+    import shutil
+    import textwrap
+
+    plan = opt.offload_engine.describe()
+    tiers = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in plan["state_bytes_by_tier"].items())
+    start = opt.plan_summary or "no profile (paths probed, default knobs)"
+    socket = opt.tuner_client.socket_path if opt.tuner_client else None
+    own = socket and run_dir and os.path.abspath(socket).startswith(os.path.abspath(run_dir) + os.sep)
+    tuner = "tuner off" if not socket else "this run's tuner (offloadctl tune --live)" if own else f"tuner {socket}"
+    parts = [f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
+             f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
+             f"{start}; {tuner}"]
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    return "\n".join(textwrap.fill(p, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
+                                   break_on_hyphens=False, break_long_words=False) for i, p in enumerate(parts))
+
+
 def main() -> int:
+    from integrations import run_output
+
+    cfg, script, script_args = split_argv(sys.argv[1:])
+    if not cfg.get("verbose") and cfg.get("run_dir"):  # before DeepSpeed is imported: it logs as it loads
+        log = run_output.open_log(cfg["run_dir"])
+        run_output.quiet_deepspeed_logger(log)
+        run_output.route_deepspeed_warnings(log)
+
     from engine.errors import OffloadError
     from integrations.checkpoints import guard_load_checkpoint
     from integrations.cores import bind_rank_cores
@@ -66,7 +93,6 @@ def main() -> int:
     from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from report import recorder
 
-    cfg, script, script_args = split_argv(sys.argv[1:])
     state = {"engaged": 0}
     _stop_on_signals()
     try:
@@ -94,14 +120,7 @@ def main() -> int:
                                    f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer")
             state["engaged"] += 1
             if _rank() == 0:
-                plan = engine.optimizer.offload_engine.describe()
-                tiers = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in plan["state_bytes_by_tier"].items())
-                opt = engine.optimizer
-                start = opt.plan_summary or "no profile: probed paths, default knobs"
-                tuner = f"tuner {opt.tuner_client.socket_path}" if opt.tuner_client else "tuner off"
-                print(f"offloadctl: engine active: {plan['subgroups']} subgroups per rank; state by tier: {tiers}; "
-                      f"io {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {describe_cores(cores)}; "
-                      f"{start}; {tuner}", file=sys.stderr, flush=True)
+                print(_banner(engine.optimizer, describe_cores(cores), cfg.get("run_dir")), file=sys.stderr, flush=True)
             return result
 
         deepspeed.initialize = initialize

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from integrations import bootstrap
+from integrations.run_output import LauncherOutput
 
 # DeepSpeed launcher options passed through: (flags, takes a value). Every option of DeepSpeed's
 # own parser (deepspeed.launcher.runner.parse_args), no more: tests/test_launcher_options.py builds
@@ -165,16 +166,23 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_launcher(command: Sequence[str], env: Mapping[str, str], *,
-                 master_port: str | None) -> tuple[int, signal.Signals | None]:
+def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port: str | None,
+                 output: LauncherOutput | None = None) -> tuple[int, signal.Signals | None]:
     """Run the launch to its end: (exit status, None), or (128 + signal, the signal) when SIGINT,
     SIGTERM or SIGHUP stopped it, after every rank has unwound (or been killed). Either way this
-    run's /dev/shm buffers are removed."""
+    run's /dev/shm buffers are removed. With ``output``, the launcher's stdout and stderr go
+    through it (DeepSpeed's lines to the run's log) until every process of the run is gone."""
     # The launcher stays in our process group, so killing the group kills the whole run. It and
     # the ranks ignore SIGINT (inherited: the ranks are started before DeepSpeed's launcher sets
     # its handlers): on Ctrl-C, DeepSpeed's per-node launcher alone acts, sending the ranks
     # SIGTERM, on which each rank unwinds and removes its swap files; no launcher traceback.
-    proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint)
+    streams = output.child_fds() if output is not None else (None, None)
+    try:
+        proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint,
+                                stdout=streams[0], stderr=streams[1])
+    finally:
+        if output is not None:
+            output.started()
 
     def on_signal(signum, frame):
         raise _Interrupted(signum)
@@ -186,11 +194,15 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *,
     except _Interrupted as e:
         for s in handled:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        if output is not None:  # one line for the whole run follows; each rank's own goes to the log
+            output.hide_also(r"offloadctl: rank \d+ stopped by ")
         _stop_run(proc)
         return 128 + e.signum, signal.Signals(e.signum)
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+        if output is not None:
+            output.close()
         remove_shm_buffers(master_port)
 
 

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from engine.errors import OffloadError
 
+    from integrations.run_output import quiet_deepspeed_logger
+
+    quiet_deepspeed_logger()  # DeepSpeed's import-time lines (the accelerator it picked) are not for this terminal
     ap = build_parser()
     args = ap.parse_args(argv)
     if not args.command:

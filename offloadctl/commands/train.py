@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(7e9, 70M, 1.5B); the ranks plan for the real size")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    o.add_argument("--verbose", action="store_true",
+                   help="show DeepSpeed's own log lines too (they always go to RUN_DIR/deepspeed.log)")
     recorder.add_train_arguments(o)
     p.add_argument("script", help="the DeepSpeed training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, untouched")
@@ -123,7 +125,7 @@ def build(args: argparse.Namespace) -> dict:
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}",
         bind_cores=bind_cores)
-    rank_settings = recorder.launch_settings(settings.to_json(), args, run_dir)
+    rank_settings = dict(recorder.launch_settings(settings.to_json(), args, run_dir), verbose=args.verbose)
     cmd = launcher.launch_command(launcher.launcher_args(vars(args)), rank_settings, args.script, args.script_args)
     out = {"command": cmd, "env": launcher.launch_env(), "settings": rank_settings, "tuner": tuner}
     if profile and args.params:
@@ -205,10 +207,16 @@ def run(args: argparse.Namespace) -> int:
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
         plan = with_tuner_socket(plan, socket_path)
     try:
+        from integrations.run_output import LauncherOutput
+
+        output = LauncherOutput(run_dir, verbose=args.verbose)
         rc, stopped_by = launcher.run_launcher(plan["command"], dict(os.environ, **plan["env"]),
-                                               master_port=args.ds_master_port)
+                                               master_port=args.ds_master_port, output=output)
         if stopped_by is not None:
             print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
+                  file=sys.stderr)
+        elif rc != 0 and output.hidden_lines and not args.verbose:
+            print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
         telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
         if rc == 0 and os.path.exists(telemetry):

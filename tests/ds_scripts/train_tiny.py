@@ -4,6 +4,8 @@
 """
 import argparse
 import json
+import os
+import sys
 
 import deepspeed
 import torch
@@ -40,7 +42,10 @@ ap.add_argument("--hidden", type=int, default=64, help="the model's width (anoth
 ap.add_argument("--sub-group-size", type=int, default=100)
 ap.add_argument("--resume-module-only", action="store_true",
                 help="with --resume: load_checkpoint(load_optimizer_states=False, load_module_only=True)")
+ap.add_argument("--show-tty", action="store_true", help="print whether stdout is a terminal")
 args = ap.parse_args()
+if args.show_tty and int(os.environ.get("RANK", "0")) == 0:
+    print(f"tty {sys.stdout.isatty()}", flush=True)
 
 if args.no_init:
     raise SystemExit(0)

@@ -1,0 +1,300 @@
+"""What a run shows on the terminal and what goes to the run dir's log.
+
+The terminal gets the user's script's output, offloadctl's lines and DeepSpeed's errors.
+DeepSpeed's own chatter (its logger's INFO/WARNING lines from the launchers and the ranks, the
+"op built" prints, Python warnings raised inside DeepSpeed) goes to ``RUN_DIR/deepspeed.log``;
+``offloadctl train --verbose`` shows it as well. Nothing is dropped: every line ends up in one
+of the two places, and an error is always shown.
+
+Three places do the sorting, because DeepSpeed speaks from three kinds of process:
+- :func:`quiet_deepspeed_logger` in every process of ours (the CLI, each rank) before DeepSpeed
+  is imported: its logger's records below ERROR go to the log file (or nowhere in the CLI).
+- :func:`route_deepspeed_warnings` in each rank: a warning whose first frame outside torch is
+  in DeepSpeed goes to the log; the user's own warnings are shown as Python shows them.
+- :class:`OutputFilter` in ``offloadctl train`` on the launcher's stdout and stderr, for the
+  processes we do not start ourselves (DeepSpeed's runner and per-node launcher).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import warnings
+
+LOG_NAME = "deepspeed.log"
+"""DeepSpeed's lines of a run, in its run dir."""
+
+# DeepSpeed's log format: "[2026-11-24 13:59:47,667] [WARNING] [runner.py:214:fetch_hostfile] ..."
+_DS_LOG_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] ")
+_DS_LOG_TEMPLATE = b"[0000-00-00 00:00:00,000] ["
+# The same, hidden, starting in the middle of a line: another process's log line written after a
+# progress bar that has no newline yet (DeepSpeed writes each record with one write).
+_DS_LOG_INSIDE = re.compile(rb"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[(DEBUG|INFO|WARNING)\] ")
+# DeepSpeed's prints that are not log records (op builds and loads, printed by every rank).
+_DS_PRINTS = re.compile(
+    rb"^(DeepSpeed deepspeed\.ops\.\S+ built successfully|Using \S+ as PyTorch extensions root|"
+    rb"Emitting ninja build file |Building extension module |Loading extension module |"
+    rb"Time to load \S+ op: |ninja: no work to do|Detected CUDA files, patching ldflags|"
+    rb"Allowing ninja to set a default number of workers)")
+_DS_PRINT_STARTS = (b"DeepSpeed ", b"Using ", b"Emitting ", b"Building ", b"Loading ", b"Time to ", b"ninja:",
+                    b"Detected ", b"Allowing ")
+_SHOWN_LEVELS = (b"ERROR", b"CRITICAL")
+_LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
+
+
+def log_path(run_dir: str) -> str:
+    return os.path.join(run_dir, LOG_NAME)
+
+
+def open_log(run_dir: str):
+    """The run's DeepSpeed log, opened for appending (every process of the run appends lines)."""
+    os.makedirs(run_dir, exist_ok=True)
+    return open(log_path(run_dir), "ab", buffering=0)
+
+
+# -- in our own processes ---------------------------------------------------------------------
+
+class _ToLog(logging.Filter):
+    """On DeepSpeed's logger: records below ERROR go to ``log`` (or nowhere) instead of its handler."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = log
+        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                                           "%(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        if self.log is not None:
+            try:
+                self.log.write((self.formatter.format(record) + "\n").encode())
+            except (OSError, ValueError):
+                pass
+        return False
+
+
+def quiet_deepspeed_logger(log=None) -> None:
+    """DeepSpeed's logger keeps its errors and sends the rest to ``log`` (a binary file, or None:
+    dropped). Call before DeepSpeed is imported: it logs as it imports (the accelerator line),
+    and it takes this same logger object by name, filters included."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _ToLog) for f in logger.filters):
+        logger.addFilter(_ToLog(log))
+
+
+def route_deepspeed_warnings(log) -> None:
+    """Python warnings raised inside DeepSpeed (torch's deprecations of the calls DeepSpeed makes,
+    and DeepSpeed's own) go to ``log``; other warnings are shown as before. Which it is is decided
+    where the warning arises: walking out from it past the standard library and third-party
+    packages (torch, typing_extensions...), is the first frame left DeepSpeed's?"""
+    import importlib.util
+    import sysconfig
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.origin:
+        return
+    deepspeed_dir = os.path.dirname(os.path.realpath(spec.origin)) + os.sep
+    libraries = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")})
+    shown = warnings.showwarning
+
+    def from_deepspeed() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = os.path.realpath(frame.f_code.co_filename)
+            if path.startswith(deepspeed_dir):
+                return True
+            if not path.startswith(libraries) and not path.startswith("<"):
+                return False
+            frame = frame.f_back
+        return False
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if from_deepspeed():
+            try:
+                log.write(warnings.formatwarning(message, category, filename, lineno, line).encode())
+            except (OSError, ValueError):
+                pass
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
+# -- on the launcher's output -----------------------------------------------------------------
+
+class OutputFilter:
+    """Sorts one byte stream into the terminal and the log, line by line, as it arrives.
+
+    A partial line is passed on at once (progress bars redraw without a newline) unless its
+    beginning could still become a DeepSpeed line; those are held until their newline."""
+
+    def __init__(self, shown, log, *, verbose: bool = False) -> None:
+        self.shown, self.log, self.verbose = shown, log, verbose
+        self._held = b""
+        self._passing = False  # in the middle of a line already passed on
+        self.hidden_lines = 0
+        self.extra_hidden: re.Pattern | None = None  # more lines for the log (set once the run is being stopped)
+
+    def feed(self, data: bytes) -> None:
+        buf = self._held + data
+        self._held = b""
+        while buf:
+            nl = buf.find(b"\n")
+            if self._passing:
+                inside = _DS_LOG_INSIDE.search(buf, 0, len(buf) if nl < 0 else nl + 1)
+                if inside:  # the line shown so far stays as it is; the log line starts here
+                    self._show(buf[:inside.start()])
+                    buf, self._passing = buf[inside.start():], False
+                    continue
+                part, buf = (buf, b"") if nl < 0 else (buf[:nl + 1], buf[nl + 1:])
+                self._show(part)
+                self._passing = nl < 0
+                continue
+            if nl < 0:
+                if self._undecided(buf):
+                    self._held = buf
+                else:
+                    self._show(buf)
+                    self._passing = True
+                return
+            line, buf = buf[:nl + 1], buf[nl + 1:]
+            if self.is_deepspeed(line):
+                self.hidden_lines += 1
+                self._log(line)
+                if self.verbose:
+                    self._show(line)
+            else:
+                self._show(line)
+
+    def close(self) -> None:
+        if self._held:
+            held, self._held = self._held, b""
+            (self._log if self.is_deepspeed(held) and not self.verbose else self._show)(held)
+
+    def is_deepspeed(self, line: bytes) -> bool:
+        text = line.lstrip(b"\r")
+        m = _DS_LOG_LINE.match(text)
+        if m:
+            return m.group(1) not in _SHOWN_LEVELS
+        if _DS_PRINTS.match(text):
+            return True
+        return bool(self.extra_hidden and self.extra_hidden.match(text.decode(errors="replace")))
+
+    def _undecided(self, partial: bytes) -> bool:
+        """Whether the start of a line, ``partial``, could still become a line for the log."""
+        text = partial.lstrip(b"\r")
+        n = len(_DS_LOG_TEMPLATE)
+        if all((t == 0x30 and c in b"0123456789") or t == c for t, c in zip(_DS_LOG_TEMPLATE, text)):
+            rest = text[n:]
+            if any((level + b"] ").startswith(rest) or rest.startswith(level + b"] ") for level in _LEVELS):
+                return True
+        return any(s.startswith(text) or text.startswith(s) for s in _DS_PRINT_STARTS) and len(text) < 200
+
+    def _show(self, data: bytes) -> None:
+        try:
+            self.shown.write(data)
+            self.shown.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _log(self, data: bytes) -> None:
+        if self.log is not None:
+            try:
+                self.log.write(data.replace(b"\r\n", b"\n"))
+            except (OSError, ValueError):
+                pass
+
+
+class LauncherOutput:
+    """The launcher's stdout and stderr, each through an :class:`OutputFilter` on a thread.
+
+    Where our own stdout/stderr is a terminal the launcher gets a pseudo-terminal of the same
+    size, so the script sees a terminal as it would without us (progress bars, colours)."""
+
+    def __init__(self, run_dir: str, *, verbose: bool = False) -> None:
+        self.log = open_log(run_dir)
+        self.path = log_path(run_dir)
+        self.verbose = verbose
+        self._pairs: list[tuple[int, int]] = []  # (our read end, the child's end)
+        self.filters: list[OutputFilter] = []
+        self._threads: list[threading.Thread] = []
+
+    def child_fds(self) -> tuple[int, int]:
+        """The child's stdout and stderr (close them in the parent once it has started)."""
+        ends = []
+        for ours in (sys.stdout, sys.stderr):
+            r, w = _terminal_pair(ours) if _isatty(ours) else os.pipe()
+            self._pairs.append((r, w))
+            ends.append(w)
+            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose))
+        return ends[0], ends[1]
+
+    def started(self) -> None:
+        for r, w in self._pairs:
+            os.close(w)
+        for (r, _), f in zip(self._pairs, self.filters):
+            t = threading.Thread(target=_pump, args=(r, f), daemon=True, name="offloadctl-output")
+            t.start()
+            self._threads.append(t)
+
+    def hide_also(self, pattern: str) -> None:
+        for f in self.filters:
+            f.extra_hidden = re.compile(pattern)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait until both streams end (every process holding them is gone), then close the log."""
+        for t in self._threads:
+            t.join(timeout)
+        for f in self.filters:
+            f.close()
+        try:
+            self.log.close()
+        except OSError:
+            pass
+
+    @property
+    def hidden_lines(self) -> int:
+        return sum(f.hidden_lines for f in self.filters)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", stream)
+
+
+def _terminal_pair(like) -> tuple[int, int]:
+    """A pseudo-terminal (our end, the child's end) with the size of the terminal ``like``."""
+    import fcntl
+    import pty
+    import termios
+
+    ours, child = pty.openpty()
+    try:
+        size = fcntl.ioctl(like.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        fcntl.ioctl(child, termios.TIOCSWINSZ, size)
+    except OSError:
+        pass
+    return ours, child
+
+
+def _pump(fd: int, out: OutputFilter) -> None:
+    try:
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # EIO: a pseudo-terminal whose every writer has gone
+                break
+            if not data:
+                break
+            out.feed(data)
+    finally:
+        os.close(fd)

@@ -1,0 +1,168 @@
+"""What a run shows on the terminal: the script's output and ours; DeepSpeed's lines in the run's log.
+
+The filter's rules are tested on byte streams cut the way a terminal delivers them; then real
+`offloadctl train` runs, on a pipe and on a pseudo-terminal, show that no DeepSpeed line reaches
+the user and that every one of them is in RUN_DIR/deepspeed.log.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pty
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from integrations.run_output import OutputFilter, log_path, route_deepspeed_warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
+DS_LINE = re.compile(r"^\s*\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING|DEBUG)\]", re.M)
+LOG = b"[2026-11-24 14:08:33,943] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 1\n"
+
+
+def _sorted(*chunks: bytes, verbose: bool = False) -> tuple[bytes, bytes]:
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log, verbose=verbose)
+    for c in chunks:
+        f.feed(c)
+    f.close()
+    return shown.getvalue(), log.getvalue()
+
+
+def test_deepspeed_lines_go_to_the_log_and_everything_else_is_shown():
+    shown, log = _sorted(b"step 1 loss 3.2\n", LOG, b"DeepSpeed deepspeed.ops.comm.shm built successfully\n",
+                         b"[2026-11-24 14:08:33,943] [ERROR] [engine.py:1:f] it broke\n", b"[y/n] ", b"yes\n")
+    assert shown == b"step 1 loss 3.2\n[2026-11-24 14:08:33,943] [ERROR] [engine.py:1:f] it broke\n[y/n] yes\n"
+    assert log == LOG + b"DeepSpeed deepspeed.ops.comm.shm built successfully\n"
+
+
+def test_a_line_cut_anywhere_is_sorted_the_same():
+    whole = b"hello\n" + LOG + b"bye\n"
+    for cut in range(1, len(whole)):
+        assert _sorted(whole[:cut], whole[cut:]) == (b"hello\nbye\n", LOG), cut
+
+
+def test_progress_without_newline_is_shown_at_once_and_a_log_line_after_it_is_not():
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log)
+    f.feed(b"\r\x1b[2Ktraining 3/20")
+    assert shown.getvalue() == b"\r\x1b[2Ktraining 3/20"  # not held back for a newline
+    f.feed(LOG)
+    f.feed(b"\r\x1b[2Ktraining 4/20\n")
+    assert shown.getvalue() == b"\r\x1b[2Ktraining 3/20\r\x1b[2Ktraining 4/20\n"
+    assert log.getvalue() == LOG
+
+
+def test_verbose_shows_deepspeed_lines_and_still_logs_them():
+    assert _sorted(LOG, verbose=True) == (LOG, LOG)
+
+
+def test_lines_hidden_once_the_run_is_stopped():
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log)
+    f.feed(b"offloadctl: rank 0 stopped by SIGTERM; removing its swap files\n")
+    f.extra_hidden = re.compile(r"offloadctl: rank \d+ stopped by ")
+    f.feed(b"offloadctl: rank 1 stopped by SIGTERM; removing its swap files\n")
+    assert shown.getvalue().count(b"stopped by") == 1 and log.getvalue().count(b"stopped by") == 1
+
+
+def test_warnings_raised_inside_deepspeed_go_to_the_log_the_users_are_shown(monkeypatch):
+    import typing_extensions
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *a, **k: shown.append(str(message)))
+    log = io.BytesIO()
+    route_deepspeed_warnings(log)
+
+    @typing_extensions.deprecated("all_gather_into_tensor is deprecated", category=FutureWarning)
+    def deprecated_call():
+        pass
+
+    # A caller compiled with the file name of a DeepSpeed module: the frame a real DeepSpeed call has.
+    ds_file = importlib.import_module("deepspeed.comm.torch").__file__
+    ns: dict = {}
+    exec(compile("def from_deepspeed(f):\n    f()\n", ds_file, "exec"), ns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        ns["from_deepspeed"](deprecated_call)
+        deprecated_call()  # the user's own call
+    assert shown == ["all_gather_into_tensor is deprecated"]
+    assert b"all_gather_into_tensor is deprecated" in log.getvalue() and "deepspeed" in log.getvalue().decode()
+    assert log.getvalue().count(b"deprecated") == 1
+
+
+# -- real runs ------------------------------------------------------------------------------------
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _cmd(tmp_path, *extra) -> list[str]:
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(),
+            "--nvme", str(tmp_path / "nvme"), "--run-dir", str(tmp_path / "run"), "--tuner", "off", *extra,
+            TINY, "--steps", "3", "--losses-out", str(tmp_path / "losses.jsonl")]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_pipe_shows_no_deepspeed_line(tmp_path):
+    out = subprocess.run(_cmd(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    both = out.stdout + out.stderr
+    assert not DS_LINE.search(both), both
+    assert "FutureWarning" not in both and "built successfully" not in both
+    assert "offloadctl: engine active" in out.stderr
+    log = open(log_path(str(tmp_path / "run"))).read()
+    assert "spawned with command" in log and "Setting accelerator to CPU" in log
+    lines = out.stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("offloadctl: engine active"))
+    banner = [lines[start]] + [line for line in lines[start + 1:start + 8] if line.startswith("  ")]
+    assert len(banner) >= 3 and all(len(line) <= 80 for line in banner), banner
+
+
+@pytest.mark.slow
+def test_a_run_on_a_terminal_shows_no_deepspeed_line_and_the_script_sees_a_terminal(tmp_path):
+    """On a pseudo-terminal, as in a shell: the script's progress bar and our lines, nothing of
+    DeepSpeed's; --verbose shows DeepSpeed's lines too."""
+    for verbose in (False, True):
+        run_dir = tmp_path / ("verbose" if verbose else "quiet")
+        cmd = _cmd(tmp_path, *(["--verbose"] if verbose else []))
+        cmd[cmd.index("--run-dir") + 1] = str(run_dir)
+        ours, theirs = pty.openpty()
+        proc = subprocess.Popen(cmd + ["--show-tty"], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=theirs, stderr=theirs,
+                                env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="80", TERM="xterm"))
+        os.close(theirs)
+        seen, deadline = b"", time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if select.select([ours], [], [], 1)[0]:
+                try:
+                    data = os.read(ours, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                seen += data
+            elif proc.poll() is not None:
+                break
+        os.close(ours)
+        assert proc.wait(60) == 0, seen.decode(errors="replace")[-3000:]
+        text = seen.decode(errors="replace")
+        assert "offloadctl: engine active" in text
+        assert "tty True" in text  # the script's stdout is a terminal, as without offloadctl
+        if verbose:
+            assert "spawned with command" in text
+        else:
+            assert not DS_LINE.search(text), text
+            assert "FutureWarning" not in text
+        assert "spawned with command" in open(log_path(str(run_dir))).read()
