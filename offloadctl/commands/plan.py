@@ -181,7 +181,7 @@ def _table(rows, best, *, settings: bool, times: bool):
 
     from engine.config import Knobs
 
-    tab = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1))
+    tab = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     columns = ["plan"]
     if times:
         columns += ["host", "disk", "GPU"]
