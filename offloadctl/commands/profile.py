@@ -231,7 +231,7 @@ def _show(args: argparse.Namespace) -> int:
     key_width = max(map(len, items), default=0)
     value_width = max(map(len, values.values()), default=0)
     # The figure's name on one line, if that leaves the explanation a column worth reading.
-    if key_width + value_width + 4 + 30 <= con.width:
+    if key_width + value_width + 4 + 24 <= con.width:
         t.columns[0].min_width = key_width
     t.columns[0].overflow = "fold"
     t.columns[1].no_wrap = True
