@@ -1,13 +1,16 @@
 """Predict iteration time of the best offload plan and of stock DeepSpeed's.
 
-From a hardware profile (``offloadctl profile save``) and the model size, the performance
-model (perf.model, perf.search; docs/perfmodel.md) picks the best plan (host cache, device-lane
-fraction, prefetch depth, per-path concurrency and stripe weights, node lock) and prints it
-beside a few alternatives and stock DeepSpeed ZeRO-3 CPU offload, ZeRO-Infinity NVMe and
-Twin-Flow. Nothing is measured: it answers at once, for any model size.
+From a hardware profile (made by offloadctl profile save, or one of the examples
+in profiles/) and the model size, pick the fastest plan: how much optimizer
+state stays in host memory and on the GPU, how much of the update runs on the
+GPU, how far to read ahead, and how many requests to keep in flight per storage
+path. It is printed beside a few other plans and stock DeepSpeed ZeRO-3 (CPU
+offload, ZeRO-Infinity NVMe, Twin-Flow). Nothing is measured: it answers at
+once, for any model size. docs/perfmodel.md explains the model.
 
+examples:
   offloadctl plan --profile h100-node --params 70B --ranks 8 --fwd-bwd-s 12
-  offloadctl plan --profile ./my.toml --params 1.5T --host-memory 1024GB --json
+  offloadctl plan --profile ./my.toml --params 1.5T --host-memory 1TB --json
 """
 from __future__ import annotations
 
@@ -15,11 +18,15 @@ import argparse
 import json
 import math
 import re
+import textwrap
 
 from offloadctl.options import add_size_epilog, add_size_option, size_bytes
+from offloadctl.units import format_count, format_seconds, format_size, tidy_numbers
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _PARAMS_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
+HELP_WIDTH = 79
+"""Help text is laid out by hand (raw), so it is filled to fit an 80-column terminal."""
 
 
 def parse_params(text: str) -> int:
@@ -41,17 +48,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=1, metavar="R", help="ranks (GPUs) per node (default 1)")
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (default 1)")
     add_size_option(p, "--host-memory", dest="host_memory", deprecated="--host-gb",
-                    help="host memory for optimizer state, per node, e.g. 512GB or 480GiB (default: half the "
-                    "profile's memory)")
+                    help="host memory for optimizer state, per node, e.g. 512GB (default: half the profile's "
+                    "memory)")
     add_size_option(p, "--gpu-headroom", dest="gpu_headroom", deprecated="--gpu-headroom-gb",
                     help="GPU memory free during the update phase, per GPU, e.g. 40GB (default: half the GPU's "
                     "memory)")
     p.add_argument("--fwd-bwd-s", type=float, metavar="S", help="forward+backward seconds per iteration (default 0)")
-    p.add_argument("--subgroup", type=float, default=1e7, metavar="N", help="elements per subgroup (default 1e7)")
+    p.add_argument("--subgroup", type=float, default=1e7, metavar="N",
+                   help="parameters per subgroup, the unit moved to and from storage (default 1e7)")
     p.add_argument("--path", action="append", default=None, metavar="PATH",
                    help="use only these of the profile's storage paths (repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_size_epilog(p)
+    p.epilog = fill_paragraphs(p.epilog)
+
+
+def fill_paragraphs(text: str, width: int = HELP_WIDTH) -> str:
+    """``text``'s paragraphs (blank-line separated) refilled to ``width`` columns."""
+    return "\n\n".join(textwrap.fill(" ".join(par.split()), width) for par in text.split("\n\n"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": {"name": profile.name, "source": profile.source.kind},
                           "workload": {k: getattr(wl, k) for k in wl.__dataclass_fields__},
-                          "best": preds[0].plan.name, "plans": [_finite(p.to_dict()) for p in preds]}, indent=2))
+                          "best": preds[0].plan.name,
+                          "plans": [_finite({**p.to_dict(), "label": plan_label(p.plan.name)}) for p in preds]},
+                         indent=2))
         return 0
     _print(profile, wl, preds)
     return 0
@@ -87,60 +103,119 @@ def _finite(x):
     return x
 
 
-def _t(s: float) -> str:
-    if not math.isfinite(s):
-        return "-"
-    return f"{s:.3g}" if s < 1000 else f"{s:,.0f}"
+# -- the table ------------------------------------------------------------------------------------
+
+_LABELS = {"best": "best", "engine defaults": "defaults", "best without device lane": "no GPU lane",
+           "best with device cache": "GPU cache", "all state on storage": "all on disk",
+           "stock ZeRO-3 CPU offload": "DS CPU offload", "stock ZeRO-Infinity NVMe": "DS Infinity",
+           "stock Twin-Flow": "DS Twin-Flow"}
+"""Table names of the plans: short enough for an 80-column terminal. DS: stock DeepSpeed."""
+_BOTTLENECKS = {"cpu": "CPU", "gpu": "GPU", "pcie": "PCIe", "none": "-"}
+_BREAKDOWN = {"storage": "storage", "cpu_update": "CPU update", "gpu_update": "GPU update", "pcie": "PCIe",
+              "prefetch_latency": "waiting for reads", "fill_drain": "pipeline fill and drain"}
+LEGEND = ("host, disk: optimizer state per node in host memory and on disk; GPU: per GPU. lane: share of the "
+          "update on the GPU. prefetch: subgroups read ahead. conc.: requests in flight per storage path; "
+          "lock: one rank at a time per disk. B/param: bytes read and written per parameter. DS: stock "
+          "DeepSpeed ZeRO-3 (CPU offload, ZeRO-Infinity NVMe, Twin-Flow).")
 
 
-def _gb(b: int | None) -> str:
-    if not b:
-        return "-"
-    return f"{b / 1e9:.2g}" if b < 10e9 else f"{b / 1e9:,.0f}"
+def plan_label(name: str) -> str:
+    """The table's name for the plan called ``name``: ``DS Infinity`` for ``stock ZeRO-Infinity NVMe``."""
+    return _LABELS.get(name.split(" (")[0], name)
+
+
+def bottleneck_label(text: str) -> str:
+    """``storage (nvme0n1)``: ``disk nvme0n1``; ``cpu``: ``CPU``."""
+    m = re.fullmatch(r"storage \((.*)\)", text)
+    return f"disk {m.group(1)}" if m else _BOTTLENECKS.get(text, text)
+
+
+def ranked(preds: list) -> list:
+    """The best plan, then the other plans that fit by iteration time, then those that do not fit."""
+    best, rest = preds[0], preds[1:]
+    return [best] + sorted(rest, key=lambda p: (not p.feasible, p.iteration_s if p.feasible else 0.0))
 
 
 def _print(profile, wl, preds) -> None:
-    from rich import box
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    from engine.config import Knobs
-
-    con = Console()
-    title = (f"{wl.params:.3g} params, {wl.ranks} rank(s)/node x {wl.nodes} node(s), profile {profile.name!r} "
-             f"({profile.source.kind})")
-    tab = Table(title=escape(title), box=box.SIMPLE_HEAD, pad_edge=False,
-                caption="state: GB per node in host memory (h), on disk (d), per GPU (g); lane: device-lane fraction; "
-                        "pf: prefetch depth; conc: requests in flight per path; B/p: bytes moved per param; "
-                        "update and iteration in seconds")
-    for name in ("plan", "state GB", "lane", "pf", "conc", "B/p", "update", "iter", "bottleneck"):
-        wraps = name in ("plan", "state GB", "bottleneck")
-        tab.add_column(name, justify="left" if wraps else "right", no_wrap=not wraps,
-                       min_width={"plan": 10, "state GB": 7, "bottleneck": 9}.get(name))
+    con = Console(highlight=False)
+    rows = ranked(preds)
     best = preds[0]
-    for p in preds:
-        plan, knobs, m = p.plan, p.plan.knobs, p.memory
-        conc = ",".join(sorted({str(c) for c in knobs.io_concurrency.values()}, key=int))
-        if not conc:
-            conc = str(Knobs.DEFAULT_IO_CONCURRENCY) if m.get("storage_per_node") else "-"
-        state = " ".join(f"{k}{_gb(m.get(key))}" for k, key in (("h", "host_per_node"), ("d", "storage_per_node"),
-                                                                 ("g", "gpu_per_rank")) if m.get(key))
-        tab.add_row(escape(plan.name), state or "-", f"{knobs.device_fraction:.2f}", str(knobs.prefetch_depth),
-                    conc + ("+lock" if knobs.node_lock else ""), f"{p.bytes_per_param:.1f}", _t(p.update_s),
-                    _t(p.iteration_s), escape(p.bottleneck if p.feasible else "does not fit"),
-                    style="bold green" if p is best else ("dim" if not p.feasible else None))
-    con.print(tab)
+    ranks = f"{wl.ranks} rank{'s' if wl.ranks != 1 else ''} per node x {wl.nodes} node{'s' if wl.nodes != 1 else ''}"
+    con.print(f"[bold]{format_count(wl.params)} params[/], {ranks}; profile {escape(profile.name)} "
+              f"({escape(profile.source.kind)})")
+    wide = _table(rows, best, settings=True, times=True)
+    if _width(wide) <= con.width:
+        con.print(wide)
+    else:
+        con.print(_table(rows, best, settings=False, times=True))
+        con.print(_table(rows, best, settings=True, times=False))
+    con.print(LEGEND, style="dim", markup=False)
+    for p in rows:
+        if not p.feasible:
+            why = "; ".join(tidy_numbers(n) for n in p.notes[:1])
+            con.print(f"{plan_label(p.plan.name)} does not fit: {why}", style="dim", markup=False)
+    twinflow = next((p.plan.name for p in rows if p.plan.name.startswith("stock Twin-Flow (")), None)
+    if twinflow:
+        ratio = twinflow.split("(", 1)[1].rstrip(")")
+        con.print(f"DS Twin-Flow: {ratio}, the share of optimizer state updated on the CPU", style="dim", markup=False)
     b = best.breakdown
-    keys = [k for k in ("storage", "cpu_update", "gpu_update", "pcie", "prefetch_latency", "fill_drain") if b.get(k)]
-    con.print(f"[bold green]best[/]: {_t(best.iteration_s)} s per iteration, {_t(best.update_s)} s of it the update "
-              f"phase ({', '.join(f'{k} {b[k]:.3g} s' for k in keys)})")
+    parts = ", ".join(f"{label} {format_seconds(b[k])}" for k, label in _BREAKDOWN.items() if b.get(k))
+    con.print(f"[bold green]best[/]: {format_seconds(best.iteration_s)} per iteration, "
+              f"{format_seconds(best.update_s)} of it the update phase ({parts})")
     weights = best.plan.knobs.stripe_weights
     if weights:
         total = sum(weights.values()) or 1.0
         con.print("stripes: " + ", ".join(f"{escape(k)} {w / total:.0%}" for k, w in weights.items()))
     for note in best.notes:
-        con.print(f"[dim]best: {escape(note)}[/]")
-    for p in preds:
-        if not p.feasible:
-            con.print(f"[dim]{escape(p.plan.name)}: {escape(p.notes[0])}[/]")
+        con.print(f"best: {tidy_numbers(note)}", style="dim", markup=False)
+
+
+def _table(rows, best, *, settings: bool, times: bool):
+    """The plans as a table: where state lives and the times (``times``), the knobs (``settings``)."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    from engine.config import Knobs
+
+    tab = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    columns = ["plan"]
+    if times:
+        columns += ["host", "disk", "GPU"]
+    if settings:
+        columns += ["lane", "prefetch", "conc.", "lock", "B/param"]
+    if times:
+        columns += ["update", "iteration", "bottleneck"]
+    for name in columns:
+        tab.add_column(name, justify="left" if name in ("plan", "bottleneck", "lock") else "right", no_wrap=True)
+    for p in rows:
+        knobs, m = p.plan.knobs, p.memory
+        cells = {"plan": escape(plan_label(p.plan.name)),
+                 "host": format_size(m.get("host_per_node")) if m.get("host_per_node") else "-",
+                 "disk": format_size(m.get("storage_per_node")) if m.get("storage_per_node") else "-",
+                 "GPU": format_size(m.get("gpu_per_rank")) if m.get("gpu_per_rank") else "-"}
+        conc = ",".join(sorted({str(c) for c in knobs.io_concurrency.values()}, key=int))
+        cells["conc."] = conc or (str(Knobs.DEFAULT_IO_CONCURRENCY) if m.get("storage_per_node") else "-")
+        cells.update({"lane": f"{knobs.device_fraction:.2f}", "prefetch": str(knobs.prefetch_depth),
+                      "lock": "yes" if knobs.node_lock else "no", "B/param": f"{p.bytes_per_param:.1f}"})
+        if p.feasible:
+            cells.update({"update": format_seconds(p.update_s), "iteration": format_seconds(p.iteration_s),
+                          "bottleneck": escape(bottleneck_label(p.bottleneck))})
+        else:
+            cells.update({"update": "-", "iteration": "-", "bottleneck": "does not fit"})
+        tab.add_row(*(cells[c] for c in columns),
+                    style="bold green" if p is best else ("dim" if not p.feasible else None))
+    return tab
+
+
+def _width(renderable) -> int:
+    """Columns ``renderable`` takes when nothing is wrapped."""
+    from rich.console import Console
+
+    wide = Console(width=1000, file=None, record=False, color_system=None)
+    with wide.capture() as cap:
+        wide.print(renderable)
+    return max((len(line.rstrip()) for line in cap.get().splitlines()), default=0)

@@ -1,7 +1,8 @@
-"""Measure, show, list and compare hardware profiles (TOML).
+"""Measure, show, list and compare hardware profiles (TOML files).
 
-  offloadctl profile save [NAME] [--nvme PATH ...] [--remote PATH ...] [--quick] [--io-size SIZE]
-                         [--io-backend auto|aio|posix] [--output FILE] [--force]
+  offloadctl profile save [NAME] [--nvme PATH ...] [--remote PATH ...]
+                          [--quick] [--io-size SIZE] [--output FILE] [--force]
+                          [--io-backend auto|aio|posix]
   offloadctl profile show NAME|FILE [--sweep] [--json]
   offloadctl profile list [--dir DIR] [--json]
   offloadctl profile diff A B [--sweep] [--json]
@@ -19,12 +20,14 @@ import socket
 import sys
 import time
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError
 from offloadctl.options import SizeText, add_size_epilog, add_size_option, size_bytes
+from offloadctl.units import format_rate, format_size
 from perf.profile import Figure, Profile
 
 
@@ -43,12 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--output", metavar="FILE", help="write here instead of the profile directory")
     s.add_argument("--force", action="store_true", help="replace an existing profile")
     s.add_argument("--io-backend", dest="io_backend", choices=("auto", "aio", "posix"), default="auto",
-                   help="the engine's I/O backend to measure with (default: auto, as the engine)")
+                   help="I/O backend to measure with, as offloadctl train --io-backend (default: auto)")
     # The old name, as offloadctl train calls it --io-backend; hidden, kept for one release.
     s.add_argument("--backend", dest="io_backend", choices=("auto", "aio", "posix"), default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)
     add_size_option(s, "--io-size", dest="io_size",
-                    help="data file per path, e.g. 4GiB (default 8GiB, 1GiB with --quick; at most 1/8 of free space)")
+                    help="data file per path, e.g. 4GB (default 8.6GB, 1.1GB with --quick; at most 1/8 of the "
+                    "free space)")
     s.add_argument("--io-bytes", dest="io_size", type=_io_bytes_arg, default=argparse.SUPPRESS, metavar="BYTES",
                    help="deprecated, use --io-size: the same with a bare number of bytes and K/M/G/T as powers of 1024")
     s.add_argument("--io-seconds", type=float, metavar="S",
@@ -125,24 +129,20 @@ def _unit(key: str) -> str:
 
 
 def _human(v: float | None, unit: str) -> str:
+    return format_rate(v, unit)
+
+
+def _gb_per_s(v: float | None) -> str:
+    """Bytes/s as a number of GB/s, for a column headed GB/s."""
     if v is None:
         return "-"
-    if unit == "B/s":
-        for u, s in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
-            if v >= s:
-                return f"{v / s:.3g} {u}"
-        return f"{v:.3g} B/s"
-    for u, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if v >= s:
-            return f"{v / s:.3g}{u} {unit}"
-    return f"{v:.3g} {unit}"
+    g = v / 1e9
+    return f"{g:,.0f}" if g >= 100 else f"{g:.3g}"
 
 
-def _bytes(n: int) -> str:
-    for u, s in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
-        if n >= s:
-            return f"{n / s:.3g} {u}"
-    return f"{n} B"
+def _table(*headers: str, **kwargs) -> Table:
+    """The commands' table style: a rule under the header and no frame, to fit 80 columns."""
+    return Table(*headers, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, **kwargs)
 
 
 _OPS = ("read", "write", "mixed")
@@ -159,7 +159,7 @@ def _figure_items(p: Profile, sweep: bool, labels: dict[str, str]) -> list[tuple
         label = labels.get(x.path, x.path)
         out += [(f"path {label} {op}", (3, label, 0, i), getattr(x, f"{op}_bytes_per_s")) for i, op in enumerate(_OPS)]
         if sweep:
-            out += [(f"path {label} {s.op} c={s.concurrency} {_bytes(s.block_bytes)}",
+            out += [(f"path {label} {s.op} c={s.concurrency} {format_size(s.block_bytes)}",
                      (3, label, 1, -s.block_bytes, s.concurrency, _OPS.index(s.op)), s.bytes_per_s) for s in x.sweep]
     return sorted(out, key=lambda item: item[1])
 
@@ -197,31 +197,46 @@ def _show(args: argparse.Namespace) -> int:
     if p.notes:
         con.print(f"notes: {p.notes}", markup=False)
     m = p.machine
-    t = Table("machine", "value")
+    con.print()
+    t = _table("machine", "value")
     _row(t, "host", m.hostname)
-    _row(t, "CPU", f"{m.cpu_model}; {m.cores_physical} cores, {m.cores_logical} threads, {m.numa_nodes} NUMA nodes")
-    _row(t, "memory", _bytes(m.memory_bytes))
+    _row(t, "CPU", f"{m.cpu_model}; {m.cores_physical} cores, {m.cores_logical} threads, {m.numa_nodes} NUMA "
+         f"node{'s' if m.numa_nodes != 1 else ''}")
+    _row(t, "memory", format_size(m.memory_bytes))
     _row(t, "GPUs", f"{m.gpu_count} x {m.gpu_model}" if m.gpu_count else "none")
     if p.gpu:
-        _row(t, "GPU memory", _bytes(p.gpu.memory_bytes))
+        _row(t, "GPU memory", format_size(p.gpu.memory_bytes))
     con.print(t)
     if p.paths:
-        t = Table("path", "kind", "device", "capacity", "read", "write", "mixed", "best c.", title="storage paths "
-                  "(best c.: fewest requests in flight within 5% of the best)")
-        t.columns[0].overflow = "fold"
+        con.print()
+        t = _table("storage path", "kind", "device", "capacity", "read\nGB/s", "write\nGB/s", "mixed\nGB/s",
+                   "best\nconc.")
+        t.columns[0].overflow = "fold"  # only a path too long for the terminal
+        for c in t.columns[1:]:
+            c.no_wrap = True
+        for c in t.columns[4:]:
+            c.justify = "right"
         for x in p.paths:
-            _row(t, x.path, x.kind, f"{x.device} ({x.device_id})", _bytes(x.capacity_bytes),
-                      _human(x.read_bytes_per_s.value, "B/s"), _human(x.write_bytes_per_s.value, "B/s"),
-                      _human(x.mixed_bytes_per_s.value, "B/s"), str(x.best_concurrency))
+            _row(t, x.path, x.kind, x.device, format_size(x.capacity_bytes), _gb_per_s(x.read_bytes_per_s.value),
+                 _gb_per_s(x.write_bytes_per_s.value), _gb_per_s(x.mixed_bytes_per_s.value), x.best_concurrency)
         con.print(t)
+        con.print("best conc.: the fewest requests in flight within 5% of the best rate", style="dim", markup=False)
         shared = {k: v for k, v in p.devices().items() if len(v) > 1}
         for dev, ps in shared.items():
             con.print(f"paths on one device ({dev}), sharing its bandwidth: {', '.join(x.path for x in ps)}", markup=False)
-    t = Table("figure", "value", "how (when)", title="figures")
+    con.print()
+    items = figures(p, sweep=args.sweep)
+    t = _table("figure", "value", "how (when)")
+    values = {key: _human(f.value, _unit(key)) for key, f in items.items()}
+    key_width = max(map(len, items), default=0)
+    value_width = max(map(len, values.values()), default=0)
+    # The figure's name on one line, if that leaves the explanation a column worth reading.
+    if key_width + value_width + 4 + 24 <= con.width:
+        t.columns[0].min_width = key_width
     t.columns[0].overflow = "fold"
     t.columns[1].no_wrap = True
-    for key, f in figures(p, sweep=args.sweep).items():
-        t.add_row(escape(key), _human(f.value, _unit(key)), f"{escape(f.how)} [dim]({f.when})[/dim]")
+    for key, f in items.items():
+        t.add_row(escape(key), values[key], f"{escape(f.how)} [dim]({escape(f.when)})[/dim]")
     con.print(t)
     return 0
 
@@ -251,13 +266,19 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         Console().print(f"no profiles in {d}: measure one with `offloadctl profile save NAME --nvme PATH`", markup=False)
         return 0
-    t = Table("name", "source", "created", "host", "paths", title=f"profiles in {d}")
+    con = Console(highlight=False)
+    con.print(f"profiles in {d}", markup=False)
+    t = _table("name", "source", "created", "host", "paths")
+    for c in t.columns[:3]:
+        c.no_wrap = True
+    for c in t.columns[3:]:  # host and paths: the long ones, folded only when the terminal is narrow
+        c.overflow = "fold"
     for r in rows:
         if "error" in r:
             t.add_row(escape(r["name"]), "[red]invalid[/red]", "", "", escape(r["error"]))
-        else:
-            _row(t, r["name"], r["source"], r["created"], r["host"], ", ".join(r["paths"]) or "-")
-    Console().print(t)
+        else:  # the date of an ISO time is enough to tell profiles apart; --json has all of it
+            _row(t, r["name"], r["source"], (r["created"] or "-")[:10], r["host"], "\n".join(r["paths"]) or "-")
+    con.print(t)
     return 0
 
 
@@ -312,11 +333,12 @@ def _diff(args: argparse.Namespace) -> int:
         for path, label in labels.items():
             con.print(f"path {label} of {tag}: {path}", markup=False)
     if machine:
-        t = Table("machine", "A", "B")
+        t = _table("machine", "A", "B")
         for r in machine:
-            _row(t, r["key"], str(r["a"]), str(r["b"]))
+            shown = [format_size(r[k]) if r["key"] == "machine.memory_bytes" else str(r[k]) for k in ("a", "b")]
+            _row(t, r["key"].replace("_bytes", ""), *shown)
         con.print(t)
-    t = Table("figure", "A", "B", "B / A")
+    t = _table("figure", "A", "B", "B / A")
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         _row(t, r["key"], _human(r["a"], r["unit"]), _human(r["b"], r["unit"]), ratio)
