@@ -233,8 +233,8 @@ class LauncherOutput:
         return ends[0], ends[1]
 
     def started(self) -> None:
-        for r, w in self._pairs:
-            os.close(w)
+        for _, child_end in self._pairs:
+            os.close(child_end)
         for (r, _), f in zip(self._pairs, self.filters):
             t = threading.Thread(target=_pump, args=(r, f), daemon=True, name="offloadctl-output")
             t.start()

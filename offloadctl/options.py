@@ -9,7 +9,6 @@ bad value, rather than argparse's usage block.
 from __future__ import annotations
 
 import argparse
-import textwrap
 from typing import NamedTuple
 
 from engine.units import SIZE_HELP, parse_size
@@ -42,8 +41,7 @@ def add_size_option(group, flag: str, *, dest: str, help: str, deprecated: str |
     if deprecated:
         group.add_argument(deprecated, dest=dest, type=_tagged(deprecated, "GB"),
                            default=argparse.SUPPRESS, metavar="GB|auto" if auto else "GB",
-                           help=f"deprecated (for one more release), use {flag}: the same, as a number of GB "
-                           "(64 means 64GB)")
+                           help=argparse.SUPPRESS)  # still taken, for one more release; not offered
 
 
 def size_bytes(value: SizeText | None, *, auto: bool = False) -> int | None:
@@ -55,5 +53,5 @@ def size_bytes(value: SizeText | None, *, auto: bool = False) -> int | None:
 
 def add_size_epilog(p: argparse.ArgumentParser) -> None:
     """The size rule under the option list of ``p``'s help."""
-    # Wrapped here: the subcommands' help is raw (their docstrings are laid out by hand).
-    p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + textwrap.fill(SIZE_HELP, 100)
+    # One paragraph: the help formatter fills it to the terminal.
+    p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + " ".join(SIZE_HELP.split())

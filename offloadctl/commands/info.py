@@ -1,16 +1,15 @@
-"""Show what the engine can use on this machine: DeepSpeed's native ops, I/O backends, AdamW kernels, devices.
+"""Show what offloadctl can use on this machine: DeepSpeed's native ops, I/O, AdamW kernels, GPUs.
 
-Measures the host AdamW kernels briefly (under a second once DeepSpeed's ops are built).
-Compiles nothing unless asked: ``--build`` first builds the native ops that are missing or out of
-date (minutes, with progress; ``make setup`` runs it), recovering locks left by interrupted builds.
-Checks the installed DeepSpeed against what the ZeRO-3 integration overrides and reads
-(``integrations/ds_compat.py``): a mismatch is shown, then exits with status 2 and the one-line
-error, so that ``make setup`` stops there.
+Times the host AdamW kernels briefly (under a second once DeepSpeed's ops are built). Compiles
+nothing unless asked: --build first builds the native ops that are missing or out of date
+(minutes, with progress; `make setup` runs it). Checks that the installed DeepSpeed has what
+offloadctl builds on; if not, says what differs and exits with status 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -95,19 +94,32 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return _integration_exit(data)
-    t = Table("what", "value", title="offloadctl info")
-    for k, v in data.items():
-        if k == "native_ops":
-            for name, st in v.items():
-                t.add_row(f"op {name}", _op_cell(st))
-            continue
-        if k == "host_adamw_params_per_s":
-            v = ", ".join(f"{n}: {r:.3g}" for n, r in v.items())
-        elif isinstance(v, list):
-            v = ", ".join(v) or "none"
-        t.add_row(k, str(v))
-    Console().print(t)
+    Console().print(info_table(data))
     return _integration_exit(data)
+
+
+def info_table(data: dict) -> Table:
+    from rich.table import Column
+
+    from engine.host_kernel import KERNEL_CHOICE_FILE
+    from engine.storage.native_ops import extensions_dir
+    from offloadctl.units import format_rate
+
+    t = Table(Column(""), Column("", overflow="fold"), title="offloadctl info", show_header=False)
+    t.add_row("versions", f"offloadctl {data['offloadctl']}, torch {data['torch']}, DeepSpeed {data['deepspeed']}")
+    t.add_row("DeepSpeed check", data["deepspeed_integration"])
+    t.add_row("GPUs", ", ".join(data["gpus"]) or "none")
+    for name, st in data["native_ops"].items():
+        t.add_row(f"op {name}", _op_cell(st))
+    t.add_row("I/O backends", ", ".join(data["io_backends"]))
+    names = {"torch": "torch", "deepspeed": "DeepSpeed"}
+    t.add_row("AdamW kernels", ", ".join(f"{names.get(n, n)} {format_rate(r, 'params/s')}"
+                                         for n, r in data["host_adamw_params_per_s"].items()) + " (timed now, alone)")
+    kernel = data["host_adamw_kernel"]
+    t.add_row("runs use", f"{names.get(kernel, kernel)}: its whole host update loop was the faster, "
+              f"{format_rate(data['host_lane_params_per_s'], 'params/s')}; timed once on this machine and kept "
+              f"(so runs repeat their losses) in {os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)}")
+    return t
 
 
 def _integration_exit(data: dict) -> int:

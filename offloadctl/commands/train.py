@@ -1,11 +1,18 @@
-"""Run an unmodified DeepSpeed ZeRO-3 script with the multi-tier engine in every rank.
+"""Run an unmodified DeepSpeed ZeRO-3 script with its optimizer state in tiers.
 
-    offloadctl train [launcher options] [offloadctl options] script.py [script args]
+    offloadctl train [options] SCRIPT [SCRIPT ARGS]
 
-Launcher options are DeepSpeed's, with the same names and meaning; everything after the script
-goes to the script untouched. Tier options override the ds_config's offload_optimizer; a
-ds_config ``nvme_path`` becomes an NVMe tier when no --nvme is given. The launch itself (command,
-environment, signals, DeepSpeed's /dev/shm buffers) is integrations.launcher's.
+The script runs as the `deepspeed` launcher would run it, with the same launcher options;
+everything after SCRIPT goes to the script untouched. The options below say where the
+optimizer state lives (they override the ds_config's offload_optimizer; its nvme_path becomes
+an NVMe tier when no --nvme is given). The terminal shows the script's output, offloadctl's
+start line and summary; DeepSpeed's own log lines go to RUN_DIR/deepspeed.log (--verbose shows
+them too).
+
+examples:
+  offloadctl train --nvme /local/nvme examples/train_gpt.py --steps 30
+  offloadctl train --num_gpus 8 --nvme /ssd0 --nvme /ssd1 --host-cache 8GB t.py
+  offloadctl train --hostfile hosts --remote /lustre/me/state a.py --epochs 1
 """
 from __future__ import annotations
 
@@ -23,15 +30,40 @@ from integrations import launcher
 from offloadctl.options import add_size_epilog, add_size_option, size_bytes
 from report import recorder
 
+PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]"}
+
+# DeepSpeed's launcher options, as its own help puts them, shortened: (metavar, help) by first flag.
+LAUNCHER_HELP = {
+    "--hostfile": ("FILE", "hosts and their GPU slots (default /job/hostfile)"),
+    "--include": ("HOSTS", "hosts and GPUs to use, e.g. worker-0:0,1@worker-1"),
+    "--exclude": ("HOSTS", "hosts and GPUs to leave out, as --include"),
+    "--num_nodes": ("N", "nodes to use"),
+    "--num_gpus": ("N", "GPUs per node to use"),
+    "--master_port": ("PORT", "rendezvous port (default 29500)"),
+    "--master_addr": ("ADDR", "rendezvous address (default: the first host)"),
+    "--node_rank": ("N", "this node's rank, with --no_ssh"),
+    "--launcher": ("NAME", "multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich"),
+    "--launcher_args": ("ARGS", "more arguments for that launcher, in one quoted string"),
+    "--module": (None, "SCRIPT is a module, run as python -m"),
+    "--no_python": (None, "run SCRIPT itself, not with python"),
+    "--no_local_rank": (None, "do not pass --local_rank to the script"),
+    "--no_ssh": (None, "start this node's ranks only (run once per node, with --node_rank)"),
+    "--no_ssh_check": (None, "skip the check that ssh reaches the other nodes"),
+    "--force_multi": (None, "use the multi-node launcher even on one node"),
+    "--save_pid": (None, "write the launcher's pid to /tmp/PID.deepspeed"),
+    "--enable_each_rank_log": ("DIR", "each rank's output to its own file in DIR"),
+    "--autotuning": ("tune|run", "DeepSpeed's autotuning"),
+    "--bind_cores_to_rank": (None, "bind each rank to its own cores with numactl"),
+    "--bind_core_list": ("CORES", "the cores for --bind_cores_to_rank, e.g. 0-7,16-23"),
+    "--ssh_port": ("PORT", "ssh port for the multi-node launcher"),
+    "--venv_script": ("FILE", "sourced on each node before the run, e.g. a venv's activate"),
+    "--log_level": ("LEVEL", "the launcher's log level (its lines go to deepspeed.log)"),
+    "--quiet": (None, "the same as --log_level error"),
+}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("DeepSpeed launcher options (passed through)")
-    for flags, takes_value in launcher.LAUNCHER_OPTIONS:
-        if takes_value:
-            g.add_argument(*flags, dest=launcher.option_dest(flags), metavar="VALUE")
-        else:
-            g.add_argument(*flags, dest=launcher.option_dest(flags), action="store_true")
-    o = p.add_argument_group("offloadctl options")
+    o = p.add_argument_group("where the state lives and how it moves")
     o.add_argument("--nvme", action="append", default=[], metavar="PATH", help="node-local NVMe directory (repeatable)")
     o.add_argument("--remote", action="append", default=[], metavar="PATH", help="parallel file system directory (repeatable)")
     add_size_option(o, "--host-cache", dest="host_cache", deprecated="--host-cache-gb",
@@ -47,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--bind-cores", choices=["auto", "on", "off"], default="auto",
                    help="each rank's host lane on its own share of the cores (auto: with several ranks per node, "
                         "unless --bind_cores_to_rank binds them)")
-    o.add_argument("--run-dir", metavar="DIR", help="per-rank telemetry JSONL (default ./runs/<timestamp>)")
+    o.add_argument("--run-dir", metavar="DIR", help="where the run's records, telemetry and logs go (default ./runs/<timestamp>)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto",
                    help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
                    "aio where it is built (default auto)")
@@ -66,8 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--verbose", action="store_true",
                    help="show DeepSpeed's own log lines too (they always go to RUN_DIR/deepspeed.log)")
     recorder.add_train_arguments(o)
-    p.add_argument("script", help="the DeepSpeed training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script, untouched")
+    g = p.add_argument_group("DeepSpeed launcher options (passed to it)")
+    for flags, takes_value in launcher.LAUNCHER_OPTIONS:
+        metavar, text = LAUNCHER_HELP[flags[0]]
+        if takes_value:
+            g.add_argument(*flags, dest=launcher.option_dest(flags), metavar=metavar, help=text)
+        else:
+            g.add_argument(*flags, dest=launcher.option_dest(flags), action="store_true", help=text)
+    p.add_argument("script", metavar="SCRIPT", help="the DeepSpeed training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",
+                   help="arguments for the script, untouched")
     add_size_epilog(p)
 
 
@@ -110,7 +150,6 @@ def build(args: argparse.Namespace) -> dict:
         load_profile(profile)  # a malformed profile fails here, once, not in every rank
     tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
 
-    from engine.config import Knobs
     from integrations.deepspeed_zero3 import ZeroEngineSettings
 
     # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
@@ -121,7 +160,7 @@ def build(args: argparse.Namespace) -> dict:
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=host_cache, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
-        io_backend=args.io_backend, knobs=Knobs(**overrides), knob_overrides=overrides, profile=profile,
+        io_backend=args.io_backend, knobs=_knobs(overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
         run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}",
         bind_cores=bind_cores)
@@ -133,6 +172,20 @@ def build(args: argparse.Namespace) -> dict:
 
         out["plan_preview"] = preview_plan(settings, parse_params(args.params))
     return out
+
+
+def _knobs(overrides: dict):
+    """The starting knobs from the options given; a bad value is reported by its option."""
+    from engine.config import Knobs
+    from engine.errors import ConfigError
+
+    try:
+        return Knobs(**overrides)
+    except ConfigError as e:
+        text = str(e)
+        for name in overrides:
+            text = text.replace(f"Knobs.{name}", "--" + name.replace("_", "-"))
+        raise ConfigError(text) from None
 
 
 def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:
