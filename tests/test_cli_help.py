@@ -11,7 +11,8 @@ from offloadctl import cli
 from offloadctl.commands import train
 
 EXAMPLE = "examples/train_gpt.py"
-MODULE_NAME = re.compile(r"\b(engine|perf|tuner|report|integrations|offloadctl)\.[a-z_]+\b|\b[a-z_]+\.py's\b")
+MODULE_NAME = re.compile(r"\b(engine|perf|tuner|report|integrations|offloadctl)\.(?!(sock|html|toml|jsonl?|png|log|db|md)\b)"
+                         r"[a-z_]+\b|\b[a-z_]+\.py's\b")
 
 
 def _all_parsers(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
