@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from engine.errors import ConfigError
+from engine.units import format_size
 from perf.layout import CHUNK_BYTES
 from perf.profile import PathProfile, Profile
 
@@ -23,7 +24,7 @@ DEFAULT_GPU_HEADROOM_SHARE = 0.5
 
 
 def gb(b: float) -> str:
-    return f"{b / 1e9:.3g} GB"
+    return format_size(b)
 
 
 def bandwidth(path: PathProfile, op: Literal["read", "write", "mixed"], concurrency: float,

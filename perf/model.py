@@ -311,7 +311,8 @@ def _paths_and_weights(profile: Profile, plan: Plan, lay: _Layout) -> tuple[list
     if lay.S and (not paths or sum(weights) <= 0):
         why = "no path has a positive stripe weight" if paths else f"profile {profile.name!r} has no storage paths"
         raise ConfigError(f"plan {plan.name!r} leaves {lay.S} subgroups per rank ({gb(lay.S * lay.pay_n)}) outside host "
-                          f"memory, but {why}: raise host_cache_bytes, or give a storage path")
+                          f"memory, but {why}: raise the host memory for optimizer state "
+                          f"(--host-cache, or --host-memory in plan), or give a storage path")
     return paths, weights
 
 
@@ -346,7 +347,8 @@ def _swap_files(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, r
         need = ranks * b
         if need > p.capacity_bytes > 0:
             raise ConfigError(f"path {p.path} would hold {gb(need)} of swap files per node, over its capacity of "
-                              f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise host_cache_bytes")
+                              f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise the host memory "
+                              f"for optimizer state (--host-cache)")
         if b:
             storage_node[p.path] = need
     return storage_node

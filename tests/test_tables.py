@@ -12,7 +12,7 @@ import sys
 import pytest
 from test_profiles import sample_profile
 
-from offloadctl.units import format_count, format_rate, format_seconds, format_size, tidy_numbers
+from engine.units import format_count, format_rate, format_seconds, format_size, tidy_numbers
 from perf.profile_toml import save_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -103,7 +103,7 @@ def info_table(data: dict) -> Table:
 
     from engine.host_kernel import KERNEL_CHOICE_FILE
     from engine.storage.native_ops import extensions_dir
-    from offloadctl.units import format_rate
+    from engine.units import format_rate
 
     t = Table(Column(""), Column("", overflow="fold"), title="offloadctl info", show_header=False)
     t.add_row("versions", f"offloadctl {data['offloadctl']}, torch {data['torch']}, DeepSpeed {data['deepspeed']}")

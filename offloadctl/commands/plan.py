@@ -20,8 +20,8 @@ import math
 import re
 import textwrap
 
+from engine.units import format_count, format_seconds, format_size, tidy_numbers
 from offloadctl.options import add_size_epilog, add_size_option, size_bytes
-from offloadctl.units import format_count, format_seconds, format_size, tidy_numbers
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _PARAMS_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)

@@ -26,8 +26,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from engine.errors import ConfigError
+from engine.units import format_rate, format_size
 from offloadctl.options import SizeText, add_size_epilog, add_size_option, size_bytes
-from offloadctl.units import format_rate, format_size
 from perf.profile import Figure, Profile
 
 
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="data file per path, e.g. 4GB (default 8.6GB, 1.1GB with --quick; at most 1/8 of the "
                     "free space)")
     s.add_argument("--io-bytes", dest="io_size", type=_io_bytes_arg, default=argparse.SUPPRESS, metavar="BYTES",
-                   help="deprecated, use --io-size: the same with a bare number of bytes and K/M/G/T as powers of 1024")
+                   help=argparse.SUPPRESS)  # deprecated: still taken, not offered
     s.add_argument("--io-seconds", type=float, metavar="S",
                    help="seconds per point of the I/O sweep (default 3, 0.5 with --quick)")
     add_size_epilog(s)
