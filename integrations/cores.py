@@ -60,6 +60,9 @@ def describe(cores: list[int] | None) -> str:
     import torch
 
     if cores is None:
-        return f"host lane {torch.get_num_threads()} threads"
+        n = torch.get_num_threads()
+        return f"host lane {n} thread{'s' if n != 1 else ''}"
+    if len(cores) == 1:
+        return f"host lane 1 thread on core {cores[0]}"
     span = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
     return f"host lane {len(cores)} threads on cores {span}"
