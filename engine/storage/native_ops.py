@@ -376,7 +376,8 @@ def _loaded(name: str):
         if st.state == "building":
             msg = f"offloadctl: DeepSpeed's {name} op is {st.detail}; this run uses {st.fallback}"
         else:
-            msg = f"offloadctl: DeepSpeed's {name} op is not built ({st.detail}); using {st.fallback}: {BUILD_HINT}"
+            msg = f"offloadctl: DeepSpeed's {name} op is not built; using {st.fallback}: {BUILD_HINT}"
+            log.info("%s op: %s", name, st.detail)  # where and what is missing: for the log, not the screen
         # One line per node (every rank there sees the same build directory), none per call.
         (log.warning if os.environ.get("LOCAL_RANK", "0") == "0" else log.info)("%s", msg)
     elif st.state == "unavailable":
