@@ -1,9 +1,9 @@
 """Watch the tuner's runs live, or print a snapshot; pin knobs or freeze tuning.
 
-    offloadctl tune                      # live view (Ctrl-C leaves it; the run goes on)
-    offloadctl tune --run-dir DIR        # the run writing to DIR
-    offloadctl tune --once --json        # {"runs": [{"run_id", "iteration", ...}]}
-    offloadctl tune --pin RUN:prefetch_depth=4   # VALUE is JSON: 4, true, {"/nvme0": 8}
+    offloadctl tune                # live view (Ctrl-C leaves; the run goes on)
+    offloadctl tune --run-dir DIR  # the run writing to DIR
+    offloadctl tune --once --json  # {"runs": [{"run_id", "iteration", ...}]}
+    offloadctl tune --pin RUN:prefetch_depth=4   # VALUE is JSON: 4, {"/a": 8}
     offloadctl tune --unpin RUN:prefetch_depth --freeze RUN --unfreeze RUN
 
 Which daemon: --socket PATH; else the run in --run-dir DIR; else the system
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 
 SPARK = "▁▂▃▄▅▆▇█"
-ENDED = {"finished": "finished", "disconnected": "interrupted"}
-"""A run's status in the daemon -> what the view calls it once it is over."""
+ENDED = ("finished", "disconnected")
+"""A run's statuses in the daemon once it is over."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,7 +137,7 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     if system_runs is not None:
         return Target(system, private=False)
     which = f" with run {', '.join(sorted(run_ids))}" if run_ids else ""
-    raise ConfigError(f"no live run{which}: no tuner daemon at {system} and no run of yours is training; "
+    raise ConfigError(f"no live run{which} (no tuner daemon at {system}, no training run of yours): "
                       "start one with `offloadctl train`, or give --run-dir DIR or --socket PATH")
 
 
@@ -276,18 +276,29 @@ def _log_tail(socket_path: str, n: int = 64 * 1024) -> str:
 
 
 def ended_runs(last: list[dict], log_text: str) -> list[dict]:
-    """The runs of the last snapshot as they ended once their daemon is gone: finished when
-    the daemon's log says so (the run may have ended between two snapshots), else interrupted."""
+    """The runs of the last snapshot as they ended once their daemon is gone: as the daemon's
+    log says (the run may have ended between two snapshots), else interrupted."""
     out = []
     for r in last:
         r = dict(r)
         if r["status"] not in ENDED:
-            m = re.findall(r"run %s: finished at iteration (\d+)" % re.escape(r["run_id"]), log_text)
-            r["status"] = "finished" if m else "disconnected"
-            if m:
-                r["iteration"] = int(m[-1])
+            said = re.findall(r"run %s: (finished|interrupted by (\w+)) at iteration (\d+)" % re.escape(r["run_id"]),
+                              log_text)
+            if said:
+                _, r["stopped_by"], iteration = said[-1]
+                r["status"], r["iteration"] = "finished", int(iteration)
+            else:
+                r["status"] = "disconnected"
         out.append(r)
     return out
+
+
+def outcome(r: dict) -> str:
+    """How a run ended: finished, interrupted (a rank was stopped by a signal, or its ranks
+    vanished), or its status."""
+    if r["status"] == "finished":
+        return "interrupted" if r.get("stopped_by") else "finished"
+    return "interrupted" if r["status"] == "disconnected" else r["status"]
 
 
 def final_line(r: dict) -> str:
@@ -296,7 +307,8 @@ def final_line(r: dict) -> str:
     pace = f"; median iteration time {_median(times):.3f} s (last {len(times)})" if times else ""
     pol = r.get("policy") or {}
     word = pol.get("holding_reason") or (r["decisions"][-1]["reason"] if r.get("decisions") else None)
-    return (f"{r['run_id']}: {ENDED.get(r['status'], r['status'])} at iteration {r['iteration']}{pace}; "
+    how = f" (a rank was stopped by {r['stopped_by']})" if r.get("stopped_by") else ""
+    return (f"{r['run_id']}: {outcome(r)}{how} at iteration {r['iteration']}{pace}; "
             f"knobs {_knobs_text(r['knobs'])}" + (f"\ntuner: {word}" if word else ""))
 
 
@@ -354,7 +366,7 @@ def tuner_state(r: dict) -> str:
     """What the tuner is doing with the run, from the policy's own mode (the same state its
     decisions come from), or how the run ended."""
     if r["status"] in ENDED:
-        return f"{ENDED[r['status']]} at iteration {r['iteration']}"
+        return f"{outcome(r)} at iteration {r['iteration']}"
     if r.get("policy_error"):
         return f"policy stopped: {r['policy_error']}"
     if r["frozen"]:
@@ -465,7 +477,7 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
         if not r["decisions"]:
             log.add_row("-", "-", "-", "none yet")
         body.append(log)
-    status = ENDED.get(r["status"], r["status"])
+    status = outcome(r) if r["status"] in ENDED else r["status"]
     return Panel(Group(*body), title=Text(f"{r['run_id']} ({status})"), title_align="left", width=width)
 
 
