@@ -61,7 +61,7 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
         value = json.loads(m["value"])
     except ValueError:
         value = m["value"]
-    if not isinstance(Knobs().to_dict().get(m["knob"]), dict):  # per-path values: the daemon knows the paths
+    if not isinstance(Knobs().to_dict().get(m["knob"], {}), dict):  # per-path values: the daemon knows the paths
         try:
             Knobs().replace(**{m["knob"]: value})
         except (ConfigError, TypeError) as e:
