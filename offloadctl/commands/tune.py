@@ -172,7 +172,7 @@ def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
     for entry, runs in found:
         for r in runs or [{"run_id": "(not connected yet)", "iteration": -1}]:
             started = time.strftime("%H:%M:%S", time.localtime(r.get("started_at") or entry["started_at"]))
-            rows.append((entry["run_dir"], r["run_id"], str(max(r["iteration"], 0)), started))
+            rows.append((entry["run_dir"], r["run_id"], str(r["iteration"]) if r["iteration"] >= 0 else "-", started))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 

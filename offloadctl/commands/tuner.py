@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.errors import OffloadError
     from tuner.server import ServerConfig, serve
     from tuner.service import default_db_path, default_socket_path, register_run, unregister_run
 
@@ -74,7 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(server) -> None:
         nonlocal entry
         if args.run_dir:
-            entry = register_run(config.socket_path, args.run_dir)
+            try:
+                entry = register_run(config.socket_path, args.run_dir)
+            except (OSError, OffloadError) as e:  # the run is served all the same; only `tune` will not list it
+                logging.getLogger("offloadctl.tuner").warning("not listed among the live runs: %s", e)
         if args.pidfile:  # only once the socket is ours; atomically, so a reader never sees half
             tmp = f"{args.pidfile}.{os.getpid()}"
             with open(tmp, "w") as f:
