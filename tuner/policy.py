@@ -395,7 +395,7 @@ class Policy(MoveSearch):
         if share >= bar:
             return None
         return (f"holding: what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
-                f"{self._cost_name()} ({1e3 * it:.0f} ms, median of {len(b)}), under {100 * bar:.0f}%: no move could "
+                f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: no move could "
                 "show above the noise")
 
     def _why(self, move: Move) -> str:
