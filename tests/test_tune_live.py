@@ -235,3 +235,38 @@ def test_help_fits_80_columns_and_value_errors_name_the_flag():
     assert "--pin 'myrun:prefetch_depth=-1': prefetch_depth must be" in out.stderr and "Knobs." not in out.stderr
     out = _cli("tune", "--pin", "prefetch_depth=-1")
     assert out.returncode == 2 and "--pin 'prefetch_depth=-1': write RUN:KNOB=VALUE" in out.stderr, out.stderr
+
+
+def test_a_run_whose_rank_dies_ends_as_interrupted(private_env):
+    """A rank process killed without a bye while its daemon stays up: after the grace period
+    the view calls the run interrupted, at the last iteration it reported."""
+    run_dir = str(private_env / "dead" / "run")
+    sock, stop = service.ensure_daemon(str(private_env / "no-system.sock"), run_dir=run_dir)
+    rank = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+from engine.config import Knobs
+from engine.telemetry import StepRecord
+from tuner.client import TunerClient
+c = TunerClient({sock!r}, run_id="dead-run", rank=0, world_size=1, params=1000, paths=[{str(private_env)!r}],
+                knobs=Knobs(), subgroup_bytes=12000)
+assert c.connected.wait(20)
+for i in range(5):
+    c.report(StepRecord(iteration=i, order="forward", wall_s=0.2, read_wait_s=0.05, update_s=0.1, write_wait_s=0.05),
+             iter_time_s=0.5)
+print("reported", flush=True)
+time.sleep(600)
+"""], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "reported\n"
+        _wait(lambda: _iteration(sock, "dead-run") == 4, 20, "the rank's telemetry")
+        watch = _watch(run_dir)
+        time.sleep(2)
+        rank.kill()  # SIGKILL: no bye
+        t0 = time.monotonic()
+        out, _ = _ended(watch)
+        assert time.monotonic() - t0 >= 2.5  # the grace period: ranks that come back within it are not gone
+        assert "dead-run (interrupted)" in out and "dead-run: interrupted at iteration 4" in out, out
+    finally:
+        rank.kill()
+        rank.wait()
+        stop()

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 SPARK = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "disconnected")
 """A run's statuses in the daemon once it is over."""
+DISCONNECTED_GRACE_S = 3.0
+"""How long a run's ranks must stay away before the live view calls it interrupted."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -221,12 +223,14 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
     daemon's run, or runs seen running here): then print their final frame and figures."""
     from rich.console import Console, Group
     from rich.live import Live
+    from rich.text import Text
 
     from tuner.protocol import ProtocolError
 
     console = console or Console()
     last: list[dict] = []
     seen_running = False
+    ended_since: float | None = None
     final: list[dict] | None = None
     with Live(console=console, auto_refresh=False, transient=True) as view:
         try:
@@ -238,10 +242,15 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
                     break
                 seen_running = seen_running or any(r["status"] == "running" for r in runs)
                 last = runs or last
-                if runs and all(r["status"] in ENDED for r in runs) and (target.private or seen_running):
+                over = bool(runs) and all(r["status"] in ENDED for r in runs) and (target.private or seen_running)
+                ended_since = (ended_since or time.monotonic()) if over else None
+                # Ranks that vanished may be back within seconds (a dropped connection): wait
+                # that long before calling their run interrupted; a finished run ends the view now.
+                if over and (all(r["status"] == "finished" for r in runs)
+                             or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S):
                     final = runs
                     break
-                view.update(Group(*fitted_panels(runs, console)) if runs else _waiting(target), refresh=True)
+                view.update(Group(*fitted_panels(runs, console)) if runs else Text(_waiting(target)), refresh=True)
                 time.sleep(args.interval)
         except KeyboardInterrupt:
             pass
@@ -253,7 +262,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
     for r in final:
         console.print(run_panel(r, width=console.width))
     for r in final:
-        console.print(final_line(r), highlight=False)
+        console.print(final_line(r), markup=False, highlight=False)  # paths and reasons may hold [brackets]
     if not final:
         console.print("the tuner daemon stopped before any run reported")
     return 0
