@@ -270,3 +270,23 @@ time.sleep(600)
         rank.kill()
         rank.wait()
         stop()
+
+
+def test_the_tuner_state_line_follows_the_policys_mode():
+    """The recorded demo run, on which the policy holds and says why; a pin then restarts its
+    measuring: the state line says so, not the old reason to hold (which the decisions table
+    would contradict with the pin)."""
+    from offloadctl.commands.tune import tuner_state
+    from tuner.observation import Observation
+    from tuner.policy import Policy
+
+    pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
+    with open(os.path.join(ROOT, "tests", "data", "demo-trace.jsonl")) as f:
+        for line in f:
+            if not line.startswith("#"):
+                pol.observe(Observation(**json.loads(line), path_other_bytes_per_s={}, device_headroom_bytes=None))
+    view = {"status": "running", "frozen": False, "policy": pol.state()}
+    assert tuner_state(view).startswith("holding (since iteration ") and "I/O waits" in tuner_state(view)
+    pol.pin("prefetch_depth", 3)
+    view["policy"] = pol.state()
+    assert view["policy"]["holding_reason"] is None and tuner_state(view) == "measuring the current knobs"
