@@ -204,7 +204,8 @@ def test_live_view_at_80_columns(private_env):
     sock, stop, rank = _run(str(private_env / "w" / "run"), "wide-run", str(private_env), iterations=12)
     try:
         with Connection(sock) as c:
-            c.request("pin", run_id="wide-run", knob="prefetch_depth", value=4)
+            for value in (3, 5, 6, 7, 4):  # a decisions table taller than the terminal has room for
+                c.request("pin", run_id="wide-run", knob="prefetch_depth", value=value)
             (view,) = c.request("snapshot", history=60)["runs"]
     finally:
         rank.close()
