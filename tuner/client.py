@@ -44,6 +44,15 @@ from tuner.protocol import (
 )
 
 log = logging.getLogger("offloadctl.tuner.client")
+_stopped_by: str | None = None  # see note_stopped
+
+
+def note_stopped(signal_name: str) -> None:
+    """Say that this process was stopped by ``signal_name`` (``"SIGINT"``): every client's
+    ``bye`` from now on tells the daemon the run was interrupted, not finished. For the code
+    that catches the signal, as clients are usually closed at exit, far from it."""
+    global _stopped_by
+    _stopped_by = signal_name
 
 
 @dataclass(frozen=True)
@@ -286,7 +295,10 @@ class TunerClient:
             self._flush(sock)
             if self._closing.is_set():
                 self._flush(sock)  # what report() queued meanwhile; bye goes last
-                sock.sendall(encode({"v": API_VERSION, "type": "bye", "run_id": self.run_id, "rank": self.rank}))
+                bye = {"v": API_VERSION, "type": "bye", "run_id": self.run_id, "rank": self.rank}
+                if _stopped_by:
+                    bye["stopped_by"] = _stopped_by
+                sock.sendall(encode(bye))
                 self._drain_until_eof(sock, frames)
                 return
             readable, _, _ = select.select([sock, self._wake_r], [], [], 1.0)

@@ -140,16 +140,19 @@ class Policy(MoveSearch):
         return dict(self._pins)
 
     def state(self) -> dict:
-        """What the policy is doing, for snapshots and the live view."""
+        """What the policy is doing, for snapshots and the live view; ``holding_reason`` only
+        while it holds, so that it never contradicts ``mode``."""
+        mode = ("frozen" if self._frozen else "trial" if self._trial
+                else "holding" if self._holding_since is not None else "measuring")
         return {
-            "mode": ("frozen" if self._frozen else "trial" if self._trial
-                     else "holding" if self._holding_since is not None else "measuring"),
+            "mode": mode,
+            "since_iteration": self._holding_since if mode == "holding" else None,
             "trial": self._trial.move.what if self._trial else None,
             "good_knobs": self._good.to_dict(),
             "good_update_s": _median([s.update_s for s in self._base[-5:]]) if self._base else None,
             "good_iteration_s": (_median([s.iter_time_s for s in self._base[-5:] if s.iter_time_s])
                                  if any(s.iter_time_s for s in self._base[-5:]) else None),
-            "holding_reason": self._idle,
+            "holding_reason": self._idle if mode == "holding" else None,
             "threshold": self._noise.threshold(),
             "contended_paths": sorted(self._contended),
             "pins": dict(self._pins),
@@ -267,7 +270,7 @@ class Policy(MoveSearch):
         if not keep_samples:
             self._base = []
         self._need = self.cfg.window
-        self._holding_since = None
+        self._holding_since, self._idle = None, None
         self._rejects = 0
 
     # -- the search --------------------------------------------------------------------------
@@ -392,7 +395,8 @@ class Policy(MoveSearch):
         if share >= bar:
             return None
         return (f"holding: what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
-                f"{self._cost_name()} ({1e3 * it:.0f} ms), under {100 * bar:.0f}%: no move could show above the noise")
+                f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: no move could "
+                "show above the noise")
 
     def _why(self, move: Move) -> str:
         st = self._stats()

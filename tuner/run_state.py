@@ -23,6 +23,7 @@ class Rank:
     iteration: int = -1
     iter_time_s: float | None = None
     bye: bool = False
+    stopped_by: str | None = None    # the signal named in its bye: it was interrupted
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Run:
     started_at: float = field(default_factory=time.time)
     status: str = "running"          # running | disconnected | finished
     ended_at: float | None = None
+    stopped_by: str | None = None    # finished, but a rank's bye named the signal that stopped it
     seq: int = 0                     # number of knob changes pushed
     apply_at: int | None = None      # of the latest change
     reason: str = ""                 # of the latest change
@@ -107,7 +109,7 @@ def run_view(run: Run, history: int = 60) -> dict:
         "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
         "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": dict(run.pins),
         "params": run.params, "paths": list(run.paths), "has_device": run.has_device,
-        "started_at": run.started_at, "ended_at": run.ended_at,
+        "started_at": run.started_at, "ended_at": run.ended_at, "stopped_by": run.stopped_by,
         "rank_iterations": {str(k): r.iteration for k, r in sorted(run.ranks.items())},
         "history": {"iteration": [h[0] for h in hist], "iter_time_s": [h[1] for h in hist],
                     "update_s": [h[2] for h in hist]},

@@ -252,6 +252,7 @@ class Runs:
     def bye(self, peer, msg: dict) -> None:
         run, rank = self._rank_of(peer, msg)
         rank.bye = True
+        rank.stopped_by = msg.get("stopped_by")
         rank.peer = None
         self._peer_ranks.get(peer, set()).discard((run.run_id, msg["rank"]))
         self._maybe_end(run)
@@ -262,8 +263,10 @@ class Runs:
         run.ended_at = time.time()
         if len(run.ranks) == run.world_size and all(r.bye for r in run.ranks.values()):
             run.status = "finished"
+            run.stopped_by = next((r.stopped_by for r in run.ranks.values() if r.stopped_by), None)
             self._aggregate_ready(run, flush=True)
-            log.info("run %s: finished at iteration %d with knobs %s", run.run_id, run.max_iteration,
+            log.info("run %s: %s at iteration %d with knobs %s", run.run_id,
+                     f"interrupted by {run.stopped_by}" if run.stopped_by else "finished", run.max_iteration,
                      run.in_force or run.knobs_dict)
             self._record_history(run)
             _close_sensors(run)

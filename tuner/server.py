@@ -135,6 +135,7 @@ class TunerServer:
         self.heap: _Heap | None = None  # set by serve(): glibc heap settings of the daemon process
         self._sock_ino: tuple[int, int] | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._conn_tasks: set[asyncio.Task] = set()  # one per connection, waited for at close
         self.messages = 0
         """Messages handled without error."""
         self._handle_s: deque[float] = deque(maxlen=10_000)  # recent handling times, for daemon_view
@@ -176,6 +177,8 @@ class TunerServer:
             self._server.close()
         for c in list(self.conns):
             c.abort()
+        if self._conn_tasks:  # each sees its connection end and detaches its ranks, logged
+            await asyncio.wait(list(self._conn_tasks), timeout=2.0)
         for t in list(self._tasks):
             t.cancel()
         if self._server is not None and not self._inherited:
@@ -220,6 +223,8 @@ class TunerServer:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(writer, self)
+        task = asyncio.current_task()
+        self._conn_tasks.add(task)
         try:
             if conn.uid is None or conn.uid not in (os.geteuid(), 0):
                 log.warning("refused a client of uid %s (pid %s): only uid %d and root may connect",
@@ -232,9 +237,14 @@ class TunerServer:
                 return
             self.conns.add(conn)
             await self._serve_conn(conn, reader)
+        except asyncio.CancelledError:
+            # The loop is shutting down with this client still connected: end quietly, as a
+            # cancelled connection task makes asyncio's stream callback log a traceback (3.11).
+            conn.abort()
         except Exception:  # a bug handling one client must not take the daemon down
             log.exception("client pid %s: internal error; connection closed", conn.pid)
         finally:
+            self._conn_tasks.discard(task)
             self.conns.discard(conn)
             self.runs.detach(conn)
             self._send_pushes()

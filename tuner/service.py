@@ -7,10 +7,14 @@
 - :func:`start` / :func:`stop` / :func:`status`: a detached ``offloadctl tuner serve`` with a
   pidfile and a log file next to the socket;
 - :func:`ensure_daemon`: what ``offloadctl train --tuner auto`` calls: the running daemon, or a
-  private one for the run.
+  private one for the run;
+- the registry of live runs (:func:`registry_dir`, :func:`register_run`, :func:`live_runs`): a
+  private daemon writes one file there while it serves, so ``offloadctl tune`` finds runs whose
+  sockets live in their run directories.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -35,6 +39,64 @@ def default_socket_path() -> str:
 def default_db_path() -> str:
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "offloadctl", "tuner.db")
+
+
+def registry_dir() -> str:
+    """Where this user's private daemons list themselves: ``$XDG_RUNTIME_DIR/offloadctl/runs``,
+    else ``runs`` next to the default socket. Runtime state: gone at reboot with the daemons."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "offloadctl", "runs")
+    return os.path.join(os.path.dirname(default_socket_path()), "runs")
+
+
+def register_run(socket_path: str, run_dir: str, pid: int | None = None) -> str:
+    """List the daemon ``pid`` (default: this process) serving ``run_dir`` at ``socket_path``;
+    the entry's path, for :func:`unregister_run`."""
+    pid = pid or os.getpid()
+    d = private_dir(registry_dir())
+    entry = os.path.join(d, f"{pid}.json")
+    tmp = f"{entry}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": pid, "socket": os.path.abspath(socket_path), "run_dir": os.path.abspath(run_dir),
+                   "started_at": time.time()}, f)
+    os.replace(tmp, entry)  # a reader never sees half an entry
+    return entry
+
+
+def unregister_run(entry: str) -> None:
+    try:
+        os.unlink(entry)
+    except FileNotFoundError:
+        pass
+
+
+def live_runs() -> list[dict]:
+    """This user's private daemons that are alive, oldest first: ``pid``, ``socket``,
+    ``run_dir``, ``started_at``. Entries of daemons that died without removing theirs (SIGKILL,
+    a crash) are deleted on the way."""
+    d = registry_dir()
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(d, name)
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+            pid = int(entry["pid"])
+            alive = _alive(pid) and _is_our_daemon(pid) and os.path.exists(entry["socket"])
+        except (OSError, ValueError, KeyError, TypeError):
+            alive = False
+        if not alive:
+            unregister_run(path)
+            continue
+        out.append(entry)
+    return sorted(out, key=lambda e: e.get("started_at") or 0)
 
 
 def pidfile_for(socket_path: str) -> str:
@@ -172,7 +234,7 @@ def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None)
     if scratch:
         base = tempfile.mkdtemp(prefix="offloadctl-")
     own = os.path.join(private_dir(os.path.join(base, "tuner")), "tuner.sock")
-    info = start(own, owned=True)
+    info = start(own, owned=True, extra_args=("--run-dir", os.path.abspath(run_dir)) if run_dir else ())
     proc = info.get("process")
 
     def stop_private() -> None:

@@ -1,32 +1,43 @@
-"""Show the tuner daemon's runs live, or a snapshot with --once; pin knobs or freeze tuning.
+"""Watch the tuner's runs live, or print a snapshot; pin knobs or freeze tuning.
 
-    offloadctl tune                               # live view of every run (Ctrl-C to leave)
-    offloadctl tune --once --json                 # {"runs": [{"run_id", "ranks", "iteration", "iter_time_s", "knobs", ...}]}
-    offloadctl tune --pin RUN:prefetch_depth=4    # VALUE is JSON: 4, true, {"/nvme0": 8}
+    offloadctl tune                # live view (Ctrl-C leaves; the run goes on)
+    offloadctl tune --run-dir DIR  # the run writing to DIR
+    offloadctl tune --once --json  # {"runs": [{"run_id", "iteration", ...}]}
+    offloadctl tune --pin RUN:prefetch_depth=4   # VALUE is JSON: 4, {"/a": 8}
     offloadctl tune --unpin RUN:prefetch_depth --freeze RUN --unfreeze RUN
 
-Pins and freezes are sent first; then the view (or, with only those, a line per action).
+Which daemon: --socket PATH; else the run in --run-dir DIR; else the system
+daemon when it serves a run; else this user's live runs (`offloadctl train`
+starts a private daemon in RUN_DIR/tuner/): one is shown, several are listed
+for you to pick one with --run-dir. Pins and freezes are sent first; then the
+view (or, with only those, a line per action).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
+from dataclasses import dataclass
 
 SPARK = "▁▂▃▄▅▆▇█"
+ENDED = ("finished", "disconnected")
+"""A run's statuses in the daemon once it is over."""
+DISCONNECTED_GRACE_S = 3.0
+"""How long a run's ranks must stay away before the live view calls it interrupted."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $XDG_RUNTIME_DIR/offloadctl/"
-                   "tuner.sock, /run/offloadctl/tuner.sock for root)")
+    p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: found, see above)")
+    p.add_argument("--run-dir", metavar="DIR", help="the run whose run directory is DIR")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
     p.add_argument("--json", action="store_true", help="with --once: print JSON")
     p.add_argument("--live", action="store_true", help="live view (the default without --once)")
-    p.add_argument("--run", metavar="RUN", help="only this run")
+    p.add_argument("--run", metavar="RUN", help="only the run with this id")
     p.add_argument("--interval", type=float, default=1.0, metavar="S", help="live refresh period (default 1 s)")
     p.add_argument("--pin", action="append", default=[], metavar="RUN:KNOB=VALUE", help="hold a knob at a value")
-    p.add_argument("--unpin", action="append", default=[], metavar="RUN:KNOB", help="let the policy move a knob again")
+    p.add_argument("--unpin", action="append", default=[], metavar="RUN:KNOB", help="let the tuner move a knob again")
     p.add_argument("--freeze", action="append", default=[], metavar="RUN", help="stop tuning a run (knobs stay)")
     p.add_argument("--unfreeze", action="append", default=[], metavar="RUN", help="resume tuning a run")
 
@@ -39,20 +50,30 @@ def _knob_rx() -> str:
 
 def parse_pin(spec: str) -> tuple[str, str, object]:
     """``RUN:KNOB=VALUE`` -> (run, knob, value); VALUE is JSON, else taken as a string. The
-    knob names anchor the split, so run ids and paths may hold ':' and '='."""
+    knob names anchor the split, so run ids and paths may hold ':' and '='. A value out of
+    range is refused here, naming what was typed."""
+    from engine.config import Knobs
     from engine.errors import ConfigError
 
     m = re.fullmatch(r"(?P<run>.+?):" + _knob_rx() + r"=(?P<value>.*)", spec, re.S)
     if not m:
-        from engine.config import Knobs
-
         raise ConfigError(f"--pin {spec!r}: write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
                           f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)")
     try:
         value = json.loads(m["value"])
     except ValueError:
         value = m["value"]
+    if not isinstance(Knobs().to_dict().get(m["knob"], {}), dict):  # per-path values: the daemon knows the paths
+        try:
+            Knobs().replace(**{m["knob"]: value})
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"--pin {spec!r}: {_user_words(str(e))}") from None
     return m["run"], m["knob"], value
+
+
+def _user_words(message: str) -> str:
+    """An engine message as the user typed it: knob names, not ``Knobs.`` fields."""
+    return message.replace("Knobs.", "")
 
 
 def parse_unpin(spec: str) -> tuple[str, str]:
@@ -65,34 +86,119 @@ def parse_unpin(spec: str) -> tuple[str, str]:
     return m["run"], m["knob"]
 
 
-def _actions(args: argparse.Namespace) -> list[tuple[str, dict]]:
+def _actions(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """(flag as typed, message type, fields) for each pin, unpin, freeze and unfreeze."""
     out = []
     for spec in args.pin:
         run_id, knob, value = parse_pin(spec)
-        out.append(("pin", {"run_id": run_id, "knob": knob, "value": value}))
+        out.append((f"--pin {spec}", "pin", {"run_id": run_id, "knob": knob, "value": value}))
     for spec in args.unpin:
         run_id, knob = parse_unpin(spec)
-        out.append(("unpin", {"run_id": run_id, "knob": knob}))
-    out += [("freeze", {"run_id": r, "frozen": True}) for r in args.freeze]
-    out += [("freeze", {"run_id": r, "frozen": False}) for r in args.unfreeze]
+        out.append((f"--unpin {spec}", "unpin", {"run_id": run_id, "knob": knob}))
+    out += [(f"--freeze {r}", "freeze", {"run_id": r, "frozen": True}) for r in args.freeze]
+    out += [(f"--unfreeze {r}", "freeze", {"run_id": r, "frozen": False}) for r in args.unfreeze]
     return out
 
 
+# -- which daemon ---------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    socket: str
+    private: bool
+    """A run's own daemon: it stops when the run ends, and so does the view."""
+
+
+def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
+    """The daemon to talk to: ``--socket``; the run in ``--run-dir``; the system daemon when it
+    serves a run; else the one live private run of this user (of ``run_ids`` when given).
+    Several runs are listed for the user to pick one rather than guessed at: a pin sent to a
+    guessed run would change the wrong training."""
+    from engine.errors import ConfigError
+    from tuner import service
+
+    if args.socket:
+        return Target(args.socket, private=False)
+    if args.run_dir:
+        return _target_in(os.path.abspath(args.run_dir))
+    system = service.default_socket_path()
+    system_runs = _runs_at(system)
+    if system_runs is not None and any(r["status"] == "running" and (not run_ids or r["run_id"] in run_ids)
+                                       for r in system_runs):
+        return Target(system, private=False)
+    found = []
+    for entry in service.live_runs():
+        runs = _runs_at(entry["socket"])
+        if runs is not None and (not run_ids or any(r["run_id"] in run_ids for r in runs)):
+            found.append((entry, runs))
+    if len(found) == 1:
+        return Target(found[0][0]["socket"], private=True)
+    if found:
+        print(live_runs_table(found))
+        raise ConfigError(f"{len(found)} live runs: pick one with --run-dir DIR")
+    if system_runs is not None:
+        return Target(system, private=False)
+    which = f" with run {', '.join(sorted(run_ids))}" if run_ids else ""
+    raise ConfigError(f"no live run{which} (no tuner daemon at {system}, no training run of yours): "
+                      "start one with `offloadctl train`, or give --run-dir DIR or --socket PATH")
+
+
+def _target_in(run_dir: str) -> Target:
+    from engine.errors import ConfigError
+    from tuner import service
+
+    own = os.path.join(run_dir, "tuner", "tuner.sock")
+    if service.probe(own) is not None:
+        return Target(own, private=True)
+    for entry in service.live_runs():  # a run dir too long for a socket path has its socket elsewhere
+        if entry["run_dir"] == run_dir:
+            return Target(entry["socket"], private=True)
+    raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
+                      "`offloadctl tune` without --run-dir lists the live ones")
+
+
+def _runs_at(socket_path: str) -> list[dict] | None:
+    """The runs a daemon serves, or None when nothing answers there."""
+    from tuner.protocol import Connection, ProtocolError
+
+    try:
+        with Connection(socket_path, timeout_s=2.0) as c:
+            return c.request("snapshot", history=0)["runs"]
+    except (OSError, ProtocolError, ValueError):
+        return None
+
+
+def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
+    """The live private runs, one line each: run dir, run id, iteration, start time."""
+    rows = [("RUN DIR", "RUN", "ITERATION", "STARTED")]
+    for entry, runs in found:
+        for r in runs or [{"run_id": "(not connected yet)", "iteration": -1}]:
+            started = time.strftime("%H:%M:%S", time.localtime(r.get("started_at") or entry["started_at"]))
+            rows.append((entry["run_dir"], r["run_id"], str(r["iteration"]) if r["iteration"] >= 0 else "-", started))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
-    from tuner.protocol import Connection
-    from tuner.service import default_socket_path
+    from tuner.protocol import Connection, ProtocolError
 
-    path = args.socket or default_socket_path()
     actions = _actions(args)
+    run_ids = {fields["run_id"] for _, _, fields in actions} | ({args.run} if args.run else set())
+    target = find_target(args, run_ids)
     try:
-        conn = Connection(path, timeout_s=5.0)
+        conn = Connection(target.socket, timeout_s=5.0)
     except OSError as e:
-        raise ConfigError(f"no tuner daemon answers at {path} ({e.strerror or e}): start one with "
-                          "`offloadctl tuner start`, or give --socket") from None
+        raise ConfigError(f"no tuner daemon answers at {target.socket} ({e.strerror or e}): start one with "
+                          "`offloadctl tuner start`, or give --run-dir DIR or --socket PATH") from None
     with conn:
-        for kind, fields in actions:
-            reply = conn.request(kind, **fields)
+        for flag, kind, fields in actions:
+            try:
+                reply = conn.request(kind, **fields)
+            except ProtocolError as e:
+                raise ConfigError(f"{flag}: {_user_words(str(e))}") from None
             if not (args.once or args.json or args.live):
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
@@ -109,27 +215,115 @@ def run(args: argparse.Namespace) -> int:
 
                 Console().print(runs_table(snap["runs"]))
             return 0
-        return _live(conn, args)
+        return live(conn, args, target)
 
 
-def _live(conn, args: argparse.Namespace) -> int:
-    from rich.console import Group
+def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
+    """Redraw the view every ``--interval`` until Ctrl-C, or until the runs end (a private
+    daemon's run, or runs seen running here): then print their final frame and figures."""
+    from rich.console import Console, Group
     from rich.live import Live
+    from rich.text import Text
 
-    from engine.errors import ConfigError
+    from tuner.protocol import ProtocolError
 
-    with Live(auto_refresh=False) as live:
+    console = console or Console()
+    last: list[dict] = []
+    seen_running = False
+    ended_since: float | None = None
+    final: list[dict] | None = None
+    with Live(console=console, auto_refresh=False, transient=True) as view:
         try:
             while True:
-                snap = conn.request("snapshot", run_id=args.run, history=60)
-                views = [run_panel(r) for r in snap["runs"]] or ["no runs yet"]
-                live.update(Group(*views), refresh=True)
+                try:
+                    runs = conn.request("snapshot", run_id=args.run, history=60)["runs"]
+                except (OSError, ProtocolError, ValueError):
+                    final = ended_runs(last, _log_tail(target.socket))  # the daemon went away
+                    break
+                seen_running = seen_running or any(r["status"] == "running" for r in runs)
+                last = runs or last
+                over = bool(runs) and all(r["status"] in ENDED for r in runs) and (target.private or seen_running)
+                ended_since = (ended_since or time.monotonic()) if over else None
+                # Ranks that vanished may be back within seconds (a dropped connection): wait
+                # that long before calling their run interrupted; a finished run ends the view now.
+                if over and (all(r["status"] == "finished" for r in runs)
+                             or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S):
+                    final = runs
+                    break
+                view.update(Group(*fitted_panels(runs, console)) if runs else Text(_waiting(target)), refresh=True)
                 time.sleep(args.interval)
         except KeyboardInterrupt:
-            return 0
-        except OSError as e:
-            raise ConfigError(f"lost the tuner daemon at {conn.path} ({e}): is it still running? "
-                              "`offloadctl tuner status`") from None
+            pass
+    if final is None:  # Ctrl-C: the last frame stays on screen, whole
+        for p in (fitted_panels(last, console, height=None) if last else []):
+            console.print(p)
+        console.print("left the live view; the run goes on")
+        return 0
+    for r in final:
+        console.print(run_panel(r, width=console.width))
+    for r in final:
+        console.print(final_line(r), markup=False, highlight=False)  # paths and reasons may hold [brackets]
+    if not final:
+        console.print("the tuner daemon stopped before any run reported")
+    return 0
+
+
+def _waiting(target: Target) -> str:
+    return ("waiting for the run's ranks to connect" if target.private
+            else f"no runs yet at {target.socket} (Ctrl-C to leave)")
+
+
+def _log_tail(socket_path: str, n: int = 64 * 1024) -> str:
+    from tuner.service import logfile_for
+
+    try:
+        with open(logfile_for(socket_path), "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ended_runs(last: list[dict], log_text: str) -> list[dict]:
+    """The runs of the last snapshot as they ended once their daemon is gone: as the daemon's
+    log says (the run may have ended between two snapshots), else interrupted."""
+    out = []
+    for r in last:
+        r = dict(r)
+        if r["status"] not in ENDED:
+            said = re.findall(r"run %s: (finished|interrupted by (\w+)) at iteration (\d+)" % re.escape(r["run_id"]),
+                              log_text)
+            if said:
+                _, r["stopped_by"], iteration = said[-1]
+                r["status"], r["iteration"] = "finished", int(iteration)
+            else:
+                r["status"] = "disconnected"
+        out.append(r)
+    return out
+
+
+def outcome(r: dict) -> str:
+    """How a run ended: finished, interrupted (a rank was stopped by a signal, or its ranks
+    vanished), or its status."""
+    if r["status"] == "finished":
+        return "interrupted" if r.get("stopped_by") else "finished"
+    return "interrupted" if r["status"] == "disconnected" else r["status"]
+
+
+def final_line(r: dict) -> str:
+    """One run's outcome: how it ended, at which iteration, its iteration time and knobs."""
+    times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
+    pace = f"; median iteration time {_median(times):.3f} s (last {len(times)})" if times else ""
+    pol = r.get("policy") or {}
+    word = pol.get("holding_reason") or (r["decisions"][-1]["reason"] if r.get("decisions") else None)
+    how = f" (a rank was stopped by {r['stopped_by']})" if r.get("stopped_by") else ""
+    return (f"{r['run_id']}: {outcome(r)}{how} at iteration {r['iteration']}{pace}; "
+            f"knobs {_knobs_text(r['knobs'])}" + (f"\ntuner: {word}" if word else ""))
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 # -- rendering --------------------------------------------------------------------------------------
@@ -165,6 +359,8 @@ def runs_table(runs: list[dict]):
 
 
 def _knobs_text(k: dict) -> str:
+    if not k:
+        return "-"
     parts = [f"device_fraction={k['device_fraction']:g}", f"prefetch_depth={k['prefetch_depth']}"]
     if k["node_lock"]:
         parts.append("node_lock")
@@ -175,63 +371,126 @@ def _knobs_text(k: dict) -> str:
     return " ".join(parts)
 
 
-def run_panel(r: dict):
-    """One run of a snapshot: iteration-time chart, phases, per-path traffic, PCIe, knobs, decisions."""
+def tuner_state(r: dict) -> str:
+    """What the tuner is doing with the run, from the policy's own mode (the same state its
+    decisions come from), or how the run ended."""
+    if r["status"] in ENDED:
+        return f"{outcome(r)} at iteration {r['iteration']}"
+    if r.get("policy_error"):
+        return f"policy stopped: {r['policy_error']}"
+    if r["frozen"]:
+        return "frozen by the user: knobs held"
+    pol = r.get("policy") or {}
+    mode = pol.get("mode")
+    if mode == "trial":
+        return f"trying {pol.get('trial')}"
+    if mode == "holding":
+        since = f" (since iteration {pol['since_iteration']})" if pol.get("since_iteration") is not None else ""
+        reason = re.sub(r"^holding(: |; )?", "", pol.get("holding_reason") or "") or "no move left to try"
+        return f"holding{since}: {reason}"
+    if mode == "measuring":
+        return "measuring the current knobs"
+    return "tuning" if r["status"] == "running" else r["status"]
+
+
+def knob_control(r: dict) -> str:
+    """Which knobs the user pinned and which the tuner may move."""
+    from engine.config import Knobs
+
+    pins = r.get("pins") or {}
+    pinned = ", ".join(f"{k}={json.dumps(v)}" for k, v in pins.items()) or "none"
+    if r["frozen"] or r["status"] in ENDED:
+        movable = "none" + (" (frozen)" if r["frozen"] else "")
+    else:
+        movable = ", ".join(n + (" (other paths)" if any(p.startswith(n + "[") for p in pins) else "")
+                            for n in Knobs.names() if n not in pins) or "none"
+    return f"pinned: {pinned}; tuner may move: {movable}"
+
+
+def fitted_panels(runs: list[dict], console, height: int | None = -1) -> list:
+    """The runs' panels at the console's width; with one run, as many decision rows as fit the
+    console's height (a frame taller than the terminal would be cut)."""
+    height = console.size.height - 1 if height == -1 else height
+    if len(runs) != 1 or height is None:
+        return [run_panel(r, width=console.width) for r in runs]
+    for rows in (6, 4, 2, 1, 0):
+        panel = run_panel(runs[0], width=console.width, decisions=rows)
+        if len(console.render_lines(panel, console.options, pad=False)) <= height:
+            break
+    return [panel]
+
+
+def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
+    """One run of a snapshot: what the tuner is doing, knobs, the iteration time (its phases and
+    its recent history), per-path traffic, PCIe, and the latest knob changes."""
     from rich.console import Group
-    from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
-    times = r["history"]["iter_time_s"]
-    if not any(t is not None for t in times):
-        times = r["history"]["update_s"]
-    known = [t for t in times if t is not None]
-    chart = f"[cyan]{sparkline(times)}[/]  " + (f"{min(known):.3f}..{max(known):.3f} s" if known else "no iterations yet")
+    ph = r.get("phases") or {}
+    it = ph.get("iter_time_s")
+    observed = ph.get("iteration")
+    head = Text(f"iteration {r['iteration']}, ranks {r['connected']}/{r['ranks']}; tuner: ")
+    head.append(tuner_state(r), style="red" if r.get("policy_error") else "yellow" if r["frozen"] else "green")
+    body: list = [head, Text("knobs: " + _knobs_text(r["knobs"])), Text(knob_control(r), style="dim")]
+    if r.get("truncated"):
+        body.append(Text(f"(compact view: {r['truncated']})", style="dim"))
 
-    ph = r["phases"] or {}
-    phases = Table("phase", "s", box=None, title="phases (slowest rank)", title_justify="left")
-    rest = (ph["iter_time_s"] - ph["update_s"]) if ph.get("iter_time_s") is not None else None
-    for name, key in (("update (optimizer step)", "update_s"), ("  waiting for reads", "read_wait_s"),
-                      ("  AdamW", "compute_s"), ("  waiting for writes", "write_wait_s")):
+    phases = Table("iteration time" + (f" (iteration {observed}, slowest rank)" if observed is not None else ""),
+                   "", box=None, title_justify="left")
+    rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
+    phases.add_row("  forward, backward, other", _secs(rest))
+    for name, key in (("  update (optimizer step)", "update_s"), ("    waiting for reads", "read_wait_s"),
+                      ("    AdamW", "compute_s"), ("    waiting for writes", "write_wait_s")):
         phases.add_row(name, _secs(ph.get(key)))
-    phases.add_row("forward, backward, other", _secs(rest))
+    phases.add_row("  total", _secs(it), style="bold")
+    body.append(phases)
+
+    times, what = r["history"]["iter_time_s"], "iteration time"
+    if not any(t is not None for t in times):
+        times, what = r["history"]["update_s"], "update time"
+    known = [t for t in times if t is not None]
+    if known:
+        scale = f"  {min(known):.3f} to {max(known):.3f} s"
+        spark_w = max(8, min(len(times), (width or 100) - 4 - len(f"{what}, last 60 iterations: ") - len(scale)))
+        times = times[-spark_w:]
+        known = [t for t in times if t is not None]
+        scale = f"  {min(known):.3f} to {max(known):.3f} s" if known else ""
+        label = f"{what}, last {len(times)} iterations: "
+        body.append(Text(label) + Text(sparkline(times, spark_w), style="cyan") + Text(scale))
+    else:
+        body.append(Text("no iterations reported yet", style="dim"))
 
     sensors = r.get("sensors") or {}
     spaths = sensors.get("paths") or {}
-    paths = Table("path", "read", "write", "others", "queue", box=None, title="tiers", title_justify="left")
-    for p, bw in r["bandwidth"].items():
-        queue = (spaths.get(p) or {}).get("in_flight")
-        paths.add_row(Text(p), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]), _rate(bw["other_bytes_per_s"]),
-                      f"{queue if queue is not None else '-'} / {bw['concurrency']}")
-    lines = []
+    if r["bandwidth"]:
+        paths = Table("path", "read", "write", "others", "queue", box=None, title_justify="left")
+        for p, bw in r["bandwidth"].items():
+            queue = (spaths.get(p) or {}).get("in_flight")
+            paths.add_row(Text(p, overflow="fold"), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]),
+                          _rate(bw["other_bytes_per_s"]), f"{queue if queue is not None else '-'} / {bw['concurrency']}")
+        body.append(paths)
     gpu = sensors.get("gpu")
     if isinstance(gpu, dict) and gpu:
-        lines.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items()
+        body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items()
                                                   if not isinstance(v, (dict, list)))))
     if sensors.get("cpu_percent") is not None:
-        lines.append(f"CPU: {sensors['cpu_percent']:.0f}%")
-    state = "[yellow]frozen[/]" if r["frozen"] else "tuning"
-    if r["pins"]:
-        state += ", pinned: " + escape(", ".join(f"{k}={v!r}" for k, v in r["pins"].items()))
-    held = (r.get("policy") or {}).get("holding_reason")
-    if held:
-        state += f", [green]{escape(held)}[/]"
-    if r.get("policy_error"):
-        state += f", [red]policy stopped: {escape(r['policy_error'])}[/]"
+        body.append(Text(f"CPU: {sensors['cpu_percent']:.0f}%"))
 
-    log = Table("iteration", "at", "by", "reason", box=None, title="decisions", title_justify="left")
-    for d in r["decisions"][-6:]:
-        log.add_row(str(d["iteration"]), str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"],
-                    Text(d["reason"]))
-    head = (f"iteration {r['iteration']}  {_secs(r['iter_time_s'])}/it  ranks {r['connected']}/{r['ranks']}  {state}\n"
-            f"knobs: {escape(_knobs_text(r['knobs']))}")
-    body = [head, chart, phases, paths, *lines, log]
-    return Panel(Group(*body), title=Text(f"{r['run_id']} ({r['status']})"), title_align="left")
+    if decisions:
+        log = Table("iteration", "applies at", "by", "why", box=None, title="knob changes", title_justify="left")
+        for d in r["decisions"][-decisions:]:
+            log.add_row(str(d["iteration"]), str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"],
+                        Text(d["reason"]))
+        if not r["decisions"]:
+            log.add_row("-", "-", "-", "none yet")
+        body.append(log)
+    status = outcome(r) if r["status"] in ENDED else r["status"]
+    return Panel(Group(*body), title=Text(f"{r['run_id']} ({status})"), title_align="left", width=width)
 
 
 def _num(v) -> str:
     if isinstance(v, float):
         return f"{v / 1e6:,.0f}M" if abs(v) >= 1e6 else f"{v:.3g}"
     return str(v)
-

@@ -1,12 +1,14 @@
 """Run, start, stop or query the tuner daemon.
 
-    offloadctl tuner serve  [--socket PATH] [--db PATH]   # in the foreground (systemd, a terminal)
-    offloadctl tuner start  [--socket PATH] [--db PATH]   # detached, pidfile and log next to the socket
-    offloadctl tuner stop   [--socket PATH]
-    offloadctl tuner status [--socket PATH] [--json]      # exit status 3 when no daemon answers
+    offloadctl tuner serve   # in the foreground (systemd, a terminal)
+    offloadctl tuner start   # detached; pidfile and log next to the socket
+    offloadctl tuner stop
+    offloadctl tuner status  # exit status 3 when no daemon answers
 
-The default socket is $XDG_RUNTIME_DIR/offloadctl/tuner.sock, or /run/offloadctl/tuner.sock
-for root; the default history is $XDG_STATE_HOME/offloadctl/tuner.db.
+Each takes --socket PATH; serve and start take --db PATH. The default socket
+is $XDG_RUNTIME_DIR/offloadctl/tuner.sock (/run/offloadctl/tuner.sock for
+root); the default history is $XDG_STATE_HOME/offloadctl/tuner.db.
+`offloadctl train` starts a private daemon in RUN_DIR/tuner/ when none runs.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "serve":
             s.add_argument("--pidfile", metavar="PATH", help="write the daemon's pid here (removed at exit)")
             s.add_argument("--policy", metavar="MODULE:CALLABLE",
-                           help="policy factory to use instead of tuner.policy.Policy (experiments, tests)")
+                           help="a policy factory to use instead of the built-in policy (experiments, tests)")
             s.add_argument("--no-sensors", action="store_true", help="do not sample disks and GPUs")
             s.add_argument("--frame-timeout", type=float, default=10.0, metavar="S",
                            help="a frame must arrive within S seconds of its first byte (default 10)")
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             s.add_argument("--owner-pid", type=int, metavar="PID",
                            help="stop when this process is gone (a run's private daemon)")
             s.add_argument("--idle-exit", type=float, metavar="S", help="stop after S seconds with no run")
+            s.add_argument("--run-dir", metavar="DIR",
+                           help="the run this daemon serves: listed for `offloadctl tune` while it runs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.errors import OffloadError
     from tuner.server import ServerConfig, serve
-    from tuner.service import default_db_path, default_socket_path
+    from tuner.service import default_db_path, default_socket_path, register_run, unregister_run
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,7 +70,15 @@ def _serve(args: argparse.Namespace) -> int:
     history = _open_history(args.db or default_db_path())
     policy = _load_factory(args.policy) if args.policy else None
 
+    entry = None
+
     def ready(server) -> None:
+        nonlocal entry
+        if args.run_dir:
+            try:
+                entry = register_run(config.socket_path, args.run_dir)
+            except (OSError, OffloadError) as e:  # the run is served all the same; only `tune` will not list it
+                logging.getLogger("offloadctl.tuner").warning("not listed among the live runs: %s", e)
         if args.pidfile:  # only once the socket is ours; atomically, so a reader never sees half
             tmp = f"{args.pidfile}.{os.getpid()}"
             with open(tmp, "w") as f:
@@ -76,6 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
         return serve(config, policy_factory=policy, sensors_factory=None if not args.no_sensors else False,
                      history=history, ready=ready)
     finally:
+        if entry is not None:
+            unregister_run(entry)
         # Only our own pidfile: a daemon that lost the race for the socket leaves the winner's.
         if args.pidfile and _pid_in(args.pidfile) == os.getpid():
             os.unlink(args.pidfile)

@@ -1,0 +1,293 @@
+"""`offloadctl tune` finds live runs and follows them to their end: private daemons started as
+`offloadctl train` starts them (tuner.service.ensure_daemon), real engine-side clients, the
+CLI as a process; the registry of live runs, its stale entries; the daemon's log at a stop;
+the live view at 80 columns; help at 80 columns."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.config import Knobs
+from engine.telemetry import StepRecord
+from tuner import client as client_module
+from tuner import service
+from tuner.client import TunerClient
+from tuner.protocol import Connection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def private_env(tmp_path, monkeypatch):
+    """This test's own registry and history (children inherit them); no system daemon in the way."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    os.makedirs(tmp_path / "xdg")
+    if service.probe(service.default_socket_path()) is not None:
+        pytest.skip(f"a tuner daemon answers at {service.default_socket_path()}: discovery would pick it")
+    return tmp_path
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT))
+
+
+def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):
+    """A private daemon for ``run_dir`` and one rank of ``run_id`` that reported ``iterations``."""
+    sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
+    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
+                       subgroup_bytes=12000)
+    assert rank.connected.wait(20)
+    for i in range(iterations):
+        rank.report(StepRecord(iteration=i, order="forward", wall_s=0.2, read_wait_s=0.05, update_s=0.1,
+                               write_wait_s=0.05, path_bytes_read={nvme: 20_000_000},
+                               path_bytes_written={nvme: 10_000_000}), iter_time_s=0.5)
+    _wait(lambda: _iteration(sock, run_id) == iterations - 1, 20, f"{run_id}'s telemetry")
+    return sock, stop, rank
+
+
+def _iteration(sock: str, run_id: str) -> int | None:
+    with Connection(sock) as c:
+        runs = c.request("snapshot", history=0)["runs"]
+    return next((r["iteration"] for r in runs if r["run_id"] == run_id), None)
+
+
+def test_live_runs_are_found_listed_and_picked_by_run_dir(private_env):
+    a_dir, b_dir = str(private_env / "a" / "run"), str(private_env / "b" / "run")
+    a_sock, a_stop, a_rank = _run(a_dir, "run-a", str(private_env))
+    try:
+        assert [e["run_dir"] for e in service.live_runs()] == [a_dir]
+        out = _cli("tune", "--once", "--json")  # one live run: that one, no socket given
+        assert out.returncode == 0, out.stderr
+        assert [r["run_id"] for r in json.loads(out.stdout)["runs"]] == ["run-a"]
+
+        b_sock, b_stop, b_rank = _run(b_dir, "run-b", str(private_env))
+        try:
+            out = _cli("tune", "--once")
+            assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+            assert "2 live runs: pick one with --run-dir DIR" in out.stderr
+            listed = out.stdout.splitlines()
+            assert listed[0].split() == ["RUN", "DIR", "RUN", "ITERATION", "STARTED"]
+            assert [line.split()[:3] for line in listed[1:]] == [[a_dir, "run-a", "3"], [b_dir, "run-b", "3"]]
+
+            out = _cli("tune", "--once", "--json", "--run-dir", b_dir)
+            assert out.returncode == 0, out.stderr
+            assert [r["run_id"] for r in json.loads(out.stdout)["runs"]] == ["run-b"]
+            out = _cli("tune", "--pin", "run-b:prefetch_depth=3")  # the run id picks the daemon
+            assert out.returncode == 0 and out.stdout.startswith("run-b: pinned prefetch_depth=3"), out.stderr
+        finally:
+            b_rank.close()
+            b_stop()
+        assert [e["run_dir"] for e in service.live_runs()] == [a_dir]  # b's entry went with its daemon
+        out = _cli("tune", "--once", "--run-dir", b_dir)
+        assert out.returncode == 2 and f"--run-dir {b_dir}: no live run there" in out.stderr, out.stderr
+    finally:
+        a_rank.close()
+        a_stop()
+    assert service.live_runs() == []
+    out = _cli("tune", "--live")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "no live run" in out.stderr and "--run-dir DIR" in out.stderr, out.stderr
+
+
+def test_a_stale_registry_entry_is_ignored_and_removed(private_env):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    sock, stop, rank = _run(str(private_env / "live" / "run"), "live-run", str(private_env))
+    try:
+        os.makedirs(service.registry_dir(), exist_ok=True)
+        stale = service.register_run(sock, str(private_env / "gone"), pid=dead.pid)  # its daemon was SIGKILLed
+        garbage = os.path.join(service.registry_dir(), "12345678.json")
+        with open(garbage, "w") as f:
+            f.write("{not json")
+        out = _cli("tune", "--once", "--json")
+        assert out.returncode == 0, out.stderr  # one live run, not a list of two
+        assert [r["run_id"] for r in json.loads(out.stdout)["runs"]] == ["live-run"]
+        assert not os.path.exists(stale) and not os.path.exists(garbage)
+    finally:
+        rank.close()
+        stop()
+
+
+def _watch(run_dir: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tune", "--live", "--interval", "0.2",
+                             "--run-dir", run_dir], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT))
+
+
+def _ended(watch: subprocess.Popen) -> tuple[str, str]:
+    out, err = watch.communicate(timeout=60)
+    assert watch.returncode == 0, err
+    assert "Traceback" not in out + err and "Broken pipe" not in out + err, out + err
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    return out, err
+
+
+def test_the_live_view_ends_with_the_run(private_env):
+    """Finished (every rank said bye), interrupted (a rank's bye names a signal), and a daemon
+    gone mid-run: a final frame and line, exit status 0, no traceback."""
+    run_dir = str(private_env / "fin" / "run")
+    sock, stop, rank = _run(run_dir, "fin-run", str(private_env))
+    watch = _watch(run_dir)
+    try:
+        time.sleep(2)  # the view is up (it would have exited otherwise)
+        assert watch.poll() is None, watch.communicate()
+        rank.close()
+        out, _ = _ended(watch)
+        assert "fin-run (finished)" in out and "fin-run: finished at iteration 3" in out, out
+    finally:
+        stop()
+    assert "Traceback" not in open(service.logfile_for(sock)).read()
+
+    run_dir = str(private_env / "int" / "run")
+    sock, stop, rank = _run(run_dir, "int-run", str(private_env))
+    watch = _watch(run_dir)
+    try:
+        time.sleep(2)
+        client_module.note_stopped("SIGTERM")  # as the rank's bootstrap does when the launcher stops it
+        rank.close()
+        out, _ = _ended(watch)
+        assert "int-run (interrupted)" in out, out
+        assert "int-run: interrupted (a rank was stopped by SIGTERM) at iteration 3" in out, out
+    finally:
+        client_module._stopped_by = None
+        stop()
+
+    run_dir = str(private_env / "gone" / "run")
+    sock, stop, rank = _run(run_dir, "gone-run", str(private_env))
+    watch = _watch(run_dir)
+    try:
+        time.sleep(2)
+        stop()  # the daemon goes while the rank still trains: `offloadctl train` killed, say
+        out, _ = _ended(watch)
+        assert "gone-run (interrupted)" in out and "gone-run: interrupted at iteration 3" in out, out
+    finally:
+        rank.close()
+
+
+def test_daemon_log_ends_cleanly_with_clients_connected(private_env):
+    """A normal stop while a rank and a CLI are connected: the log ends with `stopped`, no traceback."""
+    sock, stop, rank = _run(str(private_env / "r" / "run"), "log-run", str(private_env))
+    cli = Connection(sock)
+    try:
+        stop()
+    finally:
+        cli.close()
+        rank.close(timeout_s=0.5)
+    log = open(service.logfile_for(sock)).read()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert log.rstrip().splitlines()[-1].endswith("offloadctl.tuner: stopped"), log
+
+
+def test_live_view_at_80_columns(private_env):
+    """The frame fits 80x24; one iteration time; a labelled sparkline; pins and movable knobs."""
+    from rich.console import Console
+
+    from offloadctl.commands.tune import fitted_panels, tuner_state
+
+    sock, stop, rank = _run(str(private_env / "w" / "run"), "wide-run", str(private_env), iterations=12)
+    try:
+        with Connection(sock) as c:
+            for value in (3, 5, 6, 7, 4):  # a decisions table taller than the terminal has room for
+                c.request("pin", run_id="wide-run", knob="prefetch_depth", value=value)
+            (view,) = c.request("snapshot", history=60)["runs"]
+    finally:
+        rank.close()
+        stop()
+    console = Console(width=80, height=24, record=True, file=open(os.devnull, "w"))
+    for panel in fitted_panels([view], console):
+        console.print(panel)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines) and len(lines) <= 23, text
+    # the iteration time, once: the phases' total (the sparkline's line gives its range)
+    assert [line.split() for line in lines if "0.500 s" in line and " to " not in line] == [["│", "total", "0.500",
+                                                                                             "s", "│"]], text
+    assert re.search(r"iteration time, last 12 iterations: \S+\s+0\.500 to 0\.500 s", text), text
+    assert "pinned: prefetch_depth=4; tuner may move: device_fraction, io_concurrency" in text, text
+    assert f"tuner: {tuner_state(view)}"[:30] in text, text
+
+
+def test_help_fits_80_columns_and_value_errors_name_the_flag():
+    for cmd in (["tune"], ["tuner"], ["tuner", "serve"], ["tuner", "start"], ["tuner", "stop"], ["tuner", "status"]):
+        out = _cli(*cmd, "--help")
+        assert out.returncode == 0, out.stderr
+        assert all(len(line) <= 80 for line in out.stdout.splitlines()), (cmd, out.stdout)
+        module = re.search(r"\b(?:tuner|engine|integrations|perf|report)\.(?!sock\b|db\b)\w+", out.stdout)
+        assert "``" not in out.stdout and not module, (cmd, out.stdout)
+    out = _cli("tune", "--pin", "myrun:prefetch_depth=-1")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--pin 'myrun:prefetch_depth=-1': prefetch_depth must be" in out.stderr and "Knobs." not in out.stderr
+    out = _cli("tune", "--pin", "prefetch_depth=-1")
+    assert out.returncode == 2 and "--pin 'prefetch_depth=-1': write RUN:KNOB=VALUE" in out.stderr, out.stderr
+
+
+def test_a_run_whose_rank_dies_ends_as_interrupted(private_env):
+    """A rank process killed without a bye while its daemon stays up: after the grace period
+    the view calls the run interrupted, at the last iteration it reported."""
+    run_dir = str(private_env / "dead" / "run")
+    sock, stop = service.ensure_daemon(str(private_env / "no-system.sock"), run_dir=run_dir)
+    rank = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+from engine.config import Knobs
+from engine.telemetry import StepRecord
+from tuner.client import TunerClient
+c = TunerClient({sock!r}, run_id="dead-run", rank=0, world_size=1, params=1000, paths=[{str(private_env)!r}],
+                knobs=Knobs(), subgroup_bytes=12000)
+assert c.connected.wait(20)
+for i in range(5):
+    c.report(StepRecord(iteration=i, order="forward", wall_s=0.2, read_wait_s=0.05, update_s=0.1, write_wait_s=0.05),
+             iter_time_s=0.5)
+print("reported", flush=True)
+time.sleep(600)
+"""], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "reported\n"
+        _wait(lambda: _iteration(sock, "dead-run") == 4, 20, "the rank's telemetry")
+        watch = _watch(run_dir)
+        time.sleep(2)
+        rank.kill()  # SIGKILL: no bye
+        t0 = time.monotonic()
+        out, _ = _ended(watch)
+        assert time.monotonic() - t0 >= 2.5  # the grace period: ranks that come back within it are not gone
+        assert "dead-run (interrupted)" in out and "dead-run: interrupted at iteration 4" in out, out
+    finally:
+        rank.kill()
+        rank.wait()
+        stop()
+
+
+def test_the_tuner_state_line_follows_the_policys_mode():
+    """The recorded demo run, on which the policy holds and says why; a pin then restarts its
+    measuring: the state line says so, not the old reason to hold (which the decisions table
+    would contradict with the pin)."""
+    from offloadctl.commands.tune import tuner_state
+    from tuner.observation import Observation
+    from tuner.policy import Policy
+
+    pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
+    with open(os.path.join(ROOT, "tests", "data", "demo-trace.jsonl")) as f:
+        for line in f:
+            if not line.startswith("#"):
+                pol.observe(Observation(**json.loads(line), path_other_bytes_per_s={}, device_headroom_bytes=None))
+    view = {"status": "running", "frozen": False, "policy": pol.state()}
+    assert tuner_state(view).startswith("holding (since iteration ") and "I/O waits" in tuner_state(view)
+    pol.pin("prefetch_depth", 3)
+    view["policy"] = pol.state()
+    assert view["policy"]["holding_reason"] is None and tuner_state(view) == "measuring the current knobs"
