@@ -142,6 +142,9 @@ def main() -> int:
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)  # the swap files are removed at exit: let nothing cut that short
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        from tuner.client import note_stopped
+
+        note_stopped(signal.Signals(signum).name)  # the tuner's bye, sent at exit, says the run was interrupted
         print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
               file=sys.stderr, flush=True)
         return 128 + signum

@@ -229,6 +229,9 @@ def test_signals_end_the_run_cleanly(sig, to_group, tmp_path):
     assert swaps() == []
     assert "Traceback" not in err
     assert f"offloadctl: stopped by {signal.Signals(sig).name}" in err
+    # One line for the run: DeepSpeed's launcher lines and each rank's own go to the run's log.
+    assert err.count("stopped by") == 1 and "Killing subprocess" not in err and "received SIG" not in err, err
+    assert "Killing subprocess" in open(tmp_path / "run" / "deepspeed.log").read()
 
 
 @pytest.mark.slow
