@@ -146,19 +146,27 @@ def status(socket_path: str | None = None) -> dict:
 
 
 def run_verdict(socket_path: str, run_id: str) -> str | None:
-    """The policy's last word on one run, for the end of ``offloadctl train``: why it holds,
-    else its last decision; None when the daemon does not answer or knows no such run."""
+    """The tuner's state at the end of one run, in one short line for the end of
+    ``offloadctl train``: what it is doing, how many knob changes it made, and the last word of
+    why. None when the daemon does not answer or knows no such run."""
     try:
         with Connection(socket_path, timeout_s=2.0) as c:
             snap = c.request("snapshot", history=0)
     except (OSError, ProtocolError, ValueError):
         return None
     for r in snap["runs"]:
-        if r["run_id"] == run_id:
-            held = (r.get("policy") or {}).get("holding_reason")
-            if held:
-                return held
-            return r["decisions"][-1]["reason"] if r.get("decisions") else None
+        if r["run_id"] != run_id:
+            continue
+        policy = r.get("policy") or {}
+        decisions = r.get("decisions") or []
+        changes = sum(1 for d in decisions if d.get("source") != "user" and d.get("apply_at") is not None)
+        mode = policy.get("mode")
+        doing = {"holding": f"holding since iteration {policy.get('since_iteration')}", "frozen": "frozen",
+                 "trial": f"trying {policy.get('trial')}", "measuring": "measuring"}.get(mode, mode or "done")
+        reason = policy.get("holding_reason") or (decisions[-1]["reason"] if decisions else "")
+        why = reason.rsplit(": ", 1)[-1] if reason else ""
+        line = f"{doing}, {changes or 'no'} knob change{'s' if changes != 1 else ''}"
+        return f"{line} ({why})" if why and len(why) <= 60 else line
     return None
 
 
