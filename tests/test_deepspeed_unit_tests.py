@@ -39,7 +39,8 @@ def test_deepspeeds_own_tests_pass_with_the_engine(path, tmp_path):
     nvme.mkdir()
     settings = {"nvme_paths": [str(nvme)], "host_cache_bytes": 2000, "lane_device": "cpu", "device_cache_bytes": 30000,
                 "knobs": {"device_fraction": 0.5, "prefetch_depth": 0}, "auto_device_fraction": False}
-    env = dict(os.environ, OFFLOADCTL_ENGINE_SETTINGS=json.dumps(settings),
+    # LOCAL_SIZE: the CPU accelerator's device count, so that DeepSpeed's 2-rank tests run rather than skip.
+    env = dict(os.environ, OFFLOADCTL_ENGINE_SETTINGS=json.dumps(settings), LOCAL_SIZE="2",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "deepspeed_unit"), ROOT,
                                            os.path.join(SRC, "tests")]))
     # -m "": DeepSpeed's pytest.ini deselects its NVMe rows (marked sequential) by default.
