@@ -5,6 +5,7 @@ import base64
 import html
 import json
 import os
+import textwrap
 
 from rich.console import Console
 from rich.table import Table
@@ -203,14 +204,20 @@ def _gpu_peaks(r: dict) -> str:
 
 def print_summary(analysis: dict, console: Console | None = None) -> None:
     console = console or Console()
+    width = min(console.width, 100)
+
+    def say(text: str, style: str = "") -> None:
+        for line in textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False):
+            console.print(line, style=style, markup=False, highlight=False, soft_wrap=True)
+
     for r in analysis["runs"]:
         prefix = f"{r['label']}: " if len(analysis["runs"]) > 1 else ""
-        console.print(f"{prefix}{headline(r)}", highlight=False)
-        console.print(f"  [bold]{r['summary']['verdict']}[/bold]", highlight=False)
+        say(f"{prefix}{headline(r)}")
+        say(f"bottleneck: {r['summary']['verdict']}", "bold")
         if r["status_kind"] != "finished":
-            console.print(f"  [yellow]{r['status']}; reported what it recorded[/yellow]", highlight=False)
+            say(f"{r['status']}; reported what it recorded", "yellow")
     t = Table("", *[r["label"] for r in analysis["runs"]],
-              title="the median iteration of each run (B/param: means over steady iterations)")
+              title="the median iteration (B/param: mean of steady iterations)")
     for name, vals in summary_rows(analysis):
         t.add_row(name, *vals)
     console.print(t)
