@@ -68,7 +68,9 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
         s = r["summary"]
         status_class = "" if r["status_kind"] == "finished" else " class='note'"
         parts.append(f"<h3>{html.escape(r['label'])}: <span{status_class}>{html.escape(r['status'])}</span></h3>")
-        parts.append(f"<p class='verdict'>{html.escape(headline(r))}<br><b>{html.escape(s['verdict'])}</b></p>")
+        count = f"{s['iterations']} iterations in {fmt_s(s['total_s'])}"
+        parts.append(f"<p class='verdict'>{html.escape(headline(r))}; {html.escape(count)}<br>"
+                     f"<b>{html.escape(s['verdict'])}</b></p>")
         parts.append(_html_shares(s["shares"]))
         parts.append(f"<p class='how'>{html.escape(r['path'])}, engine {r['engine']}, {_rank_text(r)}, "
                      f"{r['params_total']:,} parameters</p>")
@@ -121,15 +123,20 @@ def fmt_s(x: float) -> str:
 
 
 def headline(r: dict) -> str:
-    """How fast: s/iteration (median), samples/s and tokens/s over all ranks, iterations and time."""
+    """How fast: s/iteration (median), samples/s and tokens/s over all ranks."""
     s = r["summary"]
     parts = [f"{fmt_s(s['median_iter_s'])}/iteration (median)"]
     if s.get("samples_per_s"):
         parts.append(f"{fmt_rate(s['samples_per_s'])} samples/s")
     if s.get("tokens_per_s"):
         parts.append(f"{fmt_rate(s['tokens_per_s'])} tokens/s")
-    parts.append(f"{s['iterations']} iterations in {fmt_s(s['total_s'])}")
     return ", ".join(parts)
+
+
+def extent(r: dict) -> str:
+    """How long, and how it ended: '7 iterations in 3.83 s; interrupted by SIGINT at iteration 7'."""
+    text = f"{r['summary']['iterations']} iterations in {fmt_s(r['summary']['total_s'])}"
+    return text if r["status_kind"] == "finished" else f"{text}; {r['status']}"
 
 
 def _html_table(rows: list[tuple[str, list[str]]], labels: list[str]) -> str:
@@ -207,15 +214,16 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
     width = min(console.width, 100)
 
     def say(text: str, style: str = "") -> None:
-        for line in textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False):
+        lead = text[:len(text) - len(text.lstrip())]
+        for line in textwrap.wrap(text, width, initial_indent="", subsequent_indent=lead + "  ", break_on_hyphens=False):
             console.print(line, style=style, markup=False, highlight=False, soft_wrap=True)
 
     for r in analysis["runs"]:
         prefix = f"{r['label']}: " if len(analysis["runs"]) > 1 else ""
         say(f"{prefix}{headline(r)}")
-        say(f"bottleneck: {r['summary']['verdict']}", "bold")
-        if r["status_kind"] != "finished":
-            say(f"{r['status']}; reported what it recorded", "yellow")
+        indent = "  " if prefix else ""
+        say(indent + extent(r), "" if r["status_kind"] == "finished" else "yellow")
+        say(f"{indent}bottleneck: {r['summary']['verdict']}", "bold")
     t = Table("", *[r["label"] for r in analysis["runs"]],
               title="the median iteration (B/param: mean of steady iterations)")
     for name, vals in summary_rows(analysis):
