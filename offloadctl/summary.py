@@ -163,7 +163,8 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
                     if v}) or sorted({k for r in records for k in r.get("bytes_read", {})})
     storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
     total = sum((r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in records)
-    lines = [f"run summary, rank {rank} ({run_dir}; engine telemetry only: the run was not recorded, so no "
+    who = f"rank {rank}, " if rank else ""
+    lines = [f"run summary ({who}{run_dir}; engine telemetry only: the run was not recorded, so no "
              f"samples/s or tokens/s and no end status)",
              f"{_fmt_s(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in {_fmt_s(total)}",
              _share_line(shares, merge_fwd_bwd=True),

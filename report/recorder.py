@@ -181,7 +181,10 @@ def _note_signals(rec: "Recorder") -> None:
                 rec.stopped_by = signal.Signals(num).name
             return previous(num, frame)
 
-        signal.signal(signum, handler)
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: the end line says finished or error only
+            return
 
 
 def current() -> "Recorder | None":
