@@ -110,8 +110,8 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
         speed.append(f"{_fmt_rate(s['samples_per_s'])} samples/s")
     if s.get("tokens_per_s"):
         speed.append(f"{_fmt_rate(s['tokens_per_s'])} tokens/s")
-    who = f"rank {rank} of {world}, " if world > 1 else ""
-    lines = [f"run summary ({who}{run_dir})", ", ".join(speed) + (ranks if len(speed) > 1 else "")]
+    who = f" of rank {rank} of {world}" if world > 1 else ""
+    lines = [f"run summary{who}: {run_dir}", ", ".join(speed) + (ranks if len(speed) > 1 else "")]
     end = f"{s['iterations']} iterations in {_fmt_s(s['total_s'])}"
     if a["status_kind"] != "finished":
         end += f"; {a['status']}"
@@ -163,9 +163,9 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
                     if v}) or sorted({k for r in records for k in r.get("bytes_read", {})})
     storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
     total = sum((r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in records)
-    who = f"rank {rank}, " if rank else ""
-    lines = [f"run summary ({who}{run_dir}; engine telemetry only: the run was not recorded, so no "
-             f"samples/s or tokens/s and no end status)",
+    who = f" of rank {rank}" if rank else ""
+    lines = [f"run summary{who}: {run_dir}",
+             "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
              f"{_fmt_s(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in {_fmt_s(total)}",
              _share_line(shares, merge_fwd_bwd=True),
              f"bottleneck: {verdict(segments, median_s, storage)}"]

@@ -169,3 +169,21 @@ def test_the_verdict_names_the_bottleneck():
                                              "the update 20%, of it 5% waiting on nvme")
     script = {"forward": 0.1, "backward": 0.1, "host_lane": 0.1, "outside": 0.7}
     assert verdict(script, 1.0, "nvme").startswith("the script's own work between DeepSpeed calls")
+
+
+def test_a_version_1_record_still_reads(runs, tmp_path):
+    """Records written before samples, tokens and the end's signal: status 'ok' reads as finished."""
+    old = tmp_path / "v1"
+    shutil.copytree(runs["finished"], old)
+    rec = old / "record-rank0.jsonl"
+    lines = [json.loads(x) for x in rec.read_text().splitlines()]
+    lines[0]["version"] = 1
+    for x in lines:
+        for key in ("samples", "tokens", "signal"):
+            x.pop(key, None)
+    lines[-1]["status"] = "ok"
+    rec.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = _report(str(old))
+    assert run["status"] == "finished" and run["summary"]["samples_per_s"] is None
+    text = _joined(run_summary_lines(str(old)))
+    assert "samples/s" not in text and "/iteration (median of 3)" in text and "bottleneck: " in text
