@@ -133,6 +133,8 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
     line = _bytes_line(per_param, total, s.get("median_cache_hits"), s.get("swapped_subgroups"), by_tier)
     if line:
         lines.append(line)
+    elif not a["tiers"]:
+        lines.append(f"optimizer state kept in {storage_name(a)}: no storage tier, no bytes moved to disk")
     return lines
 
 
