@@ -1,12 +1,189 @@
-"""A table of per-step engine telemetry: what an offloaded run spent its update phase on."""
+"""The end-of-run summary of ``offloadctl train``: how fast, where the time went, and why.
+
+:func:`print_run_summary` reads the run directory: the recorder's ``record-rank<R>.jsonl``
+when there is one (spans of every phase, samples and tokens per iteration), else the engine's
+``telemetry-rank<R>.jsonl`` alone (``--no-record``: the update's parts and the time between
+steps, no throughput). Its lines fit 80 columns; the bottleneck sentence is the report's own
+(:func:`report.analyze.verdict`). :func:`print_summary` is the engine's per-step table of the
+update phase, for a plain PyTorch loop's telemetry (examples/offload_adamw.py).
+"""
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import textwrap
 
 from rich.console import Console
 from rich.table import Table
 
+from engine.errors import ConfigError
+from report.analyze import SHARE_GROUPS, analyze_run, storage_name, verdict
+from report.load import load_run
+
+WIDTH = 80
+STOCK_BYTES_PER_PARAM = 32
+"""Stock ZeRO-Infinity's bytes per parameter per step with its optimizer state on NVMe."""
+
+
+def run_summary_lines(run_dir: str, *, rank: int = 0) -> list[str]:
+    """The summary of ``rank`` in ``run_dir`` as lines of at most :data:`WIDTH` columns."""
+    record = os.path.join(run_dir, f"record-rank{rank}.jsonl")
+    telemetry = os.path.join(run_dir, f"telemetry-rank{rank}.jsonl")
+    if os.path.exists(record):
+        try:
+            return _wrap(_from_record(run_dir, rank))
+        except ConfigError as e:  # named by file, not by path: the run directory is the train's own
+            return _wrap([f"no summary: {str(e).replace(os.path.join(run_dir, ''), '')}"])
+    if os.path.exists(telemetry):
+        records = load_records(telemetry)
+        if records:
+            return _wrap(_from_telemetry(records, run_dir, rank))
+        return _wrap([f"no summary: {telemetry} holds no step: the run stopped before its first update"])
+    return _wrap([f"no summary: {run_dir} has no record-rank{rank}.jsonl or telemetry-rank{rank}.jsonl"])
+
+
+def print_run_summary(run_dir: str, console: Console | None = None, *, rank: int = 0) -> None:
+    """Print :func:`run_summary_lines` (the lines are wrapped already: the console leaves them be)."""
+    console = console or Console()
+    for line in run_summary_lines(run_dir, rank=rank):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _wrap(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        out += textwrap.wrap(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False) or [""]
+    return out
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _fmt_rate(x: float) -> str:
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if x >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _share_line(shares: list[tuple[str, float]], merge_fwd_bwd: bool = False) -> str:
+    sh = dict(shares)
+    head = ([("forward+backward", sh["forward"] + sh["backward"])] if merge_fwd_bwd
+            else [("forward", sh["forward"]), ("backward", sh["backward"])])
+    update = sum(v for k, v in sh.items() if k.startswith("update"))
+    parts = ", ".join(f"{k[len('update: '):]} {_pct(v)}" for k, v in shares if k.startswith("update"))
+    line = "time per iteration: " + ", ".join(f"{k} {_pct(v)}" for k, v in head) + f", update {_pct(update)} ({parts})"
+    if sh.get("outside DeepSpeed", 0) >= 0.005:
+        line += f", the script between calls {_pct(sh['outside DeepSpeed'])}"
+    return line
+
+
+def _bytes_line(per_param: dict | None, total: float | None, hits, swapped, state_by_tier: dict | None) -> str:
+    parts = []
+    if per_param and total is not None:
+        tiers = "; ".join(f"{k} {rw.get('read', 0):.1f} read, {rw.get('written', 0):.1f} written"
+                          for k, rw in sorted(per_param.items()))
+        parts.append(f"moved per param and iteration: {total:.1f} B ({tiers}; stock ZeRO-Infinity: "
+                     f"~{STOCK_BYTES_PER_PARAM})")
+    if swapped:
+        parts.append(f"kept in memory between steps: {hits:.0f} of {swapped:.0f} swapped subgroups")
+    if state_by_tier:
+        parts.append("state: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in state_by_tier.items()))
+    return "; ".join(parts)
+
+
+def _from_record(run_dir: str, rank: int) -> list[str]:
+    run = load_run(run_dir, rank=rank)
+    a = analyze_run(run)
+    s = a["summary"]
+    steady = len(s["steady_iterations"])
+    world = s.get("world_size", 1)
+    speed = [f"{_fmt_s(s['median_iter_s'])}/iteration (median of {steady})"]
+    ranks = f" over {world} ranks" if world > 1 else ""
+    if s.get("samples_per_s"):
+        speed.append(f"{_fmt_rate(s['samples_per_s'])} samples/s")
+    if s.get("tokens_per_s"):
+        speed.append(f"{_fmt_rate(s['tokens_per_s'])} tokens/s")
+    who = f" of rank {rank} of {world}" if world > 1 else ""
+    lines = [f"run summary{who}: {run_dir}", ", ".join(speed) + (ranks if len(speed) > 1 else "")]
+    end = f"{s['iterations']} iterations in {_fmt_s(s['total_s'])}"
+    if a["status_kind"] != "finished":
+        end += f"; {a['status']}"
+    lines.append(end)
+    lines.append(_share_line(s["shares"]))
+    lines.append(f"bottleneck: {s['verdict']}")
+    per_param = s.get("engine_bytes_per_param")
+    total = s.get("engine_bytes_per_param_total")
+    if per_param is None and s.get("disk_bytes_per_param_total") is not None:
+        per_param = {}
+        for ph in s["disk_bytes_per_param"].values():
+            for tier, rw in ph.items():
+                acc = per_param.setdefault(tier.split(" ")[0], {"read": 0.0, "written": 0.0})
+                acc["read"] += rw["read"]
+                acc["written"] += rw["written"]
+        total = s["disk_bytes_per_param_total"]
+    plan = run.record.init.get("engine_plan") or {}
+    by_tier = _state_by_kind(plan, a["tiers"])
+    line = _bytes_line(per_param, total, s.get("median_cache_hits"), s.get("swapped_subgroups"), by_tier)
+    if line:
+        lines.append(line)
+    elif not a["tiers"]:
+        lines.append(f"optimizer state kept in {storage_name(a)}: no storage tier, no bytes moved to disk")
+    return lines
+
+
+def _state_by_kind(plan: dict, tiers: list[dict]) -> dict:
+    kinds = {t["path"]: t["label"] for t in tiers}
+    out: dict = {}
+    for path, b in (plan.get("state_bytes_by_tier") or {}).items():
+        k = kinds.get(path, path)
+        out[k] = out.get(k, 0) + b
+    return out
+
+
+def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
+    """The summary from the engine's StepRecords alone: the update's parts, and the time between
+    updates (forward, backward and the loop's own work) as ``fwd_bwd_s``."""
+    steady = [r for r in records[1:] if r.get("fwd_bwd_s") is not None] or records
+    iters = [(r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in steady]
+    seg = []
+    for r, it_s in zip(steady, iters):
+        other = r["wall_s"] - r["read_wait_s"] - r["update_s"] - r["write_wait_s"]
+        seg.append(({"forward": r.get("fwd_bwd_s") or 0.0, "read_wait": r["read_wait_s"], "host_lane": r["update_s"],
+                     "write_wait": r["write_wait_s"], "update_other": max(0.0, other) + (r.get("setup_s") or 0.0)},
+                    it_s))
+    ordered = sorted(seg, key=lambda x: x[1])
+    segments, median_s = ordered[(len(ordered) - 1) // 2]
+    shares = [(name, sum(segments.get(k, 0.0) for k in keys) / median_s) for name, keys in SHARE_GROUPS]
+    kinds = sorted({k for r in records for k, v in {**r.get("bytes_read", {}), **r.get("bytes_written", {})}.items()
+                    if v}) or sorted({k for r in records for k in r.get("bytes_read", {})})
+    storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
+    total = sum((r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in records)
+    who = f" of rank {rank}" if rank else ""
+    lines = [f"run summary{who}: {run_dir}",
+             "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
+             f"{_fmt_s(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in {_fmt_s(total)}",
+             _share_line(shares, merge_fwd_bwd=True),
+             f"bottleneck: {verdict(segments, median_s, storage)}"]
+    p = steady[0].get("params") or 0
+    per_param = {k: {"read": statistics.fmean(r.get("bytes_read", {}).get(k, 0) for r in steady) / p,
+                     "written": statistics.fmean(r.get("bytes_written", {}).get(k, 0) for r in steady) / p}
+                 for k in kinds} if p else None
+    total_pp = sum(v for rw in per_param.values() for v in rw.values()) if per_param else None
+    swapped = statistics.median(r["cache_hits"] + r["cache_misses"] for r in steady)
+    line = _bytes_line(per_param, total_pp, statistics.median(r["cache_hits"] for r in steady), swapped, None)
+    if line:
+        lines.append(line)
+    return lines
+
+
+# -- the engine's per-step table (a plain PyTorch loop's telemetry) ------------------------------
 
 def load_records(path: str) -> list[dict]:
     with open(path) as f:

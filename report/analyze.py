@@ -12,7 +12,13 @@ spans cover.
 
 Bytes per parameter: the engine's own counts per tier kind (``engine_bytes``), and the
 kernel's per-device counters per phase (``disk_bytes``), node-wide, so divided by the
-parameters of the node's ranks. Times are seconds, bytes are bytes.
+parameters of the node's ranks. Across iterations they are means over the steady ones, so that
+the phases add up to the iteration's total (the engine's alternating order moves 8 B/param one
+way and 6 the other on alternate steps: medians taken apart would not add up).
+
+:func:`shares` and :func:`verdict` say where the time went in words; the report's page and
+terminal table and ``offloadctl train``'s end-of-run summary all use them. Times are seconds,
+bytes are bytes.
 """
 from __future__ import annotations
 
@@ -26,8 +32,6 @@ UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_w
 PHASES = ("forward", "backward", "update", "outside")
 ADAM_STATE_BYTES = 12
 """fp32 master weight, exp_avg and exp_avg_sq, per parameter."""
-RATE_WINDOW_S = 0.2
-"""Bandwidth in the timeline is averaged over this much time."""
 SEGMENT_LABELS = {
     "forward": "forward", "backward": "backward", "read_wait": "update: waiting for reads",
     "host_lane": "update: host lane (CPU Adam)", "device_lane": "update: device lane (queueing)",
@@ -35,14 +39,60 @@ SEGMENT_LABELS = {
     "update_other": "update: other (norm, clip, bookkeeping)", "outside": "outside DeepSpeed (the script)"}
 
 
+SHARE_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)), ("update: read waits", ("read_wait",)),
+                ("update: AdamW", ("host_lane", "device_lane")), ("update: write waits", ("write_wait",)),
+                ("update: other", ("device_wait", "update_other")), ("outside DeepSpeed", ("outside",)))
+"""How an iteration's segments are told in shares: the update's parts in what they wait on."""
+
+
+def shares(segments: dict, iter_s: float) -> list[tuple[str, float]]:
+    """[(group, share of the iteration)] in :data:`SHARE_GROUPS` order; missing segments count 0."""
+    if not iter_s or iter_s <= 0:
+        return []
+    return [(name, max(0.0, sum(segments.get(k) or 0.0 for k in keys)) / iter_s) for name, keys in SHARE_GROUPS]
+
+
+def verdict(segments: dict, iter_s: float, storage: str) -> str:
+    """The bottleneck in one sentence, from an iteration's segments; ``storage`` names where the
+    update's state is read from and written to ('nvme', 'nvme+remote', 'host memory')."""
+    sh = dict(shares(segments, iter_s))
+    if not sh:
+        return "no iteration time recorded"
+    update = sum(v for k, v in sh.items() if k.startswith("update"))
+    pct = lambda x: f"{100 * x:.0f}%"  # noqa: E731
+    top = max(("update: read waits", "update: AdamW", "update: write waits", "update: other"), key=lambda k: sh[k])
+    compute = sh["forward"] + sh["backward"]
+    if sh["outside DeepSpeed"] > max(compute, update):
+        return (f"the script's own work between DeepSpeed calls (data loading, logging) takes "
+                f"{pct(sh['outside DeepSpeed'])} of the iteration")
+    if update > compute and sh[top] >= 0.1:
+        what = {"update: read waits": f"the update waits on reads from {storage}",
+                "update: AdamW": "the update is bound by AdamW's compute",
+                "update: write waits": f"the update waits on writes to {storage}",
+                "update: other": "the update's bookkeeping (gradient norm, clipping, partitioning)"}[top]
+        return f"{what}: {pct(sh[top])} of the iteration"
+    waits = sh["update: read waits"] + sh["update: write waits"]
+    return (f"forward and backward (the model's compute) take {pct(compute)} of the iteration; the update "
+            f"{pct(update)}" + (f", of it {pct(waits)} waiting on {storage}" if waits >= 0.01 else ""))
+
+
+def storage_name(run: dict) -> str:
+    """Where a run's optimizer state lives, for :func:`verdict`: its tiers' kinds, else the offload device."""
+    kinds = list(dict.fromkeys(t["kind"] for t in run.get("tiers") or []))
+    if kinds:
+        return "+".join(kinds)
+    dev = str((run.get("offload_optimizer") or {}).get("device") or "")
+    return "host memory" if dev.endswith("cpu") else dev or "memory"
+
+
 def analyze(runs: list[Run], iteration: int | None = None) -> dict:
-    """Every run's numbers, and their comparison against the first."""
+    """Every run's numbers, and, for more than one, their comparison against the first."""
     out = [analyze_run(r, iteration) for r in runs]
     base = out[0]["summary"]["median_iter_s"]
     for a in out:
         med = a["summary"]["median_iter_s"]
-        a["summary"]["speedup_vs_first"] = base / med if med else None
-    return {"version": 1, "baseline": out[0]["label"], "runs": out}
+        a["summary"]["speedup_vs_first"] = base / med if med and len(out) > 1 else None
+    return {"version": 2, "baseline": out[0]["label"], "runs": out}
 
 
 def analyze_run(run: Run, iteration: int | None = None) -> dict:
@@ -62,8 +112,13 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         summary["gradient_round_trip_bytes_per_param"] = {
             d: max(0.0, _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values())
                                 for i in steady) - ADAM_STATE_BYTES) for d in ("read", "written")}
-    return {
-        "label": run.label, "path": run.path, "engine": run.engine, "status": run.status, "rank": rec.rank,
+    world = int(rec.header.get("world_size") or 1)
+    summary["world_size"] = world
+    summary.update(_throughput(steady, iters, summary["median_iter_s"], world))
+    med_seg = summary["median_segments_s"]
+    result = {
+        "label": run.label, "path": run.path, "engine": run.engine, "status": run.status,
+        "status_kind": run.status_kind, "stopped_at": run.stopped_at, "rank": rec.rank,
         "ranks": run.ranks, "notes": list(rec.notes),
         "params_total": init.get("params_total"), "params_rank": init.get("params_rank"),
         "local_world_size": init.get("local_world_size", 1), "zero_stage": init.get("zero_stage"),
@@ -73,6 +128,23 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         "timeline": _timeline(run, chosen, tiers),
         "recorder": _recorder_cost(rec, iters),
     }
+    result["knob_series"] = _knob_series(iters)
+    summary["shares"] = shares(med_seg, summary["median_iter_s"])
+    summary["verdict"] = verdict(med_seg, summary["median_iter_s"], storage_name(result))
+    return result
+
+
+def _throughput(steady: list[dict], iters: list[dict], median_iter_s: float, world: int) -> dict:
+    """Samples and tokens per iteration (this rank's forward inputs) and per second over all
+    ranks (data parallel: every rank takes as many), and the iterations' total time."""
+    out = {"total_s": iters[-1]["t_end"] - iters[0]["t_start"]}
+    samples = _median(i.get("samples") for i in steady)
+    tokens = _median(i.get("tokens") for i in steady)
+    out["samples_per_iteration"] = samples or None
+    out["tokens_per_iteration"] = tokens or None
+    out["samples_per_s"] = samples * world / median_iter_s if samples and median_iter_s else None
+    out["tokens_per_s"] = tokens * world / median_iter_s if tokens and median_iter_s else None
+    return out
 
 
 # -- per iteration ---------------------------------------------------------------------------
@@ -128,7 +200,7 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         "disk_bytes": _disk_bytes(it.get("io") or {}, tiers),
         "disk_bytes_update_parts": {k: v for k, v in _disk_bytes(it.get("io") or {}, tiers, parts=True).items()
                                     if k.startswith("update")} if any("." in k for k in it.get("io") or {}) else None,
-        "recorder_s": it.get("recorder_s", 0.0),
+        "recorder_s": it.get("recorder_s", 0.0), "samples": it.get("samples"), "tokens": it.get("tokens"),
     }
     params_node = (run.record.init.get("params_rank") or 0) * (run.record.init.get("local_world_size") or 1)
     per_param = lambda db: {ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}  # noqa: E731
@@ -197,39 +269,65 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
 def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: bool) -> dict:
     s = {"iterations": len(iters), "steady_iterations": [i["iteration"] for i in steady],
          "median_iteration": median["iteration"], "median_iter_s": median["iter_s"],
          "median_segments_s": dict(median["segments"]), "median_phases_s": dict(median["phases"]),
          "mean_iter_s": statistics.fmean(i["iter_s"] for i in steady),
          "median_measured_share": _median(i["measured_share"] for i in steady)}
-    # Disk bytes/param per phase and tier, median over steady iterations (absent counts as 0).
+    # Disk bytes/param per phase and tier, mean over steady iterations (absent counts as 0).
     keys = {(ph, t) for i in steady for ph, d in i["disk_bytes_per_param"].items() for t in d}
     disk: dict = {}
     for ph, t in sorted(keys):
-        disk.setdefault(ph, {})[t] = {d: _median(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0)
-                                                 for i in steady) for d in ("read", "written")}
+        disk.setdefault(ph, {})[t] = {d: _mean(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0)
+                                               for i in steady) for d in ("read", "written")}
     s["disk_bytes_per_param"] = disk
     if any(i.get("disk_bytes_per_param_update_parts") for i in steady):
         # The update's bytes by part (stock ZeRO-3): where in the step the gradients' round trip falls.
         keys = {(ph, t) for i in steady for ph, d in (i.get("disk_bytes_per_param_update_parts") or {}).items() for t in d}
         parts: dict = {}
         for ph, t in sorted(keys):
-            parts.setdefault(ph, {})[t] = {d: _median((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {})
+            parts.setdefault(ph, {})[t] = {d: _mean((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {})
                                                       .get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
         s["disk_bytes_per_param_update_parts"] = parts
-    s["disk_bytes_per_param_total"] = _median(
-        sum(v for d in i["disk_bytes_per_param"].values() for rw in d.values() for v in rw.values()) for i in steady
-    ) if has_devices else None
+    s["disk_bytes_per_param_total"] = sum(v for d in disk.values() for rw in d.values() for v in rw.values()
+                                          ) if has_devices else None
     if any("engine_bytes_per_param" in i for i in steady):
         kinds = sorted({k for i in steady for k in i.get("engine_bytes_per_param", {})})
-        s["engine_bytes_per_param"] = {k: {d: _median(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0)
-                                                       for i in steady) for d in ("read", "written")} for k in kinds}
-        s["engine_bytes_per_param_total"] = _median(
-            sum(v for rw in i.get("engine_bytes_per_param", {}).values() for v in rw.values()) for i in steady)
+        s["engine_bytes_per_param"] = {k: {d: _mean(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0)
+                                                     for i in steady) for d in ("read", "written")} for k in kinds}
+        s["engine_bytes_per_param_total"] = sum(v for rw in s["engine_bytes_per_param"].values() for v in rw.values())
         s["median_cache_hits"] = _median(i["cache"]["hits"] for i in steady if "cache" in i)
         s["swapped_subgroups"] = _median(i["cache"]["hits"] + i["cache"]["misses"] for i in steady if "cache" in i)
     return s
+
+
+def flat_knobs(knobs: dict) -> dict:
+    """Knobs with the per-path ones spread out: ``io_concurrency[/mnt/nvme0]``, ``stripe_weights[...]``."""
+    out = {}
+    for name, v in knobs.items():
+        if isinstance(v, dict):
+            out.update({f"{name}[{k}]": x for k, x in v.items()})
+        else:
+            out[name] = v
+    return out
+
+
+def _knob_series(iters: list[dict]) -> dict[str, list]:
+    """{knob: [value per iteration with engine telemetry]} of every knob that changes during the
+    run (:func:`flat_knobs` names), with ``iteration`` the x values; empty when none changes."""
+    its = [i for i in iters if i.get("knobs") is not None]
+    flat = [flat_knobs(i["knobs"]) for i in its]
+    names = sorted({n for f in flat for n in f})
+    changing = [n for n in names if len({repr(f.get(n)) for f in flat}) > 1]
+    if not changing:
+        return {}
+    return {"iteration": [i["iteration"] for i in its], **{n: [f.get(n) for f in flat] for n in changing}}
 
 
 def _knob_changes(iters: list[dict]) -> list[dict]:
@@ -238,6 +336,7 @@ def _knob_changes(iters: list[dict]) -> list[dict]:
         k = i.get("knobs")
         if k is None:
             continue
+        k = flat_knobs(k)
         if prev is not None and k != prev:
             changed = {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev)) if k.get(n) != prev.get(n)}
             out.append({"iteration": i["iteration"], "engine_iteration": i.get("engine_iteration"), "changed": changed,
@@ -300,16 +399,15 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
         out["missing"].append("PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU in this run)")
     labels = _device_labels(tiers)
     tier_bw = {}
-    # Rates over a window of up to RATE_WINDOW_S (an eighth of a shorter iteration), centred on
-    # each sample: a throttled device moves in bursts finer than one sampling interval.
-    hz = header.get("hz") or 20
-    smooth = max(1, round(min(RATE_WINDOW_S, it["iter_s"] / 8) * hz))
-    out["rate_window_s"] = smooth / hz
+    # Each rate is over the sampling interval that ends at its sample (drawn as a step over that
+    # interval): a rate averaged across samples on both sides would move an update's reads into
+    # the backward before it.
+    out["rate_window_s"] = 1.0 / (header.get("hz") or 20)
     for dev, lab in labels.items():
         rc, wc = cols.get(f"disk_read_bytes:{dev}"), cols.get(f"disk_write_bytes:{dev}")
         if rc is None or wc is None:
             continue
-        tier_bw[lab] = {"read_bytes_per_s": _rates(window, rc, smooth), "write_bytes_per_s": _rates(window, wc, smooth)}
+        tier_bw[lab] = {"read_bytes_per_s": _rates(window, rc), "write_bytes_per_s": _rates(window, wc)}
     series["tier_bytes_per_s"] = tier_bw
     if not tier_bw:
         out["missing"].append("tier bandwidth: no storage tier with a block device in this run")
@@ -323,13 +421,12 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     return out
 
 
-def _rates(rows: list[list], col: int, window: int = 1) -> list[float | None]:
-    """Rate of a cumulative counter at each row, over ``window`` sampling intervals centred on
-    it (fewer at the ends)."""
-    out: list[float | None] = []
-    back, ahead = window // 2, window - window // 2
-    for k in range(len(rows)):
-        a, b = rows[max(0, k - back)], rows[min(len(rows) - 1, k + ahead)]
+def _rates(rows: list[list], col: int) -> list[float | None]:
+    """Rate of a cumulative counter over the sampling interval ending at each row (None for the
+    first row, which has no interval before it)."""
+    out: list[float | None] = [None] if rows else []
+    for k in range(1, len(rows)):
+        a, b = rows[k - 1], rows[k]
         if a[col] is None or b[col] is None or b[0] <= a[0]:
             out.append(None)
         else:

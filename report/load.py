@@ -3,9 +3,12 @@
 A run directory holds, per rank, ``record-rank<R>.jsonl`` and ``samples-rank<R>.jsonl`` (the
 recorder's) and, for offloadctl's engine, ``telemetry-rank<R>.jsonl`` (the engine's). A crashed
 run keeps every full line it wrote: a last line cut short is skipped with a note, a missing
-``end`` line marks the run incomplete, and what was recorded still reports. What cannot report
-is an error naming the directory and what to do: an empty or foreign directory, a record
-damaged before its last line, a run that stopped before its first complete iteration.
+``end`` line reads as a run that ended without one, and what was recorded still reports. Record
+format versions 1 and 2 read alike (1 has no samples or tokens, and an end status of ok).
+
+What cannot report is an error naming the directory and what to do: an empty or foreign
+directory, a record damaged before its last line, a run that stopped before its first complete
+iteration.
 """
 from __future__ import annotations
 
@@ -45,13 +48,32 @@ class Run:
     """The rank reported (``--rank``)."""
 
     @property
-    def status(self) -> str:
+    def status_kind(self) -> str:
+        """finished, interrupted, error, or no end record (killed outright, or still running)."""
         end = self.record.end
         if end is None:
-            return "incomplete: no end line (the process was killed, or is still running)"
-        if end.get("status") == "error":
-            return f"crashed: {end.get('error')}"
-        return "complete"
+            return "no end record"
+        return {"ok": "finished"}.get(end.get("status"), end.get("status") or "finished")
+
+    @property
+    def stopped_at(self) -> int:
+        """Iterations completed when the run stopped (the 0-based iteration it was in)."""
+        end = self.record.end
+        if end is not None and end.get("iterations") is not None:
+            return int(end["iterations"])
+        return self.record.iterations[-1]["iteration"] + 1
+
+    @property
+    def status(self) -> str:
+        """The run's end in words: 'finished', 'interrupted by SIGINT at iteration 200', ..."""
+        kind, at = self.status_kind, self.stopped_at
+        if kind == "no end record":
+            return f"ended without an end record at iteration {at} (killed, or still running)"
+        if kind == "interrupted":
+            return f"interrupted by {self.record.end.get('signal') or 'a signal'} at iteration {at}"
+        if kind == "error":
+            return f"crashed at iteration {at}: {self.record.end.get('error')}"
+        return "finished"
 
 
 def load_run(path: str, rank: int | None = None, label: str | None = None) -> Run:

@@ -5,9 +5,14 @@ numbers: one figure per section, every run in it side by side.
 - ``timeline``: one iteration per run on a time axis: phases, GPU memory, PCIe TX/RX, tier
   bandwidth, host RSS and CPU, with the phases shaded behind every series.
 - ``bytes``: bytes per parameter per iteration, by phase, tier and direction.
-- ``cache``: swapped subgroups found in memory (cache hits) or read, per iteration, and the
-  knobs, with the tuner's changes marked.
-- ``compare``: the median iteration of every run, stacked by segment, with its speed-up.
+- ``cache``: swapped subgroups found in memory (cache hits) or read, per iteration, and every
+  knob that changed (per-path ones each on their own), with the tuner's changes marked.
+- ``compare``: the median iteration of every run, stacked by segment, with its speed-up (only
+  for more than one run: a run compared with itself says nothing).
+
+Labels of knob changes are placed in rows at the top of their axes, each in the first row where
+it overlaps no other label (measured with the renderer), and the axes grow to make room; they
+carry the gid ``knob-label`` so that tests can check them.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from report.analyze import PHASES, SEGMENT_LABELS, SEGMENTS  # noqa: E402
 
@@ -31,10 +37,51 @@ GB = 1e9
 
 
 def figures(analysis: dict) -> dict[str, "plt.Figure"]:
-    """One figure per section, in :data:`SECTIONS` order."""
+    """One figure per section, in :data:`SECTIONS` order (no ``compare`` for a single run)."""
     runs = analysis["runs"]
-    return {"breakdown": breakdown(runs), "timeline": timeline(runs), "bytes": bytes_per_param(runs),
-            "cache": cache_and_knobs(runs), "compare": compare(runs)}
+    out = {"breakdown": breakdown(runs), "timeline": timeline(runs), "bytes": bytes_per_param(runs),
+           "cache": cache_and_knobs(runs)}
+    if len(runs) > 1:
+        out["compare"] = compare(runs)
+    return out
+
+
+KNOB_LABEL = "knob-label"
+LABEL_ROW = 0.085
+"""Height of one row of knob-change labels, as a fraction of the axes."""
+
+
+def place_labels(ax, items: list[tuple[float, str]], *, fontsize: float = 7) -> float:
+    """Write ``items`` (x in data, text) at the top of ``ax``, each in the first row where its box
+    overlaps no earlier label, right-aligned where it would run past the axes' right edge.
+    Returns the axes fraction below the lowest row (what the data must stay under)."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    trans = matplotlib.transforms.blended_transform_factory(ax.transData, ax.transAxes)
+    ax_box = ax.get_window_extent(renderer)
+    placed: list = []
+    lowest = 1.0
+    for x, text in items:
+        for row in range(20):
+            y = 0.97 - row * LABEL_ROW
+            t = ax.text(x, y, text, transform=trans, fontsize=fontsize, va="top", ha="left", gid=KNOB_LABEL,
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+            box = t.get_window_extent(renderer)
+            if box.x1 > ax_box.x1:
+                t.set_ha("right")
+                box = t.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in placed) or row == 19:
+                placed.append(box)
+                lowest = min(lowest, y - LABEL_ROW)
+                break
+            t.remove()
+    return lowest
+
+
+def _headroom(ax, data_top: float, lowest: float) -> None:
+    """Raise the y limit so that ``data_top`` stays below the labels' lowest row."""
+    if data_top > 0 and lowest < 1.0:
+        ax.set_ylim(top=data_top / max(lowest - 0.02, 0.2))
 
 
 def png_bytes(fig) -> bytes:
@@ -70,25 +117,38 @@ def breakdown(runs: list[dict]):
             if i["skipped"]:
                 ax.text(i["iteration"], bottom[x.index(i["iteration"])], "skipped", ha="center", va="bottom", fontsize=7)
         top = max(bottom) if bottom else 1.0
-        for ch in run["knob_changes"]:
-            ax.axvline(ch["iteration"] - 0.5, color="black", ls="--", lw=1)
-            ax.text(ch["iteration"] - 0.45, top * 0.98, _knob_change_text(ch), fontsize=7, va="top")
         s = run["summary"]
         ax.set_title(f"{run['label']}: median iteration {_ms_or_s(s['median_iter_s'])} "
                      f"({run['status']})", fontsize=9, loc="left")
         ax.set_ylabel("seconds")
         ax.set_xlim(min(x) - 0.6, max(x) + 0.6)
-        ax.margins(y=0.08)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, top * 1.08)
     axes[-1, 0].set_xlabel("iteration")
     _segment_legend(fig)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
+    # Labels last, once the layout is fixed: their placement measures them on the final axes.
+    for ax, run in zip(axes[:, 0], runs):
+        for ch in run["knob_changes"]:
+            ax.axvline(ch["iteration"] - 0.5, color="black", ls="--", lw=1)
+        top = ax.get_ylim()[1] / 1.08
+        _headroom(ax, top, place_labels(ax, [(ch["iteration"] - 0.45, _knob_change_text(ch))
+                                             for ch in run["knob_changes"]]))
     return fig
 
 
 def _knob_change_text(ch: dict) -> str:
-    parts = [f"{k}: {_short(a)} \u2192 {_short(b)}" for k, (a, b) in ch["changed"].items()]
+    parts = [f"{_knob_name(k)}: {_short(a)} \u2192 {_short(b)}" for k, (a, b) in ch["changed"].items()]
     text = "; ".join(parts)
     return text if len(text) < 70 else text[:67] + "..."
+
+
+def _knob_name(name: str) -> str:
+    """A per-path knob with its path's last part: io_concurrency[/mnt/nvme0/run] -> io_concurrency[run]."""
+    if "[" in name and name.endswith("]"):
+        base, path = name[:-1].split("[", 1)
+        return f"{base}[{path.rstrip('/').rsplit('/', 1)[-1] or path}]"
+    return name
 
 
 def _short(v) -> str:
@@ -126,19 +186,27 @@ def timeline(runs: list[dict]):
         if tiers:
             for k, (lab, bw) in enumerate(tiers.items()):
                 color = f"C{k}"
-                col[3].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read")
-                col[3].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write")
+                # A rate covers the sampling interval that ends at its sample: a step drawn backwards.
+                col[3].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read",
+                            drawstyle="steps-pre")
+                col[3].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write",
+                            drawstyle="steps-pre")
             col[3].legend(fontsize=7, loc="upper left")
         else:
             _absent(col[3], "tier bandwidth: no storage tier\non a block device in this run")
         if "rss_bytes" in s:
-            col[4].plot(t, _scale(s["rss_bytes"], 1 / GB), color="C0", label="RSS")
-            col[4].set_ylim(bottom=0)
+            rss = _scale(s["rss_bytes"], 1 / GB)
+            col[4].plot(t, rss, color="C0", label="RSS")
+            col[4].set_ylim(0, 1.25 * max((v for v in rss if v is not None), default=1.0))
             twin = col[4].twinx()
             twin.plot(t, s.get("cpu_percent", []), color="C3", lw=0.8, label="CPU %")
             twin.set_ylim(bottom=0)
             twin.set_ylabel("CPU % (process)", fontsize=8, color="C3")
             twin.tick_params(labelsize=7)
+            h1, l1 = col[4].get_legend_handles_labels()
+            h2, l2 = twin.get_legend_handles_labels()
+            twin.legend(h1 + h2, ["host RSS (GB)", "CPU % (process)"] if l1 + l2 == ["RSS", "CPU %"] else l1 + l2,
+                        fontsize=7, loc="upper left")
         else:
             _absent(col[4], "host series: not recorded (--record-hz 0)")
         for ax in col[1:]:
@@ -253,12 +321,23 @@ def bytes_per_param(runs: list[dict]):
 # -- cache hits and knobs ------------------------------------------------------------------------
 
 def cache_and_knobs(runs: list[dict]):
-    n = len(runs)
-    fig, axes = plt.subplots(n, 1, figsize=(WIDTH_IN, 1.0 + 2.2 * n), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
+    """Per run: the cache hits and misses per iteration, with the knob that changed on a second
+    scale, or, when several changed, one thin axes per knob below."""
+    names_of = [[n for n in (run.get("knob_series") or {}) if n != "iteration"] for run in runs]
+    knob_rows = [len(names) if len(names) > 1 else 0 for names in names_of]
+    ratios = []
+    for k in knob_rows:
+        ratios += [2.2] + [0.8] * k
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(WIDTH_IN, 1.0 + sum(ratios)), squeeze=False,
+                             gridspec_kw={"height_ratios": ratios})
+    axes = list(axes[:, 0])
+    label_axes = []
+    for run, k, names in zip(runs, knob_rows, names_of):
+        ax, knob_axes = axes[0], axes[1:1 + k]
+        del axes[:1 + k]
         its = [i for i in run["iterations"] if "cache" in i]
-        ax.set_title(run["label"], fontsize=9, loc="left")
         if not its:
+            ax.set_title(run["label"], fontsize=9, loc="left")
             _absent(ax, "no engine telemetry in this run (stock DeepSpeed): it keeps no state in memory across steps;\n"
                         "with NVMe offload (ZeRO-Infinity) every subgroup is swapped in and out at every step")
             ax.set_xticks([])
@@ -266,26 +345,56 @@ def cache_and_knobs(runs: list[dict]):
         x = [i["iteration"] for i in its]
         hits = [i["cache"]["hits"] for i in its]
         misses = [i["cache"]["misses"] for i in its]
-        ax.bar(x, hits, color="#59a14f", label="swapped subgroups kept in memory (hits)")
+        ax.bar(x, hits, color="#59a14f", label="kept in memory (hits)")
         ax.bar(x, misses, bottom=hits, color="#e15759", label="read from storage (misses)")
-        ax.set_ylabel("subgroups")
-        ax.set_xlabel("iteration", fontsize=8)
-        twin = ax.twinx()
-        twin.step(x, [i["knobs"].get("device_fraction", 0.0) for i in its], where="mid", color="black",
-                  label="device_fraction")
-        twin.step(x, [i["knobs"].get("prefetch_depth", 0) / 10 for i in its], where="mid", color="C4", ls="--",
-                  label="prefetch_depth / 10")
-        twin.set_ylim(-0.05, 1.05)
-        twin.set_ylabel("knob value", fontsize=8)
-        for ch in run["knob_changes"]:
-            ax.axvline(ch["iteration"] - 0.5, color="black", ls=":", lw=1)
-            ax.text(ch["iteration"] - 0.45, ax.get_ylim()[1] * 0.95, (ch.get("reason") or _knob_change_text(ch))[:80],
-                    fontsize=7, va="top")
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = twin.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", bbox_to_anchor=(1.06, 1.0))
+        ax.set_ylabel("swapped subgroups", fontsize=8)
+        series = run.get("knob_series") or {}
+        if names:
+            ax.set_title(f"{run['label']}: cache hits, and the knobs that changed", fontsize=9, loc="left")
+        else:
+            knobs = its[-1].get("knobs") or {}
+            ax.set_title(f"{run['label']}: cache hits; knobs unchanged: " + ", ".join(
+                f"{n} {_short(v)}" for n, v in knobs.items() if v not in ({}, None)), fontsize=9, loc="left")
+        handles, labels = ax.get_legend_handles_labels()
+        if len(names) == 1:
+            twin = ax.twinx()
+            _knob_axes(twin, series["iteration"], series[names[0]], names[0], twin=True)
+            h2, l2 = twin.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        for kax, name in zip(knob_axes, names):
+            _knob_axes(kax, series["iteration"], series[name], name)
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.06, 1.0))
+        for a_ in [ax, *knob_axes]:
+            a_.xaxis.set_major_locator(MaxNLocator(integer=True))
+            a_.set_xlim(min(x) - 0.6, max(x) + 0.6)
+            a_.tick_params(labelsize=7)
+            for ch in run["knob_changes"]:
+                a_.axvline(ch["iteration"] - 0.5, color="black", ls=":", lw=1)
+        (knob_axes[-1] if knob_axes else ax).set_xlabel("iteration", fontsize=8)
+        label_axes.append((ax, run, max(h + m for h, m in zip(hits, misses))))
     fig.tight_layout()
+    # Labels last, once the layout is fixed: their placement measures them on the final axes.
+    for ax, run, top in label_axes:
+        ax.set_ylim(0, top * 1.05)
+        _headroom(ax, top * 1.05, place_labels(ax, [(ch["iteration"] - 0.45, (ch.get("reason") or _knob_change_text(ch))[:80])
+                                                    for ch in run["knob_changes"]]))
     return fig
+
+
+def _knob_axes(ax, x, values, name: str, twin: bool = False) -> None:
+    """One knob's values per iteration as a step line, its name beside it."""
+    ys = [float("nan") if v is None else float(v) for v in values]
+    ax.step(x, ys, where="mid", color="black", lw=1.2, label=_knob_name(name))
+    if twin:
+        ax.set_ylabel(_knob_name(name), fontsize=8)
+    else:
+        ax.set_ylabel(_knob_name(name), fontsize=8, rotation=0, ha="right", va="center")
+    lo, hi = min(y for y in ys if y == y), max(y for y in ys if y == y)
+    pad = (hi - lo) * 0.15 or 0.5
+    ax.set_ylim(lo - pad, hi + pad * 2.5)
+    if all(float(v).is_integer() for v in ys if v == v):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=3))
+    ax.tick_params(labelsize=7)
 
 
 # -- comparison ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in tra
   step (read waits, host lane, device lane, write and device waits, bytes per tier, cache hits,
   knobs) goes into the record as it is, with the tuner's reason when the knobs changed; for
   stock DeepSpeed ZeRO-3, its per-subgroup swap-in, optimizer step and swap-out are spans.
-- **Sampler thread.** At ``sample_hz`` (default 20): host RSS and this process's CPU use, the
+- **Sampler thread.** At ``sample_hz`` (default 100): host RSS and this process's CPU use, the
   cumulative bytes of each tier device, and, where CUDA and NVML exist, torch's allocated and
   reserved GPU memory, NVML's used memory and PCIe TX/RX throughput of this rank's GPU. Series
   that cannot be measured are left out of the file, not written as zeros. Memory stays bounded:
@@ -26,12 +26,15 @@ run keeps everything up to its last full line):
 
 - ``record-rank<R>.jsonl``: a header line, an ``init`` line once ``deepspeed.initialize``
   returns (model size, tiers and their devices, the engine's plan), one ``iteration`` line per
-  optimizer step, and an ``end`` line at exit (with ``status`` and the recorder's own cost);
+  optimizer step (with the samples and tokens its forward calls were given), and an ``end``
+  line at exit: ``status`` finished, interrupted (``signal``: the first SIGINT, SIGTERM or
+  SIGHUP the rank got) or error, the iterations completed, and the recorder's own cost. A
+  record without an ``end`` line is of a rank killed outright (SIGKILL, out of memory);
 - ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
 
 docs/report.md describes the fields and what recording costs.
 
-Why one file (about 600 lines): the phase hooks, the sampler and the writer share the run's
+Why one file (about 650 lines): the phase hooks, the sampler and the writer share the run's
 files and their format version (read by ``report.load``); the sampler is a third of it.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ import functools
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -59,7 +63,9 @@ from tuner.sensors import disk_bytes
 
 RECORD_FORMAT = "offloadctl-record"
 SAMPLES_FORMAT = "offloadctl-samples"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: iterations carry ``samples`` and ``tokens``; the end's ``status`` is finished, interrupted
+or error (1 wrote ok or error). Readers take both."""
 ENGINES = ("offloadctl", "stock")
 MAX_SPANS = 4000
 """Spans kept per iteration (stock DeepSpeed has three per subgroup); past it only their sums."""
@@ -73,10 +79,12 @@ class RecorderConfig:
     """Directory of the record files (the run directory)."""
     engine: str = "offloadctl"
     """'offloadctl' (the engine is installed) or 'stock' (DeepSpeed's own optimizer)."""
-    sample_hz: float = 20.0
-    """Sampled series per second; 0: no sampler thread (phases are still recorded)."""
-    max_rows: int = 72_000
-    """Samples at ``sample_hz`` before the interval doubles (72,000: one hour at 20 Hz)."""
+    sample_hz: float = 100.0
+    """Sampled series per second; 0: no sampler thread (phases are still recorded). A sample
+    costs 0.1 to 0.3 ms of the sampler thread's CPU (1 to 3% of a core at 100 Hz); 100 Hz resolves
+    a 0.1 s update phase into ten steps."""
+    max_rows: int = 360_000
+    """Samples at ``sample_hz`` before the interval doubles (360,000: one hour at 100 Hz)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -91,8 +99,8 @@ class RecorderConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "RecorderConfig":
-        return cls(run_dir=d["run_dir"], engine=d.get("engine", "offloadctl"), sample_hz=float(d.get("sample_hz", 20.0)),
-                   max_rows=int(d.get("max_rows", 72_000)))
+        return cls(run_dir=d["run_dir"], engine=d.get("engine", "offloadctl"), sample_hz=float(d.get("sample_hz", 100.0)),
+                   max_rows=int(d.get("max_rows", 360_000)))
 
 
 # -- offloadctl train's side -------------------------------------------------------------------
@@ -103,8 +111,8 @@ def add_train_arguments(group) -> None:
                        help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
                        "offload, untouched, with only the recording on (to characterize a current setup and compare "
                        "with offloadctl report)")
-    group.add_argument("--record-hz", type=float, default=20.0, metavar="HZ",
-                       help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 20)")
+    group.add_argument("--record-hz", type=float, default=100.0, metavar="HZ",
+                       help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)")
     group.add_argument("--no-record", action="store_true",
                        help="record nothing for offloadctl report (the engine's telemetry is still written)")
 
@@ -145,6 +153,7 @@ def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
         return result
 
     deepspeed.initialize = initialize
+    _note_signals(rec)
     atexit.register(rec.close)
     previous_hook = sys.excepthook
 
@@ -157,6 +166,25 @@ def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
 
 
 _CURRENT: "Recorder | None" = None
+
+
+def _note_signals(rec: "Recorder") -> None:
+    """Chain onto the handlers of SIGINT, SIGTERM and SIGHUP (the bootstrap's, which unwind the
+    script) so that the end line says which stopped the rank; the first one counts."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous = signal.getsignal(signum)
+        if not callable(previous):
+            continue  # ignored or default: the rank does not unwind, the end line is not written
+
+        def handler(num, frame, previous=previous):
+            if rec.stopped_by is None:
+                rec.stopped_by = signal.Signals(num).name
+            return previous(num, frame)
+
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: the end line says finished or error only
+            return
 
 
 def current() -> "Recorder | None":
@@ -175,6 +203,8 @@ class Recorder:
         os.makedirs(config.run_dir, exist_ok=True)
         self.config, self.rank = config, rank
         self.error: str | None = None
+        self.stopped_by: str | None = None
+        """The signal that stopped the rank (SIGINT, SIGTERM, SIGHUP), when one did."""
         self._lock = threading.Lock()
         self._file = open(os.path.join(config.run_dir, f"record-rank{rank}.jsonl"), "w", buffering=1)
         self._write({"type": "header", "format": RECORD_FORMAT, "version": FORMAT_VERSION, "rank": rank,
@@ -277,6 +307,8 @@ class Recorder:
             if rec._depth or rec.suspended:  # a nested call (one phase inside another): its outer span holds it
                 return fn(*args, **kwargs)
             steps = getattr(engine, "global_steps", None)
+            if phase == "forward":
+                rec._count_inputs(args, kwargs)
             rec._enter(phase)
             rec._depth += 1
             failed = True
@@ -312,7 +344,27 @@ class Recorder:
 
         return wrapper
 
+    def _count_inputs(self, args, kwargs) -> None:
+        """Add a forward call's samples (the batch dimension of its first integer tensor input:
+        ``input_ids``, else the first positional one) and tokens (that tensor's elements)."""
+        c0 = time.perf_counter()
+        tensor = None
+        for v in ([kwargs["input_ids"]] if "input_ids" in kwargs else []) + list(args) + list(kwargs.values()):
+            if getattr(v, "dtype", None) is not None and getattr(v, "ndim", 0) >= 1 and callable(getattr(v, "numel", None)):
+                if tensor is None:
+                    tensor = v  # a float input (an image): samples only, unless an integer one follows
+                if not v.dtype.is_floating_point and not v.dtype.is_complex and str(v.dtype) != "torch.bool":
+                    tensor = v
+                    break
+        if tensor is not None:
+            self._samples += int(tensor.shape[0])
+            if not tensor.dtype.is_floating_point:
+                self._tokens += int(tensor.numel())
+        self._cost_s += time.perf_counter() - c0
+
     def _reset_iteration(self) -> None:
+        self._samples = 0
+        self._tokens = 0
         self._spans: list[list] = []
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
@@ -371,7 +423,8 @@ class Recorder:
         line = {"type": "iteration", "iteration": self._iteration, "t_end": _round(t_end),
                 "spans": self._spans, "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
                 "sums": {k: _round(v) for k, v in self._sums.items()}, "counts": self._counts,
-                "io": self._io, "skipped": bool(getattr(opt, "overflow", False)), "failed": failed}
+                "io": self._io, "skipped": bool(getattr(opt, "overflow", False)), "failed": failed,
+                "samples": self._samples, "tokens": self._tokens}
         oe = getattr(opt, "offload_engine", None)
         if oe is not None:
             recs = oe.telemetry.records
@@ -411,9 +464,9 @@ class Recorder:
         sampler = self._sampler
         if sampler is not None:
             sampler.stop()
-        end = {"type": "end", "t": _round(time.perf_counter()), "status": "error" if self.error else "ok",
-               "error": self.error, "iterations": self._iteration,
-               "open_spans": len(self._spans)}
+        status = "error" if self.error else "interrupted" if self.stopped_by else "finished"
+        end = {"type": "end", "t": _round(time.perf_counter()), "status": status, "signal": self.stopped_by,
+               "error": self.error, "iterations": self._iteration, "open_spans": len(self._spans)}
         if sampler is not None:
             end.update(sampler_rows=sampler.rows, sampler_busy_s=_round(sampler.busy_s),
                        sampler_interval_s=_round(sampler.interval_s))

@@ -5,15 +5,12 @@ import base64
 import html
 import json
 import os
+import textwrap
 
 from rich.console import Console
 from rich.table import Table
 
-from report.analyze import PHASES, SEGMENTS
-
-SHORT_LABELS = {"forward": "forward", "backward": "backward", "read_wait": "update: read wait",
-                "host_lane": "update: host lane", "device_lane": "update: device lane", "write_wait": "update: write wait",
-                "device_wait": "update: device wait", "update_other": "update: other", "outside": "outside DeepSpeed"}
+from report.analyze import PHASES, SHARE_GROUPS
 
 SECTION_TEXT = {
     "breakdown": ("Iteration time, per iteration",
@@ -27,7 +24,8 @@ SECTION_TEXT = {
                  "Series that a run could not measure (no GPU, no NVML) say so instead of showing zeros."),
     "bytes": ("Bytes per parameter, by phase and tier",
               "Bytes each tier's device read (solid) and wrote (hatched) in each phase of an iteration, per parameter "
-              "of the node's ranks (kernel counters, median over iterations), and the engine's own count for its "
+              "of the node's ranks (kernel counters, mean over the steady iterations, so that the phases add up to "
+              "the total), and the engine's own count for its "
               "update. Stock ZeRO-Infinity writes the fp32 "
               "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
               "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
@@ -39,6 +37,8 @@ SECTION_TEXT = {
     "compare": ("Runs side by side",
                 "Median iteration of every run by segment, with its speed against the first run given."),
 }
+SINGLE_RUN_SECTIONS = ("breakdown", "timeline", "bytes", "cache")
+"""A one-run report has nothing to put side by side: no compare section."""
 
 
 def write_pngs(pngs: dict[str, bytes], directory: str) -> dict[str, str]:
@@ -58,18 +58,28 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
              "body{font-family:sans-serif;max-width:1150px;margin:1em auto;color:#222}"
              "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
              "th:first-child,td:first-child{text-align:left}img{max-width:100%}.note{color:#a33}"
-             "p.how{color:#444;font-size:14px}</style></head><body>",
+             "p.how{color:#444;font-size:14px}p.verdict{font-size:17px;margin:.3em 0}"
+             ".shares{display:flex;height:26px;margin:.4em 0 .2em;font-size:12px;color:#fff;max-width:1000px}"
+             ".shares div{overflow:hidden;white-space:nowrap;padding:5px 3px;box-sizing:border-box}"
+             ".key span{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}.key{font-size:12px}"
+             "</style></head><body>",
              "<h1>offloadctl report</h1>"]
-    parts.append("<ul>")
     for r in runs:
-        parts.append(f"<li><b>{html.escape(r['label'])}</b>: {html.escape(r['path'])}, engine {r['engine']}, "
-                     f"rank {r['rank']} of ranks {r['ranks']}, {r['params_total']:,} parameters; "
-                     f"{html.escape(r['status'])}</li>")
+        s = r["summary"]
+        status_class = "" if r["status_kind"] == "finished" else " class='note'"
+        parts.append(f"<h3>{html.escape(r['label'])}: <span{status_class}>{html.escape(r['status'])}</span></h3>")
+        count = f"{s['iterations']} iterations in {fmt_s(s['total_s'])}"
+        parts.append(f"<p class='verdict'>{html.escape(headline(r))}; {html.escape(count)}<br>"
+                     f"<b>{html.escape(s['verdict'])}</b></p>")
+        parts.append(_html_shares(s["shares"]))
+        parts.append(f"<p class='how'>{html.escape(r['path'])}, engine {r['engine']}, {_rank_text(r)}, "
+                     f"{r['params_total']:,} parameters</p>")
         for n in r["notes"]:
-            parts.append(f"<li class='note'>{html.escape(r['label'])}: {html.escape(n)}</li>")
-    parts.append("</ul>")
+            parts.append(f"<p class='note'>{html.escape(n)}</p>")
     parts.append(_html_table(summary_rows(analysis), [r["label"] for r in runs]))
     for name, data in pngs.items():
+        if len(runs) == 1 and name not in SINGLE_RUN_SECTIONS:
+            continue
         title, how = SECTION_TEXT[name]
         b64 = base64.b64encode(data).decode()
         parts.append(f"<h2 id='{name}'>{title}</h2><p class='how'>{html.escape(how)}</p>"
@@ -77,6 +87,56 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
     parts.append("<p class='how'>The numbers behind every plot: <code>offloadctl report --json</code>.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+SHARE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "update: read waits": "#e15759",
+                "update: AdamW": "#59a14f", "update: write waits": "#edc948", "update: other": "#9c755f",
+                "outside DeepSpeed": "#bab0ac"}
+
+
+def _html_shares(shares: list) -> str:
+    """The median iteration as one bar of its shares, with a key."""
+    bar = "".join(f"<div style='width:{100 * v:.2f}%;background:{SHARE_COLORS[k]}' title='{html.escape(k)} "
+                  f"{100 * v:.0f}%'>{f'{100 * v:.0f}%' if v >= 0.04 else ''}</div>" for k, v in shares if v > 0)
+    key = "".join(f"<span style='background:{SHARE_COLORS[k]}'></span>{html.escape(k)} {100 * v:.0f}%"
+                  for k, v in shares)
+    return f"<div class='shares'>{bar}</div><div class='key'>{key}</div>"
+
+
+def _rank_text(r: dict) -> str:
+    if len(r["ranks"]) == 1 and r["summary"].get("world_size", 1) == 1:
+        return "one rank"
+    return f"rank {r['rank']} of {r['summary'].get('world_size', len(r['ranks']))}"
+
+
+def fmt_rate(x: float) -> str:
+    """A per-second figure with K/M/G of 1000."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if x >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def fmt_s(x: float) -> str:
+    """Seconds as ms below one, else s (3 significant digits)."""
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def headline(r: dict) -> str:
+    """How fast: s/iteration (median), samples/s and tokens/s over all ranks."""
+    s = r["summary"]
+    parts = [f"{fmt_s(s['median_iter_s'])}/iteration (median)"]
+    if s.get("samples_per_s"):
+        parts.append(f"{fmt_rate(s['samples_per_s'])} samples/s")
+    if s.get("tokens_per_s"):
+        parts.append(f"{fmt_rate(s['tokens_per_s'])} tokens/s")
+    return ", ".join(parts)
+
+
+def extent(r: dict) -> str:
+    """How long, and how it ended: '7 iterations in 3.83 s; interrupted by SIGINT at iteration 7'."""
+    text = f"{r['summary']['iterations']} iterations in {fmt_s(r['summary']['total_s'])}"
+    return text if r["status_kind"] == "finished" else f"{text}; {r['status']}"
 
 
 def _html_table(rows: list[tuple[str, list[str]]], labels: list[str]) -> str:
@@ -106,12 +166,17 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     def row(name, fn):
         rows.append((name, [fn(r) for r in runs]))
 
-    row("status", lambda r: r["status"].split(":")[0])
+    row("status", lambda r: r["status"].split(" (")[0])
     row("iterations (steady)", lambda r: f"{r['summary']['iterations']} ({len(r['summary']['steady_iterations'])})")
     row("median iteration", lambda r: f"{_fmt_s(r['summary']['median_iter_s'])} (#{r['summary']['median_iteration']})")
-    row("speed vs the first run", lambda r: f"{r['summary']['speedup_vs_first']:.2f}x")
-    for k in SEGMENTS:
-        row(f"  {SHORT_LABELS[k]}", lambda r, k=k: _fmt_s(r["summary"]["median_segments_s"][k]))
+    if len(runs) > 1:
+        row("speed vs the first run", lambda r: f"{r['summary']['speedup_vs_first']:.2f}x")
+    row("samples/s (all ranks)", lambda r: fmt_rate(r["summary"]["samples_per_s"]) if r["summary"].get("samples_per_s")
+        else "-")
+    row("tokens/s (all ranks)", lambda r: fmt_rate(r["summary"]["tokens_per_s"]) if r["summary"].get("tokens_per_s")
+        else "-")
+    for name, _ in SHARE_GROUPS:
+        row(f"  {name}", lambda r, name=name: _share_cell(r, name))
     row("phases recorded / iteration", lambda r: f"{100 * r['summary']['median_measured_share']:.1f}%")
     for ph in PHASES:
         row(f"disk B/param, {ph}", lambda r, ph=ph: _bpp(r["summary"]["disk_bytes_per_param"].get(ph)))
@@ -130,6 +195,12 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def _share_cell(r: dict, name: str) -> str:
+    """A share of the median iteration, with its time: '62% 281 ms'."""
+    sh = dict(r["summary"]["shares"]).get(name, 0.0)
+    return f"{100 * sh:.0f}% {_fmt_s(sh * r['summary']['median_iter_s'])}"
+
+
 def _gpu_peaks(r: dict) -> str:
     peaks = r["timeline"].get("gpu_peak_by_phase") or {}
     p = peaks.get("nvml_used_bytes") or peaks.get("gpu_reserved_bytes")
@@ -140,16 +211,27 @@ def _gpu_peaks(r: dict) -> str:
 
 def print_summary(analysis: dict, console: Console | None = None) -> None:
     console = console or Console()
+    width = min(console.width, 100)
+
+    def say(text: str, style: str = "") -> None:
+        lead = text[:len(text) - len(text.lstrip())]
+        for line in textwrap.wrap(text, width, initial_indent="", subsequent_indent=lead + "  ", break_on_hyphens=False):
+            console.print(line, style=style, markup=False, highlight=False, soft_wrap=True)
+
+    for r in analysis["runs"]:
+        prefix = f"{r['label']}: " if len(analysis["runs"]) > 1 else ""
+        say(f"{prefix}{headline(r)}")
+        indent = "  " if prefix else ""
+        say(indent + extent(r), "" if r["status_kind"] == "finished" else "yellow")
+        say(f"{indent}bottleneck: {r['summary']['verdict']}", "bold")
     t = Table("", *[r["label"] for r in analysis["runs"]],
-              title="offloadctl report: the median iteration of each run (B/param: medians)")
+              title="the median iteration (B/param: mean of steady iterations)")
     for name, vals in summary_rows(analysis):
         t.add_row(name, *vals)
     console.print(t)
     for r in analysis["runs"]:
         for n in r["notes"]:
             console.print(f"[yellow]{r['label']}: {n}[/yellow]")
-        if r["status"] != "complete":
-            console.print(f"[yellow]{r['label']}: {r['status']}; reported what it recorded[/yellow]")
         for m in r["timeline"]["missing"]:
             console.print(f"[dim]{r['label']}: {m}[/dim]")
 

@@ -1,10 +1,10 @@
-"""Show where a run's time, memory and bandwidth went: plots of its recorded iterations.
+"""Show where a run's time, memory and bandwidth went, iteration by iteration.
 
-    offloadctl report RUN_DIR [RUN_DIR ...] [--output report.html] [--png DIR] [--json]
-
-RUN_DIR is the --run-dir of an `offloadctl train` run (offloadctl's engine, or --engine stock);
-several are shown side by side, with their speed against the first. Without --output, --png or
---json the page goes to RUN_DIR/report.html. docs/report.md says how to read each plot.
+RUN_DIR is the --run-dir of an `offloadctl train` run (offloadctl's engine or
+--engine stock). It prints how fast the run went, the bottleneck in one line,
+and a table; the page (default RUN_DIR/report.html) adds the plots. Several
+runs are shown side by side, each against the first. docs/report.md says how
+to read each plot.
 """
 from __future__ import annotations
 
