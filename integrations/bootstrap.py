@@ -68,7 +68,7 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
     start = opt.plan_summary or "no profile (paths probed, default knobs)"
     socket = opt.tuner_client.socket_path if opt.tuner_client else None
     own = socket and run_dir and os.path.abspath(socket).startswith(os.path.abspath(run_dir) + os.sep)
-    tuner = "tuner off" if not socket else "this run's tuner (offloadctl tune --live)" if own else f"tuner {socket}"
+    tuner = "tuner off" if not socket else "tuner: this run's own" if own else f"tuner {socket}"
     parts = [f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
              f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
              f"{start}; {tuner}"]

@@ -161,12 +161,13 @@ def run_verdict(socket_path: str, run_id: str) -> str | None:
         decisions = r.get("decisions") or []
         changes = sum(1 for d in decisions if d.get("source") != "user" and d.get("apply_at") is not None)
         mode = policy.get("mode")
-        doing = {"holding": f"holding since iteration {policy.get('since_iteration')}", "frozen": "frozen",
+        doing = {"holding": "holding", "frozen": "frozen",
                  "trial": f"trying {policy.get('trial')}", "measuring": "measuring"}.get(mode, mode or "done")
         reason = policy.get("holding_reason") or (decisions[-1]["reason"] if decisions else "")
         why = reason.rsplit(": ", 1)[-1] if reason else ""
-        line = f"{doing}, {changes or 'no'} knob change{'s' if changes != 1 else ''}"
-        return f"{line} ({why})" if why and len(why) <= 60 else line
+        line = f"{changes or 'no'} knob change{'s' if changes != 1 else ''}, {doing}"
+        fits = len("tuner: ") + len(line) + len(why) + 3 <= 80  # one line on an 80-column terminal
+        return f"{line} ({why})" if why and fits else line
     return None
 
 

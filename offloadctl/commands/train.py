@@ -271,20 +271,19 @@ def run(args: argparse.Namespace) -> int:
         elif rc != 0 and output.hidden_lines and not args.verbose:
             print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
-        telemetry = os.path.join(run_dir, "telemetry-rank0.jsonl")
-        if rc == 0 and os.path.exists(telemetry):
-            from offloadctl.summary import load_records, print_summary
+        if rc == 0 or stopped_by is not None:  # how fast and why: first, before any pointer
+            from offloadctl.summary import print_run_summary
 
-            print_summary(load_records(telemetry), title=f"update phase, rank 0 (telemetry in {run_dir})")
-        if plan["settings"].get("recorder"):
-            print(f"recorded: offloadctl report {run_dir}")
+            print_run_summary(run_dir, rank=0)
         socket_path = plan["settings"].get("tuner_socket")
-        if rc == 0 and socket_path:
+        if socket_path and (rc == 0 or stopped_by is not None):
             from tuner.service import run_verdict
 
             verdict = run_verdict(socket_path, plan["settings"]["run_id"])
             if verdict:
                 print(f"tuner: {verdict}")
+        if plan["settings"].get("recorder"):
+            print(f"recorded: offloadctl report {run_dir}")
         return rc
     finally:
         if stop_tuner is not None:
