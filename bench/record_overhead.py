@@ -109,7 +109,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=40, help="measured iterations, half of each kind (default 40)")
     ap.add_argument("--nvme", help="a storage tier for the engine (default: state in host memory)")
-    ap.add_argument("--record-hz", type=float, default=100.0, help="the sampler's rate (default 100, as offloadctl train; 0: phase hooks only)")
+    ap.add_argument("--record-hz", type=float, default=100.0,
+                    help="the sampler's rate (default 100, as offloadctl train; 0: phase hooks only)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

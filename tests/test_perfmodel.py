@@ -323,7 +323,9 @@ def test_best_plan_is_fast_at_any_size(params):
     wl = Workload(params=params, ranks=8, fwd_bwd_s=30.0)
     t0 = time.perf_counter()
     alts = alternatives(prof, wl)
-    assert time.perf_counter() - t0 < 1.0
+    # Not a speed figure (0.3-0.7 s here): a bound that a search growing with the model size would
+    # break by orders of magnitude at 1e13, loose enough for a loaded 2-core machine.
+    assert time.perf_counter() - t0 < 5.0
     assert alts[0].update_s > 0 and alts[0].bytes_per_param > 0
 
 
