@@ -18,8 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.errors import ConfigError
+from engine.units import format_seconds
 from report.analyze import SHARE_GROUPS, analyze_run, storage_name, verdict
 from report.load import load_run
+from report.render import extent, headline
 
 WIDTH = 80
 STOCK_BYTES_PER_PARAM = 32
@@ -57,17 +59,6 @@ def _wrap(lines: list[str]) -> list[str]:
     return out
 
 
-def _fmt_s(x: float) -> str:
-    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
-
-
-def _fmt_rate(x: float) -> str:
-    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if x >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
-
-
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -102,20 +93,9 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
     run = load_run(run_dir, rank=rank)
     a = analyze_run(run)
     s = a["summary"]
-    steady = len(s["steady_iterations"])
     world = s.get("world_size", 1)
-    speed = [f"{_fmt_s(s['median_iter_s'])}/iteration (median of {steady})"]
-    ranks = f" over {world} ranks" if world > 1 else ""
-    if s.get("samples_per_s"):
-        speed.append(f"{_fmt_rate(s['samples_per_s'])} samples/s")
-    if s.get("tokens_per_s"):
-        speed.append(f"{_fmt_rate(s['tokens_per_s'])} tokens/s")
     who = f" of rank {rank} of {world}" if world > 1 else ""
-    lines = [f"run summary{who}: {run_dir}", ", ".join(speed) + (ranks if len(speed) > 1 else "")]
-    end = f"{s['iterations']} iterations in {_fmt_s(s['total_s'])}"
-    if a["status_kind"] != "finished":
-        end += f"; {a['status']}"
-    lines.append(end)
+    lines = [f"run summary{who}: {run_dir}", headline(a), extent(a)]
     lines.append(_share_line(s["shares"]))
     lines.append(f"bottleneck: {s['verdict']}")
     per_param = s.get("engine_bytes_per_param")
@@ -168,7 +148,8 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
     who = f" of rank {rank}" if rank else ""
     lines = [f"run summary{who}: {run_dir}",
              "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
-             f"{_fmt_s(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in {_fmt_s(total)}",
+             f"{format_seconds(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in "
+             f"{format_seconds(total)}",
              _share_line(shares, merge_fwd_bwd=True),
              f"bottleneck: {verdict(segments, median_s, storage)}"]
     p = steady[0].get("params") or 0

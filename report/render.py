@@ -10,6 +10,7 @@ import textwrap
 from rich.console import Console
 from rich.table import Table
 
+from engine.units import format_rate, format_seconds
 from report.analyze import PHASES, SHARE_GROUPS
 
 SECTION_TEXT = {
@@ -111,26 +112,25 @@ def _rank_text(r: dict) -> str:
 
 def fmt_rate(x: float) -> str:
     """A per-second figure with K/M/G of 1000."""
-    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if x >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
+    return format_rate(x, "").strip()
 
 
 def fmt_s(x: float) -> str:
     """Seconds as ms below one, else s (3 significant digits)."""
-    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+    return format_seconds(x)
 
 
 def headline(r: dict) -> str:
-    """How fast: s/iteration (median), samples/s and tokens/s over all ranks."""
+    """How fast: s/iteration (median of the steady iterations), samples/s and tokens/s over all
+    ranks. The same line heads the report and the summary at the end of a run."""
     s = r["summary"]
-    parts = [f"{fmt_s(s['median_iter_s'])}/iteration (median)"]
+    parts = [f"{fmt_s(s['median_iter_s'])}/iteration (median of {len(s['steady_iterations'])})"]
     if s.get("samples_per_s"):
         parts.append(f"{fmt_rate(s['samples_per_s'])} samples/s")
     if s.get("tokens_per_s"):
         parts.append(f"{fmt_rate(s['tokens_per_s'])} tokens/s")
-    return ", ".join(parts)
+    world = s.get("world_size", 1)
+    return ", ".join(parts) + (f" over {world} ranks" if world > 1 and len(parts) > 1 else "")
 
 
 def extent(r: dict) -> str:
