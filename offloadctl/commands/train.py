@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         if stopped_by is not None:
             print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
                   file=sys.stderr)
-        elif rc != 0 and output.hidden_lines and not args.verbose:
+        elif rc not in (0, 2) and output.hidden_lines and not args.verbose:  # 2: the ranks' one-line error said it all
             print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
         if rc == 0 or stopped_by is not None:  # how fast and why: first, before any pointer
