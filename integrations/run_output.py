@@ -137,6 +137,7 @@ class OutputFilter:
         self._passing = False  # in the middle of a line already passed on
         self.hidden_lines = 0
         self.extra_hidden: re.Pattern | None = None  # more lines for the log (set once the run is being stopped)
+        self.extra_start = b""  # how those lines begin: held until their newline (python -u writes the newline apart)
 
     def feed(self, data: bytes) -> None:
         buf = self._held + data
@@ -191,7 +192,8 @@ class OutputFilter:
             rest = text[n:]
             if any((level + b"] ").startswith(rest) or rest.startswith(level + b"] ") for level in _LEVELS):
                 return True
-        return any(s.startswith(text) or text.startswith(s) for s in _DS_PRINT_STARTS) and len(text) < 200
+        starts = _DS_PRINT_STARTS + ((self.extra_start,) if self.extra_hidden and self.extra_start else ())
+        return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 
     def _show(self, data: bytes) -> None:
         try:
@@ -240,8 +242,10 @@ class LauncherOutput:
             t.start()
             self._threads.append(t)
 
-    def hide_also(self, pattern: str) -> None:
+    def hide_also(self, pattern: str, start: str) -> None:
+        """Lines matching ``pattern`` (which begin with ``start``) go to the log from now on."""
         for f in self.filters:
+            f.extra_start = start.encode()
             f.extra_hidden = re.compile(pattern)
 
     def close(self, timeout: float = 5.0) -> None:
