@@ -32,8 +32,14 @@ from engine.host_kernel import time_host_lane  # noqa: E402
 CHUNK = 8 << 20  # the engine's I/O chunk (EngineConfig.io_chunk_bytes)
 
 
+def _host_chunk() -> memoryview:
+    """One I/O chunk of host memory: the engine checksums its staging buffers on the CPU, so
+    this stays on the CPU on a GPU machine too."""
+    return memoryview(torch.ones(CHUNK, dtype=torch.uint8, device="cpu").numpy())
+
+
 def crc_rate(seconds: float = 1.0) -> float:
-    buf = memoryview(torch.ones(CHUNK, dtype=torch.uint8).numpy())
+    buf = _host_chunk()
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
         zlib.crc32(buf)
@@ -43,7 +49,7 @@ def crc_rate(seconds: float = 1.0) -> float:
 
 def lane_rates(numel: int, reps: int, with_crc: bool) -> tuple[dict[str, float], float]:
     """Host lane params/s per kernel, and the checksum thread's bytes/s meanwhile (0 without it)."""
-    buf = memoryview(torch.ones(CHUNK, dtype=torch.uint8).numpy())
+    buf = _host_chunk()
     stop, done = threading.Event(), [0]
 
     def checksum() -> None:

@@ -9,6 +9,7 @@ bad value, rather than argparse's usage block.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import NamedTuple
 
 from engine.units import SIZE_HELP, parse_size
@@ -55,3 +56,10 @@ def add_size_epilog(p: argparse.ArgumentParser) -> None:
     """The size rule under the option list of ``p``'s help."""
     # One paragraph: the help formatter fills it to the terminal.
     p.epilog = ((p.epilog + "\n\n") if p.epilog else "") + " ".join(SIZE_HELP.split())
+
+
+def knob_words(message: str, spelled: dict[str, str] | None = None) -> str:
+    """A knob error (from :class:`engine.config.Knobs`, which names its fields ``Knobs.name``) in
+    the words the user typed: ``spelled[name]`` (an option such as ``--prefetch-depth``) where
+    given, else the knob's own name (as ``offloadctl tune --pin`` takes it)."""
+    return re.sub(r"Knobs\.([a-z_]+)", lambda m: (spelled or {}).get(m.group(1), m.group(1)), message)

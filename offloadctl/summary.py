@@ -127,11 +127,16 @@ def _state_by_kind(plan: dict, tiers: list[dict]) -> dict:
     return out
 
 
+def _iteration_s(r: dict) -> float:
+    """One StepRecord's iteration: the time since the last update, the update and its setup."""
+    return (r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0)
+
+
 def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
     """The summary from the engine's StepRecords alone: the update's parts, and the time between
     updates (forward, backward and the loop's own work) as ``fwd_bwd_s``."""
     steady = [r for r in records[1:] if r.get("fwd_bwd_s") is not None] or records
-    iters = [(r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in steady]
+    iters = [_iteration_s(r) for r in steady]
     seg = []
     for r, it_s in zip(steady, iters):
         other = r["wall_s"] - r["read_wait_s"] - r["update_s"] - r["write_wait_s"]
@@ -144,7 +149,7 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
     kinds = sorted({k for r in records for k, v in {**r.get("bytes_read", {}), **r.get("bytes_written", {})}.items()
                     if v}) or sorted({k for r in records for k in r.get("bytes_read", {})})
     storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
-    total = sum((r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0) for r in records)
+    total = sum(_iteration_s(r) for r in records)
     who = f" of rank {rank}" if rank else ""
     lines = [f"run summary{who}: {run_dir}",
              "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",

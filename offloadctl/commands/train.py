@@ -27,7 +27,7 @@ import time
 import uuid
 
 from integrations import launcher
-from offloadctl.options import add_size_epilog, add_size_option, size_bytes
+from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
 from report import recorder
 
 PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]"}
@@ -182,10 +182,7 @@ def _knobs(overrides: dict):
     try:
         return Knobs(**overrides)
     except ConfigError as e:
-        text = str(e)
-        for name in overrides:
-            text = text.replace(f"Knobs.{name}", "--" + name.replace("_", "-"))
-        raise ConfigError(text) from None
+        raise ConfigError(knob_words(str(e), {n: "--" + n.replace("_", "-") for n in overrides})) from None
 
 
 def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:

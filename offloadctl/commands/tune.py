@@ -21,6 +21,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from offloadctl.options import knob_words
+
 SPARK = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "disconnected")
 """A run's statuses in the daemon once it is over."""
@@ -67,13 +69,8 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
         try:
             Knobs().replace(**{m["knob"]: value})
         except (ConfigError, TypeError) as e:
-            raise ConfigError(f"--pin {spec!r}: {_user_words(str(e))}") from None
+            raise ConfigError(f"--pin {spec!r}: {knob_words(str(e))}") from None
     return m["run"], m["knob"], value
-
-
-def _user_words(message: str) -> str:
-    """An engine message as the user typed it: knob names, not ``Knobs.`` fields."""
-    return message.replace("Knobs.", "")
 
 
 def parse_unpin(spec: str) -> tuple[str, str]:
@@ -198,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 reply = conn.request(kind, **fields)
             except ProtocolError as e:
-                raise ConfigError(f"{flag}: {_user_words(str(e))}") from None
+                raise ConfigError(f"{flag}: {knob_words(str(e))}") from None
             if not (args.once or args.json or args.live):
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
