@@ -164,7 +164,7 @@ if engine.global_rank == 0:
         from engine.buffers import is_pinned_in_place
 
         fit = opt.device_fit.to_dict() if opt.device_fit else None
-        rec["engine"] = {"fit": fit, "describe": opt.offload_engine.describe(), "plan": opt.plan_summary,
+        rec["engine"] = {"fit": fit, "describe": opt.offload_engine.describe().to_dict(), "plan": opt.plan_summary,
                          "grad_buffer_pinned": is_pinned_in_place(opt.grad_partitions_flat_buffer)}
     with open(args.out, "w") as f:
         json.dump(rec, f)

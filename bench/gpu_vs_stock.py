@@ -141,7 +141,7 @@ def summarize(rec: dict) -> dict:
     if rec.get("telemetry"):
         t = rec["telemetry"][warm]
         out["update_breakdown"] = {k: statistics.median(r[k] for r in t) for k in
-                                   ("wall_s", "host_lane_s", "device_wait_s", "read_wait_s", "write_wait_s")}
+                                   ("update_s", "host_lane_s", "device_wait_s", "read_wait_s", "write_wait_s")}
         out["device_tier_subgroups"] = t[-1]["device_tier_subgroups"]
         out["device_lane_subgroups"] = t[-1]["device_lane_subgroups"]
         out["knobs"] = t[-1]["knobs"]

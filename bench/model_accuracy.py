@@ -136,12 +136,12 @@ def run_plan(plan: Plan, specs: tuple, numel: int, sub: int, steps: int, backend
         while done < steps or (measured < MIN_MEASURED_S and done < MAX_STEPS):
             rec = eng.step([AdamWHyper(lr=1e-4)])
             done += 1
-            measured += rec.wall_s if done > WARMUP_STEPS else 0.0
+            measured += rec.update_s if done > WARMUP_STEPS else 0.0
     finally:
         eng.close()
     recs = eng.telemetry.records[WARMUP_STEPS:]
-    fwd = [r.wall_s for r in recs if r.order == "forward"]
-    rev = [r.wall_s for r in recs if r.order == "reverse"]
+    fwd = [r.update_s for r in recs if r.order == "forward"]
+    rev = [r.update_s for r in recs if r.order == "reverse"]
     return {"measured_s": statistics.mean([statistics.median(x) for x in (fwd, rev) if x]),
             "forward_s": fwd, "reverse_s": rev,
             "measured_bytes_per_param": statistics.median(r.bytes_moved_per_param for r in recs),

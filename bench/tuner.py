@@ -81,7 +81,7 @@ def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Kn
 
 
 def _row(rec, decision: str | None, other: dict | None = None) -> dict:
-    return {"iteration": rec.iteration, "update_s": rec.wall_s, "read_wait_s": rec.read_wait_s,
+    return {"iteration": rec.iteration, "update_s": rec.update_s, "read_wait_s": rec.read_wait_s,
             "write_wait_s": rec.write_wait_s, "knobs": rec.knobs, "decision": decision, "other_bytes_per_s": other or {}}
 
 
@@ -107,12 +107,7 @@ class InProcess:
         dt = max(time.monotonic() - t0, 1e-6)
         s = self.sensors.sample({p: b / dt for p, b in moved.items()})
         other = {p: s["paths"][p]["other_bytes_per_s"] for p in self.paths}
-        w = max(rec.wall_s, 1e-9)
-        obs = Observation(iteration=rec.iteration, iter_time_s=None, update_s=rec.wall_s, read_wait_s=rec.read_wait_s,
-                          write_wait_s=rec.write_wait_s,
-                          path_read_bytes_per_s={p: b / w for p, b in rec.path_bytes_read.items()},
-                          path_write_bytes_per_s={p: b / w for p, b in rec.path_bytes_written.items()},
-                          path_other_bytes_per_s=other, device_headroom_bytes=None, knobs=rec.knobs)
+        obs = Observation.from_records([rec], path_other_bytes_per_s=other, knobs=rec.knobs)
         d = self.policy.observe(obs)
         if d is not None:
             self.engine.set_knobs(d.knobs)
@@ -274,7 +269,7 @@ def part1(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
                     static.set_knobs(grid[k])
                 rec = static.step(HYPERS)
                 if step > 0:
-                    static_times[k].append(rec.wall_s)
+                    static_times[k].append(rec.update_s)
             progress.advance(task)
     finally:
         driver.close()
@@ -327,18 +322,13 @@ def part3(args, progress: Progress) -> dict:
         for i in range(n):
             if i < args.iters:
                 rec = tuned.step(HYPERS)
-                it = rec.wall_s + args.fwd_bwd_s
-                obs = Observation(iteration=rec.iteration, iter_time_s=it, update_s=rec.wall_s, read_wait_s=0.0,
-                                  write_wait_s=0.0, path_read_bytes_per_s={}, path_write_bytes_per_s={},
-                                  path_other_bytes_per_s={}, device_headroom_bytes=rec.device_headroom_bytes,
-                                  knobs=rec.knobs, host_lane_s=rec.host_lane_s, device_wait_s=rec.device_wait_s,
-                                  host_lane_subgroups=rec.host_lane_subgroups,
-                                  device_lane_subgroups=rec.device_lane_subgroups,
-                                  device_tier_subgroups=rec.device_tier_subgroups)
+                it = rec.update_s + args.fwd_bwd_s
+                obs = Observation.from_records([rec], iter_times_s=[it], device_headroom_bytes=rec.device_headroom_bytes,
+                                               knobs=rec.knobs)
                 d = policy.observe(obs)
                 if d is not None:
                     tuned.set_knobs(d.knobs)
-                rows.append({"iteration": rec.iteration, "iteration_s": it, "update_s": rec.wall_s,
+                rows.append({"iteration": rec.iteration, "iteration_s": it, "update_s": rec.update_s,
                              "fraction": rec.knobs["device_fraction"], "decision": d.reason if d else None})
             if i < len(schedule):
                 k, step = schedule[i]
@@ -346,7 +336,7 @@ def part3(args, progress: Progress) -> dict:
                     static.set_knobs(static.knobs.replace(device_fraction=grid[k]))
                 rec = static.step(HYPERS)
                 if step > 0:
-                    static_times[k].append(rec.wall_s + args.fwd_bwd_s)
+                    static_times[k].append(rec.update_s + args.fwd_bwd_s)
             progress.advance(task)
     finally:
         tuned.close()
@@ -406,7 +396,7 @@ def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
             if ref is not None:
                 if i < w0 and ref.knobs != tuned.knobs:
                     ref.set_knobs(tuned.knobs)  # until then it follows the tuned run
-                row["reference_update_s"] = ref.step(HYPERS).wall_s
+                row["reference_update_s"] = ref.step(HYPERS).update_s
             rows.append(row)
             progress.advance(task)
     finally:

@@ -46,8 +46,8 @@ def record(i: int, paths: list[str], knobs: dict, rng: random.Random) -> dict:
     """A StepRecord.to_dict() as an engine of 100M parameters on two paths would send it."""
     wall = 2.0 * (1 + 0.05 * rng.random())
     read = {p: 600_000_000 for p in paths}
-    return {"iteration": i, "order": "forward" if i % 2 == 0 else "reverse", "wall_s": wall,
-            "read_wait_s": 0.4 * wall, "update_s": 0.5 * wall, "write_wait_s": 0.1 * wall,
+    return {"iteration": i, "order": "forward" if i % 2 == 0 else "reverse", "update_s": wall,
+            "read_wait_s": 0.4 * wall, "kernel_s": 0.5 * wall, "write_wait_s": 0.1 * wall,
             "bytes_read": {"nvme": sum(read.values())}, "bytes_written": {"nvme": sum(read.values())},
             "path_bytes_read": read, "path_bytes_written": dict(read), "read_bytes_per_s": 1.2e9 / wall,
             "write_bytes_per_s": 1.2e9 / wall, "cache_hits": 2, "cache_misses": 18, "host_lane_subgroups": 20,

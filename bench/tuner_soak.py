@@ -97,7 +97,7 @@ async def _hostile(sock: str, stop: threading.Event, counts: dict) -> None:
             w.write(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine"}))
             w.write(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": run, "rank": 0, "world_size": 1,
                             "params": 1000, "paths": ["/x"], "knobs": {}, "has_device": False, "subgroup_bytes": 12288}))
-            rec = {"iteration": 1, "wall_s": 5e-324, "read_wait_s": 0.0, "update_s": 0.0, "write_wait_s": 0.0,
+            rec = {"iteration": 1, "update_s": 5e-324, "read_wait_s": 0.0, "kernel_s": 0.0, "write_wait_s": 0.0,
                    "path_bytes_read": {"/x": 1 << 60}}
             w.write(encode({"v": API_VERSION, "type": "telemetry", "id": 2, "run_id": run, "rank": 0, "iteration": 1,
                             "record": rec}))

@@ -126,7 +126,3 @@ class StateBuffer:
         ev, self.ready_event = self.ready_event, None
         if ev is not None:
             ev.synchronize()
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()

@@ -20,13 +20,9 @@ host memory, or a swap file on a storage path. ``step()`` visits every subgroup 
   transfer is in flight.
 
 The engine is driven by an adapter that supplies one :class:`SubgroupBinding` per subgroup
-(``OffloadAdamW``; the DeepSpeed ZeRO-3 integration).
-
-Why one file (over 600 lines): the step loop, the staging-buffer pool, the kept buffers across
-the step boundary and the knob changes between steps share one piece of state (which subgroup
-is in which buffer, in flight or kept); split, each part would reach into the others' internals.
-The lanes (``engine.lanes``), placement (``engine.placement``) and storage
-(``engine.storage``) are already their own modules.
+(``OffloadAdamW``; the DeepSpeed ZeRO-3 integration). Where state goes is
+:mod:`engine.placement`, where it is updated :mod:`engine.lanes`, how it moves
+:mod:`engine.storage`.
 """
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import psutil
@@ -46,12 +42,13 @@ from engine.binding import SubgroupBinding, flat_weights_of
 from engine.buffers import StateBuffer, payload_bytes
 from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError, StorageIOError
+from engine.facts import DeviceFit, EngineFacts
 from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
 from engine.host_kernel import host_lane_rate, select_host_kernel
-from engine.lane_model import LaneRates, balanced_fraction, grads_on_device
+from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import kept_subgroups, staging_buffers
-from engine.placement import DEVICE, HOST, Placement, device_lane_mask, place, stripe
+from engine.placement import DEVICE, HOST, Placement, Tier, device_tier_prefix, place, stripe, swap_tier
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.streams import streams_for
@@ -60,46 +57,24 @@ from engine.telemetry import StepRecord, TelemetryLog
 log = logging.getLogger(__name__)
 
 
-def _seed(binding: SubgroupBinding, buf: StateBuffer) -> None:
-    """First state of a subgroup: master from the model's weights, zero moments."""
+def first_state(binding: SubgroupBinding, buf: StateBuffer) -> None:
+    """A subgroup's state before its first update: master from the model's weights, zero moments."""
     binding.read_weights(buf.master)
     buf.exp_avg.zero_()
     buf.exp_avg_sq.zero_()
-
-
-@dataclass(frozen=True)
-class DeviceFit:
-    """What :meth:`SubgroupEngine.fit_device_tier` decided (for logs, the adapter and the report)."""
-
-    headroom_bytes: int = 0
-    """Device memory the state could take after forward/backward (less the margin and reserve)."""
-    device_tier_subgroups: int = 0
-    device_tier_bytes: int = 0
-    """Device memory the device tier takes (state, and gradients kept on the device)."""
-    device_fraction: float = 0.0
-    """The device lane's starting fraction of the subgroups outside the device tier."""
-    device_lane_grads_on_device: int = 0
-    """Device-lane subgroups (at that fraction) whose gradients stay on the device."""
-    device_lane_bytes: int = 0
-    """Device memory the device lane's chunk slots take when it runs."""
-    device_lane_off: str | None = None
-    """Why the device lane cannot run (no room for its slots); None when it can."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
 class _Subgroup:
     index: int
     binding: SubgroupBinding
-    tier: str | int  # DEVICE, HOST, or a path index
+    tier: Tier
     steps: list[int]  # per slice, as torch AdamW keeps per parameter
     resident: StateBuffer | torch.Tensor | None = None  # HOST: StateBuffer; DEVICE: flat tensor
     file: SwapFile | None = None  # swapped: where the state is
     next_file: SwapFile | None = None  # restriped: where the next write goes
     staged: StateBuffer | None = None  # swapped: staging buffer holding it now
-    fresh: bool = True  # never materialised: master comes from the weights, moments are zero
+    fresh: bool = True  # no state yet: its first state (first_state) is made where it is first needed
     dirty: bool = False  # staged copy is newer than the file
     kept: bool = False  # staged copy kept from the previous step
 
@@ -115,6 +90,9 @@ class _StepState:
     next_read: int = 0  # first position of seq not yet considered for prefetch
     reads: dict[int, Future] = field(default_factory=dict)
     read_wait_s: float = 0.0
+    kernel_s: float = 0.0  # AdamW on either lane, and queueing the device tier's
+    host_lane_s: float = 0.0
+    lane_subgroups: list[int] = field(default_factory=lambda: [0, 0])  # host lane, device lane
     hits: int = 0
     misses: int = 0
 
@@ -219,8 +197,8 @@ class SubgroupEngine:
                 # subgroup takes the device lane.
                 sg.resident = StateBuffer(sg.numel)
             else:
-                sg.file = self._create_file(sg, sg.tier)
-        swapped = [sg.numel for sg in self.subgroups if isinstance(sg.tier, int)]
+                sg.file = self._create_file(sg, sg.tier.path_index)
+        swapped = [sg.numel for sg in self.subgroups if sg.tier.swapped]
         self._staging_capacity = max(swapped, default=0)
         self._free: list[StateBuffer] = []
         self._n_staging = 0
@@ -243,6 +221,11 @@ class SubgroupEngine:
     def add_step_hook(self, hook) -> None:
         """Call ``hook`` around every step (``engine.hooks``); the engine closes it in ``close()``."""
         self._hooks.append(hook)
+
+    @property
+    def next_knobs(self) -> Knobs:
+        """The knobs the next step runs with: those set and not yet applied, else those in force."""
+        return self._pending_knobs or self.knobs
 
     def set_knobs(self, knobs: Knobs) -> None:
         """Validate ``knobs`` now; apply them at the start of the next ``step()``."""
@@ -278,15 +261,15 @@ class SubgroupEngine:
 
     def _restripe(self, knobs: Knobs) -> None:
         """Move swapped subgroups to new paths lazily: each goes at its next write."""
-        swapped = [sg for sg in self.subgroups if isinstance(sg.tier, int)]
+        swapped = [sg for sg in self.subgroups if sg.tier.swapped]
         targets = stripe([payload_bytes(sg.numel) for sg in swapped], self._stripe_weights(knobs))
         for sg, p in zip(swapped, targets):
-            if p == sg.tier:
+            if p == sg.tier.path_index:
                 continue
             if sg.next_file is not None:
                 sg.next_file.path.remove_file(sg.next_file)
                 sg.next_file = None
-            sg.tier = p
+            sg.tier = swap_tier(p)
             if sg.file.path is self.paths[p]:
                 continue  # back on the path that holds its state (a move not yet done): nothing to move
             if sg.fresh:  # nothing on storage yet: move the empty file now
@@ -341,10 +324,8 @@ class SubgroupEngine:
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = self.iteration % 2 == 0
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
-        seq = [i for i in order if isinstance(self.subgroups[i].tier, int)]
+        seq = [i for i in order if self.subgroups[i].tier.swapped]
         st = _StepState(seq, {i: k for k, i in enumerate(seq)})
-        update_s = host_s = 0.0
-        lanes = [0, 0]  # subgroups on the host lane, on the device lane (the device tier apart)
         threads = torch.get_num_threads()
         if seq and self.config.io_cores and threads > 1:
             torch.set_num_threads(max(1, threads - self.config.io_cores))  # config.io_cores: why
@@ -356,41 +337,17 @@ class SubgroupEngine:
                 t0 = time.perf_counter()
                 for sg in self.subgroups:
                     if sg.tier == DEVICE:
-                        self._materialize_resident(sg)
+                        self._init_state(sg)
                         self.device_lane.update_resident(sg.resident, sg.binding, sg.steps, hypers[sg.binding.group])
-                update_s += time.perf_counter() - t0
+                st.kernel_s += time.perf_counter() - t0
             for i in order:
                 sg = self.subgroups[i]
                 if sg.tier == DEVICE:
                     continue
-                hp = hypers[sg.binding.group]
-                on_device = self._lane_mask[i]
-                if isinstance(sg.tier, int):
-                    self._prefetch(st, st.pos[i] + self.knobs.prefetch_depth)
-                    buf = self._stage(sg, st)
-                    t0 = time.perf_counter()
-                    if on_device:
-                        self.device_lane.update_staged(buf, sg.binding, sg.steps, hp)
-                    else:
-                        self.host_lane.update(buf, sg.binding, sg.steps, hp)
-                        host_s += time.perf_counter() - t0
-                    update_s += time.perf_counter() - t0
-                    sg.dirty = True
-                    # The tail stays in its buffers: it is the head of the next step's (reversed)
-                    # order. The kept buffers come on top of the working ones, so the next step's
-                    # first reads start at once instead of waiting for write-backs.
-                    if st.pos[i] < len(seq) - kept_subgroups(self.knobs.prefetch_depth):
-                        self._write_back(sg)
+                if sg.tier.swapped:
+                    self._update_swapped(sg, st, hypers[sg.binding.group])
                 else:
-                    t0 = time.perf_counter()
-                    self._materialize_resident(sg)
-                    if on_device:
-                        self.device_lane.update_staged(sg.resident, sg.binding, sg.steps, hp)
-                    else:
-                        self.host_lane.update(sg.resident, sg.binding, sg.steps, hp)
-                        host_s += time.perf_counter() - t0
-                    update_s += time.perf_counter() - t0
-                lanes[on_device] += 1
+                    self._update_resident(sg, st, hypers[sg.binding.group])
         except BaseException:
             self._abort_step(st)
             raise
@@ -404,13 +361,9 @@ class SubgroupEngine:
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
-        wall = time.perf_counter() - t_start
-        rec = self._record(before, forward, wall, st, update_s, write_wait_s, lanes)
-        rec.host_lane_s, rec.device_wait_s, rec.fwd_bwd_s = host_s, device_wait_s, fwd_bwd_s
-        rec.start_s, rec.setup_s = t_start, setup_s
-        rec.device_tier_subgroups = sum(sg.tier == DEVICE for sg in self.subgroups)
-        if self.device is not None and self.device.type == "cuda":
-            rec.device_headroom_bytes = gpu_headroom_bytes(self.device)
+        rec = self._step_record(st, before, forward=forward, t_start=t_start, update_s=time.perf_counter() - t_start,
+                                write_wait_s=write_wait_s, device_wait_s=device_wait_s, setup_s=setup_s,
+                                fwd_bwd_s=fwd_bwd_s)
         self.iteration += 1
         self.telemetry.append(rec)
         self._last_step_end = time.perf_counter()
@@ -418,6 +371,35 @@ class SubgroupEngine:
             err, self._failures = self._failures[0], []
             raise err
         return rec
+
+    def _update_swapped(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
+        """One swapped subgroup: read ahead, wait for its state, update it, write it back."""
+        self._prefetch(st, st.pos[sg.index] + self.knobs.prefetch_depth)
+        buf = self._stage(sg, st)
+        self._run_update(sg, buf, hp, st, time.perf_counter())
+        sg.dirty = True
+        # The tail stays in its buffers: it is the head of the next step's (reversed) order. The
+        # kept buffers come on top of the working ones, so the next step's first reads start at
+        # once instead of waiting for write-backs.
+        if st.pos[sg.index] < len(st.seq) - kept_subgroups(self.knobs.prefetch_depth):
+            self._write_back(sg)
+
+    def _update_resident(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
+        """One subgroup whose state is in host memory (its first state counted in the update)."""
+        t0 = time.perf_counter()
+        self._init_state(sg)
+        self._run_update(sg, sg.resident, hp, st, t0)
+
+    def _run_update(self, sg: _Subgroup, state: StateBuffer, hp: AdamWHyper, st: _StepState, t0: float) -> None:
+        """AdamW on ``state`` on the subgroup's lane; the time since ``t0`` is the step's kernel time."""
+        on_device = self._lane_mask[sg.index]
+        if on_device:
+            self.device_lane.update_staged(state, sg.binding, sg.steps, hp)
+        else:
+            self.host_lane.update(state, sg.binding, sg.steps, hp)
+            st.host_lane_s += time.perf_counter() - t0
+        st.kernel_s += time.perf_counter() - t0
+        st.lane_subgroups[on_device] += 1
 
     def _end_streams(self) -> None:
         """The step's end on the device: every stream that wrote weights the model reads (the
@@ -441,15 +423,10 @@ class SubgroupEngine:
     def _set_lane_mask(self, fraction: float) -> None:
         """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread.
         Their gradients live on the device, in order, as far as what the fit left for them holds."""
-        rest = [sg.index for sg in self.subgroups if sg.tier != DEVICE]
-        mask = [False] * len(self.subgroups)
-        for i, on in zip(rest, device_lane_mask(len(rest), fraction)):
-            mask[i] = on
-        self._lane_mask = mask
-        lane = [i for i in rest if mask[i]]
-        kept = grads_on_device([self.subgroups[i].numel for i in lane], self._lane_grad_budget,
-                               self._grad_bytes_per_element)
-        self._device_grads = {i for i, k in zip(lane, kept) if k and self._grad_bytes_per_element}
+        self._lane_mask, self._device_grads = lane_assignment(
+            [sg.numel for sg in self.subgroups], [sg.tier == DEVICE for sg in self.subgroups], fraction,
+            grad_budget_bytes=self._lane_grad_budget, grad_bytes=self._grad_bytes_per_element)
+        lane = [i for i, on in enumerate(self._lane_mask) if on]
         if self.streams.pins_host_memory and lane and not self._device_tier_pending:
             # Page-lock what the device lane copies from now, between steps (the step's setup),
             # not inside the first update of each buffer (pinning faults in every page); and only
@@ -458,7 +435,7 @@ class SubgroupEngine:
                 sg = self.subgroups[i]
                 if sg.tier == HOST and sg.resident is not None:
                     sg.resident.pin()
-            if any(isinstance(self.subgroups[i].tier, int) for i in lane):
+            if any(self.subgroups[i].tier.swapped for i in lane):
                 for buf in self._free + [sg.staged for sg in self.subgroups if sg.staged is not None]:
                     buf.pin()
 
@@ -500,14 +477,7 @@ class SubgroupEngine:
         if self.config.device_cache_bytes is not None:
             self._set_device_tier(self._placed_on_device)  # the budget's placement (back after release_device)
         else:
-            if sum(cost) + lane_ws <= headroom_bytes:  # the tier's own update streams through the lane's scratch
-                tier = len(cost)
-            else:
-                left, tier = headroom_bytes - lane_ws, 0
-                while tier < len(cost) and cost[tier] <= left:
-                    left -= cost[tier]
-                    tier += 1
-            self._set_device_tier(set(range(tier)))
+            self._set_device_tier(set(range(device_tier_prefix(cost, headroom_bytes, lane_ws))))
         used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
         rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
         self._grad_bytes_per_element = grad_bytes_per_element
@@ -578,7 +548,7 @@ class SubgroupEngine:
             state.copy_(view.state)
         if sg.tier == HOST:
             sg.resident = None
-        elif isinstance(sg.tier, int):
+        elif sg.tier.swapped:
             self._release(sg)
             for f in (sg.file, sg.next_file):
                 if f is not None:
@@ -663,22 +633,20 @@ class SubgroupEngine:
         sg.staged = buf
         buf.bind(sg.numel)
         if sg.fresh:
-            self._materialize(sg, buf)
+            self._init_state(sg, buf)
         else:
             st.reads[sg.index] = sg.file.path.read(sg.file, buf)
 
-    def _materialize(self, sg: _Subgroup, buf: StateBuffer) -> None:
-        _seed(sg.binding, buf)
-        sg.fresh = False
-
-    def _materialize_resident(self, sg: _Subgroup) -> None:
+    def _init_state(self, sg: _Subgroup, buf: StateBuffer | None = None) -> None:
+        """A subgroup's first state, where it is first needed: in ``buf`` (a swapped subgroup's
+        staging buffer) or where it is resident. Nothing once it has state."""
         if not sg.fresh:
             return
         if sg.tier == DEVICE:
             self.device_lane.seed_resident(sg.resident, sg.binding)
-            sg.fresh = False
         else:
-            self._materialize(sg, sg.resident)
+            first_state(sg.binding, buf if buf is not None else sg.resident)
+        sg.fresh = False
 
     def _write_back(self, sg: _Subgroup) -> None:
         buf = sg.staged
@@ -740,21 +708,31 @@ class SubgroupEngine:
             if buf is not None:
                 self._free.append(buf)
 
-    def _record(self, before, forward, wall, st, update_s, write_wait_s, lanes) -> StepRecord:
-        rec = StepRecord(
-            iteration=self.iteration, order="forward" if forward else "reverse", wall_s=wall,
-            read_wait_s=st.read_wait_s, update_s=update_s, write_wait_s=write_wait_s,
-            cache_hits=st.hits, cache_misses=st.misses, host_lane_subgroups=lanes[0],
-            device_lane_subgroups=lanes[1], params=sum(sg.numel for sg in self.subgroups),
-            knobs=self.knobs.to_dict())
+    def _step_record(self, st: _StepState, before: list[tuple[int, int]], *, forward: bool, t_start: float,
+                     update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
+                     fwd_bwd_s: float | None) -> StepRecord:
+        """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
+        bytes_read: dict[str, int] = {}
+        bytes_written: dict[str, int] = {}
+        path_read: dict[str, int] = {}
+        path_written: dict[str, int] = {}
         for p, (r0, w0) in zip(self.paths, before):
-            dr, dw = p.counters.bytes_read - r0, p.counters.bytes_written - w0
-            rec.path_bytes_read[p.path], rec.path_bytes_written[p.path] = dr, dw
-            rec.bytes_read[p.spec.kind] = rec.bytes_read.get(p.spec.kind, 0) + dr
-            rec.bytes_written[p.spec.kind] = rec.bytes_written.get(p.spec.kind, 0) + dw
-        rec.read_bytes_per_s = sum(rec.bytes_read.values()) / wall if wall else 0.0
-        rec.write_bytes_per_s = sum(rec.bytes_written.values()) / wall if wall else 0.0
-        return rec
+            path_read[p.path], path_written[p.path] = p.counters.bytes_read - r0, p.counters.bytes_written - w0
+            bytes_read[p.spec.kind] = bytes_read.get(p.spec.kind, 0) + path_read[p.path]
+            bytes_written[p.spec.kind] = bytes_written.get(p.spec.kind, 0) + path_written[p.path]
+        headroom = gpu_headroom_bytes(self.device) if self.device is not None and self.device.type == "cuda" else None
+        return StepRecord(
+            iteration=self.iteration, order="forward" if forward else "reverse", update_s=update_s,
+            read_wait_s=st.read_wait_s, kernel_s=st.kernel_s, write_wait_s=write_wait_s,
+            bytes_read=bytes_read, bytes_written=bytes_written, path_bytes_read=path_read,
+            path_bytes_written=path_written,
+            read_bytes_per_s=sum(bytes_read.values()) / update_s if update_s else 0.0,
+            write_bytes_per_s=sum(bytes_written.values()) / update_s if update_s else 0.0,
+            cache_hits=st.hits, cache_misses=st.misses, host_lane_subgroups=st.lane_subgroups[0],
+            device_lane_subgroups=st.lane_subgroups[1],
+            device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=st.host_lane_s,
+            fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
+            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start)
 
     # -- state access (checkpoints) ----------------------------------------------------------
 
@@ -762,7 +740,7 @@ class SubgroupEngine:
         """Copies of subgroup ``index``'s (master, exp_avg, exp_avg_sq) on the CPU, and its steps."""
         sg = self.subgroups[index]
         if sg.tier == DEVICE:
-            self._materialize_resident(sg)
+            self._init_state(sg)
             self.device_lane.sync()
             n = sg.numel
             return (*(t.detach().to("cpu", copy=True) for t in sg.resident.split(n)), list(sg.steps))
@@ -800,13 +778,13 @@ class SubgroupEngine:
 
     def _host_view(self, sg: _Subgroup) -> StateBuffer:
         if sg.tier == HOST:
-            self._materialize_resident(sg)
+            self._init_state(sg)
             return sg.resident
         if sg.staged is not None:
             return sg.staged
         buf = StateBuffer(sg.numel, pin=False)
         if sg.fresh:
-            _seed(sg.binding, buf)
+            first_state(sg.binding, buf)  # a copy to read: the subgroup's own first state is made at its update
         else:
             sg.file.path.read(sg.file, buf).result()
         return buf
@@ -832,27 +810,20 @@ class SubgroupEngine:
         for p in self.paths:
             p.close()
 
-    def describe(self) -> dict:
-        """The plan in force: tiers, bytes per tier, knobs; for logs, ``--dry-run`` and the
-        tuner (which learns what it tunes from this, not from the engine's internals)."""
+    def describe(self) -> EngineFacts:
+        """The plan in force: for logs, ``--dry-run`` and the tuner (which learns what it tunes
+        from this, not from the engine's internals)."""
         tiers: dict[str, int] = {}
         for sg in self.subgroups:
-            key = sg.tier if isinstance(sg.tier, str) else self.paths[sg.tier].path
+            key = self.paths[sg.tier.path_index].path if sg.tier.swapped else sg.tier.kind
             tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
-        return {
-            "subgroups": len(self.subgroups),
-            "params": sum(sg.numel for sg in self.subgroups),
-            "state_bytes_by_tier": tiers,
-            "staging_buffers": self._n_staging,
-            "io_backend": self.io_backend,
-            "host_kernel": self.host_kernel_name,
-            "device": str(self.device) if self.device is not None else None,
-            "path_bandwidth_bytes_per_s": {p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
-            "knobs": self.knobs.to_dict(),
-            "paths": [p.path for p in self.config.paths],
-            "has_device": self.device is not None,
-            "subgroup_bytes": max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
-            "device_headroom_bytes": None if self.device is None else gpu_headroom_bytes(self.device),
-            "device_lane_bytes": self.device_lane.working_bytes() if self.device_lane else 0,
-            "device_lane_available": self.device_lane is not None and self._lane_room,
-        }
+        return EngineFacts(
+            subgroups=len(self.subgroups), params=sum(sg.numel for sg in self.subgroups),
+            state_bytes_by_tier=tiers, staging_buffers=self._n_staging, io_backend=self.io_backend,
+            host_kernel=self.host_kernel_name, device=str(self.device) if self.device is not None else None,
+            path_bandwidth_bytes_per_s={p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
+            knobs=self.knobs.to_dict(), paths=[p.path for p in self.config.paths], has_device=self.device is not None,
+            subgroup_bytes=max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
+            device_headroom_bytes=None if self.device is None else gpu_headroom_bytes(self.device),
+            device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,
+            device_lane_available=self.device_lane is not None and self._lane_room)

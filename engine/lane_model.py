@@ -105,6 +105,20 @@ def grads_on_device(lane_numels: Sequence[int], budget_bytes: int, grad_bytes: i
     return out
 
 
+def lane_assignment(numels: Sequence[int], in_device_tier: Sequence[bool], fraction: float, *,
+                    grad_budget_bytes: int, grad_bytes: int) -> tuple[list[bool], set[int]]:
+    """Which subgroups take the device lane (``fraction`` of those outside the device tier,
+    evenly spread), and which of those keep their gradients on the device (in order, as far as
+    ``grad_budget_bytes`` holds; none when ``grad_bytes`` is 0, gradients not kept there)."""
+    rest = [i for i, t in enumerate(in_device_tier) if not t]
+    mask = [False] * len(numels)
+    for i, on in zip(rest, device_lane_mask(len(rest), fraction)):
+        mask[i] = on
+    lane = [i for i in rest if mask[i]]
+    kept = grads_on_device([numels[i] for i in lane], grad_budget_bytes, grad_bytes)
+    return mask, {i for i, k in zip(lane, kept) if k and grad_bytes}
+
+
 def load_for(numels: Sequence[int], fraction: float, *, resident_params: int, grad_budget_bytes: int,
              grad_bytes: int, weight_bytes: int, weights_on_device: bool = True,
              chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> LaneLoad:

@@ -58,10 +58,6 @@ class _Scratch:
             self._t = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._t[:numel]
 
-    @property
-    def nbytes(self) -> int:
-        return self._t.numel() * 4
-
 
 def _offsets(binding: SubgroupBinding) -> list[int]:
     out = [0]
@@ -227,10 +223,6 @@ class WeightUploader:
         with self.streams.use(self.stream):
             self.streams.copy(target, staging)
             self._done[k] = self.streams.record(self.stream)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._staging if b is not None)
 
 
 class HostLane:

@@ -170,7 +170,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @property
     def knobs(self) -> Knobs:
-        return self.engine._pending_knobs or self.engine.knobs
+        return self.engine.next_knobs
 
     @property
     def telemetry(self) -> list[StepRecord]:

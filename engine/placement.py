@@ -13,8 +13,31 @@ from typing import Sequence
 
 from engine.errors import ConfigError
 
-DEVICE = "device"
-HOST = "host"
+
+@dataclass(frozen=True)
+class Tier:
+    """Where one subgroup's state lives: device memory, host memory, or a swap file on the
+    storage path ``path_index`` (the engine's ``paths[path_index]``)."""
+
+    kind: str
+    """'device', 'host' or 'swap'."""
+    path_index: int | None = None
+
+    @property
+    def swapped(self) -> bool:
+        return self.path_index is not None
+
+    def __repr__(self) -> str:
+        return f"swap:{self.path_index}" if self.swapped else self.kind
+
+
+DEVICE = Tier("device")
+HOST = Tier("host")
+
+
+def swap_tier(path_index: int) -> Tier:
+    """The tier of a subgroup swapped to storage path ``path_index``."""
+    return Tier("swap", path_index)
 
 DEVICE_LANE_SLOTS = 3
 """Device buffers of the device lane: one copying in, one updating, one copying back."""
@@ -37,21 +60,14 @@ def device_lane_working_bytes(capacity_numel: int, slots: int = DEVICE_LANE_SLOT
 
 @dataclass(frozen=True)
 class Placement:
-    """Per subgroup: DEVICE, HOST, or the index of a storage path."""
+    """Each subgroup's tier, in subgroup order."""
 
-    tiers: tuple[str | int, ...]
-
-    def on_path(self, p: int) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t == p]
-
-    @property
-    def swapped(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if isinstance(t, int)]
+    tiers: tuple[Tier, ...]
 
 
-def place_resident(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | None) -> list[str | None]:
+def place_resident(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | None) -> list[Tier | None]:
     """DEVICE/HOST for subgroups that fit the budgets (in order), None for those that must swap."""
-    out: list[str | None] = []
+    out: list[Tier | None] = []
     dev_left, host_left = device_budget, host_budget
     for size in sizes_bytes:
         if size <= dev_left:
@@ -89,10 +105,23 @@ def place(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | 
             f"host_cache_bytes={host_budget} leaves {len(swapped)} subgroups ({need} bytes of optimizer state) "
             f"with nowhere to go: give nvme_paths or remote_paths, or raise host_cache_bytes (None keeps all in memory)")
     paths = stripe([sizes_bytes[i] for i in swapped], path_weights) if swapped else []
-    tiers: list[str | int] = list(resident)  # type: ignore[arg-type]
+    tiers: list[Tier | None] = list(resident)
     for i, p in zip(swapped, paths):
-        tiers[i] = p
-    return Placement(tuple(tiers))
+        tiers[i] = swap_tier(p)
+    return Placement(tuple(tiers))  # type: ignore[arg-type]  (every None was filled)
+
+
+def device_tier_prefix(costs_bytes: Sequence[int], headroom_bytes: int, lane_bytes: int) -> int:
+    """How many leading subgroups a fitted device tier takes (``device_cache_bytes=None``): all
+    of them when they fit with the device lane's slots (the tier's own update streams through
+    the lane's scratch), otherwise the longest prefix that leaves the slots free."""
+    if sum(costs_bytes) + lane_bytes <= headroom_bytes:
+        return len(costs_bytes)
+    left, n = headroom_bytes - lane_bytes, 0
+    while n < len(costs_bytes) and costs_bytes[n] <= left:
+        left -= costs_bytes[n]
+        n += 1
+    return n
 
 
 def device_lane_mask(n: int, fraction: float) -> list[bool]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -11,12 +11,12 @@ class StepRecord:
     iteration: int
     order: str
     """'forward' (0..N-1) or 'reverse' (N-1..0)."""
-    wall_s: float
-    """Whole update phase."""
+    update_s: float
+    """The whole update phase, from the loop's start to its last wait."""
     read_wait_s: float
     """Time the update loop waited for state to arrive from storage."""
-    update_s: float
-    """Time in the AdamW updates (host lane) and queueing device-lane work."""
+    kernel_s: float
+    """Time in the AdamW math: host-lane updates, and queueing device-lane and device-tier work."""
     write_wait_s: float
     """Time waiting, at the end of the step, for write-back to finish."""
     bytes_read: dict[str, int] = field(default_factory=dict)
@@ -38,7 +38,7 @@ class StepRecord:
     device_tier_subgroups: int = 0
     """Subgroups whose state stays in device memory, updated there (counted on neither lane)."""
     host_lane_s: float = 0.0
-    """Time in host-lane updates (the CPU's share of ``update_s``)."""
+    """Time in host-lane updates (the CPU's share of ``kernel_s``)."""
     fwd_bwd_s: float | None = None
     """Time from the end of the previous step to the start of this one: forward, backward and
     whatever else the training loop does between steps. None at the first step."""
@@ -49,7 +49,7 @@ class StepRecord:
     """Time waiting, at the end of the step, for device-lane work still queued (the GPU's and
     PCIe's tail past the CPU's)."""
     setup_s: float = 0.0
-    """One-time work before the update loop, outside ``wall_s`` and ``fwd_bwd_s``: knob changes
+    """One-time work before the update loop, outside ``update_s`` and ``fwd_bwd_s``: knob changes
     (pinning the buffers of subgroups that moved to the device lane), the device tier's fit, the
     adapter's work for them between steps (``SubgroupEngine.setup_time``)."""
     params: int = 0
@@ -58,7 +58,7 @@ class StepRecord:
     """``time.perf_counter()`` when the update loop started (after knob changes and the device
     tier's fit): with the durations above it places the step's parts on a timeline. The clock is
     CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The loop
-    runs for ``wall_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
+    runs for ``update_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
 
     @property
     def bytes_moved_per_param(self) -> float:
@@ -69,6 +69,26 @@ class StepRecord:
         d = asdict(self)
         d["bytes_moved_per_param"] = self.bytes_moved_per_param
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepRecord":
+        """A record from :meth:`to_dict` (a telemetry file, the tuner's socket); fields it does
+        not know are dropped; older files read the same (:func:`upgrade_record`)."""
+        d = upgrade_record(d)
+        if "order" not in d:  # the tuner's wire does not require it: the engine's rule, by parity
+            d = dict(d, order="forward" if d["iteration"] % 2 == 0 else "reverse")
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def upgrade_record(d: dict) -> dict:
+    """A record dict in today's names: files from offloadctl 0.1 name the phase ``wall_s`` and
+    the math ``update_s``; run directories outlive upgrades, so they still read."""
+    if "wall_s" not in d:
+        return d
+    d = dict(d)
+    d["kernel_s"] = d.pop("update_s", 0.0)
+    d["update_s"] = d.pop("wall_s")
+    return d
 
 
 class TelemetryLog:

@@ -47,9 +47,9 @@ def main() -> int:
         opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, host_cache_bytes=0, nvme_paths=[nvme],
                            subgroup_numel=args.subgroup)
         plan = opt.engine.describe()
-        console.print(f"[bold]offloadctl demo[/bold]: GPT with {n_params / 1e6:.2f}M params, {plan['subgroups']} subgroups, "
+        console.print(f"[bold]offloadctl demo[/bold]: GPT with {n_params / 1e6:.2f}M params, {plan.subgroups} subgroups, "
                       f"optimizer state {12 * n_params / 1e6:.0f} MB on {nvme} (no host cache), "
-                      f"I/O backend {plan['io_backend']}, host kernel {plan['host_kernel']}")
+                      f"I/O backend {plan.io_backend}, host kernel {plan.host_kernel}")
         losses = []
         cols = [TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                 TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]

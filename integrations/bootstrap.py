@@ -63,7 +63,7 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
     import shutil
     import textwrap
 
-    plan = opt.offload_engine.describe()
+    plan = opt.offload_engine.describe().to_dict()
     tiers = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in plan["state_bytes_by_tier"].items())
     start = opt.plan_summary or "no profile (paths probed, default knobs)"
     socket = opt.tuner_client.socket_path if opt.tuner_client else None

@@ -146,7 +146,7 @@ differs, the override runs DeepSpeed's own instead: a fix DeepSpeed made there i
 only our change to it."""
 
 OWN_ATTRIBUTES: tuple[str, ...] = (
-    "_ds_nvme_path", "_engine_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
+    "_ds_nvme_path", "offload_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
     "plan_summary", "settings", "_checked_out")
 """What OffloadZero3Optimizer sets on itself: a DeepSpeed that sets one of these too would
 have the subclass overwrite its state (or the reverse)."""

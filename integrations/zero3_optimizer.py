@@ -46,7 +46,7 @@ class ZeroPartitionSubgroup:
 
     @property
     def grad_scale(self) -> float:
-        return self.opt._engine_grad_scale  # DeepSpeed's math: fp32 grad * (1 / combined scale)
+        return self.opt.offload_grad_scale  # DeepSpeed's math: fp32 grad * (1 / combined scale)
 
     @property
     def flat_weights(self) -> torch.Tensor:
@@ -154,7 +154,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         ds_compat.check_optimizer_instance(self)  # the DeepSpeed internals used from here on
         _check_adamw(self.optimizer)
         _check_supported(self)
-        self._engine_grad_scale = 1.0
+        self.offload_grad_scale = 1.0
         self._checked_out: dict[int, torch.Tensor] = {}  # subgroup -> its placeholder, while checked out
         self._bindings, off = [], 0
         for i in range(len(self.fp16_groups)):
@@ -295,7 +295,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             clip = ((scaled_norm / self.loss_scale) + 1e-6) / self.clip_grad
             combined = torch.clamp(clip, min=1.0) * self.loss_scale if torch.is_tensor(clip) else max(clip, 1.0) * self.loss_scale
         inv = 1.0 / combined
-        self._engine_grad_scale = float(inv)
+        self.offload_grad_scale = float(inv)
         if self.device_fit is None and self.offload_engine.device is not None:
             self._fit_to_gpu()
         # The tuner client, when there is one, is the engine's step hook (engine.hooks).

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.errors import ConfigError
+from engine.telemetry import upgrade_record
 from engine.units import format_seconds
 from report.analyze import SHARE_GROUPS, analyze_run, storage_name, verdict
 from report.load import load_run
@@ -129,7 +130,7 @@ def _state_by_kind(plan: dict, tiers: list[dict]) -> dict:
 
 def _iteration_s(r: dict) -> float:
     """One StepRecord's iteration: the time since the last update, the update and its setup."""
-    return (r.get("fwd_bwd_s") or 0.0) + r["wall_s"] + (r.get("setup_s") or 0.0)
+    return (r.get("fwd_bwd_s") or 0.0) + r["update_s"] + (r.get("setup_s") or 0.0)
 
 
 def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
@@ -139,8 +140,8 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
     iters = [_iteration_s(r) for r in steady]
     seg = []
     for r, it_s in zip(steady, iters):
-        other = r["wall_s"] - r["read_wait_s"] - r["update_s"] - r["write_wait_s"]
-        seg.append(({"forward": r.get("fwd_bwd_s") or 0.0, "read_wait": r["read_wait_s"], "host_lane": r["update_s"],
+        other = r["update_s"] - r["read_wait_s"] - r["kernel_s"] - r["write_wait_s"]
+        seg.append(({"forward": r.get("fwd_bwd_s") or 0.0, "read_wait": r["read_wait_s"], "host_lane": r["kernel_s"],
                      "write_wait": r["write_wait_s"], "update_other": max(0.0, other) + (r.get("setup_s") or 0.0)},
                     it_s))
     ordered = sorted(seg, key=lambda x: x[1])
@@ -173,7 +174,7 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
 
 def load_records(path: str) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [upgrade_record(json.loads(line)) for line in f if line.strip()]
 
 
 def summary_table(records: list[dict], title: str = "update phase") -> Table:
@@ -181,9 +182,9 @@ def summary_table(records: list[dict], title: str = "update phase") -> Table:
     steady = records[1:] or records
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
     t = Table(f"median over {len(steady)} steps", "value", title=title)
-    t.add_row("update phase wall", f"{med('wall_s') * 1e3:.1f} ms")
+    t.add_row("update phase wall", f"{med('update_s') * 1e3:.1f} ms")
     t.add_row("  waiting for reads", f"{med('read_wait_s') * 1e3:.1f} ms")
-    t.add_row("  AdamW updates", f"{med('update_s') * 1e3:.1f} ms")
+    t.add_row("  AdamW updates", f"{med('kernel_s') * 1e3:.1f} ms")
     t.add_row("  waiting for writes", f"{med('write_wait_s') * 1e3:.1f} ms")
     t.add_row("bytes moved per param", f"{med('bytes_moved_per_param'):.1f} (stock ZeRO-Infinity: ~32)")
     t.add_row("read / write bandwidth", f"{med('read_bytes_per_s') / 1e6:.0f} / {med('write_bytes_per_s') / 1e6:.0f} MB/s")

@@ -67,7 +67,6 @@ read is issued in forward steps and after the last write is issued in reverse st
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Mapping
@@ -580,15 +579,3 @@ def _breakdown(fwd: _StepTime, rev: _StepTime, update_s: float, T_gpu: float, T_
     for k in fwd.per_device:
         breakdown[f"storage:{k}"] = _mean(fwd.per_device[k], rev.per_device.get(k, 0.0))
     return breakdown, bottleneck
-
-
-# -- the search and the stock model, from their own modules --------------------------------------
-
-_ELSEWHERE = {"best_plan": "perf.search", "alternatives": "perf.search", "stock_deepspeed": "perf.stock",
-              "STOCK_KINDS": "perf.stock"}
-
-
-def __getattr__(name: str):
-    if name in _ELSEWHERE:
-        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -184,8 +184,8 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
     eng = it.get("engine")
     if eng is not None:
         parts["read_wait"] = eng["read_wait_s"]
-        parts["host_lane"] = eng.get("host_lane_s", eng["update_s"])
-        parts["device_lane"] = max(0.0, eng["update_s"] - parts["host_lane"])
+        parts["host_lane"] = eng.get("host_lane_s", eng["kernel_s"])
+        parts["device_lane"] = max(0.0, eng["kernel_s"] - parts["host_lane"])
         parts["write_wait"] = eng["write_wait_s"]
         parts["device_wait"] = eng.get("device_wait_s", 0.0)
     else:
@@ -221,7 +221,7 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
                         "device_tier": eng.get("device_tier_subgroups", 0)}
         out["knobs"] = eng.get("knobs", {})
         out["engine_start_s"] = eng.get("start_s")
-        out["engine_wall_s"] = eng["wall_s"]
+        out["engine_update_s"] = eng["update_s"]
         if it.get("tuner"):
             out["tuner"] = it["tuner"]
     return out
@@ -367,10 +367,10 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     if "engine_start_s" in it and it["engine_start_s"] is not None:
         # The engine's step on the same clock: its loop, then the write wait, then the device wait.
         start = it["engine_start_s"] - t0
-        loop_s = it["engine_wall_s"] - it["segments"]["write_wait"] - it["segments"]["device_wait"]
+        loop_s = it["engine_update_s"] - it["segments"]["write_wait"] - it["segments"]["device_wait"]
         update_spans = [["update_loop", start, start + loop_s],
                         ["write_wait", start + loop_s, start + loop_s + it["segments"]["write_wait"]],
-                        ["device_wait", start + loop_s + it["segments"]["write_wait"], start + it["engine_wall_s"]]]
+                        ["device_wait", start + loop_s + it["segments"]["write_wait"], start + it["engine_update_s"]]]
     out = {"iteration": it["iteration"], "iter_s": it["iter_s"], "phase_spans": phase_spans,
            "update_spans": update_spans, "series": {}, "missing": []}
     header = rec.samples_header

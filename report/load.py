@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from engine.telemetry import upgrade_record
 from report.recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
 
 
@@ -102,7 +103,8 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
     _load_samples(os.path.join(path, f"samples-rank{rank}.jsonl"), rec)
     tel = os.path.join(path, f"telemetry-rank{rank}.jsonl")
     if os.path.exists(tel):
-        rec.telemetry, _ = _json_lines(tel, rec.notes)
+        records, _ = _json_lines(tel, rec.notes)
+        rec.telemetry = [upgrade_record(r) for r in records]
     engine = rec.header.get("engine", "offloadctl")
     name = label or f"{os.path.basename(os.path.normpath(os.path.abspath(path)))} ({engine})"
     return Run(path=os.path.abspath(path), label=name, engine=engine, ranks=ranks, record=rec)
@@ -155,6 +157,8 @@ def _load_record(path: str, rank: int) -> RankRecord:
         if kind == "init" and init is None:
             init = v
         elif kind == "iteration":
+            if isinstance(v.get("engine"), dict):
+                v["engine"] = upgrade_record(v["engine"])
             iterations.append(v)
         elif kind == "end":
             end = v

@@ -262,7 +262,7 @@ class Recorder:
                 "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps")}
         oe = getattr(opt, "offload_engine", None)
         if oe is not None:
-            init["engine_plan"] = oe.describe()
+            init["engine_plan"] = oe.describe().to_dict()
         self._write(init)
         self._engine = engine
         self._devices = devices

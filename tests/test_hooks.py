@@ -79,7 +79,7 @@ def test_offload_adamw_with_paths_and_no_budget_puts_state_on_the_paths(tmp_path
                        nvme_paths=[str(swap)])
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
     try:
-        tiers = opt.engine.describe()["state_bytes_by_tier"]
+        tiers = opt.engine.describe().state_bytes_by_tier
         assert set(tiers) == {StoragePath(path=str(swap)).path}, tiers
         assert any(os.scandir(swap)), "no swap files on the path"
         x = torch.randn(4, 32, device="cpu")  # host tensors: the models live on the CPU here

@@ -13,7 +13,7 @@ from conftest import feed_same_grads
 
 from engine import OffloadAdamW, StoragePath
 from engine.buffers import StateBuffer
-from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe
+from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe, swap_tier
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.storage.paths import SwapPath
@@ -87,7 +87,7 @@ def test_placement_fills_budgets_then_stripes_by_weight():
     sizes = [100] * 10
     pl = place(sizes, device_budget=150, host_budget=150, path_weights=[3.0, 1.0])
     assert pl.tiers[:2] == (DEVICE, HOST)
-    assert [pl.tiers.count(0), pl.tiers.count(1)] == [6, 2]  # 8 swapped subgroups split 3:1
+    assert [pl.tiers.count(swap_tier(0)), pl.tiers.count(swap_tier(1))] == [6, 2]  # 8 swapped subgroups split 3:1
     assert stripe([100] * 8, [1.0, 1.0]) == [0, 1] * 4  # neighbours on different paths
     assert stripe([100] * 4, [0.0, 1.0]) == [1] * 4
 

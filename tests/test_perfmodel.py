@@ -408,7 +408,7 @@ def test_the_models_layout_is_the_engines(tmp_path):
                                           paths=(StoragePath(path=str(tmp_path)),)),
                              Knobs(prefetch_depth=depth))
         try:
-            assert eng.describe()["staging_buffers"] == layout.staging_buffers(depth)
+            assert eng.describe().staging_buffers == layout.staging_buffers(depth)
             eng.step([AdamWHyper(lr=1e-3)])
             kept = sum(sg.kept for sg in eng.subgroups)
             assert kept == min(n, layout.kept_subgroups(depth)), (depth, kept)
@@ -418,16 +418,6 @@ def test_the_models_layout_is_the_engines(tmp_path):
         mask = device_lane_mask(40, f)
         assert [layout.on_device_lane(i, f) for i in range(40)] == mask
         assert all(layout.lane_count(a, b, f) == sum(mask[a:b]) for a in range(40) for b in range(a, 41))
-
-
-def test_perf_model_still_gives_the_search_and_stock():
-    import perf.model as perfmodel
-    from perf import search, stock
-
-    assert perfmodel.best_plan is search.best_plan and perfmodel.alternatives is search.alternatives
-    assert perfmodel.stock_deepspeed is stock.stock_deepspeed and perfmodel.STOCK_KINDS == stock.STOCK_KINDS
-    with pytest.raises(AttributeError):
-        perfmodel.no_such_name  # noqa: B018
 
 
 def test_offloadctl_plan_starts_without_torch():

@@ -17,6 +17,7 @@ import pytest
 from engine.config import Knobs
 from engine.errors import ConfigError
 from tuner.history import History
+from tuner.observation import LaneTimes
 from tuner.policy import Observation, Policy, PolicyConfig
 from tuner.sensors import Sensors
 
@@ -44,8 +45,10 @@ class Sim:
         i, k = self.i, self.knobs
         upd, moved = self.cost(k, i)
         x = upd * self.rnd.lognormvariate(0, self.noise)
-        obs = Observation(i, None, x, 0.5 * x, 0.05 * x, {p: b / 2 / x for p, b in moved.items()},
-                          {p: b / 2 / x for p, b in moved.items()}, self.others(i), self.headroom(i),
+        obs = Observation(iteration=i, iter_time_s=None, update_s=x, read_wait_s=0.5 * x, write_wait_s=0.05 * x,
+                          path_read_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
+                          path_write_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
+                          path_other_bytes_per_s=self.others(i), device_headroom_bytes=self.headroom(i),
                           error=self.errors(i, k))
         self.in_force.append(k)
         d = self.policy.observe(obs)
@@ -141,9 +144,10 @@ class LaneSim(Sim):
         host_s, dev_s, lane = self.lane_times(k.device_fraction)
         noise = self.rnd.lognormvariate(0, self.noise)
         upd = max(host_s, dev_s) * noise
-        obs = Observation(i, self.fwd_bwd_s * noise + upd, upd, 0.0, 0.0, {}, {}, {}, None, error=self.errors(i, k),
-                          host_lane_s=host_s * noise, device_wait_s=max(0.0, dev_s - host_s) * noise,
-                          host_lane_subgroups=self.n - lane, device_lane_subgroups=lane)
+        obs = Observation(iteration=i, iter_time_s=self.fwd_bwd_s * noise + upd, update_s=upd, read_wait_s=0.0,
+                          write_wait_s=0.0, error=self.errors(i, k),
+                          lanes=LaneTimes(host_lane_s=host_s * noise, device_wait_s=max(0.0, dev_s - host_s) * noise,
+                                          host_lane_subgroups=self.n - lane, device_lane_subgroups=lane))
         self.in_force.append(k)
         d = self.policy.observe(obs)
         if d is not None:
@@ -212,13 +216,15 @@ def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
 def test_oom_under_the_good_knobs_lowers_the_device_lane():
     pol = Policy(Knobs(device_fraction=0.5), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
                  device_headroom_bytes=10 * SUB)
-    obs = Observation(0, None, 1.0, 0.0, 0.0, {}, {}, {}, 10 * SUB, error="oom")
+    obs = Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0,
+                      device_headroom_bytes=10 * SUB, error="oom")
     d = pol.observe(obs)
     assert d is not None and d.knobs.device_fraction == pytest.approx(0.4)
     assert pol.log[-1]["kind"] == "rollback"
     # A plain error with no device lane to lower changes nothing, but is logged.
     pol2 = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
-    assert pol2.observe(Observation(0, None, 1.0, 0.0, 0.0, {}, {}, {}, None, error="disk full")) is None
+    assert pol2.observe(Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0,
+                                    error="disk full")) is None
     assert "nothing to roll back" in pol2.log[-1]["reason"]
 
 
@@ -344,7 +350,8 @@ def test_observations_under_old_knobs_are_not_measured():
     old = pol.knobs.to_dict()
 
     def obs(i, t, knobs):
-        return Observation(i, None, t, 0.8 * t, 0.0, {NVME: 1e8}, {NVME: 1e8}, {}, None, knobs=knobs)
+        return Observation(iteration=i, iter_time_s=None, update_s=t, read_wait_s=0.8 * t, write_wait_s=0.0,
+                           path_read_bytes_per_s={NVME: 1e8}, path_write_bytes_per_s={NVME: 1e8}, knobs=knobs)
 
     d = None
     for i in range(3):
@@ -371,11 +378,13 @@ def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it()
     pol = Policy(start, paths=[path], has_device=False, subgroup_bytes=SUB, params=3_000_000_000, profile=profile)
     plan = pol.knobs
     assert plan != start
-    d = pol.observe(Observation(0, None, 9.0, 5.0, 0.0, {path: 1e8}, {path: 1e8}, {}, None))
+    d = pol.observe(Observation(iteration=0, iter_time_s=None, update_s=9.0, read_wait_s=5.0, write_wait_s=0.0,
+                                path_read_bytes_per_s={path: 1e8}, path_write_bytes_per_s={path: 1e8}))
     assert d is not None and d.knobs == plan and "performance model's best plan" in d.reason
     trial = None
     for i in range(1, 8):
-        d = pol.observe(Observation(i, None, 5.0, 2.0, 0.0, {path: 1e8}, {path: 1e8}, {}, None))
+        d = pol.observe(Observation(iteration=i, iter_time_s=None, update_s=5.0, read_wait_s=2.0, write_wait_s=0.0,
+                                    path_read_bytes_per_s={path: 1e8}, path_write_bytes_per_s={path: 1e8}))
         trial = trial or d
     assert trial is not None and trial.knobs == start and "starting knobs" in trial.reason
 

@@ -58,9 +58,9 @@ def test_frame_round_trip_and_incremental_parse():
 
 def test_framing_refuses_nan_empty_and_oversized():
     with pytest.raises(ValueError):
-        encode({"v": 1, "type": "ping", "x": float("nan")})
+        encode({"v": API_VERSION, "type": "ping", "x": float("nan")})
     with pytest.raises(ProtocolError) as e:
-        decode(b'{"v": 1, "type": "ping", "x": NaN}')
+        decode(b'{"v": API_VERSION, "type": "ping", "x": NaN}')
     assert e.value.code == ErrorCode.BAD_JSON
     with pytest.raises(ProtocolError) as e:
         check_length(0)
@@ -69,18 +69,18 @@ def test_framing_refuses_nan_empty_and_oversized():
         check_length(MAX_FRAME_BYTES + 1)
     assert e.value.code == ErrorCode.TOO_LARGE
     with pytest.raises(ProtocolError) as e:
-        encode({"v": 1, "type": "ping", "pad": "x" * MAX_FRAME_BYTES})
+        encode({"v": API_VERSION, "type": "ping", "pad": "x" * MAX_FRAME_BYTES})
     assert e.value.code == ErrorCode.TOO_LARGE
     for body, code in ((b"\xff\xfe", ErrorCode.BAD_JSON), (b"[" * 100_000, ErrorCode.BAD_JSON),
-                       (b"[1, 2]", ErrorCode.SCHEMA), (b'{"v": 1}', ErrorCode.SCHEMA),
-                       (b'{"v": 2, "type": "ping"}', ErrorCode.VERSION)):
+                       (b"[1, 2]", ErrorCode.SCHEMA), (b'{"v": %d}' % API_VERSION, ErrorCode.SCHEMA),
+                       (b'{"v": %d, "type": "ping"}' % (API_VERSION + 1), ErrorCode.VERSION)):
         with pytest.raises(ProtocolError) as e:
             decode(body)
         assert e.value.code == code, body[:20]
 
 
 def _register(**over):
-    msg = {"v": 1, "type": "register", "id": 1, "run_id": "r", "rank": 0, "world_size": 2, "params": 10,
+    msg = {"v": API_VERSION, "type": "register", "id": 1, "run_id": "r", "rank": 0, "world_size": 2, "params": 10,
            "paths": ["/nvme0"], "knobs": {"prefetch_depth": 2}, "has_device": False, "subgroup_bytes": 120}
     msg.update(over)
     return {k: v for k, v in msg.items() if v is not Ellipsis}
@@ -99,14 +99,14 @@ def _register(**over):
     (_register(knobs={"io_concurrency": {"/a": True}}), "io_concurrency"),
     (_register(id=[1]), "register.id"),
     (_register(id="x" * 65), "register.id"),
-    ({"v": 1, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3,
-      "record": {"iteration": 3, "wall_s": "fast", "read_wait_s": 0, "update_s": 0, "write_wait_s": 0}},
-     "telemetry.record.wall_s"),
-    ({"v": 1, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "record": {"iteration": 3}},
-     "telemetry.record.wall_s is missing"),
-    ({"v": 1, "type": "event", "run_id": "r", "rank": 0, "kind": "fire", "message": ""}, "event.kind"),
-    ({"v": 1, "type": "pin", "run_id": "r", "knob": "warp_speed", "value": 9}, "pin.knob"),
-    ({"v": 1, "type": "hello", "api": 1, "role": "admin"}, "hello.role"),
+    ({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3,
+      "record": {"iteration": 3, "update_s": "fast", "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}},
+     "telemetry.record.update_s"),
+    ({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "record": {"iteration": 3}},
+     "telemetry.record.update_s is missing"),
+    ({"v": API_VERSION, "type": "event", "run_id": "r", "rank": 0, "kind": "fire", "message": ""}, "event.kind"),
+    ({"v": API_VERSION, "type": "pin", "run_id": "r", "knob": "warp_speed", "value": 9}, "pin.knob"),
+    ({"v": API_VERSION, "type": "hello", "api": API_VERSION, "role": "admin"}, "hello.role"),
 ])
 def test_schema_names_the_field(msg, where):
     with pytest.raises(ProtocolError) as e:
@@ -117,15 +117,15 @@ def test_schema_names_the_field(msg, where):
 def test_schema_accepts_valid_messages_and_unknown_types_get_their_code():
     validate(_register(), CLIENT_SCHEMAS)
     validate(_register(profile="profiles/example-cpu-vm.toml", device_headroom_bytes=None, iteration=7), CLIENT_SCHEMAS)
-    validate({"v": 1, "type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8}, CLIENT_SCHEMAS)
+    validate({"v": API_VERSION, "type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8}, CLIENT_SCHEMAS)
     # extra fields inside a StepRecord are the engine's business and pass
-    validate({"v": 1, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "iter_time_s": None,
-              "record": {"iteration": 3, "wall_s": 1.0, "read_wait_s": 0, "update_s": 0.5, "write_wait_s": 0,
+    validate({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "iter_time_s": None,
+              "record": {"iteration": 3, "update_s": 1.0, "read_wait_s": 0, "kernel_s": 0.5, "write_wait_s": 0,
                          "order": "forward", "something_new": [1]}}, CLIENT_SCHEMAS)
-    validate({"v": 1, "type": "knobs", "run_id": "r", "knobs": {"prefetch_depth": 3}, "apply_at": 9, "seq": 1,
+    validate({"v": API_VERSION, "type": "knobs", "run_id": "r", "knobs": {"prefetch_depth": 3}, "apply_at": 9, "seq": 1,
               "reason": "x"}, SERVER_SCHEMAS)
     with pytest.raises(ProtocolError) as e:
-        validate({"v": 1, "type": "teleport"}, CLIENT_SCHEMAS)
+        validate({"v": API_VERSION, "type": "teleport"}, CLIENT_SCHEMAS)
     assert e.value.code == ErrorCode.UNKNOWN_TYPE
     with pytest.raises(ProtocolError) as e:  # well-typed but out of the engine's range
         knobs_from_dict({"prefetch_depth": 65})
@@ -244,7 +244,7 @@ def test_errors_that_keep_the_connection(daemon):
     _send(s, {"type": "teleport", "id": 7})
     assert _expect_error(s, ErrorCode.UNKNOWN_TYPE)["id"] == 7
     _send(s, {"type": "telemetry", "id": 8, "run_id": "r", "rank": 0, "iteration": 0,
-              "record": {"iteration": 0, "wall_s": 1, "read_wait_s": 0, "update_s": 0, "write_wait_s": 0}})
+              "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}})
     _expect_error(s, ErrorCode.ROLE)  # a cli client may not send telemetry
     _send(s, {"type": "pin", "id": 9, "run_id": "nosuchrun", "knob": "prefetch_depth", "value": 3})
     _expect_error(s, ErrorCode.UNKNOWN_RUN)
@@ -252,7 +252,7 @@ def test_errors_that_keep_the_connection(daemon):
     assert _recv(s) == {"v": API_VERSION, "id": 10, "type": "pong"}  # still served
     e = _hello(path, role="engine")
     _send(e, {"type": "telemetry", "id": 1, "run_id": "r", "rank": 0, "iteration": 0,
-              "record": {"iteration": 0, "wall_s": 1, "read_wait_s": 0, "update_s": 0, "write_wait_s": 0}})
+              "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}})
     _expect_error(e, ErrorCode.UNKNOWN_RUN)  # not registered: telemetry is refused, not guessed at
     _send(e, {"type": "shutdown", "id": 2})
     _expect_error(e, ErrorCode.ROLE)
@@ -392,7 +392,7 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
                    _send(s, {"type": "register", "id": 1, "run_id": "steady", "rank": 0, "world_size": 3,
                              "params": 1, "paths": [], "knobs": {}, "has_device": False, "subgroup_bytes": 0}),
                    _send(s, {"type": "telemetry", "run_id": "steady", "rank": 0, "iteration": 10 ** 6,
-                             "record": {"iteration": 10 ** 6, "wall_s": 0, "read_wait_s": 0, "update_s": 0,
+                             "record": {"iteration": 10 ** 6, "update_s": 0, "read_wait_s": 0, "kernel_s": 0,
                                         "write_wait_s": 0}})),
         lambda s: (_send(s, {"type": "hello", "id": 0, "api": 1, "role": "cli"}),
                    _send(s, {"type": "freeze", "id": 1, "run_id": "steady", "frozen": "yes"}),
@@ -408,8 +408,8 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
             pass
         s.close()
         _send(run, {"type": "telemetry", "id": 100 + i, "run_id": "steady", "rank": 0, "iteration": i,
-                    "iter_time_s": 0.01, "record": {"iteration": i, "wall_s": 0.005, "read_wait_s": 0.0,
-                                                    "update_s": 0.004, "write_wait_s": 0.0}})
+                    "iter_time_s": 0.01, "record": {"iteration": i, "update_s": 0.005, "read_wait_s": 0.0,
+                                                    "kernel_s": 0.004, "write_wait_s": 0.0}})
         reply = _recv(run)
         while reply["type"] == "knobs":  # the real policy may move knobs; that is fine
             reply = _recv(run)

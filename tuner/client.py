@@ -119,10 +119,10 @@ class TunerClient:
         (``hook``) registered as its step hook: knob changes applied before each step, telemetry
         after. ``hook=False`` leaves calling :meth:`apply_pending` and :meth:`report` to the caller."""
         facts = engine.describe()
-        kw.setdefault("device_headroom_bytes", facts["device_headroom_bytes"])
+        kw.setdefault("device_headroom_bytes", facts.device_headroom_bytes)
         client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
-                     params=facts["params"], paths=facts["paths"], knobs=Knobs.from_dict(facts["knobs"]),
-                     has_device=facts["has_device"], subgroup_bytes=facts["subgroup_bytes"], **kw)
+                     params=facts.params, paths=facts.paths, knobs=Knobs.from_dict(facts.knobs),
+                     has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes, **kw)
         if hook:
             engine.add_step_hook(client)
         return client
@@ -135,7 +135,7 @@ class TunerClient:
     def after_step(self, engine, record: StepRecord) -> None:
         # The iteration is the time between reports (forward and backward included), unless the
         # caller's loop is the step alone (benchmarks driving engines side by side).
-        self.report(record, iter_time_s=record.wall_s if self.step_is_iteration else None)
+        self.report(record, iter_time_s=record.update_s if self.step_is_iteration else None)
 
     def on_error(self, engine, error: BaseException) -> None:
         self.report_event("oom" if type(error).__name__ == "OutOfMemoryError" else "error", str(error))

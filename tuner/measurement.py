@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from tuner.observation import Observation
+from tuner.observation import LaneTimes, Observation
 from tuner.policy_config import PolicyConfig
 
 
@@ -21,8 +21,7 @@ class Sample:
     read_wait_s: float
     write_wait_s: float
     path_bytes_per_s: dict[str, float]
-    lanes: tuple | None = None
-    """(host_lane_s, device_wait_s, host-lane subgroups, device-lane ones, device-tier ones)."""
+    lanes: LaneTimes | None = None
 
     @property
     def cost(self) -> float:
@@ -34,11 +33,7 @@ class Sample:
     def of(cls, obs: Observation, paths: Sequence[str]) -> "Sample":
         moved = {p: obs.path_read_bytes_per_s.get(p, 0.0) + obs.path_write_bytes_per_s.get(p, 0.0) for p in paths}
         it = obs.iter_time_s if obs.iter_time_s and math.isfinite(obs.iter_time_s) and obs.iter_time_s >= obs.update_s else None
-        lanes = None
-        if obs.host_lane_s is not None and obs.device_wait_s is not None:
-            lanes = (obs.host_lane_s, obs.device_wait_s, obs.host_lane_subgroups, obs.device_lane_subgroups,
-                     obs.device_tier_subgroups)
-        return cls(obs.update_s, it, obs.read_wait_s, obs.write_wait_s, moved, lanes)
+        return cls(obs.update_s, it, obs.read_wait_s, obs.write_wait_s, moved, obs.lanes)
 
 
 class Noise:

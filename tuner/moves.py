@@ -204,10 +204,9 @@ class MoveSearch:
         lanes = [x.lanes for x in self._base[-self.cfg.window:] if x.lanes is not None]
         if not lanes:
             return None
-        host_s = median([x[0] for x in lanes])
-        wait = median([x[1] for x in lanes])
-        host_n, dev_n, tier = lanes[-1][2], lanes[-1][3], lanes[-1][4]
-        lane_n = dev_n - tier
+        host_s = median([x.host_lane_s for x in lanes])
+        wait = median([x.device_wait_s for x in lanes])
+        host_n, lane_n = lanes[-1].host_lane_subgroups, lanes[-1].device_lane_subgroups
         rest = host_n + lane_n
         if rest <= 0:
             return None

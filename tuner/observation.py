@@ -5,42 +5,85 @@ the interface without importing the search.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
+from engine.telemetry import StepRecord
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class LaneTimes:
+    """The lanes' side of one rank's step (``StepRecord``'s names), for the device-fraction moves."""
+
+    host_lane_s: float
+    """Time the CPU spent in host-lane updates."""
+    device_wait_s: float
+    """Time the step waited at its end for the device lane."""
+    host_lane_subgroups: int = 0
+    device_lane_subgroups: int = 0
+    device_tier_subgroups: int = 0
+
+    @classmethod
+    def of(cls, rec: StepRecord) -> "LaneTimes":
+        return cls(host_lane_s=rec.host_lane_s, device_wait_s=rec.device_wait_s,
+                   host_lane_subgroups=rec.host_lane_subgroups, device_lane_subgroups=rec.device_lane_subgroups,
+                   device_tier_subgroups=rec.device_tier_subgroups)
+
+
+@dataclass(kw_only=True)
 class Observation:
-    """One iteration of a run, aggregated over its ranks."""
+    """One iteration of a run, aggregated over its ranks (:meth:`from_records`)."""
 
     iteration: int
     iter_time_s: float | None
     """Whole iteration, max over ranks; None when not reported."""
     update_s: float
-    """Engine update phase (``StepRecord.wall_s``), max over ranks."""
+    """The update phase (``StepRecord.update_s``), max over ranks."""
     read_wait_s: float
     write_wait_s: float
-    path_read_bytes_per_s: dict[str, float]
+    kernel_s: float | None = None
+    """The AdamW math (``StepRecord.kernel_s``), max over ranks."""
+    path_read_bytes_per_s: dict[str, float] = field(default_factory=dict)
     """Ours, summed over ranks."""
-    path_write_bytes_per_s: dict[str, float]
-    path_other_bytes_per_s: dict[str, float]
+    path_write_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    path_other_bytes_per_s: dict[str, float] = field(default_factory=dict)
     """Others' traffic on each path's device (contention), from :class:`tuner.sensors.Sensors`."""
-    device_headroom_bytes: int | None
+    device_headroom_bytes: int | None = None
     error: str | None = None
     """'oom' or a message when a rank reported an event during this iteration."""
     knobs: Mapping[str, Any] | None = None
     """The knobs in force for this iteration (``StepRecord.knobs``), when known. An observation
     made under other knobs than the last decision's is ignored: the change has not arrived yet."""
-    host_lane_s: float | None = None
-    """Time the CPU spent in host-lane updates (``StepRecord.host_lane_s``), max over ranks."""
-    device_wait_s: float | None = None
-    """Time the step waited at its end for the device lane (``StepRecord.device_wait_s``)."""
-    host_lane_subgroups: int = 0
-    device_lane_subgroups: int = 0
-    """Device-tier subgroups included, as ``StepRecord`` counts them."""
-    device_tier_subgroups: int = 0
+    lanes: LaneTimes | None = None
+    """The slowest rank's (the one the iteration waits for); None when the engines do not say."""
+
+    @classmethod
+    def from_records(cls, records: Sequence[StepRecord], *, iter_times_s: Sequence[float] = (), **context) -> "Observation":
+        """One iteration from its ranks' records: the phases' times are the slowest rank's (the
+        iteration waits for it), the bytes/s per path the sum over ranks. ``context``: what the
+        records do not carry (others' traffic, headroom, error, the knobs in force)."""
+        slowest = max(records, key=lambda r: r.update_s)
+        read, write = path_rates(records)
+        return cls(iteration=records[0].iteration, iter_time_s=max(iter_times_s) if iter_times_s else None,
+                   update_s=slowest.update_s, read_wait_s=max(r.read_wait_s for r in records),
+                   write_wait_s=max(r.write_wait_s for r in records), kernel_s=max(r.kernel_s for r in records),
+                   path_read_bytes_per_s=read, path_write_bytes_per_s=write, lanes=LaneTimes.of(slowest),
+                   **context)
+
+
+def path_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict[str, float]]:
+    """Read and write bytes/s per path over each record's update phase, summed over records."""
+    read: dict[str, float] = {}
+    write: dict[str, float] = {}
+    for r in records:
+        if r.update_s < 1e-6:  # a shorter update is no measurement: rates from it would be noise or infinite
+            continue
+        for p, b in r.path_bytes_read.items():
+            read[p] = read.get(p, 0.0) + b / r.update_s
+        for p, b in r.path_bytes_written.items():
+            write[p] = write.get(p, 0.0) + b / r.update_s
+    return read, write
 
 
 @dataclass(frozen=True)

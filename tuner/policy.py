@@ -37,7 +37,7 @@ OOM caps the device fraction below where it happened. Pins (from the
 user) always win and are never searched. Every decision is logged with its reason.
 
 With a hardware profile the run starts from the performance model's best plan
-(:func:`perf.model.best_plan`), and the run's own starting knobs are the first
+(:func:`perf.search.best_plan`), and the run's own starting knobs are the first
 alternative measured against it.
 
 This module owns the decision loop (observe, measure, judge, hold, roll back, pins and
@@ -478,7 +478,8 @@ class Policy(MoveSearch):
 
     def _start_from_model(self, profile, start: Knobs) -> None:
         try:
-            from perf import model as perfmodel
+            from perf.model import Workload
+            from perf.search import best_plan
             if isinstance(profile, str):
                 from perf.profile_toml import load_profile
                 profile = load_profile(profile)
@@ -487,10 +488,10 @@ class Policy(MoveSearch):
             staging = (staging_buffers(self.cfg.max_prefetch_depth) * self.subgroup_bytes * self.ranks
                        if self.paths else None)
             # params are per rank; the model's are the whole model (it divides by ranks and nodes).
-            wl = perfmodel.Workload(params=self.params * self.ranks, ranks=self.ranks,
-                                    subgroup_numel=max(1, self.subgroup_bytes // STATE_BYTES_PER_ELEMENT),
-                                    host_bytes=staging, gpu_headroom_bytes=self._headroom)
-            pred = perfmodel.best_plan(profile, wl, paths=list(self.paths))
+            wl = Workload(params=self.params * self.ranks, ranks=self.ranks,
+                          subgroup_numel=max(1, self.subgroup_bytes // STATE_BYTES_PER_ELEMENT),
+                          host_bytes=staging, gpu_headroom_bytes=self._headroom)
+            pred = best_plan(profile, wl, paths=list(self.paths))
             plan = self._known_paths(pred.plan.knobs, "the model's plan")
         except Exception as e:  # the model is advice: without it the search starts from `start`
             self._note(f"performance model not used ({type(e).__name__}: {e}); searching from the starting knobs", "model")

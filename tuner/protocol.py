@@ -27,7 +27,8 @@ from typing import Any, Callable
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
 
-API_VERSION = 1
+API_VERSION = 2
+"""2: a step record's ``update_s`` is the update phase (1 called it ``wall_s``), ``kernel_s`` the math."""
 MAX_FRAME_BYTES = 1 << 20
 HEADER = struct.Struct(">I")
 
@@ -213,8 +214,8 @@ KNOBS = Obj({name: (_KNOB_WIRE[name], False) for name in KNOB_NAMES})
 # The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
 SECONDS = Num(0, SECONDS_MAX)
 RECORD = Obj({
-    "iteration": (Int(0), True), "wall_s": (SECONDS, True), "read_wait_s": (SECONDS, True),
-    "update_s": (SECONDS, True), "write_wait_s": (SECONDS, True),
+    "iteration": (Int(0), True), "update_s": (SECONDS, True), "read_wait_s": (SECONDS, True),
+    "kernel_s": (SECONDS, True), "write_wait_s": (SECONDS, True),
     "path_bytes_read": (Dict(Int(0), PATH, 64), False), "path_bytes_written": (Dict(Int(0), PATH, 64), False),
     "cache_hits": (Int(0), False), "cache_misses": (Int(0), False), "knobs": (KNOBS, False),
     "host_lane_s": (SECONDS, False), "device_wait_s": (SECONDS, False), "host_lane_subgroups": (Int(0), False),

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.telemetry import StepRecord
 from tuner.daemon_config import ServerConfig
 from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
@@ -228,7 +229,7 @@ class Runs:
         run.max_iteration = max(run.max_iteration, i)
         if i <= run.last_observed:
             return  # late: its iteration was already aggregated without it
-        run.pending.setdefault(i, {})[msg["rank"]] = msg
+        run.pending.setdefault(i, {})[msg["rank"]] = (StepRecord.from_dict(msg["record"]), msg.get("iter_time_s"))
         self._aggregate_ready(run)
 
     def event(self, peer, msg: dict) -> None:
@@ -359,38 +360,37 @@ class Runs:
             run.last_observed = i
             self._observe(run, i, list(got.values()), decide=not flush)
 
-    def _observe(self, run: Run, i: int, msgs: list[dict], decide: bool = True) -> None:
-        """Record iteration ``i`` from its ranks' messages; with ``decide``, ask the policy."""
-        recs = [m["record"] for m in msgs]
-        times = [m["iter_time_s"] for m in msgs if m.get("iter_time_s") is not None]
-        iter_time = max(times) if times else None
-        update_s = max(r["wall_s"] for r in recs)
-        read_bw, write_bw = self._bandwidths(run, recs)
+    def _observe(self, run: Run, i: int, reports: list[tuple[StepRecord, float | None]], decide: bool = True) -> None:
+        """Record iteration ``i`` from its ranks' (record, iteration time); with ``decide``, ask the policy."""
+        recs = [rec for rec, _ in reports]
+        for r in recs:  # this iteration's bytes count as ours in the next sensor sample
+            for traffic in (r.path_bytes_read, r.path_bytes_written):
+                for p, b in traffic.items():
+                    run.sensor_bytes[p] = run.sensor_bytes.get(p, 0) + b
         other = self._sample_sensors(run)
-        phases = {"update_s": update_s, "read_wait_s": max(r["read_wait_s"] for r in recs),
-                  "write_wait_s": max(r["write_wait_s"] for r in recs), "compute_s": max(r["update_s"] for r in recs)}
-        run.history.append((i, iter_time, update_s))
-        run.phases = {"iteration": i, "iter_time_s": iter_time, **phases, "ranks_reported": len(msgs)}
-        run.bandwidth = {p: {"read_bytes_per_s": read_bw.get(p, 0.0), "write_bytes_per_s": write_bw.get(p, 0.0),
-                             "other_bytes_per_s": other.get(p), "concurrency": run.knobs.concurrency_for(p)}
-                         for p in run.paths}
+        headrooms = [h for h in run.headroom.values() if h is not None]
         # The knobs this iteration ran under; when ranks disagree (a late change), the odd one,
         # so that the policy does not take the mix for a measurement of its knobs.
-        in_force = [r.get("knobs") for r in recs if r.get("knobs")]
+        in_force = [r.knobs for r in recs if r.knobs]
         in_force = next((k for k in in_force if k != run.knobs_dict), in_force[0] if in_force else None)
+        obs = Observation.from_records(
+            recs, iter_times_s=[t for _, t in reports if t is not None],
+            path_other_bytes_per_s={p: v for p, v in other.items() if v is not None},
+            device_headroom_bytes=min(headrooms) if headrooms else None, error=run.error, knobs=in_force)
+        run.history.append((i, obs.iter_time_s, obs.update_s))
+        run.phases = {"iteration": i, "iter_time_s": obs.iter_time_s, "update_s": obs.update_s,
+                      "read_wait_s": obs.read_wait_s, "write_wait_s": obs.write_wait_s, "kernel_s": obs.kernel_s,
+                      "ranks_reported": len(recs)}
+        run.bandwidth = {p: {"read_bytes_per_s": obs.path_read_bytes_per_s.get(p, 0.0),
+                             "write_bytes_per_s": obs.path_write_bytes_per_s.get(p, 0.0),
+                             "other_bytes_per_s": other.get(p), "concurrency": run.knobs.concurrency_for(p)}
+                         for p in run.paths}
         if in_force is not None and in_force != run.in_force:
             run.in_force, run.in_force_since = in_force, i
-        self._maybe_summarize(run, i, iter_time, update_s)
+        self._maybe_summarize(run, i, obs.iter_time_s, obs.update_s)
         if not decide or run.policy is None or run.policy_error:
             return
-        headrooms = [h for h in run.headroom.values() if h is not None]
         try:
-            obs = Observation(iteration=i, iter_time_s=iter_time, update_s=update_s,
-                              read_wait_s=phases["read_wait_s"], write_wait_s=phases["write_wait_s"],
-                              path_read_bytes_per_s=read_bw, path_write_bytes_per_s=write_bw,
-                              path_other_bytes_per_s={p: v for p, v in other.items() if v is not None},
-                              device_headroom_bytes=min(headrooms) if headrooms else None, error=run.error,
-                              knobs=in_force, **_lane_figures(recs))
             run.error = None
             decision = run.policy.observe(obs)
         except Exception as e:
@@ -399,23 +399,6 @@ class Runs:
                           run.knobs_dict)
             return
         self._take_decision(run, decision)
-
-    @staticmethod
-    def _bandwidths(run: Run, recs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
-        """Read and write bytes/s per path, summed over the ranks' records; each path's bytes are
-        added to those the next sensor sample counts as ours."""
-        read_bw: dict[str, float] = {}
-        write_bw: dict[str, float] = {}
-        for r in recs:
-            if r["wall_s"] >= 1e-6:  # a shorter update is no measurement: rates from it would be noise or infinite
-                for p, b in r.get("path_bytes_read", {}).items():
-                    read_bw[p] = read_bw.get(p, 0.0) + b / r["wall_s"]
-                for p, b in r.get("path_bytes_written", {}).items():
-                    write_bw[p] = write_bw.get(p, 0.0) + b / r["wall_s"]
-            for key in ("path_bytes_read", "path_bytes_written"):
-                for p, b in r.get(key, {}).items():
-                    run.sensor_bytes[p] = run.sensor_bytes.get(p, 0) + b
-        return read_bw, write_bw
 
     def _take_decision(self, run: Run, decision) -> None:
         """Push the policy's decision, unless it is none, no change, or knobs a rank would refuse."""
@@ -569,15 +552,3 @@ def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
         knobs.check_for(paths, has_device)
     except ConfigError as e:
         raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
-
-
-def _lane_figures(recs: list[dict]) -> dict:
-    """The lanes' times of the slowest rank (the one the iteration waits for), for the policy's
-    device-fraction moves; nothing when the ranks' engines do not report them."""
-    have = [r for r in recs if "host_lane_s" in r and "device_wait_s" in r]
-    if not have:
-        return {}
-    r = max(have, key=lambda r: r["wall_s"])
-    return {"host_lane_s": r["host_lane_s"], "device_wait_s": r["device_wait_s"],
-            "host_lane_subgroups": r.get("host_lane_subgroups", 0), "device_lane_subgroups": r.get("device_lane_subgroups", 0),
-            "device_tier_subgroups": r.get("device_tier_subgroups", 0)}

@@ -439,7 +439,7 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
     rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
     phases.add_row("  forward, backward, other", _secs(rest))
     for name, key in (("  update (optimizer step)", "update_s"), ("    waiting for reads", "read_wait_s"),
-                      ("    AdamW", "compute_s"), ("    waiting for writes", "write_wait_s")):
+                      ("    AdamW", "kernel_s"), ("    waiting for writes", "write_wait_s")):
         phases.add_row(name, _secs(ph.get(key)))
     phases.add_row("  total", _secs(it), style="bold")
     body.append(phases)
