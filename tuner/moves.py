@@ -28,9 +28,8 @@ class MoveKey:
     """Identity of a move, for the moves that failed and the one that just helped: the knob it
     changes and which way (``''``: a toggle), or a whole plan (``plan``, and no knob).
 
-    ``str()`` spells it as the log always has ('prefetch_depth+', 'io_concurrency[/p]-',
-    'stripe_weights[/p]-' (weight away from /p), 'node_lock', 'start', 'return');
-    :meth:`parse` reads that back."""
+    ``str()`` spells it ('prefetch_depth+', 'io_concurrency[/p]-', 'stripe_weights[/p]-' (weight
+    away from /p), 'node_lock', 'start', 'return'); :meth:`parse` reads that back."""
 
     knob: KnobKey | None = None
     step: Step = ""
