@@ -4,7 +4,8 @@ It owns what the loop decides and remembers: measuring, judging a trial, holding
 back after an error, the user's pins and freeze, and the log of every decision with its
 reason. The search itself is :mod:`tuner.moves`; its settings :mod:`tuner.policy_config`;
 samples and noise :mod:`tuner.measurement`; limits and contention :mod:`tuner.guards`. How
-it behaves, and why: docs/tuner-policy.md.
+it behaves, and why: docs/tuner-policy.md. ``Observation``, ``Decision`` and ``PolicyConfig``
+are importable from here too.
 """
 from __future__ import annotations
 
