@@ -5,7 +5,6 @@ field. Units are in the field names.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -207,66 +206,6 @@ class Knobs:
         if self.device_fraction > 0 and not has_device:
             raise ConfigError("Knobs.device_fraction > 0 needs a device lane (CUDA, or device='cpu' in tests), "
                               "and this run has none")
-
-    @classmethod
-    def parse_name(cls, knob: str, paths) -> tuple[str, str | None]:
-        """``'prefetch_depth'`` -> (name, None); ``'io_concurrency[/nvme0]'`` -> (name, path)."""
-        name, path = knob, None
-        if isinstance(knob, str) and knob.endswith("]") and "[" in knob:
-            name, path = knob[:-1].split("[", 1)
-        if name not in cls.names():
-            raise ConfigError(f"unknown knob {knob!r}: use one of {', '.join(cls.names())}, or io_concurrency[PATH]")
-        if path is not None:
-            if name != "io_concurrency":
-                raise ConfigError(f"knob {knob!r}: only io_concurrency takes a [PATH]; give {name} as a whole")
-            if path not in paths:
-                raise ConfigError(f"knob {knob!r} names a path this run does not use (paths: {list(paths)})")
-        return name, path
-
-    def with_value(self, knob: str, value, paths, has_device: bool) -> "Knobs":
-        """These knobs with one changed, ``knob`` as :meth:`parse_name` reads it and ``value``
-        as a user gives it (JSON text, or a value). ConfigError naming the knob on bad input."""
-        name, path = self.parse_name(knob, paths)
-        value = self.read_value(name, value, paths)
-        if name == "io_concurrency":
-            conc = dict(self.io_concurrency)
-            if path is not None:
-                conc[path] = value
-            elif isinstance(value, dict):
-                conc = dict(value)
-            else:
-                conc = {p: value for p in paths}
-            out = self.replace(io_concurrency=conc)
-        else:
-            out = self.replace(**{name: value})
-        out.check_for(paths, has_device)
-        return out
-
-    @staticmethod
-    def read_value(name: str, value, paths):
-        """A user's value for knob ``name``: JSON text read, booleans spelled out, per-path
-        dicts checked against the run's paths. The ranges are checked by constructing Knobs."""
-        if isinstance(value, str):
-            v = value.strip()
-            if name == "node_lock":
-                if v.lower() not in ("true", "false", "1", "0", "on", "off"):
-                    raise ConfigError(f"node_lock must be true or false, got {value!r}")
-                return v.lower() in ("true", "1", "on")
-            try:
-                value = json.loads(v)
-            except ValueError:
-                raise ConfigError(f"{name}: cannot read {value!r} as a number or a JSON object") from None
-        if name == "node_lock":
-            if not isinstance(value, bool):
-                raise ConfigError(f"node_lock must be true or false, got {value!r}")
-        elif name == "stripe_weights":
-            if not isinstance(value, dict) or set(value) != set(paths):
-                raise ConfigError(f"stripe_weights must give a weight for each path {list(paths)}, got {value!r}")
-        elif name == "io_concurrency" and isinstance(value, dict):
-            unknown = set(value) - set(paths)
-            if unknown:
-                raise ConfigError(f"io_concurrency names paths this run does not use: {sorted(unknown)}")
-        return value
 
     def replace(self, **changes) -> "Knobs":
         return replace(self, **changes)

@@ -577,3 +577,16 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
         opt.close()
         daemon.terminate()
         daemon.wait(10)
+
+
+def test_a_zombie_is_not_alive():
+    """The daemon's owner check and the run registry share one answer: an exited process that
+    its parent has not reaped yet is gone."""
+    assert service.pid_alive(os.getpid()) and not service.pid_alive(0) and not service.pid_alive(-1)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        _wait(lambda: open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30, "the child to exit")
+        assert not service.pid_alive(child.pid)
+    finally:
+        child.wait()
+    assert not service.pid_alive(child.pid)

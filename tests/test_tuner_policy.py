@@ -638,3 +638,19 @@ def test_params_are_per_rank(monkeypatch):
     monkeypatch.setattr(perfmodel, "best_plan", best_plan)
     Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4, profile=object())
     assert seen["per_rank"] == PARAMS
+
+
+def test_move_and_knob_keys_read_back_what_they_write():
+    from tuner.knob_text import KnobKey
+    from tuner.moves import RETURN, START, MoveKey
+
+    for text in ("prefetch_depth+", "prefetch_depth-", "io_concurrency[/a+b]-", "stripe_weights[/p]-", "node_lock",
+                 "device_fraction+", "start", "return"):
+        assert str(MoveKey.parse(text)) == text
+    assert MoveKey.parse("start") == START and MoveKey.parse("return") == RETURN
+    assert MoveKey.parse("io_concurrency[/p]+").opposite() == MoveKey.parse("io_concurrency[/p]-")
+    assert MoveKey.parse("node_lock").opposite() is None and START.opposite() is None
+    assert MoveKey.parse("stripe_weights[/a]-").family() == MoveKey.parse("stripe_weights[/b]-").family()
+    assert MoveKey.parse("io_concurrency[/a]-").family() != MoveKey.parse("io_concurrency[/b]+").family()
+    assert KnobKey.parse("io_concurrency[/x=y:z]", ["/x=y:z"]) == KnobKey("io_concurrency", "/x=y:z")
+    assert str(KnobKey("io_concurrency", "/x")) == "io_concurrency[/x]"

@@ -77,3 +77,66 @@ def test_runs_aggregate_ranks_and_push_one_change_to_all():
     assert runs.runs["r"].status == "finished" and not runs.any_running()
     views, omitted = runs.views(None, 10, 1 << 20)
     assert omitted == [] and views[0]["history"]["iteration"] == [0, 1] and views[0]["seq"] == 1
+
+
+def _register_paths(runs, peer, paths):
+    return runs.register(peer, {"type": "register", "run_id": "r", "rank": 0, "world_size": 1, "params": 1000,
+                                "paths": paths, "knobs": Knobs().to_dict(), "has_device": False,
+                                "subgroup_bytes": 12000})
+
+
+def test_without_a_policy_the_run_takes_pins_itself_one_path_s_concurrency_too():
+    """A policy that failed to start: pins and unpins still work, read as the policy reads them."""
+    from tuner.runs import Runs
+
+    def broken(start, **kw):
+        raise RuntimeError("no policy today")
+
+    runs = Runs(ServerConfig(socket_path="unused"), policy_factory=broken, sensors_factory=False)
+    a = Peer(1)
+    _register_paths(runs, a, ["/nvme0", "/nvme1"])
+    run = runs.runs["r"]
+    assert run.policy_error and not run.policy_ok()
+    reply = runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8})
+    assert reply["knobs"]["io_concurrency"] == {"/nvme0": 8}
+    assert [m["knobs"]["io_concurrency"] for _, m in runs.take_outbox()] == [{"/nvme0": 8}]
+    runs.pin({"type": "pin", "run_id": "r", "knob": "node_lock", "value": "on"})  # text, read as the policy reads it
+    assert run.knobs.node_lock is True
+    assert runs.views("r", 0, 1 << 20)[0][0]["pins"] == {"io_concurrency[/nvme0]": 8, "node_lock": True}
+    with pytest.raises(ProtocolError, match="names a path this run does not use") as e:
+        runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/elsewhere]", "value": 8})
+    assert e.value.code == ErrorCode.BAD_VALUE
+    runs.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
+    assert run.pins() == {"node_lock": True}
+    with pytest.raises(ProtocolError, match="is not pinned"):
+        runs.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
+
+
+class PinsThenFails:
+    """Takes pins; fails at its first observation."""
+
+    def __init__(self, start, **kw):
+        self.knobs, self.pins = start, {}
+
+    def pin(self, knob, value):
+        self.pins[knob] = value
+        self.knobs = self.knobs.replace(prefetch_depth=value)
+
+    def observe(self, obs):
+        raise RuntimeError("lost")
+
+
+def test_a_failed_policy_s_pins_stay_with_the_run():
+    from tuner.runs import Runs
+
+    runs = Runs(ServerConfig(socket_path="unused"), policy_factory=PinsThenFails, sensors_factory=False)
+    a = Peer(1)
+    _register_paths(runs, a, ["/nvme0"])
+    runs.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
+    rec = {"wall_s": 0.5, "read_wait_s": 0.0, "write_wait_s": 0.0, "update_s": 0.5}
+    runs.telemetry(a, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 0, "record": rec})
+    run = runs.runs["r"]
+    assert run.policy_error == "RuntimeError: lost"
+    runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": "2"})
+    assert run.pins() == {"prefetch_depth": 5, "io_concurrency[/nvme0]": 2}
+    assert run.knobs.prefetch_depth == 5 and run.knobs.io_concurrency == {"/nvme0": 2}

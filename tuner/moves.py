@@ -1,6 +1,6 @@
-"""The tuner policy's moves: what a move is (:class:`Move`, :class:`Trial`), which moves exist
-from the good knobs and how they are ranked (:class:`MoveSearch`), and bounded steps toward a
-target plan (the way back after contention).
+"""The tuner policy's moves: what a move is (:class:`MoveKey`, :class:`Move`, :class:`Trial`),
+which moves exist from the good knobs and how they are ranked (:class:`MoveSearch`), and
+bounded steps toward a target plan (the way back after contention).
 
 Moves are ranked by what the baseline shows: read wait -> prefetch, I/O wait -> concurrency,
 unbalanced lanes -> device fraction, a contended path -> stripe weight away from it; a move
@@ -11,16 +11,69 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Mapping
+from typing import AbstractSet, Literal, Mapping, Sequence
 
 from engine.config import Knobs
+from tuner.guards import Contention, Limits
+from tuner.knob_text import KnobKey, Pins
 from tuner.measurement import Sample
+from tuner.policy_config import PolicyConfig
+
+Plan = Literal["start", "return"]
+Step = Literal["+", "-", ""]
 
 
 @dataclass(frozen=True)
+class MoveKey:
+    """Identity of a move, for the moves that failed and the one that just helped: the knob it
+    changes and which way (``''``: a toggle), or a whole plan (``plan``, and no knob).
+
+    ``str()`` spells it ('prefetch_depth+', 'io_concurrency[/p]-', 'stripe_weights[/p]-' (weight
+    away from /p), 'node_lock', 'start', 'return'); :meth:`parse` reads that back."""
+
+    knob: KnobKey | None = None
+    step: Step = ""
+    plan: Plan | None = None
+
+    def __str__(self) -> str:
+        return self.plan if self.plan is not None else f"{self.knob}{self.step}"
+
+    @classmethod
+    def parse(cls, text: str) -> "MoveKey":
+        if text in ("start", "return"):
+            return cls(plan=text)
+        step = text[-1] if text[-1:] in ("+", "-") else ""
+        body = text[:-1] if step else text
+        name, path = body, None
+        if body.endswith("]") and "[" in body:
+            name, path = body[:-1].split("[", 1)
+        return cls(KnobKey(name, path), step)
+
+    def family(self) -> "MoveKey":
+        """The knob a move changes, less the direction: one path's concurrency, or all the stripe
+        weights (moving weight away from one path changes every path's share)."""
+        if self.knob is None:
+            return self
+        if self.knob.name == "stripe_weights":
+            return MoveKey(KnobKey("stripe_weights"))
+        return MoveKey(self.knob)
+
+    def opposite(self) -> "MoveKey | None":
+        """The same knob the other way; None for a toggle or a plan."""
+        if self.step == "":
+            return None
+        return MoveKey(self.knob, "-" if self.step == "+" else "+")
+
+
+START = MoveKey(plan="start")
+"""The run's own starting knobs, tried against the performance model's plan."""
+RETURN = MoveKey(plan="return")
+"""A step back toward the plan from before contention."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Move:
-    key: str
-    """Identity of the move ('prefetch_depth+', 'io_concurrency[/p]-', 'stripe_weights[/p]-', ...)."""
+    key: MoveKey
     knobs: Knobs
     what: str
     """For the log: 'prefetch_depth 0->2'."""
@@ -38,20 +91,6 @@ def knobs_key(k: Knobs) -> str:
     return json.dumps(k.to_dict(), sort_keys=True)
 
 
-def family(key: str) -> str:
-    """The knob a move changes: its key less the direction ('io_concurrency[/p]', 'stripe_weights')."""
-    key = key.rstrip("+-")
-    return "stripe_weights" if key.startswith("stripe_weights") else key
-
-
-def opposite(key: str) -> str | None:
-    if key.endswith("+"):
-        return key[:-1] + "-"
-    if key.endswith("-"):
-        return key[:-1] + "+"
-    return None
-
-
 def diff(a: Knobs, b: Knobs) -> str:
     """The knobs that differ, 'name old->new' each."""
     da, db = a.to_dict(), b.to_dict()
@@ -59,19 +98,56 @@ def diff(a: Knobs, b: Knobs) -> str:
     return ", ".join(parts) or "no change"
 
 
-class MoveSearch:
-    """The move generator of :class:`tuner.policy.Policy`, which it is mixed into.
+@dataclass(frozen=True, kw_only=True)
+class SearchState:
+    """What a search starts from: the policy's state at the time, passed in whole."""
 
-    It reads the policy's state: ``cfg``, ``paths``, ``has_device``, ``ranks``, ``_good`` (the
-    knobs moves start from), ``_base`` (their samples), ``_failed`` and ``_bad`` (moves and
-    knobs not to try), ``_momentum``, ``_start_alt``, ``_pre_shares``, ``_limits``,
-    ``_contended`` and ``_pinned()``; it writes only ``_returning`` (cleared once the way
-    back is done).
+    good_knobs: Knobs
+    """The knobs moves start from."""
+    baseline: Sequence[Sample]
+    """Their measurements, oldest first."""
+    failed_moves: AbstractSet[MoveKey]
+    """Moves that did not help, since the last re-exploration."""
+    bad_knobs: AbstractSet[str]
+    """Knob settings (:func:`knobs_key`) that caused an error."""
+    last_kept: MoveKey | None
+    """The move that just helped (momentum)."""
+    own_start: Knobs | None
+    """The run's own starting knobs, while they are still to be tried against the model's plan."""
+    return_to: Knobs | None
+    """The plan from before contention, while the way back is not done."""
+    shares_before_contention: Mapping[str, float]
+    """Byte shares per path when contention appeared (the engine's default weights then)."""
+
+
+class MoveSearch:
+    """The moves worth trying from the good knobs, ranked, for one run's policy.
+
+    It keeps no state of its own: the run's facts and guard rails (``limits``, ``contention``,
+    ``pins``, objects the policy keeps current) are given once; the policy's search state comes
+    with each call as a :class:`SearchState`.
     """
 
-    def _stats(self) -> dict:
+    def __init__(self, cfg: PolicyConfig, *, paths: Sequence[str], has_device: bool, ranks: int, limits: Limits,
+                 contention: Contention, pins: Pins) -> None:
+        self.cfg = cfg
+        self.paths = list(paths)
+        self.has_device = has_device
+        self.ranks = ranks
+        self._limits = limits
+        self._contention = contention
+        self._pins = pins
+
+    @property
+    def _contended(self) -> set[str]:
+        return self._contention.contended
+
+    def _pinned(self, name: str, path: str | None = None) -> bool:
+        return self._pins.covers(name, path)
+
+    def stats(self, baseline: Sequence[Sample]) -> dict:
         """Medians over the baseline: where the update time goes, and each path's share of bytes."""
-        b = self._base[-5:]
+        b = baseline[-5:]
         if not b:
             return {}
         upd = median([s.update_s for s in b]) or 1e-9
@@ -83,39 +159,47 @@ class MoveSearch:
             "shares": {p: v / total for p, v in moved.items()} if total > 0 else {},
         }
 
-    def _next_move(self) -> Move | None:
-        scored = sorted(self._candidates(), key=lambda sm: -sm[0])
+    def next_move(self, state: SearchState) -> tuple[Move | None, bool]:
+        """The best move not failed, not to knobs that caused an error, and not to the good knobs
+        themselves; and whether the way back to ``state.return_to`` is done (no step is left)."""
+        candidates, back_done = self._candidates(state)
+        scored = sorted(candidates, key=lambda sm: -sm[0])
         for _, m in scored:
-            if m.key in self._failed or m.knobs == self._good or knobs_key(m.knobs) in self._bad:
+            if m.key in state.failed_moves or m.knobs == state.good_knobs or knobs_key(m.knobs) in state.bad_knobs:
                 continue
-            return m
-        return None
+            return m, back_done
+        return None, back_done
 
-    def _candidates(self) -> list[tuple[float, Move]]:
-        """Every move worth trying from the good knobs, each with its score (higher: sooner)."""
-        k, st = self._good, self._stats()
+    def _candidates(self, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
+        """Every move worth trying from the good knobs, each with its score (higher: sooner);
+        and whether the way back is done."""
+        k, st = state.good_knobs, self.stats(state.baseline)
         read_share = st.get("read_share", 0.0)
         io_share = min(1.0, read_share + st.get("write_share", 0.0))
         shares = st.get("shares", {})
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
-        out = [*self._planned_moves(k), *self._prefetch_moves(k, read_share),
+        planned, back_done = self._planned_moves(k, state)
+        out = [*planned, *self._prefetch_moves(k, read_share),
                *self._concurrency_moves(k, io_share, shares), *self._stripe_moves(k, io_share, shares),
-               *self._device_moves(k, io_share), *self._node_lock_moves(k, io_share)]
-        return [(s + (1.0 if m.key == self._momentum else 0.0), m) for s, m in out]
+               *self._device_moves(k, io_share, state), *self._node_lock_moves(k, io_share)]
+        return [(s + (1.0 if m.key == state.last_kept else 0.0), m) for s, m in out], back_done
 
-    def _planned_moves(self, k: Knobs) -> list[tuple[float, Move]]:
-        """Back toward the plan from before contention; the run's own start against the model's plan."""
+    def _planned_moves(self, k: Knobs, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
+        """Back toward the plan from before contention (and whether no step is left); the run's
+        own start against the model's plan."""
         out: list[tuple[float, Move]] = []
-        if self._returning is not None:
-            back = self._step_toward(k, self._returning)
+        back_done = False
+        if state.return_to is not None:
+            back = self.step_toward(k, state.return_to, state)
             if back != k:
-                out.append((3.0, Move("return", back, f"back toward the plan before contention ({diff(k, back)})",
-                                      lenient=True)))
+                out.append((3.0, Move(key=RETURN, knobs=back, lenient=True,
+                                      what=f"back toward the plan before contention ({diff(k, back)})")))
             else:
-                self._returning = None
-        if self._start_alt is not None:
-            out.append((2.5, Move("start", self._start_alt, f"the starting knobs ({diff(k, self._start_alt)})")))
-        return out
+                back_done = True
+        if state.own_start is not None:
+            out.append((2.5, Move(key=START, knobs=state.own_start,
+                                  what=f"the starting knobs ({diff(k, state.own_start)})")))
+        return out, back_done
 
     def _prefetch_moves(self, k: Knobs, read_share: float) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
@@ -123,10 +207,11 @@ class MoveSearch:
             d = k.prefetch_depth
             up = min(d + (2 if read_share > 0.3 else 1), self._limits.prefetch_cap())
             if up > d:
-                out.append((0.2 + 2 * read_share, Move("prefetch_depth+", k.replace(prefetch_depth=up),
-                                                       f"prefetch_depth {d}->{up}")))
+                out.append((0.2 + 2 * read_share, Move(key=_key("prefetch_depth", "+"), knobs=k.replace(prefetch_depth=up),
+                                                       what=f"prefetch_depth {d}->{up}")))
             if d > 0:
-                out.append((0.02, Move("prefetch_depth-", k.replace(prefetch_depth=d - 1), f"prefetch_depth {d}->{d - 1}")))
+                out.append((0.02, Move(key=_key("prefetch_depth", "-"), knobs=k.replace(prefetch_depth=d - 1),
+                                       what=f"prefetch_depth {d}->{d - 1}")))
         return out
 
     def _concurrency_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
@@ -139,13 +224,13 @@ class MoveSearch:
             if c < 64:
                 conc[p] = min(64, 2 * c)
                 out.append((0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
-                            Move(f"io_concurrency[{p}]+", k.replace(io_concurrency=dict(conc)),
-                                 f"io_concurrency[{p}] {c}->{conc[p]}")))
+                            Move(key=_key("io_concurrency", "+", p), knobs=k.replace(io_concurrency=dict(conc)),
+                                 what=f"io_concurrency[{p}] {c}->{conc[p]}")))
             if c > 1:
                 conc[p] = c // 2
                 out.append((1.5 if p in self._contended else 0.03,
-                            Move(f"io_concurrency[{p}]-", k.replace(io_concurrency=dict(conc)),
-                                 f"io_concurrency[{p}] {c}->{c // 2}")))
+                            Move(key=_key("io_concurrency", "-", p), knobs=k.replace(io_concurrency=dict(conc)),
+                                 what=f"io_concurrency[{p}] {c}->{c // 2}")))
         return out
 
     def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
@@ -158,39 +243,41 @@ class MoveSearch:
                     continue
                 calm_elsewhere = any(q not in self._contended for q in self.paths if q != p)
                 score = 2.0 if p in self._contended and calm_elsewhere else 0.05 + 0.3 * io_share
-                out.append((score, Move(f"stripe_weights[{p}]-", k.replace(stripe_weights=new),
-                                        f"stripe weight of {p} {w[p]:.3g}->{new[p]:.3g}")))
+                out.append((score, Move(key=_key("stripe_weights", "-", p), knobs=k.replace(stripe_weights=new),
+                                        what=f"stripe weight of {p} {w[p]:.3g}->{new[p]:.3g}")))
         return out
 
-    def _device_moves(self, k: Knobs, io_share: float) -> list[tuple[float, Move]]:
+    def _device_moves(self, k: Knobs, io_share: float, state: SearchState) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
         if self.has_device and not self._pinned("device_fraction"):
             f = k.device_fraction
-            target = self._balanced_fraction()
+            target = self._balanced_fraction(state)
             if target is not None:
                 t, why = target
                 t = min(t, self._limits.device_cap)
                 if abs(t - f) >= 0.05 - 1e-9:
-                    key = "device_fraction+" if t > f else "device_fraction-"
-                    out.append((1.2, Move(key, k.replace(device_fraction=t), f"device_fraction {f:.2g}->{t:.2g} ({why})")))
+                    key = _key("device_fraction", "+" if t > f else "-")
+                    out.append((1.2, Move(key=key, knobs=k.replace(device_fraction=t),
+                                          what=f"device_fraction {f:.2g}->{t:.2g} ({why})")))
             else:  # no lane times reported: bounded steps
                 up = round(min(1.0, self._limits.device_cap, f + self.cfg.device_step), 6)
                 if up > f + 1e-9 and self._limits.device_fits(up):
-                    out.append((0.1 + (1 - io_share), Move("device_fraction+", k.replace(device_fraction=up),
-                                                           f"device_fraction {f:.2g}->{up:.2g}")))
+                    out.append((0.1 + (1 - io_share), Move(key=_key("device_fraction", "+"),
+                                                           knobs=k.replace(device_fraction=up),
+                                                           what=f"device_fraction {f:.2g}->{up:.2g}")))
                 if f > 0:
                     down = round(max(0.0, f - self.cfg.device_step), 6)
-                    out.append((0.03, Move("device_fraction-", k.replace(device_fraction=down),
-                                           f"device_fraction {f:.2g}->{down:.2g}")))
+                    out.append((0.03, Move(key=_key("device_fraction", "-"), knobs=k.replace(device_fraction=down),
+                                           what=f"device_fraction {f:.2g}->{down:.2g}")))
         return out
 
     def _node_lock_moves(self, k: Knobs, io_share: float) -> list[tuple[float, Move]]:
         if self.ranks > 1 and not self._pinned("node_lock"):
-            return [(0.1 + 0.5 * io_share, Move("node_lock", k.replace(node_lock=not k.node_lock),
-                                                f"node_lock {k.node_lock}->{not k.node_lock}"))]
+            return [(0.1 + 0.5 * io_share, Move(key=_key("node_lock", ""), knobs=k.replace(node_lock=not k.node_lock),
+                                                what=f"node_lock {k.node_lock}->{not k.node_lock}"))]
         return []
 
-    def _balanced_fraction(self) -> tuple[float, str] | None:
+    def _balanced_fraction(self, state: SearchState) -> tuple[float, str] | None:
         """Where the lanes' measured times say the device fraction should go (steps of 0.05),
         and why; None without lane times, or when no subgroup is outside the device tier.
 
@@ -201,7 +288,7 @@ class MoveSearch:
         GPU kept up and its rate is only known to be enough: one ``device_step`` more (runs
         start from the engine's measured balance, so this is a refinement). No device lane yet:
         half the subgroups, once."""
-        lanes = [x.lanes for x in self._base[-self.cfg.window:] if x.lanes is not None]
+        lanes = [x.lanes for x in state.baseline[-self.cfg.window:] if x.lanes is not None]
         if not lanes:
             return None
         host_s = median([x.host_lane_s for x in lanes])
@@ -210,8 +297,8 @@ class MoveSearch:
         rest = host_n + lane_n
         if rest <= 0:
             return None
-        upd = median([x.update_s for x in self._base[-self.cfg.window:]])
-        f = self._good.device_fraction
+        upd = median([x.update_s for x in state.baseline[-self.cfg.window:]])
+        f = state.good_knobs.device_fraction
         if lane_n > 0 and host_n > 0 and wait > 0.05 * upd and host_s > 0:
             r_dev, r_host = lane_n / upd, host_n / host_s
             t = r_dev / (r_dev + r_host)
@@ -255,7 +342,7 @@ class MoveSearch:
             out[q] += d * (w[q] / rest if rest > 0 else 1 / len(others))
         return {q: round(v, 4) for q, v in out.items()}
 
-    def _step_toward(self, k: Knobs, target: Knobs) -> Knobs:
+    def step_toward(self, k: Knobs, target: Knobs, state: SearchState) -> Knobs:
         """One bounded move of every searchable knob from ``k`` toward ``target``."""
         out = k
         if not self._pinned("prefetch_depth"):
@@ -276,8 +363,8 @@ class MoveSearch:
                 del conc[p]  # back to the engine's default, as the target has it
         out = out.replace(io_concurrency=conc, node_lock=target.node_lock if not self._pinned("node_lock") else k.node_lock)
         if len(self.paths) > 1 and not self._pinned("stripe_weights") and k.stripe_weights != target.stripe_weights:
-            cur = self._weights(k, self._stats().get("shares", {}))
-            tgt = self._weights(target, self._pre_shares)
+            cur = self._weights(k, self.stats(state.baseline).get("shares", {}))
+            tgt = self._weights(target, state.shares_before_contention)
             if cur and tgt:
                 # Paths losing weight lose at most stripe_step of theirs; the gainers share it.
                 delta = {p: tgt[p] - cur[p] for p in self.paths}
@@ -290,3 +377,7 @@ class MoveSearch:
                            for p in self.paths}
                     out = out.replace(stripe_weights={p: round(v, 4) for p, v in new.items()})
         return out
+
+
+def _key(name: str, step: Step, path: str | None = None) -> MoveKey:
+    return MoveKey(KnobKey(name, path), step)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import Knobs
+from tuner.knob_text import Pins
 
 log = logging.getLogger("offloadctl.tuner")
 
@@ -52,7 +53,8 @@ class Run:
     last_observed: int = -1          # latest iteration given to the policy
     pending: dict[int, dict[int, dict]] = field(default_factory=dict)  # iteration -> rank -> telemetry
     frozen: bool = False
-    pins: dict[str, Any] = field(default_factory=dict)
+    own_pins: Pins = field(default_factory=Pins)
+    """The user's pins while the run has no working policy; a working one holds them (:meth:`pins`)."""
     headroom: dict[int, int | None] = field(default_factory=dict)
     error: str | None = None         # an event to pass with the next observation
     policy_error: str | None = None
@@ -78,6 +80,10 @@ class Run:
 
     def policy_ok(self) -> bool:
         return self.policy is not None and self.policy_error is None
+
+    def pins(self) -> dict[str, Any]:
+        """The user's pins, as the wire spells them: the policy's, or without a working one the run's own."""
+        return dict(self.policy.pins) if self.policy_ok() else self.own_pins.as_dict()
 
 
 def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
@@ -107,7 +113,7 @@ def run_view(run: Run, history: int = 60) -> dict:
     return {
         "run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
         "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
-        "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": dict(run.pins),
+        "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": run.pins(),
         "params": run.params, "paths": list(run.paths), "has_device": run.has_device,
         "started_at": run.started_at, "ended_at": run.ended_at, "stopped_by": run.stopped_by,
         "rank_iterations": {str(k): r.iteration for k, r in sorted(run.ranks.items())},

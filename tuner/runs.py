@@ -26,6 +26,7 @@ from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from tuner.daemon_config import ServerConfig
+from tuner.knob_text import Pins
 from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
 from tuner.run_state import Rank, Run, encodable_view
@@ -316,12 +317,12 @@ class Runs:
                     run.policy.pin(knob, value)
                 if frozen:
                     run.policy.freeze(True)
-                target, run.pins = run.policy.knobs, run.policy.pins
+                target = run.policy.knobs
             else:
-                target = knobs
+                own, target = Pins(), knobs
                 for knob, value in pins.items():
-                    target = target.replace(**{knob: value})
-                run.pins = dict(pins)
+                    _, _, target = own.pin(knob, value, target, run.paths, run.has_device)
+                run.own_pins = own
             _check_knobs_for(target, run.paths, run.has_device)
         except (ConfigError, ProtocolError, TypeError) as e:
             log.warning("run %s: saved pins %s not restored: %s", run.run_id, pins, e)
@@ -334,7 +335,7 @@ class Runs:
     def _save_controls(self, run: Run) -> None:
         if self.history is not None:
             try:
-                self.history.save_controls(run.run_id, dict(run.pins), run.frozen)
+                self.history.save_controls(run.run_id, run.pins(), run.frozen)
             except Exception as e:
                 log.warning("run %s: pins not saved: %s", run.run_id, e)
 
@@ -394,11 +395,20 @@ class Runs:
             run.error = None
             decision = run.policy.observe(obs)
         except Exception as e:
-            run.policy_error = f"{type(e).__name__}: {e}"
+            self._policy_failed(run, f"{type(e).__name__}: {e}")
             log.exception("run %s: policy failed at iteration %d; the run keeps knobs %s", run.run_id, i,
                           run.knobs_dict)
             return
         self._take_decision(run, decision)
+
+    @staticmethod
+    def _policy_failed(run: Run, error: str) -> None:
+        """The run's policy decides nothing more; the run keeps the pins it held, and takes new ones itself."""
+        try:
+            run.own_pins = Pins.of(run.policy.pins)
+        except Exception as e:
+            log.warning("run %s: the failed policy's pins are lost: %s", run.run_id, e)
+        run.policy_error = error
 
     def _take_decision(self, run: Run, decision) -> None:
         """Push the policy's decision, unless it is none, no change, or knobs a rank would refuse."""
@@ -407,7 +417,7 @@ class Runs:
         try:
             _check_knobs_for(decision.knobs, run.paths, run.has_device)
         except ProtocolError as e:
-            run.policy_error = f"policy proposed unusable knobs: {e}"
+            self._policy_failed(run, f"policy proposed unusable knobs: {e}")
             log.error("run %s: %s", run.run_id, run.policy_error)
             return
         if decision.knobs != run.knobs:
@@ -470,12 +480,11 @@ class Runs:
         run = self._run_for_cli(msg)
         knob, value = msg["knob"], msg["value"]
         try:
-            if run.policy_ok():  # the policy owns pins: it knows io_concurrency[PATH] and its trials
+            if run.policy_ok():  # the policy owns the pins: it ends a trial of the knob, and never searches it
                 run.policy.pin(knob, value)
-                knobs, run.pins = run.policy.knobs, run.policy.pins
+                knobs = run.policy.knobs
             else:
-                knobs = run.knobs.replace(**{knob: value})
-                run.pins[knob] = value
+                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.paths, run.has_device)
         except (ConfigError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
         _check_knobs_for(knobs, run.paths, run.has_device)
@@ -486,14 +495,13 @@ class Runs:
     def unpin(self, msg: dict) -> dict:
         run = self._run_for_cli(msg)
         knob = msg["knob"]
-        if run.policy_ok():
-            try:
+        try:
+            if run.policy_ok():
                 run.policy.unpin(knob)
-            except ConfigError as e:
-                raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
-            run.pins = run.policy.pins
-        elif run.pins.pop(knob, None) is None:
-            raise ProtocolError(ErrorCode.BAD_VALUE, f"knob {knob!r} is not pinned (pinned: {sorted(run.pins) or 'none'})")
+            else:
+                run.own_pins.unpin(knob, run.paths)
+        except ConfigError as e:
+            raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
         self._user_change(run, run.knobs, f"{knob} unpinned by the user")
         self._save_controls(run)
         return {"type": "ok", "knobs": run.knobs_dict}

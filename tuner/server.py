@@ -44,7 +44,7 @@ from tuner.protocol import (
     validate,
 )
 from tuner.runs import Runs
-from tuner.service import private_dir
+from tuner.service import pid_alive, private_dir
 
 __all__ = ["ServerConfig", "TunerServer", "bind_socket", "raise_fd_limit", "serve"]
 
@@ -205,7 +205,7 @@ class TunerServer:
         idle_since = time.monotonic()
         while True:
             await asyncio.sleep(min(1.0 if self.config.owner_pid else 5.0, self.config.finished_keep_s / 2))
-            if self.config.owner_pid and not _alive(self.config.owner_pid):
+            if self.config.owner_pid and not pid_alive(self.config.owner_pid):
                 log.info("owner pid %d is gone: stopping", self.config.owner_pid)
                 self.request_stop()
                 return
@@ -378,16 +378,6 @@ class TunerServer:
 
 
 # -- the listening socket --------------------------------------------------------------------------
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 class _Heap:
     """glibc's heap, kept from growing under frames up to 1 MiB. Freed mmapped blocks raise

@@ -89,7 +89,7 @@ def live_runs() -> list[dict]:
             with open(path) as f:
                 entry = json.load(f)
             pid = int(entry["pid"])
-            alive = _alive(pid) and _is_our_daemon(pid) and os.path.exists(entry["socket"])
+            alive = pid_alive(pid) and _is_our_daemon(pid) and os.path.exists(entry["socket"])
         except (OSError, ValueError, KeyError, TypeError):
             alive = False
         if not alive:
@@ -302,15 +302,28 @@ def _wait_exit(pid: int, timeout_s: float) -> bool:
                 return True
         except ChildProcessError:
             pass
-        if not _alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
-    return not _alive(pid)
+    return not pid_alive(pid)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited. A zombie (exited, not yet reaped by
+    its parent) is not alive: a daemon's owner that exited is gone even before it is reaped."""
+    if pid <= 0:
+        return False  # kill() would signal a process group, and succeed
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return not os.path.exists("/proc/self")  # reaped since kill(); or no /proc here to tell a zombie
+    except (OSError, IndexError):
+        return True  # it exists (kill said so); its state cannot be read
+    return state != "Z"

@@ -44,20 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unfreeze", action="append", default=[], metavar="RUN", help="resume tuning a run")
 
 
-def _knob_rx() -> str:
-    from engine.config import Knobs
-
-    return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(Knobs.names())
-
-
 def parse_pin(spec: str) -> tuple[str, str, object]:
     """``RUN:KNOB=VALUE`` -> (run, knob, value); VALUE is JSON, else taken as a string. The
     knob names anchor the split, so run ids and paths may hold ':' and '='. A value out of
     range is refused here, naming what was typed."""
     from engine.config import Knobs
     from engine.errors import ConfigError
+    from tuner.knob_text import knob_pattern
 
-    m = re.fullmatch(r"(?P<run>.+?):" + _knob_rx() + r"=(?P<value>.*)", spec, re.S)
+    m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern() + r"=(?P<value>.*)", spec, re.S)
     if not m:
         raise ConfigError(f"--pin {spec!r}: write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
                           f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)")
@@ -65,7 +60,7 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
         value = json.loads(m["value"])
     except ValueError:
         value = m["value"]
-    if not isinstance(Knobs().to_dict().get(m["knob"], {}), dict):  # per-path values: the daemon knows the paths
+    if "[" not in m["knob"] and m["knob"] not in Knobs.PER_PATH:  # per-path values: the daemon knows the paths
         try:
             Knobs().replace(**{m["knob"]: value})
         except (ConfigError, TypeError) as e:
@@ -76,8 +71,9 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
 def parse_unpin(spec: str) -> tuple[str, str]:
     """``RUN:KNOB`` -> (run, knob)."""
     from engine.errors import ConfigError
+    from tuner.knob_text import knob_pattern
 
-    m = re.fullmatch(r"(?P<run>.+?):" + _knob_rx(), spec, re.S)
+    m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern(), spec, re.S)
     if not m:
         raise ConfigError(f"--unpin {spec!r}: write RUN:KNOB, e.g. myrun:prefetch_depth")
     return m["run"], m["knob"]

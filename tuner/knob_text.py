@@ -1,0 +1,148 @@
+"""The user's knob text, read in one place, and the pins made of it.
+
+A knob is named as ``prefetch_depth`` or, for one path of a per-path knob,
+``io_concurrency[/nvme0]``: a :class:`KnobKey`, whose ``str()`` and :meth:`KnobKey.parse` are
+the one spelling for logs, the wire and the CLI. A value arrives as typed (JSON text, on/off)
+or already decoded; :func:`read_value` reads it and :func:`with_value` applies it. Pins
+(:class:`Pins`) are knob keys with their values, set only through :meth:`Pins.pin`.
+
+``offloadctl tune --pin``, the daemon's pin messages (:mod:`tuner.runs`) and the policy read
+knob text here; :class:`engine.config.Knobs` only validates the values it is built from.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+from engine.config import Knobs
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KnobKey:
+    """A knob (``path`` None), or one path's entry of a per-path knob."""
+
+    name: str
+    path: str | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.path is None else f"{self.name}[{self.path}]"
+
+    @classmethod
+    def parse(cls, text: str, paths: Sequence[str] | None = None) -> "KnobKey":
+        """``'prefetch_depth'`` -> KnobKey('prefetch_depth'); ``'io_concurrency[/nvme0]'`` ->
+        KnobKey('io_concurrency', '/nvme0'). Only io_concurrency takes a [PATH] (stripe weights
+        are shares: they are given as a whole); with ``paths``, it must be one of them.
+        ConfigError naming the text otherwise."""
+        name, path = text, None
+        if isinstance(text, str) and text.endswith("]") and "[" in text:
+            name, path = text[:-1].split("[", 1)
+        if name not in Knobs.names():
+            raise ConfigError(f"unknown knob {text!r}: use one of {', '.join(Knobs.names())}, or io_concurrency[PATH]")
+        if path is not None:
+            if name != "io_concurrency":
+                raise ConfigError(f"knob {text!r}: only io_concurrency takes a [PATH]; give {name} as a whole")
+            if paths is not None and path not in paths:
+                raise ConfigError(f"knob {text!r} names a path this run does not use (paths: {list(paths)})")
+        return cls(name, path)
+
+
+def knob_pattern() -> str:
+    """A regular expression for knob text (group ``knob``), for parsers that split larger text on it."""
+    return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(map(re.escape, Knobs.names()))
+
+
+def read_value(name: str, value, paths: Sequence[str]):
+    """A user's value for knob ``name``: JSON text read, booleans spelled out, per-path dicts
+    checked against the run's paths. The ranges are checked by constructing Knobs."""
+    if isinstance(value, str):
+        v = value.strip()
+        if name == "node_lock":
+            if v.lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise ConfigError(f"node_lock must be true or false, got {value!r}")
+            return v.lower() in ("true", "1", "on")
+        try:
+            value = json.loads(v)
+        except ValueError:
+            raise ConfigError(f"{name}: cannot read {value!r} as a number or a JSON object") from None
+    if name == "node_lock":
+        if not isinstance(value, bool):
+            raise ConfigError(f"node_lock must be true or false, got {value!r}")
+    elif name == "stripe_weights":
+        if not isinstance(value, dict) or set(value) != set(paths):
+            raise ConfigError(f"stripe_weights must give a weight for each path {list(paths)}, got {value!r}")
+    elif name == "io_concurrency" and isinstance(value, dict):
+        unknown = set(value) - set(paths)
+        if unknown:
+            raise ConfigError(f"io_concurrency names paths this run does not use: {sorted(unknown)}")
+    return value
+
+
+def with_value(knobs: Knobs, key: KnobKey, value, paths: Sequence[str], has_device: bool) -> Knobs:
+    """``knobs`` with ``key`` set to ``value`` (as :func:`read_value` returns it), checked for
+    the run (:meth:`Knobs.check_for`). ConfigError naming the knob on bad input."""
+    if key.name == "io_concurrency":
+        conc = dict(knobs.io_concurrency)
+        if key.path is not None:
+            conc[key.path] = value
+        elif isinstance(value, dict):
+            conc = dict(value)
+        else:
+            conc = {p: value for p in paths}
+        out = knobs.replace(io_concurrency=conc)
+    else:
+        out = knobs.replace(**{key.name: value})
+    out.check_for(paths, has_device)
+    return out
+
+
+class Pins:
+    """The knobs a user fixed, with their values: never searched, never moved.
+
+    Keyed by :class:`KnobKey`: a whole knob, or one path's concurrency. :meth:`pin` is the one
+    place a pin is set; :meth:`as_dict` is the wire's and the view's spelling."""
+
+    def __init__(self) -> None:
+        self._values: dict[KnobKey, Any] = {}
+
+    def pin(self, text: str, value, knobs: Knobs, paths: Sequence[str], has_device: bool,
+            check=None) -> tuple[KnobKey, Any, Knobs]:
+        """Pin knob ``text`` at ``value`` (as a user gives it). Returns the key, the value read
+        and ``knobs`` with it set; ``check(key, new_knobs)`` may refuse (ConfigError) before
+        anything is recorded."""
+        key = KnobKey.parse(text, paths)
+        value = read_value(key.name, value, paths)
+        new = with_value(knobs, key, value, paths, has_device)
+        if check is not None:
+            check(key, new)
+        self._values[key] = value
+        return key, value, new
+
+    def unpin(self, text: str, paths: Sequence[str] | None) -> KnobKey:
+        """Remove the pin ``text`` names; ConfigError when it names no pin."""
+        key = KnobKey.parse(text, paths)
+        if self._values.pop(key, None) is None:
+            raise ConfigError(f"knob {text!r} is not pinned (pinned: {sorted(map(str, self._values)) or 'none'})")
+        return key
+
+    def covers(self, name: str, path: str | None = None) -> bool:
+        """Whether the search must leave knob ``name`` (or its entry for ``path``) alone."""
+        return KnobKey(name) in self._values or (path is not None and KnobKey(name, path) in self._values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {str(k): v for k, v in self._values.items()}
+
+    @classmethod
+    def of(cls, pins: Mapping[str, Any]) -> "Pins":
+        """Pins as :meth:`as_dict` spelled them (a policy's, or saved ones), taken as they are."""
+        out = cls()
+        out._values = {KnobKey.parse(k): v for k, v in pins.items()}
+        return out
+
+    def __iter__(self) -> Iterator[KnobKey]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
