@@ -624,7 +624,7 @@ def test_params_are_per_rank(monkeypatch):
     """The engine registers its own partition's size: the policy must not divide it by the ranks
     again (it capped prefetch at 2 for 4 ranks of 10 subgroups each, and seeded the model with a
     model 4x too small)."""
-    import perf.model as perfmodel
+    import perf.search
 
     pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4,
                  config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10 ** 15))
@@ -635,7 +635,7 @@ def test_params_are_per_rank(monkeypatch):
         seen["per_rank"] = wl.params_per_rank
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(perfmodel, "best_plan", best_plan)
+    monkeypatch.setattr(perf.search, "best_plan", best_plan)
     Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4, profile=object())
     assert seen["per_rank"] == PARAMS
 

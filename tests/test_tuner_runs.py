@@ -133,7 +133,7 @@ def test_a_failed_policy_s_pins_stay_with_the_run():
     a = Peer(1)
     _register_paths(runs, a, ["/nvme0"])
     runs.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
-    rec = {"wall_s": 0.5, "read_wait_s": 0.0, "write_wait_s": 0.0, "update_s": 0.5}
+    rec = {"iteration": 0, "update_s": 0.5, "read_wait_s": 0.0, "write_wait_s": 0.0, "kernel_s": 0.5}
     runs.telemetry(a, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 0, "record": rec})
     run = runs.runs["r"]
     assert run.policy_error == "RuntimeError: lost"
