@@ -14,12 +14,9 @@ DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in tra
   step (read waits, host lane, device lane, write and device waits, bytes per tier, cache hits,
   knobs) goes into the record as it is, with the tuner's reason when the knobs changed; for
   stock DeepSpeed ZeRO-3, its per-subgroup swap-in, optimizer step and swap-out are spans.
-- **Sampler thread.** At ``sample_hz`` (default 100): host RSS and this process's CPU use, the
-  cumulative bytes of each tier device, and, where CUDA and NVML exist, torch's allocated and
-  reserved GPU memory, NVML's used memory and PCIe TX/RX throughput of this rank's GPU. Series
-  that cannot be measured are left out of the file, not written as zeros. Memory stays bounded:
-  rows are written out every second, and past ``max_rows`` rows the interval doubles (and so on),
-  so a long run's file grows with the logarithm of its length.
+- **Samples**, at ``sample_hz`` (default 100), by :class:`report.sampler.Sampler`'s thread: host
+  RSS and CPU use, the tier devices' bytes, and where CUDA and NVML exist the GPU's memory and
+  PCIe throughput.
 
 Files, one pair per rank in the run directory, JSON lines written as they happen (a crashed
 run keeps everything up to its last full line):
@@ -33,14 +30,12 @@ run keeps everything up to its last full line):
 - ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
 
 docs/report.md describes the fields and what recording costs.
-
-Why one file (about 650 lines): the phase hooks, the sampler and the writer share the run's
-files and their format version (read by ``report.load``); the sampler is a third of it.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import functools
 import json
 import math
@@ -50,15 +45,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from engine.errors import ConfigError
 
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
 from engine.storage.blockdev import device_of
-from perf.nvml import open_nvml
 from perf.plan import node_layout
+from report.sampler import Sampler
 from tuner.sensors import disk_bytes
 
 RECORD_FORMAT = "offloadctl-record"
@@ -71,7 +65,7 @@ MAX_SPANS = 4000
 """Spans kept per iteration (stock DeepSpeed has three per subgroup); past it only their sums."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RecorderConfig:
     """What ``offloadctl train`` asks every rank to record."""
 
@@ -95,12 +89,14 @@ class RecorderConfig:
             raise ConfigError(f"RecorderConfig.max_rows must be a positive integer, got {self.max_rows!r}")
 
     def to_json(self) -> dict:
-        return {"run_dir": self.run_dir, "engine": self.engine, "sample_hz": self.sample_hz, "max_rows": self.max_rows}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "RecorderConfig":
-        return cls(run_dir=d["run_dir"], engine=d.get("engine", "offloadctl"), sample_hz=float(d.get("sample_hz", 100.0)),
-                   max_rows=int(d.get("max_rows", 360_000)))
+        """The config from :meth:`to_json`'s dict; a missing field takes its default, and the
+        numbers are made the type their field declares (JSON may carry 100 for 100.0)."""
+        numbers = {"float": float, "int": int}
+        return cls(**{f.name: numbers.get(f.type, lambda v: v)(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
 
 # -- offloadctl train's side -------------------------------------------------------------------
@@ -213,7 +209,7 @@ class Recorder:
                      "unix_time": time.time(), "clock": "perf_counter", "t0": time.perf_counter(),
                      "sample_hz": config.sample_hz})
         self._engine = None
-        self._sampler: _Sampler | None = None
+        self._sampler: Sampler | None = None
         self._devices: list[str] = []
         self._depth = 0
         self._iteration = 0
@@ -280,8 +276,9 @@ class Recorder:
                     setattr(opt, name, self._wrap_part(fn, part))
         if self.config.sample_hz > 0 and self._sampler is None:
             cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
-            self._sampler = _Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
-                                     self.config.sample_hz, devices, cuda, self.config.max_rows)
+            self._sampler = Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
+                                    self.config.sample_hz, devices, cuda, self.config.max_rows,
+                                    fmt=SAMPLES_FORMAT, version=FORMAT_VERSION)
             self._sampler.start()
 
     @staticmethod
@@ -491,164 +488,3 @@ def _offload(engine, getter: str) -> dict | None:
     device = getattr(device, "value", device)
     path = getattr(off, "nvme_path", None)
     return {"device": str(device) if device is not None else None, "nvme_path": str(path) if path else None}
-
-
-class _Sampler(threading.Thread):
-    """Samples the rank's process, its tier devices and its GPU at a fixed rate, on its own thread."""
-
-    FLUSH_S = 1.0
-
-    def __init__(self, path: str, hz: float, devices: list[str], cuda_device, max_rows: int) -> None:
-        super().__init__(name="offloadctl-recorder", daemon=True)
-        self.interval_s = 1.0 / hz
-        self.rows = 0
-        self.busy_s = 0.0
-        self.paused = False
-        self._next_double = max_rows
-        self._max_rows = max_rows
-        self._devices = devices
-        self._stop_event = threading.Event()
-        self._cuda = cuda_device
-        self._nvml = _own_nvml(cuda_device) if cuda_device is not None else None
-        self._statm = _open_statm()
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        columns = ["t", "rss_bytes", "cpu_percent"]
-        for d in devices:
-            columns += [f"disk_read_bytes:{d}", f"disk_write_bytes:{d}"]
-        if cuda_device is not None:
-            columns += ["gpu_allocated_bytes", "gpu_reserved_bytes"]
-        if self._nvml is not None:
-            columns += ["nvml_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"]
-        self.columns = columns
-        self._file = open(path, "w")
-        self._file.write(json.dumps({"type": "header", "format": SAMPLES_FORMAT, "version": FORMAT_VERSION,
-                                     "columns": columns, "hz": hz, "max_rows": max_rows,
-                                     "clock": "perf_counter", "t0": time.perf_counter(),
-                                     "gpu": cuda_device is not None, "nvml": self._nvml is not None}) + "\n")
-        self._file.flush()
-        self._cpu = (time.perf_counter(), _cpu_s())
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=2.0)
-        if not self._file.closed:
-            self._file.close()
-        if self._nvml is not None:
-            try:
-                self._nvml[0].nvmlShutdown()
-            except Exception:
-                pass
-
-    def run(self) -> None:
-        rows: list[str] = []
-        last_flush = time.perf_counter()
-        next_t = time.perf_counter()
-        try:
-            while not self._stop_event.is_set():
-                if self.paused:
-                    self._stop_event.wait(self.interval_s)
-                    next_t = time.perf_counter()
-                    continue
-                t0 = time.perf_counter()
-                c0 = time.thread_time()  # CPU time, not wall: waits for the GIL are not our cost
-                rows.append(json.dumps(self._sample(t0), separators=(",", ":")))
-                self.rows += 1
-                if self.rows >= self._next_double:  # bounded growth: halve the rate
-                    self.interval_s *= 2
-                    self._next_double += self._max_rows
-                t1 = time.perf_counter()
-                if t1 - last_flush >= self.FLUSH_S:
-                    self._file.write("\n".join(rows) + "\n")
-                    self._file.flush()
-                    rows, last_flush = [], t1
-                self.busy_s += time.thread_time() - c0
-                next_t += self.interval_s
-                if next_t < t1:  # fell behind (a long NVML call): skip, do not burst
-                    next_t = t1 + self.interval_s
-                self._stop_event.wait(max(0.0, next_t - time.perf_counter()))
-        finally:
-            if rows and not self._file.closed:
-                self._file.write("\n".join(rows) + "\n")
-                self._file.flush()
-
-    def _sample(self, t: float) -> list:
-        cpu_t, cpu_s = t, _cpu_s()
-        t_prev, s_prev = self._cpu
-        self._cpu = (cpu_t, cpu_s)
-        row = [round(t, 4), self._rss(), round(100.0 * (cpu_s - s_prev) / max(cpu_t - t_prev, 1e-6), 1)]
-        if self._devices:
-            disk = disk_bytes(self._devices)
-            for d in self._devices:
-                row += list(disk.get(d, (None, None)))
-        if self._cuda is not None:
-            import torch
-
-            try:
-                row += [torch.cuda.memory_allocated(self._cuda), torch.cuda.memory_reserved(self._cuda)]
-            except Exception:
-                row += [None, None]
-        if self._nvml is not None:
-            n, h = self._nvml
-            try:
-                # NVML reports PCIe throughput in KB/s, over its last 20 ms.
-                row += [int(n.nvmlDeviceGetMemoryInfo(h).used),
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024,
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024]
-            except Exception:
-                row += [None, None, None]
-        return row
-
-    def _rss(self) -> int | None:
-        if self._statm is not None:
-            try:
-                return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
-            except (OSError, IndexError, ValueError):
-                pass
-        try:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-        except Exception:
-            return None
-
-
-def _open_statm() -> int | None:
-    try:
-        return os.open("/proc/self/statm", os.O_RDONLY)
-    except OSError:
-        return None
-
-
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _own_nvml(cuda_device):
-    """(pynvml, handle) of the GPU behind ``cuda_device``, or None (no NVML, or no match)."""
-    opened = open_nvml()
-    if opened is None:
-        return None
-    nvml, handles = opened
-    try:
-        import torch
-
-        props = torch.cuda.get_device_properties(cuda_device)
-        uuid = getattr(props, "uuid", None)
-        if uuid is not None:
-            try:
-                return nvml, nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-            except Exception:
-                pass
-        bus = getattr(props, "pci_bus_id", None)
-        if bus is not None:
-            bus_id = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
-            return nvml, nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
-    except Exception:
-        pass
-    try:
-        nvml.nvmlShutdown()
-    except Exception:
-        pass
-    return None
