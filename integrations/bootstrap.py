@@ -1,14 +1,14 @@
 """What each rank runs in place of the user's script: install the engine, then run the script.
 
 The DeepSpeed launcher starts ``python -u bootstrap.py --local_rank=N --offloadctl-config JSON
-SCRIPT ARGS...``. This module installs the engine into DeepSpeed, then runs SCRIPT with
-``sys.argv = [SCRIPT, --local_rank=N, ARGS...]``, exactly as the launcher would have. It checks
-that ``deepspeed.initialize`` engaged the engine (ZeRO stage 3 with optimizer offload), and
-says so if the script never called it.
+SCRIPT ARGS...``. This module installs the engine into DeepSpeed and starts the recorder
+(``integrations.ds_patches`` makes every change to DeepSpeed), then runs SCRIPT with
+``sys.argv = [SCRIPT, --local_rank=N, ARGS...]``, exactly as the launcher would have. It
+checks that ``deepspeed.initialize`` engaged the engine (ZeRO stage 3 with optimizer offload),
+and says so if the script never called it.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import runpy
@@ -87,11 +87,12 @@ def main() -> int:
         run_output.route_deepspeed_warnings(log)
 
     from engine.errors import OffloadError
-    from integrations.checkpoints import guard_load_checkpoint
+    from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import ZeroEngineSettings, install
     from report import recorder
+    from report.recorder import RecorderConfig
 
     state = {"engaged": 0}
     _stop_on_signals()
@@ -99,18 +100,12 @@ def main() -> int:
         cores = bind_rank_cores(cfg.get("bind_cores", "auto"))  # before torch starts its threads
         stock = recorder.is_stock(cfg)  # --engine stock: DeepSpeed's own optimizer, recorded only
         cls = None if stock else install(ZeroEngineSettings.from_json(cfg))
-        import deepspeed
 
-        original = deepspeed.initialize
-
-        @functools.wraps(original)
-        def initialize(*args, **kwargs):
-            result = original(*args, **kwargs)
-            engine = result[0]
-            guard_load_checkpoint(engine)  # a checkpoint that does not load: one line, stock or ours
+        def check(engine) -> None:
+            """The engine engaged in what deepspeed.initialize built (one line where not)."""
             if stock:
                 state["engaged"] += 1
-                return result
+                return
             stage = engine.zero_optimization_stage()
             if stage != 3:
                 raise OffloadError(f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
@@ -121,10 +116,12 @@ def main() -> int:
             state["engaged"] += 1
             if _rank() == 0:
                 print(_banner(engine.optimizer, describe_cores(cores), cfg.get("run_dir")), file=sys.stderr, flush=True)
-            return result
 
-        deepspeed.initialize = initialize
-        recorder.install(cfg, script=script, rank=_rank())
+        import deepspeed  # noqa: F401 - first, so that the recorder's atexit (registered next) runs before DeepSpeed's
+
+        rec = recorder.start(RecorderConfig.from_json(cfg["recorder"]), script=script, rank=_rank()) \
+            if cfg.get("recorder") else None
+        ds_patches.wrap_initialize(check, rec, rank=_rank())
         if not os.path.isfile(script):
             raise OffloadError(f"training script {script} does not exist: check the path")
         sys.argv = [script, *script_args]

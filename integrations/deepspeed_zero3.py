@@ -18,8 +18,9 @@ ZeRO-3 already keeps each rank's parameters as flat partitions split into subgro
 - ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
   DeepSpeed's own checkpoint layout, so stock DeepSpeed can resume from our checkpoints.
 
-:func:`install` puts the subclass (``integrations.zero3_optimizer``) in place of DeepSpeed's
-before ``deepspeed.initialize``; this module imports neither DeepSpeed nor torch, so that
+:func:`install` checks the installed DeepSpeed (``ds_compat``) and has ``ds_patches`` put the
+subclass (``integrations.zero3_optimizer``) in place of DeepSpeed's before
+``deepspeed.initialize``; this module imports neither DeepSpeed nor torch, so that
 ``offloadctl train`` can build the settings without them.
 """
 from __future__ import annotations
@@ -86,21 +87,11 @@ def _keep_deepspeed_from_compiling() -> None:
     Load them first without compiling (DeepSpeed then finds them in its cache); when cpu_adam is not
     built, DeepSpeed builds torch's AdamW instead: the engine takes only the param groups and
     hyperparameters from that optimizer and never steps it."""
-    from deepspeed.runtime.config import TORCH_ADAM_PARAM
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
     from engine.storage.native_ops import prepare_deepspeed_loads
+    from integrations import ds_patches
 
-    if prepare_deepspeed_loads()["cpu_adam"] or getattr(DeepSpeedEngine, "_offloadctl_torch_adam", False):
-        return
-    original = DeepSpeedEngine.get_optimizer_configuration
-
-    def get_optimizer_configuration(self, optimizer_parameters, *args, **kwargs):
-        optimizer_parameters.setdefault(TORCH_ADAM_PARAM, True)  # a copy: DeepSpeed pops from it
-        return original(self, optimizer_parameters, *args, **kwargs)
-
-    DeepSpeedEngine.get_optimizer_configuration = get_optimizer_configuration
-    DeepSpeedEngine._offloadctl_torch_adam = True
+    if not prepare_deepspeed_loads()["cpu_adam"]:
+        ds_patches.build_torch_adam()
 
 
 def install(settings: ZeroEngineSettings):
@@ -110,12 +101,9 @@ def install(settings: ZeroEngineSettings):
     ds = import_deepspeed()
     ds_compat.check_deepspeed(ds)
     _keep_deepspeed_from_compiling()
-    import deepspeed.runtime.zero.stage3 as stage3
-
+    from integrations import ds_patches
     from integrations.zero3_optimizer import OffloadZero3Optimizer
 
     OffloadZero3Optimizer.settings = settings  # one install per process: the rank's settings
-    cls = OffloadZero3Optimizer
-    # DeepSpeedEngine._configure_zero_optimizer imports the class from this module at call time.
-    stage3.DeepSpeedZeroOptimizer_Stage3 = cls
-    return cls
+    ds_patches.replace_zero3_optimizer(OffloadZero3Optimizer)
+    return OffloadZero3Optimizer

@@ -1,19 +1,19 @@
-"""Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``).
+"""Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``):
+the spans, the files and their format.
 
-``integrations/bootstrap.py`` installs it in every rank, for offloadctl's engine and for stock
-DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in training:
+``integrations/bootstrap.py`` starts a :class:`Recorder` in every rank, for offloadctl's engine
+and for stock DeepSpeed (``offloadctl train --engine stock``) alike, and
+``integrations/ds_patches.py`` hooks it into the DeepSpeed engine; it changes nothing in training:
 
-- **Phase hooks.** ``deepspeed.initialize`` is wrapped, and the DeepSpeed engine it returns gets
-  its ``forward``, ``backward`` and ``step`` wrapped as instance attributes (so Hugging Face
-  Trainer and Accelerate, which call those methods, are covered). Each call is a span on
-  ``time.perf_counter()``; an iteration ends with the ``step()`` that advances
-  ``engine.global_steps`` (the accumulation boundary; earlier micro-batches' spans belong to
-  it). At every span edge the kernel's byte counters of the devices behind the storage tiers
-  are read (/proc/diskstats, about 40 us), so each phase gets the bytes it read and wrote per
-  device. Inside the update: offloadctl's engine's :class:`engine.telemetry.StepRecord` for the
-  step (read waits, host lane, device lane, write and device waits, bytes per tier, cache hits,
-  knobs) goes into the record as it is, with the tuner's reason when the knobs changed; for
-  stock DeepSpeed ZeRO-3, its per-subgroup swap-in, optimizer step and swap-out are spans.
+- **Phases.** Each call of the engine's ``forward``, ``backward`` and ``step`` is a span on
+  ``time.perf_counter()`` (:meth:`Recorder.phase_starts`, :meth:`Recorder.phase_ends`); an
+  iteration ends with the ``step()`` that advances ``engine.global_steps``. At every span edge
+  the kernel's byte counters of the devices behind the storage tiers are read (/proc/diskstats,
+  about 40 us), so each phase gets the bytes it read and wrote per device. Inside the update:
+  offloadctl's engine's :class:`engine.telemetry.StepRecord` for the step (read waits, host lane,
+  device lane, write and device waits, bytes per tier, cache hits, knobs) goes into the record as
+  it is, with the tuner's reason when the knobs changed; for stock DeepSpeed ZeRO-3, its
+  per-subgroup swap-in, optimizer step and swap-out are spans (:meth:`Recorder.part_starts`).
 - **Samples**, at ``sample_hz`` (default 100), by :class:`report.sampler.Sampler`'s thread: host
   RSS and CPU use, the tier devices' bytes, and where CUDA and NVML exist the GPU's memory and
   PCIe throughput.
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -127,28 +126,12 @@ def is_stock(settings: dict) -> bool:
 
 # -- each rank's side --------------------------------------------------------------------------
 
-def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
-    """Wrap ``deepspeed.initialize`` so that every engine it returns is recorded; None when
-    recording is off. Call after anything else that wraps it (the engine's checks)."""
-    cfg = settings.get("recorder")
-    if not cfg:
-        return None
-    import deepspeed
-
+def start(config: RecorderConfig, *, script: str, rank: int) -> "Recorder":
+    """This rank's recorder, current from now on: its record file opened, its end line written at
+    exit with the signal or exception that ended the rank. Call after the bootstrap's signal
+    handlers are in place; ``integrations.ds_patches`` attaches it to the engine."""
     global _CURRENT
-    rec = _CURRENT = Recorder(RecorderConfig.from_json(cfg), rank=rank, script=script)
-    original = deepspeed.initialize
-
-    @functools.wraps(original)
-    def initialize(*args, **kwargs):
-        result = original(*args, **kwargs)
-        try:
-            rec.attach(result[0])
-        except Exception as e:  # recording must never stop training
-            print(f"offloadctl: recording off in rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return result
-
-    deepspeed.initialize = initialize
+    rec = _CURRENT = Recorder(config, rank=rank, script=script)
     _note_signals(rec)
     atexit.register(rec.close)
     previous_hook = sys.excepthook
@@ -209,6 +192,7 @@ class Recorder:
                      "unix_time": time.time(), "clock": "perf_counter", "t0": time.perf_counter(),
                      "sample_hz": config.sample_hz})
         self._engine = None
+        self._cuda = None
         self._sampler: Sampler | None = None
         self._devices: list[str] = []
         self._depth = 0
@@ -232,8 +216,8 @@ class Recorder:
     # -- hooks -------------------------------------------------------------------------------
 
     def attach(self, engine) -> None:
-        """Record ``engine`` (a DeepSpeedEngine): its init facts, then every call of its
-        forward, backward and step; start the sampler."""
+        """Write ``engine``'s init facts (a DeepSpeedEngine) and record from here on; the
+        calls reach the recorder through ``integrations.ds_patches``'s hooks."""
         opt = getattr(engine, "optimizer", None)
         tiers = self._tiers(engine, opt)
         for t in tiers:
@@ -263,21 +247,13 @@ class Recorder:
         self._engine = engine
         self._devices = devices
         self._last_disk = self._disk()
-        for name, phase in (("forward", "forward"), ("backward", "backward"), ("step", "update")):
-            setattr(engine, name, self._wrap(getattr(engine, name), phase, engine))
-        if self.config.engine == "stock" and opt is not None:
-            # ZeRO-3's per-subgroup update: swap-in (state and gradients read), the optimizer
-            # step (CPU Adam or the GPU's), swap-out (state written). Private names of DeepSpeed
-            # 0.19; where they are missing the update is one span.
-            for name, part in (("_prepare_sub_group", "read_wait"), ("_optimizer_step", "host_lane"),
-                               ("_release_sub_group", "write_wait")):
-                fn = getattr(opt, name, None)
-                if callable(fn):
-                    setattr(opt, name, self._wrap_part(fn, part))
+        self._cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
+
+    def start_sampler(self) -> None:
+        """Start the sampler thread (none at ``sample_hz`` 0), once the engine is attached."""
         if self.config.sample_hz > 0 and self._sampler is None:
-            cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
             self._sampler = Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
-                                    self.config.sample_hz, devices, cuda, self.config.max_rows,
+                                    self.config.sample_hz, self._devices, self._cuda, self.config.max_rows,
                                     fmt=SAMPLES_FORMAT, version=FORMAT_VERSION)
             self._sampler.start()
 
@@ -296,50 +272,39 @@ class Recorder:
                     tiers.append({"kind": "nvme", "path": p})
         return tiers
 
-    def _wrap(self, fn, phase: str, engine):
-        rec = self
+    def phase_starts(self, phase: str, args, kwargs) -> bool:
+        """A call of ``phase`` (forward, backward, update) starts, with its arguments; False: not
+        recorded (nested in another phase, whose span holds it, or recording suspended)."""
+        if self._depth or self.suspended:
+            return False
+        if phase == "forward":
+            self._count_inputs(args, kwargs)
+        self._enter(phase)
+        self._depth += 1
+        return True
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if rec._depth or rec.suspended:  # a nested call (one phase inside another): its outer span holds it
-                return fn(*args, **kwargs)
-            steps = getattr(engine, "global_steps", None)
-            if phase == "forward":
-                rec._count_inputs(args, kwargs)
-            rec._enter(phase)
-            rec._depth += 1
-            failed = True
-            try:
-                out = fn(*args, **kwargs)
-                failed = False
-                return out
-            finally:
-                rec._depth -= 1
-                boundary = phase == "update" and (failed or getattr(engine, "global_steps", None) != steps)
-                rec._exit(phase, boundary, failed)
+    def phase_ends(self, phase: str, boundary: bool, failed: bool) -> None:
+        """The recorded call of ``phase`` returned (or raised: ``failed``); ``boundary``: it ended
+        the iteration."""
+        self._depth -= 1
+        self._exit(phase, boundary, failed)
 
-        return wrapper
+    def part_starts(self) -> float | None:
+        """A part of the update starts (stock ZeRO-3's per-subgroup calls): its start time, or
+        None when recording is suspended."""
+        if self.suspended:
+            return None
+        c0 = time.perf_counter()
+        self._account_io("update")  # what the step moved since the last edge
+        t0 = time.perf_counter()
+        self._cost_s += t0 - c0
+        return t0
 
-    def _wrap_part(self, fn, part: str):
-        rec = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if rec.suspended:
-                return fn(*args, **kwargs)
-            c0 = time.perf_counter()
-            rec._account_io("update")  # what the step moved since the last edge
-            t0 = time.perf_counter()
-            rec._cost_s += t0 - c0
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                rec._account_io(f"update.{part}")
-                rec._span(part, t0, t1)
-                rec._cost_s += time.perf_counter() - t1
-
-        return wrapper
+    def part_ends(self, part: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self._account_io(f"update.{part}")
+        self._span(part, t0, t1)
+        self._cost_s += time.perf_counter() - t1
 
     def _count_inputs(self, args, kwargs) -> None:
         """Add a forward call's samples (the batch dimension of its first integer tensor input:

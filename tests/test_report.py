@@ -279,7 +279,9 @@ class _FakeEngine:
 def _train(rec, eng, *, iterations: int, micro_batches: int) -> None:
     """Drive a fake engine through ``iterations`` optimizer steps under the recorder, then close
     it; every micro-batch has 4 sequences of 16 token ids (and a float input before them)."""
-    rec.attach(eng)
+    from integrations.ds_patches import attach_recorder
+
+    attach_recorder(eng, rec)
     for _ in range(iterations):
         for _ in range(micro_batches):
             eng.backward(eng.forward(torch.ones(2, 3), input_ids=torch.zeros(4, 16, dtype=torch.long)))
