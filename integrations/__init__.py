@@ -1,8 +1,9 @@
 """Where the engine meets other software: DeepSpeed ZeRO-3, the per-rank bootstrap, the launcher.
 
-- ``deepspeed_zero3``: the settings ``offloadctl train`` hands each rank, and ``install()``,
-  which puts ``zero3_optimizer.OffloadZero3Optimizer`` in place of DeepSpeed's ZeRO-3
-  optimizer before ``deepspeed.initialize``.
+- ``settings``: ``RankSettings``, what ``offloadctl train`` hands each rank (the engine's
+  ``ZeroEngineSettings``, the recorder's config), one JSON each way.
+- ``deepspeed_zero3``: ``install()``, which puts ``zero3_optimizer.OffloadZero3Optimizer`` in
+  place of DeepSpeed's ZeRO-3 optimizer before ``deepspeed.initialize``.
 - ``ds_patches``: every change made to DeepSpeed's objects (``deepspeed.initialize``, the
   optimizer class, ``load_checkpoint``, the recorder's hooks); ``ds_compat`` checks every
   DeepSpeed internal that they and the subclass rely on.

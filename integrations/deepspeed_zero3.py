@@ -20,65 +20,12 @@ ZeRO-3 already keeps each rank's parameters as flat partitions split into subgro
 
 :func:`install` checks the installed DeepSpeed (``ds_compat``) and has ``ds_patches`` put the
 subclass (``integrations.zero3_optimizer``) in place of DeepSpeed's before
-``deepspeed.initialize``; this module imports neither DeepSpeed nor torch, so that
-``offloadctl train`` can build the settings without them.
+``deepspeed.initialize``, with the rank's :class:`ZeroEngineSettings` (``integrations.settings``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from engine.config import Knobs
 from integrations import ds_compat
-
-
-@dataclass(frozen=True, kw_only=True)
-class ZeroEngineSettings:
-    """What ``offloadctl train`` decides for every rank; tier options override the ds_config."""
-
-    nvme_paths: tuple[str, ...] = ()
-    remote_paths: tuple[str, ...] = ()
-    host_cache_bytes: int | None = None
-    run_dir: str | None = None
-    knobs: Knobs = field(default_factory=Knobs)
-    """Starting knobs without a profile."""
-    device_cache_bytes: int | None = None
-    """State kept on the GPU. None: what the GPU has free after the first forward/backward."""
-    auto_device_fraction: bool = True
-    """Start from the device fraction that balances the lanes (measured rates, or the plan's
-    with a profile); False: ``knobs.device_fraction`` as given."""
-    lane_device: str | None = None
-    """Device of the device lane and tier. None: the rank's CUDA device (none without CUDA).
-    'cpu' runs them, and keeps their gradients in separate buffers, on the CPU: how the tests
-    drive the GPU path's bookkeeping against stock DeepSpeed on machines without a GPU."""
-    knob_overrides: dict = field(default_factory=dict)
-    """Knobs the user set explicitly; with a profile they win over the model's plan."""
-    io_backend: str = "auto"
-    profile: str | None = None
-    """Path of a hardware profile: each rank starts from the performance model's best plan."""
-    tuner_socket: str | None = None
-    """The tuner daemon's socket; None: no tuning (the starting plan is kept)."""
-    run_id: str | None = None
-    bind_cores: str = "auto"
-    """Each rank on its share of the node's cores (``integrations.cores``): 'auto', 'on', 'off'."""
-
-    def to_json(self) -> dict:
-        return {"nvme_paths": list(self.nvme_paths), "remote_paths": list(self.remote_paths),
-                "host_cache_bytes": self.host_cache_bytes, "run_dir": self.run_dir,
-                "knobs": self.knobs.to_dict(), "knob_overrides": dict(self.knob_overrides),
-                "device_cache_bytes": self.device_cache_bytes, "auto_device_fraction": self.auto_device_fraction,
-                "lane_device": self.lane_device,
-                "io_backend": self.io_backend, "profile": self.profile, "tuner_socket": self.tuner_socket,
-                "run_id": self.run_id, "bind_cores": self.bind_cores}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "ZeroEngineSettings":
-        return cls(nvme_paths=tuple(d.get("nvme_paths", ())), remote_paths=tuple(d.get("remote_paths", ())),
-                   host_cache_bytes=d.get("host_cache_bytes"), run_dir=d.get("run_dir"),
-                   knobs=Knobs.from_dict(d.get("knobs", {})), knob_overrides=dict(d.get("knob_overrides", {})),
-                   device_cache_bytes=d.get("device_cache_bytes"), auto_device_fraction=d.get("auto_device_fraction", True),
-                   lane_device=d.get("lane_device"),
-                   io_backend=d.get("io_backend", "auto"), profile=d.get("profile"),
-                   tuner_socket=d.get("tuner_socket"), run_id=d.get("run_id"), bind_cores=d.get("bind_cores", "auto"))
+from integrations.settings import ZeroEngineSettings
 
 
 def _keep_deepspeed_from_compiling() -> None:

@@ -33,7 +33,6 @@ docs/report.md describes the fields and what recording costs.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import json
@@ -96,32 +95,6 @@ class RecorderConfig:
         numbers are made the type their field declares (JSON may carry 100 for 100.0)."""
         numbers = {"float": float, "int": int}
         return cls(**{f.name: numbers.get(f.type, lambda v: v)(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
-
-
-# -- offloadctl train's side -------------------------------------------------------------------
-
-def add_train_arguments(group) -> None:
-    """``offloadctl train``'s options for the engine choice and the recording."""
-    group.add_argument("--engine", choices=ENGINES, default="offloadctl",
-                       help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
-                       "offload, untouched, with only the recording on (to characterize a current setup and compare "
-                       "with offloadctl report)")
-    group.add_argument("--record-hz", type=float, default=100.0, metavar="HZ",
-                       help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)")
-    group.add_argument("--no-record", action="store_true",
-                       help="record nothing for offloadctl report (the engine's telemetry is still written)")
-
-
-def launch_settings(settings: dict, args: argparse.Namespace, run_dir: str) -> dict:
-    """The ranks' settings with the engine choice and the recorder's config added."""
-    recorder = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine,
-                                                          sample_hz=args.record_hz).to_json()
-    return dict(settings, engine=args.engine, recorder=recorder)
-
-
-def is_stock(settings: dict) -> bool:
-    """Whether the ranks run DeepSpeed's own optimizer (``--engine stock``): no engine to install."""
-    return settings.get("engine") == "stock"
 
 
 # -- each rank's side --------------------------------------------------------------------------
