@@ -1,14 +1,14 @@
 """What each rank runs in place of the user's script: install the engine, then run the script.
 
 The DeepSpeed launcher starts ``python -u bootstrap.py --local_rank=N --offloadctl-config JSON
-SCRIPT ARGS...``. This module installs the engine into DeepSpeed, then runs SCRIPT with
-``sys.argv = [SCRIPT, --local_rank=N, ARGS...]``, exactly as the launcher would have. It checks
-that ``deepspeed.initialize`` engaged the engine (ZeRO stage 3 with optimizer offload), and
-says so if the script never called it.
+SCRIPT ARGS...`` (JSON: the rank's ``integrations.settings.RankSettings``). This module installs
+the engine into DeepSpeed and starts the recorder (``integrations.ds_patches`` makes every change
+to DeepSpeed), then runs SCRIPT with ``sys.argv = [SCRIPT, --local_rank=N, ARGS...]``, exactly
+as the launcher would have. It checks that ``deepspeed.initialize`` engaged the engine (ZeRO
+stage 3 with optimizer offload), and says so if the script never called it.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import runpy
@@ -18,15 +18,18 @@ import sys
 CONFIG_FLAG = "--offloadctl-config"
 
 
-def split_argv(argv: list[str]) -> tuple[dict, str, list[str]]:
-    """(settings JSON, script, script argv without the script) from the launcher's arguments."""
-    rest, cfg, i = [], None, 0
+def split_argv(argv: list[str]):
+    """(the rank's :class:`integrations.settings.RankSettings`, script, script argv without the
+    script) from the launcher's arguments."""
+    from integrations.settings import RankSettings
+
+    rest, i = [], 0
     while i < len(argv):
         if argv[i] == CONFIG_FLAG:
-            cfg = json.loads(argv[i + 1])
+            settings = RankSettings.from_json(json.loads(argv[i + 1]))
             i += 2
             script = argv[i]
-            return cfg, script, rest + argv[i + 1:]
+            return settings, script, rest + argv[i + 1:]
         rest.append(argv[i])
         i += 1
     raise SystemExit(f"offloadctl bootstrap: missing {CONFIG_FLAG}; start runs with `offloadctl train`")
@@ -80,37 +83,31 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
 def main() -> int:
     from integrations import run_output
 
-    cfg, script, script_args = split_argv(sys.argv[1:])
-    if not cfg.get("verbose") and cfg.get("run_dir"):  # before DeepSpeed is imported: it logs as it loads
-        log = run_output.open_log(cfg["run_dir"])
+    settings, script, script_args = split_argv(sys.argv[1:])
+    if not settings.verbose and settings.run_dir:  # before DeepSpeed is imported: it logs as it loads
+        log = run_output.open_log(settings.run_dir)
         run_output.quiet_deepspeed_logger(log)
         run_output.route_deepspeed_warnings(log)
 
     from engine.errors import OffloadError
-    from integrations.checkpoints import guard_load_checkpoint
+    from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
-    from integrations.deepspeed_zero3 import ZeroEngineSettings, install
+    from integrations.deepspeed_zero3 import install
     from report import recorder
 
     state = {"engaged": 0}
     _stop_on_signals()
     try:
-        cores = bind_rank_cores(cfg.get("bind_cores", "auto"))  # before torch starts its threads
-        stock = recorder.is_stock(cfg)  # --engine stock: DeepSpeed's own optimizer, recorded only
-        cls = None if stock else install(ZeroEngineSettings.from_json(cfg))
-        import deepspeed
+        cores = bind_rank_cores(settings.bind_cores)  # before torch starts its threads
+        # --engine stock: DeepSpeed's own optimizer, recorded only.
+        cls = None if settings.stock else install(settings.zero)
 
-        original = deepspeed.initialize
-
-        @functools.wraps(original)
-        def initialize(*args, **kwargs):
-            result = original(*args, **kwargs)
-            engine = result[0]
-            guard_load_checkpoint(engine)  # a checkpoint that does not load: one line, stock or ours
-            if stock:
+        def check(engine) -> None:
+            """The engine engaged in what deepspeed.initialize built (one line where not)."""
+            if settings.stock:
                 state["engaged"] += 1
-                return result
+                return
             stage = engine.zero_optimization_stage()
             if stage != 3:
                 raise OffloadError(f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
@@ -120,11 +117,12 @@ def main() -> int:
                                    f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer")
             state["engaged"] += 1
             if _rank() == 0:
-                print(_banner(engine.optimizer, describe_cores(cores), cfg.get("run_dir")), file=sys.stderr, flush=True)
-            return result
+                print(_banner(engine.optimizer, describe_cores(cores), settings.run_dir), file=sys.stderr, flush=True)
 
-        deepspeed.initialize = initialize
-        recorder.install(cfg, script=script, rank=_rank())
+        import deepspeed  # noqa: F401 - first, so that the recorder's atexit (registered next) runs before DeepSpeed's
+
+        rec = recorder.start(settings.recorder, script=script, rank=_rank()) if settings.recorder else None
+        ds_patches.wrap_initialize(check, rec, rank=_rank())
         if not os.path.isfile(script):
             raise OffloadError(f"training script {script} does not exist: check the path")
         sys.argv = [script, *script_args]

@@ -18,49 +18,20 @@ load itself finds is diagnosed after it fails, from the error and the files' nam
 """
 from __future__ import annotations
 
-import functools
 import glob
-import inspect
 import os
 import re
 import zipfile
 
-from engine.errors import CheckpointError, OffloadError
+from engine.errors import CheckpointError
 
 _SHAPE = re.compile(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\([^)]*\)) from checkpoint, "
                     r"the shape in current model is (torch\.Size\([^)]*\))")
 _KEYS = re.compile(r"(Missing key\(s\)|Unexpected key\(s\)) in state_dict: ([^.]+)\.")
 
 
-def guard_load_checkpoint(engine) -> None:
-    """Make ``engine.load_checkpoint`` raise :class:`CheckpointError` (one line) on a checkpoint
-    that does not load."""
-    original = engine.load_checkpoint
-    if getattr(original, "_offloadctl_guarded", False):
-        return
-
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        bound = signature.bind(load_dir, tag, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        preflight(str(load_dir), tag, world_size=_dp_world_size(engine),
-                  universal=bool(getattr(engine, "load_universal_checkpoint", lambda: False)()),
-                  optimizer_states=a.get("load_optimizer_states", True) and not a.get("load_module_only", False))
-        try:
-            return original(load_dir, tag, *args, **kwargs)
-        except OffloadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure inside DeepSpeed's load reads the same to the user
-            raise CheckpointError(describe_failure(str(load_dir), tag, e)) from e
-
-    load_checkpoint._offloadctl_guarded = True
-    engine.load_checkpoint = load_checkpoint
-
-
-def _dp_world_size(engine) -> int:
+def dp_world_size(engine) -> int:
+    """The number of data-parallel ranks ``engine`` runs with (what a checkpoint must match)."""
     size = getattr(engine, "seq_dp_world_size", None) or getattr(engine, "dp_world_size", None)
     if size:
         return int(size)

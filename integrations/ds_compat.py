@@ -2,7 +2,8 @@
 
 ``integrations/zero3_optimizer.py`` subclasses ``DeepSpeedZeroOptimizer_Stage3``: it overrides
 private methods, calls others from its own ``step()``, and reads and writes attributes DeepSpeed
-sets up in ``__init__``. None of that is DeepSpeed's public API, so any release may change it,
+sets up in ``__init__``; ``integrations/ds_patches.py`` wraps private methods, taking their names
+from the entries here. None of that is DeepSpeed's public API, so any release may change it,
 and a changed signature or a renamed attribute would otherwise surface mid-run as a traceback
 deep in DeepSpeed (or, for a parameter DeepSpeed starts passing, as a silently different
 update). The version range alone cannot tell, so the checks here compare the table with what is
@@ -74,6 +75,17 @@ class Attribute:
     that reads such an attribute), so only the check against the source covers it."""
 
 
+# What integrations/ds_patches.py wraps (besides DeepSpeed's public API), named here once.
+GET_OPTIMIZER_CONFIGURATION = Method(ENGINE, "get_optimizer_configuration",
+                                     ("optimizer_parameters", "adam_w_mode", "allow_legacy_fallback"), "wrap")
+"""Wrapped on the class so that DeepSpeed builds torch's AdamW when cpu_adam is not built; the
+wrapper sets a key in the first argument and forwards the rest."""
+PREPARE_SUB_GROUP = Method(STAGE3, "_prepare_sub_group", ("sub_group_id", "timer_names"), "wrap")
+OPTIMIZER_STEP = Method(STAGE3, "_optimizer_step", ("sub_group_id",), "wrap")
+RELEASE_SUB_GROUP = Method(STAGE3, "_release_sub_group", ("sub_group_id", "timer_names"), "wrap")
+"""Stock ZeRO-3's per-subgroup update (swap-in, optimizer step, swap-out), wrapped on the live
+optimizer for the recorder under ``--engine stock``, each call forwarded as it came."""
+
 METHODS: tuple[Method, ...] = (
     # Overridden by OffloadZero3Optimizer.
     Method(STAGE3, "_configure_offloading", ("offload_optimizer_config", "offload_param_config"), "override"),
@@ -113,10 +125,8 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_swap_out_offload_fp32_gradients", ("offload_fp32_gradients", "offload_fp32_offsets"), "call"),
     Method(UTILS, "combine_grad_norm_groups", ("norm_groups", "norm_type"), "call"),
     Method(UTILS, "is_invalid_grad_norm", ("norm",), "call"),
-    # Wrapped so that DeepSpeed builds torch's AdamW when cpu_adam is not built; the wrapper
-    # sets a key in the first argument and forwards the rest.
-    Method(ENGINE, "get_optimizer_configuration", ("optimizer_parameters", "adam_w_mode", "allow_legacy_fallback"),
-           "wrap"),
+    # Patched by integrations/ds_patches.py, which takes these names from the entries above.
+    GET_OPTIMIZER_CONFIGURATION, PREPARE_SUB_GROUP, OPTIMIZER_STEP, RELEASE_SUB_GROUP,
     # install() replaces the class in the stage3 module; this must import it from there at call time.
     Method(ENGINE, "_configure_zero_optimizer", ("optimizer",), "call"),
 )

@@ -7,7 +7,8 @@ the process tree's life (signals, stop), and the shared memory DeepSpeed leaves 
         --offloadctl-config JSON script.py [script args]
 
 Every rank runs the bootstrap (integrations/bootstrap.py), which installs the engine from the
-JSON settings and then runs the script with the argv the launcher would have given it.
+rank's settings (``integrations.settings.RankSettings``, as JSON) and then runs the script with
+the argv the launcher would have given it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from integrations import bootstrap
 from integrations.run_output import LauncherOutput
+from integrations.settings import RankSettings
 
 # DeepSpeed launcher options passed through: (flags, takes a value). Every option of DeepSpeed's
 # own parser (deepspeed.launcher.runner.parse_args), no more: tests/test_launcher_options.py builds
@@ -60,10 +62,11 @@ def launcher_args(values: Mapping[str, object]) -> list[str]:
     return out
 
 
-def launch_command(launcher: Sequence[str], rank_settings: dict, script: str, script_args: Sequence[str]) -> list[str]:
+def launch_command(launcher: Sequence[str], rank_settings: RankSettings, script: str,
+                   script_args: Sequence[str]) -> list[str]:
     """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""
     return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, os.path.abspath(bootstrap.__file__),
-            bootstrap.CONFIG_FLAG, json.dumps(rank_settings), os.path.abspath(script), *script_args]
+            bootstrap.CONFIG_FLAG, json.dumps(rank_settings.to_json()), os.path.abspath(script), *script_args]
 
 
 def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
@@ -146,11 +149,11 @@ def launch_env() -> dict[str, str]:
             "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
 
 
-def with_rank_settings(command: Sequence[str], rank_settings: dict) -> list[str]:
+def with_rank_settings(command: Sequence[str], rank_settings: RankSettings) -> list[str]:
     """``command`` with the ranks' settings replaced (e.g. once the tuner's socket is known)."""
     cmd = list(command)
     i = cmd.index(bootstrap.CONFIG_FLAG)
-    cmd[i + 1] = json.dumps(rank_settings)
+    cmd[i + 1] = json.dumps(rank_settings.to_json())
     return cmd
 
 

@@ -1,25 +1,22 @@
-"""Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``).
+"""Per-rank recording of where each iteration's time, memory and bandwidth go (``offloadctl report``):
+the spans, the files and their format.
 
-``integrations/bootstrap.py`` installs it in every rank, for offloadctl's engine and for stock
-DeepSpeed (``offloadctl train --engine stock``) alike. It changes nothing in training:
+``integrations/bootstrap.py`` starts a :class:`Recorder` in every rank, for offloadctl's engine
+and for stock DeepSpeed (``offloadctl train --engine stock``) alike, and
+``integrations/ds_patches.py`` hooks it into the DeepSpeed engine; it changes nothing in training:
 
-- **Phase hooks.** ``deepspeed.initialize`` is wrapped, and the DeepSpeed engine it returns gets
-  its ``forward``, ``backward`` and ``step`` wrapped as instance attributes (so Hugging Face
-  Trainer and Accelerate, which call those methods, are covered). Each call is a span on
-  ``time.perf_counter()``; an iteration ends with the ``step()`` that advances
-  ``engine.global_steps`` (the accumulation boundary; earlier micro-batches' spans belong to
-  it). At every span edge the kernel's byte counters of the devices behind the storage tiers
-  are read (/proc/diskstats, about 40 us), so each phase gets the bytes it read and wrote per
-  device. Inside the update: offloadctl's engine's :class:`engine.telemetry.StepRecord` for the
-  step (read waits, host lane, device lane, write and device waits, bytes per tier, cache hits,
-  knobs) goes into the record as it is, with the tuner's reason when the knobs changed; for
-  stock DeepSpeed ZeRO-3, its per-subgroup swap-in, optimizer step and swap-out are spans.
-- **Sampler thread.** At ``sample_hz`` (default 100): host RSS and this process's CPU use, the
-  cumulative bytes of each tier device, and, where CUDA and NVML exist, torch's allocated and
-  reserved GPU memory, NVML's used memory and PCIe TX/RX throughput of this rank's GPU. Series
-  that cannot be measured are left out of the file, not written as zeros. Memory stays bounded:
-  rows are written out every second, and past ``max_rows`` rows the interval doubles (and so on),
-  so a long run's file grows with the logarithm of its length.
+- **Phases.** Each call of the engine's ``forward``, ``backward`` and ``step`` is a span on
+  ``time.perf_counter()`` (:meth:`Recorder.phase_starts`, :meth:`Recorder.phase_ends`); an
+  iteration ends with the ``step()`` that advances ``engine.global_steps``. At every span edge
+  the kernel's byte counters of the devices behind the storage tiers are read (/proc/diskstats,
+  about 40 us), so each phase gets the bytes it read and wrote per device. Inside the update:
+  offloadctl's engine's :class:`engine.telemetry.StepRecord` for the step (read waits, host lane,
+  device lane, write and device waits, bytes per tier, cache hits, knobs) goes into the record as
+  it is, with the tuner's reason when the knobs changed; for stock DeepSpeed ZeRO-3, its
+  per-subgroup swap-in, optimizer step and swap-out are spans (:meth:`Recorder.part_starts`).
+- **Samples**, at ``sample_hz`` (default 100), by :class:`report.sampler.Sampler`'s thread: host
+  RSS and CPU use, the tier devices' bytes, and where CUDA and NVML exist the GPU's memory and
+  PCIe throughput.
 
 Files, one pair per rank in the run directory, JSON lines written as they happen (a crashed
 run keeps everything up to its last full line):
@@ -33,15 +30,11 @@ run keeps everything up to its last full line):
 - ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
 
 docs/report.md describes the fields and what recording costs.
-
-Why one file (about 650 lines): the phase hooks, the sampler and the writer share the run's
-files and their format version (read by ``report.load``); the sampler is a third of it.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
-import functools
+import dataclasses
 import json
 import math
 import os
@@ -50,15 +43,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from engine.errors import ConfigError
 
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
 from engine.storage.blockdev import device_of
-from perf.nvml import open_nvml
 from perf.plan import node_layout
+from report.sampler import Sampler
 from tuner.sensors import disk_bytes
 
 RECORD_FORMAT = "offloadctl-record"
@@ -71,7 +63,7 @@ MAX_SPANS = 4000
 """Spans kept per iteration (stock DeepSpeed has three per subgroup); past it only their sums."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RecorderConfig:
     """What ``offloadctl train`` asks every rank to record."""
 
@@ -95,64 +87,24 @@ class RecorderConfig:
             raise ConfigError(f"RecorderConfig.max_rows must be a positive integer, got {self.max_rows!r}")
 
     def to_json(self) -> dict:
-        return {"run_dir": self.run_dir, "engine": self.engine, "sample_hz": self.sample_hz, "max_rows": self.max_rows}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "RecorderConfig":
-        return cls(run_dir=d["run_dir"], engine=d.get("engine", "offloadctl"), sample_hz=float(d.get("sample_hz", 100.0)),
-                   max_rows=int(d.get("max_rows", 360_000)))
-
-
-# -- offloadctl train's side -------------------------------------------------------------------
-
-def add_train_arguments(group) -> None:
-    """``offloadctl train``'s options for the engine choice and the recording."""
-    group.add_argument("--engine", choices=ENGINES, default="offloadctl",
-                       help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
-                       "offload, untouched, with only the recording on (to characterize a current setup and compare "
-                       "with offloadctl report)")
-    group.add_argument("--record-hz", type=float, default=100.0, metavar="HZ",
-                       help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)")
-    group.add_argument("--no-record", action="store_true",
-                       help="record nothing for offloadctl report (the engine's telemetry is still written)")
-
-
-def launch_settings(settings: dict, args: argparse.Namespace, run_dir: str) -> dict:
-    """The ranks' settings with the engine choice and the recorder's config added."""
-    recorder = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine,
-                                                          sample_hz=args.record_hz).to_json()
-    return dict(settings, engine=args.engine, recorder=recorder)
-
-
-def is_stock(settings: dict) -> bool:
-    """Whether the ranks run DeepSpeed's own optimizer (``--engine stock``): no engine to install."""
-    return settings.get("engine") == "stock"
+        """The config from :meth:`to_json`'s dict; a missing field takes its default, and the
+        numbers are made the type their field declares (JSON may carry 100 for 100.0)."""
+        numbers = {"float": float, "int": int}
+        return cls(**{f.name: numbers.get(f.type, lambda v: v)(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
 
 # -- each rank's side --------------------------------------------------------------------------
 
-def install(settings: dict, *, script: str, rank: int) -> "Recorder | None":
-    """Wrap ``deepspeed.initialize`` so that every engine it returns is recorded; None when
-    recording is off. Call after anything else that wraps it (the engine's checks)."""
-    cfg = settings.get("recorder")
-    if not cfg:
-        return None
-    import deepspeed
-
+def start(config: RecorderConfig, *, script: str, rank: int) -> "Recorder":
+    """This rank's recorder, current from now on: its record file opened, its end line written at
+    exit with the signal or exception that ended the rank. Call after the bootstrap's signal
+    handlers are in place; ``integrations.ds_patches`` attaches it to the engine."""
     global _CURRENT
-    rec = _CURRENT = Recorder(RecorderConfig.from_json(cfg), rank=rank, script=script)
-    original = deepspeed.initialize
-
-    @functools.wraps(original)
-    def initialize(*args, **kwargs):
-        result = original(*args, **kwargs)
-        try:
-            rec.attach(result[0])
-        except Exception as e:  # recording must never stop training
-            print(f"offloadctl: recording off in rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return result
-
-    deepspeed.initialize = initialize
+    rec = _CURRENT = Recorder(config, rank=rank, script=script)
     _note_signals(rec)
     atexit.register(rec.close)
     previous_hook = sys.excepthook
@@ -213,7 +165,8 @@ class Recorder:
                      "unix_time": time.time(), "clock": "perf_counter", "t0": time.perf_counter(),
                      "sample_hz": config.sample_hz})
         self._engine = None
-        self._sampler: _Sampler | None = None
+        self._cuda = None
+        self._sampler: Sampler | None = None
         self._devices: list[str] = []
         self._depth = 0
         self._iteration = 0
@@ -236,8 +189,8 @@ class Recorder:
     # -- hooks -------------------------------------------------------------------------------
 
     def attach(self, engine) -> None:
-        """Record ``engine`` (a DeepSpeedEngine): its init facts, then every call of its
-        forward, backward and step; start the sampler."""
+        """Write ``engine``'s init facts (a DeepSpeedEngine) and record from here on; the
+        calls reach the recorder through ``integrations.ds_patches``'s hooks."""
         opt = getattr(engine, "optimizer", None)
         tiers = self._tiers(engine, opt)
         for t in tiers:
@@ -267,21 +220,14 @@ class Recorder:
         self._engine = engine
         self._devices = devices
         self._last_disk = self._disk()
-        for name, phase in (("forward", "forward"), ("backward", "backward"), ("step", "update")):
-            setattr(engine, name, self._wrap(getattr(engine, name), phase, engine))
-        if self.config.engine == "stock" and opt is not None:
-            # ZeRO-3's per-subgroup update: swap-in (state and gradients read), the optimizer
-            # step (CPU Adam or the GPU's), swap-out (state written). Private names of DeepSpeed
-            # 0.19; where they are missing the update is one span.
-            for name, part in (("_prepare_sub_group", "read_wait"), ("_optimizer_step", "host_lane"),
-                               ("_release_sub_group", "write_wait")):
-                fn = getattr(opt, name, None)
-                if callable(fn):
-                    setattr(opt, name, self._wrap_part(fn, part))
+        self._cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
+
+    def start_sampler(self) -> None:
+        """Start the sampler thread (none at ``sample_hz`` 0), once the engine is attached."""
         if self.config.sample_hz > 0 and self._sampler is None:
-            cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
-            self._sampler = _Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
-                                     self.config.sample_hz, devices, cuda, self.config.max_rows)
+            self._sampler = Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
+                                    self.config.sample_hz, self._devices, self._cuda, self.config.max_rows,
+                                    fmt=SAMPLES_FORMAT, version=FORMAT_VERSION)
             self._sampler.start()
 
     @staticmethod
@@ -299,50 +245,39 @@ class Recorder:
                     tiers.append({"kind": "nvme", "path": p})
         return tiers
 
-    def _wrap(self, fn, phase: str, engine):
-        rec = self
+    def phase_starts(self, phase: str, args, kwargs) -> bool:
+        """A call of ``phase`` (forward, backward, update) starts, with its arguments; False: not
+        recorded (nested in another phase, whose span holds it, or recording suspended)."""
+        if self._depth or self.suspended:
+            return False
+        if phase == "forward":
+            self._count_inputs(args, kwargs)
+        self._enter(phase)
+        self._depth += 1
+        return True
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if rec._depth or rec.suspended:  # a nested call (one phase inside another): its outer span holds it
-                return fn(*args, **kwargs)
-            steps = getattr(engine, "global_steps", None)
-            if phase == "forward":
-                rec._count_inputs(args, kwargs)
-            rec._enter(phase)
-            rec._depth += 1
-            failed = True
-            try:
-                out = fn(*args, **kwargs)
-                failed = False
-                return out
-            finally:
-                rec._depth -= 1
-                boundary = phase == "update" and (failed or getattr(engine, "global_steps", None) != steps)
-                rec._exit(phase, boundary, failed)
+    def phase_ends(self, phase: str, boundary: bool, failed: bool) -> None:
+        """The recorded call of ``phase`` returned (or raised: ``failed``); ``boundary``: it ended
+        the iteration."""
+        self._depth -= 1
+        self._exit(phase, boundary, failed)
 
-        return wrapper
+    def part_starts(self) -> float | None:
+        """A part of the update starts (stock ZeRO-3's per-subgroup calls): its start time, or
+        None when recording is suspended."""
+        if self.suspended:
+            return None
+        c0 = time.perf_counter()
+        self._account_io("update")  # what the step moved since the last edge
+        t0 = time.perf_counter()
+        self._cost_s += t0 - c0
+        return t0
 
-    def _wrap_part(self, fn, part: str):
-        rec = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if rec.suspended:
-                return fn(*args, **kwargs)
-            c0 = time.perf_counter()
-            rec._account_io("update")  # what the step moved since the last edge
-            t0 = time.perf_counter()
-            rec._cost_s += t0 - c0
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                rec._account_io(f"update.{part}")
-                rec._span(part, t0, t1)
-                rec._cost_s += time.perf_counter() - t1
-
-        return wrapper
+    def part_ends(self, part: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self._account_io(f"update.{part}")
+        self._span(part, t0, t1)
+        self._cost_s += time.perf_counter() - t1
 
     def _count_inputs(self, args, kwargs) -> None:
         """Add a forward call's samples (the batch dimension of its first integer tensor input:
@@ -491,164 +426,3 @@ def _offload(engine, getter: str) -> dict | None:
     device = getattr(device, "value", device)
     path = getattr(off, "nvme_path", None)
     return {"device": str(device) if device is not None else None, "nvme_path": str(path) if path else None}
-
-
-class _Sampler(threading.Thread):
-    """Samples the rank's process, its tier devices and its GPU at a fixed rate, on its own thread."""
-
-    FLUSH_S = 1.0
-
-    def __init__(self, path: str, hz: float, devices: list[str], cuda_device, max_rows: int) -> None:
-        super().__init__(name="offloadctl-recorder", daemon=True)
-        self.interval_s = 1.0 / hz
-        self.rows = 0
-        self.busy_s = 0.0
-        self.paused = False
-        self._next_double = max_rows
-        self._max_rows = max_rows
-        self._devices = devices
-        self._stop_event = threading.Event()
-        self._cuda = cuda_device
-        self._nvml = _own_nvml(cuda_device) if cuda_device is not None else None
-        self._statm = _open_statm()
-        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        columns = ["t", "rss_bytes", "cpu_percent"]
-        for d in devices:
-            columns += [f"disk_read_bytes:{d}", f"disk_write_bytes:{d}"]
-        if cuda_device is not None:
-            columns += ["gpu_allocated_bytes", "gpu_reserved_bytes"]
-        if self._nvml is not None:
-            columns += ["nvml_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"]
-        self.columns = columns
-        self._file = open(path, "w")
-        self._file.write(json.dumps({"type": "header", "format": SAMPLES_FORMAT, "version": FORMAT_VERSION,
-                                     "columns": columns, "hz": hz, "max_rows": max_rows,
-                                     "clock": "perf_counter", "t0": time.perf_counter(),
-                                     "gpu": cuda_device is not None, "nvml": self._nvml is not None}) + "\n")
-        self._file.flush()
-        self._cpu = (time.perf_counter(), _cpu_s())
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=2.0)
-        if not self._file.closed:
-            self._file.close()
-        if self._nvml is not None:
-            try:
-                self._nvml[0].nvmlShutdown()
-            except Exception:
-                pass
-
-    def run(self) -> None:
-        rows: list[str] = []
-        last_flush = time.perf_counter()
-        next_t = time.perf_counter()
-        try:
-            while not self._stop_event.is_set():
-                if self.paused:
-                    self._stop_event.wait(self.interval_s)
-                    next_t = time.perf_counter()
-                    continue
-                t0 = time.perf_counter()
-                c0 = time.thread_time()  # CPU time, not wall: waits for the GIL are not our cost
-                rows.append(json.dumps(self._sample(t0), separators=(",", ":")))
-                self.rows += 1
-                if self.rows >= self._next_double:  # bounded growth: halve the rate
-                    self.interval_s *= 2
-                    self._next_double += self._max_rows
-                t1 = time.perf_counter()
-                if t1 - last_flush >= self.FLUSH_S:
-                    self._file.write("\n".join(rows) + "\n")
-                    self._file.flush()
-                    rows, last_flush = [], t1
-                self.busy_s += time.thread_time() - c0
-                next_t += self.interval_s
-                if next_t < t1:  # fell behind (a long NVML call): skip, do not burst
-                    next_t = t1 + self.interval_s
-                self._stop_event.wait(max(0.0, next_t - time.perf_counter()))
-        finally:
-            if rows and not self._file.closed:
-                self._file.write("\n".join(rows) + "\n")
-                self._file.flush()
-
-    def _sample(self, t: float) -> list:
-        cpu_t, cpu_s = t, _cpu_s()
-        t_prev, s_prev = self._cpu
-        self._cpu = (cpu_t, cpu_s)
-        row = [round(t, 4), self._rss(), round(100.0 * (cpu_s - s_prev) / max(cpu_t - t_prev, 1e-6), 1)]
-        if self._devices:
-            disk = disk_bytes(self._devices)
-            for d in self._devices:
-                row += list(disk.get(d, (None, None)))
-        if self._cuda is not None:
-            import torch
-
-            try:
-                row += [torch.cuda.memory_allocated(self._cuda), torch.cuda.memory_reserved(self._cuda)]
-            except Exception:
-                row += [None, None]
-        if self._nvml is not None:
-            n, h = self._nvml
-            try:
-                # NVML reports PCIe throughput in KB/s, over its last 20 ms.
-                row += [int(n.nvmlDeviceGetMemoryInfo(h).used),
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024,
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024]
-            except Exception:
-                row += [None, None, None]
-        return row
-
-    def _rss(self) -> int | None:
-        if self._statm is not None:
-            try:
-                return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
-            except (OSError, IndexError, ValueError):
-                pass
-        try:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-        except Exception:
-            return None
-
-
-def _open_statm() -> int | None:
-    try:
-        return os.open("/proc/self/statm", os.O_RDONLY)
-    except OSError:
-        return None
-
-
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _own_nvml(cuda_device):
-    """(pynvml, handle) of the GPU behind ``cuda_device``, or None (no NVML, or no match)."""
-    opened = open_nvml()
-    if opened is None:
-        return None
-    nvml, handles = opened
-    try:
-        import torch
-
-        props = torch.cuda.get_device_properties(cuda_device)
-        uuid = getattr(props, "uuid", None)
-        if uuid is not None:
-            try:
-                return nvml, nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-            except Exception:
-                pass
-        bus = getattr(props, "pci_bus_id", None)
-        if bus is not None:
-            bus_id = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
-            return nvml, nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
-    except Exception:
-        pass
-    try:
-        nvml.nvmlShutdown()
-    except Exception:
-        pass
-    return None

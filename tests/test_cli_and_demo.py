@@ -107,7 +107,7 @@ def _train_launch(tmp_path, *flags):
     args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), *flags,
                                       str(script), "--lr", "1"])
     launch = train.build(args)
-    settings = dict(launch["settings"], run_id=None)  # random per launch
+    settings = dict(launch["settings"].to_json(), run_id=None)  # random per launch
     cmd = launch["command"]
     i = cmd.index("--offloadctl-config")
     return settings, cmd[:i + 1] + cmd[i + 2:], launch["env"]

@@ -57,6 +57,7 @@ def test_installed_deepspeed_matches(ds):
      "found (self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra)"),
     ("_get_norm_groups", None, "found no such method"),
     ("_pre_step", staticmethod(lambda: None), "found a staticmethod"),
+    ("_release_sub_group", None, "found no such method"),  # one the recorder's hooks wrap under --engine stock
 ])
 def test_changed_method_is_one_line_naming_version_and_method(ds, stage3, monkeypatch, name, replacement, found):
     if replacement is None:
@@ -71,6 +72,13 @@ def test_changed_method_is_one_line_naming_version_and_method(ds, stage3, monkey
     assert msg.startswith(f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
                           f"{signature} expected, {found}: "), msg
     assert f"pip install 'deepspeed=={ds_compat.CHECKED_AGAINST}'" in msg
+
+
+def test_every_private_name_the_patches_touch_is_checked():
+    from integrations import ds_patches
+
+    patched = [ds_compat.GET_OPTIMIZER_CONFIGURATION] + [m for m, _ in ds_patches.STOCK_UPDATE_PARTS]
+    assert all(m in ds_compat.METHODS and m.use == "wrap" for m in patched)
 
 
 def test_every_fault_is_counted_on_the_one_line(stage3, monkeypatch):

@@ -97,3 +97,35 @@ def test_per_node_launch_without_ssh(tmp_path):
     cmd = out["launch"]["command"]
     assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.launch"] and "--node_rank=1" in cmd
     assert "--master_addr=10.0.0.1" in cmd and any(c.endswith("integrations/bootstrap.py") for c in cmd)
+
+
+def test_rank_settings_reach_the_bootstrap_as_built(tmp_path):
+    """One settings object per rank: what `offloadctl train` builds is what the bootstrap reads
+    back from the launcher's command line, field for field, the tuner's socket included."""
+    import dataclasses
+
+    from integrations import bootstrap, launcher
+    from integrations.settings import RankSettings, ZeroEngineSettings
+    from offloadctl.cli import build_parser
+    from offloadctl.commands import train
+
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), "--nvme",
+                                      str(tmp_path), "--prefetch-depth", "3", "--record-hz", "5", "--bind-cores",
+                                      "off", "--verbose", str(script), "--lr", "1"])
+    plan = train.build(args)
+    built = plan["settings"]
+    assert isinstance(built, RankSettings) and built.zero.knobs.prefetch_depth == 3 and built.recorder.sample_hz == 5.0
+    plan = train.with_tuner_socket(plan, "/tmp/tuner.sock")
+    cmd = plan["command"]
+    runner = cmd.index("deepspeed.launcher.runner")
+    read, got_script, got_args = bootstrap.split_argv(["--local_rank=0", *cmd[runner + 2:]])
+    assert read == plan["settings"] == dataclasses.replace(
+        built, zero=dataclasses.replace(built.zero, tuner_socket="/tmp/tuner.sock"))
+    assert got_script == str(script) and got_args == ["--local_rank=0", "--lr", "1"]
+    assert launcher.with_rank_settings(cmd, read) == cmd
+    # The engine's fields and the rank's share one flat JSON object (the keys --dry-run prints).
+    own = {f.name for f in dataclasses.fields(RankSettings)} - {"zero"}
+    assert own.isdisjoint(f.name for f in dataclasses.fields(ZeroEngineSettings))
+    assert RankSettings.from_json({}) == RankSettings()

@@ -279,7 +279,9 @@ class _FakeEngine:
 def _train(rec, eng, *, iterations: int, micro_batches: int) -> None:
     """Drive a fake engine through ``iterations`` optimizer steps under the recorder, then close
     it; every micro-batch has 4 sequences of 16 token ids (and a float input before them)."""
-    rec.attach(eng)
+    from integrations.ds_patches import attach_recorder
+
+    attach_recorder(eng, rec)
     for _ in range(iterations):
         for _ in range(micro_batches):
             eng.backward(eng.forward(torch.ones(2, 3), input_ids=torch.zeros(4, 16, dtype=torch.long)))
@@ -377,7 +379,7 @@ def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
     are sampled on the rank's device, and the report draws them and their peaks by phase."""
     import types
 
-    from report import recorder
+    from report import recorder, sampler
     from report.analyze import analyze
     from report.load import load_run
     from report.plots import figures, png_bytes
@@ -396,7 +398,7 @@ def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
             pass
 
     asked = []
-    monkeypatch.setattr(recorder, "_own_nvml", lambda dev: asked.append(dev) or (FakeNvml(), "handle"))
+    monkeypatch.setattr(sampler, "_own_nvml", lambda dev: asked.append(dev) or (FakeNvml(), "handle"))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 3 << 30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 4 << 30)
     rec = recorder.Recorder(recorder.RecorderConfig(run_dir=str(tmp_path), sample_hz=100), rank=0)

@@ -28,7 +28,7 @@ import uuid
 
 from integrations import launcher
 from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
-from report import recorder
+from report.recorder import ENGINES, RecorderConfig
 
 PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]"}
 
@@ -97,7 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     o.add_argument("--verbose", action="store_true",
                    help="show DeepSpeed's own log lines too (they always go to RUN_DIR/deepspeed.log)")
-    recorder.add_train_arguments(o)
+    o.add_argument("--engine", choices=ENGINES, default="offloadctl",
+                   help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
+                   "offload, untouched, with only the recording on (to characterize a current setup and compare "
+                   "with offloadctl report)")
+    o.add_argument("--record-hz", type=float, default=100.0, metavar="HZ",
+                   help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)")
+    o.add_argument("--no-record", action="store_true",
+                   help="record nothing for offloadctl report (the engine's telemetry is still written)")
     g = p.add_argument_group("DeepSpeed launcher options (passed to it)")
     for flags, takes_value in launcher.LAUNCHER_OPTIONS:
         metavar, text = LAUNCHER_HELP[flags[0]]
@@ -112,7 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> dict:
-    """The resolved launch: command, environment additions and engine settings."""
+    """The resolved launch: command, environment additions, the ranks' settings
+    (:class:`integrations.settings.RankSettings`) and the tuner."""
     from engine.errors import ConfigError
 
     if os.path.isdir(args.script):
@@ -150,27 +158,27 @@ def build(args: argparse.Namespace) -> dict:
         load_profile(profile)  # a malformed profile fails here, once, not in every rank
     tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
 
-    from integrations.deepspeed_zero3 import ZeroEngineSettings
+    from integrations.settings import RankSettings, ZeroEngineSettings
 
     # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
     ds_binds = getattr(args, launcher.option_dest(("--bind_cores_to_rank",)), False)
     bind_cores = "off" if args.bind_cores == "auto" and ds_binds else args.bind_cores
 
-    settings = ZeroEngineSettings(
+    zero = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
         host_cache_bytes=host_cache, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=_knobs(overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
-        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}",
-        bind_cores=bind_cores)
-    rank_settings = dict(recorder.launch_settings(settings.to_json(), args, run_dir), verbose=args.verbose)
-    cmd = launcher.launch_command(launcher.launcher_args(vars(args)), rank_settings, args.script, args.script_args)
-    out = {"command": cmd, "env": launcher.launch_env(), "settings": rank_settings, "tuner": tuner}
+        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
+    record = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine, sample_hz=args.record_hz)
+    settings = RankSettings(zero=zero, bind_cores=bind_cores, engine=args.engine, recorder=record, verbose=args.verbose)
+    cmd = launcher.launch_command(launcher.launcher_args(vars(args)), settings, args.script, args.script_args)
+    out = {"command": cmd, "env": launcher.launch_env(), "settings": settings, "tuner": tuner}
     if profile and args.params:
         from offloadctl.commands.plan import parse_params
 
-        out["plan_preview"] = preview_plan(settings, parse_params(args.params))
+        out["plan_preview"] = preview_plan(zero, parse_params(args.params))
     return out
 
 
@@ -234,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
         plan["launch"] = launcher.resolved_launch(plan["command"], plan["env"])
+        plan["settings"] = plan["settings"].to_json()
         if args.json:
             print(json.dumps(plan, indent=2))
         else:
@@ -247,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
             if "plan_preview" in plan:
                 print("preview: " + plan["plan_preview"]["summary"])
         return 0
-    run_dir = plan["settings"]["run_dir"]
+    settings = plan["settings"]
+    run_dir = settings.run_dir
     os.makedirs(run_dir, exist_ok=True)
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
@@ -256,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
 
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
         plan = with_tuner_socket(plan, socket_path)
+        settings = plan["settings"]
     try:
         from integrations.run_output import LauncherOutput
 
@@ -272,14 +283,14 @@ def run(args: argparse.Namespace) -> int:
             from offloadctl.summary import print_run_summary
 
             print_run_summary(run_dir, rank=0)
-        socket_path = plan["settings"].get("tuner_socket")
+        socket_path = settings.zero.tuner_socket
         if socket_path and (rc == 0 or stopped_by is not None):
             from tuner.service import run_verdict
 
-            verdict = run_verdict(socket_path, plan["settings"]["run_id"])
+            verdict = run_verdict(socket_path, settings.zero.run_id)
             if verdict:
                 print(f"tuner: {verdict}")
-        if plan["settings"].get("recorder"):
+        if settings.recorder:
             print(f"recorded: offloadctl report {run_dir}")
         return rc
     finally:
@@ -289,5 +300,5 @@ def run(args: argparse.Namespace) -> int:
 
 def with_tuner_socket(plan: dict, socket_path: str) -> dict:
     """The launch with the ranks pointed at ``socket_path``."""
-    settings = dict(plan["settings"], tuner_socket=socket_path)
+    settings = plan["settings"].with_tuner_socket(socket_path)
     return dict(plan, command=launcher.with_rank_settings(plan["command"], settings), settings=settings)
