@@ -256,8 +256,7 @@ def run(args: argparse.Namespace) -> int:
             if "plan_preview" in plan:
                 print("preview: " + plan["plan_preview"]["summary"])
         return 0
-    settings = plan["settings"]
-    run_dir = settings.run_dir
+    run_dir = plan["settings"].run_dir
     os.makedirs(run_dir, exist_ok=True)
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
@@ -266,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
         plan = with_tuner_socket(plan, socket_path)
-        settings = plan["settings"]
+    settings = plan["settings"]
     try:
         from integrations.run_output import LauncherOutput
 
