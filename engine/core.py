@@ -47,7 +47,7 @@ from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
 from engine.host_kernel import host_lane_rate, select_host_kernel
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
-from engine.layout import kept_subgroups, staging_buffers
+from engine.layout import forward_order, kept_subgroups, staging_buffers
 from engine.placement import DEVICE, HOST, Placement, Tier, device_tier_prefix, place, stripe, swap_tier
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
@@ -322,7 +322,7 @@ class SubgroupEngine:
         t_start = time.perf_counter()
         setup_s, self._setup_s = t_start - t_call + self._setup_s, 0.0
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
-        forward = self.iteration % 2 == 0
+        forward = forward_order(self.iteration)
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
         seq = [i for i in order if self.subgroups[i].tier.swapped]
         st = _StepState(seq, {i: k for k, i in enumerate(seq)})
@@ -361,7 +361,7 @@ class SubgroupEngine:
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
-        rec = self._step_record(st, before, forward=forward, t_start=t_start, update_s=time.perf_counter() - t_start,
+        rec = self._step_record(st, before, t_start=t_start, update_s=time.perf_counter() - t_start,
                                 write_wait_s=write_wait_s, device_wait_s=device_wait_s, setup_s=setup_s,
                                 fwd_bwd_s=fwd_bwd_s)
         self.iteration += 1
@@ -676,7 +676,7 @@ class SubgroupEngine:
                 # Only after failed writes pinned buffers in memory: grow rather than stall.
                 self._n_staging += 1
                 return StateBuffer(self._staging_capacity)
-            victim = kept[-1] if self.iteration % 2 == 0 else kept[0]  # the one needed last
+            victim = kept[-1] if forward_order(self.iteration) else kept[0]  # the one needed last
             self._write_back(victim)
 
     def _reclaim_oldest_write(self) -> StateBuffer | None:
@@ -708,7 +708,7 @@ class SubgroupEngine:
             if buf is not None:
                 self._free.append(buf)
 
-    def _step_record(self, st: _StepState, before: list[tuple[int, int]], *, forward: bool, t_start: float,
+    def _step_record(self, st: _StepState, before: list[tuple[int, int]], *, t_start: float,
                      update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
                      fwd_bwd_s: float | None) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
@@ -722,7 +722,7 @@ class SubgroupEngine:
             bytes_written[p.spec.kind] = bytes_written.get(p.spec.kind, 0) + path_written[p.path]
         headroom = gpu_headroom_bytes(self.device) if self.device is not None and self.device.type == "cuda" else None
         return StepRecord(
-            iteration=self.iteration, order="forward" if forward else "reverse", update_s=update_s,
+            iteration=self.iteration, update_s=update_s,
             read_wait_s=st.read_wait_s, kernel_s=st.kernel_s, write_wait_s=write_wait_s,
             bytes_read=bytes_read, bytes_written=bytes_written, path_bytes_read=path_read,
             path_bytes_written=path_written,
@@ -822,7 +822,7 @@ class SubgroupEngine:
             state_bytes_by_tier=tiers, staging_buffers=self._n_staging, io_backend=self.io_backend,
             host_kernel=self.host_kernel_name, device=str(self.device) if self.device is not None else None,
             path_bandwidth_bytes_per_s={p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
-            knobs=self.knobs.to_dict(), paths=[p.path for p in self.config.paths], has_device=self.device is not None,
+            knobs=self.knobs, paths=[p.path for p in self.config.paths], has_device=self.device is not None,
             subgroup_bytes=max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
             device_headroom_bytes=None if self.device is None else gpu_headroom_bytes(self.device),
             device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,

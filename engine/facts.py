@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from engine.config import Knobs
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineFacts:
@@ -20,8 +22,8 @@ class EngineFacts:
     host_kernel: str = ""
     device: str | None = None
     path_bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
-    knobs: dict = field(default_factory=dict)
-    """``Knobs.to_dict()`` of the knobs in force."""
+    knobs: Knobs = field(default_factory=Knobs)
+    """The knobs in force."""
     paths: list[str] = field(default_factory=list)
     has_device: bool = False
     subgroup_bytes: int = 0

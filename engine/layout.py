@@ -48,6 +48,12 @@ def payload_bytes(numel: int) -> int:
     return round_up(STATE_BYTES_PER_ELEMENT * numel)
 
 
+def forward_order(iteration: int) -> bool:
+    """Whether step ``iteration`` visits subgroups 0..N-1 (even) or N-1..0 (odd): the alternating
+    order that lets each step start with what the previous one kept."""
+    return iteration % 2 == 0
+
+
 def kept_subgroups(prefetch_depth: int) -> int:
     """Swapped subgroups kept in staging buffers across a step boundary (the head of the next
     step's reversed order)."""

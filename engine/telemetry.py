@@ -5,12 +5,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from engine.layout import forward_order
+
 
 @dataclass
 class StepRecord:
     iteration: int
-    order: str
-    """'forward' (0..N-1) or 'reverse' (N-1..0)."""
     update_s: float
     """The whole update phase, from the loop's start to its last wait."""
     read_wait_s: float
@@ -61,22 +61,26 @@ class StepRecord:
     runs for ``update_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
 
     @property
+    def order(self) -> str:
+        """'forward' (subgroups 0..N-1) on even iterations, 'reverse' (N-1..0) on odd ones."""
+        return "forward" if forward_order(self.iteration) else "reverse"
+
+    @property
     def bytes_moved_per_param(self) -> float:
         moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
         return moved / self.params if self.params else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["bytes_moved_per_param"] = self.bytes_moved_per_param
+        d["order"], d["bytes_moved_per_param"] = self.order, self.bytes_moved_per_param
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
-        """A record from :meth:`to_dict` (a telemetry file, the tuner's socket); fields it does
-        not know are dropped; older files read the same (:func:`upgrade_record`)."""
+        """A record from :meth:`to_dict` (a telemetry file, the tuner's socket); what it derives
+        (the order, bytes per parameter) and fields it does not know are dropped; older files read
+        the same (:func:`upgrade_record`)."""
         d = upgrade_record(d)
-        if "order" not in d:  # the tuner's wire does not require it: the engine's rule, by parity
-            d = dict(d, order="forward" if d["iteration"] % 2 == 0 else "reverse")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 

@@ -11,7 +11,7 @@ from tuner.observation import LaneTimes, Observation
 
 
 def _rec(rank: int, update_s: float, **kw) -> StepRecord:
-    return StepRecord(iteration=4, order="forward", update_s=update_s, read_wait_s=0.1 * (rank + 1),
+    return StepRecord(iteration=4, update_s=update_s, read_wait_s=0.1 * (rank + 1),
                       kernel_s=0.5 * update_s, write_wait_s=0.02 * (rank + 1), **kw)
 
 

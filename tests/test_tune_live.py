@@ -55,7 +55,7 @@ def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):
                        subgroup_bytes=12000)
     assert rank.connected.wait(20)
     for i in range(iterations):
-        rank.report(StepRecord(iteration=i, order="forward", update_s=0.2, read_wait_s=0.05, kernel_s=0.1,
+        rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1,
                                write_wait_s=0.05, path_bytes_read={nvme: 20_000_000},
                                path_bytes_written={nvme: 10_000_000}), iter_time_s=0.5)
     _wait(lambda: _iteration(sock, run_id) == iterations - 1, 20, f"{run_id}'s telemetry")
@@ -252,7 +252,7 @@ c = TunerClient({sock!r}, run_id="dead-run", rank=0, world_size=1, params=1000, 
                 knobs=Knobs(), subgroup_bytes=12000)
 assert c.connected.wait(20)
 for i in range(5):
-    c.report(StepRecord(iteration=i, order="forward", update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05),
+    c.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05),
              iter_time_s=0.5)
 print("reported", flush=True)
 time.sleep(600)

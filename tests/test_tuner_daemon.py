@@ -236,7 +236,7 @@ def test_client_never_blocks_and_connects_when_a_daemon_appears(tmp_path):
     w, g = torch.zeros(100), torch.ones(100)
     eng = SubgroupEngine([FlatSubgroup(w, g)], EngineConfig(subgroup_numel=100, host_adam="torch"))
     client = TunerClient.for_engine(sock, eng, run_id="late", queue_size=8, backoff_s=(0.05, 0.2), hook=False)
-    rec = lambda i: StepRecord(iteration=i, order="forward", update_s=0.01, read_wait_s=0, kernel_s=0.01,
+    rec = lambda i: StepRecord(iteration=i, update_s=0.01, read_wait_s=0, kernel_s=0.01,
                                write_wait_s=0)
     with pytest.raises(ConfigError, match="run_id"):  # refused here, not silently at every registration
         TunerClient.for_engine(sock, eng, run_id="my\nrun", hook=False)
@@ -313,7 +313,7 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
     try:
         assert client.connected.wait(20)
         for i in range(4):
-            client.report(StepRecord(iteration=i, order="forward", update_s=0.5, read_wait_s=0.1, kernel_s=0.3,
+            client.report(StepRecord(iteration=i, update_s=0.5, read_wait_s=0.1, kernel_s=0.3,
                                      write_wait_s=0.1, path_bytes_read={nvme: 50_000_000},
                                      path_bytes_written={nvme: 25_000_000}), iter_time_s=1.0)
         _wait(lambda: _snapshot(sock)["cli-run"]["iteration"] == 3, 10, "telemetry")

@@ -121,7 +121,7 @@ class TunerClient:
         facts = engine.describe()
         kw.setdefault("device_headroom_bytes", facts.device_headroom_bytes)
         client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
-                     params=facts.params, paths=facts.paths, knobs=Knobs.from_dict(facts.knobs),
+                     params=facts.params, paths=facts.paths, knobs=facts.knobs,
                      has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes, **kw)
         if hook:
             engine.add_step_hook(client)

@@ -36,9 +36,7 @@ class KnobKey:
         KnobKey('io_concurrency', '/nvme0'). Only io_concurrency takes a [PATH] (stripe weights
         are shares: they are given as a whole); with ``paths``, it must be one of them.
         ConfigError naming the text otherwise."""
-        name, path = text, None
-        if isinstance(text, str) and text.endswith("]") and "[" in text:
-            name, path = text[:-1].split("[", 1)
+        name, path = split_key(text) if isinstance(text, str) else (text, None)
         if name not in Knobs.names():
             raise ConfigError(f"unknown knob {text!r}: use one of {', '.join(Knobs.names())}, or io_concurrency[PATH]")
         if path is not None:
@@ -47,6 +45,15 @@ class KnobKey:
             if paths is not None and path not in paths:
                 raise ConfigError(f"knob {text!r} names a path this run does not use (paths: {list(paths)})")
         return cls(name, path)
+
+
+def split_key(text: str) -> tuple[str, str | None]:
+    """``'io_concurrency[/nvme0]'`` -> ('io_concurrency', '/nvme0'); ``'prefetch_depth'`` ->
+    ('prefetch_depth', None). The spelling only: :meth:`KnobKey.parse` checks the names."""
+    if text.endswith("]") and "[" in text:
+        name, path = text[:-1].split("[", 1)
+        return name, path
+    return text, None
 
 
 def knob_pattern() -> str:

@@ -15,7 +15,7 @@ from typing import AbstractSet, Literal, Mapping, Sequence
 
 from engine.config import Knobs
 from tuner.guards import Contention, Limits
-from tuner.knob_text import KnobKey, Pins
+from tuner.knob_text import KnobKey, Pins, split_key
 from tuner.measurement import Sample
 from tuner.policy_config import PolicyConfig
 
@@ -43,11 +43,7 @@ class MoveKey:
         if text in ("start", "return"):
             return cls(plan=text)
         step = text[-1] if text[-1:] in ("+", "-") else ""
-        body = text[:-1] if step else text
-        name, path = body, None
-        if body.endswith("]") and "[" in body:
-            name, path = body[:-1].split("[", 1)
-        return cls(KnobKey(name, path), step)
+        return cls(KnobKey(*split_key(text[:-1] if step else text)), step)
 
     def family(self) -> "MoveKey":
         """The knob a move changes, less the direction: one path's concurrency, or all the stripe
