@@ -110,7 +110,19 @@ class EngineConfig:
     rank: int = 0
     """Rank of this process, used in file and telemetry names."""
     local_ranks: int = 1
-    """Ranks on this node: they share its host memory bandwidth, which the lane balance divides."""
+    """Ranks on this node: they share its host memory bandwidth, which the lane balance divides,
+    and its memory, which the default host budget divides."""
+    host_memory_bytes: int | None = None
+    """Budget for everything the engine holds in host memory: host-tier state, staging buffers
+    (working and kept), copies (``engine.host_memory``). None: a share of the memory available
+    at start divided among ``local_ranks``, raised to what the start needs. A budget given that
+    the start does not fit is a ConfigError naming the fix."""
+    host_memory_floor_bytes: int | None = None
+    """Available memory on the machine below which the engine gives back its kept and read-ahead
+    buffers. None: ``engine.host_memory.default_floor()`` (5% of memory, at least 1 GiB)."""
+    fixed_knobs: tuple[str, ...] = ()
+    """Knobs the user fixed (``prefetch_depth``, or ``io_concurrency[PATH]`` for one path): the
+    engine reports them, and a tuner never moves them."""
 
     def __post_init__(self) -> None:
         _positive_int("subgroup_numel", self.subgroup_numel)
@@ -120,6 +132,13 @@ class EngineConfig:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
         if self.device_cache_bytes is not None:
             _non_negative_int("device_cache_bytes", self.device_cache_bytes)
+        for name in ("host_memory_bytes", "host_memory_floor_bytes"):
+            if getattr(self, name) is not None:
+                _non_negative_int(name, getattr(self, name))
+        object.__setattr__(self, "fixed_knobs", tuple(self.fixed_knobs))
+        for key in self.fixed_knobs:
+            if not isinstance(key, str) or key.split("[", 1)[0] not in Knobs.names():
+                raise ConfigError(f"fixed_knobs: {key!r} is not a knob (the knobs are {', '.join(Knobs.names())})")
         if self.io_backend not in ("auto", "aio", "posix"):
             raise ConfigError(f"io_backend must be 'auto', 'aio' or 'posix', got {self.io_backend!r}")
         if self.host_adam not in ("auto", "torch", "deepspeed"):

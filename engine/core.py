@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -45,9 +46,10 @@ from engine.errors import ConfigError, OffloadError, StorageIOError
 from engine.facts import DeviceFit, EngineFacts
 from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
 from engine.host_kernel import host_lane_rate, select_host_kernel
+from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
-from engine.layout import forward_order, kept_subgroups, staging_buffers
+from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, staging_buffers
 from engine.placement import DEVICE, HOST, Placement, Tier, device_tier_prefix, place, stripe, swap_tier
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
@@ -55,6 +57,9 @@ from engine.streams import streams_for
 from engine.telemetry import StepRecord, TelemetryLog
 
 log = logging.getLogger(__name__)
+
+PRESSURE_BUFFERS = 2
+"""Staging buffers left under memory pressure: one updating, one writing back; no read-ahead."""
 
 
 def first_state(binding: SubgroupBinding, buf: StateBuffer) -> None:
@@ -95,6 +100,7 @@ class _StepState:
     lane_subgroups: list[int] = field(default_factory=lambda: [0, 0])  # host lane, device lane
     hits: int = 0
     misses: int = 0
+    pressure: bool = False  # host memory ran low during the step
 
 
 class SubgroupEngine:
@@ -116,6 +122,12 @@ class SubgroupEngine:
         self._setup_s = 0.0  # one-time work outside a step (setup_time()) not yet taken out of fwd_bwd_s
         self._lane_rates: LaneRates | None = None
         self._lane_off_said = False
+        # Held by every entry point that touches the state, so that the memory watch's thread
+        # gives buffers back only while the engine is idle.
+        self._lock = threading.RLock()
+        self._pressure: PressureWatch | None = None
+        self._gave_back = False  # buffers were given back under pressure and not yet taken again
+        self._depth_said: int | None = None
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -146,8 +158,12 @@ class SubgroupEngine:
         # The subgroups the device budget placed there (placement fills it in order, skipping those
         # that do not fit: not always a prefix); the fit puts them back after release_device().
         self._placed_on_device = {i for i, t in enumerate(placement.tiers) if t == DEVICE}
+        self.host_budget = self._host_budget(bindings, placement)
         try:
             self._allocate(placement)
+            if self._staging_capacity:
+                floor = config.host_memory_floor_bytes
+                self._pressure = PressureWatch(default_floor() if floor is None else floor, on_low=self._on_low_memory)
         except BaseException:
             self.close()
             raise
@@ -205,6 +221,88 @@ class SubgroupEngine:
         self._resize_staging(staging_buffers(self.knobs.prefetch_depth) if swapped else 0)
         self._writes: deque[tuple[_Subgroup, StateBuffer, Future]] = deque()
 
+    def _host_budget(self, bindings: Sequence[SubgroupBinding], placement: Placement) -> int:
+        """The rank's host-memory budget (``engine.host_memory``): the one given, which the start
+        must fit, else the default raised to what the start needs."""
+        swapped = [b.numel for b, t in zip(bindings, placement.tiers) if t.swapped]
+        weights = [flat_weights_of(b) for b in bindings]
+        on_device = [w for w in weights if w is not None and w.device.type != "cpu"]
+        need = HostUsage(
+            state=sum(host_buffer_bytes(b.numel) for b, t in zip(bindings, placement.tiers) if t == HOST),
+            staging=staging_buffers(self.knobs.prefetch_depth) * host_buffer_bytes(max(swapped)) if swapped else 0,
+            # the host lane's gradient scratch, and two pinned weight uploads when weights are on a device
+            copies=HostLane.scratch_bytes(max((b.numel for b in bindings), default=0))
+            + 2 * max((w.numel() * w.element_size() for w in on_device), default=0))
+        budget = self.config.host_memory_bytes
+        if budget is None:
+            return max(default_budget(self.config.local_ranks), need.total)
+        if need.total > budget:
+            parts = ", ".join(f"{v / 1e9:.2f} GB {k}" for k, v in need.to_dict().items() if v)
+            raise ConfigError(
+                f"host memory budget {budget / 1e9:.2f} GB (--host-memory) is below what this rank needs to start: "
+                f"{need.total / 1e9:.2f} GB ({parts}, prefetch depth {self.knobs.prefetch_depth}); raise --host-memory, "
+                f"or lower --host-cache or --prefetch-depth")
+        return budget
+
+    def host_usage(self) -> HostUsage:
+        """What the engine holds in host memory now, by kind (``engine.host_memory``)."""
+        state = sum(sg.resident.raw.numel() for sg in self.subgroups
+                    if sg.tier == HOST and isinstance(sg.resident, StateBuffer))
+        kept = sum(sg.staged.raw.numel() for sg in self.subgroups if sg.staged is not None and sg.kept)
+        pool = self._n_staging * host_buffer_bytes(self._staging_capacity) if self._staging_capacity else 0
+        return HostUsage(state=state, staging=max(0, pool - kept), kept=kept, copies=self.host_lane.host_bytes())
+
+    def _affordable_depth(self, depth: int) -> int:
+        """The deepest prefetch up to ``depth`` whose staging buffers fit the budget's spare bytes."""
+        if not self._staging_capacity:
+            return depth
+        use = self.host_usage()
+        spare = self.host_budget - use.state - use.copies
+        return max(0, min(depth, deepest_prefetch(spare // host_buffer_bytes(self._staging_capacity))))
+
+    # -- memory pressure ---------------------------------------------------------------------
+
+    def _low_memory(self) -> bool:
+        return self._pressure is not None and self._pressure.low.is_set()
+
+    def _on_low_memory(self) -> None:
+        """The watch's thread: memory just ran low. Give back now if the engine is idle (between
+        steps, in forward and backward); a step in progress gives back at its next decision."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._give_back()
+            finally:
+                self._lock.release()
+
+    def _give_back(self) -> None:
+        """Under pressure, between steps: write back what kept buffers hold that is newer than its
+        file, and free every staging buffer beyond :data:`PRESSURE_BUFFERS`. Said in one line."""
+        before = self.host_usage().total
+        for sg in self.subgroups:
+            if sg.staged is not None:
+                if sg.dirty:
+                    self._write_back(sg)
+                else:
+                    self._release(sg)
+                sg.kept = False
+        self._drain()
+        self._resize_staging(min(self._n_staging, PRESSURE_BUFFERS))
+        if not self._gave_back:
+            self._gave_back = True
+            avail, floor = self._pressure.available_bytes, self._pressure.floor_bytes
+            log.warning("offloadctl: host memory low (%.2f GB available, floor %.2f GB): gave back %.2f GB of kept "
+                        "and read-ahead staging buffers; reading ahead again when memory recovers",
+                        avail / 1e9, floor / 1e9, (before - self.host_usage().total) / 1e9)
+
+    def _recover(self) -> None:
+        """Memory is back above the floor: the staging pool the knobs ask for, within the budget."""
+        self._gave_back = False
+        depth = self._affordable_depth(self.knobs.prefetch_depth)
+        self._resize_staging(staging_buffers(depth))
+        log.warning("offloadctl: host memory recovered (%.2f GB available): reading ahead again",
+                    self._pressure.available_bytes / 1e9)
+
     def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
         return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
 
@@ -228,9 +326,11 @@ class SubgroupEngine:
         return self._pending_knobs or self.knobs
 
     def set_knobs(self, knobs: Knobs) -> None:
-        """Validate ``knobs`` now; apply them at the start of the next ``step()``."""
+        """Validate ``knobs`` now; apply them at the start of the next ``step()`` (a prefetch
+        deeper than the host budget holds is lowered to the deepest that fits, with one line)."""
         knobs.check_for([p.path for p in self.config.paths], has_device=self.device is not None)
-        self._pending_knobs = knobs
+        with self._lock:
+            self._pending_knobs = knobs
 
     def _apply_pending_knobs(self) -> None:
         k, self._pending_knobs = self._pending_knobs, None
@@ -242,6 +342,13 @@ class SubgroupEngine:
                             "(see the device fit at the first step)", k.device_fraction)
                 self._lane_off_said = True
             k = k.replace(device_fraction=0.0)
+        depth = self._affordable_depth(k.prefetch_depth)
+        if depth != k.prefetch_depth:
+            if self._depth_said != k.prefetch_depth:
+                log.warning("offloadctl: prefetch_depth=%d lowered to %d: deeper staging does not fit the host memory "
+                            "budget (%.2f GB)", k.prefetch_depth, depth, self.host_budget / 1e9)
+                self._depth_said = k.prefetch_depth
+            k = k.replace(prefetch_depth=depth)
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
@@ -301,7 +408,8 @@ class SubgroupEngine:
         if self._last_step_end is not None:
             fwd_bwd_s = max(0.0, t_call - self._last_step_end - self._setup_s)
         try:
-            rec = self._step(hypers, t_call, fwd_bwd_s)
+            with self._lock:
+                rec = self._step(hypers, t_call, fwd_bwd_s)
         except BaseException as e:
             for hook in self._hooks:
                 hook.on_error(self, e)
@@ -319,13 +427,17 @@ class SubgroupEngine:
         self._apply_pending_knobs()
         if self._device_tier_pending:
             self.fit_device_tier()
+        if self._low_memory():
+            self._give_back()
+        elif self._gave_back:
+            self._recover()
         t_start = time.perf_counter()
         setup_s, self._setup_s = t_start - t_call + self._setup_s, 0.0
         before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = forward_order(self.iteration)
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
         seq = [i for i in order if self.subgroups[i].tier.swapped]
-        st = _StepState(seq, {i: k for k, i in enumerate(seq)})
+        st = _StepState(seq, {i: k for k, i in enumerate(seq)}, pressure=self._gave_back)
         threads = torch.get_num_threads()
         if seq and self.config.io_cores and threads > 1:
             torch.set_num_threads(max(1, threads - self.config.io_cores))  # config.io_cores: why
@@ -358,6 +470,8 @@ class SubgroupEngine:
         write_wait_s = time.perf_counter() - t0
         for sg in self.subgroups:
             sg.kept = sg.staged is not None
+        if st.pressure:
+            self._give_back()
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
@@ -373,15 +487,20 @@ class SubgroupEngine:
         return rec
 
     def _update_swapped(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
-        """One swapped subgroup: read ahead, wait for its state, update it, write it back."""
-        self._prefetch(st, st.pos[sg.index] + self.knobs.prefetch_depth)
+        """One swapped subgroup: read ahead, wait for its state, update it, write it back. Under
+        memory pressure (the watch's flag, read at each subgroup) nothing is read ahead or kept."""
+        if not st.pressure and self._low_memory():
+            st.pressure = True
+            self._resize_staging(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
+        depth = 0 if st.pressure else self.knobs.prefetch_depth
+        self._prefetch(st, st.pos[sg.index] + depth)
         buf = self._stage(sg, st)
         self._run_update(sg, buf, hp, st, time.perf_counter())
         sg.dirty = True
         # The tail stays in its buffers: it is the head of the next step's (reversed) order. The
         # kept buffers come on top of the working ones, so the next step's first reads start at
         # once instead of waiting for write-backs.
-        if st.pos[sg.index] < len(st.seq) - kept_subgroups(self.knobs.prefetch_depth):
+        if st.pressure or st.pos[sg.index] < len(st.seq) - kept_subgroups(depth):
             self._write_back(sg)
 
     def _update_resident(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
@@ -573,14 +692,15 @@ class SubgroupEngine:
         optimizer (RLHF frameworks free the GPU for generation between training steps)."""
         if self.device is None:
             return
-        self._end_streams()
-        for sg in self.subgroups:
-            if sg.tier == DEVICE:
-                self._off_device(sg)
-        self.device_lane.release()
-        self._lane_mask = [False] * len(self.subgroups)
-        self._device_grads = set()
-        self._device_tier_pending = True
+        with self._lock:
+            self._end_streams()
+            for sg in self.subgroups:
+                if sg.tier == DEVICE:
+                    self._off_device(sg)
+            self.device_lane.release()
+            self._lane_mask = [False] * len(self.subgroups)
+            self._device_grads = set()
+            self._device_tier_pending = True
 
     def device_grad_subgroups(self) -> list[int]:
         """Subgroups whose gradients are best produced on the device: those in the device tier,
@@ -732,12 +852,17 @@ class SubgroupEngine:
             device_lane_subgroups=st.lane_subgroups[1],
             device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=st.host_lane_s,
             fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
-            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start)
+            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start,
+            host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_budget, host_pressure=st.pressure)
 
     # -- state access (checkpoints) ----------------------------------------------------------
 
     def read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """Copies of subgroup ``index``'s (master, exp_avg, exp_avg_sq) on the CPU, and its steps."""
+        with self._lock:
+            return self._read_state(index)
+
+    def _read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         sg = self.subgroups[index]
         if sg.tier == DEVICE:
             self._init_state(sg)
@@ -753,7 +878,7 @@ class SubgroupEngine:
         """Replace subgroup ``index``'s state (flat tensors of its numel, any device). The
         sources are read as data: a checkpoint's tensors may require grad, and the state is
         never part of a graph."""
-        with torch.no_grad():
+        with torch.no_grad(), self._lock:
             self._write_state(index, master.detach(), exp_avg.detach(), exp_avg_sq.detach(), steps)
 
     def _write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -795,6 +920,12 @@ class SubgroupEngine:
         """Finish pending writes and remove every swap file. Idempotent."""
         if self._closed:
             return
+        if self._pressure is not None:
+            self._pressure.close()
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         for hook in self._hooks:
             close = getattr(hook, "close", None)
@@ -826,4 +957,7 @@ class SubgroupEngine:
             subgroup_bytes=max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
             device_headroom_bytes=None if self.device is None else gpu_headroom_bytes(self.device),
             device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,
-            device_lane_available=self.device_lane is not None and self._lane_room)
+            device_lane_available=self.device_lane is not None and self._lane_room,
+            host_memory_budget_bytes=self.host_budget, host_bytes=self.host_usage().to_dict(),
+            staging_buffer_bytes=host_buffer_bytes(self._staging_capacity) if self._staging_capacity else 0,
+            fixed_knobs=self.config.fixed_knobs)

@@ -31,6 +31,19 @@ class EngineFacts:
     device_headroom_bytes: int | None = None
     device_lane_bytes: int = 0
     device_lane_available: bool = False
+    host_memory_budget_bytes: int = 0
+    """The rank's host-memory budget (``engine.host_memory``)."""
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    """What the engine holds in host memory now, by kind."""
+    staging_buffer_bytes: int = 0
+    """Host memory of one staging buffer (0: no swapped state): what one more prefetch costs, twice."""
+    fixed_knobs: tuple[str, ...] = ()
+    """Knobs the user fixed: a tuner never moves them."""
+
+    @property
+    def host_staging_bytes(self) -> int:
+        """Host bytes the budget leaves for staging buffers: all but the state and the copies."""
+        return max(0, self.host_memory_budget_bytes - self.host_bytes.get("state", 0) - self.host_bytes.get("copies", 0))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -53,6 +53,10 @@ class _Scratch:
     def __init__(self, device: torch.device) -> None:
         self.device, self._t = device, torch.empty(0, device=device)
 
+    @property
+    def nbytes(self) -> int:
+        return self._t.numel() * self._t.element_size()
+
     def get(self, numel: int) -> torch.Tensor:
         if self._t.numel() < numel:
             self._t = torch.empty(numel, dtype=torch.float32, device=self.device)
@@ -219,6 +223,10 @@ class WeightUploader:
         staging = buf[:nbytes].view(target.dtype)
         return _WeightSink(self, binding, target, staging, k)
 
+    def host_bytes(self) -> int:
+        """Host memory of the two pinned staging buffers (allocated when first needed)."""
+        return sum(b.numel() for b in self._staging if b is not None)
+
     def upload(self, target: torch.Tensor, staging: torch.Tensor, k: int) -> None:
         with self.streams.use(self.stream):
             self.streams.copy(target, staging)
@@ -235,6 +243,15 @@ class HostLane:
 
     def update(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper) -> int:
         return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights)
+
+    @staticmethod
+    def scratch_bytes(numel: int) -> int:
+        """Host memory of the gradient scratch for subgroups of up to ``numel`` elements."""
+        return 4 * min(numel, HOST_CHUNK_NUMEL)
+
+    def host_bytes(self) -> int:
+        """Host memory the lane holds besides the state: its gradient scratch, the pinned uploads."""
+        return self._grad.nbytes + (self.weights.host_bytes() if self.weights is not None else 0)
 
 
 class _Slot:

@@ -63,3 +63,9 @@ def kept_subgroups(prefetch_depth: int) -> int:
 def staging_buffers(prefetch_depth: int) -> int:
     """Staging buffers: read ahead + updating + writing back, plus the kept ones."""
     return prefetch_depth + 2 + kept_subgroups(prefetch_depth)
+
+
+def host_buffer_bytes(numel: int) -> int:
+    """Host memory one state buffer of ``numel`` elements takes: header, padded payload, and the
+    slack that aligns its start for O_DIRECT."""
+    return HEADER_BYTES + payload_bytes(numel) + ALIGN_BYTES

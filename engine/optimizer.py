@@ -116,8 +116,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         subgroup_numel: elements per subgroup (12 bytes of state each).
         device_cache_bytes: state kept in device memory (needs a device lane).
         device: device lane: 'cuda', 'cpu' (tests), or None (CUDA when present).
-        prefetch_depth, device_fraction, node_lock, io_concurrency: starting :class:`Knobs`;
-            change them later with :meth:`set_knobs`.
+        prefetch_depth, device_fraction, node_lock, io_concurrency: starting :class:`Knobs`
+            (None: the default, 2, 0, False, 4 per path); change them later with
+            :meth:`set_knobs`. Those given are fixed: a tuner (``engine.hooks``) never moves them.
+        host_memory_bytes: budget for everything the engine holds in host memory (state,
+            staging buffers, copies: ``engine.host_memory``). None: a share of what is available.
         io_backend, host_adam, verify_checksums, run_dir, rank: see :class:`EngineConfig`.
 
     The fp32 master weights are seeded from the parameters at the first step (and at
@@ -127,20 +130,25 @@ class OffloadAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, *, host_cache_bytes: int | None = None, nvme_paths: Sequence[PathLike] = (),
                  remote_paths: Sequence[PathLike] = (), subgroup_numel: int = 10_000_000, device_cache_bytes: int = 0,
-                 device: str | None = None, prefetch_depth: int = 2, device_fraction: float = 0.0,
-                 node_lock: bool = False, io_concurrency: Mapping[str, int] | None = None, io_backend: str = "auto",
-                 host_adam: str = "auto", verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
+                 device: str | None = None, prefetch_depth: int | None = None, device_fraction: float | None = None,
+                 node_lock: bool | None = None, io_concurrency: Mapping[str, int] | None = None,
+                 host_memory_bytes: int | None = None, io_backend: str = "auto", host_adam: str = "auto",
+                 verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         paths = (tuple(StoragePath.coerce(p, "nvme") for p in nvme_paths)
                  + tuple(StoragePath.coerce(p, "remote") for p in remote_paths))
+        given = {k: v for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction),
+                                   ("node_lock", node_lock)) if v is not None}
+        concurrency = {StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()}
+        knobs = Knobs(**given, io_concurrency=concurrency)
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=resolve_host_cache(host_cache_bytes, paths),
                               device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
-                              host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank)
-        knobs = Knobs(prefetch_depth=prefetch_depth, device_fraction=device_fraction, node_lock=node_lock,
-                      io_concurrency={StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()})
+                              host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank,
+                              host_memory_bytes=host_memory_bytes,
+                              fixed_knobs=(*given, *(f"io_concurrency[{p}]" for p in concurrency)))
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)
 

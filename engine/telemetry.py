@@ -59,6 +59,12 @@ class StepRecord:
     tier's fit): with the durations above it places the step's parts on a timeline. The clock is
     CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The loop
     runs for ``update_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
+    host_bytes: dict = field(default_factory=dict)
+    """What the engine held in host memory at the step's end, by kind (``engine.host_memory.HostUsage``)."""
+    host_budget_bytes: int = 0
+    """The rank's host-memory budget (0 in records written before there was one)."""
+    host_pressure: bool = False
+    """Available memory ran below the floor during the step: nothing was read ahead or kept."""
 
     @property
     def order(self) -> str:

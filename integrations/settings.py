@@ -54,6 +54,8 @@ class ZeroEngineSettings:
     nvme_paths: tuple[str, ...] = ()
     remote_paths: tuple[str, ...] = ()
     host_cache_bytes: int | None = None
+    host_memory_bytes: int | None = None
+    """The rank's host-memory budget (``engine.host_memory``); None: the default."""
     run_dir: str | None = None
     knobs: Knobs = field(default_factory=Knobs)
     """Starting knobs without a profile."""
@@ -67,7 +69,8 @@ class ZeroEngineSettings:
     'cpu' runs them, and keeps their gradients in separate buffers, on the CPU: how the tests
     drive the GPU path's bookkeeping against stock DeepSpeed on machines without a GPU."""
     knob_overrides: dict = field(default_factory=dict)
-    """Knobs the user set explicitly; with a profile they win over the model's plan."""
+    """Knobs the user set explicitly; with a profile they win over the model's plan, and the
+    tuner never moves them (the engine's ``fixed_knobs``)."""
     io_backend: str = "auto"
     profile: str | None = None
     """Path of a hardware profile: each rank starts from the performance model's best plan."""

@@ -193,7 +193,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                               device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
                               auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
                               io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank,
-                              local_ranks=local_ranks)
+                              local_ranks=local_ranks, host_memory_bytes=self.settings.host_memory_bytes,
+                              fixed_knobs=tuple(self.settings.knob_overrides))
         return config, knobs
 
     def _rank_plan(self, paths, **measured):

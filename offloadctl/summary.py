@@ -20,9 +20,9 @@ from rich.table import Table
 from engine.errors import ConfigError
 from engine.telemetry import upgrade_record
 from engine.units import format_seconds
-from report.analyze import SHARE_GROUPS, analyze_run, storage_name, verdict
+from report.analyze import SHARE_GROUPS, analyze_run, host_memory_summary, storage_name, verdict
 from report.load import load_run
-from report.render import extent, headline
+from report.render import extent, fixed_knobs_text, headline, host_memory_text
 
 WIDTH = 80
 STOCK_BYTES_PER_PARAM = 32
@@ -116,7 +116,16 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
         lines.append(line)
     elif not a["tiers"]:
         lines.append(f"optimizer state kept in {storage_name(a)}: no storage tier, no bytes moved to disk")
+    lines += _host_lines(s.get("host_memory"), s.get("fixed_knobs"), rank, a["engine"] != "stock")
     return lines
+
+
+def _host_lines(hm: dict | None, fixed: dict | None, rank: int, engine: bool) -> list[str]:
+    """The engine's host memory against the rank's budget, and the knobs the tuner never moves."""
+    out = [f"host memory of rank {rank}'s engine, at its peak: {host_memory_text(hm)}"] if hm else []
+    if engine and fixed is not None:
+        out.append(f"knobs fixed by the run's options, never tuned: {fixed_knobs_text(fixed)}")
+    return out
 
 
 def _state_by_kind(plan: dict, tiers: list[dict]) -> dict:
@@ -167,7 +176,7 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
     line = _bytes_line(per_param, total_pp, statistics.median(r["cache_hits"] for r in steady), swapped, None)
     if line:
         lines.append(line)
-    return lines
+    return lines + _host_lines(host_memory_summary(records), None, rank, True)
 
 
 # -- the engine's per-step table (a plain PyTorch loop's telemetry) ------------------------------

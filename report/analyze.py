@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 
+from engine.config import Knobs
 from report.load import Run
 
 SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "write_wait", "device_wait",
@@ -129,6 +130,9 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         "recorder": _recorder_cost(rec, iters),
     }
     result["knob_series"] = _knob_series(iters)
+    summary["host_memory"] = host_memory_summary(iters)
+    plan = init.get("engine_plan") or {}
+    summary["fixed_knobs"] = fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
     summary["verdict"] = verdict(med_seg, summary["median_iter_s"], storage_name(result))
     return result
@@ -220,6 +224,8 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         out["lanes"] = {"host": eng.get("host_lane_subgroups", 0), "device": eng.get("device_lane_subgroups", 0),
                         "device_tier": eng.get("device_tier_subgroups", 0)}
         out["knobs"] = eng.get("knobs", {})
+        for key in ("host_bytes", "host_budget_bytes", "host_pressure"):
+            out[key] = eng.get(key)
         out["engine_start_s"] = eng.get("start_s")
         out["engine_update_s"] = eng["update_s"]
         if it.get("tuner"):
@@ -305,6 +311,30 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
         s["median_cache_hits"] = _median(i["cache"]["hits"] for i in steady if "cache" in i)
         s["swapped_subgroups"] = _median(i["cache"]["hits"] + i["cache"]["misses"] for i in steady if "cache" in i)
     return s
+
+
+def host_memory_summary(records: list[dict]) -> dict | None:
+    """The engine's host memory over a run, from per-step dicts with ``host_bytes`` (by kind),
+    ``host_budget_bytes`` and ``host_pressure`` (engine StepRecords, or the iterations above):
+    the step that held the most, by kind, against the budget; None when none says."""
+    held = [r for r in records if r.get("host_bytes")]
+    if not held:
+        return None
+    peak = max(held, key=lambda r: sum(r["host_bytes"].values()))
+    return {"budget_bytes": peak.get("host_budget_bytes") or 0, "peak_bytes": sum(peak["host_bytes"].values()),
+            "peak_iteration": peak.get("iteration"), "by_kind": dict(peak["host_bytes"]),
+            "pressure_iterations": sum(bool(r.get("host_pressure")) for r in held)}
+
+
+def fixed_knob_values(fixed, knobs: dict) -> dict:
+    """{knob: value} of the knobs the run's options fixed (``io_concurrency[PATH]`` for one path)."""
+    out = {}
+    for key in fixed:
+        name, _, path = key.partition("[")
+        value = knobs.get(name)
+        out[key] = (value.get(path[:-1], Knobs.DEFAULT_IO_CONCURRENCY) if path and isinstance(value, dict)
+                    else value)
+    return out
 
 
 def flat_knobs(knobs: dict) -> dict:

@@ -14,28 +14,33 @@ from typing import Sequence
 
 import psutil
 
-from engine.layout import deepest_prefetch
+from engine.layout import STATE_BYTES_PER_ELEMENT, deepest_prefetch
 from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
 
 
 class Limits:
     """Caps on the knobs for one run. ``device_cap`` only comes down (set by the policy below the
-    fraction where an OOM happened); the staging cap is fixed when the policy starts."""
+    fraction where an OOM happened); the staging cap, host bytes per rank for staging buffers, is
+    fixed when the policy starts: the spare part of the engine's host-memory budget (``staging_bytes``,
+    from the ranks' registrations), else the config's, else a quarter of what is available now
+    shared by the ranks."""
 
-    def __init__(self, cfg: PolicyConfig, *, has_device: bool, params: int, subgroup_bytes: int, ranks: int) -> None:
+    def __init__(self, cfg: PolicyConfig, *, has_device: bool, params: int, subgroup_bytes: int, ranks: int,
+                 staging_bytes: int | None = None) -> None:
         self.cfg = cfg
         self.has_device = has_device
         self.params = params
         self.subgroup_bytes = subgroup_bytes
         self.ranks = ranks
         self.device_cap = 1.0
-        self.staging_cap = cfg.host_staging_bytes or psutil.virtual_memory().available // 4
+        self.staging_cap = (staging_bytes if staging_bytes is not None
+                            else cfg.host_staging_bytes or psutil.virtual_memory().available // 4 // ranks)
 
     def subgroups_per_rank(self) -> int | None:
         if not self.params or not self.subgroup_bytes:
             return None
-        return max(1, math.ceil(12 * self.params / self.subgroup_bytes))  # params are per rank
+        return max(1, math.ceil(STATE_BYTES_PER_ELEMENT * self.params / self.subgroup_bytes))  # params are per rank
 
     def device_fits(self, f: float) -> bool:
         """The device lane may run at fraction ``f``: there is a device, and no OOM happened at or
@@ -48,8 +53,7 @@ class Limits:
         if n is not None:
             cap = min(cap, max(0, n - 1))  # deeper than the subgroups buys nothing
         if self.subgroup_bytes:
-            per = self.subgroup_bytes * self.ranks
-            cap = min(cap, max(0, deepest_prefetch(self.staging_cap // per)))
+            cap = min(cap, max(0, deepest_prefetch(self.staging_cap // self.subgroup_bytes)))
         return cap
 
 

@@ -46,6 +46,13 @@ class KnobKey:
                 raise ConfigError(f"knob {text!r} names a path this run does not use (paths: {list(paths)})")
         return cls(name, path)
 
+    def value_in(self, knobs: Knobs) -> Any:
+        """This knob's value in ``knobs`` (a path's concurrency: its entry, or the default)."""
+        if self.path is not None:
+            return knobs.concurrency_for(self.path)
+        value = getattr(knobs, self.name)
+        return dict(value) if isinstance(value, Mapping) else value
+
 
 def split_key(text: str) -> tuple[str, str | None]:
     """``'io_concurrency[/nvme0]'`` -> ('io_concurrency', '/nvme0'); ``'prefetch_depth'`` ->
@@ -133,6 +140,12 @@ class Pins:
         if self._values.pop(key, None) is None:
             raise ConfigError(f"knob {text!r} is not pinned (pinned: {sorted(map(str, self._values)) or 'none'})")
         return key
+
+    def apply(self, knobs: Knobs, paths: Sequence[str], has_device: bool) -> Knobs:
+        """``knobs`` with every pinned value in force (a plan made without regard to the pins)."""
+        for key, value in self._values.items():
+            knobs = with_value(knobs, key, value, paths, has_device)
+        return knobs
 
     def covers(self, name: str, path: str | None = None) -> bool:
         """Whether the search must leave knob ``name`` (or its entry for ``path``) alone."""

@@ -37,6 +37,7 @@ class Policy:
 
     def __init__(self, start: Knobs, *, paths: Sequence[str], has_device: bool, subgroup_bytes: int,
                  device_headroom_bytes: int | None = None, profile=None, params: int = 0, ranks: int = 1,
+                 fixed: Mapping[str, Any] | None = None, host_staging_bytes: int | None = None,
                  config: PolicyConfig | None = None) -> None:
         if not isinstance(start, Knobs):
             raise ConfigError(f"Policy start must be engine.Knobs, got {type(start).__name__}")
@@ -69,7 +70,7 @@ class Policy:
         self._last_kept: MoveKey | None = None  # the move that just helped: tried again first
         self._noise = Noise(self.cfg)
         self._limits = Limits(self.cfg, has_device=self.has_device, params=self.params,
-                              subgroup_bytes=self.subgroup_bytes, ranks=self.ranks)
+                              subgroup_bytes=self.subgroup_bytes, ranks=self.ranks, staging_bytes=host_staging_bytes)
         self._contention = Contention(self.paths, self.cfg)
         self._plan_before_contention: Knobs | None = None  # the good knobs when contention appeared
         self._return_to: Knobs | None = None  # where to head back to once it vanished
@@ -84,6 +85,9 @@ class Policy:
             start = start.replace(device_fraction=0.0)
             self._note("no device lane: device_fraction set to 0", "guard")
         self._knobs = self._good_knobs = start
+        self.fixed: list[str] = []
+        """Knobs the run's options fixed (pinned from the start)."""
+        self._fix(fixed or {})
         if profile is not None:
             self._start_from_model(profile, start)
 
@@ -120,6 +124,7 @@ class Policy:
             "threshold": self._noise.threshold(),
             "contended_paths": sorted(self._contended),
             "pins": self._pins.as_dict(),
+            "fixed": list(self.fixed),
             "frozen": self._frozen,
         }
 
@@ -185,8 +190,24 @@ class Policy:
         else:
             self._note(f"pinned {knob}={value} by the user (already in force)", "user")
 
+    def _fix(self, fixed: Mapping[str, Any]) -> None:
+        """Pin what the run's options fixed (``train`` flags, ``OffloadAdamW`` arguments; key ->
+        value): the search never moves them, as it never moves a ``tune --pin``."""
+        for text, value in fixed.items():
+            try:
+                key, value, self._knobs = self._pins.pin(text, value, self._knobs, self.paths, self.has_device)
+            except ConfigError as e:  # a fixed knob this run cannot have: the engine refused it already
+                self._note(f"fixed knob {text} not pinned: {e}", "guard")
+                continue
+            self.fixed.append(str(key))
+        self._good_knobs = self._knobs
+        if self.fixed:
+            self._note(f"fixed by the run's options, never moved: "
+                       f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.fixed)}", "user")
+
     def unpin(self, knob: str) -> None:
-        self._pins.unpin(knob, self.paths)
+        key = self._pins.unpin(knob, self.paths)
+        self.fixed = [k for k in self.fixed if k != str(key)]
         self._failed_moves.clear()
         self._restart_measuring(keep_samples=True)
         self._note(f"unpinned {knob}: the search may change it again", "user")
@@ -449,8 +470,8 @@ class Policy:
                 profile = load_profile(profile)
             # The host cache is fixed for the run's life and not a knob: plan for state on the
             # paths, with host memory for the staging buffers of the deepest prefetch only.
-            staging = (staging_buffers(self.cfg.max_prefetch_depth) * self.subgroup_bytes * self.ranks
-                       if self.paths else None)
+            staging = (min(self._limits.staging_cap, staging_buffers(self.cfg.max_prefetch_depth) * self.subgroup_bytes)
+                       * self.ranks if self.paths else None)
             # params are per rank; the model's are the whole model (it divides by ranks and nodes).
             wl = Workload(params=self.params * self.ranks, ranks=self.ranks,
                           subgroup_numel=max(1, self.subgroup_bytes // STATE_BYTES_PER_ELEMENT),
@@ -463,7 +484,7 @@ class Policy:
         fit = plan.device_fraction
         while fit > 0 and not self._device_fits(fit):
             fit = round(max(0.0, fit - self.cfg.device_step), 6)
-        plan = plan.replace(device_fraction=fit)
+        plan = self._pins.apply(plan.replace(device_fraction=fit), self.paths, self.has_device)
         if plan == start:
             self._note(f"the performance model's best plan for profile {getattr(profile, 'name', profile)} is the "
                        f"starting plan", "model")

@@ -232,7 +232,10 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
     "register": {**_RUN_RANK, "world_size": (Int(1, 1 << 20), True), "params": (Int(0), True),
                  "paths": (List(PATH, 64), True), "knobs": (KNOBS, True), "profile": (PROFILE, False),
                  "has_device": (Bool, True), "device_headroom_bytes": (Opt(Int(0)), False),
-                 "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False)},
+                 "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False),
+                 # knobs the run's options fixed (pinned from the start), and the rank's host
+                 # bytes for staging buffers within its host-memory budget
+                 "fixed_knobs": (List(KNOB, 64), False), "host_staging_bytes": (Opt(Int(0)), False)},
     "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
                   "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},

@@ -112,11 +112,8 @@ class TunerServer:
     """The daemon's listening socket and connections, and its :class:`tuner.runs.Runs`;
     :func:`serve` runs one.
 
-    The keywords are those of :class:`tuner.runs.Runs`: ``policy_factory(start_knobs, paths=,
-    has_device=, subgroup_bytes=, device_headroom_bytes=, profile=, params=, ranks=)`` makes one
-    run's policy (default ``tuner.policy.Policy``);
-    ``sensors_factory(paths)`` its sensors (default ``tuner.sensors.Sensors``; False: none);
-    ``history`` is a ``tuner.history.History`` or None.
+    The keywords (``policy_factory``, ``sensors_factory``, ``history``) are those of
+    :class:`tuner.runs.Runs`.
     """
 
     def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_size_option(o, "--host-cache", dest="host_cache", deprecated="--host-cache-gb",
                     help="optimizer state kept in host memory, per rank, e.g. 64GB or 60GiB (default: 0 when paths "
                     "are given, else all)")
+    add_size_option(o, "--host-memory", dest="host_memory",
+                    help="budget for all the engine holds in host memory, per rank: state, staging buffers, copies "
+                    "(default: half the memory available at start, shared by the node's ranks; docs/host-memory.md)")
     add_size_option(o, "--device-cache", dest="device_cache", deprecated="--device-cache-gb", auto=True,
                     help="optimizer state kept on the GPU, per rank, e.g. 8GB; auto: what the GPU has free after the "
                     "first forward/backward, less a safety margin (default auto)")
@@ -88,9 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--tuner", default="auto", metavar="auto|off|SOCKET",
                    help="auto: use the running tuner daemon, or start a private one for this run (default); "
                    "off: keep the starting plan; SOCKET: the daemon at this socket")
-    o.add_argument("--prefetch-depth", type=int, metavar="N", help="subgroups read ahead (default 2, or the plan's)")
+    o.add_argument("--prefetch-depth", type=int, metavar="N",
+                   help="subgroups read ahead (default 2, or the plan's); given, the tuner never moves it")
     o.add_argument("--node-lock", action="store_true", default=None,
-                   help="one rank at a time per storage device on a node, so ranks do not interleave their I/O")
+                   help="one rank at a time per storage device on a node, so ranks do not interleave their I/O; "
+                   "given, the tuner never moves it")
     o.add_argument("--params", metavar="N", help="with --dry-run and --profile: model size for the plan preview "
                    "(7e9, 70M, 1.5B); the ranks plan for the real size")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
@@ -128,6 +133,7 @@ def build(args: argparse.Namespace) -> dict:
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     host_cache = size_bytes(args.host_cache)
+    host_memory = size_bytes(args.host_memory)
     device_cache = size_bytes(args.device_cache, auto=True)
     # Imported after the cheap checks: torch and DeepSpeed take seconds, and a typo should fail at once.
     from engine.storage.paths import check_usable
@@ -137,6 +143,7 @@ def build(args: argparse.Namespace) -> dict:
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     if args.engine == "stock":
         given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote), ("--host-cache", host_cache),
+                                      ("--host-memory", host_memory),
                                       ("--device-cache", device_cache), ("--device-fraction", device_fraction),
                                       ("--profile", args.profile), ("--prefetch-depth", args.prefetch_depth),
                                       ("--node-lock", args.node_lock), ("--lane-device", args.lane_device))
@@ -166,7 +173,7 @@ def build(args: argparse.Namespace) -> dict:
 
     zero = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
-        host_cache_bytes=host_cache, run_dir=run_dir, device_cache_bytes=device_cache,
+        host_cache_bytes=host_cache, host_memory_bytes=host_memory, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=_knobs(overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,

@@ -391,7 +391,9 @@ def knob_control(r: dict) -> str:
     from engine.config import Knobs
 
     pins = r.get("pins") or {}
-    pinned = ", ".join(f"{k}={json.dumps(v)}" for k, v in pins.items()) or "none"
+    fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
+    pinned = ", ".join(f"{k}={json.dumps(v)}" + (" (run option)" if k in fixed else "")
+                       for k, v in pins.items()) or "none"
     if r["frozen"] or r["status"] in ENDED:
         movable = "none" + (" (frozen)" if r["frozen"] else "")
     else:
