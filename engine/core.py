@@ -55,6 +55,7 @@ from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.streams import streams_for
 from engine.telemetry import StepRecord, TelemetryLog
+from engine.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,8 @@ class SubgroupEngine:
         # The subgroups the device budget placed there (placement fills it in order, skipping those
         # that do not fit: not always a prefix); the fit puts them back after release_device().
         self._placed_on_device = {i for i, t in enumerate(placement.tiers) if t == DEVICE}
-        self.host_budget = self._host_budget(bindings, placement)
         try:
+            self.host_budget = self._host_budget(bindings, placement)  # before allocating: a refusal costs nothing
             self._allocate(placement)
             if self._staging_capacity:
                 floor = config.host_memory_floor_bytes
@@ -237,18 +238,19 @@ class SubgroupEngine:
         if budget is None:
             return max(default_budget(self.config.local_ranks), need.total)
         if need.total > budget:
-            parts = ", ".join(f"{v / 1e9:.2f} GB {k}" for k, v in need.to_dict().items() if v)
+            parts = ", ".join(f"{format_size(v)} {k}" for k, v in need.to_dict().items() if v)
             raise ConfigError(
-                f"host memory budget {budget / 1e9:.2f} GB (--host-memory) is below what this rank needs to start: "
-                f"{need.total / 1e9:.2f} GB ({parts}, prefetch depth {self.knobs.prefetch_depth}); raise --host-memory, "
+                f"host memory budget {format_size(budget)} (--host-memory) is below what this rank needs to start: "
+                f"{format_size(need.total)} ({parts}, prefetch depth {self.knobs.prefetch_depth}); raise --host-memory, "
                 f"or lower --host-cache or --prefetch-depth")
         return budget
 
     def host_usage(self) -> HostUsage:
         """What the engine holds in host memory now, by kind (``engine.host_memory``)."""
-        state = sum(sg.resident.raw.numel() for sg in self.subgroups
+        state = sum(host_buffer_bytes(sg.resident.capacity_numel) for sg in self.subgroups
                     if sg.tier == HOST and isinstance(sg.resident, StateBuffer))
-        kept = sum(sg.staged.raw.numel() for sg in self.subgroups if sg.staged is not None and sg.kept)
+        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups
+                   if sg.staged is not None and sg.kept)
         pool = self._n_staging * host_buffer_bytes(self._staging_capacity) if self._staging_capacity else 0
         return HostUsage(state=state, staging=max(0, pool - kept), kept=kept, copies=self.host_lane.host_bytes())
 
@@ -291,17 +293,17 @@ class SubgroupEngine:
         if not self._gave_back:
             self._gave_back = True
             avail, floor = self._pressure.available_bytes, self._pressure.floor_bytes
-            log.warning("offloadctl: host memory low (%.2f GB available, floor %.2f GB): gave back %.2f GB of kept "
-                        "and read-ahead staging buffers; reading ahead again when memory recovers",
-                        avail / 1e9, floor / 1e9, (before - self.host_usage().total) / 1e9)
+            log.warning("offloadctl: host memory low (%s available, floor %s): gave back %s of kept and read-ahead "
+                        "staging buffers; reading ahead again when memory recovers",
+                        format_size(avail), format_size(floor), format_size(before - self.host_usage().total))
 
     def _recover(self) -> None:
         """Memory is back above the floor: the staging pool the knobs ask for, within the budget."""
         self._gave_back = False
         depth = self._affordable_depth(self.knobs.prefetch_depth)
         self._resize_staging(staging_buffers(depth))
-        log.warning("offloadctl: host memory recovered (%.2f GB available): reading ahead again",
-                    self._pressure.available_bytes / 1e9)
+        log.warning("offloadctl: host memory recovered (%s available): reading ahead again",
+                    format_size(self._pressure.available_bytes))
 
     def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
         return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
@@ -346,7 +348,7 @@ class SubgroupEngine:
         if depth != k.prefetch_depth:
             if self._depth_said != k.prefetch_depth:
                 log.warning("offloadctl: prefetch_depth=%d lowered to %d: deeper staging does not fit the host memory "
-                            "budget (%.2f GB)", k.prefetch_depth, depth, self.host_budget / 1e9)
+                            "budget (%s)", k.prefetch_depth, depth, format_size(self.host_budget))
                 self._depth_said = k.prefetch_depth
             k = k.replace(prefetch_depth=depth)
         old, self.knobs = self.knobs, k

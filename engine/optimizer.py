@@ -121,6 +121,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             :meth:`set_knobs`. Those given are fixed: a tuner (``engine.hooks``) never moves them.
         host_memory_bytes: budget for everything the engine holds in host memory (state,
             staging buffers, copies: ``engine.host_memory``). None: a share of what is available.
+        host_memory_floor_bytes: available memory below which the engine gives back its kept and
+            read-ahead buffers. None: 5% of the machine's memory, at least 1 GiB.
         io_backend, host_adam, verify_checksums, run_dir, rank: see :class:`EngineConfig`.
 
     The fp32 master weights are seeded from the parameters at the first step (and at
@@ -132,7 +134,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  remote_paths: Sequence[PathLike] = (), subgroup_numel: int = 10_000_000, device_cache_bytes: int = 0,
                  device: str | None = None, prefetch_depth: int | None = None, device_fraction: float | None = None,
                  node_lock: bool | None = None, io_concurrency: Mapping[str, int] | None = None,
-                 host_memory_bytes: int | None = None, io_backend: str = "auto", host_adam: str = "auto",
+                 host_memory_bytes: int | None = None, host_memory_floor_bytes: int | None = None, io_backend: str = "auto", host_adam: str = "auto",
                  verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -147,7 +149,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=resolve_host_cache(host_cache_bytes, paths),
                               device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
                               host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank,
-                              host_memory_bytes=host_memory_bytes,
+                              host_memory_bytes=host_memory_bytes, host_memory_floor_bytes=host_memory_floor_bytes,
                               fixed_knobs=(*given, *(f"io_concurrency[{p}]" for p in concurrency)))
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)

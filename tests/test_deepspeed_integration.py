@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -268,9 +269,19 @@ def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
     env = dict(_env(), XDG_RUNTIME_DIR=str(tmp_path / "xdg"))  # no daemon at the default socket
     out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "2", "--master_port", _port(),
                           "--nvme", str(nvme), "--host-cache-gb", TINY_CACHE_GB, "--run-dir", str(tmp_path / "run"),
+                          "--prefetch-depth", "1", "--host-memory", "1GB",
                           SCRIPT, "--losses-out", str(tmp_path / "l.jsonl")],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
+    # The flags given are the run's: the tuner never moves the prefetch, the engine keeps to the
+    # budget, and the summary says both.
+    for rank in (0, 1):
+        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
+        assert all(r["knobs"]["prefetch_depth"] == 1 and r["host_budget_bytes"] == 10**9
+                   and 0 < sum(r["host_bytes"].values()) <= 10**9 for r in recs)
+    summary = " ".join(out.stdout.split())
+    assert "knobs fixed by the run's options, never tuned: prefetch_depth=1" in summary, out.stdout
+    assert re.search(r"host memory of rank 0's engine, at its peak: [\d.]+ [KM]B of 1.00 GB \(", summary), out.stdout
     sock = tmp_path / "run" / "tuner" / "tuner.sock"
     assert "tuner: this run's own" in out.stderr  # the start banner: the daemon is the run's, in its run dir
     log = open(str(sock) + ".log").read()

@@ -1,0 +1,230 @@
+"""One host-memory budget per rank, counted by the engine, kept by the tuner, and given back
+under pressure (engine.host_memory); knobs the run's options fix stay where they are through a
+tuned run. Real engines, real files, real memory, a real daemon."""
+from __future__ import annotations
+
+import copy
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+from conftest import assert_params_close, feed_same_grads, make_model
+from conftest import wait_for as _wait
+
+from engine import Knobs, OffloadAdamW
+from engine.config import StoragePath
+from engine.errors import ConfigError
+from engine.layout import host_buffer_bytes, kept_subgroups, staging_buffers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rss() -> int:
+    """Resident bytes, less what the C library keeps of freed memory (``malloc_trim``)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_dir):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))  # 8.4M params
+    sub = 1 << 20
+    budget = 200 * 10**6
+    # Bandwidth declared: no probe (its 64 MB buffer would come and go in the middle of the count).
+    path = StoragePath(path=swap_dir, read_bytes_per_s=1e9, write_bytes_per_s=1e9)
+    opt = OffloadAdamW(model.parameters(), nvme_paths=[path], subgroup_numel=sub, io_backend="posix",
+                       host_adam="torch", host_memory_bytes=budget)
+    rss0 = _rss()  # after the first construction's imports; the engine's buffers are untouched until used
+    try:
+        feed_same_grads([(model, opt)], steps=5)
+        grown = _rss() - rss0
+        records = opt.engine.telemetry.records
+        buf = host_buffer_bytes(sub)
+        for r in records:
+            total = sum(r.host_bytes.values())
+            assert r.host_budget_bytes == budget and 0 < total <= budget, r.host_bytes
+            assert r.host_bytes["state"] == 0  # paths given, no --host-cache: no state kept in memory
+            assert r.host_bytes["staging"] + r.host_bytes["kept"] == staging_buffers(2) * buf
+            assert r.host_bytes["kept"] == kept_subgroups(2) * buf
+            assert not r.host_pressure
+        # What the process grew by is what the engine counts, and the gradients (two fp32 copies
+        # of the model's: the generator's and the one set as .grad), give or take 32 MB.
+        grads = 2 * 4 * sum(p.numel() for p in model.parameters())
+        counted = sum(records[-1].host_bytes.values())
+        assert grown <= counted + grads + (32 << 20), (grown, counted, grads)
+        assert opt.engine.describe().host_memory_budget_bytes == budget
+    finally:
+        opt.close()
+
+
+def test_a_budget_the_start_does_not_fit_is_one_clear_error(swap_dir):
+    model = make_model()
+    with pytest.raises(ConfigError) as e:
+        OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=10_000)
+    msg = str(e.value)
+    assert "\n" not in msg and "host memory budget" in msg and "raise --host-memory" in msg, msg
+    assert "prefetch depth 2" in msg and "staging" in msg
+    assert os.listdir(swap_dir) == []  # refused before any swap file was made
+
+
+def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
+    model = make_model()
+    sub = 500
+    buf = host_buffer_bytes(sub)
+    # Staging for depth 3 (9 buffers) and the copies, not for depth 4 (11).
+    opt = OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=sub, io_backend="posix",
+                       host_adam="torch", host_memory_bytes=9 * buf + 4096)
+    try:
+        feed_same_grads([(model, opt)], steps=1)
+        opt.set_knobs(Knobs(prefetch_depth=8))
+        with caplog.at_level(logging.WARNING, logger="engine.core"):
+            feed_same_grads([(model, opt)], steps=2)
+        assert opt.engine.knobs.prefetch_depth == 3
+        assert [r.knobs["prefetch_depth"] for r in opt.engine.telemetry.records] == [2, 3, 3]
+        said = [m for m in caplog.messages if "prefetch_depth=8 lowered to 3" in m]
+        assert len(said) == 1, caplog.messages
+        assert all(sum(r.host_bytes.values()) <= r.host_budget_bytes for r in opt.engine.telemetry.records)
+    finally:
+        opt.close()
+
+
+def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_dir, caplog):
+    """The machine's available memory drops below the floor between steps (a real 3 GiB
+    allocation): the engine writes back and frees its kept and read-ahead buffers, says so
+    once, steps on without them, and takes them again when the memory is back. Every step
+    stays equal to torch AdamW."""
+    sub = 500
+    # 2 GiB below what is available, and a 3 GiB allocation: margins wider than what other
+    # processes on the machine move meanwhile.
+    floor = psutil.virtual_memory().available - (2 << 30)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, nvme_paths=[swap_dir], subgroup_numel=sub, io_backend="posix",
+                       host_adam="torch", host_memory_floor_bytes=floor)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    buf = host_buffer_bytes(sub)
+    pairs = [(model, opt), (ref, ref_opt)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.core"):
+            feed_same_grads(pairs, steps=3, seed=1)
+            assert opt.engine.host_usage().kept == kept_subgroups(2) * buf
+            hog = torch.ones(3 << 28)  # 3 GiB, every page touched
+            try:
+                # The watch's thread gives back at once: the engine is idle between steps.
+                _wait(lambda: opt.engine.host_usage().kept == 0, 10, "the give-back")
+                assert opt.engine.host_usage().staging <= 2 * buf
+                feed_same_grads(pairs, steps=3, seed=2)
+                under = opt.engine.telemetry.records[-3:]
+                assert all(r.host_pressure and r.cache_hits == 0 and r.host_bytes["kept"] == 0 for r in under)
+            finally:
+                del hog
+            _wait(lambda: not opt.engine._low_memory(), 10, "the memory back")
+            feed_same_grads(pairs, steps=3, seed=3)
+        after = opt.engine.telemetry.records[-2:]
+        assert all(not r.host_pressure and r.cache_hits > 0 for r in after)
+        assert opt.engine.host_usage().staging + opt.engine.host_usage().kept == staging_buffers(2) * buf
+        low = [m for m in caplog.messages if "host memory low" in m]
+        assert len(low) == 1 and "gave back" in low[0], caplog.messages
+        assert sum("host memory recovered" in m for m in caplog.messages) == 1
+        assert_params_close(model, ref)
+    finally:
+        opt.close()
+
+
+def test_the_tuner_keeps_within_the_spare_budget():
+    from tuner.policy import Policy
+    from tuner.policy_config import PolicyConfig
+
+    sub = 12 << 20
+    pol = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
+                 host_staging_bytes=5 * sub, config=PolicyConfig(max_prefetch_depth=16))
+    assert pol._prefetch_cap() == 1  # 5 buffers: depth 1 (2 * 1 + 3)
+    roomy = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
+                   host_staging_bytes=100 * sub, config=PolicyConfig(max_prefetch_depth=16))
+    assert roomy._prefetch_cap() == 16
+
+
+def test_fixed_knobs_are_pins_from_the_start():
+    from tuner.policy import Policy
+
+    pol = Policy(Knobs(prefetch_depth=2), paths=["/nvme0"], has_device=False, subgroup_bytes=1 << 20,
+                 fixed={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4})
+    assert pol.pins == {"prefetch_depth": 2, "io_concurrency[/nvme0]": 4}
+    assert pol.state()["fixed"] == ["prefetch_depth", "io_concurrency[/nvme0]"]
+    assert "fixed by the run's options" in pol.log[-1]["reason"]
+    pol.unpin("prefetch_depth")  # the user may still let it go, explicitly
+    assert pol.state()["fixed"] == ["io_concurrency[/nvme0]"]
+
+
+def _serve(sock: str) -> subprocess.Popen:
+    from tuner import service
+
+    logf = open(sock + ".log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none",
+                             "--no-sensors"], cwd=ROOT, stdout=logf, stderr=logf)
+    logf.close()
+    _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
+    assert proc.poll() is None, open(sock + ".log").read()
+    return proc
+
+
+def _tuned_run(sock: str, swap: str, run_id: str, iterations: int, **fixed) -> list[dict]:
+    """OffloadAdamW on a path capped at 40 MB/s (its reads dominate the step), tuned by the real
+    policy; the knobs of every step."""
+    from tuner.client import TunerClient
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    path = StoragePath(path=swap, cap_bytes_per_s=40e6, read_bytes_per_s=40e6, write_bytes_per_s=40e6)
+    opt = OffloadAdamW(model.parameters(), nvme_paths=[path], subgroup_numel=1 << 16, io_backend="posix",
+                       host_adam="torch", **fixed)
+    try:
+        TunerClient.for_engine(sock, opt.engine, run_id=run_id)
+        for _ in range(iterations):
+            feed_same_grads([(model, opt)], steps=1)
+        return [r.knobs for r in opt.engine.telemetry.records]
+    finally:
+        opt.close()
+
+
+@pytest.mark.slow
+def test_a_fixed_prefetch_depth_stays_through_a_tuned_run_that_moves_it_otherwise(tmp_path):
+    from tuner.protocol import Connection
+
+    sock = str(tmp_path / "tuner.sock")
+    daemon = _serve(sock)
+    try:
+        free = _tuned_run(sock, _mkdir(tmp_path / "a"), "free", 24)
+        assert any(k["prefetch_depth"] != 2 for k in free), "the tuner never moved the prefetch: nothing to keep"
+        fixed = _tuned_run(sock, _mkdir(tmp_path / "b"), "fixed", 24, prefetch_depth=2)
+        assert all(k["prefetch_depth"] == 2 for k in fixed), [k["prefetch_depth"] for k in fixed]
+        with Connection(sock) as c:
+            runs = {r["run_id"]: r for r in c.request("snapshot", history=0)["runs"]}
+        assert runs["fixed"]["pins"] == {"prefetch_depth": 2} and runs["free"]["pins"] == {}
+        assert runs["fixed"]["policy"]["fixed"] == ["prefetch_depth"]
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+
+
+def _mkdir(p) -> str:
+    p.mkdir()
+    return str(p)
+
+
+def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
+    import json
+
+    script = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
+    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--nvme", str(tmp_path),
+                          "--host-memory", "2GB", "--prefetch-depth", "3", "--run-dir", str(tmp_path / "run"), script],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    settings = json.loads(out.stdout)["settings"]
+    assert settings["host_memory_bytes"] == 2 * 10**9 and settings["knob_overrides"] == {"prefetch_depth": 3}
+    assert not (tmp_path / "run").exists()
