@@ -134,7 +134,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                  remote_paths: Sequence[PathLike] = (), subgroup_numel: int = 10_000_000, device_cache_bytes: int = 0,
                  device: str | None = None, prefetch_depth: int | None = None, device_fraction: float | None = None,
                  node_lock: bool | None = None, io_concurrency: Mapping[str, int] | None = None,
-                 host_memory_bytes: int | None = None, host_memory_floor_bytes: int | None = None, io_backend: str = "auto", host_adam: str = "auto",
+                 host_memory_bytes: int | None = None, host_memory_floor_bytes: int | None = None,
+                 io_backend: str = "auto", host_adam: str = "auto",
                  verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))

@@ -10,7 +10,7 @@ import textwrap
 from rich.console import Console
 from rich.table import Table
 
-from engine.units import format_rate, format_seconds
+from engine.units import format_rate, format_seconds, format_size
 from report.analyze import PHASES, SHARE_GROUPS
 
 SECTION_TEXT = {
@@ -190,7 +190,7 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
         f"{r['summary']['swapped_subgroups']:.0f}" if r["summary"].get("swapped_subgroups") is not None else "-")
     row("knob changes", lambda r: str(len(r["knob_changes"])) if any("knobs" in i for i in r["iterations"]) else "-")
     row("fixed knobs (never tuned)", lambda r: fixed_knobs_text(r["summary"].get("fixed_knobs")))
-    row("host memory, peak of budget", lambda r: host_memory_text(r["summary"].get("host_memory"), kinds=False))
+    row("engine host memory, peak", lambda r: host_memory_text(r["summary"].get("host_memory"), kinds=False))
     row("  state/staging/kept/copies", lambda r: host_kinds_text(r["summary"].get("host_memory")))
     row("GPU peak fwd/bwd/update", _gpu_peaks)
     row("recorder: hooks; sampler CPU", lambda r: f"{100 * (r['recorder']['hooks_share'] or 0):.2f}%; "
@@ -198,22 +198,20 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
-
-
 def host_kinds_text(hm: dict | None) -> str:
     """'0 B state, 480.0 MB staging, ...' of :func:`report.analyze.host_memory_summary`."""
     if not hm:
         return "-"
-    return ", ".join(f"{_gb(v)} {k}" for k, v in hm["by_kind"].items())
+    return ", ".join(f"{format_size(v)} {k}" for k, v in hm["by_kind"].items())
 
 
 def host_memory_text(hm: dict | None, kinds: bool = True) -> str:
     """The engine's host memory at its peak against the rank's budget, with the pressure steps."""
     if not hm:
         return "-"
-    text = f"{_gb(hm['peak_bytes'])} of {_gb(hm['budget_bytes'])}" if hm["budget_bytes"] else _gb(hm["peak_bytes"])
+    text = format_size(hm["peak_bytes"])
+    if hm["budget_bytes"]:
+        text += f" of its {format_size(hm['budget_bytes'])} budget"
     if kinds:
         text += f" ({host_kinds_text(hm)})"
     if hm["pressure_iterations"]:

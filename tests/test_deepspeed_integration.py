@@ -281,7 +281,7 @@ def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
                    and 0 < sum(r["host_bytes"].values()) <= 10**9 for r in recs)
     summary = " ".join(out.stdout.split())
     assert "knobs fixed by the run's options, never tuned: prefetch_depth=1" in summary, out.stdout
-    assert re.search(r"host memory of rank 0's engine, at its peak: [\d.]+ [KM]B of 1.00 GB \(", summary), out.stdout
+    assert re.search(r"host memory of rank 0's engine, at its peak: [\d.]+ [KM]B of its 1 GB budget \(", summary), out.stdout
     sock = tmp_path / "run" / "tuner" / "tuner.sock"
     assert "tuner: this run's own" in out.stderr  # the start banner: the daemon is the run's, in its run dir
     log = open(str(sock) + ".log").read()
