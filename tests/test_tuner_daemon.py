@@ -35,7 +35,7 @@ SCRIPTED_POLICY = '''
 from tuner.policy import Decision
 
 class Scripted:
-    def __init__(self, start, **kw):
+    def __init__(self, start, facts):
         self.knobs, self.n, self.pins, self.log = start, 0, {}, []
 
     def observe(self, obs):

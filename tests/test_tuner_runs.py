@@ -18,7 +18,7 @@ class Peer:
 class OneChange:
     """Deeper prefetch at the 2nd observation; records what it was told."""
 
-    def __init__(self, start, **kw):
+    def __init__(self, start, facts):
         self.knobs, self.pins, self.seen = start, {}, []
 
     def observe(self, obs):
@@ -47,8 +47,8 @@ def test_runs_aggregate_ranks_and_push_one_change_to_all():
 
     policies = []
 
-    def factory(start, **kw):
-        policies.append(OneChange(start, **kw))
+    def factory(start, facts):
+        policies.append(OneChange(start, facts))
         return policies[-1]
 
     runs = Runs(ServerConfig(socket_path="unused"), policy_factory=factory, sensors_factory=False)
@@ -89,7 +89,7 @@ def test_without_a_policy_the_run_takes_pins_itself_one_path_s_concurrency_too()
     """A policy that failed to start: pins and unpins still work, read as the policy reads them."""
     from tuner.runs import Runs
 
-    def broken(start, **kw):
+    def broken(start, facts):
         raise RuntimeError("no policy today")
 
     runs = Runs(ServerConfig(socket_path="unused"), policy_factory=broken, sensors_factory=False)
@@ -115,7 +115,7 @@ def test_without_a_policy_the_run_takes_pins_itself_one_path_s_concurrency_too()
 class PinsThenFails:
     """Takes pins; fails at its first observation."""
 
-    def __init__(self, start, **kw):
+    def __init__(self, start, facts):
         self.knobs, self.pins = start, {}
 
     def pin(self, knob, value):

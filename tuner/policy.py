@@ -91,6 +91,13 @@ class Policy:
         if profile is not None:
             self._start_from_model(profile, start)
 
+    @classmethod
+    def for_run(cls, start: Knobs, facts, config: PolicyConfig | None = None) -> "Policy":
+        """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
+        return cls(start, paths=facts.paths, has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
+                   device_headroom_bytes=facts.device_headroom_bytes, profile=facts.profile, params=facts.params,
+                   ranks=facts.ranks, fixed=facts.fixed, host_staging_bytes=facts.host_staging_bytes, config=config)
+
     # -- public ------------------------------------------------------------------------------
 
     @property

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import Knobs
-from tuner.knob_text import Pins
+from engine.errors import ConfigError
+from tuner.knob_text import KnobKey, Pins
 
 log = logging.getLogger("offloadctl.tuner")
 
@@ -27,15 +28,47 @@ class Rank:
     stopped_by: str | None = None    # the signal named in its bye: it was interrupted
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunFacts:
+    """What a run's first registration says about it: read from the message once
+    (:meth:`from_register`), kept by the :class:`Run` and handed as it is to the policy factory."""
+
+    ranks: int
+    params: int
+    """Parameters per rank."""
+    paths: tuple[str, ...] = ()
+    has_device: bool = False
+    subgroup_bytes: int = 0
+    """The largest subgroup's state."""
+    profile: Any = None
+    """A hardware profile (its name or path, or the profile itself) to start from the model's plan."""
+    device_headroom_bytes: int | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """Knobs the run's options fixed, with their values: pinned from the start."""
+    host_staging_bytes: int | None = None
+    """Host bytes per rank its host-memory budget leaves for staging buffers."""
+
+    @classmethod
+    def from_register(cls, msg: dict, knobs: Knobs) -> "RunFacts":
+        """The facts of a validated register message whose knobs are ``knobs``. A fixed knob the
+        run cannot have is left out, with a warning (the engine refused it already)."""
+        paths = tuple(msg["paths"])
+        fixed = {}
+        for text in msg.get("fixed_knobs", ()):
+            try:
+                fixed[text] = KnobKey.parse(text, paths).value_in(knobs)
+            except ConfigError as e:
+                log.warning("run %s: fixed knob %s ignored: %s", msg["run_id"], text, e)
+        return cls(ranks=msg["world_size"], params=msg["params"], paths=paths, has_device=msg["has_device"],
+                   subgroup_bytes=msg["subgroup_bytes"], profile=msg.get("profile"),
+                   device_headroom_bytes=msg.get("device_headroom_bytes"), fixed=fixed,
+                   host_staging_bytes=msg.get("host_staging_bytes"))
+
+
 @dataclass
 class Run:
     run_id: str
-    world_size: int
-    params: int
-    paths: tuple[str, ...]
-    profile: Any
-    has_device: bool
-    subgroup_bytes: int
+    facts: RunFacts
     knobs: Knobs
     """The run's knobs: the latest change pushed (in force once its ``apply_at`` is reached)."""
     knobs_dict: dict = field(default_factory=dict)  # knobs.to_dict(), kept up to date: asdict is slow
@@ -74,6 +107,30 @@ class Run:
 
     def __post_init__(self) -> None:
         self.knobs_dict = self.knobs.to_dict()
+
+    @property
+    def world_size(self) -> int:
+        return self.facts.ranks
+
+    @property
+    def params(self) -> int:
+        return self.facts.params
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return self.facts.paths
+
+    @property
+    def profile(self) -> Any:
+        return self.facts.profile
+
+    @property
+    def has_device(self) -> bool:
+        return self.facts.has_device
+
+    @property
+    def subgroup_bytes(self) -> int:
+        return self.facts.subgroup_bytes
 
     def connected(self) -> int:
         return sum(1 for r in self.ranks.values() if r.peer is not None)

@@ -26,18 +26,18 @@ from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from tuner.daemon_config import ServerConfig
-from tuner.knob_text import KnobKey, Pins
+from tuner.knob_text import Pins
 from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
-from tuner.run_state import Rank, Run, encodable_view
+from tuner.run_state import Rank, Run, RunFacts, encodable_view
 
 log = logging.getLogger("offloadctl.tuner")
 
 
-def _default_policy_factory(start: Knobs, **kw):
+def _default_policy_factory(start: Knobs, facts: RunFacts):
     from tuner.policy import Policy
 
-    return Policy(start, **kw)
+    return Policy.for_run(start, facts)
 
 
 def _default_sensors_factory(paths):
@@ -49,8 +49,8 @@ def _default_sensors_factory(paths):
 class Runs:
     """Every run of one daemon, driven by the messages of its ranks and of the CLI.
 
-    ``policy_factory(start_knobs, paths=, has_device=, subgroup_bytes=, device_headroom_bytes=,
-    profile=, params=, ranks=, fixed=, host_staging_bytes=)`` makes one run's policy (default ``tuner.policy.Policy``);
+    ``policy_factory(start_knobs, facts)`` makes one run's policy from its
+    :class:`tuner.run_state.RunFacts` (default ``tuner.policy.Policy.for_run``);
     ``sensors_factory(paths)`` its sensors (default ``tuner.sensors.Sensors``; False: none);
     ``history`` is a ``tuner.history.History`` or None.
 
@@ -159,29 +159,17 @@ class Runs:
 
     def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
         self._make_room(msg["run_id"])
-        run = Run(run_id=msg["run_id"], world_size=msg["world_size"], params=msg["params"], paths=paths,
-                  profile=msg.get("profile"), has_device=msg["has_device"], subgroup_bytes=msg["subgroup_bytes"],
-                  knobs=knobs, history=deque(maxlen=self.config.history_points))
+        run = Run(run_id=msg["run_id"], facts=RunFacts.from_register(msg, knobs), knobs=knobs,
+                  history=deque(maxlen=self.config.history_points))
         self.runs[run.run_id] = run
-        # The run's own options fixed these: their values are the registration's, whatever
-        # history or the model would say.
-        fixed = {}
-        for text in msg.get("fixed_knobs", ()):
-            try:
-                fixed[text] = KnobKey.parse(text, paths).value_in(knobs)
-            except ConfigError as e:
-                log.warning("run %s: fixed knob %s ignored: %s", run.run_id, text, e)
         from_history = self._best_from_history(run, knobs)
-        if from_history is not None and fixed:
-            from_history = Pins.of(fixed).apply(from_history, paths, run.has_device)
+        if from_history is not None and run.facts.fixed:
+            # The run's own options fixed these: their values are the registration's, whatever history says.
+            from_history = Pins.of(run.facts.fixed).apply(from_history, paths, run.has_device)
             from_history = None if from_history == knobs else from_history
         start = from_history if from_history is not None else knobs
         try:
-            run.policy = self.policy_factory(start, paths=list(paths), has_device=run.has_device,
-                                             subgroup_bytes=run.subgroup_bytes,
-                                             device_headroom_bytes=msg.get("device_headroom_bytes"),
-                                             profile=run.profile, params=run.params, ranks=run.world_size,
-                                             fixed=fixed, host_staging_bytes=msg.get("host_staging_bytes"))
+            run.policy = self.policy_factory(start, run.facts)
         except Exception as e:
             run.policy_error = f"policy failed to start: {e}"
             log.exception("run %s: policy failed to start; the run keeps its knobs", run.run_id)
