@@ -30,7 +30,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -42,7 +41,7 @@ from engine.adamw import AdamWHyper
 from engine.binding import SubgroupBinding, flat_weights_of
 from engine.buffers import StateBuffer, payload_bytes
 from engine.config import EngineConfig, Knobs
-from engine.errors import ConfigError, OffloadError, StorageIOError
+from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts
 from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
 from engine.host_kernel import host_lane_rate, select_host_kernel
@@ -50,7 +49,8 @@ from engine.host_memory import HostUsage, PressureWatch, default_budget, default
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, staging_buffers
-from engine.placement import DEVICE, HOST, Placement, Tier, device_tier_prefix, place, stripe, swap_tier
+from engine.placement import DEVICE, HOST, Placement, device_tier_prefix, place, stripe, swap_tier
+from engine.staging import StagingPool, Subgroup
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.streams import streams_for
@@ -68,25 +68,6 @@ def first_state(binding: SubgroupBinding, buf: StateBuffer) -> None:
     binding.read_weights(buf.master)
     buf.exp_avg.zero_()
     buf.exp_avg_sq.zero_()
-
-
-@dataclass
-class _Subgroup:
-    index: int
-    binding: SubgroupBinding
-    tier: Tier
-    steps: list[int]  # per slice, as torch AdamW keeps per parameter
-    resident: StateBuffer | torch.Tensor | None = None  # HOST: StateBuffer; DEVICE: flat tensor
-    file: SwapFile | None = None  # swapped: where the state is
-    next_file: SwapFile | None = None  # restriped: where the next write goes
-    staged: StateBuffer | None = None  # swapped: staging buffer holding it now
-    fresh: bool = True  # no state yet: its first state (first_state) is made where it is first needed
-    dirty: bool = False  # staged copy is newer than the file
-    kept: bool = False  # staged copy kept from the previous step
-
-    @property
-    def numel(self) -> int:
-        return self.binding.numel
 
 
 @dataclass
@@ -114,7 +95,6 @@ class SubgroupEngine:
         self._hooks: list = []
         self.iteration = 0
         self._closed = False
-        self._failures: list[OffloadError] = []
         self.device = self._resolve_device(config.device)
         self.knobs.check_for([p.path for p in config.paths], has_device=self.device is not None)
         self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
@@ -154,7 +134,7 @@ class SubgroupEngine:
         self._device_tier_pending = self.device is not None
         placement = place(sizes, device_budget=config.device_cache_bytes or 0, host_budget=config.host_cache_bytes,
                           path_weights=self._stripe_weights(self.knobs))
-        self.subgroups = [_Subgroup(i, b, t, [0] * len(b.slice_numels))
+        self.subgroups = [Subgroup(i, b, t, [0] * len(b.slice_numels))
                           for i, (b, t) in enumerate(zip(bindings, placement.tiers))]
         # The subgroups the device budget placed there (placement fills it in order, skipping those
         # that do not fit: not always a prefix); the fit puts them back after release_device().
@@ -162,7 +142,7 @@ class SubgroupEngine:
         try:
             self.host_budget = self._host_budget(bindings, placement)  # before allocating: a refusal costs nothing
             self._allocate(placement)
-            if self._staging_capacity:
+            if self.staging.capacity_numel:
                 floor = config.host_memory_floor_bytes
                 self._pressure = PressureWatch(default_floor() if floor is None else floor, on_low=self._on_low_memory)
         except BaseException:
@@ -216,11 +196,8 @@ class SubgroupEngine:
             else:
                 sg.file = self._create_file(sg, sg.tier.path_index)
         swapped = [sg.numel for sg in self.subgroups if sg.tier.swapped]
-        self._staging_capacity = max(swapped, default=0)
-        self._free: list[StateBuffer] = []
-        self._n_staging = 0
-        self._resize_staging(staging_buffers(self.knobs.prefetch_depth) if swapped else 0)
-        self._writes: deque[tuple[_Subgroup, StateBuffer, Future]] = deque()
+        self.staging = StagingPool(max(swapped, default=0))
+        self.staging.resize(staging_buffers(self.knobs.prefetch_depth) if swapped else 0)
 
     def _host_budget(self, bindings: Sequence[SubgroupBinding], placement: Placement) -> int:
         """The rank's host-memory budget (``engine.host_memory``): the one given, which the start
@@ -251,16 +228,16 @@ class SubgroupEngine:
                     if sg.tier == HOST and isinstance(sg.resident, StateBuffer))
         kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups
                    if sg.staged is not None and sg.kept)
-        pool = self._n_staging * host_buffer_bytes(self._staging_capacity) if self._staging_capacity else 0
+        pool = self.staging.size * self.staging.buffer_bytes
         return HostUsage(state=state, staging=max(0, pool - kept), kept=kept, copies=self.host_lane.host_bytes())
 
     def _affordable_depth(self, depth: int) -> int:
         """The deepest prefetch up to ``depth`` whose staging buffers fit the budget's spare bytes."""
-        if not self._staging_capacity:
+        if not self.staging.capacity_numel:
             return depth
         use = self.host_usage()
         spare = self.host_budget - use.state - use.copies
-        return max(0, min(depth, deepest_prefetch(spare // host_buffer_bytes(self._staging_capacity))))
+        return max(0, min(depth, deepest_prefetch(spare // self.staging.buffer_bytes)))
 
     # -- memory pressure ---------------------------------------------------------------------
 
@@ -284,12 +261,12 @@ class SubgroupEngine:
         for sg in self.subgroups:
             if sg.staged is not None:
                 if sg.dirty:
-                    self._write_back(sg)
+                    self.staging.write_back(sg)
                 else:
-                    self._release(sg)
+                    self.staging.release(sg)
                 sg.kept = False
-        self._drain()
-        self._resize_staging(min(self._n_staging, PRESSURE_BUFFERS))
+        self.staging.drain()
+        self.staging.resize(min(self.staging.size, PRESSURE_BUFFERS))
         if not self._gave_back:
             self._gave_back = True
             avail, floor = self._pressure.available_bytes, self._pressure.floor_bytes
@@ -301,20 +278,12 @@ class SubgroupEngine:
         """Memory is back above the floor: the staging pool the knobs ask for, within the budget."""
         self._gave_back = False
         depth = self._affordable_depth(self.knobs.prefetch_depth)
-        self._resize_staging(staging_buffers(depth))
+        self.staging.resize(staging_buffers(depth))
         log.warning("offloadctl: host memory recovered (%s available): reading ahead again",
                     format_size(self._pressure.available_bytes))
 
-    def _create_file(self, sg: _Subgroup, path_index: int) -> SwapFile:
+    def _create_file(self, sg: Subgroup, path_index: int) -> SwapFile:
         return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
-
-    def _resize_staging(self, n: int) -> None:
-        while self._n_staging < n:
-            self._free.append(StateBuffer(self._staging_capacity))
-            self._n_staging += 1
-        while self._n_staging > n and self._free:
-            self._free.pop()
-            self._n_staging -= 1
 
     # -- knobs ---------------------------------------------------------------------------------
 
@@ -354,16 +323,16 @@ class SubgroupEngine:
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
-        if k.prefetch_depth != old.prefetch_depth and self._n_staging:
-            self._resize_staging(staging_buffers(k.prefetch_depth))
+        if k.prefetch_depth != old.prefetch_depth and self.staging.size:
+            self.staging.resize(staging_buffers(k.prefetch_depth))
             # Shrinking may need kept buffers back: write them out until the pool fits.
-            while self._n_staging > staging_buffers(k.prefetch_depth):
+            while self.staging.size > staging_buffers(k.prefetch_depth):
                 kept = next((sg for sg in self.subgroups if sg.staged is not None), None)
                 if kept is None:
                     break
-                self._write_back(kept)
-                self._drain()
-                self._resize_staging(staging_buffers(k.prefetch_depth))
+                self.staging.write_back(kept)
+                self.staging.drain()
+                self.staging.resize(staging_buffers(k.prefetch_depth))
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
         self._set_lane_mask(k.device_fraction)  # last: it pins the staging pool as it now is
@@ -468,7 +437,7 @@ class SubgroupEngine:
         finally:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self._drain()
+        self.staging.drain()
         write_wait_s = time.perf_counter() - t0
         for sg in self.subgroups:
             sg.kept = sg.staged is not None
@@ -483,17 +452,17 @@ class SubgroupEngine:
         self.iteration += 1
         self.telemetry.append(rec)
         self._last_step_end = time.perf_counter()
-        if self._failures:
-            err, self._failures = self._failures[0], []
+        if self.staging.failures:
+            err, self.staging.failures = self.staging.failures[0], []
             raise err
         return rec
 
-    def _update_swapped(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
+    def _update_swapped(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
         """One swapped subgroup: read ahead, wait for its state, update it, write it back. Under
         memory pressure (the watch's flag, read at each subgroup) nothing is read ahead or kept."""
         if not st.pressure and self._low_memory():
             st.pressure = True
-            self._resize_staging(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
+            self.staging.resize(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
         depth = 0 if st.pressure else self.knobs.prefetch_depth
         self._prefetch(st, st.pos[sg.index] + depth)
         buf = self._stage(sg, st)
@@ -503,15 +472,15 @@ class SubgroupEngine:
         # kept buffers come on top of the working ones, so the next step's first reads start at
         # once instead of waiting for write-backs.
         if st.pressure or st.pos[sg.index] < len(st.seq) - kept_subgroups(depth):
-            self._write_back(sg)
+            self.staging.write_back(sg)
 
-    def _update_resident(self, sg: _Subgroup, st: _StepState, hp: AdamWHyper) -> None:
+    def _update_resident(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
         """One subgroup whose state is in host memory (its first state counted in the update)."""
         t0 = time.perf_counter()
         self._init_state(sg)
         self._run_update(sg, sg.resident, hp, st, t0)
 
-    def _run_update(self, sg: _Subgroup, state: StateBuffer, hp: AdamWHyper, st: _StepState, t0: float) -> None:
+    def _run_update(self, sg: Subgroup, state: StateBuffer, hp: AdamWHyper, st: _StepState, t0: float) -> None:
         """AdamW on ``state`` on the subgroup's lane; the time since ``t0`` is the step's kernel time."""
         on_device = self._lane_mask[sg.index]
         if on_device:
@@ -557,7 +526,7 @@ class SubgroupEngine:
                 if sg.tier == HOST and sg.resident is not None:
                     sg.resident.pin()
             if any(self.subgroups[i].tier.swapped for i in lane):
-                for buf in self._free + [sg.staged for sg in self.subgroups if sg.staged is not None]:
+                for buf in self.staging.free + [sg.staged for sg in self.subgroups if sg.staged is not None]:
                     buf.pin()
 
     def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
@@ -637,7 +606,7 @@ class SubgroupEngine:
                                              memory_bytes_per_s=mem / max(1, self.config.local_ranks))
         return self._lane_rates
 
-    def _balanced_fraction(self, rest: list[_Subgroup]) -> float | None:
+    def _balanced_fraction(self, rest: list[Subgroup]) -> float | None:
         """The device fraction of ``rest`` (not in the device tier) with the shortest update by
         the lane model; None where there are no rates (no CUDA device)."""
         rates = self.lane_rates()
@@ -661,7 +630,7 @@ class SubgroupEngine:
             elif sg.index not in indices and sg.tier == DEVICE:
                 self._off_device(sg)
 
-    def _to_device(self, sg: _Subgroup) -> None:
+    def _to_device(self, sg: Subgroup) -> None:
         state = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
         if not sg.fresh:
             view = self._host_view(sg)
@@ -670,7 +639,7 @@ class SubgroupEngine:
         if sg.tier == HOST:
             sg.resident = None
         elif sg.tier.swapped:
-            self._release(sg)
+            self.staging.release(sg)
             for f in (sg.file, sg.next_file):
                 if f is not None:
                     f.path.remove_file(f)
@@ -678,7 +647,7 @@ class SubgroupEngine:
             sg.dirty = sg.kept = False
         sg.tier, sg.resident = DEVICE, state
 
-    def _off_device(self, sg: _Subgroup) -> None:
+    def _off_device(self, sg: Subgroup) -> None:
         """Out of the device tier, into host memory (whatever the host budget says)."""
         buf = StateBuffer(sg.numel)
         if not sg.fresh:
@@ -716,33 +685,33 @@ class SubgroupEngine:
                 fut.result()
             except BaseException:
                 pass
-            self._release(self.subgroups[i])
+            self.staging.release(self.subgroups[i])
         st.reads.clear()
-        self._drain()
+        self.staging.drain()
 
     def _prefetch(self, st: _StepState, upto: int) -> None:
         """Issue reads for positions up to ``upto`` of this step's order, while buffers are free."""
         while st.next_read < len(st.seq) and st.next_read <= upto:
             sg = self.subgroups[st.seq[st.next_read]]
             if sg.staged is None:
-                buf = self._try_acquire()
+                buf = self.staging.try_acquire()
                 if buf is None:
                     return
                 self._load(sg, buf, st)
             st.next_read += 1
 
-    def _stage(self, sg: _Subgroup, st: _StepState) -> StateBuffer:
+    def _stage(self, sg: Subgroup, st: _StepState) -> StateBuffer:
         """The staging buffer holding ``sg``, reading it now if no prefetch did."""
         fut = st.reads.pop(sg.index, None)
         if fut is None and sg.staged is None:
-            self._load(sg, self._acquire(exclude=sg), st)
+            self._load(sg, self.staging.acquire(sg, self.subgroups, forward_order(self.iteration)), st)
             fut = st.reads.pop(sg.index, None)
         if fut is not None:
             t0 = time.perf_counter()
             try:
                 fut.result()
             except BaseException:
-                self._release(sg)
+                self.staging.release(sg)
                 raise
             st.read_wait_s += time.perf_counter() - t0
             st.misses += 1
@@ -751,7 +720,7 @@ class SubgroupEngine:
         sg.kept = False
         return sg.staged
 
-    def _load(self, sg: _Subgroup, buf: StateBuffer, st: _StepState) -> None:
+    def _load(self, sg: Subgroup, buf: StateBuffer, st: _StepState) -> None:
         sg.staged = buf
         buf.bind(sg.numel)
         if sg.fresh:
@@ -759,7 +728,7 @@ class SubgroupEngine:
         else:
             st.reads[sg.index] = sg.file.path.read(sg.file, buf)
 
-    def _init_state(self, sg: _Subgroup, buf: StateBuffer | None = None) -> None:
+    def _init_state(self, sg: Subgroup, buf: StateBuffer | None = None) -> None:
         """A subgroup's first state, where it is first needed: in ``buf`` (a swapped subgroup's
         staging buffer) or where it is resident. Nothing once it has state."""
         if not sg.fresh:
@@ -769,66 +738,6 @@ class SubgroupEngine:
         else:
             first_state(sg.binding, buf if buf is not None else sg.resident)
         sg.fresh = False
-
-    def _write_back(self, sg: _Subgroup) -> None:
-        buf = sg.staged
-        target = sg.next_file or sg.file
-        self._writes.append((sg, buf, target.path.write(target, buf)))
-
-    def _try_acquire(self) -> StateBuffer | None:
-        if self._free:
-            return self._free.pop()
-        if self._writes and self._writes[0][2].done():
-            return self._reclaim_oldest_write()
-        return None
-
-    def _acquire(self, exclude: _Subgroup) -> StateBuffer:
-        """A free staging buffer; waits for the oldest write-back, or evicts a kept buffer."""
-        while True:
-            buf = self._try_acquire()
-            if buf is not None:
-                return buf
-            if self._writes:
-                buf = self._reclaim_oldest_write()
-                if buf is not None:
-                    return buf
-                continue
-            kept = [sg for sg in self.subgroups if sg.staged is not None and sg.kept and sg is not exclude]
-            if not kept:
-                # Only after failed writes pinned buffers in memory: grow rather than stall.
-                self._n_staging += 1
-                return StateBuffer(self._staging_capacity)
-            victim = kept[-1] if forward_order(self.iteration) else kept[0]  # the one needed last
-            self._write_back(victim)
-
-    def _reclaim_oldest_write(self) -> StateBuffer | None:
-        """Wait for the oldest write-back; its buffer, or None if it failed (then kept in memory)."""
-        sg, buf, fut = self._writes.popleft()
-        try:
-            fut.result()
-        except StorageIOError as e:
-            # Nothing is lost: the subgroup stays in this buffer, now as host-resident state.
-            self._failures.append(e)
-            self._n_staging -= 1
-            sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
-            return None
-        if sg.next_file is not None:
-            sg.file.path.remove_file(sg.file)
-            sg.file, sg.next_file = sg.next_file, None
-        sg.staged, sg.dirty, sg.kept = None, False, False
-        return buf
-
-    def _release(self, sg: _Subgroup) -> None:
-        if sg.staged is not None:
-            self._free.append(sg.staged)
-            sg.staged = None
-
-    def _drain(self) -> None:
-        """Wait for every write-back; failures are recorded and pin their state in memory."""
-        while self._writes:
-            buf = self._reclaim_oldest_write()
-            if buf is not None:
-                self._free.append(buf)
 
     def _step_record(self, st: _StepState, before: list[tuple[int, int]], *, t_start: float,
                      update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
@@ -894,7 +803,7 @@ class SubgroupEngine:
             for dst, src in zip((sg.resident.master, sg.resident.exp_avg, sg.resident.exp_avg_sq), (master, exp_avg, exp_avg_sq)):
                 dst.copy_(src)
         else:
-            self._release(sg)
+            self.staging.release(sg)
             buf = StateBuffer(sg.numel, pin=False)
             buf.master.copy_(master)
             buf.exp_avg.copy_(exp_avg)
@@ -903,7 +812,7 @@ class SubgroupEngine:
             sg.dirty = sg.kept = False
         sg.fresh = False
 
-    def _host_view(self, sg: _Subgroup) -> StateBuffer:
+    def _host_view(self, sg: Subgroup) -> StateBuffer:
         if sg.tier == HOST:
             self._init_state(sg)
             return sg.resident
@@ -937,7 +846,7 @@ class SubgroupEngine:
                 except Exception:  # a hook's failure must not keep the swap files on disk
                     pass
         try:
-            self._drain()
+            self.staging.drain()
         except Exception:
             pass
         for p in self.paths:
@@ -952,7 +861,7 @@ class SubgroupEngine:
             tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
         return EngineFacts(
             subgroups=len(self.subgroups), params=sum(sg.numel for sg in self.subgroups),
-            state_bytes_by_tier=tiers, staging_buffers=self._n_staging, io_backend=self.io_backend,
+            state_bytes_by_tier=tiers, staging_buffers=self.staging.size, io_backend=self.io_backend,
             host_kernel=self.host_kernel_name, device=str(self.device) if self.device is not None else None,
             path_bandwidth_bytes_per_s={p.path: bw for p, bw in zip(self.paths, self.path_bandwidth)},
             knobs=self.knobs, paths=[p.path for p in self.config.paths], has_device=self.device is not None,
@@ -961,5 +870,5 @@ class SubgroupEngine:
             device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,
             device_lane_available=self.device_lane is not None and self._lane_room,
             host_memory_budget_bytes=self.host_budget, host_bytes=self.host_usage().to_dict(),
-            staging_buffer_bytes=host_buffer_bytes(self._staging_capacity) if self._staging_capacity else 0,
+            staging_buffer_bytes=self.staging.buffer_bytes,
             fixed_knobs=self.config.fixed_knobs)
