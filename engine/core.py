@@ -48,7 +48,17 @@ from engine.host_kernel import host_lane_rate, select_host_kernel
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import forward_order, kept_subgroups, staging_buffers
-from engine.placement import DEVICE, HOST, Placement, Tier, device_tier_prefix, place, stripe, swap_tier
+from engine.placement import (
+    DEVICE,
+    HOST,
+    Placement,
+    Tier,
+    device_lane_working_bytes,
+    device_tier_prefix,
+    place,
+    stripe,
+    swap_tier,
+)
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.streams import streams_for
@@ -473,7 +483,8 @@ class SubgroupEngine:
                 headroom_bytes = psutil.virtual_memory().available // 2
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
-        lane_ws = self.device_lane.working_bytes()
+        lane_ws = device_lane_working_bytes(self.device_lane.capacity_numel, self.device_lane.n_slots,
+                                            self.device_lane.chunk_numel)
         if self.config.device_cache_bytes is not None:
             self._set_device_tier(self._placed_on_device)  # the budget's placement (back after release_device)
         else:
@@ -825,5 +836,6 @@ class SubgroupEngine:
             knobs=self.knobs, paths=[p.path for p in self.config.paths], has_device=self.device is not None,
             subgroup_bytes=max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
             device_headroom_bytes=None if self.device is None else gpu_headroom_bytes(self.device),
-            device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,
+            device_lane_bytes=(device_lane_working_bytes(self.device_lane.capacity_numel, self.device_lane.n_slots,
+                                                         self.device_lane.chunk_numel) if self.device_lane else 0),
             device_lane_available=self.device_lane is not None and self._lane_room)

@@ -39,7 +39,7 @@ import torch
 from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
 from engine.binding import SubgroupBinding, flat_weights_of, grad_scale_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
-from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS, device_lane_working_bytes
+from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS
 from engine.streams import Event, Stream, Streams
 
 HOST_CHUNK_NUMEL = 1 << 21
@@ -274,10 +274,6 @@ class DeviceLane:
         self._grad = _Scratch(self.device)  # the compute stream's fp32 gradient chunk
         self._resident_grad = _Scratch(self.device)  # the resident stream's
         self._weights_to_host = False  # this step copied weights into host memory on d2h
-
-    def working_bytes(self) -> int:
-        """Device memory the lane uses at most: its slots and two gradient scratches."""
-        return device_lane_working_bytes(self.capacity_numel, self.n_slots, self.chunk_numel)
 
     @property
     def weight_streams(self) -> tuple[Stream, Stream]:
