@@ -74,6 +74,7 @@ from typing import Mapping
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.lane_model import LaneLoad, LaneRates, lane_times
+from engine.layout import HEADER_BYTES, kept_subgroups, payload_bytes, staging_buffers
 from engine.placement import device_lane_working_bytes
 from perf.hardware import (
     Device,
@@ -86,19 +87,7 @@ from perf.hardware import (
     host_budget,
     host_lane_seconds_per_param,
 )
-from perf.layout import (
-    CHUNK_BYTES,
-    HEADER_BYTES,
-    SUBGROUP_NUMEL,
-    Traffic,
-    chunks,
-    kept_subgroups,
-    lane_count,
-    pay,
-    prefix_fit,
-    staging_buffers,
-    swap_traffic,
-)
+from perf.layout import CHUNK_BYTES, SUBGROUP_NUMEL, Traffic, chunks, lane_count, prefix_fit, swap_traffic
 from perf.profile import PathProfile, Profile
 
 CRC_BYTES_PER_S_PER_CORE = 4e9
@@ -280,7 +269,7 @@ def _layout(wl: Workload, plan: Plan) -> _Layout:
     n = min(wl.subgroup_numel, P)
     N = -(-P // n)
     n_last = P - (N - 1) * n
-    pay_n, pay_last = pay(n), pay(n_last)
+    pay_n, pay_last = payload_bytes(n), payload_bytes(n_last)
     d, f = plan.knobs.prefetch_depth, plan.knobs.device_fraction
     D = prefix_fit(plan.device_cache_bytes, 0, N, pay_n, pay_last) if plan.device_cache_bytes else 0
     H = prefix_fit(plan.host_cache_bytes, D, N, pay_n, pay_last)
