@@ -61,7 +61,7 @@ from engine.placement import (
 )
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
-from engine.streams import streams_for
+from engine.streams import resolve_lane_device, streams_for
 from engine.telemetry import StepRecord, TelemetryLog
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class SubgroupEngine:
         self.iteration = 0
         self._closed = False
         self._failures: list[OffloadError] = []
-        self.device = self._resolve_device(config.device)
+        self.device = resolve_lane_device(config.device)
         self.knobs.check_for([p.path for p in config.paths], has_device=self.device is not None)
         self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
         self._device_grads: set[int] = set()  # device-lane subgroups whose gradients fit that budget
@@ -175,15 +175,6 @@ class SubgroupEngine:
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
 
     # -- construction ------------------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_device(device: str | None) -> torch.device | None:
-        if device is None:
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        d = torch.device(device)
-        if d.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r} but CUDA is not available here: use device=None or 'cpu'")
-        return d
 
     def _bandwidth_of(self, p: SwapPath) -> float:
         """Bytes/s of a read plus a write of the same bytes: declared, else probed now."""

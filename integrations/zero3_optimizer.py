@@ -23,6 +23,7 @@ from engine.buffers import pin_in_place
 from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
 from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
+from engine.streams import resolve_lane_device
 from integrations import ds_compat
 from integrations.deepspeed_zero3 import ZeroEngineSettings
 
@@ -188,7 +189,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if self.settings.profile:
             rp = self._rank_plan(paths)
             host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
-        device = self.settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
+        lane_device = resolve_lane_device(self.settings.lane_device or None)
+        device = str(lane_device) if lane_device is not None else None
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
                               device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
                               auto_device_fraction=bool(device) and self.settings.auto_device_fraction,

@@ -145,6 +145,19 @@ def test_bad_values_are_config_errors(swap_dir, tmp_path):
     opt.close()
 
 
+def test_lane_device_setting():
+    """One rule for the engine and the DeepSpeed integration (engine.streams.resolve_lane_device)."""
+    from engine.streams import resolve_lane_device
+
+    assert resolve_lane_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_lane_device(None) == torch.device("cuda", torch.cuda.current_device())
+    else:
+        assert resolve_lane_device(None) is None
+        with pytest.raises(ConfigError, match=r"device='cuda:0' but CUDA is not available here: use device=None or 'cpu'"):
+            resolve_lane_device("cuda:0")
+
+
 def test_load_state_of_another_model(swap_dir):
     _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 1)
     other = OffloadAdamW(torch.nn.Linear(3, 3).parameters(), host_adam="torch")
