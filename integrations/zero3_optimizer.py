@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from engine.adamw import hyper_from_group
 from engine.buffers import pin_in_place
-from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
+from engine.config import EngineConfig, Knobs, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
 from engine.streams import resolve_lane_device
@@ -180,8 +180,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         rank = dist.get_rank() if dist.is_initialized() else 0
         local_ranks, _ = node_layout(dist.get_world_size() if dist.is_initialized() else 1)
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
-        paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
-            StoragePath(path=p, kind="remote") for p in self.settings.remote_paths)
+        paths = storage_paths(nvme, self.settings.remote_paths)
         host_cache = resolve_host_cache(self.settings.host_cache_bytes, paths)
         knobs = self.settings.knobs
         subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
