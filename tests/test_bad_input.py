@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
+from helpers import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
 
@@ -182,7 +182,7 @@ def test_close_removes_swap_files(swap_dir):
 _CHILD = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import make_model
+from helpers import make_model
 from engine import OffloadAdamW
 m = make_model()
 opt = OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=700, host_cache_bytes=0, nvme_paths=[{d!r}], host_adam="torch")

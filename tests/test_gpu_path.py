@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from fake_streams import RecordingStreams
+from helpers import needs_cuda
 
 import engine.buffers
 import engine.core
@@ -334,9 +335,6 @@ def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_c
 
 
 # -- on a GPU (bench/gpu_session.sh check runs these) ----------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def _cuda_engine(swap_dir, numels, **cfg):
     dev = torch.device("cuda", torch.cuda.current_device())
