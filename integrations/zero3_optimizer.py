@@ -1,9 +1,26 @@
 """The engine inside DeepSpeed ZeRO-3: :class:`OffloadZero3Optimizer`, a subclass of
 ``DeepSpeedZeroOptimizer_Stage3``, and the binding of its subgroups to the engine.
 
+ZeRO-3 already keeps each rank's parameters as flat partitions split into subgroups
+(``sub_group_size``), so every subgroup becomes one :class:`ZeroPartitionSubgroup` binding and
+:class:`engine.core.SubgroupEngine` does the rest. What changes against stock DeepSpeed:
+
+- DeepSpeed allocates no fp32 master copies, no fp32 gradient copies and no Adam state
+  (``_create_fp32_partitions``, ``initialize_optimizer_states``,
+  ``_offload_grad_partition_at_boundary``), and creates no swapper: the engine owns the state
+  and its tiers.
+- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``, pinned
+  in place at its exact size) in their own dtype; they are upcast and unscaled per chunk at
+  update time, never written to storage. Gradients of subgroups updated on the GPU (the device
+  tier, and the device lane when memory allows) stay on the GPU: their entries in DeepSpeed's
+  per-parameter gradient map point into device buffers, so backward never copies them out.
+- ``step()`` keeps DeepSpeed's overflow check, loss-scale update and clipping, then hands the
+  whole update loop to the engine.
+- ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
+  DeepSpeed's own checkpoint layout, so stock DeepSpeed can resume from our checkpoints.
+
 Imported only by :func:`integrations.deepspeed_zero3.install`, after DeepSpeed was imported
-the way that keeps it from compiling native ops in a rank; what the subclass changes against
-stock DeepSpeed is described there.
+the way that keeps it from compiling native ops in a rank.
 """
 from __future__ import annotations
 
@@ -25,7 +42,7 @@ from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
 from engine.streams import resolve_lane_device
 from integrations import ds_compat
-from integrations.deepspeed_zero3 import ZeroEngineSettings
+from integrations.settings import ZeroEngineSettings
 
 
 class ZeroPartitionSubgroup:

@@ -2,10 +2,11 @@
 of a transfer, staging buffers, which subgroups are resident, on the device lane or swapped,
 and the swap traffic of one step.
 
-Every figure of the layout is the engine's own, imported from its torch-free modules
-(``engine.layout``: header, alignment, 12 B/element, chunk CRCs, kept and staging buffers;
-``engine.config``: I/O request size, default concurrency; ``engine.placement``: the stripe
-rule), so ``offloadctl plan`` starts without torch and the model cannot drift from the engine.
+Every figure of the layout is the engine's own, imported (here and in the model's other
+modules) from its torch-free modules (``engine.layout``: header, 12 B/element, chunk CRCs, kept
+and staging buffers; ``engine.config``: I/O request size, default concurrency;
+``engine.placement``: the stripe rule), so ``offloadctl plan`` starts without torch and the
+model cannot drift from the engine.
 """
 from __future__ import annotations
 
