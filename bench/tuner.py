@@ -54,6 +54,7 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENC
 from bench.emulate import run_emulated  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
+from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
 
@@ -502,7 +503,7 @@ def run_emulated_tiers(args, argv: list[str]) -> int:
     """Two emulated tiers (nvme, pfs) with bench/tiers.sh; this benchmark re-runs inside their cgroup."""
     nvme, _, pfs = args.emulate.partition(",")
     # Two engines' state (part 1 puts both on the NVMe tier), the writer's 512 MiB, and slack.
-    size_gb = args.tier_gb or math.ceil(2 * 12 * args.params * 1.3 / 1e9) + 1
+    size_gb = args.tier_gb or math.ceil(2 * STATE_BYTES_PER_ELEMENT * args.params * 1.3 / 1e9) + 1
     return run_emulated(__file__, nvme, argv, size_gb=size_gb, remote=pfs or "200:200",
                         extra=["--bandwidth", f"{nvme},{pfs or '200:200'}"])
 

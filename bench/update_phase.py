@@ -41,6 +41,7 @@ from bench.emulate import add_engine_run_args, run_emulated  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.adamw import measure_host_kernels  # noqa: E402
 from engine.buffers import StateBuffer, payload_bytes  # noqa: E402
+from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
 from engine.storage.io_backends import open_backend  # noqa: E402
 from engine.storage.paths import SwapPath  # noqa: E402
 
@@ -51,7 +52,7 @@ def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> d
     """O_DIRECT bandwidth of ``path`` alone for reads, for writes, and for both at once (bytes/s)."""
     sp = SwapPath(StoragePath(path=path), open_backend(backend), concurrency=concurrency, node_lock=False,
                   verify_checksums=False)
-    numel = nbytes // 12
+    numel = nbytes // STATE_BYTES_PER_ELEMENT
     bufs = [StateBuffer(numel, pin=False) for _ in range(2)]
     for b in bufs:
         b.payload.fill_(3)
@@ -156,7 +157,7 @@ def main() -> int:
         console.print(f"[red]--nvme {args.nvme} is not a directory: create it first[/red]")
         return 2
     numel, sub = int(args.params), int(args.subgroup)
-    state_bytes = 12 * numel
+    state_bytes = STATE_BYTES_PER_ELEMENT * numel
     n_sub = -(-numel // sub)
     half_cache = (n_sub // 2) * payload_bytes(sub)  # half the subgroups, as the engine counts bytes
     out: dict = {"machine": _machine(), "params": numel, "subgroup": sub, "path": args.nvme,

@@ -28,11 +28,14 @@ from rich.table import Table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
+
 TIERS = os.path.join(HERE, "tiers.sh")
 MNT = "/mnt/offloadctl-tiers"
 NVME_MBPS, PFS_MBPS = 400, 200
 PARAMS = 9 * 3200 * 3200
-HALF_GB = 12 * PARAMS / 2 / 1e9
+HALF_GB = STATE_BYTES_PER_ELEMENT * PARAMS / 2 / 1e9
 console = Console(stderr=True)
 
 CONFIGS = {

@@ -1,7 +1,7 @@
 """AdamW update math, kept apart from where the state lives.
 
-``adamw_update_`` is the one update function every lane calls: the host lane with CPU
-tensors, the device lane with device tensors. It applies decoupled weight decay exactly as
+``adamw_update_torch_`` is the update both lanes can run: the host lane with CPU tensors, the
+device lane with device tensors. It applies decoupled weight decay exactly as
 ``torch.optim.AdamW`` does (Loshchilov & Hutter), through the same fused kernel
 ``torch._fused_adamw_``, so results match the reference to rounding.
 

@@ -10,7 +10,7 @@ header and payload are written from and read into this buffer with no extra copy
 Host memory is allocated at its exact size and pinned in place, on demand (:func:`pin_in_place`:
 ``cudaHostRegister``), only for buffers whose state crosses PCIe (the device lane). torch's
 pinned allocator rounds every block up to a power of two and keeps it cached: a 1.2 GB subgroup
-took 2 GiB of locked memory.
+would take 2 GiB of locked memory.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import ClassVar, Literal, Mapping
+from typing import ClassVar, Iterable, Literal, Mapping
 
 from engine.errors import ConfigError
 
@@ -47,6 +47,14 @@ class StoragePath:
         if isinstance(value, StoragePath):
             return value if value.kind == kind else replace(value, kind=kind)
         return cls(path=os.fspath(value), kind=kind)
+
+
+def storage_paths(nvme: Iterable[str | os.PathLike | StoragePath] = (),
+                  remote: Iterable[str | os.PathLike | StoragePath] = ()) -> tuple[StoragePath, ...]:
+    """The storage tiers' paths, node-local (``nvme``) first, then ``remote``: the one rule for
+    ``OffloadAdamW``, the DeepSpeed integration and ``offloadctl train``. A :class:`StoragePath`
+    given keeps its declared figures and takes its tier's kind."""
+    return tuple(StoragePath.coerce(p, "nvme") for p in nvme) + tuple(StoragePath.coerce(p, "remote") for p in remote)
 
 
 def resolve_host_cache(host_cache_bytes: int | None, paths) -> int | None:

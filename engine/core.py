@@ -49,11 +49,11 @@ from engine.host_memory import HostUsage, PressureWatch, default_budget, default
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, staging_buffers
-from engine.placement import DEVICE, HOST, Placement, device_tier_prefix, place, stripe, swap_tier
+from engine.placement import DEVICE, HOST, Placement, device_lane_working_bytes, device_tier_prefix, place, stripe, swap_tier
 from engine.staging import StagingPool, Subgroup
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
-from engine.streams import streams_for
+from engine.streams import resolve_lane_device, streams_for
 from engine.telemetry import StepRecord, TelemetryLog
 from engine.units import format_size
 
@@ -95,7 +95,7 @@ class SubgroupEngine:
         self._hooks: list = []
         self.iteration = 0
         self._closed = False
-        self.device = self._resolve_device(config.device)
+        self.device = resolve_lane_device(config.device)
         self.knobs.check_for([p.path for p in config.paths], has_device=self.device is not None)
         self._lane_grad_budget = 0  # device bytes for device-lane gradients (set by fit_device_tier)
         self._device_grads: set[int] = set()  # device-lane subgroups whose gradients fit that budget
@@ -162,15 +162,6 @@ class SubgroupEngine:
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
 
     # -- construction ------------------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_device(device: str | None) -> torch.device | None:
-        if device is None:
-            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        d = torch.device(device)
-        if d.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r} but CUDA is not available here: use device=None or 'cpu'")
-        return d
 
     def _bandwidth_of(self, p: SwapPath) -> float:
         """Bytes/s of a read plus a write of the same bytes: declared, else probed now."""
@@ -563,7 +554,8 @@ class SubgroupEngine:
                 headroom_bytes = psutil.virtual_memory().available // 2
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
-        lane_ws = self.device_lane.working_bytes()
+        lane_ws = device_lane_working_bytes(self.device_lane.capacity_numel, self.device_lane.n_slots,
+                                            self.device_lane.chunk_numel)
         if self.config.device_cache_bytes is not None:
             self._set_device_tier(self._placed_on_device)  # the budget's placement (back after release_device)
         else:
@@ -867,7 +859,8 @@ class SubgroupEngine:
             knobs=self.knobs, paths=[p.path for p in self.config.paths], has_device=self.device is not None,
             subgroup_bytes=max((payload_bytes(sg.numel) for sg in self.subgroups), default=0),
             device_headroom_bytes=None if self.device is None else gpu_headroom_bytes(self.device),
-            device_lane_bytes=self.device_lane.working_bytes() if self.device_lane else 0,
+            device_lane_bytes=(device_lane_working_bytes(self.device_lane.capacity_numel, self.device_lane.n_slots,
+                                                         self.device_lane.chunk_numel) if self.device_lane else 0),
             device_lane_available=self.device_lane is not None and self._lane_room,
             host_memory_budget_bytes=self.host_budget, host_bytes=self.host_usage().to_dict(),
             staging_buffer_bytes=self.staging.buffer_bytes,

@@ -5,22 +5,12 @@ from rates measured in the training process), and the performance model (``perf.
 predicts the GPU and PCIe side of a plan with it (from a profile's rates). Same formula, so a
 plan's device fraction and the engine's agree when their rates do. Pure, no torch.
 
-Per rank and step, with the lanes running at once:
-
-- host lane  ``host / R_lane``: the host lane's measured loop (gradient upcast and unscale,
-  fused AdamW, 16-bit weights cast), on this rank's share of the cores;
-- H2D        ``(12 staged + g upload + w host [weights on the GPU]) / B_h2d``: device-lane
-  state in, device-lane gradients that live in host memory (``upload`` of them), the host
-  lane's new weights;
-- D2H        ``12 staged / B_d2h``: device-lane state back;
-- GPU        ``(staged + resident) / R_gpu``: the device lane's and the device tier's updates
-  (the device tier on a stream of its own, on the same GPU);
-- memory     ``(host (24 + g + w) + H2D + D2H) / B_mem``: the host lane reads and writes its
-  state, reads its gradient and writes weights, while every DMA byte also crosses host memory;
-  the two contend for the same bandwidth;
-
-plus the device lane's fill and drain (its first chunk in, its last chunk out) when it has work. ``B_h2d``
-and ``B_d2h`` are the duplex figures (both directions at once), each rank's share of its link.
+Per rank and step, with the lanes running at once: the host lane's loop on this rank's share of
+the cores; H2D, D2H and host memory (every DMA byte also crosses host memory, beside the host
+lane's own traffic) as one PCIe chain; the GPU's updates of the device lane and the device tier;
+plus the device lane's fill and drain when it has work. The H2D and D2H rates are duplex figures
+(both directions at once), each rank's share of its link. ``docs/perfmodel.md`` ("Resources")
+gives each formula.
 """
 from __future__ import annotations
 

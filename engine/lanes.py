@@ -2,33 +2,27 @@
 
 Both call the same AdamW math (:mod:`engine.adamw`) on flat views; they differ only in where
 the state sits during the update and how it gets there. Streams and events come from
-:mod:`engine.streams` (CUDA's, or the host's, where everything runs at once).
+:mod:`engine.streams`.
 
-Host lane: the update runs over the subgroup in chunks of ``HOST_CHUNK_NUMEL`` elements. Each
-chunk's gradient is upcast to fp32 and unscaled (clipping, loss scale) into a small scratch
-buffer that stays in the cores' caches, the fused kernel updates the chunk, and the chunk's
-new master is cast into the model's 16-bit weights while it is still in cache. Nothing is
-allocated per step; the gradient is read once from memory, the state once read and once
-written. Weights that live on a GPU go through a pinned staging buffer and an asynchronous
-copy on the upload stream (:class:`WeightUploader`), so the CPU goes on to the next subgroup
-at once.
+Host lane, in chunks of ``HOST_CHUNK_NUMEL`` elements: a chunk's gradient is upcast and unscaled
+into a scratch buffer that stays in the cores' caches, the fused kernel updates the chunk, and
+its new master is cast into the model's 16-bit weights while still in cache. So the gradient is
+read once from memory, the state once read and once written, and nothing is allocated per step.
+Weights on a GPU go through a pinned staging buffer and an asynchronous copy
+(:class:`WeightUploader`), so the CPU goes on to the next subgroup at once.
 
-Device lane (Deep Optimizer States): a subgroup goes through the lane in chunks of
-``DEVICE_LANE_CHUNK_NUMEL`` elements. A chunk's fp32 state (master, exp_avg, exp_avg_sq) and,
-when it is in host memory, its gradient are copied host-to-device on the ``h2d`` stream,
-updated with the fused kernel on ``compute``, and copied back on ``d2h``, through
-``DEVICE_LANE_SLOTS`` device slots, so that the copy in of one chunk, the update of the one
-before and the copy back of the one before that run at once (both PCIe directions), while the
-host lane updates other subgroups on the CPU. The lane's device memory is its slots, whatever
-the subgroup size. An event on the host buffer orders every later use of it after its copy
-back. Gradients that DeepSpeed keeps on the GPU are read where they are.
+Device lane (Deep Optimizer States), in chunks of ``DEVICE_LANE_CHUNK_NUMEL`` elements through
+``DEVICE_LANE_SLOTS`` device slots: a chunk's fp32 state (and its gradient, when in host memory)
+is copied in on ``h2d``, updated on ``compute`` and copied back on ``d2h``, so both PCIe
+directions and the update run at once, beside the host lane; the lane's device memory is its
+slots, whatever the subgroup size. An event on the host buffer orders every later use of it
+after its copy back. Gradients DeepSpeed keeps on the GPU are read where they are. The device
+tier's resident state is updated on a stream of its own (``resident``), so it never queues
+behind the lane's copies.
 
-State resident on the device (the device tier) is updated on a stream of its own
-(``resident``), with no transfer, so that it never queues behind the lane's copies.
-
-At the end of a step every stream that wrote weights the model reads (upload, compute,
-resident) is joined to the caller's current stream: DeepSpeed's all-gather inside ``step()``
-and the next forward are ordered after the new weights without a host sync.
+At the end of a step every stream that wrote weights the model reads is joined to the caller's
+current stream: DeepSpeed's all-gather and the next forward are ordered after the new weights
+without a host sync.
 """
 from __future__ import annotations
 
@@ -39,7 +33,7 @@ import torch
 from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_, group_runs
 from engine.binding import SubgroupBinding, flat_weights_of, grad_scale_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
-from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS, device_lane_working_bytes
+from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS
 from engine.streams import Event, Stream, Streams
 
 HOST_CHUNK_NUMEL = 1 << 21
@@ -291,10 +285,6 @@ class DeviceLane:
         self._grad = _Scratch(self.device)  # the compute stream's fp32 gradient chunk
         self._resident_grad = _Scratch(self.device)  # the resident stream's
         self._weights_to_host = False  # this step copied weights into host memory on d2h
-
-    def working_bytes(self) -> int:
-        """Device memory the lane uses at most: its slots and two gradient scratches."""
-        return device_lane_working_bytes(self.capacity_numel, self.n_slots, self.chunk_numel)
 
     @property
     def weight_streams(self) -> tuple[Stream, Stream]:

@@ -5,8 +5,8 @@ O_DIRECT alignment, behind a 4096-byte header that holds, besides fixed fields, 
 I/O chunk. With swapped state a rank keeps ``2 d + 3`` staging buffers for a prefetch depth d.
 
 ``engine.buffers``, ``engine.storage.swapfile`` and ``engine.core`` build on these; the
-performance model (``perf.layout``) reads them without importing torch, so ``offloadctl plan``
-starts at once.
+performance model (``perf.layout``, ``perf.model``, ``perf.search``) imports them without
+importing torch, so ``offloadctl plan`` starts at once.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.adamw import hyper_from_group
 from engine.checkpoint import save_atomic
-from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
+from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
@@ -141,8 +141,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-        paths = (tuple(StoragePath.coerce(p, "nvme") for p in nvme_paths)
-                 + tuple(StoragePath.coerce(p, "remote") for p in remote_paths))
+        paths = storage_paths(nvme_paths, remote_paths)
         given = {k: v for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction),
                                    ("node_lock", node_lock)) if v is not None}
         concurrency = {StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()}

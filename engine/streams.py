@@ -12,7 +12,8 @@ uploads). They reach them only through a :class:`Streams`, so one code path runs
 - A recording fake in the tests (``tests/fake_streams.py``) that runs copies at once and keeps
   the happens-before relation, so a test can check every wait the engine makes.
 
-``streams_for(device)`` is the one place the engine picks its implementation.
+``streams_for(device)`` is the one place the engine picks its implementation, and
+``resolve_lane_device`` the one place a device setting becomes the lane's device.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import contextlib
 from typing import Protocol
 
 import torch
+
+from engine.errors import ConfigError
 
 
 class Event(Protocol):
@@ -175,3 +178,14 @@ class HostStreams:
 def streams_for(device: torch.device) -> Streams:
     """The streams of ``device``: CUDA's on a CUDA device, the host's otherwise."""
     return CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+
+
+def resolve_lane_device(device: str | None) -> torch.device | None:
+    """The device of the device lane for a setting (``EngineConfig.device``, ``--lane-device``):
+    the one given, checked; None: the current CUDA device, or no device lane without CUDA."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available here: use device=None or 'cpu'")
+    return d

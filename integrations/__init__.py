@@ -10,14 +10,10 @@
 - ``bootstrap``: what each rank runs before the user's script; ``launcher``: the DeepSpeed
   launcher's command line and environment, signals, and ``/dev/shm`` clean-up.
 
-Hugging Face notes. Trainer and Accelerate reach the engine with no code of ours in them:
-both end in ``deepspeed.initialize``, which builds the optimizer class ``install()`` put in
-place. Accelerate takes its DeepSpeed path only with ``ACCELERATE_USE_DEEPSPEED=true``, which
-the launcher sets as ``accelerate launch --use_deepspeed`` would. Trainer attaches its LR
-scheduler to the optimizer DeepSpeed wraps; that optimizer holds no parameters here (the
-engine owns them), and the ZeRO-3 subclass still calls its ``step()`` so the scheduler's step
-tracking and any step hooks on it run. ``ds_patches`` wraps the DeepSpeed engine's
-``forward``, ``backward`` and ``step`` for the recorder as instance attributes, which Trainer and
-Accelerate call, so their phases are recorded too (``tests/test_deepspeed_integration.py`` runs both against stock
-DeepSpeed).
+Hugging Face: Trainer and Accelerate reach the engine with no code of ours in them, since both
+end in ``deepspeed.initialize`` (Accelerate only with ``ACCELERATE_USE_DEEPSPEED=true``, which
+the launcher sets as ``accelerate launch --use_deepspeed`` would). The ZeRO-3 subclass still calls
+the ``step()`` of the optimizer DeepSpeed wraps (it holds no parameters here), so Trainer's LR
+scheduler and step hooks run; the recorder's wrappers of ``forward``, ``backward`` and ``step``
+are instance attributes, which both call (``tests/test_deepspeed_integration.py`` runs both).
 """

@@ -1,26 +1,10 @@
-"""The engine inside DeepSpeed ZeRO-3: a subclass of ``DeepSpeedZeroOptimizer_Stage3``.
+"""Putting the engine inside DeepSpeed ZeRO-3: :func:`install`.
 
-ZeRO-3 already keeps each rank's parameters as flat partitions split into subgroups
-(``sub_group_size``), so every subgroup becomes one :class:`ZeroPartitionSubgroup` binding and
-:class:`engine.core.SubgroupEngine` does the rest. What changes against stock DeepSpeed:
-
-- DeepSpeed allocates no fp32 master copies, no fp32 gradient copies and no Adam state
-  (``_create_fp32_partitions``, ``initialize_optimizer_states``,
-  ``_offload_grad_partition_at_boundary``), and creates no swapper: the engine owns the state
-  and its tiers.
-- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``, pinned
-  in place at its exact size) in their own dtype; they are upcast and unscaled per chunk at
-  update time, never written to storage. Gradients of subgroups updated on the GPU (the device
-  tier, and the device lane when memory allows) stay on the GPU: their entries in DeepSpeed's
-  per-parameter gradient map point into device buffers, so backward never copies them out.
-- ``step()`` keeps DeepSpeed's overflow check, loss-scale update and clipping, then hands the
-  whole update loop to the engine.
-- ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
-  DeepSpeed's own checkpoint layout, so stock DeepSpeed can resume from our checkpoints.
-
-:func:`install` checks the installed DeepSpeed (``ds_compat``) and has ``ds_patches`` put the
-subclass (``integrations.zero3_optimizer``) in place of DeepSpeed's before
-``deepspeed.initialize``, with the rank's :class:`ZeroEngineSettings` (``integrations.settings``).
+:func:`install` checks the installed DeepSpeed (``ds_compat``), loads DeepSpeed's native ops
+without compiling them in the rank, and has ``ds_patches`` put the subclass
+(``integrations.zero3_optimizer.OffloadZero3Optimizer``, which says what it changes against stock
+DeepSpeed) in place of DeepSpeed's ZeRO-3 optimizer before ``deepspeed.initialize``, with the
+rank's :class:`ZeroEngineSettings` (``integrations.settings``).
 """
 from __future__ import annotations
 

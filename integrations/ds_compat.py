@@ -1,13 +1,12 @@
 """What the ZeRO-3 integration depends on inside DeepSpeed, in one table, and the checks against it.
 
-``integrations/zero3_optimizer.py`` subclasses ``DeepSpeedZeroOptimizer_Stage3``: it overrides
-private methods, calls others from its own ``step()``, and reads and writes attributes DeepSpeed
-sets up in ``__init__``; ``integrations/ds_patches.py`` wraps private methods, taking their names
-from the entries here. None of that is DeepSpeed's public API, so any release may change it,
-and a changed signature or a renamed attribute would otherwise surface mid-run as a traceback
-deep in DeepSpeed (or, for a parameter DeepSpeed starts passing, as a silently different
-update). The version range alone cannot tell, so the checks here compare the table with what is
-installed:
+``integrations/zero3_optimizer.py`` overrides and calls private methods of
+``DeepSpeedZeroOptimizer_Stage3`` and uses attributes its ``__init__`` sets up;
+``integrations/ds_patches.py`` wraps private methods named here. None of that is DeepSpeed's
+public API, and a changed signature or renamed attribute would otherwise surface mid-run as a
+traceback deep in DeepSpeed (or, for a parameter DeepSpeed starts passing, as a silently
+different update). The version range alone cannot tell, so the checks compare the table with
+what is installed:
 
 - :func:`check_deepspeed` (at install, in ``offloadctl info`` and so in ``make setup``): the
   version against the range, each method's parameter names against the table, and each

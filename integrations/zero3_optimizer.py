@@ -1,9 +1,26 @@
 """The engine inside DeepSpeed ZeRO-3: :class:`OffloadZero3Optimizer`, a subclass of
 ``DeepSpeedZeroOptimizer_Stage3``, and the binding of its subgroups to the engine.
 
+ZeRO-3 already keeps each rank's parameters as flat partitions split into subgroups
+(``sub_group_size``), so every subgroup becomes one :class:`ZeroPartitionSubgroup` binding and
+:class:`engine.core.SubgroupEngine` does the rest. What changes against stock DeepSpeed:
+
+- DeepSpeed allocates no fp32 master copies, no fp32 gradient copies and no Adam state
+  (``_create_fp32_partitions``, ``initialize_optimizer_states``,
+  ``_offload_grad_partition_at_boundary``), and creates no swapper: the engine owns the state
+  and its tiers.
+- Reduced gradients stay in DeepSpeed's host buffer (``grad_partitions_flat_buffer``, pinned
+  in place at its exact size) in their own dtype; they are upcast and unscaled per chunk at
+  update time, never written to storage. Gradients of subgroups updated on the GPU (the device
+  tier, and the device lane when memory allows) stay on the GPU: their entries in DeepSpeed's
+  per-parameter gradient map point into device buffers, so backward never copies them out.
+- ``step()`` keeps DeepSpeed's overflow check, loss-scale update and clipping, then hands the
+  whole update loop to the engine.
+- ``state_dict``/``_rigid_load_state_dict`` gather and restore the engine's state in
+  DeepSpeed's own checkpoint layout, so stock DeepSpeed can resume from our checkpoints.
+
 Imported only by :func:`integrations.deepspeed_zero3.install`, after DeepSpeed was imported
-the way that keeps it from compiling native ops in a rank; what the subclass changes against
-stock DeepSpeed is described there.
+the way that keeps it from compiling native ops in a rank.
 """
 from __future__ import annotations
 
@@ -20,11 +37,12 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from engine.adamw import hyper_from_group
 from engine.buffers import pin_in_place
-from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache
+from engine.config import EngineConfig, Knobs, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
+from engine.streams import resolve_lane_device
 from integrations import ds_compat
-from integrations.deepspeed_zero3 import ZeroEngineSettings
+from integrations.settings import ZeroEngineSettings
 
 
 class ZeroPartitionSubgroup:
@@ -179,8 +197,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         rank = dist.get_rank() if dist.is_initialized() else 0
         local_ranks, _ = node_layout(dist.get_world_size() if dist.is_initialized() else 1)
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
-        paths = tuple(StoragePath(path=p, kind="nvme") for p in nvme) + tuple(
-            StoragePath(path=p, kind="remote") for p in self.settings.remote_paths)
+        paths = storage_paths(nvme, self.settings.remote_paths)
         host_cache = resolve_host_cache(self.settings.host_cache_bytes, paths)
         knobs = self.settings.knobs
         subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
@@ -188,7 +205,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if self.settings.profile:
             rp = self._rank_plan(paths)
             host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
-        device = self.settings.lane_device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else None)
+        lane_device = resolve_lane_device(self.settings.lane_device or None)
+        device = str(lane_device) if lane_device is not None else None
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
                               device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
                               auto_device_fraction=bool(device) and self.settings.auto_device_fraction,

@@ -2,10 +2,11 @@
 of a transfer, staging buffers, which subgroups are resident, on the device lane or swapped,
 and the swap traffic of one step.
 
-Every figure of the layout is the engine's own, imported from its torch-free modules
-(``engine.layout``: header, alignment, 12 B/element, chunk CRCs, kept and staging buffers;
-``engine.config``: I/O request size, default concurrency; ``engine.placement``: the stripe
-rule), so ``offloadctl plan`` starts without torch and the model cannot drift from the engine.
+Every figure of the layout is the engine's own, imported (here and in the model's other
+modules) from its torch-free modules (``engine.layout``: header, 12 B/element, chunk CRCs, kept
+and staging buffers; ``engine.config``: I/O request size, default concurrency;
+``engine.placement``: the stripe rule), so ``offloadctl plan`` starts without torch and the
+model cannot drift from the engine.
 """
 from __future__ import annotations
 
@@ -13,11 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import EngineConfig
-
-# Re-exported for the model's modules, under the names its formulas use.
-from engine.layout import ALIGN_BYTES, HEADER_BYTES, chunk_bytes_for, kept_subgroups, staging_buffers  # noqa: F401
-from engine.layout import STATE_BYTES_PER_ELEMENT as STATE_BYTES_PER_PARAM  # noqa: F401
-from engine.layout import payload_bytes as pay  # noqa: F401
+from engine.layout import HEADER_BYTES, chunk_bytes_for, payload_bytes
 from engine.placement import stripe
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -35,8 +32,8 @@ above, by proportion (the difference is under one subgroup per path)."""
 def chunks(numel: int) -> int:
     """I/O requests of one transfer: the payload's chunks and the header
     (``engine.storage.swapfile.ChunkPlan.for_payload``)."""
-    pay_ = pay(numel)
-    return -(-pay_ // chunk_bytes_for(pay_, CHUNK_BYTES)) + 1
+    payload = payload_bytes(numel)
+    return -(-payload // chunk_bytes_for(payload, CHUNK_BYTES)) + 1
 
 
 def prefix_fit(budget: int | None, start: int, N: int, pay_n: int, pay_last: int) -> int:
@@ -80,7 +77,7 @@ def swap_traffic(N: int, first: int, K: int, n: int, n_last: int, weights: tuple
     """Forward- and reverse-order traffic of swapped subgroups ``first..N-1`` over weighted paths."""
     S = N - first
     M = S - K
-    fb_n = pay(n) + HEADER_BYTES
+    fb_n = payload_bytes(n) + HEADER_BYTES
     if S > EXACT_SUBGROUPS:
         total = sum(weights)
         share = [w / total for w in weights]
@@ -90,16 +87,16 @@ def swap_traffic(N: int, first: int, K: int, n: int, n_last: int, weights: tuple
         return t, t
     idx = list(range(first, N))
     sizes = [n_last if i == N - 1 else n for i in idx]
-    tiers = stripe([pay(x) for x in sizes], list(weights))
+    tiers = stripe([payload_bytes(x) for x in sizes], list(weights))
     out = []
     for reads, writes in ((range(K, S), range(0, M)), (range(0, M), range(K, S))):  # forward, reverse
         r, w, m = [0.0] * len(weights), [0.0] * len(weights), [0.0] * len(weights)
         host_m = 0
         for k in reads:
-            r[tiers[k]] += pay(sizes[k]) + HEADER_BYTES
+            r[tiers[k]] += payload_bytes(sizes[k]) + HEADER_BYTES
             m[tiers[k]] += 1
             host_m += not on_device_lane(idx[k], f)
         for k in writes:
-            w[tiers[k]] += pay(sizes[k]) + HEADER_BYTES
+            w[tiers[k]] += payload_bytes(sizes[k]) + HEADER_BYTES
         out.append(Traffic(tuple(r), tuple(w), tuple(m), host_m))
     return out[0], out[1]

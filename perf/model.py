@@ -5,65 +5,12 @@ Pure functions over frozen dataclasses: no I/O, no torch. Inputs are a hardware
 :class:`~perf.profile.Profile` (measured figures), a :class:`Workload` (model size, ranks,
 forward/backward time) and a :class:`Plan` (where state lives, and the engine's
 :class:`~engine.config.Knobs`). The model follows what :class:`engine.core.SubgroupEngine`
-does, step by step; ``docs/perfmodel.md`` derives each formula. Around it:
-
-- :mod:`perf.layout`: the engine's layout as the model counts it (bytes per subgroup, staging
-  buffers, placement prefixes, swap traffic per step);
-- :mod:`perf.hardware`: what the profile's figures give (bandwidth at a concurrency, devices
-  behind paths, host-lane rate, memory budgets);
-- :mod:`perf.search`: :func:`~perf.search.best_plan` and :func:`~perf.search.alternatives`,
-  the search over plans;
-- :mod:`perf.stock`: :func:`~perf.stock.stock_deepspeed`, stock DeepSpeed for comparison.
-
-``best_plan``, ``alternatives``, ``stock_deepspeed`` and ``STOCK_KINDS`` are also reachable
-here (imported on first use), for callers of the single-module layout.
-
-Notation, per rank unless said otherwise:
-
-- ``P = ceil(params / (ranks * nodes))`` parameters (ZeRO-3 splits state evenly), ``n`` the
-  subgroup size, ``N = ceil(P / n)`` subgroups; ``pay(x) = roundup(12 x, 4096)`` bytes of
-  state, ``fb = pay(n) + 4096`` bytes per transfer (state and header).
-- Placement: ``D`` subgroups resident on the device, then ``H`` in host memory (prefixes that
-  fit ``device_cache_bytes`` and ``host_cache_bytes``), ``S = N - D - H`` swapped, striped over
-  the paths by weight (greedy least-finish, as :func:`engine.placement.stripe`).
-- Alternating order: ``K = min(S, d + 1)`` swapped subgroups stay in staging buffers across a
-  step (``d`` = prefetch depth), so ``M = S - K`` are read and ``M`` written per step.
-- ``u = n * ranks / R_lane``: host-lane time of one subgroup, ``R_lane`` the profile's
-  measured host-lane rate (the whole integrated path: 16-bit gradient upcast and unscaled,
-  fused AdamW, weights cast and uploaded), the node's rate shared by the ranks. Profiles
-  without it: ``n / (R_cpu / ranks) + n * e / B_copy`` (the kernel rate plus ``e`` bytes per
-  param copied: the gradient upcast, the weights written back).
-
-Per step, with every rank on a node in lockstep and ``j`` ranging over the storage devices
-(paths on one device share one bandwidth, so they never add up):
-
-- storage   ``T_io = max_j max(R_j / r_j(c), W_j / w_j(c), (R_j + W_j) / m_j(c))``, ``R_j``,
-  ``W_j`` the bytes all ranks of the node read and write on device ``j``, ``r, w, m`` its read,
-  write and mixed (both at once) bandwidth at the in-flight requests ``c`` on that device;
-- CPU       ``T_adam = P_host * (1 / (R_cpu / ranks) + e / B_copy)`` on the host lane, and
-  ``crc = (R + W) / (C_crc * cores / ranks)`` of checksums on the I/O threads, same cores;
-- GPU       ``T_gpu = 12 n / B_h2d + 12 n / B_d2h + (G + D) n / R_gpu``: the pipeline's fill and
-  drain (one subgroup in and out) and the updates, ``G`` staged device-lane subgroups, ``D``
-  resident ones; copies in, updates and copies back of successive subgroups overlap (three
-  streams), so the copies themselves count in the PCIe chain;
-- PCIe      ``T_pcie = max(H2D / (L * B_h2d'), D2H / (L * B_d2h'), (H2D + D2H) / B_mem)`` per node,
-  ``L`` links, duplex figures, host memory shared by every link; H2D carries 12 B per staged
-  device-lane param (its gradient is already on the GPU) and the 16-bit weights of host-lane
-  params, D2H 12 B per staged param;
-- prefetch  ``T_lat = sum over misses (r1 + u) / (d + 1)`` (Little's law on ``d + 1`` reads in
-  flight; ``r1`` one subgroup's read, with a concurrent write when ``d = 0``).
-
-The step is the longest of five chains, each with its fill and drain (``w1``/``r1``: one
-subgroup's write/read, ``A`` the host-lane time of the resident subgroups, which run before any
-read is issued in forward steps and after the last write is issued in reverse steps):
-
-- storage  ``= A_fwd + u + T_io + max(0, u + A_rev - w1)``
-- CPU      ``= T_adam + max(fill + drain, crc)``, ``fill = max(0, r1 - d u)`` (the first read,
-  less the kept subgroups' updates), ``drain = max(0, w1 - K u - A_rev)`` (the last write-back)
-- prefetch ``= A + K u + T_lat + max(0, drain - r1)`` (the last read hides the last write)
-- GPU ``= u + T_gpu``;  PCIe ``= T_pcie``
-
-``update_s`` is the mean of a forward and a reverse step; ``iteration_s = fwd_bwd_s + update_s``.
+does, step by step: a step takes the longest of its storage, CPU, prefetch, GPU and PCIe
+chains, each with its fill and drain; ``update_s`` is the mean of a forward and a reverse step.
+``docs/perfmodel.md`` ("The model") gives the notation the code uses (``P``, ``n``, ``N``,
+``D``, ``H``, ``S``, ``K``, ``M``, ``u``, ...) and derives each formula. The layout it counts
+is :mod:`perf.layout`'s, the hardware figures :mod:`perf.hardware`'s; :mod:`perf.search`
+searches over plans with it and :mod:`perf.stock` models stock DeepSpeed beside it.
 """
 from __future__ import annotations
 
@@ -74,6 +21,7 @@ from typing import Mapping
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.lane_model import LaneLoad, LaneRates, lane_times
+from engine.layout import HEADER_BYTES, kept_subgroups, payload_bytes, staging_buffers
 from engine.placement import device_lane_working_bytes
 from perf.hardware import (
     Device,
@@ -86,19 +34,7 @@ from perf.hardware import (
     host_budget,
     host_lane_seconds_per_param,
 )
-from perf.layout import (
-    CHUNK_BYTES,
-    HEADER_BYTES,
-    SUBGROUP_NUMEL,
-    Traffic,
-    chunks,
-    kept_subgroups,
-    lane_count,
-    pay,
-    prefix_fit,
-    staging_buffers,
-    swap_traffic,
-)
+from perf.layout import CHUNK_BYTES, SUBGROUP_NUMEL, Traffic, chunks, lane_count, prefix_fit, swap_traffic
 from perf.profile import PathProfile, Profile
 
 CRC_BYTES_PER_S_PER_CORE = 4e9
@@ -280,7 +216,7 @@ def _layout(wl: Workload, plan: Plan) -> _Layout:
     n = min(wl.subgroup_numel, P)
     N = -(-P // n)
     n_last = P - (N - 1) * n
-    pay_n, pay_last = pay(n), pay(n_last)
+    pay_n, pay_last = payload_bytes(n), payload_bytes(n_last)
     d, f = plan.knobs.prefetch_depth, plan.knobs.device_fraction
     D = prefix_fit(plan.device_cache_bytes, 0, N, pay_n, pay_last) if plan.device_cache_bytes else 0
     H = prefix_fit(plan.host_cache_bytes, D, N, pay_n, pay_last)

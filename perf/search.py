@@ -9,9 +9,10 @@ from typing import Literal, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.layout import HEADER_BYTES, STATE_BYTES_PER_ELEMENT, payload_bytes, staging_buffers
 from engine.placement import device_lane_working_bytes
 from perf.hardware import Device, check_profile, default_weight, device_key, device_time, gb, gpu_headroom, host_budget
-from perf.layout import CHUNK_BYTES, HEADER_BYTES, STATE_BYTES_PER_PARAM, pay, prefix_fit, staging_buffers
+from perf.layout import CHUNK_BYTES, prefix_fit
 from perf.model import Plan, Prediction, Workload, predict
 from perf.profile import PathProfile, Profile
 from perf.stock import STOCK_KINDS, stock_deepspeed
@@ -74,7 +75,7 @@ def alternatives(profile: Profile, workload: Workload, paths: Sequence[str] | No
     cands = _candidate_paths(profile, paths)
     n = min(wl.subgroup_numel, wl.params_per_rank)
     budget_rank = host_budget(profile, wl) // wl.ranks
-    fb = pay(n) + HEADER_BYTES
+    fb = payload_bytes(n) + HEADER_BYTES
     out = [best]
 
     def add(make) -> None:
@@ -106,7 +107,7 @@ def _placement_and_knobs(plan: Plan, wl: Workload) -> tuple:
     P = wl.params_per_rank
     n = min(wl.subgroup_numel, P)
     N = -(-P // n)
-    host = prefix_fit(plan.host_cache_bytes, 0, N, pay(n), pay(P - (N - 1) * n))
+    host = prefix_fit(plan.host_cache_bytes, 0, N, payload_bytes(n), payload_bytes(P - (N - 1) * n))
     k = plan.knobs
     return (host, plan.device_cache_bytes, k.device_fraction, k.prefetch_depth, sorted(k.io_concurrency.items()),
             sorted(k.stripe_weights.items()), k.node_lock)
@@ -160,11 +161,12 @@ def _device_caches(profile: Profile, wl: Workload, n: int, state_rank: int, devi
     dev_caches = [0]
     if device_cache and profile.gpu is not None:
         headroom = gpu_headroom(profile, wl)
-        per_byte = (STATE_BYTES_PER_PARAM + wl.grad_bytes) / STATE_BYTES_PER_PARAM
+        per_byte = (STATE_BYTES_PER_ELEMENT + wl.grad_bytes) / STATE_BYTES_PER_ELEMENT
         if state_rank * per_byte <= headroom:
             dev_caches.append(state_rank)
         room = (headroom - device_lane_working_bytes(n)) / per_byte
-        dev_caches += sorted({int(room * k // pay(n)) * pay(n) for k in (1.0, 0.75, 0.5) if room * k >= pay(n)})
+        pay_n = payload_bytes(n)
+        dev_caches += sorted({int(room * k // pay_n) * pay_n for k in (1.0, 0.75, 0.5) if room * k >= pay_n})
     return dev_caches
 
 
@@ -177,11 +179,11 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     P = wl.params_per_rank
     n = min(wl.subgroup_numel, P)
     budget_rank = host_budget(profile, wl) // wl.ranks
-    fb = pay(n) + HEADER_BYTES
+    fb = payload_bytes(n) + HEADER_BYTES
     lane_ok = (device_lane and profile.gpu is not None
                and gpu_headroom(profile, wl) >= device_lane_working_bytes(n))
     fractions = FRACTIONS if lane_ok else (0.0,)
-    state_rank = pay(n) * (-(-P // n))
+    state_rank = payload_bytes(n) * (-(-P // n))
     dev_caches = _device_caches(profile, wl, n, state_rank, device_cache)
     preds: list[tuple[tuple, Prediction]] = []
     refusals: list[ConfigError] = []

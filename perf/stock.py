@@ -12,8 +12,8 @@ from typing import Literal
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.layout import payload_bytes
 from perf.hardware import Device, check_profile, device_time, gb, gpu_headroom, host_budget, host_lane_seconds_per_param
-from perf.layout import pay
 from perf.model import Plan, Prediction, Workload
 from perf.profile import PathProfile, Profile
 
@@ -133,7 +133,8 @@ def _twinflow(s: _Stock, ratio: float | None) -> Prediction:
     t_gpu = on_gpu / gpu.adamw_params_per_s.value * -(-ranks // max(1, profile.machine.gpu_count))
     t = max(t_cpu, t_gpu)
     # The engine runs it as a device tier of the GPU part, the rest in host memory.
-    plan = Plan(host_cache_bytes=None, device_cache_bytes=pay(on_gpu), knobs=Knobs(device_fraction=0.0, prefetch_depth=0))
+    plan = Plan(host_cache_bytes=None, device_cache_bytes=payload_bytes(on_gpu),
+                knobs=Knobs(device_fraction=0.0, prefetch_depth=0))
     return s.result(f"stock Twin-Flow (ratio {ratio:g})", plan, t, {"cpu_update": t_cpu, "gpu_update": t_gpu}, 0.0,
                     "cpu" if t_cpu >= t_gpu else "gpu", memory={"host_per_node": host_need, "gpu_per_rank": gpu_need})
 

@@ -1,24 +1,21 @@
 """The numbers behind every plot of ``offloadctl report``: pure functions of the records.
 
 An iteration runs from the end of the previous optimizer step (for the first, from its first
-recorded call) to the end of its own. It splits into the **segments** of :data:`SEGMENTS`:
-forward, backward, the update (the DeepSpeed ``step()`` span) in its parts, and ``outside``,
-the training loop's own time between DeepSpeed calls. The update's parts come from the
-engine's StepRecord (offloadctl), or from the spans of stock ZeRO-3's per-subgroup swap-in,
-optimizer step and swap-out; ``update_other`` is the rest of the step span (DeepSpeed's
-gradient norm, clipping and partitioning, the engine's loop bookkeeping). The segments add up
-to the iteration exactly, by construction; ``measured_share`` says how much of it the recorded
-spans cover.
+recorded call) to the end of its own, split into the **segments** of :data:`SEGMENTS`: forward,
+backward, the update's parts (from the engine's StepRecord, or stock ZeRO-3's per-subgroup
+spans; ``update_other`` is the rest of the step span), and ``outside`` (the training loop's own
+time between DeepSpeed calls). The segments add up to the iteration exactly, by construction;
+``measured_share`` says how much of it the recorded spans cover.
 
-Bytes per parameter: the engine's own counts per tier kind (``engine_bytes``), and the
-kernel's per-device counters per phase (``disk_bytes``), node-wide, so divided by the
-parameters of the node's ranks. Across iterations they are means over the steady ones, so that
-the phases add up to the iteration's total (the engine's alternating order moves 8 B/param one
-way and 6 the other on alternate steps: medians taken apart would not add up).
+Bytes per parameter, the engine's own counts per tier kind (``engine_bytes``) and the kernel's
+node-wide per-device counters per phase (``disk_bytes``, divided by the parameters of the node's
+ranks), are means over the steady iterations, so that the phases add up to the iteration's
+total (the engine's alternating order moves 8 B/param one way and 6 the other on alternate
+steps: medians taken apart would not add up).
 
-:func:`shares` and :func:`verdict` say where the time went in words; the report's page and
-terminal table and ``offloadctl train``'s end-of-run summary all use them. Times are seconds,
-bytes are bytes.
+:func:`shares` and :func:`verdict` say where the time went in words, for the report and
+``offloadctl train``'s end-of-run summary. docs/report.md ("Reading the report") says what each
+figure shows. Times are seconds, bytes are bytes.
 """
 from __future__ import annotations
 

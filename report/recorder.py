@@ -3,33 +3,17 @@ the spans, the files and their format.
 
 ``integrations/bootstrap.py`` starts a :class:`Recorder` in every rank, for offloadctl's engine
 and for stock DeepSpeed (``offloadctl train --engine stock``) alike, and
-``integrations/ds_patches.py`` hooks it into the DeepSpeed engine; it changes nothing in training:
+``integrations/ds_patches.py`` hooks it into the DeepSpeed engine; it changes nothing in training.
+Each forward, backward and step call is a span on ``time.perf_counter()``, with the kernel's byte
+counters of the tier devices read at every span edge (/proc/diskstats, about 40 us), so each
+phase gets the bytes it moved; inside the update, offloadctl's :class:`engine.telemetry.StepRecord`
+goes in as it is, and stock ZeRO-3's per-subgroup swap-in, optimizer step and swap-out are spans.
+:class:`report.sampler.Sampler`'s thread adds samples at ``sample_hz`` (host RSS and CPU, tier
+bytes, GPU memory and PCIe where CUDA and NVML exist).
 
-- **Phases.** Each call of the engine's ``forward``, ``backward`` and ``step`` is a span on
-  ``time.perf_counter()`` (:meth:`Recorder.phase_starts`, :meth:`Recorder.phase_ends`); an
-  iteration ends with the ``step()`` that advances ``engine.global_steps``. At every span edge
-  the kernel's byte counters of the devices behind the storage tiers are read (/proc/diskstats,
-  about 40 us), so each phase gets the bytes it read and wrote per device. Inside the update:
-  offloadctl's engine's :class:`engine.telemetry.StepRecord` for the step (read waits, host lane,
-  device lane, write and device waits, bytes per tier, cache hits, knobs) goes into the record as
-  it is, with the tuner's reason when the knobs changed; for stock DeepSpeed ZeRO-3, its
-  per-subgroup swap-in, optimizer step and swap-out are spans (:meth:`Recorder.part_starts`).
-- **Samples**, at ``sample_hz`` (default 100), by :class:`report.sampler.Sampler`'s thread: host
-  RSS and CPU use, the tier devices' bytes, and where CUDA and NVML exist the GPU's memory and
-  PCIe throughput.
-
-Files, one pair per rank in the run directory, JSON lines written as they happen (a crashed
-run keeps everything up to its last full line):
-
-- ``record-rank<R>.jsonl``: a header line, an ``init`` line once ``deepspeed.initialize``
-  returns (model size, tiers and their devices, the engine's plan), one ``iteration`` line per
-  optimizer step (with the samples and tokens its forward calls were given), and an ``end``
-  line at exit: ``status`` finished, interrupted (``signal``: the first SIGINT, SIGTERM or
-  SIGHUP the rank got) or error, the iterations completed, and the recorder's own cost. A
-  record without an ``end`` line is of a rank killed outright (SIGKILL, out of memory);
-- ``samples-rank<R>.jsonl``: a header line naming the columns, then one JSON array per sample.
-
-docs/report.md describes the fields and what recording costs.
+Per rank, ``record-rank<R>.jsonl`` and ``samples-rank<R>.jsonl`` in the run directory, JSON lines
+written as they happen, so a crashed run keeps everything up to its last full line.
+docs/report.md ("What is recorded") describes every line and field, and what recording costs.
 """
 from __future__ import annotations
 

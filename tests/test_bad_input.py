@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
+from helpers import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
 
@@ -145,6 +145,19 @@ def test_bad_values_are_config_errors(swap_dir, tmp_path):
     opt.close()
 
 
+def test_lane_device_setting():
+    """One rule for the engine and the DeepSpeed integration (engine.streams.resolve_lane_device)."""
+    from engine.streams import resolve_lane_device
+
+    assert resolve_lane_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_lane_device(None) == torch.device("cuda", torch.cuda.current_device())
+    else:
+        assert resolve_lane_device(None) is None
+        with pytest.raises(ConfigError, match=r"device='cuda:0' but CUDA is not available here: use device=None or 'cpu'"):
+            resolve_lane_device("cuda:0")
+
+
 def test_load_state_of_another_model(swap_dir):
     _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 1)
     other = OffloadAdamW(torch.nn.Linear(3, 3).parameters(), host_adam="torch")
@@ -169,7 +182,7 @@ def test_close_removes_swap_files(swap_dir):
 _CHILD = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import make_model
+from helpers import make_model
 from engine import OffloadAdamW
 m = make_model()
 opt = OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=700, host_cache_bytes=0, nvme_paths=[{d!r}], host_adam="torch")

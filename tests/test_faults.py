@@ -21,8 +21,8 @@ import tempfile
 import time
 
 import pytest
-from conftest import mounted, needs_root
-from conftest import wait_for as _wait
+from helpers import mounted, needs_root
+from helpers import wait_for as _wait
 
 from tuner import service
 from tuner.protocol import API_VERSION, Connection, ErrorCode, ProtocolError, encode, recv_message

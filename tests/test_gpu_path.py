@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from fake_streams import RecordingStreams
+from helpers import needs_cuda
 
 import engine.buffers
 import engine.core
@@ -145,6 +146,11 @@ def test_device_tier_updates_never_wait_for_the_lane(monkeypatch, swap_dir):
     run.engine.close()
 
 
+def _lane_bytes(lane) -> int:
+    """The device memory a lane uses at most, as the engine counts it."""
+    return device_lane_working_bytes(lane.capacity_numel, lane.n_slots, lane.chunk_numel)
+
+
 def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
     """Item 2: the lane's device memory is its chunk slots, whatever the subgroup size."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=0, fraction=1.0, numels=[8000, 20000])
@@ -153,7 +159,7 @@ def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
     slot_bytes = sum(t.numel() * t.element_size() for s in lane._slots for t in (s.state, s.grad, s.weights))
     assert len(lane._slots) == DEVICE_LANE_SLOTS
     assert slot_bytes == DEVICE_LANE_SLOTS * 20 * CHUNK
-    assert lane.working_bytes() == device_lane_working_bytes(20000, chunk_numel=CHUNK) == (20 * 3 + 8) * CHUNK
+    assert _lane_bytes(lane) == device_lane_working_bytes(20000, chunk_numel=CHUNK) == (20 * 3 + 8) * CHUNK
     assert device_lane_working_bytes(10 ** 9) == device_lane_working_bytes(10 ** 8)  # DeepSpeed's default and ours
     run.check_numerics()
     run.engine.close()
@@ -172,7 +178,7 @@ def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
     _fast_lane_rates(monkeypatch)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
                auto_fraction=True)
-    too_small = run.engine.device_lane.working_bytes() - 1
+    too_small = _lane_bytes(run.engine.device_lane) - 1
     with caplog.at_level(logging.WARNING):
         fit = run.engine.fit_device_tier(headroom_bytes=too_small)
     assert fit.device_tier_subgroups == 0 and fit.device_fraction == 0.0 and fit.device_lane_off
@@ -190,7 +196,7 @@ def test_lane_balance_runs_when_the_slots_fit(monkeypatch, swap_dir):
     _fast_lane_rates(monkeypatch)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
                auto_fraction=True)
-    fit = run.engine.fit_device_tier(headroom_bytes=run.engine.device_lane.working_bytes() + STATE[0] + 1)
+    fit = run.engine.fit_device_tier(headroom_bytes=_lane_bytes(run.engine.device_lane) + STATE[0] + 1)
     assert fit.device_tier_subgroups == 1 and fit.device_lane_off is None and fit.device_fraction == 1.0
     rec, _ = run.step()
     assert rec.device_lane_subgroups == len(NUMELS) - 1
@@ -330,9 +336,6 @@ def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_c
 
 # -- on a GPU (bench/gpu_session.sh check runs these) ----------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 def _cuda_engine(swap_dir, numels, **cfg):
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
@@ -394,8 +397,8 @@ def test_cuda_lane_memory_is_its_slots(swap_dir):
     eng.step([HP])
     torch.cuda.synchronize()
     assert eng.telemetry.records[-1].device_lane_subgroups == 2
-    assert torch.cuda.max_memory_allocated() - base <= eng.device_lane.working_bytes() // 4  # slots already there
-    assert eng.device_lane.working_bytes() <= 600e6
+    assert torch.cuda.max_memory_allocated() - base <= _lane_bytes(eng.device_lane) // 4  # slots already there
+    assert _lane_bytes(eng.device_lane) <= 600e6
     eng.close()
 
 

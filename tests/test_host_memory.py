@@ -13,8 +13,8 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import assert_params_close, feed_same_grads, make_model
-from conftest import wait_for as _wait
+from helpers import assert_params_close, feed_same_grads, make_model
+from helpers import wait_for as _wait
 
 from engine import Knobs, OffloadAdamW
 from engine.config import StoragePath

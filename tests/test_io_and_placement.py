@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import feed_same_grads
+from helpers import feed_same_grads
 
 from engine import OffloadAdamW, StoragePath
 from engine.buffers import StateBuffer

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_params_close, make_model, needs_cuda, reference_pair
+from helpers import assert_params_close, make_model, needs_cuda, reference_pair
 
 from engine import Knobs, OffloadAdamW, StoragePath
 
@@ -99,7 +99,7 @@ def test_param_groups_missing_grads_noncontiguous(swap_dir):
         return [{"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
                 {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
 
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     model = model_fn()
     ref = copy.deepcopy(model)
@@ -126,7 +126,7 @@ def test_subgroup_counts(sub, depth, swap_dir):
 
 
 def test_lr_scheduler(swap_dir):
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     model = make_model()
     ref = copy.deepcopy(model)
@@ -153,7 +153,7 @@ def test_bf16_params_keep_fp32_master(swap_dir):
     opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir],
                        host_adam="torch")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     feed_same_grads([(model, opt), (ref, ref_opt)], 4, grad_dtype=torch.bfloat16)
     sd = opt.state_dict()
@@ -171,7 +171,7 @@ def test_knob_changes_between_steps_keep_numerics(swap_dirs):
                             device="cpu", host_adam="torch")
 
     model, opt, ref, ref_opt = reference_pair(factory, 2)
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     knob_sets = [
         Knobs(prefetch_depth=4, io_concurrency={nvme0: 1, nvme1: 8}, node_lock=True, device_fraction=0.3),
@@ -226,7 +226,7 @@ def test_cuda_knob_switches_match_adamw(swap_dir):
     opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, device="cuda", host_cache_bytes=STATE // 2,
                        nvme_paths=[swap_dir], host_adam="torch")
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     for k, f in enumerate([0.0, 1.0, 0.5, 0.0, 1.0]):
         opt.set_knobs(opt.knobs.replace(device_fraction=f, prefetch_depth=k % 3))
@@ -296,7 +296,7 @@ def test_stripe_change_reverted_before_the_move_keeps_state(swap_dirs, backend):
                             io_backend=backend, host_adam="torch", prefetch_depth=2)
 
     model, opt, ref, ref_opt = reference_pair(factory, 2)
-    from conftest import feed_same_grads
+    from helpers import feed_same_grads
 
     base = opt.engine.knobs
     for k, knobs in enumerate([base.replace(stripe_weights={nvme0: 3.0, nvme1: 1.0}), base, base]):

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_params_close, feed_same_grads, make_model
+from helpers import assert_params_close, feed_same_grads, make_model
 
 from engine import OffloadAdamW, StoragePath
 

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from helpers import wait_for
 
 from engine.config import Knobs
 from engine.telemetry import StepRecord
@@ -34,15 +35,6 @@ def private_env(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT))
@@ -58,7 +50,7 @@ def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):
         rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1,
                                write_wait_s=0.05, path_bytes_read={nvme: 20_000_000},
                                path_bytes_written={nvme: 10_000_000}), iter_time_s=0.5)
-    _wait(lambda: _iteration(sock, run_id) == iterations - 1, 20, f"{run_id}'s telemetry")
+    wait_for(lambda: _iteration(sock, run_id) == iterations - 1, 20, f"{run_id}'s telemetry")
     return sock, stop, rank
 
 
@@ -259,7 +251,7 @@ time.sleep(600)
 """], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline() == "reported\n"
-        _wait(lambda: _iteration(sock, "dead-run") == 4, 20, "the rank's telemetry")
+        wait_for(lambda: _iteration(sock, "dead-run") == 4, 20, "the rank's telemetry")
         watch = _watch(run_dir)
         time.sleep(2)
         rank.kill()  # SIGKILL: no bye

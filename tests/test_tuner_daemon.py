@@ -16,8 +16,8 @@ import time
 
 import pytest
 import torch
-from conftest import needs_root
-from conftest import wait_for as _wait
+from helpers import needs_root
+from helpers import wait_for as _wait
 
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, SubgroupEngine
 from engine.errors import ConfigError

@@ -21,7 +21,7 @@ import threading
 import time
 
 import pytest
-from conftest import needs_root
+from helpers import needs_root
 
 from tuner.protocol import (
     API_VERSION,

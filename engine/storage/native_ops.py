@@ -11,14 +11,12 @@ DeepSpeed compiles an op the first time it is loaded (torch's JIT: a ``build.nin
 
 Each op is optional: when one cannot build here, the engine uses its pure-PyTorch path.
 
-**One ninja.** torch runs whichever ``ninja`` PATH yields. The venv has its own (pip's, which
-DeepSpeed requires) and the system may have another, so activating the venv switched between
-them; ninja 1.11 and 1.13 keep ``.ninja_log`` in different formats and each discards the other's,
-so every switch recompiled every op (even ``ninja -n`` deletes a log of the other format). This
-module puts the interpreter's ninja (found from the interpreter, never from PATH) first on PATH,
-through a directory that holds only that link, before anything loads an op: DeepSpeed's own
-loads and child processes (ranks) use it too. The compiler (``c++``, or ``$CXX``) and the flags
-did not differ between the two environments; ``build.ninja`` was byte-identical.
+**One ninja.** torch runs whichever ``ninja`` PATH yields, and the venv's (pip's, which
+DeepSpeed requires) and the system's may differ: ninja 1.11 and 1.13 keep ``.ninja_log`` in
+different formats and each discards the other's, so switching between them recompiles every op
+(even ``ninja -n`` deletes a log of the other format). This module puts the interpreter's ninja
+(found from the interpreter, never from PATH) first on PATH, through a directory that holds only
+that link, before anything loads an op: DeepSpeed's own loads and child processes (ranks) use it too.
 
 **Locks.** Builds go to ``<venv>/torch_extensions/<op>`` unless ``TORCH_EXTENSIONS_DIR`` is set,
 so two checkouts never rebuild over each other. torch guards a build directory with a ``lock``

@@ -233,11 +233,10 @@ def tuner_target(value: str) -> str:
 
 def preview_plan(settings, params: int) -> dict:
     """What each rank would plan for a model of ``params`` parameters on one node."""
-    from engine.config import StoragePath
+    from engine.config import storage_paths
     from perf.plan import plan_for_rank
 
-    paths = tuple(StoragePath(path=p, kind="nvme") for p in settings.nvme_paths) + tuple(
-        StoragePath(path=p, kind="remote") for p in settings.remote_paths)
+    paths = storage_paths(settings.nvme_paths, settings.remote_paths)
     rp = plan_for_rank(settings.profile, params_total=params, world_size=1, subgroup_numel=10_000_000, paths=paths,
                        weight_bytes=2, host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
     return {"host_cache_bytes": rp.host_cache_bytes, "knobs": rp.knobs.to_dict(),
