@@ -108,30 +108,6 @@ class Run:
     def __post_init__(self) -> None:
         self.knobs_dict = self.knobs.to_dict()
 
-    @property
-    def world_size(self) -> int:
-        return self.facts.ranks
-
-    @property
-    def params(self) -> int:
-        return self.facts.params
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return self.facts.paths
-
-    @property
-    def profile(self) -> Any:
-        return self.facts.profile
-
-    @property
-    def has_device(self) -> bool:
-        return self.facts.has_device
-
-    @property
-    def subgroup_bytes(self) -> int:
-        return self.facts.subgroup_bytes
-
     def connected(self) -> int:
         return sum(1 for r in self.ranks.values() if r.peer is not None)
 
@@ -155,7 +131,7 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         why = f"view could not be encoded ({e})"
         log.error("run %s: %s", run.run_id, why)
-    view = {"run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
+    view = {"run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
             "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
             "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
             "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None}
@@ -168,10 +144,10 @@ def run_view(run: Run, history: int = 60) -> dict:
     last = run.history[-1] if run.history else None
     iter_time = last[1] if last else max((r.iter_time_s for r in run.ranks.values() if r.iter_time_s), default=None)
     return {
-        "run_id": run.run_id, "status": run.status, "ranks": run.world_size, "connected": run.connected(),
+        "run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
         "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
         "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": run.pins(),
-        "params": run.params, "paths": list(run.paths), "has_device": run.has_device,
+        "params": run.facts.params, "paths": list(run.facts.paths), "has_device": run.facts.has_device,
         "started_at": run.started_at, "ended_at": run.ended_at, "stopped_by": run.stopped_by,
         "rank_iterations": {str(k): r.iteration for k, r in sorted(run.ranks.items())},
         "history": {"iteration": [h[0] for h in hist], "iter_time_s": [h[1] for h in hist],

@@ -124,11 +124,11 @@ class Runs:
             run = None  # a run id used again after its end: a new run
         if run is None:
             run = self._new_run(msg, knobs, paths)
-        elif run.world_size != world:
-            raise ProtocolError(ErrorCode.BAD_VALUE, f"run {run_id} has world_size {run.world_size}, but rank {rank} "
+        elif run.facts.ranks != world:
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"run {run_id} has world_size {run.facts.ranks}, but rank {rank} "
                                 f"says {world}: give each run its own run_id")
         self._attach(run, rank, peer, msg)
-        if run.start_change is not None and run.connected() == run.world_size:
+        if run.start_change is not None and run.connected() == run.facts.ranks:
             (start, reason), run.start_change = run.start_change, None
             self._change(run, start, reason, source="history")
             return {"type": "registered", "run_id": run_id, "rank": rank}
@@ -154,7 +154,7 @@ class Runs:
         run.max_iteration = max(run.max_iteration, run.ranks[rank].iteration)
         run.status, run.ended_at = "running", None
         self._peer_ranks.setdefault(peer, set()).add((run.run_id, rank))
-        log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.world_size,
+        log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.facts.ranks,
                  getattr(peer, "pid", None))
 
     def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
@@ -165,7 +165,7 @@ class Runs:
         from_history = self._best_from_history(run, knobs)
         if from_history is not None and run.facts.fixed:
             # The run's own options fixed these: their values are the registration's, whatever history says.
-            from_history = Pins.of(run.facts.fixed).apply(from_history, paths, run.has_device)
+            from_history = Pins.of(run.facts.fixed).apply(from_history, paths, run.facts.has_device)
             from_history = None if from_history == knobs else from_history
         start = from_history if from_history is not None else knobs
         try:
@@ -179,7 +179,7 @@ class Runs:
             except Exception as e:
                 log.warning("run %s: no sensors: %s", run.run_id, e)
         run.sensor_at = time.monotonic()
-        log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.world_size, run.params, list(paths))
+        log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
         if from_history is not None:  # pushed once every rank is here to take it at the same iteration
             run.start_change = (from_history, "best knobs of earlier runs with the same profile, size and ranks")
         self._restore_controls(run, knobs)
@@ -203,9 +203,9 @@ class Runs:
         if self.history is None:
             return None
         try:
-            best = self.history.best_knobs(run.profile, run.params, run.world_size, paths=list(run.paths))
+            best = self.history.best_knobs(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(run.facts.paths))
             if best is not None and best != knobs:
-                _check_knobs_for(best, run.paths, run.has_device)
+                _check_knobs_for(best, run.facts.paths, run.facts.has_device)
                 return best
         except Exception as e:  # history is advice; a bad entry must not stop the run
             log.warning("run %s: history not used: %s", run.run_id, e)
@@ -263,7 +263,7 @@ class Runs:
         if run.connected():
             return
         run.ended_at = time.time()
-        if len(run.ranks) == run.world_size and all(r.bye for r in run.ranks.values()):
+        if len(run.ranks) == run.facts.ranks and all(r.bye for r in run.ranks.values()):
             run.status = "finished"
             run.stopped_by = next((r.stopped_by for r in run.ranks.values() if r.stopped_by), None)
             self._aggregate_ready(run, flush=True)
@@ -284,8 +284,8 @@ class Runs:
         times = [t if t is not None else u for i, t, u in run.history if i >= run.in_force_since]
         try:
             knobs = knobs_from_dict(run.in_force) if run.in_force else run.knobs
-            self.history.record_run(run.run_id, run.profile, run.params, run.world_size, knobs,
-                                    statistics.median(times) if times else None, paths=list(run.paths))
+            self.history.record_run(run.run_id, run.facts.profile, run.facts.params, run.facts.ranks, knobs,
+                                    statistics.median(times) if times else None, paths=list(run.facts.paths))
         except Exception as e:
             log.warning("run %s: not recorded in the history: %s", run.run_id, e)
 
@@ -321,9 +321,9 @@ class Runs:
             else:
                 own, target = Pins(), knobs
                 for knob, value in pins.items():
-                    _, _, target = own.pin(knob, value, target, run.paths, run.has_device)
+                    _, _, target = own.pin(knob, value, target, run.facts.paths, run.facts.has_device)
                 run.own_pins = own
-            _check_knobs_for(target, run.paths, run.has_device)
+            _check_knobs_for(target, run.facts.paths, run.facts.has_device)
         except (ConfigError, ProtocolError, TypeError) as e:
             log.warning("run %s: saved pins %s not restored: %s", run.run_id, pins, e)
             return
@@ -347,13 +347,13 @@ class Runs:
         Nothing is decided while a rank is away (a change could not reach it): iterations wait,
         and those older than the window are dropped. ``flush`` (the run ended) records what is
         left without asking the policy."""
-        if not flush and run.connected() < run.world_size:
+        if not flush and run.connected() < run.facts.ranks:
             for i in [i for i in run.pending if i < run.max_iteration - self.config.window]:
                 del run.pending[i]
             return
         for i in sorted(run.pending):
             got = run.pending[i]
-            complete = len(got) >= run.world_size
+            complete = len(got) >= run.facts.ranks
             stale = i < run.max_iteration - self.config.window
             if not (complete or stale or flush):
                 break
@@ -385,7 +385,7 @@ class Runs:
         run.bandwidth = {p: {"read_bytes_per_s": obs.path_read_bytes_per_s.get(p, 0.0),
                              "write_bytes_per_s": obs.path_write_bytes_per_s.get(p, 0.0),
                              "other_bytes_per_s": other.get(p), "concurrency": run.knobs.concurrency_for(p)}
-                         for p in run.paths}
+                         for p in run.facts.paths}
         if in_force is not None and in_force != run.in_force:
             run.in_force, run.in_force_since = in_force, i
         self._maybe_summarize(run, i, obs.iter_time_s, obs.update_s)
@@ -415,7 +415,7 @@ class Runs:
         if decision is None:
             return
         try:
-            _check_knobs_for(decision.knobs, run.paths, run.has_device)
+            _check_knobs_for(decision.knobs, run.facts.paths, run.facts.has_device)
         except ProtocolError as e:
             self._policy_failed(run, f"policy proposed unusable knobs: {e}")
             log.error("run %s: %s", run.run_id, run.policy_error)
@@ -435,7 +435,7 @@ class Runs:
                 log.warning("run %s: sensors failed, disabled for this run: %s", run.run_id, e)
                 run.sensors = None
         paths = (run.sensor_sample or {}).get("paths", {})
-        return {p: (paths.get(p) or {}).get("other_bytes_per_s") for p in run.paths}
+        return {p: (paths.get(p) or {}).get("other_bytes_per_s") for p in run.facts.paths}
 
     def _margin(self, run: Run) -> int:
         """Iterations ahead for ``apply_at``: ``margin_s`` worth of recent iterations, at least min_margin."""
@@ -484,10 +484,10 @@ class Runs:
                 run.policy.pin(knob, value)
                 knobs = run.policy.knobs
             else:
-                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.paths, run.has_device)
+                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.facts.paths, run.facts.has_device)
         except (ConfigError, TypeError) as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
-        _check_knobs_for(knobs, run.paths, run.has_device)
+        _check_knobs_for(knobs, run.facts.paths, run.facts.has_device)
         self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
         self._save_controls(run)
         return {"type": "ok", "knobs": run.knobs_dict}
@@ -499,7 +499,7 @@ class Runs:
             if run.policy_ok():
                 run.policy.unpin(knob)
             else:
-                run.own_pins.unpin(knob, run.paths)
+                run.own_pins.unpin(knob, run.facts.paths)
         except ConfigError as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
         self._user_change(run, run.knobs, f"{knob} unpinned by the user")
