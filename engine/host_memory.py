@@ -19,6 +19,7 @@ choose a process. Torch-free: ``offloadctl`` reads these numbers without importi
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -72,13 +73,15 @@ def default_floor(total_bytes: int | None = None) -> int:
 class PressureWatch:
     """A thread that reads the machine's available memory every ``interval_s`` and keeps
     :attr:`low` set while it is below ``floor_bytes`` (cleared again above the floor plus
-    :data:`RECOVER_BYTES`). ``on_low`` is called from the thread each time it becomes low."""
+    :data:`RECOVER_BYTES`). ``on_low`` (a bound method) is called from the thread each time it
+    becomes low; the watch holds it weakly, and stops once its object is gone, so that an engine
+    nobody closed is still freed."""
 
     def __init__(self, floor_bytes: int, on_low=None, interval_s: float = 0.2) -> None:
         self.floor_bytes = floor_bytes
         self.low = threading.Event()
         self.available_bytes = psutil.virtual_memory().available
-        self._on_low = on_low
+        self._on_low = weakref.WeakMethod(on_low) if on_low is not None else None
         self._interval = interval_s
         self._stop = threading.Event()
         self.check()
@@ -99,11 +102,16 @@ class PressureWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            if self._on_low is not None and self._on_low() is None:
+                return  # its engine was freed without close()
             if self.check() and self._on_low is not None:
+                callback = self._on_low()
                 try:
-                    self._on_low()
+                    if callback is not None:
+                        callback()
                 except Exception:  # the step sees the pressure too; the thread must not die
                     pass
+                del callback
 
     def close(self) -> None:
         self._stop.set()
