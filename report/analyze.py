@@ -324,13 +324,18 @@ def host_memory_summary(records: list[dict]) -> dict | None:
 
 
 def fixed_knob_values(fixed, knobs: dict) -> dict:
-    """{knob: value} of the knobs the run's options fixed (``io_concurrency[PATH]`` for one path)."""
+    """{knob: value} of the knobs the run's options fixed (``io_concurrency[PATH]`` for one path),
+    read from the knobs in force as the tuner reads them."""
+    from engine.errors import ConfigError
+    from tuner.knob_text import KnobKey
+
+    in_force = Knobs.from_dict(knobs) if knobs else Knobs()
     out = {}
-    for key in fixed:
-        name, _, path = key.partition("[")
-        value = knobs.get(name)
-        out[key] = (value.get(path[:-1], Knobs.DEFAULT_IO_CONCURRENCY) if path and isinstance(value, dict)
-                    else value)
+    for text in fixed:
+        try:
+            out[text] = KnobKey.parse(text).value_in(in_force)
+        except ConfigError:  # a record from another version: shown as it is
+            out[text] = "?"
     return out
 
 
