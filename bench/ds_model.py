@@ -2,7 +2,9 @@
 
 A 92M-parameter stack of linear layers (9 x 3200 x 3200) with ZeRO-3 and optimizer offload
 (``--offload cpu`` or ``--offload nvme --nvme-path DIR`` for ZeRO-Infinity, with pipelined
-read and write and ``buffer_count`` 16). It writes per-iteration wall time and the time of
+read and write and ``buffer_count`` 16). ``--width``, ``--layers`` and ``--sub-group-size`` give
+other sizes: ``--width 2400 --layers 9 --sub-group-size 5760000`` is the 51.8M-parameter model of
+issue 23's run, one layer per subgroup. It writes per-iteration wall time and the time of
 ``engine.step()`` (the update phase) as JSON to ``--out``.
 """
 import argparse
@@ -18,11 +20,14 @@ ap.add_argument("--local_rank", type=int, default=0)
 ap.add_argument("--iters", type=int, default=6)
 ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu")
 ap.add_argument("--nvme-path")
+ap.add_argument("--width", type=int, default=3200, help="features of each layer (default 3200)")
+ap.add_argument("--layers", type=int, default=9, help="linear layers (default 9)")
+ap.add_argument("--sub-group-size", type=int, default=10_000_000, help="ZeRO-3 sub_group_size (default 1e7)")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
 
 torch.manual_seed(0)
-width, layers = 3200, 9
+width, layers = args.width, args.layers
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 offload = {"device": args.offload}
 if args.offload == "nvme":
@@ -30,7 +35,7 @@ if args.offload == "nvme":
 config = {
     "train_micro_batch_size_per_gpu": 8,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 10_000_000, "offload_optimizer": offload},
+    "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size, "offload_optimizer": offload},
     "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
             "overlap_events": True},
 }

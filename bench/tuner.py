@@ -16,9 +16,18 @@ iterations until the tuner reacts, and until its update time settles (goal: 10),
 against the reference's while the writer runs, iterations to recover after it stops, and a plot
 of update time per iteration with the writer window and the decisions.
 
+Part 2 with ``--pin KNOB=VALUE`` (repeatable; VALUE read as JSON, KNOB a name of
+``engine.config.Knobs.names()`` or ``io_concurrency[PATH]``): the tuned engine starts with those
+values and they are fixed, as ``offloadctl train --prefetch-depth 2`` fixes them: in-process the
+policy's ``fixed``, through the daemon the engine's ``EngineConfig.fixed_knobs`` in its
+registration. The reference engine starts from the same knobs. Reported: the pins, and whether
+every row of the tuned run kept them (``pins_held``).
+
     .venv/bin/python bench/tuner.py --emulate                 # root: nvme 400/400, pfs 200/200 MB/s
     .venv/bin/python bench/tuner.py --nvme DIR --remote DIR   # real paths (part 2 needs both)
     .venv/bin/python bench/tuner.py --emulate --params 3e7 --subgroup 3e6 --iters 30   # a smoke run
+    .venv/bin/python bench/tuner.py --emulate --part 2 --pin prefetch_depth=2   # contention, the
+                                                              # knobs that hide I/O fixed
     .venv/bin/python bench/tuner.py --emulate --daemon        # through `offloadctl tuner serve` and
                                                               # tuner.client.TunerClient
     .venv/bin/python bench/tuner.py --part 3 --params 2e9 --subgroup 1e8 --iters 100   # GPU: the device
@@ -51,10 +60,12 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 # This file's name would shadow the `tuner` package: the repository root, not bench/, goes first.
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
-from bench.emulate import run_emulated  # noqa: E402
+from bench.emulate import run_emulated, tiers_root  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
 from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
+from tuner.knob_text import KnobKey, Pins  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
 
@@ -70,14 +81,17 @@ HYPERS = [AdamWHyper(lr=1e-4)]
 # -- engines and how their knobs are driven ------------------------------------------------------
 
 
-def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str) -> SubgroupEngine:
-    """A SubgroupEngine over ``numel`` parameters, every subgroup swapped (no host cache)."""
+def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str,
+                 fixed_knobs: tuple[str, ...] = ()) -> SubgroupEngine:
+    """A SubgroupEngine over ``numel`` parameters, every subgroup swapped (no host cache);
+    ``fixed_knobs`` as the run's options would fix them (the engine reports them to a tuner)."""
     torch.manual_seed(0)
     # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
     weight = torch.randn(numel, device="cpu")
     grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
-    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs)
+    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs,
+                       fixed_knobs=fixed_knobs)
     return SubgroupEngine(bindings, cfg, knobs)
 
 
@@ -89,12 +103,15 @@ def _row(rec, decision: str | None, other: dict | None = None) -> dict:
 class InProcess:
     """The policy in this process: observe each step, hand decisions to the engine."""
 
-    def __init__(self, engine: SubgroupEngine, paths: list[str], max_prefetch: int) -> None:
+    def __init__(self, engine: SubgroupEngine, paths: list[str], max_prefetch: int,
+                 fixed: dict | None = None) -> None:
         self.engine = engine
         self.paths = paths
+        # What a registration would carry: the knobs the run fixed, and the spare host budget.
         self.policy = Policy(engine.knobs, paths=paths, has_device=False,
                              subgroup_bytes=max(payload_bytes(sg.numel) for sg in engine.subgroups),
-                             params=sum(sg.numel for sg in engine.subgroups),
+                             params=sum(sg.numel for sg in engine.subgroups), fixed=fixed,
+                             host_staging_bytes=engine.describe().host_staging_bytes,
                              config=PolicyConfig(max_prefetch_depth=max_prefetch))
         self.sensors = Sensors(paths, gpu=False)
 
@@ -368,14 +385,38 @@ def print_part3(r: dict, c: Console) -> None:
             c.print(f"  {row['iteration']:>3}: {escape(row['decision'])}")
 
 
+def read_pins(texts: list[str], paths: list[str]) -> tuple[dict, Knobs]:
+    """``--pin KNOB=VALUE`` texts -> ({knob text: value}, the default knobs with them set), read as
+    the tuner reads a pin (``tuner.knob_text``). ConfigError naming the bad one."""
+    pins, start, fixed = Pins(), Knobs(), {}
+    for text in texts:
+        knob, eq, value = text.partition("=")
+        if not eq or not knob.strip() or not value.strip():
+            raise ConfigError(f"--pin {text!r}: give KNOB=VALUE, for example prefetch_depth=2")
+        try:
+            key, value, start = pins.pin(knob.strip(), value, start, paths, has_device=False)
+        except ConfigError as e:
+            raise ConfigError(f"--pin {text}: {e}") from None
+        fixed[str(key)] = value
+    return fixed, start
+
+
+def pins_broken(rows: list[dict], fixed: dict, start: Knobs) -> list[int]:
+    """Iterations of ``rows`` whose knobs differ from ``start`` in a pinned knob."""
+    keys = [KnobKey.parse(k) for k in fixed]
+    return [r["iteration"] for r in rows
+            if any(k.value_in(Knobs.from_dict(r["knobs"])) != k.value_in(start) for k in keys)]
+
+
 def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress: Progress) -> dict:
     paths = [s.path for s in specs]
     numel, sub = int(args.params), int(args.subgroup)
-    tuned = build_engine(numel, sub, specs, Knobs(), args.io_backend)
+    fixed, start = read_pins(args.pin, paths)
+    tuned = build_engine(numel, sub, specs, start, args.io_backend, fixed_knobs=tuple(fixed))
     # The daemon's sensors would count a reference engine's traffic as contention: none there.
-    ref = build_engine(numel, sub, specs, Knobs(), args.io_backend) if args.reference and not daemon else None
+    ref = build_engine(numel, sub, specs, start, args.io_backend) if args.reference and not daemon else None
     driver = (ThroughDaemon(tuned, paths, f"bench-part2-{os.getpid()}", daemon.socket) if daemon
-              else InProcess(tuned, paths, args.max_prefetch))
+              else InProcess(tuned, paths, args.max_prefetch, fixed=fixed))
     w0, w1 = args.writer_at, args.writer_at + args.writer_iters
     total = w1 + args.after
     writer = BackgroundWriter(paths[0], args.writer_jobs, args.writer_cgroup)
@@ -406,8 +447,11 @@ def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
         tuned.close()
         if ref is not None:
             ref.close()
+    broken = pins_broken(rows, fixed, start)
     return {"paths": paths, "writer": f"{writer.tool} x{writer.jobs}", "writer_cgroup": writer_cgroup, "writer_start": w0,
-            "writer_stop": w1, "knobs_at_writer_start": frozen.to_dict() if frozen else None, "rows": rows,
+            "writer_stop": w1, "start_knobs": start.to_dict(), "pins": fixed,
+            "pins_held": not broken if fixed else None, "pins_broken_at_iterations": broken,
+            "knobs_at_writer_start": frozen.to_dict() if frozen else None, "rows": rows,
             "log": driver.log(), **_contention_metrics(rows, w0, w1)}
 
 
@@ -472,6 +516,12 @@ def print_part1(r: dict, c: Console) -> None:
 def print_part2(r: dict, c: Console) -> None:
     c.print(f"\n[bold]Part 2[/bold]: background writer ({r['writer']}, cgroup {r['writer_cgroup']}) on {escape(r['paths'][0])} "
             f"during iterations {r['writer_start']}..{r['writer_stop'] - 1}")
+    if r.get("pins"):
+        held = ("yes" if r["pins_held"] else
+                f"NO, moved at iterations {', '.join(map(str, r['pins_broken_at_iterations']))}")
+        c.print(f"pinned (fixed from the start, the reference starts there too): "
+                f"{escape(_names(', '.join(f'{k}={json.dumps(v)}' for k, v in r['pins'].items()), r['paths']))}; "
+                f"held in every row of the tuned run: {held}")
     _print_rows(r["rows"], r["paths"], c, reference="reference_update_s")
     fmt = lambda v: "never" if v is None else str(v)  # noqa: E731
     c.print(f"update before the writer {r['pre_update_s']:.3f} s, tuned while it runs {r['during_update_s']:.3f} s"
@@ -533,6 +583,9 @@ def main() -> int:
     ap.add_argument("--writer-jobs", type=int, default=4, help="part 2: parallel writers, each with one 8 MiB "
                     "request in flight (default 4)")
     ap.add_argument("--writer-cgroup", help="part 2: blkio cgroup directory the writer joins (default: inherit ours)")
+    ap.add_argument("--pin", action="append", default=[], metavar="KNOB=VALUE",
+                    help="part 2: fix a knob of the tuned run from the start (repeatable; VALUE as JSON; KNOB one of "
+                         f"{', '.join(Knobs.names())}, or io_concurrency[PATH]); the reference starts there too")
     ap.add_argument("--max-prefetch", type=int, default=4, help="part 2: the tuner's maximum prefetch depth (default 4)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="part 2: no reference engine (halves the run time; always so with --daemon)")
@@ -550,6 +603,18 @@ def main() -> int:
                 json.dump({"machine": update_phase._machine(), "command": " ".join(sys.argv), "part3": r}, f, indent=2)
         print_part3(r, Console(width=180))
         return 0
+    if args.pin:
+        if args.part != "2":
+            console.print("[red]--pin: the pins apply to part 2 (contention); give --part 2[/red]", soft_wrap=True)
+            return 2
+        # Read them now, against the paths they will have, so that a bad one costs no tiers.
+        where = ([os.path.join(tiers_root(), "nvme"), os.path.join(tiers_root(), "pfs")] if args.emulate
+                 else [args.nvme, args.remote])
+        try:
+            read_pins(args.pin, [p for p in where if p])
+        except ConfigError as e:
+            console.print(f"[red]{escape(str(e))}[/red]", soft_wrap=True)
+            return 2
     if args.emulate:
         return run_emulated_tiers(args, sys.argv[1:])
     if not args.nvme or not os.path.isdir(args.nvme):
@@ -563,7 +628,7 @@ def main() -> int:
         declared = [tuple(float(x) * 1e6 for x in t.split(":")) for t in args.bandwidth.split(",")]
     nvme = StoragePath(path=args.nvme, kind="nvme", read_bytes_per_s=declared[0][0], write_bytes_per_s=declared[0][1])
     out: dict = {"machine": update_phase._machine(), "params": int(args.params), "subgroup": int(args.subgroup),
-                 "command": " ".join(sys.argv), "mode": "daemon" if args.daemon else "in-process"}
+                 "command": " ".join(sys.argv), "mode": "daemon" if args.daemon else "in-process", "pins": {}}
     daemon = None
     if args.daemon:
         if not os.path.exists(os.path.join(ROOT, "tuner", "client.py")):
@@ -578,6 +643,7 @@ def main() -> int:
                 pfs = StoragePath(path=args.remote, kind="remote", read_bytes_per_s=declared[1][0],
                                   write_bytes_per_s=declared[1][1])
                 out["part2"] = part2(args, (nvme, pfs), daemon, progress)
+                out["pins"] = out["part2"]["pins"]
     finally:
         if daemon is not None:
             daemon.close()
@@ -586,7 +652,8 @@ def main() -> int:
             json.dump(out, f, indent=2, default=str)
     c = Console(width=180)
     c.print(f"[bold]{out['params']:.3g} params[/bold] per engine, subgroup {out['subgroup']:.3g}, "
-            f"knobs driven {out['mode']}")
+            f"knobs driven {out['mode']}, pinned: "
+            + (escape(", ".join(f"{k}={json.dumps(v)}" for k, v in out["pins"].items())) if out["pins"] else "none"))
     if "part1" in out:
         print_part1(out["part1"], c)
     if "part2" in out:
