@@ -109,6 +109,8 @@ class SubgroupEngine:
         self._pressure: PressureWatch | None = None
         self._gave_back = False  # buffers were given back under pressure and not yet taken again
         self._depth_said: int | None = None
+        self._early_reads: dict[int, Future] = {}  # read_ahead()'s reads, taken by the next step
+        self._counters_at: list[tuple[int, int]] | None = None  # the paths' byte counters at the last step's end
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -249,6 +251,7 @@ class SubgroupEngine:
         """Under pressure, between steps: write back what kept buffers hold that is newer than its
         file, and free every staging buffer beyond :data:`PRESSURE_BUFFERS`. Said in one line."""
         before = self.host_usage().total
+        self._settle()  # the writes behind the last step land first: a buffer is written back once
         for sg in self.subgroups:
             if sg.staged is not None:
                 if sg.dirty:
@@ -318,7 +321,8 @@ class SubgroupEngine:
             self.staging.resize(staging_buffers(k.prefetch_depth))
             # Shrinking may need kept buffers back: write them out until the pool fits.
             while self.staging.size > staging_buffers(k.prefetch_depth):
-                kept = next((sg for sg in self.subgroups if sg.staged is not None), None)
+                kept = next((sg for sg in self.subgroups if sg.staged is not None and sg.index not in self._early_reads),
+                            None)
                 if kept is None:
                     break
                 self.staging.write_back(kept)
@@ -383,6 +387,12 @@ class SubgroupEngine:
     def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None) -> StepRecord:
         for hook in self._hooks:
             hook.before_step(self)  # a knob change it makes is applied just below
+        # Write-behind: the last step's write-backs drained during forward and backward; wait for
+        # what is left before anything below moves files or buffers (a restripe, a resize).
+        t0 = time.perf_counter()
+        self.staging.drain()
+        write_wait_s = time.perf_counter() - t0
+        self._raise_write_failure()
         # One-time work (a knob change pinning buffers, the device tier's fit) is the step's
         # setup, not its update: a tuner trial that moves subgroups between lanes is measured
         # without it.
@@ -394,12 +404,15 @@ class SubgroupEngine:
         elif self._gave_back:
             self._recover()
         t_start = time.perf_counter()
-        setup_s, self._setup_s = t_start - t_call + self._setup_s, 0.0
-        before = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+        setup_s, self._setup_s = t_start - t_call - write_wait_s + self._setup_s, 0.0
+        # A step's bytes are those since the last step ended: the reads ahead during backward
+        # and the writes behind during forward are this step's too.
+        before = self._counters_at or [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
         forward = forward_order(self.iteration)
         order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
         seq = [i for i in order if self.subgroups[i].tier.swapped]
         st = _StepState(seq, {i: k for k, i in enumerate(seq)}, pressure=self._gave_back)
+        st.reads, self._early_reads = self._early_reads, {}  # read ahead during backward
         threads = torch.get_num_threads()
         if seq and self.config.io_cores and threads > 1:
             torch.set_num_threads(max(1, threads - self.config.io_cores))  # config.io_cores: why
@@ -427,26 +440,85 @@ class SubgroupEngine:
             raise
         finally:
             torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        self.staging.drain()
-        write_wait_s = time.perf_counter() - t0
+        # The writes go on behind: step() returns once the weights are in place.
+        writing = {sg.index for sg, _, _ in self.staging.writes}
         for sg in self.subgroups:
-            sg.kept = sg.staged is not None
+            sg.kept = sg.staged is not None and sg.index not in writing
         if st.pressure:
             self._give_back()
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
-        rec = self._step_record(st, before, t_start=t_start, update_s=time.perf_counter() - t_start,
+        rec = self._step_record(st, before, t_start=t_start, update_s=time.perf_counter() - t_start + write_wait_s,
                                 write_wait_s=write_wait_s, device_wait_s=device_wait_s, setup_s=setup_s,
                                 fwd_bwd_s=fwd_bwd_s)
         self.iteration += 1
         self.telemetry.append(rec)
         self._last_step_end = time.perf_counter()
+        self._counters_at = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+        return rec
+
+    def read_ahead(self) -> int:
+        """Start reading the state of the swapped subgroups the next step updates first, into
+        free staging buffers, without waiting for anything: their state does not depend on the
+        gradients, so the reads run during backward. Returns the reads started. Called when
+        backward begins (``OffloadAdamW`` does it from a gradient hook); calling it again, or
+        not at all, is harmless."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            if self._closed or self._low_memory() or not self.staging.capacity_numel:
+                return 0
+            forward = forward_order(self.iteration)
+            order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
+            holder = _StepState([], {})
+            started = 0
+            for i in order:
+                sg = self.subgroups[i]
+                if not sg.tier.swapped or sg.staged is not None or i in self._early_reads:
+                    continue  # kept, or its write still running (the step reads it after)
+                if started > self.knobs.prefetch_depth:
+                    break
+                buf = self.staging.try_acquire()
+                if buf is None:
+                    break
+                if sg.staged is not None:  # that was its own landed write: its buffer is free now
+                    continue
+                self._load(sg, buf, holder)
+                started += 1
+            self._early_reads.update(holder.reads)
+            return started
+        finally:
+            self._lock.release()
+
+    def flush(self) -> None:
+        """Wait for the writes still running behind the last step; raise the first that failed
+        (its state stays in memory, nothing is lost). The next ``step()`` does the same."""
+        with self._lock:
+            self.staging.drain()
+            self._raise_write_failure()
+
+    def _raise_write_failure(self) -> None:
         if self.staging.failures:
             err, self.staging.failures = self.staging.failures[0], []
             raise err
-        return rec
+
+    def _settle(self) -> None:
+        """No transfer in flight: the write-behind landed, the reads ahead put back (what a
+        checkpoint, a state load or a device release needs before it touches the state)."""
+        self.staging.drain()
+        self._wait_early_reads()
+
+    def _wait_early_reads(self) -> None:
+        """Let read_ahead()'s reads land and put their buffers back (before buffers are given
+        back or the paths closed)."""
+        for i, fut in self._early_reads.items():
+            try:
+                fut.result()
+            except BaseException:
+                pass
+            self.staging.release(self.subgroups[i])
+        self._early_reads = {}
 
     def _update_swapped(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
         """One swapped subgroup: read ahead, wait for its state, update it, write it back. Under
@@ -656,6 +728,7 @@ class SubgroupEngine:
         if self.device is None:
             return
         with self._lock:
+            self._settle()
             self._end_streams()
             for sg in self.subgroups:
                 if sg.tier == DEVICE:
@@ -763,6 +836,7 @@ class SubgroupEngine:
     def read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """Copies of subgroup ``index``'s (master, exp_avg, exp_avg_sq) on the CPU, and its steps."""
         with self._lock:
+            self._settle()
             return self._read_state(index)
 
     def _read_state(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -782,6 +856,7 @@ class SubgroupEngine:
         sources are read as data: a checkpoint's tensors may require grad, and the state is
         never part of a graph."""
         with torch.no_grad(), self._lock:
+            self._settle()
             self._write_state(index, master.detach(), exp_avg.detach(), exp_avg_sq.detach(), steps)
 
     def _write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -830,6 +905,7 @@ class SubgroupEngine:
 
     def _close(self) -> None:
         self._closed = True
+        self._wait_early_reads()
         for hook in self._hooks:
             close = getattr(hook, "close", None)
             if close is not None:

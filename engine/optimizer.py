@@ -7,6 +7,7 @@ A thin adapter: it flattens each param group's parameters into subgroups of abou
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -153,6 +154,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                               fixed_knobs=(*given, *(f"io_concurrency[{p}]" for p in concurrency)))
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)
+        # Read ahead during backward: the first gradient accumulated after a step starts the
+        # next step's first reads (engine.read_ahead), with no call in the user's loop.
+        self._read_ahead_armed = bool(paths)
+        if paths:
+            engine_ref = weakref.ref(self)
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(lambda _p, ref=engine_ref: _backward_began(ref))
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "engine"):
@@ -167,7 +177,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.step([hyper_from_group(g) for g in self.param_groups])
+        self._read_ahead_armed = self.engine.staging.capacity_numel > 0
         return loss
+
+    def flush(self) -> None:
+        """Wait for the state writes still running behind the last ``step()`` (they drain during
+        the next forward and backward); raise the first that failed. ``close()``, checkpoints
+        and the next ``step()`` wait for them too."""
+        self.engine.flush()
 
     def set_knobs(self, knobs: Knobs) -> None:
         """Change the knobs; they take effect at the next ``step()``."""
@@ -267,6 +284,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _backward_began(ref) -> None:
+    """A gradient was accumulated: the first one after a step starts the reads ahead."""
+    opt = ref()
+    if opt is not None and opt._read_ahead_armed:
+        opt._read_ahead_armed = False
+        opt.engine.read_ahead()
 
 
 def _empty_state(p: torch.Tensor, step: int) -> dict:
