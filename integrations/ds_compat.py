@@ -98,6 +98,7 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_rigid_load_state_dict", ("state_dict", "load_optimizer_states"), "override"),
     Method(STAGE3, "destroy", (), "override"),
     Method(STAGE3, "partition_grads", ("params_to_release", "grad_partitions"), "override"),
+    Method(STAGE3, "backward_prologue", (), "override"),
     # The partitioned-state API's swap hooks, overridden to check state out of the engine.
     Method(STAGE3, "_swappable_optimizer_subgroup", ("sub_group_id",), "override"),
     Method(STAGE3, "_optimizer_states_and_gradient_swap_in", ("sub_group_id", "timer_names"), "override"),

@@ -337,6 +337,12 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     # subgroup is "swappable": swapping in checks its state out of the engine, from whichever tier
     # holds it, into those places; swapping out writes it back there; releasing drops the copy.
 
+    def backward_prologue(self):
+        # Read ahead during backward: the state of the subgroups the next step updates first does
+        # not depend on the gradients (engine.read_ahead; again at each micro-batch, harmlessly).
+        self.offload_engine.read_ahead()
+        super().backward_prologue()
+
     def _swappable_optimizer_subgroup(self, sub_group_id):
         return True  # every subgroup's fp32 state is in the engine (see above)
 
