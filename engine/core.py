@@ -828,7 +828,7 @@ class SubgroupEngine:
             device_lane_subgroups=st.lane_subgroups[1],
             device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=st.host_lane_s,
             fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
-            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start,
+            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start - write_wait_s,
             host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_budget, host_pressure=st.pressure)
 
     # -- state access (checkpoints) ----------------------------------------------------------

@@ -55,10 +55,12 @@ class StepRecord:
     params: int = 0
     knobs: dict = field(default_factory=dict)
     start_s: float | None = None
-    """``time.perf_counter()`` when the update loop started (after knob changes and the device
-    tier's fit): with the durations above it places the step's parts on a timeline. The clock is
-    CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The loop
-    runs for ``update_s - write_wait_s - device_wait_s``, then the write wait, then the device wait."""
+    """``time.perf_counter()`` when the update phase started (its write wait; knob changes and the
+    device tier's fit, when any, come between that and the loop): with the durations above it
+    places the step's parts on a timeline. The clock is
+    CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The step
+    first waits for what is left of the writes behind the last step (``write_wait_s``), then its
+    loop runs for ``update_s - write_wait_s - device_wait_s``, then it waits for the device."""
     host_bytes: dict = field(default_factory=dict)
     """What the engine held in host memory at the step's end, by kind (``engine.host_memory.HostUsage``)."""
     host_budget_bytes: int = 0

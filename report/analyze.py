@@ -397,12 +397,14 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     phase_spans = [s for s in spans if s[0] in PHASES]
     update_spans = [s for s in spans if s[0] in UPDATE_PARTS]
     if "engine_start_s" in it and it["engine_start_s"] is not None:
-        # The engine's step on the same clock: its loop, then the write wait, then the device wait.
+        # The engine's step on the same clock: the wait for the writes behind the last step, its
+        # loop, then the device wait.
         start = it["engine_start_s"] - t0
-        loop_s = it["engine_update_s"] - it["segments"]["write_wait"] - it["segments"]["device_wait"]
-        update_spans = [["update_loop", start, start + loop_s],
-                        ["write_wait", start + loop_s, start + loop_s + it["segments"]["write_wait"]],
-                        ["device_wait", start + loop_s + it["segments"]["write_wait"], start + it["engine_update_s"]]]
+        wait_s = it["segments"]["write_wait"]
+        loop_s = it["engine_update_s"] - wait_s - it["segments"]["device_wait"]
+        update_spans = [["write_wait", start, start + wait_s],
+                        ["update_loop", start + wait_s, start + wait_s + loop_s],
+                        ["device_wait", start + wait_s + loop_s, start + it["engine_update_s"]]]
     out = {"iteration": it["iteration"], "iter_s": it["iter_s"], "phase_spans": phase_spans,
            "update_spans": update_spans, "series": {}, "missing": []}
     header = rec.samples_header

@@ -118,7 +118,7 @@ def test_report_of_a_real_run(runs, tmp_path):
     assert tl["iteration"] == run["summary"]["median_iteration"]
     assert len(tl["series"]["t"]) >= 2 and len(tl["series"]["rss_bytes"]) == len(tl["series"]["t"])
     assert {s[0] for s in tl["phase_spans"]} == {"forward", "backward", "update"}
-    assert [s[0] for s in tl["update_spans"]] == ["update_loop", "write_wait", "device_wait"]
+    assert [s[0] for s in tl["update_spans"]] == ["write_wait", "update_loop", "device_wait"]
     if not torch.cuda.is_available():
         assert "gpu_allocated_bytes" not in tl["series"] and "pcie_tx_bytes_per_s" not in tl["series"]
         assert any("GPU memory: not recorded" in m for m in tl["missing"])
