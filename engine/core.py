@@ -45,7 +45,7 @@ from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts
 from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
 from engine.host_kernel import host_lane_rate, select_host_kernel
-from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor
+from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor, staging_room
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, staging_buffers
@@ -228,8 +228,7 @@ class SubgroupEngine:
         """The deepest prefetch up to ``depth`` whose staging buffers fit the budget's spare bytes."""
         if not self.staging.capacity_numel:
             return depth
-        use = self.host_usage()
-        spare = self.host_budget - use.state - use.copies
+        spare = staging_room(self.host_budget, self.host_usage())
         return max(0, min(depth, deepest_prefetch(spare // self.staging.buffer_bytes)))
 
     # -- memory pressure ---------------------------------------------------------------------
@@ -534,7 +533,8 @@ class SubgroupEngine:
         # The tail stays in its buffers: it is the head of the next step's (reversed) order. The
         # kept buffers come on top of the working ones, so the next step's first reads start at
         # once instead of waiting for write-backs.
-        if st.pressure or st.pos[sg.index] < len(st.seq) - kept_subgroups(depth):
+        keep = 0 if st.pressure else kept_subgroups(depth)
+        if st.pos[sg.index] < len(st.seq) - keep:
             self.staging.write_back(sg)
 
     def _update_resident(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
@@ -927,6 +927,7 @@ class SubgroupEngine:
         for sg in self.subgroups:
             key = self.paths[sg.tier.path_index].path if sg.tier.swapped else sg.tier.kind
             tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
+        usage = self.host_usage()
         return EngineFacts(
             subgroups=len(self.subgroups), params=sum(sg.numel for sg in self.subgroups),
             state_bytes_by_tier=tiers, staging_buffers=self.staging.size, io_backend=self.io_backend,
@@ -938,6 +939,5 @@ class SubgroupEngine:
             device_lane_bytes=(device_lane_working_bytes(self.device_lane.capacity_numel, self.device_lane.n_slots,
                                                          self.device_lane.chunk_numel) if self.device_lane else 0),
             device_lane_available=self.device_lane is not None and self._lane_room,
-            host_memory_budget_bytes=self.host_budget, host_bytes=self.host_usage().to_dict(),
-            staging_buffer_bytes=self.staging.buffer_bytes,
-            fixed_knobs=self.config.fixed_knobs)
+            host_memory_budget_bytes=self.host_budget, host_bytes=usage.to_dict(),
+            host_staging_bytes=staging_room(self.host_budget, usage), fixed_knobs=self.config.fixed_knobs)

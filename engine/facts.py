@@ -35,15 +35,10 @@ class EngineFacts:
     """The rank's host-memory budget (``engine.host_memory``)."""
     host_bytes: dict[str, int] = field(default_factory=dict)
     """What the engine holds in host memory now, by kind."""
-    staging_buffer_bytes: int = 0
-    """Host memory of one staging buffer (0: no swapped state): what one more prefetch costs, twice."""
+    host_staging_bytes: int = 0
+    """Host bytes the budget leaves for staging buffers (``engine.host_memory.staging_room``)."""
     fixed_knobs: tuple[str, ...] = ()
     """Knobs the user fixed: a tuner never moves them."""
-
-    @property
-    def host_staging_bytes(self) -> int:
-        """Host bytes the budget leaves for staging buffers: all but the state and the copies."""
-        return max(0, self.host_memory_budget_bytes - self.host_bytes.get("state", 0) - self.host_bytes.get("copies", 0))
 
     def to_dict(self) -> dict:
         return asdict(self)

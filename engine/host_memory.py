@@ -56,6 +56,11 @@ class HostUsage:
         return asdict(self)
 
 
+def staging_room(budget_bytes: int, usage: HostUsage) -> int:
+    """Host bytes a budget leaves for staging buffers: all but the state and the copies."""
+    return max(0, budget_bytes - usage.state - usage.copies)
+
+
 def default_budget(local_ranks: int, available_bytes: int | None = None) -> int:
     """The budget of one rank when none is given: :data:`HOST_SHARE` of the memory available
     now, divided among the node's ``local_ranks``."""
@@ -77,11 +82,11 @@ class PressureWatch:
     becomes low; the watch holds it weakly, and stops once its object is gone, so that an engine
     nobody closed is still freed."""
 
-    def __init__(self, floor_bytes: int, on_low=None, interval_s: float = 0.2) -> None:
+    def __init__(self, floor_bytes: int, on_low, interval_s: float = 0.2) -> None:
         self.floor_bytes = floor_bytes
         self.low = threading.Event()
         self.available_bytes = psutil.virtual_memory().available
-        self._on_low = weakref.WeakMethod(on_low) if on_low is not None else None
+        self._on_low = weakref.WeakMethod(on_low)
         self._interval = interval_s
         self._stop = threading.Event()
         self.check()
@@ -102,16 +107,15 @@ class PressureWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            if self._on_low is not None and self._on_low() is None:
+            callback = self._on_low()
+            if callback is None:
                 return  # its engine was freed without close()
-            if self.check() and self._on_low is not None:
-                callback = self._on_low()
+            if self.check():
                 try:
-                    if callback is not None:
-                        callback()
+                    callback()
                 except Exception:  # the step sees the pressure too; the thread must not die
                     pass
-                del callback
+            del callback  # not held while waiting: the engine stays collectable
 
     def close(self) -> None:
         self._stop.set()
