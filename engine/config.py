@@ -128,6 +128,14 @@ class EngineConfig:
     host_memory_floor_bytes: int | None = None
     """Available memory on the machine below which the engine gives back its kept and read-ahead
     buffers. None: ``engine.host_memory.default_floor()`` (5% of memory, at least 1 GiB)."""
+    overlap_io: bool = True
+    """Overlap state I/O with forward and backward: a step's write-backs drain behind it, and the
+    next step's first reads start at its end and as writes land (``engine.core``). False: a step
+    returns when its writes have landed and reads nothing ahead (the behaviour before 0.3)."""
+    read_ahead_bytes: int | None = None
+    """Host memory for reading ahead beyond the working staging buffers, in whole buffers. None:
+    what the paths can read during one forward and backward, measured at the second step
+    (``engine.layout.read_ahead_bytes``), within the host memory budget. 0: the working buffers only."""
     fixed_knobs: tuple[str, ...] = ()
     """Knobs the user fixed (``prefetch_depth``, or ``io_concurrency[PATH]`` for one path): the
     engine reports them, and a tuner never moves them."""
@@ -140,7 +148,7 @@ class EngineConfig:
             _non_negative_int("host_cache_bytes", self.host_cache_bytes)
         if self.device_cache_bytes is not None:
             _non_negative_int("device_cache_bytes", self.device_cache_bytes)
-        for name in ("host_memory_bytes", "host_memory_floor_bytes"):
+        for name in ("host_memory_bytes", "host_memory_floor_bytes", "read_ahead_bytes"):
             if getattr(self, name) is not None:
                 _non_negative_int(name, getattr(self, name))
         object.__setattr__(self, "fixed_knobs", tuple(self.fixed_knobs))

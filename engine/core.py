@@ -16,6 +16,12 @@ host memory, or a swap file on a storage path. ``step()`` visits every subgroup 
 - **Device tier.** A prefix of subgroups keeps its state in device memory and is updated
   there with no transfer. Its size is ``device_cache_bytes``, or, when that is None, what the
   GPU has free after the first forward/backward, less a safety margin (:meth:`fit_device_tier`).
+- **Overlap** (``EngineConfig.overlap_io``). A step's write-backs drain behind it, during the
+  next forward and backward; whatever needs those bytes waits for exactly them. Between steps,
+  the next step's first swapped subgroups are read ahead into free staging buffers (and buffers
+  of the read-ahead budget, ``EngineConfig.read_ahead_bytes``): at the step's end, as writes
+  land, and when backward starts. A buffer whose write landed keeps its subgroup's state as a
+  clean copy until it is needed for another, so a subgroup updated again before that reads nothing.
 - **Knobs** set with :meth:`set_knobs` take effect at the start of the next step, when no
   transfer is in flight.
 
@@ -48,7 +54,7 @@ from engine.host_kernel import host_lane_rate, select_host_kernel
 from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor, staging_room
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
 from engine.lanes import DeviceLane, HostLane, WeightUploader
-from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, staging_buffers
+from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, read_ahead_bytes, staging_buffers
 from engine.placement import DEVICE, HOST, Placement, device_lane_working_bytes, device_tier_prefix, place, stripe, swap_tier
 from engine.staging import StagingPool, Subgroup
 from engine.storage.io_backends import open_backend
@@ -75,6 +81,7 @@ class _StepState:
     seq: list[int]  # swapped subgroups in this step's order
     pos: dict[int, int]  # subgroup -> position in seq
     next_read: int = 0  # first position of seq not yet considered for prefetch
+    current: int = 0  # position of seq being updated: those before it are done this step
     reads: dict[int, Future] = field(default_factory=dict)
     read_wait_s: float = 0.0
     kernel_s: float = 0.0  # AdamW on either lane, and queueing the device tier's
@@ -111,10 +118,14 @@ class SubgroupEngine:
         self._depth_said: int | None = None
         self._early_reads: dict[int, Future] = {}  # read_ahead()'s reads, taken by the next step
         self._counters_at: list[tuple[int, int]] | None = None  # the paths' byte counters at the last step's end
+        self._read_ahead_buffers = 0  # staging buffers of the read-ahead budget, beyond the working ones
+        self._quiet = False  # after flush(): writes landing start no reads ahead until the next step
+        self._read_ahead_sized = config.read_ahead_bytes is not None or not config.overlap_io
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
         self.path_bandwidth: list[float] = []
+        self.path_read_bandwidth: list[float] = []
         host_only = config.host_cache_bytes is None
         if config.paths and not host_only:
             backend = open_backend(config.io_backend)
@@ -161,6 +172,8 @@ class SubgroupEngine:
         self._grad_bytes_per_element = 0
         self._last_step_end: float | None = None
         self._set_lane_mask(self.knobs.device_fraction)
+        if config.overlap_io and config.read_ahead_bytes:
+            self._size_read_ahead(config.read_ahead_bytes)
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
 
     # -- construction ------------------------------------------------------------------------
@@ -173,6 +186,7 @@ class SubgroupEngine:
             r, w = r or mr, w or mw
         if p.spec.cap_bytes_per_s:
             r, w = min(r, p.spec.cap_bytes_per_s), min(w, p.spec.cap_bytes_per_s)
+        self.path_read_bandwidth.append(r)
         return 1.0 / (1.0 / r + 1.0 / w)
 
     def _stripe_weights(self, knobs: Knobs) -> list[float]:
@@ -190,6 +204,8 @@ class SubgroupEngine:
                 sg.file = self._create_file(sg, sg.tier.path_index)
         swapped = [sg.numel for sg in self.subgroups if sg.tier.swapped]
         self.staging = StagingPool(max(swapped, default=0))
+        if swapped and self.config.overlap_io:
+            self.staging.on_landed = self._pump
         self.staging.resize(staging_buffers(self.knobs.prefetch_depth) if swapped else 0)
 
     def _host_budget(self, bindings: Sequence[SubgroupBinding], placement: Placement) -> int:
@@ -252,13 +268,11 @@ class SubgroupEngine:
         before = self.host_usage().total
         self._settle()  # the writes behind the last step land first: a buffer is written back once
         for sg in self.subgroups:
-            if sg.staged is not None:
-                if sg.dirty:
-                    self.staging.write_back(sg)
-                else:
-                    self.staging.release(sg)
-                sg.kept = False
+            if sg.staged is not None and sg.dirty:
+                self.staging.write_back(sg)
         self.staging.drain()
+        for sg in self.subgroups:
+            self.staging.release(sg)
         self.staging.resize(min(self.staging.size, PRESSURE_BUFFERS))
         if not self._gave_back:
             self._gave_back = True
@@ -271,7 +285,7 @@ class SubgroupEngine:
         """Memory is back above the floor: the staging pool the knobs ask for, within the budget."""
         self._gave_back = False
         depth = self._affordable_depth(self.knobs.prefetch_depth)
-        self.staging.resize(staging_buffers(depth))
+        self.staging.resize(staging_buffers(depth) + self._read_ahead_buffers)
         log.warning("offloadctl: host memory recovered (%s available): reading ahead again",
                     format_size(self._pressure.available_bytes))
 
@@ -313,20 +327,27 @@ class SubgroupEngine:
                             "budget (%s)", k.prefetch_depth, depth, format_size(self.host_budget))
                 self._depth_said = k.prefetch_depth
             k = k.replace(prefetch_depth=depth)
+        if self.staging.capacity_numel:  # the read-ahead budget yields to the working buffers
+            room = staging_room(self.host_budget, self.host_usage()) // self.staging.buffer_bytes
+            self._read_ahead_buffers = max(0, min(self._read_ahead_buffers, room - staging_buffers(depth)))
         old, self.knobs = self.knobs, k
         for p in self.paths:
             p.set_limits(concurrency=k.concurrency_for(p.path), node_lock=k.node_lock)
-        if k.prefetch_depth != old.prefetch_depth and self.staging.size:
-            self.staging.resize(staging_buffers(k.prefetch_depth))
-            # Shrinking may need kept buffers back: write them out until the pool fits.
-            while self.staging.size > staging_buffers(k.prefetch_depth):
-                kept = next((sg for sg in self.subgroups if sg.staged is not None and sg.index not in self._early_reads),
-                            None)
+        size = staging_buffers(k.prefetch_depth) + self._read_ahead_buffers
+        if size != self.staging.size and self.staging.size:
+            self.staging.resize(size)
+            # Shrinking may need buffers back: clean copies first, then kept ones written out.
+            if self.staging.size > size:
+                self.staging.release_clean(self.subgroups)
+                self.staging.resize(size)
+            while self.staging.size > size:
+                kept = next((sg for sg in self.subgroups if sg.staged is not None and sg.kept), None)
                 if kept is None:
                     break
                 self.staging.write_back(kept)
                 self.staging.drain()
-                self.staging.resize(staging_buffers(k.prefetch_depth))
+                self.staging.release(kept)
+                self.staging.resize(size)
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
         self._set_lane_mask(k.device_fraction)  # last: it pins the staging pool as it now is
@@ -386,12 +407,18 @@ class SubgroupEngine:
     def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None) -> StepRecord:
         for hook in self._hooks:
             hook.before_step(self)  # a knob change it makes is applied just below
-        # Write-behind: the last step's write-backs drained during forward and backward; wait for
-        # what is left before anything below moves files or buffers (a restripe, a resize).
+        # Write-behind: the last step's write-backs drain during forward and backward. The loop
+        # waits for exactly the one it needs; only what moves files or buffers (a knob change, the
+        # device tier's fit, a give-back) waits for all of them first.
         t0 = time.perf_counter()
-        self.staging.drain()
+        if self._pending_knobs is not None or self._device_tier_pending or self._low_memory():
+            self._settle()
+        self.staging.reap()
         write_wait_s = time.perf_counter() - t0
         self._raise_write_failure()
+        if not self._read_ahead_sized and fwd_bwd_s is not None:
+            self._read_ahead_sized = True
+            self._size_read_ahead(read_ahead_bytes(fwd_bwd_s, sum(self.path_read_bandwidth)))
         # One-time work (a knob change pinning buffers, the device tier's fit) is the step's
         # setup, not its update: a tuner trial that moves subgroups between lanes is measured
         # without it.
@@ -439,12 +466,10 @@ class SubgroupEngine:
             raise
         finally:
             torch.set_num_threads(threads)
-        # The writes go on behind: step() returns once the weights are in place.
-        writing = {sg.index for sg, _, _ in self.staging.writes}
-        for sg in self.subgroups:
-            sg.kept = sg.staged is not None and sg.index not in writing
         if st.pressure:
             self._give_back()
+        elif not self.config.overlap_io:
+            self.staging.drain()
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
@@ -453,48 +478,105 @@ class SubgroupEngine:
                                 fwd_bwd_s=fwd_bwd_s)
         self.iteration += 1
         self.telemetry.append(rec)
-        self._last_step_end = time.perf_counter()
         self._counters_at = [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+        # The writes go on behind: step() returns once the weights are in place, and the next
+        # step's first reads start now, behind them.
+        if self.config.overlap_io:
+            self._quiet = False
+            self._read_ahead()
+        self._last_step_end = time.perf_counter()
         return rec
 
     def read_ahead(self) -> int:
         """Start reading the state of the swapped subgroups the next step updates first, into
-        free staging buffers, without waiting for anything: their state does not depend on the
-        gradients, so the reads run during backward. Returns the reads started. Called when
-        backward begins (``OffloadAdamW`` does it from a gradient hook); calling it again, or
-        not at all, is harmless."""
-        if not self._lock.acquire(blocking=False):
+        free staging buffers and buffers of clean copies needed later, without waiting for
+        anything: their state does not depend on the gradients, so the reads run during forward
+        and backward. Returns the reads started. The engine calls it at a step's end and as
+        writes land; adapters call it when backward begins (``OffloadAdamW`` from a gradient
+        hook). Calling it again, or not at all, is harmless."""
+        if not self.config.overlap_io or not self._lock.acquire(blocking=False):
             return 0
         try:
-            if self._closed or self._low_memory() or not self.staging.capacity_numel:
-                return 0
-            forward = forward_order(self.iteration)
-            order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
-            holder = _StepState([], {})
-            started = 0
-            for i in order:
-                sg = self.subgroups[i]
-                if not sg.tier.swapped or sg.staged is not None or i in self._early_reads:
-                    continue  # kept, or its write still running (the step reads it after)
-                if started > self.knobs.prefetch_depth:
-                    break
-                buf = self.staging.try_acquire()
-                if buf is None:
-                    break
-                if sg.staged is not None:  # that was its own landed write: its buffer is free now
-                    continue
-                self._load(sg, buf, holder)
-                started += 1
-            self._early_reads.update(holder.reads)
-            return started
+            return self._read_ahead()
         finally:
             self._lock.release()
 
+    def _pump(self) -> None:
+        """A write-back landed (an I/O thread): its buffer may take the next read ahead."""
+        if not self._quiet:
+            self.read_ahead()
+
+    def _read_ahead(self) -> int:
+        if self._closed or self._low_memory() or not self.staging.capacity_numel:
+            return 0
+        st = self._next_step_state()
+        started = 0
+        for k, i in enumerate(st.seq):
+            sg = self.subgroups[i]
+            if sg.staged is not None or i in self._early_reads:
+                continue  # in memory already (kept, a clean copy, being written, or read)
+            buf = self.staging.try_acquire(self._victims(st, after=k))
+            if buf is None:
+                break
+            holder = _StepState([], {})
+            self._load(sg, buf, holder)
+            self._early_reads.update(holder.reads)
+            started += 1
+        return started
+
+    def _next_step_state(self) -> _StepState:
+        forward = forward_order(self.iteration)
+        order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
+        seq = [i for i in order if self.subgroups[i].tier.swapped]
+        return _StepState(seq, {i: k for k, i in enumerate(seq)})
+
+    def _victims(self, st: _StepState, after: int = -1, exclude: Subgroup | None = None) -> list[Subgroup]:
+        """Subgroups whose staged copies may give up their buffers for a subgroup needed at
+        position ``after`` of ``st``: those needed later than it, the one needed last first.
+        Those done this step are needed next step, in the reverse order."""
+        n = len(st.seq)
+
+        def need(sg: Subgroup) -> int:
+            k = st.pos[sg.index]
+            return k if k >= st.current else 2 * n - 1 - k
+        cands = [sg for sg in self.subgroups
+                 if sg.staged is not None and sg.kept and sg is not exclude and sg.index in st.pos]
+        return sorted((sg for sg in cands if need(sg) > after), key=need, reverse=True)
+
+    def _size_read_ahead(self, nbytes: int) -> None:
+        """The read-ahead budget: staging buffers beyond the working ones, within the host budget."""
+        if not self.staging.capacity_numel or not nbytes:
+            return
+        per = self.staging.buffer_bytes
+        room = staging_room(self.host_budget, self.host_usage()) - self.staging.size * per
+        swapped = sum(1 for sg in self.subgroups if sg.tier.swapped)
+        n = max(0, min(-(-nbytes // per), room // per, swapped - self.staging.size))
+        self._read_ahead_buffers = n
+        self.staging.resize(self.staging.size + n)
+        if n and self.device_lane is not None:
+            self._set_lane_mask(self.knobs.device_fraction)  # pins the new buffers when the lane copies from them
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Host memory of the read-ahead budget's staging buffers."""
+        return self._read_ahead_buffers * self.staging.buffer_bytes
+
     def flush(self) -> None:
-        """Wait for the writes still running behind the last step; raise the first that failed
-        (its state stays in memory, nothing is lost). The next ``step()`` does the same."""
+        """Wait for the transfers still running behind the last step: the writes (raising the
+        first that failed; its state stays in memory, nothing is lost) and the reads ahead
+        (their buffers keep the state they read). Nothing more is read ahead until the next
+        step or :meth:`read_ahead`, so the files are still once it returns."""
         with self._lock:
+            self._quiet = True
             self.staging.drain()
+            for i, fut in self._early_reads.items():
+                sg = self.subgroups[i]
+                try:
+                    fut.result()
+                    sg.kept = True  # a clean copy now
+                except BaseException:
+                    self.staging.release(sg)  # read again by the step, which reports the failure
+            self._early_reads = {}
             self._raise_write_failure()
 
     def _raise_write_failure(self) -> None:
@@ -525,8 +607,16 @@ class SubgroupEngine:
         if not st.pressure and self._low_memory():
             st.pressure = True
             self.staging.resize(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
+        st.current = st.pos[sg.index]
+        if sg.writing:  # its write behind the last step: wait for exactly that one
+            t0 = time.perf_counter()
+            self.staging.wait_write(sg)
+            st.read_wait_s += time.perf_counter() - t0
+            if not sg.tier.swapped:  # the write failed: its state stays in memory (raised next step)
+                self._update_resident(sg, st, hp)
+                return
         depth = 0 if st.pressure else self.knobs.prefetch_depth
-        self._prefetch(st, st.pos[sg.index] + depth)
+        self._prefetch(st, st.current + depth)
         buf = self._stage(sg, st)
         self._run_update(sg, buf, hp, st, time.perf_counter())
         sg.dirty = True
@@ -534,8 +624,10 @@ class SubgroupEngine:
         # kept buffers come on top of the working ones, so the next step's first reads start at
         # once instead of waiting for write-backs.
         keep = 0 if st.pressure else kept_subgroups(depth)
-        if st.pos[sg.index] < len(st.seq) - keep:
+        if st.current < len(st.seq) - keep:
             self.staging.write_back(sg)
+        else:
+            sg.kept = True
 
     def _update_resident(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
         """One subgroup whose state is in host memory (its first state counted in the update)."""
@@ -758,8 +850,8 @@ class SubgroupEngine:
         """Issue reads for positions up to ``upto`` of this step's order, while buffers are free."""
         while st.next_read < len(st.seq) and st.next_read <= upto:
             sg = self.subgroups[st.seq[st.next_read]]
-            if sg.staged is None:
-                buf = self.staging.try_acquire()
+            if sg.staged is None and sg.tier.swapped:
+                buf = self.staging.try_acquire(self._victims(st, after=st.next_read))
                 if buf is None:
                     return
                 self._load(sg, buf, st)
@@ -769,7 +861,7 @@ class SubgroupEngine:
         """The staging buffer holding ``sg``, reading it now if no prefetch did."""
         fut = st.reads.pop(sg.index, None)
         if fut is None and sg.staged is None:
-            self._load(sg, self.staging.acquire(sg, self.subgroups, forward_order(self.iteration)), st)
+            self._load(sg, self.staging.acquire(lambda: self._victims(st, exclude=sg)), st)
             fut = st.reads.pop(sg.index, None)
         if fut is not None:
             t0 = time.perf_counter()
@@ -829,7 +921,8 @@ class SubgroupEngine:
             device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=st.host_lane_s,
             fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
             params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start - write_wait_s,
-            host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_budget, host_pressure=st.pressure)
+            host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_budget, host_pressure=st.pressure,
+            read_ahead_bytes=self.read_ahead_bytes)
 
     # -- state access (checkpoints) ----------------------------------------------------------
 

@@ -65,6 +65,12 @@ def staging_buffers(prefetch_depth: int) -> int:
     return prefetch_depth + 2 + kept_subgroups(prefetch_depth)
 
 
+def read_ahead_bytes(fwd_bwd_s: float, read_bytes_per_s: float) -> int:
+    """The default read-ahead budget: what the paths can read while forward and backward run,
+    so that the disks stay busy through them (``EngineConfig.read_ahead_bytes`` = None)."""
+    return int(max(0.0, fwd_bwd_s) * max(0.0, read_bytes_per_s))
+
+
 def host_buffer_bytes(numel: int) -> int:
     """Host memory one state buffer of ``numel`` elements takes: header, padded payload, and the
     slack that aligns its start for O_DIRECT."""

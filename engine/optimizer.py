@@ -124,6 +124,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             staging buffers, copies: ``engine.host_memory``). None: a share of what is available.
         host_memory_floor_bytes: available memory below which the engine gives back its kept and
             read-ahead buffers. None: 5% of the machine's memory, at least 1 GiB.
+        read_ahead_bytes: host memory for reading the next step's state ahead during forward and
+            backward. None: what the paths read in one forward and backward (measured); 0: none.
+        overlap_io: False: each ``step()`` waits for its writes and nothing is read ahead.
         io_backend, host_adam, verify_checksums, run_dir, rank: see :class:`EngineConfig`.
 
     The fp32 master weights are seeded from the parameters at the first step (and at
@@ -136,7 +139,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  device: str | None = None, prefetch_depth: int | None = None, device_fraction: float | None = None,
                  node_lock: bool | None = None, io_concurrency: Mapping[str, int] | None = None,
                  host_memory_bytes: int | None = None, host_memory_floor_bytes: int | None = None,
-                 io_backend: str = "auto", host_adam: str = "auto",
+                 read_ahead_bytes: int | None = None, overlap_io: bool = True, io_backend: str = "auto", host_adam: str = "auto",
                  verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -151,13 +154,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                               device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
                               host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank,
                               host_memory_bytes=host_memory_bytes, host_memory_floor_bytes=host_memory_floor_bytes,
+                              read_ahead_bytes=read_ahead_bytes, overlap_io=overlap_io,
                               fixed_knobs=(*given, *(f"io_concurrency[{p}]" for p in concurrency)))
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)
         # Read ahead during backward: the first gradient accumulated after a step starts the
         # next step's first reads (engine.read_ahead), with no call in the user's loop.
-        self._read_ahead_armed = bool(paths)
-        if paths:
+        self._read_ahead_armed = bool(paths) and overlap_io
+        if self._read_ahead_armed:
             engine_ref = weakref.ref(self)
             for g in self.param_groups:
                 for p in g["params"]:

@@ -33,7 +33,8 @@ class Subgroup:
     staged: StateBuffer | None = None  # swapped: staging buffer holding it now
     fresh: bool = True  # no state yet: its first state (first_state) is made where it is first needed
     dirty: bool = False  # staged copy is newer than the file
-    kept: bool = False  # staged copy kept from the previous step
+    kept: bool = False  # staged copy held between updates (dirty: the kept tail; clean: its write landed)
+    writing: bool = False  # staged copy being written back (the buffer is read-only until it lands)
 
     @property
     def numel(self) -> int:
@@ -42,8 +43,10 @@ class Subgroup:
 
 class StagingPool:
     """``size`` staging buffers of ``capacity_numel`` elements each: free, holding a subgroup's
-    state (``Subgroup.staged``), or being written back. A write that fails leaves the subgroup's
-    state in its buffer as host-resident state, out of the pool, and its error in ``failures``."""
+    state (``Subgroup.staged``), or being written back. A buffer whose write landed stays with its
+    subgroup as a clean copy (``kept``, not ``dirty``) until its buffer is taken for another: a
+    later update of that subgroup reads nothing. A write that fails leaves the subgroup's state in
+    its buffer as host-resident state, out of the pool, and its error in ``failures``."""
 
     def __init__(self, capacity_numel: int) -> None:
         self.capacity_numel = capacity_numel
@@ -51,6 +54,7 @@ class StagingPool:
         self.free: list[StateBuffer] = []
         self.writes: deque[tuple[Subgroup, StateBuffer, Future]] = deque()
         self.failures: list[OffloadError] = []
+        self.on_landed = None  # called (in an I/O thread) when a write-back lands
 
     @property
     def buffer_bytes(self) -> int:
@@ -70,38 +74,16 @@ class StagingPool:
         """Start writing ``sg``'s staged state to its file (the next one, after a restripe)."""
         buf = sg.staged
         target = sg.next_file or sg.file
-        self.writes.append((sg, buf, target.path.write(target, buf)))
+        fut = target.path.write(target, buf)
+        sg.writing, sg.kept = True, False
+        self.writes.append((sg, buf, fut))
+        if self.on_landed is not None:
+            fut.add_done_callback(lambda _: self.on_landed())
 
-    def try_acquire(self) -> StateBuffer | None:
-        """A free buffer, or the oldest write-back's if it has landed; None without waiting."""
-        if self.free:
-            return self.free.pop()
-        if self.writes and self.writes[0][2].done():
-            return self.reclaim_oldest_write()
-        return None
-
-    def acquire(self, exclude: Subgroup, subgroups: Sequence[Subgroup], forward: bool) -> StateBuffer:
-        """A free buffer; waits for the oldest write-back, or evicts the kept buffer of
-        ``subgroups`` needed last in this step's order (``forward``), never ``exclude``'s."""
-        while True:
-            buf = self.try_acquire()
-            if buf is not None:
-                return buf
-            if self.writes:
-                buf = self.reclaim_oldest_write()
-                if buf is not None:
-                    return buf
-                continue
-            kept = [sg for sg in subgroups if sg.staged is not None and sg.kept and sg is not exclude]
-            if not kept:
-                # Only after failed writes pinned buffers in memory: grow rather than stall.
-                self.size += 1
-                return StateBuffer(self.capacity_numel)
-            self.write_back(kept[-1] if forward else kept[0])
-
-    def reclaim_oldest_write(self) -> StateBuffer | None:
-        """Wait for the oldest write-back; its buffer, or None if it failed (then kept in memory)."""
-        sg, buf, fut = self.writes.popleft()
+    def _finish(self, sg: Subgroup, buf: StateBuffer, fut: Future) -> bool:
+        """A write-back that has landed (or is waited for now): the subgroup keeps its buffer as
+        a clean copy. False if it failed: the state stays in the buffer as host-resident state."""
+        sg.writing = False
         try:
             fut.result()
         except StorageIOError as e:
@@ -109,22 +91,75 @@ class StagingPool:
             self.failures.append(e)
             self.size -= 1
             sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
-            return None
+            return False
         if sg.next_file is not None:
             sg.file.path.remove_file(sg.file)
             sg.file, sg.next_file = sg.next_file, None
-        sg.staged, sg.dirty, sg.kept = None, False, False
+        sg.dirty, sg.kept = False, True
+        return True
+
+    def reap(self) -> None:
+        """Finish the write-backs that have landed, without waiting."""
+        for entry in [w for w in self.writes if w[2].done()]:
+            self.writes.remove(entry)
+            self._finish(*entry)
+
+    def wait_write(self, sg: Subgroup) -> None:
+        """Wait for exactly ``sg``'s write-back, if one is in flight."""
+        if not sg.writing:
+            return
+        entry = next(w for w in self.writes if w[0] is sg)
+        self.writes.remove(entry)
+        self._finish(*entry)
+
+    def drain(self) -> None:
+        """Wait for every write-back; failures are recorded and keep their state in memory."""
+        while self.writes:
+            self._finish(*self.writes.popleft())
+
+    def take(self, sg: Subgroup) -> StateBuffer:
+        """The buffer of ``sg``'s clean copy, for another subgroup (its file is current)."""
+        buf, sg.staged, sg.kept = sg.staged, None, False
         return buf
+
+    def try_acquire(self, victims: Sequence[Subgroup] = ()) -> StateBuffer | None:
+        """A free buffer, else that of the first clean copy among ``victims``; None without waiting."""
+        if self.free:
+            return self.free.pop()
+        self.reap()
+        for sg in victims:
+            if sg.staged is not None and sg.kept and not sg.dirty:
+                return self.take(sg)
+        return None
+
+    def acquire(self, victims) -> StateBuffer:
+        """A buffer, waiting if it must: a free one, a clean copy among ``victims()`` (the
+        subgroups whose copies may go, the one needed last first), the oldest write-back's once
+        it lands, or a dirty kept one's after writing it back."""
+        while True:
+            buf = self.try_acquire(victims())
+            if buf is not None:
+                return buf
+            if self.writes:
+                self._finish(*self.writes.popleft())
+                continue
+            dirty = [sg for sg in victims() if sg.staged is not None and sg.kept]
+            if not dirty:
+                # Only after failed writes pinned buffers in memory: grow rather than stall.
+                self.size += 1
+                return StateBuffer(self.capacity_numel)
+            self.write_back(dirty[0])
 
     def release(self, sg: Subgroup) -> None:
         """``sg``'s buffer back to the free ones, unwritten (its file is current)."""
         if sg.staged is not None:
             self.free.append(sg.staged)
             sg.staged = None
+            sg.kept = False
 
-    def drain(self) -> None:
-        """Wait for every write-back; failures are recorded and keep their state in memory."""
-        while self.writes:
-            buf = self.reclaim_oldest_write()
-            if buf is not None:
-                self.free.append(buf)
+    def release_clean(self, subgroups: Sequence[Subgroup]) -> None:
+        """Every clean copy's buffer back to the free ones."""
+        self.reap()
+        for sg in subgroups:
+            if sg.staged is not None and sg.kept and not sg.dirty:
+                self.release(sg)

@@ -67,6 +67,8 @@ class StepRecord:
     """The rank's host-memory budget (0 in records written before there was one)."""
     host_pressure: bool = False
     """Available memory ran below the floor during the step: nothing was read ahead or kept."""
+    read_ahead_bytes: int = 0
+    """Host memory of the read-ahead budget in force (``EngineConfig.read_ahead_bytes``)."""
 
     @property
     def order(self) -> str:

@@ -56,6 +56,10 @@ class ZeroEngineSettings:
     host_cache_bytes: int | None = None
     host_memory_bytes: int | None = None
     """The rank's host-memory budget (``engine.host_memory``); None: the default."""
+    read_ahead_bytes: int | None = None
+    """The read-ahead budget (``EngineConfig.read_ahead_bytes``); None: sized from the run."""
+    overlap_io: bool = True
+    """False: each step waits for its writes and reads nothing ahead (``EngineConfig.overlap_io``)."""
     run_dir: str | None = None
     knobs: Knobs = field(default_factory=Knobs)
     """Starting knobs without a profile."""

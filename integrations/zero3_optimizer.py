@@ -212,6 +212,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                               auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
                               io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank,
                               local_ranks=local_ranks, host_memory_bytes=self.settings.host_memory_bytes,
+                              read_ahead_bytes=self.settings.read_ahead_bytes, overlap_io=self.settings.overlap_io,
                               fixed_knobs=tuple(self.settings.knob_overrides))
         return config, knobs
 

@@ -111,8 +111,11 @@ def test_disk_filling_mid_run_keeps_state():
 @pytest.mark.parametrize("backend", ["posix", "aio"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_swap_file_is_an_error(damage, backend, swap_dir):
-    model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, swap_dir, io_backend=backend), 2)
-    opt.flush()  # the writes behind the last step land: the written subgroups are on disk only
+    # Three staging buffers for six subgroups: after flush() the writes behind the last step have
+    # landed, nothing more is read ahead, and three subgroups are on disk only.
+    model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, swap_dir, io_backend=backend, prefetch_depth=0,
+                                                             read_ahead_bytes=0), 2)
+    opt.flush()
     sg = next(s for s in opt.engine.subgroups if s.staged is None and not s.fresh)
     with open(sg.file.filename, "r+b") as f:
         if damage == "flip":

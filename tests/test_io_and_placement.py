@@ -103,17 +103,19 @@ def _big_model():
 
 
 def test_telemetry_bytes_alternation_and_jsonl(swap_dir, tmp_path):
-    """All-NVMe moves at most 12 B/param each way; a half cache halves it; order alternates."""
+    """All-NVMe moves at most 12 B/param each way; a half cache halves it; order alternates. No
+    read-ahead budget: the 7 working buffers hold 7 of the 17 subgroups across a step (3 kept, 4
+    whose writes landed), so each step reads the other 10 and writes 14."""
     model = _big_model()
     n = sum(p.numel() for p in model.parameters())
     sub = 16384  # 17 subgroups; the 4 KiB header and padding add under 3 %
     overhead = 1.03
     run_dir = str(tmp_path / "run")
     full = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=0, nvme_paths=[swap_dir],
-                        host_adam="torch", run_dir=run_dir)
+                        host_adam="torch", run_dir=run_dir, read_ahead_bytes=0)
     half_model = _big_model()
     half = OffloadAdamW(half_model.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=6 * n,
-                        nvme_paths=[swap_dir], host_adam="torch")
+                        nvme_paths=[swap_dir], host_adam="torch", read_ahead_bytes=0)
     feed_same_grads([(model, full)], 5)
     feed_same_grads([(half_model, half)], 5)
     for rec in full.telemetry[1:]:

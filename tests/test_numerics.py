@@ -28,7 +28,7 @@ def test_layouts_match_adamw(layout, backend, swap_dirs):
     kw = {
         "host": dict(host_cache_bytes=None),
         "nvme": dict(host_cache_bytes=0, nvme_paths=[nvme0]),
-        "mixed": dict(host_cache_bytes=STATE // 2, nvme_paths=[nvme0]),
+        "mixed": dict(host_cache_bytes=STATE // 3, nvme_paths=[nvme0]),
         "two_paths": dict(host_cache_bytes=0, nvme_paths=[nvme0, nvme1]),
         # Declared bandwidths make the stripe deterministic: the cap halves the remote share.
         "remote_capped": dict(host_cache_bytes=0,
@@ -36,8 +36,13 @@ def test_layouts_match_adamw(layout, backend, swap_dirs):
                               remote_paths=[StoragePath(path=pfs, kind="remote", read_bytes_per_s=400e6,
                                                         write_bytes_per_s=400e6, cap_bytes_per_s=200e6)]),
     }[layout]
+    # No read-ahead budget and fewer staging buffers than swapped subgroups (prefetch 1: 5 for
+    # 6; a third cached, prefetch 0: 3 for 4), so that every step reads state back from the
+    # files, not only from buffers that still hold it.
+    depth = 0 if layout == "mixed" else 1
     _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, io_backend=backend,
-                                               host_adam="torch", **kw), steps=5)
+                                               host_adam="torch", prefetch_depth=depth, read_ahead_bytes=0, **kw),
+                        steps=5)
     rec = opt.telemetry[-1]
     if layout == "host":
         assert opt.engine.io_backend is None and rec.bytes_read == {}

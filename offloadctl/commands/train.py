@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_size_option(o, "--host-memory", dest="host_memory",
                     help="budget for all the engine holds in host memory, per rank: state, staging buffers, copies "
                     "(default: half the memory available at start, shared by the node's ranks; docs/host-memory.md)")
+    add_size_option(o, "--read-ahead", dest="read_ahead", auto=True,
+                    help="host memory for reading the next step's state ahead during forward and backward, per rank; "
+                    "auto: what the paths read in one forward and backward (default auto; 0: none)")
+    o.add_argument("--no-io-overlap", dest="io_overlap", action="store_false",
+                   help="each step waits for its writes and nothing is read ahead (default: writes drain during the "
+                   "next forward, reads start at the step's end)")
     add_size_option(o, "--device-cache", dest="device_cache", deprecated="--device-cache-gb", auto=True,
                     help="optimizer state kept on the GPU, per rank, e.g. 8GB; auto: what the GPU has free after the "
                     "first forward/backward, less a safety margin (default auto)")
@@ -134,6 +140,7 @@ def build(args: argparse.Namespace) -> dict:
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     host_cache = size_bytes(args.host_cache)
     host_memory = size_bytes(args.host_memory)
+    read_ahead = size_bytes(args.read_ahead, auto=True)
     device_cache = size_bytes(args.device_cache, auto=True)
     # Imported after the cheap checks: torch and DeepSpeed take seconds, and a typo should fail at once.
     from engine.storage.paths import check_usable
@@ -143,7 +150,8 @@ def build(args: argparse.Namespace) -> dict:
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     if args.engine == "stock":
         given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote), ("--host-cache", host_cache),
-                                      ("--host-memory", host_memory),
+                                      ("--host-memory", host_memory), ("--read-ahead", read_ahead),
+                                      ("--no-io-overlap", not args.io_overlap),
                                       ("--device-cache", device_cache), ("--device-fraction", device_fraction),
                                       ("--profile", args.profile), ("--prefetch-depth", args.prefetch_depth),
                                       ("--node-lock", args.node_lock), ("--lane-device", args.lane_device))
@@ -173,7 +181,8 @@ def build(args: argparse.Namespace) -> dict:
 
     zero = ZeroEngineSettings(
         nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
-        host_cache_bytes=host_cache, host_memory_bytes=host_memory, run_dir=run_dir, device_cache_bytes=device_cache,
+        host_cache_bytes=host_cache, host_memory_bytes=host_memory, read_ahead_bytes=read_ahead,
+        overlap_io=args.io_overlap, run_dir=run_dir, device_cache_bytes=device_cache,
         auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
         io_backend=args.io_backend, knobs=_knobs(overrides), knob_overrides=overrides, profile=profile,
         tuner_socket=None if tuner in ("auto", "off") else tuner,
