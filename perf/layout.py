@@ -73,23 +73,28 @@ class Traffic:
 
 @lru_cache(maxsize=4096)
 def swap_traffic(N: int, first: int, K: int, n: int, n_last: int, weights: tuple[float, ...],
-                 f: float) -> tuple[Traffic, Traffic]:
-    """Forward- and reverse-order traffic of swapped subgroups ``first..N-1`` over weighted paths."""
+                 f: float, held: int | None = None) -> tuple[Traffic, Traffic]:
+    """Forward- and reverse-order traffic of swapped subgroups ``first..N-1`` over weighted paths.
+    ``K`` subgroups are kept unwritten across the step boundary; ``held`` (at least ``K``; default
+    ``K``) are in staging buffers then and read nothing: the kept ones, and those whose writes
+    landed and whose buffers no read took (``engine.staging``), next to them in the order."""
     S = N - first
     M = S - K
+    held = K if held is None else max(K, min(S, held))
+    R = S - held
     fb_n = payload_bytes(n) + HEADER_BYTES
     if S > EXACT_SUBGROUPS:
         total = sum(weights)
         share = [w / total for w in weights]
-        host_m = M * (1 - lane_count(first, N, f) / S)
-        t = Traffic(tuple(M * fb_n * s for s in share), tuple(M * fb_n * s for s in share),
-                    tuple(M * s for s in share), host_m)
+        host_m = R * (1 - lane_count(first, N, f) / S)
+        t = Traffic(tuple(R * fb_n * s for s in share), tuple(M * fb_n * s for s in share),
+                    tuple(R * s for s in share), host_m)
         return t, t
     idx = list(range(first, N))
     sizes = [n_last if i == N - 1 else n for i in idx]
     tiers = stripe([payload_bytes(x) for x in sizes], list(weights))
     out = []
-    for reads, writes in ((range(K, S), range(0, M)), (range(0, M), range(K, S))):  # forward, reverse
+    for reads, writes in ((range(held, S), range(0, M)), (range(0, R), range(K, S))):  # forward, reverse
         r, w, m = [0.0] * len(weights), [0.0] * len(weights), [0.0] * len(weights)
         host_m = 0
         for k in reads:

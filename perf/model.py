@@ -21,7 +21,7 @@ from typing import Mapping
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.lane_model import LaneLoad, LaneRates, lane_times
-from engine.layout import HEADER_BYTES, kept_subgroups, payload_bytes, staging_buffers
+from engine.layout import HEADER_BYTES, kept_subgroups, payload_bytes, read_ahead_bytes, staging_buffers
 from engine.placement import device_lane_working_bytes
 from perf.hardware import (
     Device,
@@ -107,15 +107,21 @@ class Plan:
     """Per rank: state kept in host memory (``EngineConfig.host_cache_bytes``). None: all."""
     device_cache_bytes: int = 0
     """Per rank: state kept in device memory across iterations (``EngineConfig.device_cache_bytes``)."""
+    read_ahead_bytes: int = 0
+    """Per rank: host memory for reading ahead during forward and backward, beyond the working
+    staging buffers (``EngineConfig.read_ahead_bytes``); :func:`read_ahead_for` sizes it."""
     knobs: Knobs = field(default_factory=Knobs)
     """Device fraction, prefetch depth, per-path concurrency and stripe weights, node lock.
     A mapping of knob names is read with :meth:`Knobs.from_dict`."""
+    overlap_io: bool = True
+    """``EngineConfig.overlap_io``: writes behind the step and reads ahead of it, during forward and backward."""
     name: str = ""
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes is not None:
             _int_at_least("Plan.host_cache_bytes", self.host_cache_bytes, 0, "give bytes, or None for all in host memory")
         _int_at_least("Plan.device_cache_bytes", self.device_cache_bytes, 0, "give bytes (0: none)")
+        _int_at_least("Plan.read_ahead_bytes", self.read_ahead_bytes, 0, "give bytes (0: none)")
         if isinstance(self.knobs, Mapping):
             object.__setattr__(self, "knobs", Knobs.from_dict(self.knobs))
         elif not isinstance(self.knobs, Knobs):
@@ -129,9 +135,9 @@ class Plan:
         return replace(self, knobs=self.knobs.from_dict({**self.knobs.to_dict(), **changes}))
 
     def to_dict(self) -> dict:
-        """Flat: ``host_cache_bytes``, ``device_cache_bytes``, each knob by name, ``name``."""
+        """Flat: ``host_cache_bytes``, ``device_cache_bytes``, ``read_ahead_bytes``, each knob by name, ``name``."""
         return {"host_cache_bytes": self.host_cache_bytes, "device_cache_bytes": self.device_cache_bytes,
-                **self.knobs.to_dict(), "name": self.name}
+                "read_ahead_bytes": self.read_ahead_bytes, **self.knobs.to_dict(), "name": self.name}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
@@ -202,6 +208,7 @@ class _Layout:
     S: int
     K: int
     M: int
+    B: int  # staging buffers: the working ones and the read-ahead budget's
     G_host: int
     G_swap: int
 
@@ -222,8 +229,10 @@ def _layout(wl: Workload, plan: Plan) -> _Layout:
     H = prefix_fit(plan.host_cache_bytes, D, N, pay_n, pay_last)
     S = N - D - H
     K = min(S, kept_subgroups(d))
-    return _Layout(P=P, n=n, N=N, n_last=n_last, pay_n=pay_n, pay_last=pay_last, fb=pay_n + HEADER_BYTES, d=d, f=f,
-                   D=D, H=H, S=S, K=K, M=S - K, G_host=lane_count(D, D + H, f), G_swap=lane_count(D + H, N, f))
+    fb = pay_n + HEADER_BYTES
+    B = staging_buffers(d) + -(-plan.read_ahead_bytes // fb) if S else 0
+    return _Layout(P=P, n=n, N=N, n_last=n_last, pay_n=pay_n, pay_last=pay_last, fb=fb, d=d, f=f,
+                   D=D, H=H, S=S, K=K, M=S - K, B=B, G_host=lane_count(D, D + H, f), G_swap=lane_count(D + H, N, f))
 
 
 def _plan_paths(profile: Profile, plan: Plan) -> list[PathProfile]:
@@ -253,7 +262,7 @@ def _paths_and_weights(profile: Profile, plan: Plan, lay: _Layout) -> tuple[list
 
 def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[int, int]:
     """(host bytes per node, GPU bytes per rank); ConfigError over the budget or the headroom."""
-    staging = staging_buffers(lay.d) * (max(lay.pay_n, lay.pay_last) + HEADER_BYTES) if lay.S else 0
+    staging = lay.B * (max(lay.pay_n, lay.pay_last) + HEADER_BYTES) if lay.S else 0
     host_state = lay.H * lay.pay_n - (lay.pay_n - lay.pay_last if lay.D + lay.H == lay.N and lay.H else 0)
     host_node = wl.ranks * (host_state + staging)
     budget = host_budget(profile, wl)
@@ -344,6 +353,8 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
 
     # Swap traffic, per path and per order.
     wt = tuple(w if w > 0 else 0.0 for w in weights)
+    # Traffic as if only the kept subgroups were held: the clean copies the other buffers keep
+    # (engine.staging) save up to B - K reads a step, which the model leaves out (docs/perfmodel.md).
     traffic = swap_traffic(lay.N, lay.D + lay.H, lay.K, lay.n, lay.n_last, wt, float(lay.f)) if lay.S else None
     storage_node = _swap_files(paths, wt, lay, wl.ranks) if lay.S else {}
 
@@ -369,16 +380,38 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
         notes.append("no forward/backward time given (--fwd-bwd-s): the iteration counts the update phase only")
         fwd_bwd = 0.0
     breakdown["fwd_bwd"] = fwd_bwd
+    hidden = _hidden_io(fwd, rev, lay, fwd_bwd) if plan.overlap_io else 0.0
+    breakdown["io_in_fwd_bwd"] = hidden
     if lay.D:
         notes.append(f"keeps {gb(lay.D * lay.pay_n)} of state on each GPU through forward and backward too: the GPU "
                      f"must have it free then, not only during the update")
     if lay.S and lay.K:
         notes.append(f"{lay.K} of {lay.S} swapped subgroups per rank stay in memory across steps (alternating order)")
     return Prediction(
-        plan=plan, update_s=update_s, iteration_s=fwd_bwd + update_s, breakdown=breakdown,
+        plan=plan, update_s=update_s, iteration_s=max(fwd_bwd, fwd_bwd + update_s - hidden), breakdown=breakdown,
         bytes_per_param=_mean(fwd.bytes_moved, rev.bytes_moved) / lay.P, bottleneck=bottleneck, notes=tuple(notes),
         memory={"host_per_node": host_node, "gpu_per_rank": gpu_rank if profile.gpu else 0,
                 "storage_per_node": int(sum(storage_node.values()))})
+
+
+def _hidden_io(fwd: "_StepTime", rev: "_StepTime", lay: _Layout, fwd_bwd: float) -> float:
+    """Storage time moved out of the update into forward and backward (``EngineConfig.overlap_io``):
+    the writes behind the step, in the working buffers still writing at its end (``d + 2``), and
+    the reads ahead, into the buffers of the read-ahead budget; no more than forward and
+    backward last, nor than the step's storage time beyond its compute."""
+    T_io = _mean(fwd.T_io, rev.T_io)
+    moved = _mean(fwd.bytes_moved, rev.bytes_moved)
+    if not moved or not T_io:
+        return 0.0
+    behind = min(lay.M, lay.d + 2) * lay.fb
+    ahead = min(lay.S - min(lay.S, staging_buffers(lay.d)), lay.B - staging_buffers(lay.d)) * lay.fb
+    return min(fwd_bwd, T_io * min(1.0, (behind + ahead) / moved), max(0.0, T_io - _mean(fwd.T_cpu, rev.T_cpu)))
+
+
+def read_ahead_for(fwd_bwd_s: float, read_bytes_per_s: float, room_bytes: int) -> int:
+    """The read-ahead budget a plan takes: what the paths read during forward and backward
+    (``engine.layout.read_ahead_bytes``, the engine's own default), within ``room_bytes``."""
+    return max(0, min(read_ahead_bytes(fwd_bwd_s, read_bytes_per_s), room_bytes))
 
 
 # -- one step -----------------------------------------------------------------------------------

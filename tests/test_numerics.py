@@ -312,3 +312,26 @@ def test_stripe_change_reverted_before_the_move_keeps_state(swap_dirs, backend):
         if sg.tier.swapped:
             assert os.path.exists(sg.file.filename), f"subgroup {sg.index}'s swap file was removed"
     opt.close()
+
+
+def test_io_overlap_is_bit_identical_to_no_overlap(swap_dir):
+    """Writes behind the step, reads ahead of it (with a read-ahead budget, and without one) and
+    reused copies change when bytes move, never what they are: every parameter and moment is
+    bit-identical to the same run with each step waiting for its writes, and close to torch AdamW."""
+    results = []
+    for kw in (dict(overlap_io=False), dict(read_ahead_bytes=0), dict(read_ahead_bytes=None), dict(prefetch_depth=0)):
+        model, opt, ref, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB // 2,
+                                                         host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch",
+                                                         **kw), steps=6)
+        recs = opt.telemetry
+        assert sum(sum(r.bytes_read.values()) for r in recs[1:]) > 0, kw  # state came back from the files
+        if kw.get("overlap_io") is not False:
+            assert opt.engine.read_ahead_bytes >= 0 and any(r.write_wait_s >= 0 for r in recs)
+        sd = opt.state_dict()
+        results.append(([p.detach().clone() for p in model.parameters()],
+                        [(s["exp_avg"], s["exp_avg_sq"]) for s in sd["state"].values()]))
+        opt.close()
+    base_params, base_moments = results[0]
+    for params, moments in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(base_params, params))
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(base_moments, moments))

@@ -313,7 +313,10 @@ def test_best_plan_and_alternatives():
     assert {p.plan.name.split(" (")[0] for p in alts} >= stock
     zi = next(p for p in alts if p.plan.name == "stock ZeRO-Infinity NVMe")
     assert best.iteration_s < zi.iteration_s
-    assert best.iteration_s == pytest.approx(2.0 + best.update_s)
+    # Forward and backward hide part of the storage time (writes behind, reads ahead), never more than they last.
+    hidden = best.breakdown["io_in_fwd_bwd"]
+    assert 0 < hidden <= 2.0 and best.iteration_s == pytest.approx(2.0 + best.update_s - hidden)
+    assert predict(prof, wl, best.plan.replace(overlap_io=False)).iteration_s == pytest.approx(2.0 + best.update_s)
 
 
 @pytest.mark.parametrize("params", [10**12, 10**13])
@@ -373,7 +376,7 @@ def test_plan_holds_the_engines_knobs_and_is_flat_in_json():
     plan = Plan(host_cache_bytes=5, device_cache_bytes=7, knobs=knobs, name="p")
     assert plan.knobs is knobs and Plan().knobs == Knobs()
     d = plan.to_dict()
-    assert list(d) == ["host_cache_bytes", "device_cache_bytes", *Knobs.names(), "name"]
+    assert list(d) == ["host_cache_bytes", "device_cache_bytes", "read_ahead_bytes", *Knobs.names(), "name"]
     assert Plan.from_dict(json.loads(json.dumps(d))) == plan
     assert plan.with_knobs(prefetch_depth=0).knobs == knobs.replace(prefetch_depth=0)
     with pytest.raises(ConfigError, match="unknown knob"):
@@ -408,7 +411,7 @@ def test_the_models_layout_is_the_engines(tmp_path):
         try:
             assert eng.describe().staging_buffers == staging_buffers(depth)
             eng.step([AdamWHyper(lr=1e-3)])
-            kept = sum(sg.kept for sg in eng.subgroups)
+            kept = sum(sg.kept and sg.dirty for sg in eng.subgroups)  # the tail, not the copies of landed writes
             assert kept == min(n, kept_subgroups(depth)), (depth, kept)
         finally:
             eng.close()
@@ -457,7 +460,8 @@ def test_plan_json(tmp_path):
     data = json.loads(out.stdout)
     assert data["best"] == "best" and data["workload"]["params"] == 20 * 10**9
     plans = {p["name"]: p for p in data["plans"]}
-    assert plans["best"]["iteration_s"] == pytest.approx(3.0 + plans["best"]["update_s"])
+    assert plans["best"]["iteration_s"] == pytest.approx(3.0 + plans["best"]["update_s"]
+                                                         - plans["best"]["breakdown"]["io_in_fwd_bwd"])
     # Same numbers as the library gives for the same inputs.
     wl = Workload(params=20 * 10**9, fwd_bwd_s=3.0, host_bytes=32 * 10**9)
     assert plans["best"]["update_s"] == pytest.approx(best_plan(prof, wl).update_s)
