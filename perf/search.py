@@ -13,7 +13,7 @@ from engine.layout import HEADER_BYTES, STATE_BYTES_PER_ELEMENT, payload_bytes, 
 from engine.placement import device_lane_working_bytes
 from perf.hardware import Device, check_profile, default_weight, device_key, device_time, gb, gpu_headroom, host_budget
 from perf.layout import CHUNK_BYTES, prefix_fit
-from perf.model import Plan, Prediction, Workload, predict
+from perf.model import Plan, Prediction, Workload, predict, read_ahead_for
 from perf.profile import PathProfile, Profile
 from perf.stock import STOCK_KINDS, stock_deepspeed
 
@@ -45,7 +45,7 @@ def best_plan(profile: Profile, workload: Workload, paths: Sequence[str] | None 
     few hundred evaluations of :func:`predict`, each O(paths): well under a second at any
     model size.
     """
-    best = _search(profile, workload, paths, name="best", device_cache=device_cache)
+    best = _with_read_ahead(profile, workload, _search(profile, workload, paths, name="best", device_cache=device_cache))
     for kind in STOCK_KINDS:
         stock = stock_deepspeed(profile, workload, kind)
         if not stock.feasible or stock.iteration_s >= best.iteration_s:
@@ -59,6 +59,28 @@ def best_plan(profile: Profile, workload: Workload, paths: Sequence[str] | None 
         if mirror.update_s < best.update_s:
             best = mirror
     return best
+
+
+def _with_read_ahead(profile: Profile, workload: Workload, pr: Prediction) -> Prediction:
+    """``pr``'s plan with a read-ahead budget, if the model finds it faster: what its paths read
+    during forward and backward (``perf.model.read_ahead_for``), taken from its host cache
+    (or from the budget's room when it caches nothing): a cached subgroup saves its bytes, a
+    read-ahead buffer hides them in forward and backward."""
+    plan = pr.plan
+    if not workload.fwd_bwd_s or not pr.bytes_per_param or plan.read_ahead_bytes:
+        return pr
+    paths = [p for p in profile.paths if plan.knobs.stripe_weights.get(p.path, 0) > 0] or list(profile.paths)
+    read_bw = sum(p.bytes_per_s("read") for p in paths)
+    cache = plan.host_cache_bytes or 0
+    free = max(0, (host_budget(profile, workload) - pr.memory.get("host_per_node", 0)) // workload.ranks)
+    ra = read_ahead_for(workload.fwd_bwd_s, read_bw, free + cache)
+    if not ra:
+        return pr
+    try:
+        cand = predict(profile, workload, plan.replace(read_ahead_bytes=ra, host_cache_bytes=cache - max(0, ra - free)))
+    except ConfigError:
+        return pr
+    return cand if cand.iteration_s < pr.iteration_s else pr
 
 
 def alternatives(profile: Profile, workload: Workload, paths: Sequence[str] | None = None) -> list[Prediction]:
