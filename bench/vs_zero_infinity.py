@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 
 from rich.console import Console
 from rich.progress import Progress
@@ -29,10 +27,10 @@ from rich.table import Table
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from bench._runs import TIERS, train_cmd  # noqa: E402
+from bench._runs import run_one as _run_one  # noqa: E402  (shared with bench/io_overlap.py)
 from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
 
-TIERS = os.path.join(HERE, "tiers.sh")
-MNT = "/mnt/offloadctl-tiers"
 NVME_MBPS, PFS_MBPS = 400, 200
 PARAMS = 9 * 3200 * 3200
 HALF_GB = STATE_BYTES_PER_ELEMENT * PARAMS / 2 / 1e9
@@ -53,8 +51,7 @@ CONFIGS = {
 
 
 def _ours(d, out, iters, opts):
-    return ["-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", "29733", "--run-dir", d["run"], *opts,
-            os.path.join(HERE, "ds_model.py"), "--iters", iters, "--out", out]
+    return train_cmd(d, out, iters, opts, "29733")
 
 
 def main() -> int:
@@ -84,29 +81,6 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"results": results, "report": report, "command": " ".join(sys.argv)}, f, indent=2)
     return 0
-
-
-def _run_one(build, iters: str) -> dict:
-    d = {"nvme": tempfile.mkdtemp(dir=f"{MNT}/nvme"), "pfs": tempfile.mkdtemp(dir=f"{MNT}/pfs"), "run": tempfile.mkdtemp()}
-    out = os.path.join(d["run"], "times.json")
-    try:
-        cmd = [TIERS, "run", sys.executable, *build(d, out, iters)]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-        if p.returncode != 0:
-            raise SystemExit(f"run failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
-        with open(out) as f:
-            times = json.load(f)
-        tel = os.path.join(d["run"], "telemetry-rank0.jsonl")
-        if os.path.exists(tel):
-            recs = [json.loads(line) for line in open(tel)][2:]
-            times["bytes_read"] = statistics.median(sum(r["bytes_read"].values()) for r in recs)
-            times["bytes_written"] = statistics.median(sum(r["bytes_written"].values()) for r in recs)
-            times["path_bytes_read"] = recs[-1]["path_bytes_read"]
-            times["path_bytes_written"] = recs[-1]["path_bytes_written"]
-        return times
-    finally:
-        for k in ("nvme", "pfs", "run"):
-            shutil.rmtree(d[k], ignore_errors=True)
 
 
 def _floor_s(r: dict) -> float | None:

@@ -320,7 +320,7 @@ def test_io_overlap_is_bit_identical_to_no_overlap(swap_dir):
     bit-identical to the same run with each step waiting for its writes, and close to torch AdamW."""
     results = []
     for kw in (dict(overlap_io=False), dict(read_ahead_bytes=0), dict(read_ahead_bytes=None), dict(prefetch_depth=0)):
-        model, opt, ref, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB // 2,
+        model, opt, ref, _ = _run(lambda m, kw=kw: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB // 2,
                                                          host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch",
                                                          **kw), steps=6)
         recs = opt.telemetry
