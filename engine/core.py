@@ -593,13 +593,17 @@ class SubgroupEngine:
     def _wait_early_reads(self) -> None:
         """Let read_ahead()'s reads land and put their buffers back (before buffers are given
         back or the paths closed)."""
-        for i, fut in self._early_reads.items():
+        self._drop_reads(self._early_reads)
+        self._early_reads = {}
+
+    def _drop_reads(self, reads: dict[int, Future]) -> None:
+        """Let ``reads`` land, unchecked, and put their buffers back."""
+        for i, fut in reads.items():
             try:
                 fut.result()
             except BaseException:
                 pass
             self.staging.release(self.subgroups[i])
-        self._early_reads = {}
 
     def _update_swapped(self, sg: Subgroup, st: _StepState, hp: AdamWHyper) -> None:
         """One swapped subgroup: read ahead, wait for its state, update it, write it back. Under
@@ -837,12 +841,7 @@ class SubgroupEngine:
 
     def _abort_step(self, st: _StepState) -> None:
         """After an error: let every transfer finish, and forget reads nobody will check."""
-        for i, fut in st.reads.items():
-            try:
-                fut.result()
-            except BaseException:
-                pass
-            self.staging.release(self.subgroups[i])
+        self._drop_reads(st.reads)
         st.reads.clear()
         self.staging.drain()
 
