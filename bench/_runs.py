@@ -72,7 +72,14 @@ def run_under_tiers(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     p = subprocess.Popen([TIERS, "run", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, **kw)
     try:
-        out, err = p.communicate()
+        while True:
+            # Short waits, so that the main thread runs its signal handlers soon even when a signal
+            # lands on another thread (rich's refresh thread) while it waits on a quiet child.
+            try:
+                out, err = p.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
@@ -87,19 +94,24 @@ def train_cmd(d: dict, out: str, iters: str, opts: list[str], port: str) -> list
             os.path.join(HERE, "ds_model.py"), "--iters", iters, "--out", out]
 
 
+class RunFailed(SystemExit):
+    """A run exited non-zero (a SystemExit, so that a benchmark that does not catch it stops with the message)."""
+
+
 def run_one(build, iters: str, *, telemetry_detail: bool = False) -> dict:
     """One run of ``build(dirs, out, iters)`` (python arguments) under the tiers, in fresh
-    directories on each tier; returns the script's times.json, with the engine's bytes per step from
+    directories on each tier that is up; returns the script's times.json, with the engine's bytes per step from
     its telemetry when there is one (iterations 3 on). ``telemetry_detail`` adds, per path, the median
     bytes read and written per step, the read-ahead budget and the engine's own forward/backward time."""
     mnt = tiers_root()
-    d = {"nvme": tempfile.mkdtemp(dir=f"{mnt}/nvme"), "pfs": tempfile.mkdtemp(dir=f"{mnt}/pfs"), "run": tempfile.mkdtemp()}
+    d = {t: tempfile.mkdtemp(dir=f"{mnt}/{t}") for t in ("nvme", "pfs") if os.path.ismount(f"{mnt}/{t}")}
+    d["run"] = tempfile.mkdtemp()
     out = os.path.join(d["run"], "times.json")
     try:
         cmd = [sys.executable, *build(d, out, iters)]
         p = run_under_tiers(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode != 0:
-            raise SystemExit(f"run failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
+            raise RunFailed(f"run failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
         with open(out) as f:
             times = json.load(f)
         tel = os.path.join(d["run"], "telemetry-rank0.jsonl")
@@ -111,11 +123,11 @@ def run_one(build, iters: str, *, telemetry_detail: bool = False) -> dict:
             times["path_bytes_read"] = recs[-1]["path_bytes_read"]
             times["path_bytes_written"] = recs[-1]["path_bytes_written"]
             if telemetry_detail:
-                times.update(telemetry_summary(recs, {k: d[k] for k in ("nvme", "pfs")}))
+                times.update(telemetry_summary(recs, {k: v for k, v in d.items() if k != "run"}))
         return times
     finally:
-        for k in ("nvme", "pfs", "run"):
-            shutil.rmtree(d[k], ignore_errors=True)
+        for v in d.values():
+            shutil.rmtree(v, ignore_errors=True)
 
 
 def telemetry_summary(recs: list[dict], tier_dirs: dict[str, str]) -> dict:

@@ -7,7 +7,8 @@ Needs root (emulated tiers; without it the run says so and exits 0):
 1. DeepSpeed's own I/O sweep, ``ds_nvme_tune`` (which runs ``ds_io`` with DeepSpeed's async_io
    handle, O_DIRECT), over block_size x queue_depth x io_parallel, reads and writes of ``--io-size``
    each (``--loops`` timed passes after one warm-up), on the "nvme" tier throttled to 400/400 MB/s,
-   all under ``tiers.sh run``. Points ``ds_nvme_tune`` leaves out are run with ``ds_io`` directly.
+   all under ``tiers.sh run``. Points ``ds_nvme_tune`` leaves out are run with ``ds_io`` directly;
+   ``--logs DIR`` keeps the logs, and a later run with it measures only what is not there.
    The aio choice is the point with the highest read + write throughput; points within ``--tie`` of
    it count as ties, and the smallest block size among those wins (then the highest sum).
 2. A short grid of the offload ``buffer_count`` (pipelined read and write on) with that aio setting:
@@ -41,7 +42,7 @@ from rich.table import Table
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from bench._runs import can_emulate, run_one, run_under_tiers, tiers, tiers_root, use_own_tiers  # noqa: E402
+from bench._runs import RunFailed, can_emulate, run_one, run_under_tiers, tiers, tiers_root, use_own_tiers  # noqa: E402
 
 TIERS_NAME = "ovl-tiers"
 """This benchmark's and bench/io_overlap.py's tiers: /mnt/ovl-tiers, cgroup ovl-tiers (bench/tiers.sh)."""
@@ -108,8 +109,8 @@ def async_io_state() -> tuple[bool, str]:
 
 
 def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Progress) -> tuple[dict, list[str]]:
-    """ds_nvme_tune over the grid, then ds_io for whatever points it left out. Returns DeepSpeed's own
-    pick (when ds_nvme_tune printed one) and notes."""
+    """ds_nvme_tune over the grid (unless ``log_dir`` holds every point already), then ds_io for whatever
+    points it left out. Returns DeepSpeed's own pick from the logs, and notes."""
     notes: list[str] = []
     ops = ("read", "write") if engine_ok else ("write",)
     grid = [(op, b, d, p) for op in ops for b in args.blocks for d in args.depths for p in args.parallel]
@@ -125,7 +126,9 @@ def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Pro
             progress.update(task, completed=count())
 
     ds_pick: dict = {}
-    if engine_ok:
+    if engine_ok and count() == len(grid):
+        notes.append(f"all {len(grid)} points were logged already in {log_dir}: ds_nvme_tune not run again")
+    elif engine_ok:
         cfg = os.path.join(log_dir, "sweep_config.json")
         with open(cfg, "w") as f:
             json.dump({"block_size": list(args.blocks), "queue_depth": list(args.depths), "io_parallel": list(args.parallel)}, f)
@@ -138,14 +141,10 @@ def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Pro
         finally:
             done_flag.set()
             t.join()
-        ds_pick["output_tail"] = [ln for ln in p.stdout.splitlines() if not ln.startswith("tid ")][-12:]
+        ds_pick["ds_nvme_tune_output_tail"] = [ln for ln in p.stdout.splitlines() if not ln.startswith("tid ")][-12:]
         if p.returncode != 0:
             notes.append(f"ds_nvme_tune exited {p.returncode} (last stderr: {p.stderr.strip().splitlines()[-1:]}); "
                          "missing points run with ds_io directly")
-        m = re.search(r"Best performance \(GB/sec\): read = *([0-9.]+), write = *([0-9.]+)\s*(\{.*\})", p.stdout, re.S)
-        if m:
-            ds_pick |= {"read_MBps": float(m.group(1)) * GIB_MB, "write_MBps": float(m.group(2)) * GIB_MB,
-                       **json.loads(m.group(3))}
     else:
         notes.append("async_io unavailable: ds_io --engine torch_io, writes only")
     for op, b, d, par in grid:
@@ -162,7 +161,29 @@ def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Pro
             f.write(p.stdout + p.stderr)
         progress.update(task, completed=count())
     progress.update(task, completed=len(grid))
+    if engine_ok:
+        ds_pick.update(deepspeed_pick(log_dir))
     return ds_pick, notes
+
+
+def deepspeed_pick(log_dir: str) -> dict:
+    """What DeepSpeed's own generator (the last step of ds_nvme_tune) makes of the logs: its aio
+    block, strict max of read + write (its figures are GiB/s rounded to 2 decimals)."""
+    import contextlib
+    import io
+
+    from deepspeed.nvme.perf_generate_param import generate_main
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            generate_main(log_dir)
+    except Exception as e:  # noqa: BLE001 -- its asserts, a missing log: say so, the sweep stands
+        return {"error": f"{type(e).__name__}: {e}"}
+    m = re.search(r"Best performance \(GB/sec\): read = *([0-9.]+), write = *([0-9.]+)\s*(\{.*\})", buf.getvalue(), re.S)
+    if not m:
+        return {"error": f"unexpected output: {buf.getvalue()[-300:]}"}
+    return {"read_MBps": float(m.group(1)) * GIB_MB, "write_MBps": float(m.group(2)) * GIB_MB, **json.loads(m.group(3))}
 
 
 def collect(args, log_dir: str) -> list[dict]:
@@ -191,6 +212,17 @@ def zi_model_args(aio: dict) -> list[str]:
             "--aio-intra-op", str(aio["intra_op_parallelism"]), "--buffer-count", str(aio["buffer_count"])]
 
 
+def _last_error(text: str) -> str:
+    """The telling line of a failed run's stderr: the last exception line (an assert's source line before
+    a bare AssertionError)."""
+    lines = [ln.removeprefix("[rank0]:").strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln.strip("^~ ")]  # no empty lines, no caret lines under the source
+    for i in range(len(lines) - 1, -1, -1):
+        if re.match(r"^\w*(Error|Exception)\b", lines[i]):
+            return f"{lines[i - 1]} -> {lines[i]}" if lines[i] in ("AssertionError",) and i else lines[i]
+    return lines[-1] if lines else "failed"
+
+
 def med_from(xs: list[float], start: int = 2) -> float:
     """Median of iterations ``start + 1`` on (all of them when there are not that many)."""
     return statistics.median(xs[start:] if len(xs) > start else xs)
@@ -206,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--buffer-counts", type=lambda s: tuple(int(x) for x in s.split(",")), default=BUFFER_COUNTS)
     ap.add_argument("--iters", type=int, default=4, help="ds_model.py iterations per buffer_count run (default 4)")
     ap.add_argument("--tie", type=float, default=0.02, help="read+write sums within this fraction of the best tie (0.02)")
+    ap.add_argument("--logs", metavar="DIR", help="keep ds_io's logs in DIR; points already logged there are not run again")
     ap.add_argument("--json", metavar="FILE", default=OUT, help=f"where the results go (default {os.path.relpath(OUT, ROOT)})")
     args = ap.parse_args(argv)
     why = can_emulate()
@@ -216,7 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     engine_ok, engine_note = async_io_state()
     console.print(engine_note)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    log_dir = tempfile.mkdtemp(prefix="zi-aio-sweep-")
+    log_dir = args.logs or tempfile.mkdtemp(prefix="zi-aio-sweep-")
+    os.makedirs(log_dir, exist_ok=True)
+    result = {"when": started, "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+              "tier": {"name": "nvme", "read_MBps": NVME_MBPS, "write_MBps": NVME_MBPS, "emulation": "bench/tiers.sh"},
+              "engine": "aio_handle" if engine_ok else "torch_io", "async_io": engine_ok, "async_io_note": engine_note,
+              "io_size": args.io_size, "loops": args.loops, "tie": args.tie, "grid_iters": args.iters}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+
+    def save(**more) -> None:
+        result.update(more)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
     grid_rows: list[dict] = []
     with tiers(f"nvme:6:{NVME_MBPS}:{NVME_MBPS}"), Progress(console=console) as progress:
         folder = tempfile.mkdtemp(dir=f"{tiers_root()}/nvme")
@@ -227,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         points = collect(args, log_dir)
+        aio = pick_aio(points, args.tie) if engine_ok else None
+        save(sweep_seconds=round(sweep_s, 1), points=points, aio_choice=aio, deepspeed_pick=ds_pick,
+             strict_best=pick_aio(points, 0.0) if engine_ok else None, notes=notes,
+             partial="ds_io sweep only; the buffer_count grid did not finish")
         if engine_ok:
-            aio = pick_aio(points, args.tie)
             rows = [{**aio, "buffer_count": bc} for bc in args.buffer_counts]
             if not any(all(r[k] == DS_DEFAULT[k] for k in DS_DEFAULT) for r in rows):
                 rows.append({**DS_DEFAULT, "reference": "DeepSpeed aio defaults, buffer_count 16 (today's anchor)"})
@@ -236,31 +284,28 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 setting = {k: r[k] for k in DS_DEFAULT}
                 progress.update(task, description=f"ZeRO-Infinity {setting}")
-                times = run_one(zi_build(setting), str(args.iters))
-                grid_rows.append({**setting, **({"reference": r["reference"]} if "reference" in r else {}),
-                                  "step_s": med_from(times["step_s"]), "iter_s": med_from(times["iter_s"]),
-                                  "times": times})
+                row = {**setting, **({"reference": r["reference"]} if "reference" in r else {})}
+                try:
+                    times = run_one(zi_build(setting), str(args.iters))
+                    row.update(step_s=med_from(times["step_s"]), iter_s=med_from(times["iter_s"]), times=times)
+                except RunFailed as e:  # e.g. too few buffers for pipelined swapping: a point that does not run
+                    row.update(step_s=None, iter_s=None, error=_last_error(str(e.code)))
+                grid_rows.append(row)
                 progress.advance(task)
         else:
-            aio = None
             notes.append("buffer_count grid skipped: ZeRO-Infinity's nvme offload needs async_io")
-    if grid_rows:
-        best = min(grid_rows, key=lambda r: r["step_s"])
+    ran = [r for r in grid_rows if r["step_s"] is not None]
+    if ran:
+        best = min(ran, key=lambda r: r["step_s"])
         choice = {k: best[k] for k in DS_DEFAULT}
     else:
         choice = dict(DS_DEFAULT)
         notes.append("choice: DeepSpeed's defaults (nothing measured to choose from)")
     choice.update(single_submit=False, overlap_events=True, pipeline_read=True, pipeline_write=True)
-    result = {"when": started, "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-              "tier": {"name": "nvme", "read_MBps": NVME_MBPS, "write_MBps": NVME_MBPS, "emulation": "bench/tiers.sh"},
-              "engine": "aio_handle" if engine_ok else "torch_io", "async_io": engine_ok, "async_io_note": engine_note,
-              "io_size": args.io_size, "loops": args.loops, "tie": args.tie, "sweep_seconds": round(sweep_s, 1),
-              "points": points, "aio_choice": aio, "deepspeed_pick": ds_pick, "buffer_grid": grid_rows,
-              "grid_iters": args.iters, "choice": choice, "notes": notes}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    shutil.rmtree(log_dir, ignore_errors=True)
+    result.pop("partial")
+    save(buffer_grid=grid_rows, choice=choice, notes=notes)
+    if not args.logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
     print_tables(result)
     return 0
 
@@ -285,12 +330,13 @@ def print_tables(result: dict) -> None:
                   title=f"ZeRO-Infinity, bench/ds_model.py --offload nvme, {result['grid_iters']} iterations")
         for r in result["buffer_grid"]:
             chosen = all(r[k] == result["choice"][k] for k in DS_DEFAULT)
+            ok = r["step_s"] is not None
             g.add_row(str(r["block_size"]), str(r["queue_depth"]), str(r["intra_op_parallelism"]), str(r["buffer_count"]),
-                      f"{r['step_s']:.2f}", f"{r['iter_s']:.2f}",
-                      ("chosen " if chosen else "") + ("(reference)" if "reference" in r else ""))
+                      f"{r['step_s']:.2f}" if ok else "failed", f"{r['iter_s']:.2f}" if ok else r["error"][:60],
+                      ("chosen " if chosen and ok else "") + ("(reference)" if "reference" in r else ""))
         out.print(g)
     out.print(f"choice: {json.dumps(result['choice'])}")
-    pick = {k: v for k, v in result["deepspeed_pick"].items() if k != "output_tail"}
+    pick = {k: v for k, v in result["deepspeed_pick"].items() if k != "ds_nvme_tune_output_tail"}
     if pick:
         out.print(f"ds_nvme_tune's own pick (strict max of read+write, its figures in GiB/s to 2 decimals): {json.dumps(pick)}")
     for n in result["notes"]:

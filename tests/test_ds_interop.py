@@ -287,7 +287,8 @@ def test_two_nodes_launched_per_node_match_stock(tmp_path):
     for node in (0, 1):
         run = tmp_path / f"ours{node}" / "run"
         recs = [json.loads(line) for line in open(run / f"telemetry-rank{node}.jsonl")]  # node N runs rank N
-        assert len(recs) == 6 and sum(r["bytes_read"].get("nvme", 0) for r in recs) > 0
+        # Written to its own path (this model's swapped state fits the staging buffers, so it is not read back).
+        assert len(recs) == 6 and sum(r["bytes_written"].get("nvme", 0) for r in recs) > 0
         assert "tuner" in outs[node] and (run / "tuner").is_dir()  # its own daemon
         p = subprocess.run([sys.executable, "-m", "offloadctl.cli", "report", str(run), "--output",
                             str(run / "report.html")], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
