@@ -88,10 +88,15 @@ def run_under_tiers(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+MODEL_ARGS: list[str] = []
+"""bench/ds_model.py's model options for every run (``--width``, ``--layers``, ``--sub-group-size``;
+empty: its 92M default of 9 layers of 3200 x 3200), set once by a benchmark's ``--model``."""
+
+
 def train_cmd(d: dict, out: str, iters: str, opts: list[str], port: str) -> list[str]:
     """Python arguments of bench/ds_model.py under ``offloadctl train OPTS`` (one rank, run dir d["run"])."""
     return ["-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", port, "--run-dir", d["run"], *opts,
-            os.path.join(HERE, "ds_model.py"), "--iters", iters, "--out", out]
+            os.path.join(HERE, "ds_model.py"), *MODEL_ARGS, "--iters", iters, "--out", out]
 
 
 class RunFailed(SystemExit):

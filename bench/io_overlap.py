@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from rich.table import Table
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from bench import _runs  # noqa: E402
 from bench._runs import can_emulate, measure_ceilings, run_one, tiers, tiers_root, train_cmd, use_own_tiers  # noqa: E402
 from bench.vs_zero_infinity import HALF_GB, NVME_MBPS, PFS_MBPS  # noqa: E402
 from bench.zi_aio_sweep import DS_DEFAULT, TIERS_NAME, med_from, zi_build  # noqa: E402
@@ -181,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                                                          "(e.g. 512MB, 0 = none; default: not given, auto)")
     ap.add_argument("--zi-aio", metavar="FILE", help=f"bench/zi_aio_sweep.py's JSON (default {os.path.relpath(SWEEP_JSON, ROOT)}"
                                                      " if present, else DeepSpeed's defaults)")
+    ap.add_argument("--model", metavar="ARGS", default="",
+                    help="bench/ds_model.py model options for every run, e.g. '--width 1600 --layers 36 "
+                    "--sub-group-size 2560000' (36 subgroups; default: its 9 layers of 3200 x 3200, 9 subgroups)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    _runs.MODEL_ARGS[:] = shlex.split(args.model)
     why = can_emulate()
     if why:
         console.print(f"skipping: {why}")

@@ -42,6 +42,7 @@ from rich.table import Table
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from bench import _runs  # noqa: E402
 from bench._runs import RunFailed, can_emulate, run_one, run_under_tiers, tiers, tiers_root, use_own_tiers  # noqa: E402
 
 TIERS_NAME = "ovl-tiers"
@@ -204,7 +205,7 @@ def zi_build(aio: dict, port: str = MASTER_PORT):
     queue_depth, intra_op_parallelism, buffer_count)."""
     return lambda d, out, it: ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", port,
                                os.path.join(HERE, "ds_model.py"), "--offload", "nvme", "--nvme-path", d["nvme"],
-                               *zi_model_args(aio), "--iters", it, "--out", out]
+                               *zi_model_args(aio), *_runs.MODEL_ARGS, "--iters", it, "--out", out]
 
 
 def zi_model_args(aio: dict) -> list[str]:
