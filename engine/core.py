@@ -134,7 +134,10 @@ class SubgroupEngine:
                 self.paths.append(SwapPath(spec, backend, concurrency=self.knobs.concurrency_for(spec.path),
                                            node_lock=self.knobs.node_lock, verify_checksums=config.verify_checksums,
                                            rank=config.rank))
-            self.path_bandwidth = [self._bandwidth_of(p) for p in self.paths]
+            rates = [self._rates_of(p) for p in self.paths]
+            self.path_read_bandwidth = [r for r, _ in rates]
+            # A read plus a write of the same bytes: what a subgroup's round trip costs a path.
+            self.path_bandwidth = [1.0 / (1.0 / r + 1.0 / w) for r, w in rates]
         else:
             self.io_backend = None
             for spec in config.paths:  # unused, but a bad path is still an error at construction
@@ -178,16 +181,16 @@ class SubgroupEngine:
 
     # -- construction ------------------------------------------------------------------------
 
-    def _bandwidth_of(self, p: SwapPath) -> float:
-        """Bytes/s of a read plus a write of the same bytes: declared, else probed now."""
+    @staticmethod
+    def _rates_of(p: SwapPath) -> tuple[float, float]:
+        """Read and write bytes/s of a path: declared, else probed now; within its cap."""
         r, w = p.spec.read_bytes_per_s, p.spec.write_bytes_per_s
         if r is None or w is None:
             mr, mw = measure_bandwidth(p)
             r, w = r or mr, w or mw
         if p.spec.cap_bytes_per_s:
             r, w = min(r, p.spec.cap_bytes_per_s), min(w, p.spec.cap_bytes_per_s)
-        self.path_read_bandwidth.append(r)
-        return 1.0 / (1.0 / r + 1.0 / w)
+        return r, w
 
     def _stripe_weights(self, knobs: Knobs) -> list[float]:
         return [knobs.stripe_weights.get(p.path, bw) for p, bw in zip(self.paths, self.path_bandwidth)]
@@ -434,13 +437,11 @@ class SubgroupEngine:
         # A step's bytes are those since the last step ended: the reads ahead during backward
         # and the writes behind during forward are this step's too.
         before = self._counters_at or [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
-        forward = forward_order(self.iteration)
-        order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
-        seq = [i for i in order if self.subgroups[i].tier.swapped]
-        st = _StepState(seq, {i: k for k, i in enumerate(seq)}, pressure=self._gave_back)
+        order = self._order()
+        st = self._step_state(pressure=self._gave_back)
         st.reads, self._early_reads = self._early_reads, {}  # read ahead during backward
         threads = torch.get_num_threads()
-        if seq and self.config.io_cores and threads > 1:
+        if st.seq and self.config.io_cores and threads > 1:
             torch.set_num_threads(max(1, threads - self.config.io_cores))  # config.io_cores: why
         try:
             if self.device_lane:
@@ -509,26 +510,29 @@ class SubgroupEngine:
     def _read_ahead(self) -> int:
         if self._closed or self._low_memory() or not self.staging.capacity_numel:
             return 0
-        st = self._next_step_state()
+        st = self._step_state()
         started = 0
         for k, i in enumerate(st.seq):
             sg = self.subgroups[i]
             if sg.staged is not None or i in self._early_reads:
                 continue  # in memory already (kept, a clean copy, being written, or read)
-            buf = self.staging.try_acquire(self._victims(st, after=k))
+            buf = self.staging.try_acquire(lambda k=k: self._victims(st, after=k))
             if buf is None:
                 break
-            holder = _StepState([], {})
-            self._load(sg, buf, holder)
-            self._early_reads.update(holder.reads)
+            self._load(sg, buf, st)
             started += 1
+        self._early_reads.update(st.reads)
         return started
 
-    def _next_step_state(self) -> _StepState:
-        forward = forward_order(self.iteration)
-        order = range(len(self.subgroups)) if forward else range(len(self.subgroups) - 1, -1, -1)
-        seq = [i for i in order if self.subgroups[i].tier.swapped]
-        return _StepState(seq, {i: k for k, i in enumerate(seq)})
+    def _order(self) -> range:
+        """The subgroups in the order of the next (or current) step: 0..N-1 or N-1..0."""
+        n = len(self.subgroups)
+        return range(n) if forward_order(self.iteration) else range(n - 1, -1, -1)
+
+    def _step_state(self, pressure: bool = False) -> _StepState:
+        """The swapped subgroups of the next (or current) step in its order."""
+        seq = [i for i in self._order() if self.subgroups[i].tier.swapped]
+        return _StepState(seq, {i: k for k, i in enumerate(seq)}, pressure=pressure)
 
     def _victims(self, st: _StepState, after: int = -1, exclude: Subgroup | None = None) -> list[Subgroup]:
         """Subgroups whose staged copies may give up their buffers for a subgroup needed at
@@ -850,7 +854,7 @@ class SubgroupEngine:
         while st.next_read < len(st.seq) and st.next_read <= upto:
             sg = self.subgroups[st.seq[st.next_read]]
             if sg.staged is None and sg.tier.swapped:
-                buf = self.staging.try_acquire(self._victims(st, after=st.next_read))
+                buf = self.staging.try_acquire(lambda: self._victims(st, after=st.next_read))
                 if buf is None:
                     return
                 self._load(sg, buf, st)

@@ -122,12 +122,13 @@ class StagingPool:
         buf, sg.staged, sg.kept = sg.staged, None, False
         return buf
 
-    def try_acquire(self, victims: Sequence[Subgroup] = ()) -> StateBuffer | None:
-        """A free buffer, else that of the first clean copy among ``victims``; None without waiting."""
+    def try_acquire(self, victims=lambda: ()) -> StateBuffer | None:
+        """A free buffer, else that of the first clean copy among ``victims()`` (called only when
+        no buffer is free: ranking them is the costly part); None without waiting."""
         if self.free:
             return self.free.pop()
         self.reap()
-        for sg in victims:
+        for sg in victims():
             if sg.staged is not None and sg.kept and not sg.dirty:
                 return self.take(sg)
         return None
@@ -137,7 +138,7 @@ class StagingPool:
         subgroups whose copies may go, the one needed last first), the oldest write-back's once
         it lands, or a dirty kept one's after writing it back."""
         while True:
-            buf = self.try_acquire(victims())
+            buf = self.try_acquire(victims)
             if buf is not None:
                 return buf
             if self.writes:
