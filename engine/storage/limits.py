@@ -5,7 +5,11 @@ other processes on this node that use the same storage device.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import heapq
+import itertools
+import math
 import os
 import re
 import tempfile
@@ -16,31 +20,59 @@ from engine.storage.blockdev import device_of
 
 
 class ResizableSemaphore:
-    """A counting semaphore whose limit can change while requests are in flight.
+    """A counting semaphore whose limit can change while requests are in flight, and which
+    grants its slots in order of a key (the lowest first; equal keys in arrival order).
 
-    Lowering the limit never interrupts a request: new ones wait until the count drops.
+    The engine keys each chunk with its transfer's number, so the chunks of an earlier transfer
+    go before those of later ones, its last chunk (a write's header) included: transfers land
+    one after the other, as they were started, instead of all together once a burst has gone
+    through. Lowering the limit never interrupts a request: new ones wait until the count drops.
     """
 
     def __init__(self, limit: int) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._limit = limit
         self._held = 0
+        self._waiters: list[tuple[float, int, threading.Event]] = []  # a heap
+        self._arrivals = itertools.count()
 
     def set_limit(self, limit: int) -> None:
-        with self._cond:
+        with self._lock:
             self._limit = limit
-            self._cond.notify_all()
+            self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self._held < self._limit:
+            self._held += 1
+            heapq.heappop(self._waiters)[2].set()
+
+    def acquire(self, key: float = math.inf) -> None:
+        with self._lock:
+            if self._held < self._limit and not self._waiters:
+                self._held += 1
+                return
+            granted = threading.Event()
+            heapq.heappush(self._waiters, (key, next(self._arrivals), granted))
+        granted.wait()
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+            self._grant()
+
+    @contextlib.contextmanager
+    def slot(self, key: float = math.inf):
+        self.acquire(key)
+        try:
+            yield
+        finally:
+            self.release()
 
     def __enter__(self) -> None:
-        with self._cond:
-            while self._held >= self._limit:
-                self._cond.wait()
-            self._held += 1
+        self.acquire()
 
     def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._held -= 1
-            self._cond.notify()
+        self.release()
 
 
 class RateLimiter:

@@ -8,6 +8,7 @@ and ``concurrency`` writes at a time, paced by the path's bandwidth cap, and und
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 import time
@@ -109,9 +110,12 @@ class SwapPath:
         self.write_pacer = RateLimiter(spec.cap_bytes_per_s)
         self.counters = PathCounters()
         self._counter_lock = threading.Lock()
-        # Chunks run on _chunk_pool; whole-subgroup transfers wait on them from _transfer_pool,
-        # so a waiting transfer never occupies a chunk thread.
-        self._chunk_pool = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="offload-io")
+        # Chunks run on a pool per direction; whole-subgroup transfers wait on them from
+        # _transfer_pool, so a waiting transfer never occupies a chunk thread, and a burst of
+        # write chunks never queues ahead of a read's.
+        self._chunk_pools = {d: ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix=f"offload-io-{d}") for d in "rw"}
+        # Transfers are numbered as they start, and each chunk takes its slot in that order.
+        self._transfer_numbers = itertools.count()
         self._transfer_pool = ThreadPoolExecutor(MAX_IO_THREADS, thread_name_prefix="offload-xfer")
         self._files: list[SwapFile] = []
 
@@ -161,45 +165,52 @@ class SwapPath:
 
     def write(self, sf: SwapFile, buf: StateBuffer) -> Future:
         """Write ``buf`` to ``sf``: payload chunks in parallel, then the header with their CRCs."""
-        return self._transfer_pool.submit(self._write_subgroup, sf, buf)
+        return self._transfer_pool.submit(self._write_subgroup, sf, buf, next(self._transfer_numbers))
 
     def read(self, sf: SwapFile, buf: StateBuffer) -> Future:
         """Read ``sf`` into ``buf`` and verify it against what was last written."""
-        return self._transfer_pool.submit(self._read_subgroup, sf, buf)
+        return self._transfer_pool.submit(self._read_subgroup, sf, buf, next(self._transfer_numbers))
 
-    def _write_subgroup(self, sf: SwapFile, buf: StateBuffer) -> None:
+    def _write_subgroup(self, sf: SwapFile, buf: StateBuffer, number: int) -> None:
         buf.wait_ready()
         buf.bind(sf.numel)
-        futs = [self._chunk_pool.submit(self._write_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True)
+        pool = self._chunk_pools["w"]
+        futs = [pool.submit(self._write_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True, number)
                 for o, n in sf.plan.chunks()]
         crcs = _results(futs, sf, "writing")
         generation = sf.generation + 1
         swapfile.write_header(buf.header, index=sf.index, numel=sf.numel, plan=sf.plan, generation=generation, crcs=crcs)
-        _results([self._chunk_pool.submit(self._write_chunk, sf, buf.header, 0, False)], sf, "writing")
+        # The header from this thread, not queued behind the chunks of later writes: with its
+        # transfer's number it takes the next free slot, and the write lands now.
+        try:
+            self._write_chunk(sf, buf.header, 0, False, number)
+        except OSError as e:
+            raise storage_error(e, sf, "writing") from e
         sf.generation, sf.crcs = generation, crcs
 
-    def _read_subgroup(self, sf: SwapFile, buf: StateBuffer) -> None:
+    def _read_subgroup(self, sf: SwapFile, buf: StateBuffer, number: int) -> None:
         buf.wait_ready()  # a device-lane copy back into this buffer has landed before it is overwritten
         buf.bind(sf.numel)
-        futs = [self._chunk_pool.submit(self._read_chunk, sf, buf.header, 0, False)]
-        futs += [self._chunk_pool.submit(self._read_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True)
+        pool = self._chunk_pools["r"]
+        futs = [pool.submit(self._read_chunk, sf, buf.header, 0, False, number)]
+        futs += [pool.submit(self._read_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True, number)
                  for o, n in sf.plan.chunks()]
         crcs = _results(futs, sf, "reading")[1:]
         swapfile.verify(buf.header, path=sf.filename, index=sf.index, numel=sf.numel, plan=sf.plan,
                         generation=sf.generation, crcs=crcs if self.verify_checksums else None)
 
-    def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
+    def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
         # The CRC is taken in this I/O thread, off the update's critical path.
         crc = swapfile.crc32(view) if payload else 0
-        with self.write_slots, self.node_lock:
+        with self.write_slots.slot(number), self.node_lock:
             self.write_pacer.acquire(view.numel())
             self.backend.pwrite(sf.fd, sf.filename, view, offset)
         with self._counter_lock:
             self.counters.bytes_written += view.numel()
         return crc
 
-    def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool) -> int:
-        with self.read_slots, self.node_lock:
+    def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
+        with self.read_slots.slot(number), self.node_lock:
             self.read_pacer.acquire(view.numel())
             self.backend.pread(sf.fd, sf.filename, view, offset)
         with self._counter_lock:
@@ -207,7 +218,8 @@ class SwapPath:
         return swapfile.crc32(view) if payload and self.verify_checksums else 0
 
     def close(self) -> None:
-        self._chunk_pool.shutdown(wait=True)
+        for pool in self._chunk_pools.values():
+            pool.shutdown(wait=True)
         self._transfer_pool.shutdown(wait=True)
         for sf in list(self._files):
             os.close(sf.fd)
