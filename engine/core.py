@@ -511,17 +511,17 @@ class SubgroupEngine:
         if self._closed or self._low_memory() or not self.staging.capacity_numel:
             return 0
         st = self._step_state()
-        st.reads = self._early_reads  # each read is on record as soon as it starts, even if a later one fails
         started = 0
         for k, i in enumerate(st.seq):
             sg = self.subgroups[i]
-            if sg.staged is not None or i in st.reads:
+            if sg.staged is not None or i in self._early_reads:
                 continue  # in memory already (kept, a clean copy, being written, or read)
             buf = self.staging.try_acquire(lambda k=k: self._victims(st, after=k))
             if buf is None:
                 break
             self._load(sg, buf, st)
             started += 1
+        self._early_reads.update(st.reads)
         return started
 
     def _order(self) -> range:
