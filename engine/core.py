@@ -49,7 +49,7 @@ from engine.buffers import StateBuffer, payload_bytes
 from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts
-from engine.gpumem import gpu_headroom_bytes, measure_lane_rates
+from engine.gpumem import gpu_headroom_bytes, measure_lane_rates, reset_peak
 from engine.host_kernel import host_lane_rate, select_host_kernel
 from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor, staging_room
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
@@ -121,6 +121,10 @@ class SubgroupEngine:
         self._read_ahead_buffers = 0  # staging buffers of the read-ahead budget, beyond the working ones
         self._quiet = False  # after flush(): writes landing start no reads ahead until the next step
         self._read_ahead_sized = config.read_ahead_bytes is not None or not config.overlap_io
+        # After a first release_device() (an RLHF loop's offload_states), the device tier keeps its
+        # pinned host buffers while on the device, within the host budget: the next release copies
+        # into them at PCIe speed instead of into fresh pageable memory.
+        self._keep_host_copies = False
 
         sizes = [payload_bytes(b.numel) for b in bindings]
         self.paths: list[SwapPath] = []
@@ -241,7 +245,10 @@ class SubgroupEngine:
         kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups
                    if sg.staged is not None and sg.kept)
         pool = self.staging.size * self.staging.buffer_bytes
-        return HostUsage(state=state, staging=max(0, pool - kept), kept=kept, copies=self.host_lane.host_bytes())
+        tier_copies = sum(host_buffer_bytes(sg.host_copy.capacity_numel) for sg in self.subgroups
+                          if sg.host_copy is not None)
+        return HostUsage(state=state, staging=max(0, pool - kept), kept=kept,
+                         copies=self.host_lane.host_bytes() + tier_copies)
 
     def _affordable_depth(self, depth: int) -> int:
         """The deepest prefetch up to ``depth`` whose staging buffers fit the budget's spare bytes."""
@@ -271,6 +278,7 @@ class SubgroupEngine:
         before = self.host_usage().total
         self._settle()  # the writes behind the last step land first: a buffer is written back once
         for sg in self.subgroups:
+            sg.host_copy = None  # the device tier's spare host buffers: made again at the next release
             if sg.staged is not None and sg.dirty:
                 self.staging.write_back(sg)
         self.staging.drain()
@@ -788,20 +796,28 @@ class SubgroupEngine:
     def _set_device_tier(self, indices: set[int]) -> None:
         """Keep the state of subgroups ``indices`` in device memory, the rest off it. At a step
         boundary (no transfer in flight)."""
+        spares = []
         for sg in self.subgroups:
             if sg.index in indices and sg.tier != DEVICE:
-                self._to_device(sg)
+                spares.append((sg, self._to_device(sg)))
             elif sg.index not in indices and sg.tier == DEVICE:
                 self._off_device(sg)
+        if self._keep_host_copies:
+            # Kept for the next release_device(), in order, while the host budget has room.
+            for sg, spare in spares:
+                if spare is not None and self.host_usage().total + host_buffer_bytes(spare.capacity_numel) <= self.host_budget:
+                    sg.host_copy = spare
 
-    def _to_device(self, sg: Subgroup) -> None:
+    def _to_device(self, sg: Subgroup) -> StateBuffer | None:
+        """Into the device tier; returns the host buffer it held there, if any."""
         state = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
         if not sg.fresh:
             view = self._host_view(sg)
             view.wait_ready()
             state.copy_(view.state)
+        spare = None
         if sg.tier == HOST:
-            sg.resident = None
+            spare, sg.resident = sg.resident, None
         elif sg.tier.swapped:
             self.staging.release(sg)
             for f in (sg.file, sg.next_file):
@@ -810,10 +826,17 @@ class SubgroupEngine:
             sg.file = sg.next_file = None
             sg.dirty = sg.kept = False
         sg.tier, sg.resident = DEVICE, state
+        return spare
 
     def _off_device(self, sg: Subgroup) -> None:
-        """Out of the device tier, into host memory (whatever the host budget says)."""
-        buf = StateBuffer(sg.numel)
+        """Out of the device tier, into host memory (whatever the host budget says): into the
+        buffer it left at its last release when there is one, pinned, so that the copy runs at
+        PCIe speed (a pageable one runs through the driver's bounce buffer, at a fraction of it)."""
+        buf, sg.host_copy = sg.host_copy, None
+        if buf is None:
+            buf = StateBuffer(sg.numel)
+        if self.streams.pins_host_memory:
+            buf.pin()  # once per buffer (about 0.1 s per GB), not once per cycle
         if not sg.fresh:
             self.device_lane.sync()
             buf.state.copy_(sg.resident[:3 * sg.numel])
@@ -824,12 +847,14 @@ class SubgroupEngine:
         state moves to host memory (the host budget aside: it is there until the next fit), the
         device lane's slots and scratches are freed, and the next step fits the tier and the lane
         again to what the device then has free. What DeepSpeed's ``offload_states`` asks of the
-        optimizer (RLHF frameworks free the GPU for generation between training steps)."""
+        optimizer (RLHF frameworks free the GPU for generation between training steps).
+        The tier's host buffers are pinned and kept for the next cycle (within the host budget)."""
         if self.device is None:
             return
         with self._lock:
             self._settle()
             self._end_streams()
+            self._keep_host_copies = True
             for sg in self.subgroups:
                 if sg.tier == DEVICE:
                     self._off_device(sg)
@@ -837,11 +862,28 @@ class SubgroupEngine:
             self._lane_mask = [False] * len(self.subgroups)
             self._device_grads = set()
             self._device_tier_pending = True
+            reset_peak(self.device)  # the tier just freed is not what training needs
+
+    def device_returned(self) -> None:
+        """The device is training's again (DeepSpeed's ``reload_states``): its peak memory is
+        counted from now, so that the next step's fit measures the forward/backward that runs
+        next, not an RLHF loop's generation phase in between."""
+        reset_peak(self.device)
 
     def device_grad_subgroups(self) -> list[int]:
-        """Subgroups whose gradients are best produced on the device: those in the device tier,
-        and those on the device lane when device memory holds their gradients too."""
-        return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in self._device_grads]
+        """Subgroups whose gradients are best produced on the device for the next step: those in
+        the device tier, and those on the device lane when device memory holds their gradients
+        too. The lanes are the next step's: a device fraction set and not yet applied counts (an
+        adapter places gradients between steps, before the knobs apply at the next one)."""
+        grads = self._device_grads
+        k = self._pending_knobs
+        if k is not None and not self._device_tier_pending:
+            fraction = k.device_fraction if self._lane_room else 0.0  # as _apply_pending_knobs will
+            if fraction != self.knobs.device_fraction:
+                _, grads = lane_assignment(
+                    [sg.numel for sg in self.subgroups], [sg.tier == DEVICE for sg in self.subgroups], fraction,
+                    grad_budget_bytes=self._lane_grad_budget, grad_bytes=self._grad_bytes_per_element)
+        return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in grads]
 
     def _abort_step(self, st: _StepState) -> None:
         """After an error: let every transfer finish, and forget reads nobody will check."""

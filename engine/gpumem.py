@@ -31,6 +31,18 @@ def gpu_headroom_bytes(device: torch.device, margin_bytes: int | None = None) ->
     return max(0, total - others - peak - margin)
 
 
+def reset_peak(device: torch.device | None) -> None:
+    """Count ``device``'s peak memory afresh from now (``torch.cuda.reset_peak_memory_stats``), so
+    that :func:`gpu_headroom_bytes` measures what runs after this point: after the engine gave its
+    device memory back (``offload_states``), an RLHF loop's generation phase and the tier itself
+    are not what the next forward/backward needs. The allocator's cached blocks go back first:
+    the peak restarts from what is allocated, not from a generation phase's cache. Nothing
+    without CUDA."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 @functools.lru_cache(maxsize=None)
 def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -> tuple[float, float] | None:
     """(host-to-device, device-to-host) bytes/s of pinned copies running both at once, the best
@@ -63,10 +75,14 @@ def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -
 
 @functools.lru_cache(maxsize=None)
 def measure_gpu_adamw(device: torch.device, numel: int = 1 << 24, reps: int = 3) -> float | None:
-    """Params/s of fused AdamW on ``device`` over fp32 state (the best of ``reps``); None without CUDA."""
+    """Params/s of fused AdamW on ``device`` over fp32 state (the best of ``reps``); None without CUDA.
+
+    The operands are constants, not random numbers: this runs in the training process at its
+    first step, and a draw from the device's generator would shift every later dropout mask
+    against a stock run with the same seed (the kernel's speed does not depend on the values)."""
     if device.type != "cuda":
         return None
-    t = [torch.rand(numel, device=device) for _ in range(4)]
+    t = [torch.full((numel,), v, dtype=torch.float32, device=device) for v in (0.5, 1e-3, 1e-4, 1e-6)]
     step = torch.ones((), device=device)
     best = 0.0
     for _ in range(reps + 1):  # the first round warms up

@@ -35,6 +35,7 @@ class Subgroup:
     dirty: bool = False  # staged copy is newer than the file
     kept: bool = False  # staged copy held between updates (dirty: the kept tail; clean: its write landed)
     writing: bool = False  # staged copy being written back (the buffer is read-only until it lands)
+    host_copy: StateBuffer | None = None  # DEVICE: the pinned host buffer its state leaves to at release_device()
 
     @property
     def numel(self) -> int:

@@ -92,6 +92,8 @@ class CudaStreams:
     pins_host_memory = True
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # resolve_lane_device gives an index; anything else means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
 
     def new_stream(self) -> "torch.cuda.Stream":
@@ -112,7 +114,7 @@ class CudaStreams:
         dst.copy_(src, non_blocking=True)
 
     def on_device(self, t: torch.Tensor) -> bool:
-        return t.device == self.device
+        return t.device.type == "cuda" and t.device.index == self.device.index
 
     def in_host_memory(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
@@ -188,4 +190,9 @@ def resolve_lane_device(device: str | None) -> torch.device | None:
     d = torch.device(device)
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} but CUDA is not available here: use device=None or 'cpu'")
+    if d.type == "cuda" and d.index is None:
+        # 'cuda' is the current device, with its index: tensors there say cuda:N, and a lane
+        # device without one would compare unequal to them (nothing read in place, every
+        # gradient and weight copied through the host).
+        d = torch.device("cuda", torch.cuda.current_device())
     return d

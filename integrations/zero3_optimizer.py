@@ -321,8 +321,14 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         # The tuner client, when there is one, is the engine's step hook (engine.hooks).
         self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
         if self.offload_engine.device is not None:
+            if self.tuner_client is not None:
+                # A knob change due at the next step is handed to the engine now rather than at
+                # that step's start, so that the next backward already places its gradients for
+                # the new lanes (a subgroup that moved would otherwise be read across PCIe by a
+                # synchronous copy per chunk, in the very step the tuner judges).
+                self.tuner_client.apply_pending(self.offload_engine)
             with self.offload_engine.setup_time():  # one-time buffers: not the next iteration's time
-                self._place_grads()  # for the next backward, after any lane change
+                self._place_grads()  # for the next backward, for the lanes of the next step
         # The wrapped optimizer holds no params (the engine owns them), so its step() updates
         # nothing; it is called for what hangs on it: an LR scheduler's step tracking (Hugging
         # Face attaches its scheduler to this optimizer) and registered step hooks.
@@ -417,29 +423,43 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's, with the optimizer's part done by the engine: its fp32 state (the hp
         params and Adam states) is already off the GPU except the device tier, which goes to
         host memory with the device lane's buffers and the gradients kept on the GPU
-        (:meth:`SubgroupEngine.release_device`). The rest (the 16-bit params, the gradient buffer,
-        the contiguous bucket) is DeepSpeed's own work."""
+        (:meth:`SubgroupEngine.release_device`); the next step fits the tier again as at the first.
+        The gradients (``lp_grads``) are the engine's too: the flat buffer stays where it is, in
+        host memory and pinned in place, and only the gradients kept on the GPU are dropped
+        (DeepSpeed's would copy the buffer into a pinned copy of its own, rounded up to a power
+        of two and kept for good, and ``reload_states`` would move it to the GPU: 2 bytes per
+        parameter of GPU memory from then on, and every host-lane read of it across PCIe). The
+        rest (the 16-bit params, the contiguous bucket) is DeepSpeed's own work."""
         ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
         asked = set(OffloadStateTypeEnum) if include is None else set(include)
-        if asked & ours - self.offloaded_states:
+        grads = OffloadStateTypeEnum.lp_grads
+        release = bool(asked & ours - self.offloaded_states)
+        if release:
             self.offload_engine.release_device()
-            for b in self._bindings:
-                b.device_grad = None  # the next backward reduces into host memory; the next step refits
-            self._remap_grads()
+            self.device_fit = None  # the next step fits again: gradients and DeepSpeed's prefetch counted
             self.offloaded_states |= asked & ours
+        if grads in asked:
+            self.offloaded_states.add(grads)
+        if release or grads in asked:
+            for b in self._bindings:
+                b.device_grad = None  # the next backward reduces into host memory
+            self._remap_grads()
         # DeepSpeed's own skips what is in offloaded_states: ours are there, so its FusedAdam-only
-        # path for them never runs.
+        # path for them never runs, and it leaves the gradient buffer alone.
         super().offload_states(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking=False):
-        ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
-        self.offloaded_states -= ours  # the engine's come back at the next step's device fit
+        ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads}
+        # The engine's come back at the next step's device fit; the gradient buffer never left.
+        self.offloaded_states -= ours
         super().reload_states(non_blocking=non_blocking)
-        self._remap_grads()  # DeepSpeed rebuilt the gradient map over its flat buffer
+        self._remap_grads()
+        # The fit after the next forward/backward measures their peak, not the generation's before.
+        self.offload_engine.device_returned()
 
     def _remap_grads(self) -> None:
-        """After DeepSpeed moved its gradient buffer (``.data`` swapped) and rebuilt its map:
-        every subgroup's host slice and parameter entries, where its gradient lives now."""
+        """Every subgroup's host slice of the gradient buffer, and its parameters' entries in
+        DeepSpeed's gradient map, where its gradient lives now (after a change to either)."""
         for b in self._bindings:
             b.host_grad = self.grad_partitions_flat_buffer.narrow(0, b.grad_offset, b.numel)
             self._point_grads(b)
@@ -503,7 +523,15 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.offload_engine.close()  # closes its step hooks: the tuner client says bye
         super_destroy = getattr(super(), "destroy", None)
         if super_destroy:
-            super_destroy()
+            # DeepSpeed's destroy() (since 0.19.7) unpins its offload buffers, the gradient buffer
+            # among them, which under DS_PIN_MEMORY_BACKEND=native frees memory by address. This
+            # one is the engine's: allocated by torch, pinned in place by the engine, unpinned when
+            # it is freed (engine.buffers.pin_in_place). DeepSpeed is handed only what it pinned.
+            buf, self.grad_partitions_flat_buffer = self.grad_partitions_flat_buffer, None
+            try:
+                super_destroy()
+            finally:
+                self.grad_partitions_flat_buffer = buf
 
 
 def _check_supported(opt) -> None:

@@ -25,7 +25,7 @@ from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
 from engine.config import EngineConfig, Knobs, StoragePath
 from engine.core import SubgroupEngine
-from engine.layout import payload_bytes
+from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE_LANE_SLOTS, device_lane_working_bytes
 
 HP = AdamWHyper(lr=1e-2, weight_decay=0.01)
@@ -430,3 +430,169 @@ def test_release_device_brings_back_the_placed_subgroups_not_a_prefix(monkeypatc
     assert rec.device_tier_subgroups == 2 and run.engine.describe().state_bytes_by_tier["device"] == budget
     run.check_numerics()
     run.engine.close()
+
+
+# -- issue 35: the GPU path, second pass ----------------------------------------------------------
+
+def test_no_measurement_draws_from_a_generator_the_model_uses():
+    """Issue 35, item 3: the first step's GPU AdamW timing drew its operands with torch.rand from
+    the device's default generator, so from step 2 on every dropout mask differed from a stock run
+    with the same seed. Nothing the engine runs in the training process may draw random numbers
+    except from a generator of its own (``generator=``), nor seed or set a global generator."""
+    import ast
+    import os
+
+    draws = {"rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "bernoulli",
+             "multinomial", "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_",
+             "cauchy_", "log_normal_"}
+    seeds = {"manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bad = []
+    for top in ("engine", "integrations"):
+        for dirpath, _, files in os.walk(os.path.join(here, top)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                        continue
+                    name, owner = node.func.attr, node.func.value
+                    global_seed = name in seeds and not isinstance(owner, ast.Call)  # torch.Generator().manual_seed is its own
+                    if (name in draws and not any(k.arg == "generator" for k in node.keywords)) or global_seed:
+                        bad.append(f"{os.path.relpath(path, here)}:{node.lineno} {name}")
+    assert not bad, bad
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch):
+    """Issue 35, item 8: resolve_lane_device('cuda') kept no index, so tensors on cuda:0 did not
+    compare equal to the lane's device and nothing was read in place (OffloadAdamW(device='cuda')
+    took the slow path). 'cuda' is the current CUDA device, with its index."""
+    from engine.streams import CudaStreams, resolve_lane_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_lane_device("cuda") == torch.device("cuda", 1)
+    assert resolve_lane_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_lane_device(None) == torch.device("cuda", 1)
+    streams = CudaStreams(torch.device("cuda"))
+    assert streams.device == torch.device("cuda", 1)
+    on_1 = type("T", (), {"device": torch.device("cuda", 1)})()
+    on_0 = type("T", (), {"device": torch.device("cuda", 0)})()
+    assert streams.on_device(on_1) and not streams.on_device(on_0)
+
+
+def test_a_pending_lane_change_moves_the_gradients_placed_for_the_next_step(monkeypatch, swap_dir):
+    """Issue 35, item 7 (the engine's side): device_grad_subgroups() answers for the next step's
+    lanes, a device fraction set and not yet applied included."""
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=0, fraction=0.0)
+    run.engine.fit_device_tier(grad_bytes_per_element=2, headroom_bytes=10 ** 9)
+    run.step()
+    assert run.engine.device_grad_subgroups() == []
+    run.engine.set_knobs(run.engine.knobs.replace(device_fraction=1.0))
+    placed = run.engine.device_grad_subgroups()
+    assert placed == list(range(len(NUMELS)))  # the budget holds every lane gradient
+    run.device_grads = set(placed)  # as the adapter places them before the next backward
+    rec, copies = run.step()
+    assert rec.device_lane_subgroups == len(NUMELS) and run.engine._device_grads == set(placed)
+    grads = [(b.grad.data_ptr(), b.grad.data_ptr() + 2 * b.grad.numel()) for b in run.bindings]
+    uploads = [c for c in copies if any(lo < c.src[1] and c.src[0] < hi for lo, hi in grads)]
+    assert not uploads  # every gradient was read in place, where it was placed
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_release_device_keeps_pinned_host_buffers_across_cycles(monkeypatch, swap_dir):
+    """Issue 35, item 9: every offload_states()/reload_states() cycle copied the device tier out
+    through fresh pageable buffers (about 6 s a cycle at 4B). From the first release on, the tier
+    keeps its host buffers, pinned once, counted in the host budget as copies; the next cycles
+    allocate and pin nothing."""
+    made, pinned = [], []
+    real_init, real_pin = StateBuffer.__init__, StateBuffer.pin
+
+    def init(self, *a, **k):
+        made.append(self)
+        real_init(self, *a, **k)
+
+    def pin(self):
+        if not self._pin_tried:
+            pinned.append(self)
+        return real_pin(self)
+
+    monkeypatch.setattr(StateBuffer, "__init__", init)
+    monkeypatch.setattr(StateBuffer, "pin", pin)
+    tier = sum(STATE[:2])
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[2:]), device_cache_bytes=tier, fraction=0.0)
+    run.step()
+    copies_before = run.engine.host_usage().copies
+    run.engine.release_device()
+    first = list(made)
+    assert len(pinned) == 2  # the tier's two buffers, pinned where the copy out goes
+    run.step()  # refit: the tier back on the device, its buffers kept
+    assert run.engine.host_usage().copies - copies_before >= tier
+    for _ in range(2):
+        made.clear()
+        pinned.clear()
+        run.engine.release_device()
+        assert made == [] and pinned == []
+        rec, _ = run.step()
+        assert rec.device_tier_subgroups == 2
+    run.check_numerics()
+    assert first  # the first cycle did allocate (the test is not vacuous)
+    run.engine.close()
+
+
+def test_the_tiers_host_buffers_are_kept_only_within_the_host_budget(monkeypatch, swap_dir):
+    """Issue 35, item 9: a spare host copy of the device tier is host memory like any other: kept
+    only while the rank's host budget has room for it."""
+    tier = sum(STATE[:2])
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=tier, fraction=0.0)
+    run.step()
+    usage = run.engine.host_usage()
+    run.engine.host_budget = usage.total + host_buffer_bytes(NUMELS[0]) + 64  # room for the first buffer only
+    run.engine.release_device()
+    run.step()
+    kept = [sg.index for sg in run.engine.subgroups if sg.host_copy is not None]
+    assert kept == [0]  # the first fits, the second would not have
+    run.check_numerics()
+    run.engine.close()
+
+
+@needs_cuda
+def test_cuda_lane_rates_leave_the_generators_alone():
+    """Item 3 on the real thing: measuring the lanes at the first step draws nothing from the
+    CPU's or the GPU's default generator (a stock run with the same seed keeps its dropout masks)."""
+    import engine.gpumem as gm
+
+    for f in (gm.measure_pcie, gm.measure_gpu_adamw, gm.measure_memory_bandwidth):
+        f.cache_clear()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cuda_rng, cpu_rng = torch.cuda.get_rng_state(dev), torch.get_rng_state()
+    assert gm.measure_lane_rates(dev) is not None
+    assert torch.equal(torch.cuda.get_rng_state(dev), cuda_rng) and torch.equal(torch.get_rng_state(), cpu_rng)
+
+
+@needs_cuda
+def test_cuda_refit_after_release_measures_the_training_peak(swap_dir):
+    """Item 1 on the real thing: after release_device() and a generation phase that filled the
+    GPU, device_returned() makes the next fit measure the training's peak again, not the
+    generation's: the headroom is the first fit's."""
+    eng, _ = _cuda_engine(swap_dir, [1 << 22] * 8, host_cache_bytes=None, device_cache_bytes=None)
+    dev = eng.device
+
+    def peak(nbytes):  # a forward/backward (or a generation): allocated, then freed
+        x = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        del x
+
+    peak(1 << 30)
+    first = eng.fit_device_tier(grad_bytes_per_element=2)
+    eng.step([HP])
+    eng.release_device()
+    peak(int(torch.cuda.mem_get_info(dev)[0] * 0.8))  # generation
+    eng.device_returned()
+    peak(1 << 30)
+    again = eng.fit_device_tier(grad_bytes_per_element=2)
+    assert abs(again.headroom_bytes - first.headroom_bytes) <= max(256 << 20, first.headroom_bytes // 20), (first, again)
+    assert again.device_tier_subgroups == first.device_tier_subgroups
+    eng.step([HP])
+    eng.close()

@@ -205,16 +205,25 @@ CUDA_LAYOUTS = {
 }
 
 
+def _cuda_spellings() -> list[str]:
+    """Both ways to name the GPU (issue 35, item 8: 'cuda' kept no index and took the slow path)."""
+    return ["cuda", f"cuda:{torch.cuda.current_device()}"] if torch.cuda.is_available() else ["cuda"]
+
+
 @needs_cuda
+@pytest.mark.parametrize("device", _cuda_spellings())
 @pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
-def test_cuda_layouts_match_adamw(layout, swap_dir):
+def test_cuda_layouts_match_adamw(layout, device, swap_dir):
     """Every lane and tier on a real GPU, the model on the GPU: the side streams, events and
-    pinned buffers must order every copy (a missing wait fails on these thin layers)."""
+    pinned buffers must order every copy (a missing wait fails on these thin layers). Both
+    spellings of the device read the gradients and weights on the GPU in place."""
     kw = dict(CUDA_LAYOUTS[layout])
     if kw.pop("nvme", False):
         kw["nvme_paths"] = [swap_dir]
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device="cuda",
-                                               host_adam="torch", **kw), steps=5, model_fn=lambda: make_model().cuda())
+    model, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device=device,
+                                                   host_adam="torch", **kw), steps=5, model_fn=lambda: make_model().cuda())
+    p = next(model.parameters())
+    assert opt.engine.streams.on_device(p) and opt.engine.device.index is not None
     rec = opt.telemetry[-1]
     if layout == "device_tier_auto":
         assert rec.device_tier_subgroups == N_SUB  # a few kB of state: all of it fits the GPU

@@ -1,0 +1,265 @@
+"""The ZeRO-3 adapter's GPU path (``integrations/zero3_optimizer.py``), checked on the CPU.
+
+:class:`OffloadZero3Optimizer` is built without ``deepspeed.initialize``: the attributes its
+methods read are set by hand (the ones DeepSpeed's ``__init__`` would set), DeepSpeed's own
+step helpers are no-ops, and its ``offload_states``/``reload_states``/``destroy`` are DeepSpeed's
+real ones (the CPU accelerator's). The engine runs its CUDA code path on the CPU with the
+recording fake of its streams (``tests/fake_streams.py``), and the device's memory is a fake of
+``torch.cuda``'s memory API (:class:`FakeCudaMemory`), so a test can say what the device fit
+measured. What only a GPU shows (the buffer's real device, real peaks) is checked by the GPU
+session (bench/gpu_session.sh).
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from fake_streams import RecordingStreams
+
+import engine.core
+import engine.gpumem
+from engine.config import EngineConfig, Knobs
+from engine.core import SubgroupEngine
+
+NUMELS = [4000, 3000, 5000, 4000, 3500, 4500]
+CHUNK = 512
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def ds():
+    from engine.storage.native_ops import import_deepspeed
+
+    return import_deepspeed()
+
+
+class FakeCudaMemory:
+    """``torch.cuda``'s memory API for one device: ``reserved`` now and its ``peak`` since the
+    last reset, in bytes; nothing of other processes."""
+
+    def __init__(self, monkeypatch, total: int) -> None:
+        self.total, self.reserved, self.peak = total, 0, 0
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.total - self.reserved, self.total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        # The engine's device is the CPU here; its memory questions go to the fake CUDA device.
+        monkeypatch.setattr(engine.core, "gpu_headroom_bytes", lambda device: engine.gpumem.gpu_headroom_bytes(CUDA0))
+        monkeypatch.setattr(engine.core, "reset_peak", lambda device: torch.cuda.reset_peak_memory_stats(CUDA0),
+                            raising=False)
+        monkeypatch.setattr(engine.gpumem, "MARGIN_MIN_BYTES", 0)
+        monkeypatch.setattr(engine.gpumem, "MARGIN_SHARE", 0.0)
+
+    def reset(self, device=None) -> None:
+        self.peak = self.reserved
+
+    def use(self, nbytes: int) -> None:
+        """The process now holds ``nbytes`` (a forward/backward's peak, a generation's)."""
+        self.reserved = nbytes
+        self.peak = max(self.peak, nbytes)
+
+
+class _Param:
+    def __init__(self, ds_id: int, numel: int) -> None:
+        self.ds_id, self.ds_numel, self._numel, self.grad = ds_id, numel, numel, None
+
+    def partition_numel(self) -> int:
+        return self._numel
+
+
+def make_optimizer(monkeypatch, *, fraction=0.5, device_cache_bytes=None, numels=NUMELS, fake=None,
+                   host_memory_bytes=None):
+    """An OffloadZero3Optimizer over ``numels`` (two parameters a subgroup), bf16 weights on the
+    'device' and bf16 gradients reduced into DeepSpeed's flat host buffer."""
+    from integrations.settings import ZeroEngineSettings
+    from integrations.zero3_optimizer import OffloadZero3Optimizer, ZeroPartitionSubgroup
+
+    fake = fake or RecordingStreams()
+    monkeypatch.setattr(engine.core, "streams_for", lambda device: fake)
+    opt = OffloadZero3Optimizer.__new__(OffloadZero3Optimizer)
+    gen = torch.Generator().manual_seed(0)
+    opt.fp16_groups, opt.fp16_partitioned_groups_flat, ids = [], [], 0
+    for n in numels:
+        opt.fp16_groups.append([_Param(ids, n // 2), _Param(ids + 1, n - n // 2)])
+        ids += 2
+        w = torch.randn(n, generator=gen).to(torch.bfloat16)
+        fake.mark_device(w)
+        opt.fp16_partitioned_groups_flat.append(w)
+    opt.fp16_partitioned_groups_flat_numel = list(numels)
+    opt.sub_group_to_group_id = {i: 0 for i in range(len(numels))}
+    opt.grad_partitions_flat_buffer = torch.zeros(sum(numels), dtype=torch.bfloat16)
+    opt.offload_optimizer_pin_memory = True
+    mapping, off = {}, 0
+    for g in opt.fp16_groups:
+        for p in g:
+            mapping[p.ds_id] = opt.grad_partitions_flat_buffer.narrow(0, off, p.partition_numel())
+            off += p.partition_numel()
+    opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition = mapping
+    opt.optimizer = types.SimpleNamespace(param_groups=[dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)],
+                                          step=lambda: None, state={})
+    opt.parameter_offload = types.SimpleNamespace(_max_available_parameters_in_numel=0, empty_partition_cache=lambda: None)
+    opt.prefetch_elements = 0
+    opt.offloaded_states, opt.ipg_buckets, opt.averaged_gradients = set(), {}, {}
+    opt.clip_grad, opt.custom_loss_scaler, opt.external_loss_scale, opt.overflow = 0.0, True, 1.0, False
+    opt.settings = ZeroEngineSettings(lane_device="cpu")
+    # DeepSpeed's step helpers: nothing to check, partition or scale in these tests.
+    opt._pre_step = opt._partition_all_parameters = lambda: None
+    opt._overflow_check_and_loss_scale_update = lambda update_scale=True: False
+    opt._get_norm_groups = lambda: [torch.tensor(1.0)]
+    opt._loss_scale_update_and_overflow_cleanup = lambda: False
+    opt._post_step = lambda timer_names: None
+    opt._unflatten_partitioned_parameters = lambda sub_group_id: None  # the flat weights are what the tests read
+    opt.offload_grad_scale, opt._checked_out, opt.plan_summary, opt.tuner_client = 1.0, {}, None, None
+    opt._bindings, off = [], 0
+    for i, n in enumerate(numels):
+        opt._bindings.append(ZeroPartitionSubgroup(opt, i, off))
+        off += n
+    cfg = EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=device_cache_bytes, host_adam="torch",
+                       auto_device_fraction=False, host_memory_bytes=host_memory_bytes)
+    opt.offload_engine = SubgroupEngine(opt._bindings, cfg, Knobs(device_fraction=fraction))
+    opt.offload_engine.device_lane.chunk_numel = CHUNK
+    opt.device_fit = None
+    opt.fake = fake
+    return opt
+
+
+def backward(opt, gen: torch.Generator) -> None:
+    """What DeepSpeed's backward leaves: each parameter's reduced gradient in its map entry."""
+    mapping = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    for g in opt.fp16_groups:
+        for p in g:
+            mapping[p.ds_id].copy_(torch.randn(p.partition_numel(), generator=gen))
+
+
+def _entries_in(opt, t: torch.Tensor) -> set[int]:
+    """ds_ids whose gradient entry lies inside ``t``."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    mapping = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    return {i for i, e in mapping.items() if lo <= e.data_ptr() < hi}
+
+
+OURS_AND_GRADS = ["optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer"]
+
+
+def _offload_and_reload(opt, mem: FakeCudaMemory | None = None, generation_bytes: int = 0) -> None:
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    opt.offload_states(include=[OffloadStateTypeEnum(s) for s in OURS_AND_GRADS])
+    if mem is not None:  # an RLHF loop's generation: the GPU is full, then freed again
+        mem.use(generation_bytes)
+        mem.use(mem.total // 20)
+    opt.reload_states()
+
+
+def test_the_refit_after_offload_states_is_the_first_steps_fit(ds, monkeypatch):
+    """Issue 35, item 1: after offload_states()/reload_states() the next step used to fit the tier
+    with no gradient bytes and no prefetch reserve (the engine's bare fit; no lane gradient kept
+    on the GPU again), from a peak that included the generation phase in between (the tier
+    collapsed). The refit is the first step's, measured from a fresh peak."""
+    mem = FakeCudaMemory(monkeypatch, total=600_000)
+    opt = make_optimizer(monkeypatch, fraction=1.0)
+    gen = torch.Generator().manual_seed(1)
+    train_peak = 300_000
+    fits, kept = [], []
+    for it in range(4):
+        if it == 2:
+            _offload_and_reload(opt, mem, generation_bytes=590_000)
+            assert opt.device_fit is None
+        mem.use(train_peak)  # forward/backward's peak
+        backward(opt, gen)
+        opt.step()
+        fits.append(opt.device_fit)
+        kept.append(sorted(b.index for b in opt._bindings if b.device_grad is not None))
+    first, refit = fits[0], fits[2]
+    assert first.device_tier_subgroups >= 2 and first.device_lane_grads_on_device >= 1  # the case is not vacuous
+    assert refit == first, (first, refit)
+    assert opt.offload_engine._grad_bytes_per_element == 2  # lane gradients kept on the device again
+    assert kept[2] == kept[0] and kept[3] == kept[0]
+    opt.offload_engine.close()
+
+
+def test_the_gradient_buffer_stays_in_host_memory_across_offload_states(ds, monkeypatch):
+    """Issue 35, item 2: DeepSpeed's lp_grads offload copied the engine's gradient buffer (pinned
+    in place, at its exact size) into a power-of-two pinned copy of its own, kept for good, and
+    reload_states moved it to the GPU (2 B/param of GPU memory, host-lane reads across PCIe).
+    With offload_optimizer the buffer is the engine's: it stays where it is, and training goes on
+    with the same numbers as a run without the cycle."""
+    opt, twin = make_optimizer(monkeypatch), make_optimizer(monkeypatch)
+    buf = opt.grad_partitions_flat_buffer
+    ptr = buf.data_ptr()
+    gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for it in range(4):
+        if it == 2:
+            _offload_and_reload(opt)
+            assert opt.grad_partitions_flat_buffer.data_ptr() == ptr and opt.grad_partitions_flat_buffer.device == buf.device
+            assert not hasattr(opt, "lp_grad_partitions_flat_pin_buffers")
+            assert not opt.offloaded_states
+            host = _entries_in(opt, opt.grad_partitions_flat_buffer)
+            assert host == {p.ds_id for g in opt.fp16_groups for p in g}  # every gradient reduced into it
+        for o, g in zip((opt, twin), gens):
+            backward(o, g)
+            o.step()
+    for a, b in zip(opt.fp16_partitioned_groups_flat, twin.fp16_partitioned_groups_flat):
+        assert torch.equal(a, b)
+    for i in range(len(NUMELS)):
+        for x, y in zip(opt.offload_engine.read_state(i)[:3], twin.offload_engine.read_state(i)[:3]):
+            assert torch.equal(x, y)
+    opt.offload_engine.close()
+    twin.offload_engine.close()
+
+
+def test_a_lane_change_places_gradients_for_the_step_it_applies_to(ds, monkeypatch):
+    """Issue 35, item 7: knobs apply at the start of a step but gradients are placed after the
+    step before it; a tuner's lane change made the very step it judges read every moved
+    subgroup's gradient across PCIe. The change due next is handed over at the step's end, and
+    gradients are placed for the lanes it sets."""
+    opt = make_optimizer(monkeypatch, fraction=0.0, device_cache_bytes=0)
+    eng = opt.offload_engine
+
+    class Client:  # the tuner client's side that matters here: a change due at the next iteration
+        due: Knobs | None = None
+
+        def apply_pending(self, engine):
+            if self.due is not None:
+                engine.set_knobs(self.due)
+                self.due = None
+
+    opt.tuner_client = Client()
+    gen = torch.Generator().manual_seed(1)
+    backward(opt, gen)
+    opt.step()
+    assert opt.device_fit.device_fraction == 0.0 and not any(b.device_grad is not None for b in opt._bindings)
+    opt.tuner_client.due = eng.knobs.replace(device_fraction=1.0)
+    backward(opt, gen)
+    opt.step()
+    lane_grads = {b.index for b in opt._bindings if b.device_grad is not None}
+    assert lane_grads and lane_grads == set(eng.device_grad_subgroups())
+    backward(opt, gen)
+    opt.step()
+    assert eng.telemetry.records[-1].device_lane_subgroups == len(NUMELS)
+    assert lane_grads == eng._device_grads  # the step that ran the new lanes read these in place
+    eng.close()
+
+
+def test_destroy_leaves_the_engines_gradient_buffer_to_it(ds, monkeypatch):
+    """Issue 35, item 12: DeepSpeed 0.19.8's destroy() unpins its offload buffers, the gradient
+    buffer among them; under DS_PIN_MEMORY_BACKEND=native that frees by address, and the engine's
+    buffer was pinned in place by the engine (cudaHostRegister), not allocated by DeepSpeed.
+    DeepSpeed is handed only what it pinned itself."""
+    import deepspeed.runtime.zero.stage3 as stage3
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(stage3, "print_rank_0", lambda *a, **k: None)  # no process group here
+    opt = make_optimizer(monkeypatch)
+    opt._grad_acc_hooks, opt._leaf_module_hooks, opt.zenflow = [], [], False
+    opt._clear_muon_allgather_buffers = lambda: None
+    opt.parameter_offload.destroy = lambda: None
+    opt.fp32_partitioned_groups_flat = []
+    unpinned = []
+    monkeypatch.setattr(type(get_accelerator()), "unpin_memory", lambda self, t: unpinned.append(t.data_ptr()))
+    buf = opt.grad_partitions_flat_buffer
+    opt.destroy()
+    assert buf.data_ptr() not in unpinned
+    assert opt.grad_partitions_flat_buffer is buf  # still there for whatever reads it after destroy
