@@ -31,8 +31,14 @@ class Sample:
 
     @classmethod
     def of(cls, obs: Observation, paths: Sequence[str]) -> "Sample":
+        """The sample of ``obs``: its iteration time less its one-time setup (``setup_s``), which
+        a move pays once and not at every iteration it stays (the update phase never has it)."""
         moved = {p: obs.path_read_bytes_per_s.get(p, 0.0) + obs.path_write_bytes_per_s.get(p, 0.0) for p in paths}
-        it = obs.iter_time_s if obs.iter_time_s and math.isfinite(obs.iter_time_s) and obs.iter_time_s >= obs.update_s else None
+        it = None
+        if obs.iter_time_s and math.isfinite(obs.iter_time_s):
+            setup = obs.setup_s if isinstance(obs.setup_s, (int, float)) and math.isfinite(obs.setup_s) else 0.0
+            steady = obs.iter_time_s - max(0.0, setup)
+            it = steady if steady >= obs.update_s else None
         return cls(obs.update_s, it, obs.read_wait_s, obs.write_wait_s, moved, obs.lanes)
 
 

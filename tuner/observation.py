@@ -57,6 +57,10 @@ class Observation:
     made under other knobs than the last decision's is ignored: the change has not arrived yet."""
     lanes: LaneTimes | None = None
     """The slowest rank's (the one the iteration waits for); None when the engines do not say."""
+    setup_s: float = 0.0
+    """One-time work inside this iteration (``StepRecord.setup_s``: pinning buffers for a lane
+    change, allocating gradient buffers), max over ranks: not what the knobs cost from now on,
+    so it is taken out of the iteration time a move is judged on."""
 
     @classmethod
     def from_records(cls, records: Sequence[StepRecord], *, iter_times_s: Sequence[float] = (), **context) -> "Observation":
@@ -69,7 +73,7 @@ class Observation:
                    update_s=slowest.update_s, read_wait_s=max(r.read_wait_s for r in records),
                    write_wait_s=max(r.write_wait_s for r in records), kernel_s=max(r.kernel_s for r in records),
                    path_read_bytes_per_s=read, path_write_bytes_per_s=write, lanes=LaneTimes.of(slowest),
-                   **context)
+                   setup_s=max(r.setup_s for r in records), **context)
 
 
 def path_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict[str, float]]:

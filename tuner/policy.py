@@ -10,6 +10,7 @@ are importable from here too.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from statistics import median as _median
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +27,17 @@ from tuner.policy_config import PolicyConfig
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 
 LOG_ENTRIES = 1000
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A move kept on its trial's samples, not yet confirmed by a window measured after it."""
+
+    move: Move
+    before: Knobs
+    """The good knobs it replaced."""
+    before_cost: float
+    """Their median cost when it was judged."""
 
 
 def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
@@ -68,6 +80,9 @@ class Policy:
         self._failed_moves: set[MoveKey] = set()  # moves that did not help, since the last re-exploration
         self._bad_knobs: set[str] = set()  # knob settings (knobs_key) that caused an error: never again
         self._last_kept: MoveKey | None = None  # the move that just helped: tried again first
+        self._unconfirmed: list[_Kept] = []  # kept moves a later window of the good knobs must confirm
+        self._fresh = 0  # samples of the good knobs measured since the knobs last changed
+        self._kept_total = 0  # moves kept and confirmed (or not yet refuted) in this run
         self._noise = Noise(self.cfg)
         self._limits = Limits(self.cfg, has_device=self.has_device, params=self.params,
                               subgroup_bytes=self.subgroup_bytes, ranks=self.ranks, staging_bytes=host_staging_bytes)
@@ -165,6 +180,11 @@ class Policy:
         if self._trial is not None:
             return self._judge(s)
         self._baseline_samples.append(s)
+        if self._knobs == self._good_knobs:
+            self._fresh += 1
+        d = self._confirm_kept()
+        if d is not None:
+            return d
         if self._holding_since is not None:
             return self._hold()
         if len(self._baseline_samples) < self._samples_wanted:
@@ -189,6 +209,7 @@ class Policy:
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
         knob = str(key)
         self._trial = None
+        self._unconfirmed = []  # the user's knobs now: nothing of the search's to undo
         self._good_knobs = new
         self._restart_measuring()
         if new != self._knobs:
@@ -241,6 +262,7 @@ class Policy:
 
     def _decide(self, knobs: Knobs, reason: str, kind: str) -> Decision:
         self._knobs = knobs
+        self._fresh = 0
         self._iters_to_discard = max(self._iters_to_discard, self.cfg.settle_iters)
         self._log(reason, kind, changed=True)
         return Decision(knobs, reason)
@@ -324,6 +346,9 @@ class Policy:
         self._trial = None
         move = t.move
         if verdict:
+            if move.key not in (START, RETURN):  # those two are judged against the plan, not kept over it
+                self._unconfirmed.append(_Kept(move, self._good_knobs, base))
+            self._kept_total += 1
             self._good_knobs, self._baseline_samples, self._reverts = move.knobs, list(t.samples), 0
             self._last_kept = move.key
             if move.key.opposite() is not None:
@@ -339,6 +364,34 @@ class Policy:
         if move.key == RETURN:
             self._return_to = None
         return self._propose(f"reverted {move.what} ({figures}); ", reverting=move)
+
+    def _confirm_kept(self) -> Decision | None:
+        """Moves are kept on a few samples, and a few samples can mislead (a transient, the cost of
+        a change landing before or after the window). Once a full window of the good knobs has
+        been measured after them, each kept move must still beat what it replaced: the last one
+        kept is undone (back to the knobs before it, and never tried again until something
+        changes) when the good knobs now cost more than that by more than the threshold; the
+        next window checks the one before it. Confirmed moves are not checked again."""
+        w = self.cfg.window
+        if not self._unconfirmed or self._fresh < w or self._knobs != self._good_knobs:
+            return None
+        now = _median([x.cost for x in self._baseline_samples[-w:]])
+        thr = self._noise.threshold()
+        worse = [k for k in self._unconfirmed if now > k.before_cost * (1 + thr)]
+        if not worse:
+            self._unconfirmed = []
+            return None
+        last = self._unconfirmed.pop()
+        self._kept_total -= 1
+        self._failed_moves.add(last.move.key)
+        if last.move.key.opposite() is not None:
+            self._failed_moves.discard(last.move.key.opposite())  # undoing it is what helps now
+        self._last_kept = None
+        reason = (f"undid {last.move.what}: {self._cost_name()} {last.before_cost:.3f} s before it, {now:.3f} s over "
+                  f"the {w} iterations since ({100 * (now / last.before_cost - 1):+.0f}%, threshold {100 * thr:.0f}%)")
+        self._good_knobs = last.before
+        self._restart_measuring()
+        return self._decide(last.before, reason, "revert")
 
     def _hold(self) -> Decision | None:
         w = self.cfg.window
@@ -385,8 +438,10 @@ class Policy:
         share = tunable / it if it > 0 else 1.0
         if share >= bar:
             return None
+        further = f"after {self._kept_total} kept move{'s' if self._kept_total != 1 else ''}, no further" \
+            if self._kept_total else "no"
         return (f"holding: what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
-                f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: no move could "
+                f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: {further} move could "
                 "show above the noise")
 
     def _why(self, move: Move) -> str:
@@ -434,6 +489,7 @@ class Policy:
             down = round(max(0.0, f - self.cfg.device_step), 6)
             self._limits.device_cap = down
             self._good_knobs = self._knobs.replace(device_fraction=down)
+            self._unconfirmed = []
             self._restart_measuring()
             return self._decide(self._good_knobs, f"out of memory with the device lane at {f:.2g} ({error}): lowered to "
                                 f"{down:.2g}, and never raised above it again", "rollback")
@@ -456,6 +512,7 @@ class Policy:
             self._return_to, self._plan_before_contention = self._plan_before_contention, None
         # Earlier verdicts were made in another regime: forget them and measure again.
         self._failed_moves.clear()
+        self._unconfirmed = []
         self._last_kept = None
         self._restart_measuring()
         self._samples_wanted = self.cfg.rebaseline_iters
