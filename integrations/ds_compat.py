@@ -9,8 +9,9 @@ different update). The version range alone cannot tell, so the checks compare th
 what is installed:
 
 - :func:`check_deepspeed` (at install, in ``offloadctl info`` and so in ``make setup``): the
-  version against the range, each method's parameter names against the table, and each
-  attribute against the names DeepSpeed's own source assigns.
+  version against the range, each method's parameter names against the table, each
+  attribute against the names DeepSpeed's own source assigns, and the bodies of the methods
+  whose behaviour the integration relies on (:data:`MIRRORED`) against the release checked.
 - :func:`check_optimizer_instance` (once per optimizer, when the engine is built on it): the
   attributes on the live object, its parameter-offload helper and its parameters.
 
@@ -154,6 +155,36 @@ COPIED: dict[tuple[str, str], str] = {
 :func:`copied_source_matches` reads it, in release ``CHECKED_AGAINST``). Where the installed body
 differs, the override runs DeepSpeed's own instead: a fix DeepSpeed made there is never lost,
 only our change to it."""
+
+MIRRORED: dict[tuple[str, str], tuple[str, str]] = {
+    (STAGE3, "step"): (
+        "588aaf2c337d5634769f9afa53f7952af4f3efbba5089826a9bf86263afa60c5",
+        "offloadctl's step() rebuilds it around the engine: the overflow check, the norms, then the loss-scale "
+        "update (0.19.6's order), and no gradient zeroed per subgroup (0.19.6 stopped it)"),
+    (STAGE3, "offload_states"): (
+        "3275adee1e1fb87f34ea0f2c038089e82bb67b4d014d4089ca35ce0d5873f291",
+        "offloadctl's override hands it only the states DeepSpeed still owns (what offloaded_states holds is "
+        "skipped: the engine's states and gradient buffer)"),
+    (STAGE3, "reload_states"): (
+        "51220c8de9390b1d96defdfc94f88a8fa14a5d05997b9a27d439400c3a3166a8",
+        "offloadctl's override takes the engine's states out of offloaded_states first, so that it moves neither "
+        "them nor the gradient buffer to the GPU"),
+    (STAGE3, "_unpin_offload_buffers"): (
+        "91b0b0d0ba0d41a6603d898af4161c4b5f4be581ccdb439a8d7729b6d9ca73fe",
+        "destroy() unpins these buffers (since 0.19.7); offloadctl's destroy() hides the gradient buffer, which the "
+        "engine pinned in place itself, and owns no other of them"),
+    (STAGE3, "_release_sub_group"): (
+        "ebde3fca8c27c118378a585c7745f542d367bfee12bfe93ab4ce1549e80af307",
+        "with offload_optimizer it releases nothing itself and swaps the subgroup out (since 0.19.7 the fp32 "
+        "gradient is dropped here only without it): the engine's check-in drops the gradient it lent"),
+}
+"""DeepSpeed methods whose behaviour, not only whose signature, the integration relies on (sha256
+of the body as :func:`copied_source_matches` reads it, in release ``CHECKED_AGAINST``), and what
+it relies on. DeepSpeed 0.19.6-0.19.8 changed four behaviours around the store the engine
+replaces; a release that changes one of these again fails the check, naming it, rather than run
+on an assumption that no longer holds. (The fourth change, prefetching the next subgroup only
+with timers on, is inside ``_optimizer_states_and_gradient_swap_in``, which the integration
+overrides and which reads no next subgroup: nothing relies on it.)"""
 
 OWN_ATTRIBUTES: tuple[str, ...] = (
     "_ds_nvme_path", "offload_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
@@ -373,6 +404,31 @@ def _name_faults(ds_name: str) -> list[str]:
     return faults
 
 
+def _source_sha(owner: str, name: str, ds_name: str = "deepspeed") -> str | None:
+    """sha256 of the installed ``owner.name``'s body (cleaned of indentation); None without one."""
+    import hashlib
+
+    try:
+        fn = _unwrap(getattr(_resolve(owner, ds_name), name), name)
+        src = inspect.cleandoc(inspect.getsource(fn))
+    except (AttributeError, OSError, TypeError, ImportError):
+        return None
+    return hashlib.sha256(src.encode()).hexdigest()
+
+
+def _mirrored_faults(ds_name: str) -> list[str]:
+    faults = []
+    checked = {(m.owner, m.name) for m in METHODS}
+    for (owner, name), (sha, why) in MIRRORED.items():
+        found = _source_sha(owner, name, ds_name)
+        if found is None and (owner, name) in checked:
+            continue  # the method check says it is missing
+        if found != sha:
+            what = "no such method" if found is None else "another body"
+            faults.append(f"{_short(owner)}.{name} as in {CHECKED_AGAINST} expected ({why}), found {what}")
+    return faults
+
+
 def check_deepspeed(ds_module=None) -> None:
     """Raise :class:`ConfigError` (one line) if the installed DeepSpeed is outside the supported
     range, or if a method, attribute or name of :data:`METHODS`, :data:`ATTRIBUTES`, :data:`NAMES`
@@ -397,6 +453,7 @@ def check_deepspeed(ds_module=None) -> None:
     faults = [f for f in (_method_fault(m, ds_name) for m in METHODS) if f]
     faults += _name_faults(ds_name)
     faults += _attribute_faults(ds_name)
+    faults += _mirrored_faults(ds_name)
     fault = _call_time_import_fault(ds_name)
     if fault:
         faults.append(fault)
@@ -426,14 +483,7 @@ def check_optimizer_instance(opt) -> None:
 @functools.lru_cache(maxsize=None)
 def copied_source_matches(owner: str, name: str) -> bool:
     """Whether the installed DeepSpeed's ``owner.name`` is the body :data:`COPIED` records."""
-    import hashlib
-
-    try:
-        fn = _unwrap(getattr(_resolve(owner, "deepspeed"), name), name)
-        src = inspect.cleandoc(inspect.getsource(fn))
-    except (AttributeError, OSError, TypeError, ImportError):
-        return False
-    return hashlib.sha256(src.encode()).hexdigest() == COPIED[(owner, name)]
+    return _source_sha(owner, name) == COPIED[(owner, name)]
 
 
 def integration_status() -> str:

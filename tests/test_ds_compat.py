@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -236,3 +237,23 @@ def test_a_changed_body_runs_deepspeeds_own(stage3, monkeypatch):
         assert opt.partition_grads([1], [2]) == ["theirs"] and calls == [([1], [2])]
     finally:
         ds_compat.copied_source_matches.cache_clear()
+
+
+@pytest.mark.parametrize("name", sorted(n for _, n in ds_compat.MIRRORED))
+def test_a_changed_behaviour_the_integration_relies_on_fails_naming_it(ds, stage3, monkeypatch, name):
+    """Issue 35, item 12: DeepSpeed 0.19.6-0.19.8 changed four behaviours around the store the
+    engine replaces (step's order and its per-subgroup zeroing, what _release_sub_group drops,
+    destroy()'s unpinning; offload_states/reload_states' handling of the gradient buffer is what
+    the integration steers). A release whose body of one of these differs, with the same
+    signature, fails the check with one line naming the method and what is relied on."""
+    def changed(self, *args, **kwargs):  # same call, another body
+        return None
+
+    changed.__signature__ = inspect.signature(getattr(stage3, name))
+    monkeypatch.setattr(stage3, name, changed)
+    with pytest.raises(ConfigError) as e:
+        ds_compat.check_deepspeed()
+    msg = _one_line(e)
+    why = ds_compat.MIRRORED[(ds_compat.STAGE3, name)][1]
+    assert f"DeepSpeedZeroOptimizer_Stage3.{name} as in {ds_compat.CHECKED_AGAINST} expected ({why}), found another body" in msg
+    assert f"pip install 'deepspeed=={ds_compat.CHECKED_AGAINST}'" in msg
