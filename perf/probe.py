@@ -35,8 +35,8 @@ from engine.errors import ConfigError, StoragePathError
 from engine.host_kernel import select_host_kernel
 from engine.storage.blockdev import device_of
 from engine.storage.io_backends import open_backend
-from engine.storage.paths import check_usable
 from engine.storage.swapdir import make_swap_dir, remove_swap_dir
+from engine.storage.usable import check_usable
 from perf.nvml import open_nvml
 from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
 

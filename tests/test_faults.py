@@ -311,7 +311,7 @@ def test_hostile_profiles_are_one_line(text, expect, tmp_path):
 @needs_root
 def test_a_full_disk_is_reported_as_full():
     from engine.errors import StoragePathError
-    from engine.storage.paths import check_usable
+    from engine.storage.usable import check_usable
 
     with mounted("tmpfs", "size=64k") as d:
         fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)

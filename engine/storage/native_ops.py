@@ -112,6 +112,67 @@ def pin_build_environment() -> str | None:
 pin_build_environment()  # before anything loads an op, DeepSpeed's own (shm comm, cpu_adam) included
 
 
+def _cpu_description() -> str:
+    """What identifies this CPU to py-cpuinfo, read cheaply: the kernel's description of the first
+    core (vendor, family, model, stepping, flags), the machine and py-cpuinfo's version."""
+    import hashlib
+    import platform
+
+    keep = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer",
+            "CPU part")
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        first = ""
+    fields = sorted(line.strip() for line in first.splitlines() if line.split(":", 1)[0].strip() in keep)
+    import cpuinfo
+
+    text = "\n".join([platform.machine(), getattr(cpuinfo, "CPUINFO_VERSION_STRING", "?"), *fields])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def remember_cpu_info() -> None:
+    """Keep py-cpuinfo's answer beside the built ops. Its ``get_cpu_info()`` starts a Python process
+    and a fork to run CPUID (one to two seconds each time), and DeepSpeed calls it for every op it
+    loads (to pick ``-march``) and in each DeepSpeedCPUAdam: seconds of every rank's start. The
+    answer is the same for the same CPU, so it is kept in the extensions dir, keyed by
+    :func:`_cpu_description`; a machine with another CPU (a venv on a shared file system) asks
+    py-cpuinfo again."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "offloadctl_kept", False):
+        return
+    ask = cpuinfo.get_cpu_info
+    kept: list[str] = []  # the answer as JSON text: each caller gets its own copy to change
+
+    def get_cpu_info() -> dict:
+        import json
+
+        if not kept:
+            path = os.path.join(extensions_dir(), ".cpuinfo", _cpu_description() + ".json")
+            try:
+                with open(path) as f:
+                    kept.append(json.dumps(json.load(f)))
+            except (OSError, ValueError):
+                kept.append(json.dumps(ask()))
+                with contextlib.suppress(OSError):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    tmp = f"{path}.{os.getpid()}"
+                    with open(tmp, "w") as f:
+                        f.write(kept[0])
+                    os.replace(tmp, path)  # atomic: ranks starting together read whole files
+        return json.loads(kept[0])
+
+    get_cpu_info.offloadctl_kept = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+remember_cpu_info()  # before DeepSpeed loads an op or makes a DeepSpeedCPUAdam
+
+
 @dataclasses.dataclass(frozen=True)
 class OpState:
     """Where one op stands in this process."""

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.buffers import ALIGN_BYTES, HEADER_BYTES, StateBuffer, aligned_empty
+from engine.buffers import HEADER_BYTES, StateBuffer
 from engine.config import StoragePath
 from engine.errors import CorruptSwapFileError, StorageIOError, StoragePathError
 from engine.storage import swapfile
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.storage.swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
+from engine.storage.usable import check_usable  # noqa: F401  (callers import it from here too)
 
 MAX_IO_THREADS = 64
 
@@ -49,43 +50,6 @@ class PathCounters:
 
     bytes_read: int = 0
     bytes_written: int = 0
-
-
-def check_usable(path: str) -> None:
-    """Raise :class:`StoragePathError` unless ``path`` is a writable directory that supports O_DIRECT."""
-    if not os.path.exists(path):
-        raise StoragePathError(f"storage path {path} does not exist: create it (mkdir -p {path}) or fix the path")
-    if not os.path.isdir(path):
-        raise StoragePathError(f"storage path {path} is not a directory: give a directory for swap files")
-    probe = os.path.join(path, f".offloadctl-probe-{os.getpid()}-{threading.get_ident()}")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    except PermissionError:
-        raise StoragePathError(f"storage path {path} is not writable by this user: "
-                               "fix its permissions or choose another path") from None
-    except OSError as e:
-        raise StoragePathError(f"storage path {path} cannot hold files ({e.strerror}): choose another path") from None
-    os.close(fd)
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_DIRECT)
-        try:
-            buf = aligned_empty(ALIGN_BYTES, pin=False).zero_()
-            PosixDirectIO().pwrite(fd, probe, buf, 0)
-            PosixDirectIO().pread(fd, probe, buf, 0)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoragePathError(f"storage path {path} is full ({e.strerror}): free space there, or give another "
-                                   f"path") from None
-        raise StoragePathError(
-            f"storage path {path} does not support O_DIRECT ({e.strerror}), which offloading needs to bypass "
-            f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs") from None
-    finally:
-        try:
-            os.unlink(probe)
-        except OSError:
-            pass
 
 
 class SwapPath:

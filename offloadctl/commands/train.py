@@ -143,7 +143,7 @@ def build(args: argparse.Namespace) -> dict:
     read_ahead = size_bytes(args.read_ahead, auto=True)
     device_cache = size_bytes(args.device_cache, auto=True)
     # Imported after the cheap checks: torch and DeepSpeed take seconds, and a typo should fail at once.
-    from engine.storage.paths import check_usable
+    from engine.storage.usable import check_usable
 
     for path in args.nvme + args.remote:
         check_usable(os.path.abspath(path))

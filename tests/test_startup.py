@@ -1,0 +1,94 @@
+"""What a launch costs before its first step: `offloadctl train` checks and starts the launcher
+without importing torch, and py-cpuinfo's answer (seconds per call, several calls per rank) is
+asked once per CPU and kept beside the built ops."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
+
+BUILD_ONLY = """
+import json, sys
+from offloadctl.cli import build_parser
+from offloadctl.commands import train
+args = build_parser().parse_args(sys.argv[1:])
+launch = train.build(args)
+print(json.dumps({"torch": "torch" in sys.modules, "deepspeed": "deepspeed" in sys.modules,
+                  "command": launch["command"]}))
+"""
+
+
+def test_the_train_command_builds_its_launch_without_torch(tmp_path):
+    """The parent process of every run checks the paths (O_DIRECT included) and builds the launch
+    with neither torch nor DeepSpeed imported: seconds saved on every launch."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    p = subprocess.run([sys.executable, "-c", BUILD_ONLY, "train", "--nvme", str(nvme), "--tuner", "off",
+                        "--run-dir", str(tmp_path / "run"), SCRIPT, "--steps", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["torch"] is False and out["deepspeed"] is False
+    assert out["command"][-3:] == [SCRIPT, "--steps", "1"]
+
+
+def test_check_usable_refuses_what_cannot_hold_swap_files(tmp_path):
+    from engine.errors import StoragePathError
+    from engine.storage.usable import check_usable
+
+    check_usable(str(tmp_path))  # a real disk file system: O_DIRECT works
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+    with pytest.raises(StoragePathError, match="does not exist: create it"):
+        check_usable(str(tmp_path / "missing"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StoragePathError, match="is not a directory"):
+        check_usable(str(tmp_path / "f"))
+
+
+@pytest.fixture
+def fresh_cpu_info(tmp_path, monkeypatch):
+    """py-cpuinfo with a counting stand-in for its slow query, and an empty extensions dir."""
+    import cpuinfo
+
+    from engine.storage import native_ops
+
+    calls = []
+
+    def ask():
+        calls.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"], "brand_raw": "test CPU"}
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", ask)
+    return native_ops, cpuinfo, calls
+
+
+def test_cpu_info_is_asked_once_per_cpu_and_kept(fresh_cpu_info, monkeypatch):
+    native_ops, cpuinfo, calls = fresh_cpu_info
+    native_ops.remember_cpu_info()
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("mutated by a caller")  # a caller's change never reaches the kept answer
+    assert cpuinfo.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"], "brand_raw": "test CPU"}
+    assert len(calls) == 1
+    native_ops.remember_cpu_info()  # installed once: no wrapper around the wrapper
+    assert cpuinfo.get_cpu_info.offloadctl_kept and len(calls) == 1
+
+    # Another process on the same CPU: read from the extensions dir, py-cpuinfo not asked.
+    def never():
+        raise AssertionError("asked py-cpuinfo although the answer is kept")
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", never)
+    native_ops.remember_cpu_info()
+    assert cpuinfo.get_cpu_info()["brand_raw"] == "test CPU"
+
+    # Another CPU (the same venv on a shared file system): asked again.
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"arch": "ARM_8", "brand_raw": "other"})
+    monkeypatch.setattr(native_ops, "_cpu_description", lambda: "another-cpu")
+    native_ops.remember_cpu_info()
+    assert cpuinfo.get_cpu_info()["brand_raw"] == "other"
