@@ -50,9 +50,9 @@ from engine.config import EngineConfig, Knobs
 from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts
 from engine.gpumem import gpu_headroom_bytes, measure_lane_rates, reset_peak
-from engine.host_kernel import host_lane_rate, select_host_kernel
+from engine.host_kernel import host_lane_rate, node_memory_bandwidth, select_host_kernel
 from engine.host_memory import HostUsage, PressureWatch, default_budget, default_floor, staging_room
-from engine.lane_model import LaneRates, balanced_fraction, lane_assignment
+from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
 from engine.lanes import DeviceLane, HostLane, WeightUploader
 from engine.layout import deepest_prefetch, forward_order, host_buffer_bytes, kept_subgroups, read_ahead_bytes, staging_buffers
 from engine.placement import DEVICE, HOST, Placement, device_lane_working_bytes, device_tier_prefix, place, stripe, swap_tier
@@ -768,14 +768,18 @@ class SubgroupEngine:
     def lane_rates(self) -> LaneRates | None:
         """The rates the lane balance uses, measured in this process (once; about 0.3 s on a
         GPU): the host lane's loop with its kernel on this process's threads, pinned PCIe both
-        ways at once, GPU AdamW, host memory bandwidth shared with the node's other ranks."""
+        ways at once, GPU AdamW, and host memory bandwidth: the lower of what this process's
+        threads move and its share of the node's (measured once per machine with every core,
+        :func:`engine.host_kernel.node_memory_bandwidth`), so that the lane model takes the
+        lower of the host lane's core rate and its memory bandwidth."""
         if self._lane_rates is None and self.device is not None:
             measured = measure_lane_rates(self.device)
             if measured is not None:
-                h2d, d2h, gpu_rate, mem = measured
+                h2d, d2h, gpu_rate, own = measured
+                memory = memory_share(own, node_memory_bandwidth(), self.config.local_ranks)
                 self._lane_rates = LaneRates(host_lane_params_per_s=host_lane_rate(self.host_kernel_name),
                                              h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, gpu_adamw_params_per_s=gpu_rate,
-                                             memory_bytes_per_s=mem / max(1, self.config.local_ranks))
+                                             memory_bytes_per_s=memory)
         return self._lane_rates
 
     def _balanced_fraction(self, rest: list[Subgroup]) -> float | None:

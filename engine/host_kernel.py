@@ -97,15 +97,20 @@ def host_lane_rate(name: str) -> float:
     return _measured_rates.get(name, 0.0)
 
 
-def _machine_key() -> str:
-    """What the loop's speed with each kernel depends on: the CPU, the threads a process uses,
-    the library versions."""
+def _cpu_model() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
+    return model
+
+
+def _machine_key() -> str:
+    """What the loop's speed with each kernel depends on: the CPU, the threads a process uses,
+    the library versions."""
+    model = _cpu_model()
     try:
         import deepspeed
         ds = deepspeed.__version__
@@ -171,3 +176,106 @@ def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     if choice == "deepspeed":
         return "deepspeed", DeepSpeedCpuAdam()
     return "torch", adamw_update_torch_
+
+
+# -- the node's host memory bandwidth ----------------------------------------------------------------
+
+MEMORY_BANDWIDTH_FILE = "offloadctl-memory-bandwidth.json"
+"""Kept beside the kernel choice: the node's host memory bandwidth, measured once per machine."""
+HOST_LANE_BYTES_PER_PARAM = 28
+"""Host memory bytes a host-lane update moves per parameter, bf16 gradients and weights: the fp32
+state read and written (24), the gradient read (2), the weight written (2)
+(:data:`engine.lane_model.HOST_LANE_STATE_BYTES` and the rest)."""
+
+
+def _bandwidth_key() -> str:
+    """What the node's bandwidth depends on: the CPU and how many there are, the memory size."""
+    import psutil
+
+    return f"{_cpu_model()}|cpus={os.cpu_count()}|memory={psutil.virtual_memory().total}"
+
+
+def _all_cpus() -> set[int]:
+    return set(range(os.cpu_count() or 1))
+
+
+def _measure_node_bandwidth() -> float:
+    """The copy bandwidth with every CPU of the machine: here when this process may use them all
+    (``offloadctl info``, ``profile save``, a lone rank), else in a child process unbound from
+    this rank's share (a rank bound to 8 of 64 cores cannot fill the node's memory channels)."""
+    import subprocess
+    import sys
+
+    cpus = _all_cpus()
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+    if mine >= cpus:
+        from engine.gpumem import measure_memory_bandwidth
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(len(cpus))
+        try:
+            return measure_memory_bandwidth.__wrapped__()  # measured now, not this process's cached figure
+        finally:
+            torch.set_num_threads(threads)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", "from engine.host_kernel import _measure_node_bandwidth as m; print(m())"],
+                         env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def keep_node_memory_bandwidth(bytes_per_s: float) -> None:
+    """Keep ``bytes_per_s`` as this machine's host memory bandwidth (read plus written), in
+    ``MEMORY_BANDWIDTH_FILE``: what ``profile save`` measured, for the runs that follow."""
+    _update_bandwidth_file(lambda known: float(bytes_per_s))
+
+
+def node_memory_bandwidth(measure: bool = True) -> float | None:
+    """Bytes/s of host memory traffic (read plus written) the whole node moves, all its cores
+    copying at once: kept in ``MEMORY_BANDWIDTH_FILE`` beside the kernel choice, measured once
+    per machine (under a lock, so that ranks starting together measure it once) when ``measure``.
+    The host lane is bound by it, not only by its cores: at 28 bytes a parameter, a node's ranks
+    together run out of memory bandwidth before they run out of cores."""
+    return _update_bandwidth_file(lambda known: known if known is not None else
+                                  (_measure_node_bandwidth() if measure else None))
+
+
+def _update_bandwidth_file(decide) -> float | None:
+    path = os.path.join(extensions_dir(), MEMORY_BANDWIDTH_FILE)
+    key = _bandwidth_key()
+    try:
+        os.makedirs(extensions_dir(), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                known = json.load(f)
+            if not isinstance(known, dict):
+                known = {}
+        except (OSError, ValueError):
+            known = {}
+        old = known.get(key)
+        old = float(old) if isinstance(old, (int, float)) and old > 0 else None
+        new = decide(old)
+        if new is not None and new != old:
+            known[key] = new
+            tmp = f"{path}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(known, f, indent=1)
+                os.replace(tmp, path)
+            except OSError as e:
+                log.info("cannot keep the memory bandwidth in %s: %s", path, e)
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        return new
+    finally:
+        if fd >= 0:
+            os.close(fd)

@@ -59,6 +59,19 @@ class LaneLoad:
     """The device lane's chunk (its pipeline's fill and drain)."""
 
 
+def memory_share(own_bytes_per_s: float, node_bytes_per_s: float | None, ranks: int) -> float:
+    """Host memory bandwidth one of a node's ``ranks`` may count on: the lower of what its own
+    threads move alone (``own_bytes_per_s``) and its share of what the whole node moves
+    (``node_bytes_per_s``, every core copying at once). Without the node's figure, the own
+    figure shared as if it were the node's. (A rank bound to 8 of 64 cores moves a fraction of
+    the node's bandwidth alone; 8 ranks each measuring alone and dividing by 8 would count it
+    twice.)"""
+    ranks = max(1, ranks)
+    if not node_bytes_per_s:
+        return own_bytes_per_s / ranks
+    return min(own_bytes_per_s, node_bytes_per_s / ranks)
+
+
 def lane_times(load: LaneLoad, rates: LaneRates) -> dict[str, float]:
     """Seconds of each resource for ``load`` (module docstring); the step takes the largest."""
     s = STATE_BYTES_PER_ELEMENT

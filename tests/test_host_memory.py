@@ -230,3 +230,85 @@ def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
     settings = json.loads(out.stdout)["settings"]
     assert settings["host_memory_bytes"] == 2 * 10**9 and settings["knob_overrides"] == {"prefetch_depth": 3}
     assert not (tmp_path / "run").exists()
+
+
+# -- host memory bandwidth: what the host lane is bound by (issue 35, item 6) ---------------------
+
+def test_a_ranks_memory_bandwidth_is_the_lower_of_its_own_and_its_share():
+    from engine.lane_model import memory_share
+
+    assert memory_share(12e9, 80e9, 8) == 10e9  # eight ranks share the node's 80 GB/s
+    assert memory_share(6e9, 80e9, 8) == 6e9  # its own threads move less than its share
+    assert memory_share(12e9, None, 4) == 3e9  # no node figure: its own, shared
+    assert memory_share(12e9, 80e9, 1) == 12e9
+
+
+def test_the_lane_balance_uses_the_nodes_bandwidth_share(monkeypatch, tmp_path):
+    """The first step's lane rates used this process's copy rate divided by the node's ranks: a
+    rank bound to 8 of 64 cores measured a fraction of the node and then divided it again. The
+    memory rate is the lower of its own and its share of the node's, measured once with every core."""
+    import engine.core
+    from engine.binding import FlatSubgroup
+    from engine.config import EngineConfig
+    from engine.core import SubgroupEngine
+
+    monkeypatch.setattr(engine.core, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 12e9))
+    monkeypatch.setattr(engine.core, "host_lane_rate", lambda name: 1e9)
+    monkeypatch.setattr(engine.core, "node_memory_bandwidth", lambda: 80e9)
+    eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.zeros(100))],
+                         EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=0, host_adam="torch",
+                                      local_ranks=8))
+    assert eng.lane_rates().memory_bytes_per_s == 10e9
+    eng.close()
+
+
+def test_the_nodes_bandwidth_is_measured_once_and_kept(monkeypatch, tmp_path):
+    import engine.host_kernel as hk
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(hk, "_measure_node_bandwidth", lambda: calls.append(1) or 42e9)
+    assert hk.node_memory_bandwidth(measure=False) is None
+    assert hk.node_memory_bandwidth() == 42e9 and hk.node_memory_bandwidth() == 42e9
+    assert calls == [1]
+    assert (tmp_path / hk.MEMORY_BANDWIDTH_FILE).is_file()
+    hk.keep_node_memory_bandwidth(50e9)  # what `profile save` measured
+    assert hk.node_memory_bandwidth() == 50e9 and calls == [1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_bound_rank_measures_the_node_with_every_core(monkeypatch):
+    """A rank bound to its share cannot fill the node's memory channels: the node's figure is
+    measured by a child process unbound from it."""
+    import engine.host_kernel as hk
+
+    everything = set(os.sched_getaffinity(0))
+    monkeypatch.setattr(hk, "_all_cpus", lambda: everything)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {min(everything)})  # as a bound rank sees itself
+    ran = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: ran.append(a[0]) or real(*a, **k))
+    assert hk._measure_node_bandwidth() > 1e8
+    assert ran and ran[0][0] == sys.executable
+
+
+def test_profile_save_keeps_the_nodes_bandwidth_and_info_shows_it(monkeypatch):
+    import engine.host_kernel as hk
+    import perf.probe
+    from offloadctl.commands import info
+
+    kept = []
+    monkeypatch.setattr(hk, "keep_node_memory_bandwidth", lambda v: kept.append(v))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count())))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: os.cpu_count())
+    fig = perf.probe.measure_memory_bandwidth(1 << 20, 1)
+    assert kept == [2 * fig.value]  # read plus written
+    data = {"offloadctl": "x", "torch": "x", "deepspeed": "x", "deepspeed_integration": "ok", "gpus": [],
+            "native_ops": {}, "io_backends": [], "host_adamw_params_per_s": {}, "host_adamw_kernel": "torch",
+            "host_lane_params_per_s": 1e9, "host_memory_bytes_per_s": 28e9, "host_lane_memory_bound_params_per_s": 1e9}
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(info.info_table(data))
+    text = con.export_text()
+    assert "host memory" in text and "28 GB/s read and written" in text and "28 B a parameter" in text

@@ -1,6 +1,7 @@
 """Show what offloadctl can use on this machine: DeepSpeed's native ops, I/O, AdamW kernels, GPUs.
 
-Times the host AdamW kernels briefly (under a second once DeepSpeed's ops are built). Compiles
+Times the host AdamW kernels briefly (under a second once DeepSpeed's ops are built), and the
+node's host memory bandwidth once per machine (kept; the host lane is bound by it). Compiles
 nothing unless asked: --build first builds the native ops that are missing or out of date
 (minutes, with progress; `make setup` runs it). Checks that the installed DeepSpeed has what
 offloadctl builds on; if not, says what differs and exits with status 2.
@@ -27,7 +28,7 @@ def collect() -> dict:
 
     from engine.adamw import measure_host_kernels
     from engine.errors import ConfigError
-    from engine.host_kernel import chosen_host_kernel, host_lane_rate
+    from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, chosen_host_kernel, host_lane_rate, node_memory_bandwidth
     from engine.storage.native_ops import OPS, import_deepspeed, op_state
     from integrations import ds_compat
     from offloadctl import __version__
@@ -56,6 +57,9 @@ def collect() -> dict:
         # and environment, then kept: same seed, same losses), and that lane's rate.
         "host_adamw_kernel": (kernel := chosen_host_kernel()),
         "host_lane_params_per_s": host_lane_rate(kernel),
+        # Read plus written, every core copying: what all ranks' host lanes share on this node.
+        "host_memory_bytes_per_s": (bw := node_memory_bandwidth()),
+        "host_lane_memory_bound_params_per_s": bw / HOST_LANE_BYTES_PER_PARAM if bw else None,
     }
 
 
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def info_table(data: dict) -> Table:
     from rich.table import Column
 
-    from engine.host_kernel import KERNEL_CHOICE_FILE
+    from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, KERNEL_CHOICE_FILE, MEMORY_BANDWIDTH_FILE
     from engine.storage.native_ops import extensions_dir
     from engine.units import format_rate
 
@@ -119,6 +123,12 @@ def info_table(data: dict) -> Table:
     t.add_row("runs use", f"{names.get(kernel, kernel)}: its whole host update loop was the faster, "
               f"{format_rate(data['host_lane_params_per_s'], 'params/s')}; timed once on this machine and kept "
               f"(so runs repeat their losses) in {os.path.join(extensions_dir(), KERNEL_CHOICE_FILE)}")
+    bw = data.get("host_memory_bytes_per_s")
+    if bw:
+        t.add_row("host memory", f"{format_rate(bw, 'B/s')} read and written, every core copying (measured once, "
+                  f"kept in {os.path.join(extensions_dir(), MEMORY_BANDWIDTH_FILE)}); the host lane moves "
+                  f"{HOST_LANE_BYTES_PER_PARAM} B a parameter, so all ranks' host lanes together reach at most "
+                  f"{format_rate(data['host_lane_memory_bound_params_per_s'], 'params/s')}, and each rank its share")
     return t
 
 
