@@ -224,9 +224,9 @@ class SubgroupEngine:
         need = HostUsage(
             state=sum(host_buffer_bytes(b.numel) for b, t in zip(bindings, placement.tiers) if t == HOST),
             staging=staging_buffers(self.knobs.prefetch_depth) * host_buffer_bytes(max(swapped)) if swapped else 0,
-            # the host lane's gradient scratch, and two pinned weight uploads when weights are on a device
+            # the host lane's gradient scratch, and the uploads' pinned chunk buffers when weights are on a device
             copies=HostLane.scratch_bytes(max((b.numel for b in bindings), default=0))
-            + 2 * max((w.numel() * w.element_size() for w in on_device), default=0))
+            + (WeightUploader.pinned_bytes() if on_device else 0))
         budget = self.config.host_memory_bytes
         if budget is None:
             return max(default_budget(self.config.local_ranks), need.total)

@@ -8,8 +8,11 @@ Host lane, in chunks of ``HOST_CHUNK_NUMEL`` elements: a chunk's gradient is upc
 into a scratch buffer that stays in the cores' caches, the fused kernel updates the chunk, and
 its new master is cast into the model's 16-bit weights while still in cache. So the gradient is
 read once from memory, the state once read and once written, and nothing is allocated per step.
-Weights on a GPU go through a pinned staging buffer and an asynchronous copy
-(:class:`WeightUploader`), so the CPU goes on to the next subgroup at once.
+Weights on a GPU go up chunk by chunk through a few pinned chunk-sized buffers, each copy
+asynchronous on the upload stream (:class:`WeightUploader`): the CPU casts the next chunk while
+the last one crosses PCIe, and a subgroup's last upload is one chunk, whatever its size.
+Gradients on a GPU (``OffloadAdamW`` with the model there) come down the same way
+(:class:`GradReader`): the next chunk's copy runs while the CPU updates this one.
 
 Device lane (Deep Optimizer States), in chunks of ``DEVICE_LANE_CHUNK_NUMEL`` elements through
 ``DEVICE_LANE_SLOTS`` device slots: a chunk's fp32 state (and its gradient, when in host memory)
@@ -125,10 +128,11 @@ def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
 
 
 def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper, kernel: HostKernel,
-                scratch: _Scratch, weights: "WeightUploader | None" = None) -> int:
+                scratch: _Scratch, weights: "WeightUploader | None" = None, reader: "GradReader | None" = None) -> int:
     """One AdamW step of a subgroup whose state is in host memory, chunk by chunk (module
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
-    them. Returns the slices updated."""
+    them. Gradients on the device come down through ``reader``, a chunk ahead. Returns the
+    slices updated."""
     buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
     grads = _Grads(binding, steps)
     if not grads.runs:
@@ -137,26 +141,36 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
     master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
     direct = (len(per_slice) == 1 and scale == 1.0 and per_slice[0].dtype == torch.float32
               and per_slice[0].device.type == "cpu" and per_slice[0].is_contiguous())
+    if reader is not None and not direct and reader.on_device(grads):
+        reader.begin()
+    else:
+        reader = None
     sink = weights.begin(binding) if weights is not None else None
-    covered = 0
-    for i, j in grads.runs:
-        step = _step_tensor(steps[i] + 1, master.device)
-        lo, hi = offsets[i], offsets[j]
-        if sink is not None and lo > covered:
-            sink.write(covered, lo, master[covered:lo])  # slices not updated: their weights as they are
-        for a in range(lo, hi, HOST_CHUNK_NUMEL):
-            b = min(hi, a + HOST_CHUNK_NUMEL)
-            if direct:
-                g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+    chunks = [(i, a, min(offsets[j], a + HOST_CHUNK_NUMEL))
+              for i, j in grads.runs for a in range(offsets[i], offsets[j], HOST_CHUNK_NUMEL)]
+    ahead = reader.fetch(grads, chunks[0][1], chunks[0][2]) if reader is not None and chunks else None
+    covered, step, run = 0, None, None
+    for n, (i, a, b) in enumerate(chunks):
+        if i != run:  # a run's first chunk
+            run, step = i, _step_tensor(steps[i] + 1, master.device)
+            if sink is not None and a > covered:
+                sink.write(covered, a, master[covered:a])  # slices not updated: their weights as they are
+        if direct:
+            g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+        else:
+            g = scratch.get(b - a)
+            if reader is not None:
+                handle, ahead = ahead, (reader.fetch(grads, chunks[n + 1][1], chunks[n + 1][2])
+                                        if n + 1 < len(chunks) else None)  # the next chunk's copy runs meanwhile
+                reader.gather(handle, g, grads, a, b)
             else:
-                g = scratch.get(b - a)
                 _gather(g, per_slice, offsets, a, b)
-                if scale != 1.0:
-                    g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
-            kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step]), hp)
-            if sink is not None:
-                sink.write(a, b, master[a:b])  # cast while the chunk is in cache
-        covered = hi
+            if scale != 1.0:
+                g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
+        kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step]), hp)
+        if sink is not None:
+            sink.write(a, b, master[a:b])  # cast while the chunk is in cache
+        covered = b
     updated = grads.advance(steps)
     if sink is not None:
         if covered < binding.numel:
@@ -170,73 +184,164 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
 class _WeightSink:
     """Where one subgroup's updated weights go, chunk by chunk (see :class:`WeightUploader`)."""
 
-    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding, target: torch.Tensor,
-                 staging: torch.Tensor | None, slot: int) -> None:
-        self.uploader, self.binding, self.target, self.staging, self.slot = uploader, binding, target, staging, slot
-        self.dst = target if staging is None else staging
+    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding, target: torch.Tensor) -> None:
+        self.uploader, self.binding, self.target = uploader, binding, target
+        self.in_place = uploader.streams.in_host_memory(target)
 
     def write(self, a: int, b: int, master_chunk: torch.Tensor) -> None:
-        self.dst[a:b].copy_(master_chunk)
+        if self.in_place:
+            self.target[a:b].copy_(master_chunk)
+        else:
+            self.uploader.upload(self.target, a, master_chunk)
 
     def finish(self) -> None:
-        if self.staging is not None:
-            self.uploader.upload(self.target, self.staging, self.slot)
         weights_written(self.binding)
+
+
+class _PinnedRing:
+    """``slots`` pinned host buffers of ``slot_bytes`` each, taken in turn: taking one waits (a
+    blocking event: the thread sleeps) until the copy last queued on it is done. Pinned all at
+    once, at the first use, so that no buffer grows or is pinned inside a later step."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.n, self.slot_bytes = slots, slot_bytes
+        self._bufs: list[torch.Tensor] = []
+        self._done: list[Event | None] = [None] * slots
+        self._next = 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        if not self._bufs:
+            self._bufs = [aligned_empty(self.slot_bytes, pin=True) for _ in range(self.n)]
+        k, self._next = self._next, (self._next + 1) % self.n
+        if self._done[k] is not None:
+            self._done[k].synchronize()  # its last copy is done with it
+            self._done[k] = None
+        return k, self._bufs[k]
+
+    def done(self, k: int, event: Event) -> None:
+        self._done[k] = event
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs)
+
+
+UPLOAD_SLOTS = 3
+"""Pinned chunk buffers of the weight uploads: the CPU casts into one while the others' copies run."""
 
 
 class WeightUploader:
     """Gets the host lane's updated weights into the model's flat weights.
 
     A flat weight tensor in host memory is written in place. One in device memory is written
-    through two pinned staging buffers: the host lane casts into one while the other's
-    asynchronous copy runs on ``stream`` (the upload stream, which the engine joins to the
-    caller's stream at the end of the step). Bindings without a flat weight tensor
-    (``OffloadAdamW``) fall back to their ``write_weights``.
+    chunk by chunk (``chunk_numel`` elements) through :data:`UPLOAD_SLOTS` pinned chunk buffers:
+    the host lane casts a chunk into one, its asynchronous copy runs on ``stream`` (the upload
+    stream, which the engine joins to the caller's stream at the end of the step) while the next
+    chunk is cast. The pinned memory is a few chunks whatever the subgroup size, and a subgroup's
+    last copy is one chunk. Bindings without a flat weight tensor (``OffloadAdamW``) fall back to
+    their ``write_weights``.
     """
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, chunk_numel: int = HOST_CHUNK_NUMEL) -> None:
         self.streams = streams
         self.stream = streams.new_stream()
-        self._staging: list[torch.Tensor | None] = [None, None]
-        self._done: list[Event | None] = [None, None]
-        self._next = 0
+        self.chunk_numel = chunk_numel
+        self._ring = _PinnedRing(UPLOAD_SLOTS, 4 * chunk_numel)  # 4 bytes an element: any weight dtype
 
     def begin(self, binding: SubgroupBinding) -> _WeightSink | None:
         target = flat_weights_of(binding)
-        if target is None:
-            return None
-        if self.streams.in_host_memory(target):
-            return _WeightSink(self, binding, target, None, -1)
-        k, self._next = self._next, 1 - self._next
-        if self._done[k] is not None:
-            self._done[k].synchronize()  # its previous copy has read it (a blocking event: this thread sleeps)
-        nbytes = target.numel() * target.element_size()
-        buf = self._staging[k]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._staging[k] = aligned_empty(nbytes, pin=True)
-        staging = buf[:nbytes].view(target.dtype)
-        return _WeightSink(self, binding, target, staging, k)
+        return None if target is None else _WeightSink(self, binding, target)
+
+    @staticmethod
+    def pinned_bytes(chunk_numel: int = HOST_CHUNK_NUMEL) -> int:
+        """Host memory of the pinned chunk buffers, once weights on a device have been written."""
+        return UPLOAD_SLOTS * 4 * chunk_numel
 
     def host_bytes(self) -> int:
-        """Host memory of the two pinned staging buffers (allocated when first needed)."""
-        return sum(b.numel() for b in self._staging if b is not None)
+        """Host memory of the pinned chunk buffers (allocated when first needed)."""
+        return self._ring.nbytes
 
-    def upload(self, target: torch.Tensor, staging: torch.Tensor, k: int) -> None:
+    def upload(self, target: torch.Tensor, offset: int, master: torch.Tensor) -> None:
+        """``master`` (fp32, in host memory) cast into ``target[offset:]`` on the device, a chunk
+        at a time through the pinned buffers."""
+        n, size = master.numel(), target.element_size()
+        for a in range(0, n, self.chunk_numel):
+            b = min(n, a + self.chunk_numel)
+            k, raw = self._ring.take()
+            staging = raw[:(b - a) * size].view(target.dtype)
+            staging.copy_(master[a:b])  # the cast, on the CPU, while the last chunk crosses PCIe
+            with self.streams.use(self.stream):
+                self.streams.copy(target[offset + a:offset + b], staging)
+                self._ring.done(k, self.streams.record(self.stream))
+
+
+READ_SLOTS = 2
+"""Pinned chunk buffers of the gradient reads: one being read by the CPU, one being copied into."""
+
+
+class GradReader:
+    """Gets gradients that live on the device into the host lane, chunk by chunk: each chunk's
+    device slices are copied into one of :data:`READ_SLOTS` pinned chunk buffers on ``stream``,
+    the next chunk's copy issued before this one is read, so that the copy runs while the CPU
+    updates (a pageable destination would make every chunk a synchronous copy). The stream
+    first waits for the caller's stream, where backward produced them."""
+
+    def __init__(self, streams: Streams, chunk_numel: int = HOST_CHUNK_NUMEL) -> None:
+        self.streams = streams
+        self.stream = streams.new_stream()
+        self._ring = _PinnedRing(READ_SLOTS, 4 * chunk_numel)
+
+    def host_bytes(self) -> int:
+        return self._ring.nbytes
+
+    def on_device(self, grads: "_Grads") -> bool:
+        return any(g is not None and not self.streams.in_host_memory(g) for g in grads.per_slice)
+
+    def begin(self) -> None:
+        self.stream.wait_stream(self.streams.current())  # after backward's work that produced them
+
+    def fetch(self, grads: "_Grads", a: int, b: int):
+        """Start copying the device slices of elements [a, b) down; the handle for :meth:`gather`."""
+        k, raw = self._ring.take()
+        views, off = {}, 0
         with self.streams.use(self.stream):
-            self.streams.copy(target, staging)
-            self._done[k] = self.streams.record(self.stream)
+            for i, lo, hi in grads.slices_in(a, b):
+                g = grads.per_slice[i]
+                if self.streams.in_host_memory(g):
+                    continue
+                size = g.element_size()
+                off = -(-off // size) * size
+                dst = raw[off:off + (hi - lo) * size].view(g.dtype)
+                self.streams.copy(dst, grads.source(i, lo, hi))
+                views[i] = dst
+                off += (hi - lo) * size
+            event = self.streams.record(self.stream)
+        self._ring.done(k, event)
+        return event, views
+
+    @staticmethod
+    def gather(handle, out: torch.Tensor, grads: "_Grads", a: int, b: int) -> None:
+        """Elements [a, b) of the gradient into ``out`` (fp32): the fetched slices once their copy
+        has landed, the ones in host memory read where they are."""
+        event, views = handle
+        if views:
+            event.synchronize()  # this chunk's copy down (a blocking event: the thread sleeps)
+        for i, lo, hi in grads.slices_in(a, b):
+            out[lo - a:hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi))
 
 
 class HostLane:
     """Updates state in host memory with the faster fused CPU AdamW kernel."""
 
-    def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None) -> None:
+    def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None,
+                 grads: GradReader | None = None) -> None:
         self.kernel_name, self.kernel = kernel_name, kernel
         self.weights = weights
+        self.grads = grads if grads is not None else (GradReader(weights.streams) if weights is not None else None)
         self._grad = _Scratch(torch.device("cpu"))
 
     def update(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper) -> int:
-        return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights)
+        return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights, self.grads)
 
     @staticmethod
     def scratch_bytes(numel: int) -> int:
@@ -244,8 +349,10 @@ class HostLane:
         return 4 * min(numel, HOST_CHUNK_NUMEL)
 
     def host_bytes(self) -> int:
-        """Host memory the lane holds besides the state: its gradient scratch, the pinned uploads."""
-        return self._grad.nbytes + (self.weights.host_bytes() if self.weights is not None else 0)
+        """Host memory the lane holds besides the state: its gradient scratch, the pinned chunk
+        buffers of the weight uploads and the gradient reads."""
+        return (self._grad.nbytes + (self.weights.host_bytes() if self.weights is not None else 0)
+                + (self.grads.host_bytes() if self.grads is not None else 0))
 
 
 class _Slot:
@@ -284,7 +391,6 @@ class DeviceLane:
         self._next = 0
         self._grad = _Scratch(self.device)  # the compute stream's fp32 gradient chunk
         self._resident_grad = _Scratch(self.device)  # the resident stream's
-        self._weights_to_host = False  # this step copied weights into host memory on d2h
 
     @property
     def weight_streams(self) -> tuple[Stream, Stream]:
@@ -294,16 +400,8 @@ class DeviceLane:
     def begin_step(self) -> None:
         # Everything the step reads (gradients, weights) was produced by backward on DeepSpeed's
         # or the default stream, and host-lane gradients were copied out by it: let all of it land.
+        # (The step's end joins the weight streams and waits for the lane: SubgroupEngine._end_streams.)
         self.streams.synchronize()
-        self._weights_to_host = False
-
-    def end_step(self, current: Stream) -> None:
-        """Order ``current`` after every weight the lane wrote (no host wait), and wait here for
-        weights copied into host memory, which the host reads without a stream."""
-        for s in self.weight_streams:
-            current.wait_stream(s)
-        if self._weights_to_host:
-            self.d2h.synchronize()
 
     def release(self) -> None:
         """Free the slots and scratches (after :meth:`sync`); they are made again when needed."""
@@ -391,7 +489,6 @@ class DeviceLane:
                 self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
                 if weights_via_host:
                     self.streams.copy(flat[a:b], weights)
-                    self._weights_to_host = True
                 slot.free = self.streams.record(self.d2h)
         buf.ready_event = slot.free  # d2h runs in order: the last chunk's copy back covers them all
         weights_written(binding)

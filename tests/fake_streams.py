@@ -53,6 +53,7 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         _merge(self.owner.host, self.clock)
+        self.owner.ops.append(("wait", dict(self.owner.host)))
 
     def query(self) -> bool:
         return True
@@ -71,6 +72,7 @@ class FakeStream:
 
     def synchronize(self) -> None:
         _merge(self.owner.host, self.clock)
+        self.owner.ops.append(("wait", dict(self.owner.host)))
 
     def query(self) -> bool:
         return True
@@ -92,6 +94,8 @@ class RecordingStreams:
         self._active: FakeStream | None = None
         self.copies: list[Copy] = []
         self.events: list[FakeEvent] = []
+        self.ops: list[tuple[str, object]] = []
+        """In program order: ("copy", its index in ``copies``) and ("wait", the host's clock after a host sync)."""
         self._device_storages: set[int] = set()
 
     # -- the seam ------------------------------------------------------------------------------
@@ -122,6 +126,7 @@ class RecordingStreams:
         _merge(s.clock, self.host)  # issued after whatever the host waited for
         s.clock[s.name] = s.clock.get(s.name, 0) + 1
         self.copies.append(Copy(s.name, s.clock[s.name], dict(s.clock), _span(dst), _span(src), self.on_device(dst)))
+        self.ops.append(("copy", len(self.copies) - 1))
         dst.copy_(src)
 
     def on_device(self, t: torch.Tensor) -> bool:
@@ -133,6 +138,7 @@ class RecordingStreams:
     def synchronize(self) -> None:
         for s in self.streams:
             _merge(self.host, s.clock)
+        self.ops.append(("wait", dict(self.host)))
 
     # -- for the tests ---------------------------------------------------------------------------
 
@@ -144,6 +150,15 @@ class RecordingStreams:
     def writes_to(self, t: torch.Tensor) -> list[Copy]:
         lo, hi = _span(t)
         return [c for c in self.copies if c.dst[0] < hi and lo < c.dst[1]]
+
+    def first_wait_for(self, k: int) -> int | None:
+        """Position in ``ops`` of the first host sync after which copy ``k`` is known done."""
+        c = self.copies[k]
+        return next((n for n, (kind, x) in enumerate(self.ops) if kind == "wait" and c.before(x)), None)
+
+    def position(self, k: int) -> int:
+        """Position in ``ops`` of copy ``k``'s issue."""
+        return self.ops.index(("copy", k))
 
     def races(self) -> list[tuple[Copy, Copy]]:
         """Pairs of copies that touch the same bytes, one of them writing, on different streams,

@@ -597,3 +597,76 @@ def test_cuda_refit_after_release_measures_the_training_peak(swap_dir):
     assert again.device_tier_subgroups == first.device_tier_subgroups
     eng.step([HP])
     eng.close()
+
+
+def _spans(tensors) -> list[tuple[int, int]]:
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+
+
+def _touches(c, spans, src=True) -> bool:
+    lo, hi = c.src if src else c.dst
+    return any(a < hi and lo < b for a, b in spans)
+
+
+def test_host_lane_uploads_weights_a_chunk_at_a_time_through_a_few_pinned_buffers(monkeypatch, swap_dir):
+    """Issue 35, item 10: weights on the GPU were staged and uploaded a whole subgroup at a time
+    (2 x 2 GB pinned at sub_group_size 1e9, a serial last upload of 2 GB, buffers that grew and
+    were pinned inside the step). They go up a chunk at a time through UPLOAD_SLOTS pinned chunk
+    buffers, pinned once, whatever the subgroup size; each copy is joined to the caller's stream."""
+    from engine.lanes import UPLOAD_SLOTS, _PinnedRing
+
+    pins = []
+    real = engine.lanes.aligned_empty
+
+    def aligned_empty(nbytes, pin=False):
+        if pin:
+            pins.append(nbytes)
+        return real(nbytes, pin=pin)
+
+    monkeypatch.setattr(engine.lanes, "aligned_empty", aligned_empty)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, fraction=0.0)
+    up = run.engine.host_lane.weights
+    up.chunk_numel, up._ring = CHUNK, _PinnedRing(UPLOAD_SLOTS, 4 * CHUNK)
+    names = _stream_names(run)
+    weights = _spans(run.weights)
+    for _ in range(4):
+        rec, copies = run.step()
+        assert rec.host_lane_subgroups == len(NUMELS)
+        uploads = [c for c in copies if _touches(c, weights, src=False)]
+        assert uploads and all(names[c.stream] == "upload" for c in uploads)
+        assert all(c.dst[1] - c.dst[0] <= 2 * CHUNK for c in uploads)  # bf16: a chunk at most, the last one too
+        assert not [c for c in uploads if not c.before(run.fake.default.clock)]
+    assert pins == [4 * CHUNK] * UPLOAD_SLOTS  # pinned once, at the first upload; nothing grows after
+    assert up.host_bytes() == UPLOAD_SLOTS * 4 * CHUNK
+    assert not run.fake.races()
+    run.check_numerics()
+    run.engine.close()
+
+
+def test_host_lane_reads_device_gradients_a_chunk_ahead(monkeypatch, swap_dir):
+    """Issue 35, item 10: OffloadAdamW with the model on a GPU read each host-lane chunk's
+    gradient by a synchronous copy into pageable memory. They come down through pinned chunk
+    buffers on a stream of their own, after backward's work, the next chunk's copy issued before
+    the host waits for this one's."""
+    from engine.lanes import GradReader
+
+    monkeypatch.setattr(engine.lanes, "HOST_CHUNK_NUMEL", CHUNK)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, fraction=0.0, device_grads=set(range(len(NUMELS))))
+    run.engine.host_lane.grads = reader = GradReader(run.fake, chunk_numel=CHUNK)
+    for _ in range(3):
+        first = len(run.copies)
+        rec, _ = run.step()
+        assert rec.host_lane_subgroups == len(NUMELS)
+        grads = _spans([b.grad for b in run.bindings])
+        down = [k for k in range(first, len(run.copies)) if _touches(run.copies[k], grads)]
+        assert down and all(run.copies[k].stream == reader.stream.name for k in down)
+        assert len(down) == sum(-(-n // CHUNK) for n in NUMELS)  # one copy a chunk
+        for span in grads:  # within a subgroup, the next chunk's copy is issued before this one is waited for
+            mine = [k for k in down if _touches(run.copies[k], [span])]
+            assert len(mine) >= 3
+            for k, nxt in zip(mine, mine[1:]):
+                wait = run.fake.first_wait_for(k)
+                assert wait is not None and run.fake.position(nxt) < wait
+    assert not run.fake.races()
+    run.check_numerics()
+    run.engine.close()
