@@ -4,12 +4,18 @@ under `offloadctl train` by bench/gpu_vs_stock.py.
     deepspeed --num_gpus 1 bench/gpt_zero3.py --size 2b --offload cpu --out stock.json
     deepspeed --num_gpus 1 bench/gpt_zero3.py --size 2b --offload twinflow --ratio 0.3 --out tf.json
     deepspeed --num_gpus 1 bench/gpt_zero3.py --size 2b --offload none --out gpu.json
+    deepspeed --num_gpus 1 bench/gpt_zero3.py --size 2b --offload nvme --nvme-path /local/nvme --out zi.json
     offloadctl train --num_gpus 1 bench/gpt_zero3.py --size 2b --out ours.json
 
 A nanoGPT-style decoder (pre-LayerNorm blocks, causal scaled-dot-product attention, GELU MLP,
 untied head) built under ``deepspeed.zero.Init`` on the rank's device, bf16, AdamW,
 ``gradient_clipping`` 1.0, ``sub_group_size`` 1e8; random tokens generated on the device.
-Sizes (parameters): ``2b`` 24 layers, d 2560, 20 heads (2.06e9); ``4b`` 28 layers, d 3328,
+``--offload nvme`` is ZeRO-Infinity (``offload_optimizer: nvme``, pipelined read and write,
+``buffer_count`` 16: 4 and 8 run out of swap buffers, bench/results/zi_aio_sweep.json) with the
+``aio`` block of ``--aio-*`` (default: queue depth 32, the emulated tier's sweep; 1 MiB blocks and
+8 I/O threads, for a real NVMe).
+Sizes (parameters): ``1b`` 16 layers, d 2048, 16 heads (9.4e8; the NVMe comparison where a
+bigger state does not fit the disk); ``2b`` 24 layers, d 2560, 20 heads (2.06e9); ``4b`` 28 layers, d 3328,
 26 heads (3.93e9); ``cpu`` 2 layers, d 1024, 8 tokens (9.1e7: a step that
 weighs, a forward/backward a 2-core CPU does in seconds; the CPU-only bench); ``tiny`` 2 layers,
 d 128 (tests). Writes per-iteration times (iteration,
@@ -31,6 +37,7 @@ from deepspeed.accelerator import get_accelerator
 SIZES = {  # layers, d_model, heads, vocab, sequence, micro-batch
     "tiny": (2, 128, 4, 512, 64, 2),
     "cpu": (2, 1024, 16, 32000, 8, 1),
+    "1b": (16, 2048, 16, 32000, 2048, 4),
     "2b": (24, 2560, 20, 32000, 2048, 4),
     "4b": (28, 3328, 26, 32000, 2048, 4),
 }
@@ -39,15 +46,23 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
 ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
 ap.add_argument("--iters", type=int, default=6)
-ap.add_argument("--offload", choices=["cpu", "twinflow", "none"], default="cpu",
-                help="cpu: ZeRO-Offload; twinflow: ZeRO-Offload with offload_optimizer.ratio; none: state on the GPU")
+ap.add_argument("--offload", choices=["cpu", "twinflow", "nvme", "none"], default="cpu",
+                help="cpu: ZeRO-Offload; twinflow: ZeRO-Offload with offload_optimizer.ratio; nvme: ZeRO-Infinity "
+                     "(optimizer state on --nvme-path); none: state on the GPU")
 ap.add_argument("--ratio", type=float, default=0.5, help="twinflow: share of the state on the CPU")
+ap.add_argument("--nvme-path", help="nvme: the directory of DeepSpeed's swap files")
+ap.add_argument("--buffer-count", type=int, default=16, help="nvme: offload_optimizer buffer_count (default 16)")
+ap.add_argument("--aio-block-size", type=int, default=1 << 20, help="nvme: aio block_size in bytes (default 1 MiB)")
+ap.add_argument("--aio-queue-depth", type=int, default=32, help="nvme: aio queue_depth (default 32)")
+ap.add_argument("--aio-intra-op", type=int, default=8, help="nvme: aio intra_op_parallelism (default 8)")
 ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
 ap.add_argument("--sub-group-size", type=int, default=100_000_000)
 ap.add_argument("--trace-backward-at", type=int, default=None, metavar="I",
                 help="profile iteration I's backward (CUDA): bytes copied host-to-device and back in it")
 ap.add_argument("--out", required=True)
 args = ap.parse_args()
+if args.offload == "nvme" and not args.nvme_path:
+    ap.error("--offload nvme needs --nvme-path DIR")
 layers, d, heads, vocab, seq, batch = SIZES[args.size]
 
 
@@ -83,6 +98,9 @@ class GPT(nn.Module):
 offload = {"device": "cpu", "pin_memory": True}
 if args.offload == "twinflow":
     offload["ratio"] = args.ratio
+elif args.offload == "nvme":
+    offload.update(device="nvme", nvme_path=args.nvme_path, pipeline_read=True, pipeline_write=True,
+                   buffer_count=args.buffer_count)
 zero = {"stage": 3, "sub_group_size": args.sub_group_size, "overlap_comm": True, "contiguous_gradients": True,
         "stage3_param_persistence_threshold": 100_000}
 optimizer = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
@@ -94,6 +112,9 @@ config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps"
           "optimizer": optimizer, "zero_optimization": zero, "steps_per_print": 10 ** 9}
 if args.dtype == "bf16":
     config["bf16"] = {"enabled": True}
+if args.offload == "nvme":
+    config["aio"] = {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
+                     "intra_op_parallelism": args.aio_intra_op, "single_submit": False, "overlap_events": True}
 
 accel = get_accelerator()
 device = accel.current_device_name()
@@ -154,6 +175,7 @@ for it in range(args.iters):
         break
 if engine.global_rank == 0:
     rec.update(params=params, size=args.size, offload=args.offload, ratio=args.ratio, init_s=init_s,
+               aio=config.get("aio"),
                host_rss_bytes=psutil.Process().memory_info().rss,
                host_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
