@@ -292,7 +292,7 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: floa
     run_dir = _run_dir(workdir, name)
     if "offloadctl.cli" in cmd:
         i = cmd.index("train") + 1
-        cmd = cmd[:i] + ["--run-dir", run_dir] + cmd[i:]
+        cmd = cmd[:i] + ["--run-dir", run_dir, "--force"] + cmd[i:]  # a row run again replaces its records
     cmd = [_free_port() if c == PORT else c for c in cmd]
     row_nvme = None
     if NVME_DIR in cmd:

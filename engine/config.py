@@ -226,8 +226,9 @@ class Knobs:
         return self.io_concurrency.get(path, self.DEFAULT_IO_CONCURRENCY)
 
     def check_for(self, paths, has_device: bool) -> None:
-        """The checks that need the run: per-path knobs name only its storage paths, and a
-        device fraction needs a device lane. ConfigError naming the knob.
+        """The checks that need the run: per-path knobs name only its storage paths, some path
+        has a positive stripe weight, and a device fraction needs a device lane. ConfigError
+        naming the knob.
 
         The engine makes them in ``set_knobs``; the tuner makes the same ones before it
         pushes a change, so that no rank refuses what the others accepted."""
@@ -240,6 +241,9 @@ class Knobs:
         if self.device_fraction > 0 and not has_device:
             raise ConfigError("Knobs.device_fraction > 0 needs a device lane (CUDA, or device='cpu' in tests), "
                               "and this run has none")
+        if known and all(self.stripe_weights.get(p, 1.0) == 0 for p in known):
+            raise ConfigError("Knobs.stripe_weights gives every storage path weight 0, so swapped state would have "
+                              "nowhere to go: give at least one path a weight > 0")
 
     def replace(self, **changes) -> "Knobs":
         return replace(self, **changes)

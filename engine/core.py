@@ -325,6 +325,11 @@ class SubgroupEngine:
         k, self._pending_knobs = self._pending_knobs, None
         if k is None:
             return
+        refused = self._knobs_refusal(k)
+        if refused:  # checked before anything moves: the step runs with the knobs it had
+            log.warning("offloadctl: knobs %s refused at iteration %d, the old ones kept: %s",
+                        {n: v for n, v in k.to_dict().items() if v != getattr(self.knobs, n)}, self.iteration, refused)
+            return
         if k.device_fraction > 0 and not self._lane_room:
             if not self._lane_off_said:
                 log.warning("offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
@@ -362,6 +367,18 @@ class SubgroupEngine:
         if self._stripe_weights(k) != self._stripe_weights(old):
             self._restripe(k)
         self._set_lane_mask(k.device_fraction)  # last: it pins the staging pool as it now is
+
+    def _knobs_refusal(self, k: Knobs) -> str | None:
+        """Why the knobs ``k`` cannot run in this engine (what ``set_knobs`` checks, and the
+        stripe of the swapped subgroups over the paths' weights), or None."""
+        try:
+            k.check_for([p.path for p in self.config.paths], has_device=self.device is not None)
+            swapped = [payload_bytes(sg.numel) for sg in self.subgroups if sg.tier.swapped]
+            if swapped and self._stripe_weights(k) != self._stripe_weights(self.knobs):
+                stripe(swapped, self._stripe_weights(k))
+        except ConfigError as e:
+            return str(e)
+        return None
 
     def _restripe(self, knobs: Knobs) -> None:
         """Move swapped subgroups to new paths lazily: each goes at its next write."""

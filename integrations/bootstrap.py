@@ -39,6 +39,39 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+FAILED = "offloadctl: rank {rank} failed: "
+"""How a rank of several begins the one line of an error it did not expect (the launcher's
+output filter, ``integrations.run_output``, keeps it for the run's last line)."""
+
+
+def _failed(settings, error: BaseException) -> None:
+    """An error the script raised in a rank of several (its own, or a peer's loss seen in a
+    collective): the traceback to the run's log, one line to the terminal (which the launcher's
+    filter keeps for the run's last line, once it knows which rank failed first)."""
+    import traceback
+
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if settings.run_dir and not settings.verbose:
+        from integrations import run_output
+
+        try:
+            with run_output.open_log(settings.run_dir) as log:
+                log.write("".join(f"[rank{_rank()}]: {line}\n" for line in text.splitlines()).encode())
+        except OSError:
+            print(text, file=sys.stderr, end="")
+    else:
+        print(text, file=sys.stderr, end="")
+    first = " ".join(str(error).split())
+    first = first if len(first) <= 300 else first[:297] + "..."
+    # One write, newline included: the launcher's filter takes the line whole.
+    sys.stderr.write(FAILED.format(rank=_rank()) + f"{type(error).__name__}: {first}\n")
+    sys.stderr.flush()
+
+
 class Stopped(BaseException):
     """Raised in the main thread by SIGTERM or SIGHUP (DeepSpeed's launcher sends SIGTERM to every
     rank when one fails or when it is interrupted): the script unwinds, and the engine's swap
@@ -105,6 +138,9 @@ def main() -> int:
 
         def check(engine) -> None:
             """The engine engaged in what deepspeed.initialize built (one line where not)."""
+            from integrations.checkpoints import guard_save_checkpoint
+
+            guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
             if settings.stock:
                 state["engaged"] += 1
                 return
@@ -136,6 +172,14 @@ def main() -> int:
         if _rank() == 0 or not getattr(e, "every_rank", False):  # the same line from every rank: once
             print(f"offloadctl: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:  # noqa: BLE001 - the script's own error: its traceback to the log, one line shown
+        if _world_size() == 1:
+            raise
+        rec = recorder.current()
+        if rec is not None:
+            rec.error = f"{type(e).__name__}: {e}"
+        _failed(settings, e)
+        return 1
     except (Stopped, KeyboardInterrupt) as e:
         for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)  # the swap files are removed at exit: let nothing cut that short
@@ -153,6 +197,18 @@ def main() -> int:
     return 0
 
 
+def _exiting() -> None:
+    """The rank is on its way out (the script ended, or failed): a SIGTERM from the launcher
+    (stopping the ranks after another failed) must not raise into the interpreter's shutdown,
+    which runs the engine's cleanup."""
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    raise SystemExit(main())
+    try:
+        status = main()
+    finally:
+        _exiting()
+    raise SystemExit(status)

@@ -6,22 +6,30 @@ stock's alike, under ``offloadctl train``): a failure deep inside DeepSpeed beco
 
 - the directory or tag does not exist;
 - a rank's file is missing (saved by N ranks, fewer files there);
-- a file is truncated or damaged (not a complete ``torch.save`` archive);
+- a file is truncated or damaged (not a complete ``torch.save`` archive, or a record whose bytes
+  fail the CRC-32 the archive stores for it: :func:`damaged_record`);
 - the checkpoint was saved by another number of ranks;
 - it holds another model (a parameter's shape or name differs);
 - its optimizer state has other subgroups (another ``sub_group_size``; the engine's own check,
   made before it writes anything, in ``OffloadZero3Optimizer._rigid_load_state_dict``).
 
-Every rank runs :func:`preflight` first (names, sizes, zip directories, and the small model-states
-file for the rank count), so that all ranks stop together with the same line; what only the
-load itself finds is diagnosed after it fails, from the error and the files' names.
+Every rank runs :func:`preflight` first (names, sizes, zip directories, every record's CRC-32, and
+the small model-states file for the rank count), so that all ranks stop together with the same
+line; what only the load itself finds is diagnosed after it fails, from the error and the files'
+names. The CRC check of the checkpoint's files is shared out: each rank reads the files it is
+about to load (which leaves them in the page cache for the load) and the ranks tell each other
+what they found.
 """
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import re
+import struct
 import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import CheckpointError
 
@@ -55,9 +63,12 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
             if os.path.isdir(load_dir) else []
         raise _every_rank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: "
                           f"{tags or 'none'})")
-    if universal:
-        return  # another layout (zero/<param>/...), loaded at any rank count: DeepSpeed checks it
-    bad = _damaged_file(folder)
+    if universal:  # another layout (zero/<param>/...), loaded at any rank count: DeepSpeed checks it
+        bad = _agreed(_damaged_records(folder, recursive=True))
+        if bad:
+            raise _every_rank(bad)
+        return
+    bad = _damaged_file(folder) or _agreed(_damaged_records(folder, recursive=False))
     if bad:
         raise _every_rank(bad)
     model_files = sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))
@@ -123,3 +134,200 @@ def _damaged_file(folder: str) -> str | None:
             return (f"checkpoint file {path} is truncated or damaged ({os.path.getsize(path)} bytes, not a complete "
                     f"torch.save archive): restore it, or resume from another checkpoint")
     return None
+
+
+# -- every record's CRC-32 -------------------------------------------------------------------------
+# A torch.save archive is a zip file, which stores a CRC-32 of each record (the pickle, each
+# tensor's storage); torch.load never checks them, so a flipped bit loads as a wrong value.
+
+CRC_CHUNK_BYTES = 64 << 20
+"""A record is checked in pieces of this size, on as many threads as the rank has cores."""
+try:  # ISA-L's CRC-32 (carry-less multiplies): about 4x zlib's on one core, the GIL released
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # zlib's: the same values, slower
+    _crc32 = zlib.crc32
+_POLY = 0xEDB88320  # zlib's CRC-32, bit-reflected
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_mult_mod_p(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from A's (``crc1``), B's (``crc2``) and B's length (zlib's crc32_combine)."""
+    p, k, n = 1 << 31, 3, len2
+    while n:
+        if n & 1:
+            p = _mult_mod_p(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _mult_mod_p(p, crc1) ^ crc2
+
+
+def _records(f, zf: zipfile.ZipFile):
+    """(name, data offset, length, stored CRC) of each record, or the ZipInfo where the record is
+    compressed (torch stores them uncompressed)."""
+    for info in zf.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            yield info
+            continue
+        f.seek(info.header_offset)
+        header = f.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise zipfile.BadZipFile(f"no local header for {info.filename}")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        yield info.filename, info.header_offset + 30 + name_len + extra_len, info.file_size, info.CRC
+
+
+def damaged_record(path: str, threads: int | None = None) -> str | None:
+    """The first record of the torch.save archive ``path`` whose bytes do not match the CRC-32 the
+    archive stores for it, as ``"record NAME (CRC-32 ... stored, ... read)"``; None where every
+    record matches. Reads the file once, in pieces, on ``threads`` threads (zlib drops the GIL)."""
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+        records, compressed = [], []
+        for r in _records(f, zf):
+            (compressed if isinstance(r, zipfile.ZipInfo) else records).append(r)
+        for info in compressed:  # zipfile checks the CRC of what it inflates
+            try:
+                with zf.open(info) as member:
+                    while member.read(CRC_CHUNK_BYTES):
+                        pass
+            except zipfile.BadZipFile:
+                return f"record {info.filename} (its bytes do not match its CRC-32)"
+        size = os.fstat(f.fileno()).st_size
+        if any(offset + length > size for _, offset, length, _ in records):
+            name = next(n for n, offset, length, _ in records if offset + length > size)
+            return f"record {name} (it ends past the end of the file)"
+        if not records or size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mm)
+            try:
+                pieces = [(i, start, min(CRC_CHUNK_BYTES, length - (start - offset)))
+                          for i, (_, offset, length, _) in enumerate(records)
+                          for start in range(offset, offset + length, CRC_CHUNK_BYTES)]
+                crc_of = lambda piece: _crc32(view[piece[1]:piece[1] + piece[2]])  # noqa: E731
+                if threads > 1 and len(pieces) > 1:
+                    with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="offloadctl-crc") as pool:
+                        crcs = list(pool.map(crc_of, pieces))
+                else:
+                    crcs = [crc_of(p) for p in pieces]
+            finally:
+                view.release()
+    got = [0] * len(records)
+    for (i, _, length), crc in zip(pieces, crcs):
+        got[i] = crc32_combine(got[i], crc, length)
+    for (name, _, _, stored), crc in zip(records, got):
+        if crc != stored:
+            return f"record {name} (CRC-32 {stored:08x} stored, {crc:08x} read)"
+    return None
+
+
+def _damaged_records(folder: str, *, recursive: bool) -> str | None:
+    """This rank's share of the CRC check of ``folder``'s archives: the files named for its rank
+    (``zero_pp_rank_R_``, the ones it loads), the others shared out by position. One line for the
+    first damaged one, or None."""
+    rank, world = _rank_and_world()
+    pattern = os.path.join(folder, "**", "*.pt") if recursive else os.path.join(folder, "*.pt")
+    for i, path in enumerate(sorted(glob.glob(pattern, recursive=recursive))):
+        m = re.match(r"zero_pp_rank_(\d+)_", os.path.basename(path))
+        owner = int(m.group(1)) if m and int(m.group(1)) < world else i % world
+        if owner != rank:
+            continue
+        try:
+            bad = damaged_record(path)
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            return (f"checkpoint file {path} is truncated or damaged ({e}): restore it, or resume from another "
+                    f"checkpoint")
+        if bad:
+            return (f"checkpoint file {path} is damaged: {bad}; restore it from where it was saved, or resume from "
+                    f"another checkpoint")
+    return None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agreed(mine: str | None) -> str | None:
+    """The first rank's finding (by rank), on every rank: each checked its share."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    return next((f for f in found if f), None)
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+def guard_save_checkpoint(engine) -> None:
+    """Make ``engine.save_checkpoint`` raise :class:`CheckpointError` (one line) where the disk
+    fills or fails under it (torch says only "iostream error" or "file write failed"), and remove
+    the checkpoint folder it had begun (the earlier checkpoints and ``latest`` stay as they were)."""
+    import functools
+    import shutil
+
+    original = engine.save_checkpoint
+    if getattr(original, "_offloadctl_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        folder = os.path.join(str(save_dir), str(tag)) if tag is not None else None
+        fresh = folder is not None and not os.path.exists(folder)
+        try:
+            return original(save_dir, tag, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - torch's and DeepSpeed's ways of saying a write failed
+            why = _write_failure(str(save_dir), e)
+            if why is None:
+                raise
+            if fresh and os.path.isdir(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints "
+                                  f"are as they were") from e
+
+    save_checkpoint._offloadctl_guarded = True
+    engine.save_checkpoint = save_checkpoint
+
+
+def _write_failure(save_dir: str, error: BaseException) -> str | None:
+    """What a failed save says of the disk, or None when it is not a write failure."""
+    import errno
+
+    text = str(error)
+    code = getattr(error, "errno", None)
+    if code is None and not any(s in text for s in ("iostream error", "file write failed", "unexpected pos", "No space left")):
+        return None
+    try:
+        st = os.statvfs(save_dir)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if code == errno.ENOSPC or (free is not None and free < (1 << 20)) or "No space left" in text:
+        return f"the disk is full ({free if free is not None else 0:,} bytes free there): free space, or save elsewhere"
+    if code is not None:
+        return f"{os.strerror(code)}: check the disk, or save elsewhere"
+    return f"writing failed ({' '.join(text.split())[:200]}): check the disk and its free space, or save elsewhere"

@@ -62,6 +62,29 @@ def launcher_args(values: Mapping[str, object]) -> list[str]:
     return out
 
 
+def check_launcher_values(values: Mapping[str, object]) -> None:
+    """The launcher options whose values DeepSpeed's launcher takes without a word and then
+    misuses (a port out of range fails deep in a rank; 0 or fewer GPUs runs as 1): ConfigError
+    in one line naming the option."""
+    from engine.errors import ConfigError
+
+    def whole(flag: str, lo: int, hi: int | None, what: str) -> None:
+        v = values.get(option_dest((flag,)))
+        if v is None:
+            return
+        try:
+            n = int(str(v), 10)
+        except ValueError:
+            n = None
+        if n is None or n < lo or (hi is not None and n > hi):
+            raise ConfigError(f"{flag} must be {what}, got {v!r}")
+
+    whole("--master_port", 1, 65535, "a TCP port, 1..65535")
+    whole("--num_gpus", 1, None, "a whole number of 1 or more (leave it out for every GPU)")
+    whole("--num_nodes", 1, None, "a whole number of 1 or more (leave it out for every node)")
+    whole("--node_rank", 0, None, "a whole number of 0 or more")
+
+
 def launch_command(launcher: Sequence[str], rank_settings: RankSettings, script: str,
                    script_args: Sequence[str]) -> list[str]:
     """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import warnings
@@ -41,6 +42,13 @@ _DS_PRINTS = re.compile(
 _DS_PRINT_STARTS = (b"DeepSpeed ", b"Using ", b"Emitting ", b"Building ", b"Loading ", b"Time to ", b"ninja:",
                     b"Detected ", b"Allowing ")
 _SHOWN_LEVELS = (b"ERROR", b"CRITICAL")
+# DeepSpeed's per-node launcher, on the first rank it finds ended with an error (it then stops
+# the others): "[...] [ERROR] [launch.py:259:sigkill_handler] [cmd] exits with return code = -9".
+_RANK_ENDED = re.compile(rb"\[ERROR\] \[launch\.py:\d+:sigkill_handler\] (.*) exits with return code = (-?\d+)\s*$")
+# A rank's one line for an error it did not expect (integrations.bootstrap.FAILED).
+_RANK_FAILED = re.compile(rb"^offloadctl: rank (\d+) failed: (.*?)\s*$")
+# gloo's threads torn down by a rank's exit after a peer has gone.
+_TEARDOWN = (b"terminate called without an active exception",)
 _LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
 
 
@@ -49,9 +57,10 @@ def log_path(run_dir: str) -> str:
 
 
 def open_log(run_dir: str):
-    """The run's DeepSpeed log, opened for appending (every process of the run appends lines)."""
-    os.makedirs(run_dir, exist_ok=True)
-    return open(log_path(run_dir), "ab", buffering=0)
+    """The run's DeepSpeed log, opened for appending (every process of the run appends lines);
+    private to its user (0600: it holds the script's command line)."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    return open(os.open(log_path(run_dir), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
 
 
 # -- in our own processes ---------------------------------------------------------------------
@@ -125,14 +134,59 @@ def route_deepspeed_warnings(log) -> None:
 
 # -- on the launcher's output -----------------------------------------------------------------
 
+class RankFailures:
+    """What the launcher's output says of ranks that failed: the first rank DeepSpeed's launcher
+    found ended with an error (then it stops the others), and each rank's one line."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, int] | None = None
+        """(local rank, return code: negative for a signal) of the first rank found ended."""
+        self.lines: dict[int, str] = {}
+
+    def ended(self, line: bytes) -> bool:
+        m = _RANK_ENDED.search(line)
+        if not m:
+            return False
+        rank = re.search(rb"--local_rank=(\d+)", m.group(1))
+        if self.first is None:
+            self.first = (int(rank.group(1)) if rank else -1, int(m.group(2)))
+        return True
+
+    def failed(self, line: bytes) -> bool:
+        m = _RANK_FAILED.match(line)
+        if m:
+            self.lines.setdefault(int(m.group(1)), m.group(2).decode(errors="replace"))
+        return bool(m)
+
+    def summary(self, log: str) -> str | None:
+        """The run's last line: which rank failed first, how, its line, where the full log is."""
+        if self.first is None or self.first[1] == 2:  # 2: the rank's one-line error (OffloadError) said it all
+            return None
+        rank, code = self.first
+        if code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit status {code}"
+        who = f"rank {rank}" if rank >= 0 else "a rank"
+        line = self.lines.get(rank)
+        return f"offloadctl: {who} failed first, {how}{': ' + line if line else ''}; the full log is in {log}"
+
+
 class OutputFilter:
     """Sorts one byte stream into the terminal and the log, line by line, as it arrives.
 
     A partial line is passed on at once (progress bars redraw without a newline) unless its
-    beginning could still become a DeepSpeed line; those are held until their newline."""
+    beginning could still become a DeepSpeed line; those are held until their newline.
 
-    def __init__(self, shown, log, *, verbose: bool = False) -> None:
+    A failed rank's lines (its one line, DeepSpeed's launcher's report of it, gloo's teardown)
+    go to the log and into ``failures``: the run ends with one line for them."""
+
+    def __init__(self, shown, log, *, verbose: bool = False, failures: RankFailures | None = None) -> None:
         self.shown, self.log, self.verbose = shown, log, verbose
+        self.failures = failures if failures is not None else RankFailures()
         self._held = b""
         self._passing = False  # in the middle of a line already passed on
         self.hidden_lines = 0
@@ -177,6 +231,8 @@ class OutputFilter:
 
     def is_deepspeed(self, line: bytes) -> bool:
         text = line.lstrip(b"\r")
+        if self.failures.ended(text) or self.failures.failed(text) or text.rstrip().endswith(_TEARDOWN):
+            return True
         m = _DS_LOG_LINE.match(text)
         if m:
             return m.group(1) not in _SHOWN_LEVELS
@@ -192,7 +248,8 @@ class OutputFilter:
             rest = text[n:]
             if any((level + b"] ").startswith(rest) or rest.startswith(level + b"] ") for level in _LEVELS):
                 return True
-        starts = _DS_PRINT_STARTS + ((self.extra_start,) if self.extra_hidden and self.extra_start else ())
+        starts = _DS_PRINT_STARTS + (b"offloadctl: rank ", b"terminate called") + \
+            ((self.extra_start,) if self.extra_hidden and self.extra_start else ())
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 
     def _show(self, data: bytes) -> None:
@@ -223,6 +280,7 @@ class LauncherOutput:
         self._pairs: list[tuple[int, int]] = []  # (our read end, the child's end)
         self.filters: list[OutputFilter] = []
         self._threads: list[threading.Thread] = []
+        self.failures = RankFailures()
 
     def child_fds(self) -> tuple[int, int]:
         """The child's stdout and stderr (close them in the parent once it has started)."""
@@ -231,7 +289,7 @@ class LauncherOutput:
             r, w = _terminal_pair(ours) if _isatty(ours) else os.pipe()
             self._pairs.append((r, w))
             ends.append(w)
-            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose))
+            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose, failures=self.failures))
         return ends[0], ends[1]
 
     def started(self) -> None:

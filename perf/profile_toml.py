@@ -188,7 +188,12 @@ def _kind(v: Any) -> str:
 def _convert(v: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _convert_dataclass(v, tp, key)
+        out = _convert_dataclass(v, tp, key)
+        if tp is Figure and out.value <= 0 and re.search(r"(_per_s|bandwidth)$", key):
+            # A rate of 0 is no measurement: the plan divides by it (what show accepts, plan uses).
+            raise _SchemaError(f"{key}.value", f"is a rate and must be above 0, got {out.value!r}",
+                               "write the measured rate, or measure again with `offloadctl profile save`")
+        return out
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(options) != 1:

@@ -110,6 +110,15 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
     return Run(path=os.path.abspath(path), label=name, engine=engine, ranks=ranks, record=rec)
 
 
+class _NotFinite(ValueError):
+    pass
+
+
+def _not_finite(name: str):
+    """json's NaN, Infinity and -Infinity: no record holds them (the plots cannot scale to them)."""
+    raise _NotFinite(name)
+
+
 def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
     """Every JSON line of ``path``; a last line cut short (a crash mid-write) is skipped with a
     note, a bad line before it is an error. Returns (values, line count)."""
@@ -124,7 +133,10 @@ def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
         if not raw.strip():
             continue
         try:
-            out.append(json.loads(raw))
+            out.append(json.loads(raw, parse_constant=_not_finite))
+        except _NotFinite as e:
+            raise ConfigError(f"{path}:{i}: holds {e.args[0]}, not a number: the record is damaged (offloadctl writes "
+                              f"finite numbers only); fix or remove that line") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             if i == len(lines) and not complete:
                 notes.append(f"{os.path.basename(path)}: its last line was cut short (the run stopped while writing "

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -180,7 +181,15 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
     welcome = probe(path)
     if welcome is not None:
         return {"socket": path, "pid": welcome["pid"], "log": logfile_for(path), "already_running": True}
-    private_dir(os.path.dirname(path))
+    try:
+        private_dir(os.path.dirname(path))
+        open(logfile_for(path), "ab").close()
+    except OSError as e:
+        why = {errno.EROFS: "the file system is read-only", errno.EEXIST: "a part of the path is a file",
+               errno.ENOTDIR: "a part of the path is a file", errno.EACCES: "permission denied",
+               errno.ELOOP: "a symbolic link loop"}.get(e.errno, e.strerror or str(e))
+        raise ConfigError(f"tuner socket {path}: cannot make it there ({why}): give --socket a path in a directory "
+                          f"you can write") from None
     cmd = [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", path,
            "--db", db_path or default_db_path(), "--pidfile", pidfile_for(path), *extra_args]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

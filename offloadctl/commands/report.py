@@ -26,21 +26,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.errors import ConfigError
     from report import build_report
     from report.render import html_page, print_summary, to_json, write_pngs
 
-    analysis, pngs = build_report(args.run_dirs, iteration=args.iteration, rank=args.rank, labels=args.label)
     output = args.output
+    if output and os.path.isdir(output):
+        raise ConfigError(f"--output {output} is a directory: give a file name, e.g. {os.path.join(output, 'report.html')}")
+    if args.png and os.path.lexists(args.png) and not os.path.isdir(args.png):
+        raise ConfigError(f"--png {args.png} is a file: give a directory for the PNGs (it is created if missing)")
+    analysis, pngs = build_report(args.run_dirs, iteration=args.iteration, rank=args.rank, labels=args.label)
     if not (output or args.png or args.json):
         output = os.path.join(args.run_dirs[0], "report.html")
     files: dict = {}
-    if args.png:
-        files["png"] = write_pngs(pngs, args.png)
-    if output:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w") as f:
-            f.write(html_page(analysis, pngs))
-        files["html"] = os.path.abspath(output)
+    flag = "--output" if args.output else "the report"
+    try:
+        if args.png:
+            flag = "--png"
+            files["png"] = write_pngs(pngs, args.png)
+        if output:
+            flag = "--output" if args.output else "the report"
+            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+            with open(output, "w") as f:
+                f.write(html_page(analysis, pngs))
+            files["html"] = os.path.abspath(output)
+    except OSError as e:
+        where = e.filename or output or args.png
+        raise ConfigError(f"{flag}: cannot write {where} ({e.strerror or e}): give a writable place"
+                          f"{' with --output FILE' if flag == 'the report' else ''}") from None
     if args.json:
         print(to_json(analysis, files))
         return 0

@@ -23,7 +23,6 @@ import os
 import shlex
 import stat
 import sys
-import time
 import uuid
 
 from integrations import launcher
@@ -88,7 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--bind-cores", choices=["auto", "on", "off"], default="auto",
                    help="each rank's host lane on its own share of the cores (auto: with several ranks per node, "
                         "unless --bind_cores_to_rank binds them)")
-    o.add_argument("--run-dir", metavar="DIR", help="where the run's records, telemetry and logs go (default ./runs/<timestamp>)")
+    o.add_argument("--run-dir", metavar="DIR", help="where the run's records, telemetry and logs go, private to you "
+                   "(default ./runs/<timestamp>, a new one for each run)")
+    o.add_argument("--force", action="store_true",
+                   help="with --run-dir: replace the records of an earlier run there (a running run's are never)")
     o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto",
                    help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
                    "aio where it is built (default auto)")
@@ -138,6 +140,7 @@ def build(args: argparse.Namespace) -> dict:
         raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
+    launcher.check_launcher_values(vars(args))
     host_cache = size_bytes(args.host_cache)
     host_memory = size_bytes(args.host_memory)
     read_ahead = size_bytes(args.read_ahead, auto=True)
@@ -160,7 +163,9 @@ def build(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
                               f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
                               f"--engine stock")
-    run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    from integrations.run_dir import default_run_dir
+
+    run_dir = os.path.abspath(args.run_dir) if args.run_dir else default_run_dir()
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
     overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
@@ -271,8 +276,28 @@ def run(args: argparse.Namespace) -> int:
             if "plan_preview" in plan:
                 print("preview: " + plan["plan_preview"]["summary"])
         return 0
+    plan, claimed = _claim_run_dir(args, plan)
+    try:
+        return _run(args, plan)
+    finally:
+        claimed.release()
+
+
+def _claim_run_dir(args: argparse.Namespace, plan: dict):
+    """The run dir taken for this run (``integrations.run_dir.claim``); the default is chosen
+    again where another launch took it first."""
+    from integrations.run_dir import DefaultTaken, claim
+
+    for _ in range(100):
+        try:
+            return plan, claim(plan["settings"].run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
+        except DefaultTaken:
+            plan = build(args)
+    raise RuntimeError("no free default run dir after 100 tries")
+
+
+def _run(args: argparse.Namespace, plan: dict) -> int:
     run_dir = plan["settings"].run_dir
-    os.makedirs(run_dir, exist_ok=True)
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
     if plan["tuner"] == "auto":
@@ -290,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
         if stopped_by is not None:
             print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
                   file=sys.stderr)
+        elif rc != 0 and output.failures.summary(output.path):  # which rank failed first, how, its line
+            print(output.failures.summary(output.path), file=sys.stderr)
         elif rc not in (0, 2) and output.hidden_lines and not args.verbose:  # 2: the ranks' one-line error said it all
             print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
