@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
 
 from engine.layout import forward_order
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,17 +109,31 @@ def upgrade_record(d: dict) -> dict:
 
 
 class TelemetryLog:
-    """Keeps every record, and appends each to ``run_dir/telemetry-rank<R>.jsonl`` when given."""
+    """Keeps every record, and appends each to ``run_dir/telemetry-rank<R>.jsonl`` when given.
+
+    Writing it is never a reason to stop training: where the file cannot be written (a full
+    disk, an I/O error) it stops, with one warning, and the records stay in memory."""
 
     def __init__(self, run_dir: str | None, rank: int) -> None:
         self.records: list[StepRecord] = []
         self.path = None
         if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
             self.path = os.path.join(run_dir, f"telemetry-rank{rank}.jsonl")
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+            except OSError as e:
+                self._stop_writing(e)
 
     def append(self, rec: StepRecord) -> None:
         self.records.append(rec)
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec.to_dict()) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(rec.to_dict()) + "\n")
+            except OSError as e:
+                self._stop_writing(e)
+
+    def _stop_writing(self, e: OSError) -> None:
+        log.warning("offloadctl: telemetry no longer written to %s (%s): the run goes on, its telemetry kept in memory",
+                    self.path, e.strerror or e)
+        self.path = None

@@ -65,7 +65,9 @@ def _failed(settings, error: BaseException) -> None:
             print(text, file=sys.stderr, end="")
     else:
         print(text, file=sys.stderr, end="")
-    first = " ".join(str(error).split())
+    from engine.text import printable
+
+    first = " ".join(printable(str(error)).split())
     first = first if len(first) <= 300 else first[:297] + "..."
     # One write, newline included: the launcher's filter takes the line whole.
     sys.stderr.write(FAILED.format(rank=_rank()) + f"{type(error).__name__}: {first}\n")
@@ -108,6 +110,9 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
     parts = [f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
              f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
              f"{start}; {tuner}"]
+    from engine.text import printable
+
+    parts = [printable(p) for p in parts]  # paths and a profile's name are the user's text
     width = max(40, min(shutil.get_terminal_size().columns, 120))
     return "\n".join(textwrap.fill(p, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
                                    break_on_hyphens=False, break_long_words=False) for i, p in enumerate(parts))
@@ -170,7 +175,9 @@ def main() -> int:
                 raise
     except OffloadError as e:
         if _rank() == 0 or not getattr(e, "every_rank", False):  # the same line from every rank: once
-            print(f"offloadctl: {e}", file=sys.stderr, flush=True)
+            from engine.text import printable
+
+            print(f"offloadctl: {printable(str(e))}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - the script's own error: its traceback to the log, one line shown
         if _world_size() == 1:

@@ -103,6 +103,21 @@ def claim(run_dir: str, *, flag: str, force: bool = False, default: bool = False
     return RunDir(run_dir, fd)
 
 
+def in_use(run_dir: str) -> bool:
+    """Whether a live ``offloadctl train`` holds ``run_dir`` (its lock, :func:`claim`)."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError as e:
+        return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+
+
 def _owned_and_empty(path: str) -> bool:
     try:
         return os.stat(path).st_uid == os.getuid() and not os.listdir(path)

@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command].run(args)
     except OffloadError as e:
-        print(f"offloadctl: {e}", file=sys.stderr)
+        from engine.text import printable
+
+        print(f"offloadctl: {printable(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("offloadctl: interrupted", file=sys.stderr)

@@ -269,7 +269,7 @@ def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[i
     if host_node > budget:
         raise ConfigError(f"plan {plan.name!r} needs {gb(host_node)} of host memory per node for optimizer state and "
                           f"staging buffers, over the budget of {gb(budget)}: lower host_cache_bytes or prefetch_depth, "
-                          f"or raise the host memory budget (--host-gb)")
+                          f"or raise the host memory budget (--host-memory)")
     # Resident state and its gradients, the lane's working buffers, and the gradients of the
     # device-lane subgroups that stay on the GPU (as many as fit: lane_load).
     headroom = gpu_headroom(profile, wl)
@@ -292,7 +292,7 @@ def _swap_files(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, r
         if need > p.capacity_bytes > 0:
             raise ConfigError(f"path {p.path} would hold {gb(need)} of swap files per node, over its capacity of "
                               f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise the host memory "
-                              f"for optimizer state (--host-cache)")
+                              f"for optimizer state (--host-cache, or --host-memory in plan)")
         if b:
             storage_node[p.path] = need
     return storage_node

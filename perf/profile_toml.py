@@ -26,6 +26,7 @@ from typing import Any, Literal, Mapping
 import tomli_w
 
 from engine.errors import ConfigError
+from engine.text import printable
 from perf.profile import SCHEMA_VERSION, Figure, Profile
 
 if sys.version_info >= (3, 11):
@@ -71,11 +72,25 @@ def list_profiles(directory: str | None = None) -> list[str]:
     return sorted(e[:-len(SUFFIX)] for e in entries if e.endswith(SUFFIX) and not e.startswith("."))
 
 
+def file_kind(path: str) -> str:
+    """What ``path`` is, as messages say it ("a directory", "a FIFO"...)."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
 def resolve_profile(name_or_path: str) -> str:
     """The file of ``name_or_path``: an existing file, or a name in :func:`profile_dir`."""
     s = os.fspath(name_or_path)
     if os.path.isfile(s):
         return os.path.abspath(s)
+    if os.path.exists(s):  # a directory, a FIFO, a device: not a file to read a profile from
+        raise ConfigError(f"profile {s} is {file_kind(s)}, not a profile file: give a profile's .toml file or its name")
     if os.sep in s or s.endswith(SUFFIX):
         raise ConfigError(f"profile file {s} does not exist: check the path, or give a profile name from "
                           f"`offloadctl profile list`")
@@ -233,7 +248,7 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if type(v) is not str:
             raise _SchemaError(key, f"must be a string, got {_kind(v)} {v!r}", 'write it in double quotes, "like this"')
-        return v
+        return printable(v)  # an escape sequence in a name or a note is never shown to a terminal
     raise TypeError(f"unsupported schema type {tp!r} at {key}")
 
 

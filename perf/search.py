@@ -252,9 +252,9 @@ def _no_plan(profile: Profile, wl: Workload, name: str, refusals: list[ConfigErr
     if not has_paths:
         return ConfigError(f"{gb(state_rank * wl.ranks)} of optimizer state per node does not fit the host memory budget "
                            f"of {gb(budget_rank * wl.ranks)} and profile {profile.name!r} has no storage paths: measure "
-                           f"a profile with `offloadctl profile save --nvme PATH`, or raise --host-gb")
+                           f"a profile with `offloadctl profile save --nvme PATH`, or raise --host-memory")
     staging = staging_buffers(0)
     return ConfigError(f"the host memory budget of {gb(budget_rank * wl.ranks)} per node does not hold the {staging} "
                        f"staging buffers of a {n}-element subgroup per rank ({gb(staging * fb * wl.ranks)}): raise "
-                       f"--host-gb or lower the subgroup size")
+                       f"--host-memory or lower the subgroup size")
 

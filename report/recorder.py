@@ -34,7 +34,7 @@ from engine.errors import ConfigError
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
 from engine.storage.blockdev import device_of
 from perf.plan import node_layout
-from report.sampler import Sampler
+from report.sampler import Sampler, stop_writing
 from tuner.sensors import disk_bytes
 
 RECORD_FORMAT = "offloadctl-record"
@@ -142,7 +142,8 @@ class Recorder:
         self.stopped_by: str | None = None
         """The signal that stopped the rank (SIGINT, SIGTERM, SIGHUP), when one did."""
         self._lock = threading.Lock()
-        self._file = open(os.path.join(config.run_dir, f"record-rank{rank}.jsonl"), "w", buffering=1)
+        path = os.path.join(config.run_dir, f"record-rank{rank}.jsonl")  # 0600: it holds the script's argv
+        self._file = open(path, "w", buffering=1, opener=lambda p, flags: os.open(p, flags, 0o600))
         self._write({"type": "header", "format": RECORD_FORMAT, "version": FORMAT_VERSION, "rank": rank,
                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "engine": config.engine,
                      "script": script, "host": socket.gethostname(), "pid": os.getpid(),
@@ -373,7 +374,10 @@ class Recorder:
     def _write(self, obj: dict) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+                try:
+                    self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+                except OSError as e:  # a full or failing disk: recording is never a reason to stop training
+                    stop_writing(self._file, e, "the record")
 
     def close(self) -> None:
         """Stop the sampler and write the ``end`` line. Idempotent (atexit calls it)."""
@@ -391,7 +395,11 @@ class Recorder:
                        sampler_interval_s=_round(sampler.interval_s))
         self._write(end)
         with self._lock:
-            self._file.close()
+            if not self._file.closed:
+                try:
+                    self._file.close()
+                except OSError as e:
+                    stop_writing(self._file, e, "the record")
 
 
 def _call(obj, name: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -57,7 +58,10 @@ class Sampler(threading.Thread):
         if self.is_alive():
             self.join(timeout=2.0)
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                stop_writing(self._file, e, "the sampled series")
         if self._nvml is not None:
             try:
                 self._nvml[0].nvmlShutdown()
@@ -83,8 +87,8 @@ class Sampler(threading.Thread):
                     self._next_double += self._max_rows
                 t1 = time.perf_counter()
                 if t1 - last_flush >= self.FLUSH_S:
-                    self._file.write("\n".join(rows) + "\n")
-                    self._file.flush()
+                    if not self._flush(rows):
+                        return  # the disk is full or failing: sampling stops, the run goes on
                     rows, last_flush = [], t1
                 self.busy_s += time.thread_time() - c0
                 next_t += self.interval_s
@@ -93,8 +97,17 @@ class Sampler(threading.Thread):
                 self._stop_event.wait(max(0.0, next_t - time.perf_counter()))
         finally:
             if rows and not self._file.closed:
-                self._file.write("\n".join(rows) + "\n")
-                self._file.flush()
+                self._flush(rows)
+
+    def _flush(self, rows: list[str]) -> bool:
+        """Write ``rows``; False (one warning, the file closed) where the disk refuses them."""
+        try:
+            self._file.write("\n".join(rows) + "\n")
+            self._file.flush()
+            return True
+        except OSError as e:
+            stop_writing(self._file, e, "the sampled series")
+            return False
 
     def _sample(self, t: float) -> list:
         cpu_t, cpu_s = t, _cpu_s()
@@ -176,3 +189,16 @@ def _own_nvml(cuda_device):
     except Exception:
         pass
     return None
+
+
+def stop_writing(f, e: OSError, what: str) -> None:
+    """Stop writing ``f`` (``what`` a run's file holds) after ``e``, with one warning; the run goes on."""
+    print(f"offloadctl: {what} of this rank is no longer written to {getattr(f, 'name', '?')} ({e.strerror or e}): the "
+          f"run goes on; offloadctl report shows what was written before", file=sys.stderr, flush=True)
+    try:
+        f.close()
+    except OSError:
+        try:
+            f.close()  # a close whose flush failed leaves the file open: the second closes it
+        except OSError:
+            pass

@@ -345,3 +345,292 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
     assert "[rank0]: Traceback" in text or "rank 0 failed" in text, text[-3000:]
     if how == "raise":
         assert "[rank1]: Traceback" in text and "ValueError: bad batch" in text
+
+
+# -- 7. tracebacks where one line belongs --------------------------------------------------------------
+
+def _mini_run(d) -> str:
+    """A run dir with a small, well-formed record (what --engine stock leaves, no samples)."""
+    os.makedirs(d, exist_ok=True)
+    t = 100.0
+    rows = [{"type": "header", "format": "offloadctl-record", "version": 2, "rank": 0, "world_size": 1, "engine": "stock",
+             "script": "t.py", "host": "h", "pid": 1, "unix_time": 1.0, "clock": "perf_counter", "t0": t, "sample_hz": 0.0},
+            {"type": "init", "t": t + 1, "argv": [], "params_total": 1000, "params_rank": 1000, "local_world_size": 1,
+             "zero_stage": 3, "optimizer": "X", "offload_optimizer": None, "offload_param": None, "device": "cpu",
+             "tiers": [], "gradient_accumulation_steps": 1}]
+    for i in range(3):
+        s = t + 2 + i
+        rows.append({"type": "iteration", "iteration": i, "t_end": s + 0.9,
+                     "spans": [["forward", s, s + 0.3], ["backward", s + 0.3, s + 0.7], ["update", s + 0.7, s + 0.9]],
+                     "spans_dropped": 0, "sums": {"forward": 0.3, "backward": 0.4, "update": 0.2},
+                     "counts": {"forward": 1, "backward": 1, "update": 1}})
+    rows.append({"type": "end", "t": t + 6, "status": "finished", "signal": None, "error": None, "iterations": 3,
+                 "open_spans": 0, "sampler_rows": 0, "sampler_busy_s": 0.0, "sampler_interval_s": 0.0})
+    with open(os.path.join(d, "record-rank0.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    return str(d)
+
+
+def _zero_rate_profile(tmp_path) -> str:
+    text = open(os.path.join(ROOT, "profiles", "example-cpu-vm.toml")).read()
+    assert "read_bytes_per_s = { value = 0.85e9" in text
+    f = tmp_path / "zero.toml"
+    f.write_text(text.replace("read_bytes_per_s = { value = 0.85e9", "read_bytes_per_s = { value = 0"))
+    return str(f)
+
+
+def _case_7(case: str, tmp_path, stack) -> tuple[list[str], str]:
+    """(offloadctl arguments, what the one line says) for each case of item 7."""
+    from helpers import mounted
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    train = ["train", "--tuner", "off", "--num_gpus", "1", "--nvme", str(nvme)]
+    script = [TINY, "--losses-out", str(tmp_path / "l")]
+    if case.startswith("zero-rate"):
+        profile = _zero_rate_profile(tmp_path)
+        want = "key paths[0].read_bytes_per_s.value is a rate and must be above 0, got 0.0"
+        return {"zero-rate-show": ["profile", "show", profile],
+                "zero-rate-plan": ["plan", "--profile", profile, "--params", "1e9"],
+                "zero-rate-train-dry-run": [*train, "--profile", profile, "--dry-run", *script]}[case], want
+    if case == "run-dir-read-only":
+        ro = stack.enter_context(mounted("tmpfs", "ro,size=64k"))
+        return [*train, "--run-dir", os.path.join(ro, "run"), *script], "the file system is read-only"
+    if case == "run-dir-symlink-loop":
+        os.symlink("loop", tmp_path / "loop")
+        return [*train, "--run-dir", str(tmp_path / "loop"), *script], "a symbolic link loop"
+    run = _mini_run(tmp_path / "run")
+    if case == "report-output-dir":
+        return ["report", run, "--output", str(tmp_path)], "is a directory: give a file name"
+    if case == "report-output-read-only":
+        ro = stack.enter_context(mounted("tmpfs", "ro,size=64k"))
+        return ["report", run, "--output", os.path.join(ro, "r.html")], "Read-only file system"
+    if case == "report-png-file":
+        (tmp_path / "f").write_text("")
+        return ["report", run, "--png", str(tmp_path / "f")], "is a file: give a directory"
+    if case in ("report-nan", "report-inf"):
+        rec = tmp_path / "run" / "record-rank0.jsonl"
+        bad = "NaN" if case == "report-nan" else "Infinity"
+        rec.write_text(rec.read_text().replace('"t_end": 102.9', f'"t_end": {bad}'))
+        return ["report", run], f"record-rank0.jsonl:3: holds {bad}, not a number"
+    if case == "tuner-socket-under-a-file":
+        (tmp_path / "f").write_text("")
+        return ["tuner", "start", "--socket", str(tmp_path / "f" / "t.sock")], "a part of the path is a file"
+    if case == "tuner-socket-read-only":
+        ro = stack.enter_context(mounted("tmpfs", "ro,size=64k"))
+        return ["tuner", "start", "--socket", os.path.join(ro, "d", "t.sock")], "the file system is read-only"
+    if case == "master-port-70000":
+        return [*train, "--master_port", "70000", *script], "--master_port must be a TCP port, 1..65535, got '70000'"
+    raise AssertionError(case)
+
+
+CASES_7 = ["zero-rate-show", "zero-rate-plan", "zero-rate-train-dry-run", "run-dir-read-only", "run-dir-symlink-loop",
+           "report-output-dir", "report-output-read-only", "report-png-file", "report-nan", "report-inf",
+           "tuner-socket-under-a-file", "tuner-socket-read-only", "master-port-70000"]
+
+
+@pytest.mark.parametrize("case", CASES_7)
+def test_what_failed_with_a_traceback_is_one_line(case, tmp_path):
+    import contextlib
+
+    from helpers import IS_ROOT
+
+    if "read-only" in case and not IS_ROOT:
+        pytest.skip("needs root to mount a read-only file system")
+    with contextlib.ExitStack() as stack:
+        args, want = _case_7(case, tmp_path, stack)
+        r = cli(*args, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offloadctl: ") and want in lines[0], r.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_to_a_full_disk_is_one_line(tmp_path):
+    """save_checkpoint onto a 64 kB file system: one line saying the disk is full (torch says
+    "unexpected pos" or "iostream error"), the half-written checkpoint removed."""
+    from helpers import IS_ROOT, mounted
+
+    if not IS_ROOT:
+        pytest.skip("needs root to mount a small file system")
+    with mounted("tmpfs", "size=64k") as full:
+        p = launch(ours(1, "--save-at", "3", "--ckpt-dir", os.path.join(full, "ck"), opts=("--tuner", "off")), tmp_path)
+        left = os.listdir(os.path.join(full, "ck")) if os.path.isdir(os.path.join(full, "ck")) else []
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"offloadctl: checkpoint {re.escape(full)}/ck/ckpt not saved: the disk is full \([\d,]+ bytes "
+                        r"free there\): free space, or save elsewhere; the run's earlier checkpoints are as they were",
+                        line), line
+    assert left == []
+
+
+# -- 8. terminal escapes --------------------------------------------------------------------------------
+
+ESC = "\x1b]0;owned\x07\x1b[2J\x1b[31m"
+"""A window title, a screen clear and red: what a hostile string would do to a terminal."""
+
+
+@pytest.mark.parametrize("where", ["profile-name", "profile-notes", "error-line"])
+def test_control_characters_never_reach_the_terminal(where, tmp_path):
+    text = open(os.path.join(ROOT, "profiles", "example-cpu-vm.toml")).read()
+    toml_esc = ESC.encode("unicode_escape").decode().replace("\\x", "\\u00")
+    if where == "profile-name":
+        text = text.replace('name = "example-cpu-vm"', f'name = "evil{toml_esc}"')
+    else:
+        text = text.replace('notes = "Example', f'notes = "{toml_esc}Example')
+    f = tmp_path / "p.toml"
+    f.write_text(text)
+    r = cli("profile", "show", str(f)) if where != "error-line" else \
+        cli("train", "--tuner", "off", str(tmp_path / f"script{ESC}.py"))
+    out = r.stdout + r.stderr
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out), repr(out[-2000:])
+    if where == "error-line":
+        assert r.returncode == 2 and "does not exist" in r.stderr
+    else:
+        assert r.returncode == 0 and ("evil]0;owned" in out if where == "profile-name" else "[31mExample" in out), out
+
+
+@pytest.mark.slow
+def test_the_train_start_line_shows_no_control_characters(tmp_path):
+    """A storage path whose name holds escape sequences: the start line (and all else the run
+    prints) without them."""
+    nvme = tmp_path / f"nvme{ESC}"
+    nvme.mkdir()
+    p = launch(ours(1, "--steps", "1", opts=("--nvme", str(nvme), "--tuner", "off")), tmp_path / "run").ok()
+    out = p.stdout + p.stderr
+    assert "offloadctl: engine active" in out and "[31m" in out, out[-3000:]
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out), repr(out[-3000:])
+
+
+# -- 9. the smaller ones ----------------------------------------------------------------------------------
+
+CASES_9 = ["nvme-symlink-loop", "profile-fifo", "profile-directory", "script-fifo", "plan-names-host-memory",
+           "subgroup-0", "num-gpus-0", "num-gpus-minus-1"]
+
+
+@pytest.mark.parametrize("case", CASES_9)
+def test_the_smaller_ones_are_one_line_naming_the_fault(case, tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    train = ["train", "--tuner", "off", "--nvme", str(nvme)]
+    script = [TINY, "--losses-out", str(tmp_path / "l")]
+    example = os.path.join(ROOT, "profiles", "example-cpu-vm.toml")
+    if case == "nvme-symlink-loop":
+        os.symlink("loop", tmp_path / "loop")
+    args, want, not_want = {
+        "nvme-symlink-loop": (["train", "--tuner", "off", "--nvme", str(tmp_path / "loop"), *script],
+                              f"storage path {tmp_path / 'loop'} is a symbolic link loop: give a real directory", "mkdir"),
+        "profile-fifo": ([*train, "--profile", fifo, *script], f"profile {fifo} is a FIFO (named pipe), not a profile "
+                                                               "file", "does not exist"),
+        "profile-directory": ([*train, "--profile", str(tmp_path), *script], f"profile {tmp_path} is a directory, not "
+                                                                             "a profile file", "does not exist"),
+        "script-fifo": ([*train, fifo], f"training script {fifo} is a FIFO (named pipe): give the script file",
+                        "does not exist"),
+        "plan-names-host-memory": (["plan", "--profile", example, "--params", "7e9", "--host-memory", "1MB"],
+                                   "raise --host-memory", "--host-gb"),
+        "subgroup-0": (["plan", "--profile", example, "--params", "7e9", "--subgroup", "0"],
+                       "--subgroup must be a whole number of elements, 1 or more, got 0", "0.0"),
+        "num-gpus-0": ([*train, "--num_gpus", "0", *script], "--num_gpus must be a whole number of 1 or more", None),
+        "num-gpus-minus-1": ([*train, "--num_gpus", "-1", *script], "--num_gpus must be a whole number of 1 or more",
+                             None),
+    }[case]
+    r = cli(*args, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and want in lines[0] and (not_want is None or not_want not in lines[0]), r.stderr
+
+
+def test_a_tmpfs_storage_path_is_said_to_be_in_memory(tmp_path):
+    from helpers import IS_ROOT, mounted
+
+    if not IS_ROOT:
+        pytest.skip("needs root to mount tmpfs")
+    with mounted("tmpfs", "size=16m") as d:
+        r = cli("train", "--tuner", "off", "--nvme", d, "--dry-run", TINY, "--losses-out", str(tmp_path / "l"),
+                timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"offloadctl: warning: --nvme {d} is on tmpfs: the state swapped there sits in RAM, outside --host-memory; "
+        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"], r.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_private_daemon_is_said_and_the_run_goes_on(tmp_path):
+    """The run's private tuner daemon SIGKILLed mid-run: `tune --run-dir` says the run goes on
+    without it (not "no live run there"), and the run's end says the daemon stopped."""
+    import signal
+    import subprocess
+
+    from helpers import env_with_root, wait_for
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme",
+           str(nvme), "--host-cache", "0", "--tuner", "auto", "--run-dir", str(run_dir), TINY, "--steps", "100000",
+           "--losses-out", str(tmp_path / "losses.jsonl")]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: os.path.exists(tmp_path / "losses.jsonl") or p.poll() is not None, 300, "training to start")
+        pid = int(open(glob.glob(str(run_dir / "tuner" / "*.pid"))[0]).read())
+        os.kill(pid, signal.SIGKILL)
+        sock = str(run_dir / "tuner" / "tuner.sock")
+        r = cli("tune", "--run-dir", str(run_dir), "--once", timeout=60)
+        assert r.returncode == 2 and r.stderr == (
+            f"offloadctl: --run-dir {run_dir}: the run there goes on, but its tuner daemon ({sock}) does not answer: it "
+            f"stopped, and the run keeps the knobs it has (the daemon's log: {sock}.log)\n"), r.stderr
+        steps = sum(1 for _ in open(tmp_path / "losses.jsonl"))
+        wait_for(lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 2, 120, "the run to go on")
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=180)
+    assert p.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert f"tuner: its daemon ({sock}) stopped during the run, which went on with the knobs it had" in out, out
+
+
+# -- 3. a full run-dir disk ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
+    """The run dir on a small file system that fills mid-run: each of the rank's files (the
+    engine's telemetry, the record, the sampled series) stops with one warning, no traceback,
+    and training goes on to its end."""
+    import signal
+    import subprocess
+
+    from helpers import IS_ROOT, env_with_root, mounted, wait_for
+
+    if not IS_ROOT:
+        pytest.skip("needs root to mount a small file system")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    with mounted("tmpfs", "size=1m") as d:
+        run_dir = os.path.join(d, "run")
+        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme",
+               str(nvme), "--host-cache", "0", "--tuner", "off", "--run-dir", run_dir, TINY, "--steps", "100000",
+               "--losses-out", str(tmp_path / "losses.jsonl")]
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: os.path.exists(tmp_path / "losses.jsonl") or p.poll() is not None, 300, "training to start")
+            with open(os.path.join(d, "filler"), "wb") as f:  # the disk fills
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+            steps = sum(1 for _ in open(tmp_path / "losses.jsonl"))
+            wait_for(lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 20 or p.poll() is not None, 180,
+                     "training to go on")
+            assert p.poll() is None
+        finally:
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=180)
+    assert p.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-5000:]
+    warned = [line for line in err.splitlines() if "no longer written" in line]
+    assert any(line.startswith(f"offloadctl: telemetry no longer written to {run_dir}/telemetry-rank0.jsonl (No space "
+                               f"left on device): the run goes on") for line in warned), err[-3000:]
+    assert any(line.startswith("offloadctl: the record of this rank is no longer written") for line in warned), err
+    assert len(warned) == len(set(warned)) <= 3, warned

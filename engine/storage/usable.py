@@ -18,6 +18,11 @@ from engine.layout import ALIGN_BYTES
 
 def check_usable(path: str) -> None:
     """Raise :class:`StoragePathError` unless ``path`` is a writable directory that supports O_DIRECT."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StoragePathError(f"storage path {path} is a symbolic link loop: give a real directory") from None
     if not os.path.exists(path):
         raise StoragePathError(f"storage path {path} does not exist: create it (mkdir -p {path}) or fix the path")
     if not os.path.isdir(path):

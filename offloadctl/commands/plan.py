@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     if not (math.isfinite(args.subgroup) and args.subgroup >= 1 and float(args.subgroup).is_integer()):
-        raise ConfigError(f"--subgroup must be a whole number of elements, got {args.subgroup}")
+        raise ConfigError(f"--subgroup must be a whole number of elements, 1 or more, got {args.subgroup:g}")
     wl = Workload(params=parse_params(args.params), ranks=args.ranks, nodes=args.nodes,
                   subgroup_numel=int(args.subgroup), fwd_bwd_s=args.fwd_bwd_s,
                   host_bytes=size_bytes(args.host_memory), gpu_headroom_bytes=size_bytes(args.gpu_headroom))

@@ -138,6 +138,10 @@ def build(args: argparse.Namespace) -> dict:
 
     if os.path.isdir(args.script):
         raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
+    if os.path.exists(args.script) and not os.path.isfile(args.script):
+        from perf.profile_toml import file_kind
+
+        raise ConfigError(f"training script {args.script} is {file_kind(args.script)}: give the script file")
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     launcher.check_launcher_values(vars(args))
@@ -150,6 +154,8 @@ def build(args: argparse.Namespace) -> dict:
 
     for path in args.nvme + args.remote:
         check_usable(os.path.abspath(path))
+    notes = [_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote))
+             for path in paths]
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     if args.engine == "stock":
         given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote), ("--host-cache", host_cache),
@@ -195,12 +201,24 @@ def build(args: argparse.Namespace) -> dict:
     record = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine, sample_hz=args.record_hz)
     settings = RankSettings(zero=zero, bind_cores=bind_cores, engine=args.engine, recorder=record, verbose=args.verbose)
     cmd = launcher.launch_command(launcher.launcher_args(vars(args)), settings, args.script, args.script_args)
-    out = {"command": cmd, "env": launcher.launch_env(), "settings": settings, "tuner": tuner}
+    out = {"command": cmd, "env": launcher.launch_env(), "settings": settings, "tuner": tuner,
+           "notes": [n for n in notes if n]}
     if profile and args.params:
         from offloadctl.commands.plan import parse_params
 
         out["plan_preview"] = preview_plan(zero, parse_params(args.params))
     return out
+
+
+def _in_memory(flag: str, path: str) -> str | None:
+    """A warning for a storage path whose file system keeps its files in RAM (tmpfs, ramfs), or None."""
+    from engine.storage.blockdev import device_of
+
+    kind = device_of(os.path.abspath(path)).name.split(":", 1)[0]
+    if kind not in ("tmpfs", "ramfs"):
+        return None
+    return (f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
+            f"give a path on a disk, or keep the state in host memory on purpose with --host-cache")
 
 
 def _knobs(overrides: dict):
@@ -259,6 +277,8 @@ def preview_plan(settings, params: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     plan = build(args)
+    for note in plan.pop("notes"):
+        print(note, file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
         plan["launch"] = launcher.resolved_launch(plan["command"], plan["env"])
@@ -331,6 +351,12 @@ def _run(args: argparse.Namespace, plan: dict) -> int:
             verdict = run_verdict(socket_path, settings.zero.run_id)
             if verdict:
                 print(f"tuner: {verdict}")
+            else:
+                from tuner.service import logfile_for, probe
+
+                if probe(socket_path, timeout_s=1.0) is None:
+                    print(f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
+                          f"had; the daemon's log: {logfile_for(socket_path)}")
         if settings.recorder:
             print(f"recorded: offloadctl report {run_dir}")
         return rc

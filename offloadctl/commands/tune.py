@@ -146,6 +146,11 @@ def _target_in(run_dir: str) -> Target:
     for entry in service.live_runs():  # a run dir too long for a socket path has its socket elsewhere
         if entry["run_dir"] == run_dir:
             return Target(entry["socket"], private=True)
+    from integrations.run_dir import in_use
+
+    if in_use(run_dir):
+        raise ConfigError(f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not answer: "
+                          f"it stopped, and the run keeps the knobs it has (the daemon's log: {service.logfile_for(own)})")
     raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
                       "`offloadctl tune` without --run-dir lists the live ones")
 
