@@ -1,11 +1,15 @@
 """Helpers the tests share (conftest.py keeps the fixtures): reference runs against
-torch.optim.AdamW fed the same gradients, mounts, polling, and skip marks."""
+torch.optim.AdamW fed the same gradients, the ``offloadctl`` command in a child process, free
+ports, mounts, polling, and skip marks. Training runs of the test scripts are in ``ds_runs.py``."""
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -13,6 +17,38 @@ import pytest
 import torch
 
 IS_ROOT = os.geteuid() == 0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_PORTS = itertools.count()
+
+
+def free_port() -> str:
+    """A TCP port nothing listens on now, for a launcher's --master_port: taken in turn from a
+    block of its own per pytest-xdist worker, below the kernel's ephemeral range (from 32768), so
+    that neither another worker's launches nor the connections gloo opens can take it meanwhile."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base = 20000 + 2000 * (int(worker[2:]) if worker[2:].isdigit() else 0) + 500 * (os.getpid() % 4)
+    for _ in range(500):
+        port = base + next(_PORTS) % 500
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(port)
+    raise RuntimeError(f"no free port in {base}..{base + 499}")
+
+
+def env_with_root(**extra: str) -> dict:
+    """This process's environment, with the checkout importable (children run its modules)."""
+    return dict(os.environ, PYTHONPATH=ROOT, **extra)
+
+
+def cli(*args: str, timeout: float = 600, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """``offloadctl ARGS`` in a child process from the checkout's root, output captured."""
+    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or env_with_root(), cwd=ROOT, **kw)
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

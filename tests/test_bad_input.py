@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import IS_ROOT, assert_params_close, feed_same_grads, make_model, mounted, needs_root, reference_pair
+from helpers import IS_ROOT, assert_params_close, cli, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
 
@@ -260,12 +260,6 @@ def test_bad_deprecated_sizes_name_the_old_flag(text):
         parse_size(text, flag="--host-cache-gb", bare_unit="GB")
 
 
-def _cli(*args):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=root, env=dict(os.environ, PYTHONPATH=root))
-
-
 @pytest.mark.parametrize("args,expect", [
     (["train", "--host-cache", "64", "SCRIPT"], "--host-cache '64' has no unit"),
     (["train", "--host-cache=-1GB", "SCRIPT"], "--host-cache '-1GB' is negative"),
@@ -283,7 +277,7 @@ def test_bad_size_on_the_command_line_is_one_line_exit_2(args, expect, tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subst = {"SCRIPT": str(script), "PROFILE": os.path.join(root, "profiles", "example-cpu-vm.toml"),
              "OUT": str(tmp_path / "p.toml")}
-    r = _cli(*(subst.get(a, a) for a in args))
+    r = cli(*(subst.get(a, a) for a in args), timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("offloadctl: ") and expect in lines[0], r.stderr

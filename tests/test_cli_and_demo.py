@@ -7,20 +7,20 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT, cli, env_with_root
 
 from engine.units import format_size, parse_size
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _run(*args, timeout=300, env=None):
-    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    """A Python program (a path or -m module) of the checkout, run as a user runs it."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env_with_root(**(env or {})))
 
 
 @pytest.mark.slow
 def test_info_json():
-    out = _run("-m", "offloadctl.cli", "info", "--json")
+    out = cli("info", "--json", timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert "posix" in data["io_backends"] and data["host_adamw_params_per_s"]["torch"] > 0
@@ -138,8 +138,8 @@ def test_train_sizes_reach_the_ranks_in_bytes(tmp_path):
 def test_train_dry_run_process_takes_the_new_flags(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("pass\n")
-    out = _run("-m", "offloadctl.cli", "train", "--dry-run", "--json", "--tuner", "off", "--run-dir",
-               str(tmp_path / "run"), "--host-cache", "2GiB", "--device-cache-gb", "3", str(script))
+    out = cli("train", "--dry-run", "--json", "--tuner", "off", "--run-dir", str(tmp_path / "run"), "--host-cache",
+              "2GiB", "--device-cache-gb", "3", str(script), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     settings = json.loads(out.stdout)["settings"]
     assert settings["host_cache_bytes"] == 2 * GIB and settings["device_cache_bytes"] == 3 * GB

@@ -1,72 +1,24 @@
-"""`offloadctl train` against stock DeepSpeed, on the real DeepSpeed (CPU accelerator, gloo)."""
+"""`offloadctl train` against stock DeepSpeed, on the real DeepSpeed (CPU accelerator, gloo).
+
+The runs come from the session's cache (ds_runs.py): a stock reference or a saved checkpoint
+that several tests compare with is launched once."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from ds_runs import LANE_ON_CPU, LANE_ON_CPU_2, SAVE, TINY, Launch, baseline, launch, ours, stock
+from helpers import ROOT, cli
 
 # Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
-TINY_CACHE_GB = "0.000002"  # 2 kB per rank: the smallest subgroups; the rest on NVMe
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT)
-
-
-def _run(cmd, timeout=600):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    return out
-
-
-def stock(ranks, losses, *extra, script=SCRIPT):
-    # As `accelerate launch --use_deepspeed` would set it; plain DeepSpeed scripts ignore it.
-    env = dict(_env(), ACCELERATE_USE_DEEPSPEED="true")
-    port = _port()
-    try:
-        return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-                               "--master_port", port, script, "--losses-out", losses, *extra],
-                              capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    finally:
-        # Stock DeepSpeed leaves a 64 MiB /dev/shm buffer per rank; a test run must not fill tmpfs.
-        from integrations.launcher import remove_shm_buffers
-
-        remove_shm_buffers(port)
-
-
-def ours(ranks, losses, nvme, run_dir, *extra, opts=(), script=SCRIPT, port=None):
-    return _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", str(ranks), "--master_port",
-                 port or _port(), "--nvme", nvme, "--host-cache-gb", TINY_CACHE_GB, "--run-dir", run_dir, *opts,
-                 script, "--losses-out", losses, *extra])
-
-
-def _losses(path):
-    return [json.loads(line)["loss"] for line in open(path)]
-
-
-# Subgroups of train_tiny.py: 24.6, 53.2, 8.2 and 4.1 kB of state. A 30 kB device tier holds the
-# first and the last (placement fills it in order, skipping what does not fit); the device lane
-# takes one of the other two, swapped, one of them read each step.
-LANE_ON_CPU = ("--lane-device", "cpu", "--device-cache-gb", "0.00003", "--device-fraction", "0.5", "--prefetch-depth", "0",
-               "--tuner", "off")
-# With two ranks each holds half of every parameter: a 20 kB tier holds the first two, the lane the rest.
-LANE_ON_CPU_2 = LANE_ON_CPU[:3] + ("0.00002", "--device-fraction", "1.0") + LANE_ON_CPU[6:]
+SCRIPT = TINY
 
 
 @pytest.mark.parametrize("ranks,dtype,opts,script_opts", [
@@ -80,55 +32,45 @@ LANE_ON_CPU_2 = LANE_ON_CPU[:3] + ("0.00002", "--device-fraction", "1.0") + LANE
     (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first"))],
     ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip",
          "lane-on-cpu-bf16", "lane-on-cpu-2ranks", "lane-on-cpu-fp16-overflow-skip"])
-def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, tmp_path):
+def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, ds_runs):
     if torch.cuda.is_available() and opts not in (LANE_ON_CPU, LANE_ON_CPU_2):
         # On a GPU the default keeps this tiny model's whole state in the device tier (see
         # test_gpu_default_keeps_a_small_state_on_the_device): these rows test the NVMe tier, so
         # they keep the state off the GPU.
         opts = (*opts, "--device-cache", "0", "--device-fraction", "0")
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    a = stock(ranks, str(tmp_path / "stock.jsonl"), "--dtype", dtype, *script_opts)
-    assert a.returncode == 0, a.stderr[-3000:]
-    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), "--dtype", dtype, *script_opts,
-             opts=opts)
-    assert b.returncode == 0, b.stderr[-3000:]
+    # The plain rows save a checkpoint at step 3 on both sides, so that the checkpoint tests reuse
+    # these runs (a save changes no loss: stock's losses with and without one are identical).
+    save = () if script_opts or opts else SAVE
+    ref = ds_runs.get(baseline(ranks, dtype) if not script_opts else stock(ranks, "--dtype", dtype, *script_opts)).ok()
+    b = ds_runs.get(ours(ranks, "--dtype", dtype, *script_opts, *save, opts=opts)).ok()
     assert "offloadctl: engine active" in b.stderr
-    ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
-    assert len(ref) == len(got) == 6
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
-    scales = [[json.loads(line).get("loss_scale") for line in open(tmp_path / f)] for f in ("stock.jsonl", "ours.jsonl")]
-    assert scales[0] == scales[1]
+    assert len(ref.losses) == len(b.losses) == 6
+    torch.testing.assert_close(torch.tensor(b.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    assert ref.loss_scales == b.loss_scales
     skipped = 1 if "--overflow-at" in script_opts else 0
     # The state really went to the NVMe tier, from every rank, and the swap files are gone. (It
     # is not read back: this model's few swapped subgroups fit the staging buffers, which keep
     # the copies whose writes landed; test_numerics reads state back through the same engine.)
     for rank in range(ranks):
-        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
+        recs = b.telemetry(rank)
         assert len(recs) == 6 - skipped and sum(r["bytes_written"].get("nvme", 0) for r in recs) > 0
         if opts in (LANE_ON_CPU, LANE_ON_CPU_2):
             # Of the 2 subgroups outside the tier, the lane takes half (1) or all (2).
             assert recs[-1]["device_tier_subgroups"] == 2
             assert recs[-1]["device_lane_subgroups"] == (1 if opts == LANE_ON_CPU else 2)
-    assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+    assert glob.glob(str(b.nvme / "offloadctl-swap" / "*" / "*.swp")) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_default_keeps_a_small_state_on_the_device(tmp_path):
+def test_gpu_default_keeps_a_small_state_on_the_device(ds_runs):
     """On a GPU, with the defaults (--device-cache auto), a state that fits what the GPU has free
     after forward/backward stays there: every subgroup in the device tier, nothing read from
     NVMe; losses as stock DeepSpeed's (its CPU Adam against our GPU fused AdamW: rounding only)."""
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    a = stock(1, str(tmp_path / "stock.jsonl"), "--dtype", "fp32")
-    assert a.returncode == 0, a.stderr[-3000:]
-    b = _run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(), "--nvme",
-              str(nvme), "--run-dir", str(tmp_path / "run"), "--tuner", "off", SCRIPT, "--losses-out",
-              str(tmp_path / "ours.jsonl"), "--dtype", "fp32"])
-    assert b.returncode == 0, b.stderr[-3000:]
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "ours.jsonl")), torch.tensor(_losses(tmp_path / "stock.jsonl")),
-                               rtol=1e-5, atol=0)
-    recs = [json.loads(line) for line in open(tmp_path / "run" / "telemetry-rank0.jsonl")]
+    ref = ds_runs.get(baseline(1, "fp32")).ok()
+    b = ds_runs.get(Launch("ours", 1, ("--dtype", "fp32"),
+                           opts=("--nvme", "{dir}/nvme", "--run-dir", "{dir}/run", "--tuner", "off"))).ok()
+    torch.testing.assert_close(torch.tensor(b.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+    recs = b.telemetry()
     assert recs[-1]["device_tier_subgroups"] == 4 and recs[-1]["device_lane_subgroups"] == 0
     assert sum(r["bytes_read"].get("nvme", 0) for r in recs) == 0
 
@@ -138,44 +80,31 @@ ACCELERATE = os.path.join(ROOT, "tests", "ds_scripts", "train_accelerate.py")
 
 
 @pytest.mark.parametrize("script,ranks,extra,opts", [
-    (HF_TRAINER, 1, ("--output-dir", "{tmp}/out"), ()),
+    (HF_TRAINER, 1, ("--output-dir", "{dir}/out"), ()),
     # Few subgroups per rank: without prefetch only one is kept across steps, so the rest are read.
     (ACCELERATE, 2, (), ("--prefetch-depth", "0"))], ids=["hf-trainer-1rank", "accelerate-2ranks"])
-def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, tmp_path):
+def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, ds_runs):
     """Trainer and Accelerate reach deepspeed.initialize themselves; the engine must engage there too,
     leave the user's RNG alone (GPT-2 has dropout) and keep their LR scheduler stepping."""
-    extra = [e.format(tmp=tmp_path) for e in extra]
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    a = stock(ranks, str(tmp_path / "stock.jsonl"), *extra, script=script)
-    assert a.returncode == 0, a.stderr[-3000:]
-    port = _port()
-    b = ours(ranks, str(tmp_path / "ours.jsonl"), str(nvme), str(tmp_path / "run"), *extra, script=script, port=port,
-             opts=opts)
-    assert b.returncode == 0, b.stderr[-3000:]
+    ref = ds_runs.get(stock(ranks, *extra, script=script)).ok()
+    b = ds_runs.get(ours(ranks, *extra, script=script, opts=opts)).ok()
     assert "offloadctl: engine active" in b.stderr
     assert "lr_scheduler.step()` before `optimizer.step()" not in b.stderr
-    ref, got = _losses(tmp_path / "stock.jsonl"), _losses(tmp_path / "ours.jsonl")
-    assert len(ref) == len(got) == 6
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert len(ref.losses) == len(b.losses) == 6
+    torch.testing.assert_close(torch.tensor(b.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
     for rank in range(ranks):
-        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
-        assert sum(r["bytes_written"].get("nvme", 0) for r in recs) > 0  # written; read back: see above
+        assert sum(r["bytes_written"].get("nvme", 0) for r in b.telemetry(rank)) > 0  # written; read back: see above
     # DeepSpeed's CPU comm op leaves a 64 MiB /dev/shm buffer per rank; offloadctl removes its run's.
+    port = b.port
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*") == []
 
 
-def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    ckpt = str(tmp_path / "ckpt")
-    full = ours(1, str(tmp_path / "full.jsonl"), str(nvme), str(tmp_path / "run1"), "--save-at", "3", "--ckpt-dir", ckpt)
-    assert full.returncode == 0, full.stderr[-3000:]
-    resumed = ours(1, str(tmp_path / "resumed.jsonl"), str(nvme), str(tmp_path / "run2"), "--resume", ckpt)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
-    assert len(b) == 3
-    torch.testing.assert_close(torch.tensor(b), torch.tensor(a[3:]), rtol=1e-5, atol=0)
+def test_checkpoint_resume_matches_uninterrupted_run(ds_runs, tmp_path):
+    full = ds_runs.get(ours(1, "--dtype", "fp32", *SAVE)).ok()
+    resumed = launch(ours(1, "--dtype", "fp32", "--resume", full.copy_of("ckpt", tmp_path / "ckpt")),
+                     tmp_path / "resumed").ok()
+    assert len(resumed.losses) == 3
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=0)
 
 
 def _one_line_error(out, pattern):
@@ -187,44 +116,37 @@ def _one_line_error(out, pattern):
 
 
 def test_missing_script(tmp_path):
-    out = _run([sys.executable, "-m", "offloadctl.cli", "train", str(tmp_path / "nope.py")])
+    out = cli("train", str(tmp_path / "nope.py"))
     _one_line_error(out, r"offloadctl: training script .*nope.py does not exist")
 
 
 def test_invalid_nvme_path(tmp_path):
-    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--nvme", str(tmp_path / "missing"), SCRIPT])
+    out = cli("train", "--nvme", str(tmp_path / "missing"), SCRIPT)
     _one_line_error(out, r"storage path .*missing does not exist.*mkdir -p")
 
 
 def test_stage_2_is_refused(tmp_path):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), "--stage", "2")
+    out = launch(ours(1, "--stage", "2"), tmp_path)
     _one_line_error(out, r"offloadctl: offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage 2")
 
 
 def test_fp16_torch_autocast_is_refused(tmp_path):
     """torch_autocast with fp16 scales the loss with torch's GradScaler inside DeepSpeed's
     per-subgroup step, which the engine replaces: refused with the fix, not run unscaled."""
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"),
-               "--ds-extra", json.dumps({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}))
+    out = launch(ours(1, "--ds-extra", json.dumps({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}})),
+                 tmp_path)
     _one_line_error(out, r"offloadctl: torch_autocast with fp16 .* use bf16 in torch_autocast")
 
 
 def test_script_that_never_initializes(tmp_path):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), "--no-init")
+    out = launch(ours(1, "--no-init"), tmp_path)
     _one_line_error(out, r"finished without calling deepspeed.initialize")
 
 
 def test_dry_run_prints_the_launch(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--num_gpus", "2",
-                "--nvme", str(nvme), "--node-lock", SCRIPT, "--steps", "3"])
+    out = cli("train", "--dry-run", "--json", "--num_gpus", "2", "--nvme", str(nvme), "--node-lock", SCRIPT, "--steps", "3")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["command"][3:6] == ["deepspeed.launcher.runner", "--num_gpus", "2"]
@@ -251,11 +173,10 @@ def test_profile_starts_from_the_model_plan(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     prof = _profile_for(nvme, tmp_path / "p.toml")
-    out = ours(1, str(tmp_path / "l.jsonl"), str(nvme), str(tmp_path / "run"), opts=("--profile", prof, "--tuner", "off"))
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = launch(ours(1, opts=("--profile", prof, "--tuner", "off")), tmp_path).ok()
     banner = " ".join(out.stderr.split())  # the start lines are wrapped to the terminal
     assert "profile test-profile: predicted update" in banner and "tuner off" in banner
-    recs = [json.loads(line) for line in open(tmp_path / "run" / "telemetry-rank0.jsonl")]
+    recs = out.telemetry()
     # The rank ran with the knobs the model picks for its size (the tiny model's 4 subgroups).
     params = recs[0]["params"]
     expected = plan_for_rank(prof, params_total=params, world_size=1, subgroup_numel=100,
@@ -266,25 +187,18 @@ def test_profile_starts_from_the_model_plan(tmp_path):
 
 
 def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    env = dict(_env(), XDG_RUNTIME_DIR=str(tmp_path / "xdg"))  # no daemon at the default socket
-    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "2", "--master_port", _port(),
-                          "--nvme", str(nvme), "--host-cache-gb", TINY_CACHE_GB, "--run-dir", str(tmp_path / "run"),
-                          "--prefetch-depth", "1", "--host-memory", "1GB",
-                          SCRIPT, "--losses-out", str(tmp_path / "l.jsonl")],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    spec = ours(2, opts=("--prefetch-depth", "1", "--host-memory", "1GB"))
+    # No daemon at the default socket: a runtime dir of the test's own.
+    out = launch(dataclasses.replace(spec, env=(("XDG_RUNTIME_DIR", str(tmp_path / "xdg")),)), tmp_path).ok()
     # The flags given are the run's: the tuner never moves the prefetch, the engine keeps to the
     # budget, and the summary says both.
     for rank in (0, 1):
-        recs = [json.loads(line) for line in open(tmp_path / "run" / f"telemetry-rank{rank}.jsonl")]
         assert all(r["knobs"]["prefetch_depth"] == 1 and r["host_budget_bytes"] == 10**9
-                   and 0 < sum(r["host_bytes"].values()) <= 10**9 for r in recs)
+                   and 0 < sum(r["host_bytes"].values()) <= 10**9 for r in out.telemetry(rank))
     summary = " ".join(out.stdout.split())
     assert "knobs fixed by the run's options, never tuned: prefetch_depth=1" in summary, out.stdout
     assert re.search(r"host memory of rank 0's engine, at its peak: [\d.]+ [KM]B of its 1 GB budget \(", summary), out.stdout
-    sock = tmp_path / "run" / "tuner" / "tuner.sock"
+    sock = out.run_dir / "tuner" / "tuner.sock"
     assert "tuner: this run's own" in out.stderr  # the start banner: the daemon is the run's, in its run dir
     log = open(str(sock) + ".log").read()
     assert "rank 0/2 registered" in log and "rank 1/2 registered" in log and "stopped" in log
@@ -299,16 +213,16 @@ def test_bad_profile_or_tuner_is_one_line(opts, pattern, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("schema_version = 1\nname = \"x\"\nbogus = 3\n")
     opts = [o.format(bad=bad) for o in opts]
-    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--nvme", str(tmp_path), *opts, SCRIPT])
+    out = cli("train", "--nvme", str(tmp_path), *opts, SCRIPT)
     _one_line_error(out, pattern)
 
 
 def test_dry_run_passes_multi_node_options_through(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
-    out = _run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--hostfile", str(hostfile),
-                "--num_nodes", "2", "--include", "node1:0,1@node2:0,1", "--master_addr", "node1", "--launcher", "pdsh",
-                "--nvme", str(tmp_path), "--tuner", "off", SCRIPT, "--steps", "3", "--num_nodes", "7"])
+    out = cli("train", "--dry-run", "--json", "--hostfile", str(hostfile), "--num_nodes", "2", "--include",
+              "node1:0,1@node2:0,1", "--master_addr", "node1", "--launcher", "pdsh", "--nvme", str(tmp_path), "--tuner",
+              "off", SCRIPT, "--steps", "3", "--num_nodes", "7")
     assert out.returncode == 0, out.stderr
     cmd = json.loads(out.stdout)["command"]
     launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "integrations", "bootstrap.py"))]

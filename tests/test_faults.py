@@ -21,7 +21,8 @@ import tempfile
 import time
 
 import pytest
-from helpers import mounted, needs_root
+from ds_runs import LAYOUTS, SAVE, ours
+from helpers import ROOT, cli, env_with_root, free_port, mounted, needs_root
 from helpers import wait_for as _wait
 
 from tuner import service
@@ -30,31 +31,15 @@ from tuner.protocol import API_VERSION, Connection, ErrorCode, ProtocolError, en
 # Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
 NOBODY = 65534
-
-
-def _env(**extra) -> dict:
-    return dict(os.environ, PYTHONPATH=ROOT, **extra)
-
-
-def _offloadctl(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=kw.pop("env", _env()), timeout=timeout, **kw)
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _serve(sock: str, *extra: str, preexec=None) -> subprocess.Popen:
     os.makedirs(os.path.dirname(sock), mode=0o700, exist_ok=True)
     logf = open(sock + ".log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, *extra],
-                            cwd=ROOT, env=_env(), stdout=logf, stderr=logf, preexec_fn=preexec)
+                            cwd=ROOT, env=env_with_root(), stdout=logf, stderr=logf, preexec_fn=preexec)
     logf.close()
     _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
     assert proc.poll() is None, open(sock + ".log").read()
@@ -103,10 +88,10 @@ def test_client_refuses_a_daemon_another_user_planted():
     fake = subprocess.Popen([sys.executable, "-c", FAKE_DAEMON, sock, ready, str(NOBODY)])
     try:
         _wait(lambda: os.path.exists(ready), 30, "the fake daemon")
-        st = _offloadctl("tuner", "status", "--json", "--socket", sock)
+        st = cli("tuner", "status", "--json", "--socket", sock)
         out = json.loads(st.stdout)
         assert out["running"] is False and "not trusted" in out["reason"], out
-        start = _offloadctl("tuner", "start", "--socket", sock)
+        start = cli("tuner", "start", "--socket", sock)
         assert start.returncode == 2 and "Traceback" not in start.stderr and "belongs to uid" in start.stderr, start.stderr
         from engine.config import Knobs
         from tuner.client import TunerClient
@@ -182,15 +167,15 @@ def test_extreme_telemetry_and_a_huge_run_do_not_break_snapshots(tmp_path):
             _register(c, "huge", paths=long_paths)
             for k in range(40):
                 _register(c, f"run-{k:03d}", paths=long_paths[:8])
-            snap = _offloadctl("tune", "--once", "--json", "--socket", sock)
+            snap = cli("tune", "--once", "--json", "--socket", sock)
             assert snap.returncode == 0, snap.stderr[-2000:]
-            st = _offloadctl("tuner", "status", "--json", "--socket", sock)
+            st = cli("tuner", "status", "--json", "--socket", sock)
             assert json.loads(st.stdout)["running"] is True
-            with Connection(sock) as cli:
-                full = cli.request("snapshot", history=0)
+            with Connection(sock) as client:
+                full = client.request("snapshot", history=0)
                 ids = {r["run_id"] for r in full["runs"]} | set(full.get("omitted", []))
                 assert {"tiny-wall", "huge"} <= ids and len(ids) == 42
-                one = cli.request("snapshot", run_id="huge", history=0)
+                one = client.request("snapshot", run_id="huge", history=0)
                 assert one["runs"][0]["run_id"] == "huge" and len(one["runs"][0]["paths"]) == 64
     finally:
         daemon.terminate()
@@ -202,12 +187,12 @@ def test_extreme_telemetry_and_a_huge_run_do_not_break_snapshots(tmp_path):
 def _train(tmp_path, *opts, steps=400, port=None):
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", port or _port(),
+    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", port or free_port(),
            "--nvme", str(nvme), "--host-cache-gb", "0", "--run-dir", str(tmp_path / "run"), *opts, TINY,
            "--steps", str(steps), "--losses-out", str(tmp_path / "losses.jsonl")]
     err = open(tmp_path / "stderr", "w")
     # A session of its own, as a shell gives a job: the test can signal it as a terminal would.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     swaps = lambda: glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp"))  # noqa: E731
     _wait(lambda: os.path.exists(tmp_path / "losses.jsonl") or proc.poll() is not None, 180, "training to start")
     assert proc.poll() is None, open(tmp_path / "stderr").read()[-3000:]
@@ -259,7 +244,7 @@ def test_stale_shared_memory_of_killed_runs_is_removed(tmp_path):
 
     from integrations.launcher import remove_stale_shm_buffers
 
-    port = _port()
+    port = free_port()
     stale = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0"
     live = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_1"
     for f in (stale, live):
@@ -291,7 +276,7 @@ def test_stale_shared_memory_of_killed_runs_is_removed(tmp_path):
 ], ids=["cache-nan", "cache-inf", "cache-1e400", "device-cache-neg", "fraction-2", "run-dir-file", "tuner-file",
         "script-dir", "params-1e308"])
 def test_bad_input_is_one_line(args, expect):
-    r = _offloadctl(*args)
+    r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and expect in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -302,7 +287,7 @@ def test_bad_input_is_one_line(args, expect):
 def test_hostile_profiles_are_one_line(text, expect, tmp_path):
     f = tmp_path / "p.toml"
     f.write_text(text)
-    r = _offloadctl("profile", "show", str(f))
+    r = cli("profile", "show", str(f))
     assert r.returncode == 2 and "Traceback" not in r.stderr and expect in r.stderr, r.stderr[-2000:]
 
 
@@ -329,7 +314,7 @@ def test_a_full_disk_is_reported_as_full():
 def test_racing_tuner_starts_keep_one_daemon_and_its_pidfile(tmp_path):
     sock = str(tmp_path / "d" / "tuner.sock")
     procs = [subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "start", "--socket", sock, "--db",
-                               "none", "--json"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               "none", "--json"], cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     try:
@@ -348,16 +333,16 @@ def test_pins_and_freeze_survive_a_daemon_restart(tmp_path):
     try:
         with Connection(sock, role="engine") as c:
             _register(c, "r1", paths=("/x",))
-            with Connection(sock) as cli:
-                cli.request("pin", run_id="r1", knob="prefetch_depth", value=5)
-                cli.request("freeze", run_id="r1", frozen=True)
+            with Connection(sock) as client:
+                client.request("pin", run_id="r1", knob="prefetch_depth", value=5)
+                client.request("freeze", run_id="r1", frozen=True)
         daemon.terminate()
         daemon.wait(10)
         daemon = _serve(sock, "--db", db, "--no-sensors")
         with Connection(sock, role="engine") as c:
             _register(c, "r1", paths=("/x",))  # the rank reconnects to the new daemon
-            with Connection(sock) as cli:
-                run = cli.request("snapshot", run_id="r1", history=0)["runs"][0]
+            with Connection(sock) as client:
+                run = client.request("snapshot", run_id="r1", history=0)["runs"][0]
         assert run["pins"] == {"prefetch_depth": 5} and run["frozen"] is True
     finally:
         daemon.terminate()
@@ -389,10 +374,10 @@ def test_two_runs_sharing_one_nvme_path(tmp_path):
     nvme.mkdir()
     procs = []
     for k in range(2):
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(),
+        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
                "--nvme", str(nvme), "--host-cache-gb", "0", "--tuner", "off", "--run-dir", str(tmp_path / f"run{k}"),
                TINY, "--losses-out", str(tmp_path / f"l{k}.jsonl")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     for p in procs:
         _, err = p.communicate(timeout=600)
@@ -403,7 +388,7 @@ def test_two_runs_sharing_one_nvme_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_write_resumes_from_its_checkpoint(tmp_path):
+def test_rank_killed_mid_write_resumes_from_its_checkpoint(ds_runs, tmp_path):
     """kill -9 of the rank while it writes swap files, then resume from the last checkpoint:
     the losses after it equal those of a run that was never interrupted."""
     nvme = tmp_path / "nvme"
@@ -411,23 +396,24 @@ def test_rank_killed_mid_write_resumes_from_its_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
 
     def run(losses, *extra, steps=6):
-        return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(),
-                "--nvme", str(nvme), "--host-cache-gb", "0", "--tuner", "off", "--run-dir", str(tmp_path / "run"),
+        return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
+                "--nvme", str(nvme), "--host-cache-gb", "0", "--tuner", "off",
+                "--run-dir", str(tmp_path / losses.replace(".jsonl", "-run")),
                 TINY, "--steps", str(steps), "--losses-out", str(tmp_path / losses), "--ckpt-dir", ckpt, *extra]
 
-    whole = subprocess.run(run("whole.jsonl"), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    # The uninterrupted run, all state on NVMe: the session's (it saves at step 3, which changes no loss).
+    whole = ds_runs.get(ours(1, "--dtype", "fp32", *SAVE, opts=LAYOUTS["all-nvme"])).ok()
     # Save at step 3, then keep stepping until killed (a long run: the kill lands mid-step).
-    p = subprocess.Popen(run("killed.jsonl", "--save-at", "3", steps=10_000), cwd=ROOT, env=_env(),
+    p = subprocess.Popen(run("killed.jsonl", "--save-at", "3", steps=10_000), cwd=ROOT, env=env_with_root(),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _wait(lambda: sum(1 for _ in open(tmp_path / "killed.jsonl")) >= 5 if os.path.exists(tmp_path / "killed.jsonl")
           else False, 300, "steps past the checkpoint")
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    resumed = subprocess.run(run("resumed.jsonl", "--resume", ckpt), cwd=ROOT, env=_env(), capture_output=True,
+    resumed = subprocess.run(run("resumed.jsonl", "--resume", ckpt), cwd=ROOT, env=env_with_root(), capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ref = [json.loads(line)["loss"] for line in open(tmp_path / "whole.jsonl")][3:]
+    ref = whole.losses[3:]
     got = [json.loads(line)["loss"] for line in open(tmp_path / "resumed.jsonl")]
     assert got == pytest.approx(ref, rel=1e-6) and len(got) == 3
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []

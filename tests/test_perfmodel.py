@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from helpers import cli, env_with_root
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -432,9 +433,7 @@ def test_offloadctl_plan_starts_without_torch():
 
 
 def _run_cli(*args, env=None):
-    e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=e)
+    return cli(*args, timeout=120, env=env_with_root(**(env or {})))
 
 
 def test_parse_params():

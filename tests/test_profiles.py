@@ -7,8 +7,8 @@ import json
 import os
 import re
 import subprocess
-import sys
 
+import helpers
 import pytest
 
 from engine.errors import ConfigError, StoragePathError
@@ -366,8 +366,7 @@ def cli(*args: str) -> tuple[int, str, str]:
 
 
 def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **env})
+    return helpers.cli(*args, timeout=300, env=helpers.env_with_root(**env))
 
 
 @pytest.mark.slow

@@ -9,33 +9,25 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from ds_runs import GPT, Launch
+from helpers import ROOT, cli, env_with_root, free_port
 from rich.console import Console
 
 from offloadctl.summary import WIDTH, print_run_summary, run_summary_lines
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT = os.path.join(ROOT, "examples", "train_gpt.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _train_args(base, name: str, steps: int) -> list[str]:
     nvme = base / f"nvme-{name}"
     nvme.mkdir()
-    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", _port(),
+    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
             "--nvme", str(nvme), "--tuner", "off", "--run-dir", str(base / name), GPT, "--steps", str(steps),
             "--batch", "8"]
 
@@ -49,27 +41,25 @@ def _iterations(run_dir) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("summary-runs")
-    done = subprocess.run(_train_args(base, "finished", 4), capture_output=True, text=True, timeout=600, env=ENV,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+def runs(ds_runs, tmp_path_factory):
+    finished = ds_runs.get(Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT,
+                                  opts=("--nvme", "{dir}/nvme", "--tuner", "off", "--run-dir", "{dir}/finished"))).ok()
     # Interrupted: SIGINT to `offloadctl train` (what Ctrl-C sends it) once three iterations are recorded.
+    base = tmp_path_factory.mktemp("summary-runs")
     proc = subprocess.Popen(_train_args(base, "interrupted", 400), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV, cwd=ROOT)
+                            text=True, env=env_with_root(), cwd=ROOT)
     deadline = time.monotonic() + 300
     while _iterations(base / "interrupted") < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    return {"finished": str(base / "finished"), "interrupted": str(base / "interrupted"),
+    return {"finished": str(finished.run_dir), "interrupted": str(base / "interrupted"),
             "interrupted_rc": proc.returncode, "interrupted_stderr": err}
 
 
 def _report(run_dir: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "report", run_dir, "--json"], capture_output=True,
-                         text=True, timeout=300, env=ENV, cwd=ROOT)
+    out = cli("report", run_dir, "--json", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)["runs"][0]
 
@@ -126,9 +116,9 @@ def test_summary_leads_with_speed_then_shares_then_the_bottleneck(runs):
     assert buf.getvalue().splitlines() == lines
 
 
-def test_summary_from_the_engine_telemetry_alone(runs, tmp_path):
+def test_summary_from_the_engine_telemetry_alone(runs, short_tmp):
     """--no-record leaves only telemetry-rank<R>.jsonl: the update's parts, no throughput."""
-    only = tmp_path / "telemetry-only"
+    only = short_tmp / "telemetry-only"
     only.mkdir()
     shutil.copy(os.path.join(runs["finished"], "telemetry-rank0.jsonl"), only)
     lines = run_summary_lines(str(only))
@@ -140,7 +130,8 @@ def test_summary_from_the_engine_telemetry_alone(runs, tmp_path):
     assert "time per iteration: forward+backward" in text and "bottleneck: " in text
 
 
-def test_summary_of_nothing_says_why(runs, tmp_path):
+def test_summary_of_nothing_says_why(runs, short_tmp):
+    tmp_path = short_tmp
     lines = run_summary_lines(str(tmp_path / "missing"))
     assert lines[0].startswith("no summary:") and all(len(line) <= WIDTH for line in lines)
     assert _joined(lines) == f"no summary: {tmp_path / 'missing'} has no record-rank0.jsonl or telemetry-rank0.jsonl"

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from helpers import wait_for
+from helpers import cli, env_with_root, wait_for
 
 from engine.config import Knobs
 from engine.telemetry import StepRecord
@@ -36,8 +36,7 @@ def private_env(tmp_path, monkeypatch):
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT))
+    return cli(*args, timeout=timeout, env=env_with_root(COLUMNS="80"))
 
 
 def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):

@@ -1,0 +1,212 @@
+"""Real DeepSpeed trainings for the tests, each configuration launched once per test session.
+
+A launch (a DeepSpeed launcher, a rank per GPU slot, imports before the first step) costs tens of
+seconds here, and many tests need the same one: stock DeepSpeed's losses for a dtype and rank
+count, a checkpoint saved at step 3, a recorded run to report on. A test describes the run it
+needs as a :class:`Launch` (:func:`stock` or :func:`ours`) and asks the session's
+:class:`DSRuns` (the ``ds_runs`` fixture) for it: the first asker runs it, every later asker gets
+the same :class:`Finished` run (its output, losses, run dir and checkpoint). With pytest-xdist the
+workers share the runs through a lock file per run, so each runs once in the whole session.
+
+A run's files are shared: a test that changes them (damages a checkpoint, converts it) works on a
+copy (:meth:`Finished.copy_of`). A run that is itself the thing under test (one that must fail,
+or be signalled) is launched with :func:`launch`, uncached, into the test's own directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from helpers import ROOT, env_with_root, free_port
+
+TINY = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
+GPT = os.path.join(ROOT, "examples", "train_gpt.py")
+TINY_CACHE = "2kB"
+"""--host-cache of :func:`ours` (per rank): train_tiny's smallest subgroups in host memory, the rest on NVMe."""
+LAUNCH_TIMEOUT_S = 600
+EXIT_ABORT = "terminate called without an active exception"
+EXIT_ABORT_RC = 256 - 6  # a rank killed by SIGABRT, as DeepSpeed's launcher exits with it
+SAVE = ("--save-at", "3", "--ckpt-dir", "{dir}/ckpt")
+"""Script options: save a checkpoint after step 3 into the run's ``ckpt`` (tag ``ckpt``)."""
+
+# The GPU path's tiers, run on the CPU. Subgroups of train_tiny.py: 24.6, 53.2, 8.2 and 4.1 kB of
+# state. A 30 kB device tier holds the first and the last (placement fills it in order, skipping
+# what does not fit); the device lane takes one of the other two, swapped, one of them read each
+# step. With two ranks each holds half of every parameter: a 20 kB tier holds the first two, the
+# lane the rest.
+LANE_ON_CPU = ("--lane-device", "cpu", "--device-cache", "30kB", "--device-fraction", "0.5", "--prefetch-depth", "0",
+               "--tuner", "off")
+LANE_ON_CPU_2 = ("--lane-device", "cpu", "--device-cache", "20kB", "--device-fraction", "1.0", "--prefetch-depth", "0",
+                 "--tuner", "off")
+TWO_PATHS = ("--nvme", "{dir}/nvme1", "--host-cache", "0")
+"""State split over two paths, none in host memory."""
+LAYOUTS = {"nvme-and-host": (), "all-nvme": ("--host-cache", "0"), "lane-on-cpu": LANE_ON_CPU,
+           "all-host": ("--host-cache", "1GB"), "two-paths": TWO_PATHS}
+"""Where the state lives in :func:`ours` runs, by name (``opts``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One training run of a test script. In every string, ``{dir}`` stands for the run's own
+    directory (``{dir}/nvme`` and ``{dir}/nvme1`` exist before it starts)."""
+
+    who: str
+    """'stock' (DeepSpeed's launcher) or 'ours' (``offloadctl train``, whatever its ``opts`` say)."""
+    ranks: int = 1
+    script_args: tuple[str, ...] = ()
+    opts: tuple[str, ...] = ()
+    """``offloadctl train`` options, before the script."""
+    script: str = TINY
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables added to the environment."""
+
+    @property
+    def losses_out(self) -> bool:
+        return self.script.startswith(os.path.join(ROOT, "tests", "ds_scripts"))
+
+    def argv(self, run_dir: str, port: str) -> list[str]:
+        fill = lambda args: [a.replace("{dir}", run_dir) for a in args]  # noqa: E731
+        launcher = ["--num_gpus", str(self.ranks), "--master_port", port]
+        tail = [self.script, *(["--losses-out", f"{run_dir}/losses.jsonl"] if self.losses_out else []),
+                *fill(self.script_args)]
+        if self.who == "stock":
+            return [sys.executable, "-m", "deepspeed.launcher.runner", *launcher, *tail]
+        return [sys.executable, "-m", "offloadctl.cli", "train", *launcher, *fill(self.opts), *tail]
+
+    def key(self) -> str:
+        """A directory name unique to the launch, and short: paths in its output are printed whole,
+        and the tests hold that output to 80 columns (its ``finished.json`` gives the command)."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+    def run_dir(self, run_dir: str) -> str:
+        """Where ``offloadctl train`` records (its --run-dir), for a run in ``run_dir``."""
+        opts = list(self.opts)
+        given = opts[opts.index("--run-dir") + 1] if "--run-dir" in opts else "{dir}/run"
+        return given.replace("{dir}", run_dir)
+
+
+def stock(ranks: int = 1, *script_args: str, script: str = TINY) -> Launch:
+    """Stock DeepSpeed on a test script, as ``accelerate launch --use_deepspeed`` would set it up
+    (plain DeepSpeed scripts ignore the variable)."""
+    return Launch("stock", ranks, tuple(script_args), script=script, env=(("ACCELERATE_USE_DEEPSPEED", "true"),))
+
+
+def baseline(ranks: int, dtype: str) -> Launch:
+    """Stock DeepSpeed's reference run for a rank count and dtype: it also saves a checkpoint at
+    step 3 (which changes no loss), so that one run serves as the reference and as the checkpoint."""
+    return stock(ranks, "--dtype", dtype, *SAVE)
+
+
+def ours(ranks: int = 1, *script_args: str, opts: tuple[str, ...] = (), script: str = TINY) -> Launch:
+    """``offloadctl train`` with the state on ``{dir}/nvme`` past a 2 kB host cache (``opts`` come
+    after, so they can override it), recording into ``{dir}/run``."""
+    base = ("--nvme", "{dir}/nvme", "--host-cache", TINY_CACHE, "--run-dir", "{dir}/run")
+    return Launch("ours", ranks, tuple(script_args), opts=(*base, *opts), script=script)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A run that ended: how, and what it left in its directory."""
+
+    launch: Launch
+    dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    port: str
+    """The launcher's --master_port."""
+
+    def ok(self) -> "Finished":
+        """This run, which must have succeeded. The one exception, written here once: a stock
+        DeepSpeed run whose every rank finished the script and that then aborted in the
+        interpreter's exit (``EXIT_ABORT``, a gloo teardown race of stock's, no offloadctl code in
+        the process) counts as finished, and the test run says so in a warning."""
+        if self.returncode == EXIT_ABORT_RC and self.launch.who == "stock" and EXIT_ABORT in self.stdout + self.stderr:
+            finished = self.stdout.count("train_tiny: rank ") if self.launch.script == TINY else 0
+            if finished == self.launch.ranks:
+                warnings.warn(f"{self.dir.name}: stock DeepSpeed aborted at exit after every rank finished "
+                              f"({EXIT_ABORT!r}); its results are complete and used", stacklevel=2)
+                return self
+        assert self.returncode == 0, f"{self.launch}:\n{self.stderr[-3000:]}"
+        return self
+
+    @property
+    def losses(self) -> list[float]:
+        return [json.loads(line)["loss"] for line in open(self.dir / "losses.jsonl")]
+
+    @property
+    def loss_scales(self) -> list:
+        return [json.loads(line).get("loss_scale") for line in open(self.dir / "losses.jsonl")]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.launch.run_dir(str(self.dir)))
+
+    @property
+    def nvme(self) -> Path:
+        return self.dir / "nvme"
+
+    def telemetry(self, rank: int = 0) -> list[dict]:
+        return [json.loads(line) for line in open(self.run_dir / f"telemetry-rank{rank}.jsonl")]
+
+    def copy_of(self, name: str, to: Path) -> str:
+        """A copy of ``{dir}/name`` (a checkpoint, a run dir) at ``to``, for a test that changes it."""
+        shutil.copytree(self.dir / name, to)
+        return str(to)
+
+
+def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) -> Finished:
+    """Run ``spec`` in ``run_dir`` (made if missing), uncached; DeepSpeed's shared-memory buffers
+    of a stock run are removed after it (stock leaves 64 MiB in /dev/shm per rank)."""
+    from integrations.launcher import remove_shm_buffers
+
+    for d in ("nvme", "nvme1"):
+        (run_dir / d).mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = dict(env_with_root(), **dict(spec.env))
+    try:
+        p = subprocess.run(spec.argv(str(run_dir), port), capture_output=True, text=True, timeout=timeout, env=env,
+                           cwd=ROOT)
+    finally:
+        if spec.who == "stock":
+            remove_shm_buffers(port)
+    return Finished(spec, run_dir, p.returncode, p.stdout, p.stderr, port)
+
+
+class DSRuns:
+    """The session's runs, under ``base`` (shared by pytest-xdist's workers)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._done: dict[Launch, Finished] = {}
+
+    def get(self, spec: Launch) -> Finished:
+        """``spec``'s run: launched by the first asker in the session, the same run for the rest."""
+        if spec in self._done:
+            return self._done[spec]
+        from filelock import FileLock
+
+        run_dir = self.base / spec.key()
+        result = run_dir / "finished.json"
+        self.base.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(run_dir) + ".lock"):
+            if result.exists():
+                got = json.loads(result.read_text())
+                done = Finished(spec, run_dir, got["returncode"], got["stdout"], got["stderr"], got["port"])
+            else:
+                if run_dir.exists():  # a worker that died mid-run left it: start over
+                    shutil.rmtree(run_dir)
+                done = launch(spec, run_dir)
+                result.write_text(json.dumps({"returncode": done.returncode, "stdout": done.stdout,
+                                              "stderr": done.stderr, "port": done.port,
+                                              "argv": spec.argv(str(run_dir), done.port)}))
+        self._done[spec] = done
+        return done
