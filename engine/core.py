@@ -226,7 +226,7 @@ class SubgroupEngine:
             staging=staging_buffers(self.knobs.prefetch_depth) * host_buffer_bytes(max(swapped)) if swapped else 0,
             # the host lane's gradient scratch, and the uploads' pinned chunk buffers when weights are on a device
             copies=HostLane.scratch_bytes(max((b.numel for b in bindings), default=0))
-            + (WeightUploader.pinned_bytes() if on_device else 0))
+            + (WeightUploader.pinned_bytes(torch.get_num_threads()) if on_device else 0))
         budget = self.config.host_memory_bytes
         if budget is None:
             return max(default_budget(self.config.local_ranks), need.total)
@@ -1065,6 +1065,9 @@ class SubgroupEngine:
     def _close(self) -> None:
         self._closed = True
         self._wait_early_reads()
+        lane = getattr(self, "host_lane", None)  # None when construction failed before it
+        if lane is not None:
+            lane.close()
         for hook in self._hooks:
             close = getattr(hook, "close", None)
             if close is not None:

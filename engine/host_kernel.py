@@ -79,6 +79,8 @@ def time_host_lane(kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: i
     for _ in range(reps):
         for k, lane in lanes.items():
             times[k].append(one_round(lane))
+    for lane in lanes.values():
+        lane.close()
     return {k: LANE_SUBGROUPS * part / statistics.median(v) for k, v in times.items()}
 
 

@@ -29,6 +29,8 @@ without a host sync.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Sequence
 
 import torch
@@ -40,8 +42,12 @@ from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS
 from engine.streams import Event, Stream, Streams
 
 HOST_CHUNK_NUMEL = 1 << 21
-"""Elements per host-lane chunk: 8 MB of fp32 gradient, small enough to stay in the caches
-between its upcast and the kernel, large enough that per-call overhead is noise (~1%)."""
+"""Elements per host-lane chunk when one thread drives the lane (every op a parallel region of
+the process's OpenMP threads): 8 MB of fp32 gradient, small enough to stay in the caches between
+its upcast and the kernel, large enough that per-call overhead is noise (~1%)."""
+PART_CHUNK_NUMEL = 1 << 19
+"""Elements per chunk when the lane's threads each update their own part (:class:`_LaneThreads`):
+2 MB of fp32 gradient, a core's L2 cache."""
 
 
 class _Scratch:
@@ -127,12 +133,93 @@ def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
     return torch.full((), float(step), dtype=torch.float32, device=device)
 
 
+class _LaneThreads:
+    """The host lane's threads when a subgroup is updated in parts: the caller and workers, each
+    running its torch ops on its own thread alone (an OpenMP team of one) over a contiguous part
+    of the subgroup, chunk by chunk, and meeting once per subgroup.
+
+    Why: with one thread driving the lane, every op of every chunk (upcast, unscale, kernel,
+    weight cast) is a parallel region that ends in a barrier of all the process's OpenMP threads,
+    a few hundred a step. When anything else is runnable on the rank's cores (the recorder's
+    sampler, the launcher, I/O threads, another tenant), each barrier waits for its descheduled
+    thread: on 2 busy cores the update of a 9e7-parameter partition took 2-3 times stock
+    DeepSpeed's, whose CPU Adam runs one region per subgroup. In parts, a descheduled thread
+    delays only its own part (BENCHMARKS.md, issue 35 item 11). The workers block on a queue
+    between steps and use no CPU there."""
+
+    def __init__(self) -> None:
+        self._queues: list[queue.SimpleQueue] = []
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self, n: int, fn) -> None:
+        """``fn(k)`` for k in 0..n-1: 0 on the calling thread, the others on workers; raises the
+        first error once every part has ended."""
+        self._grow(n - 1)
+        for k in range(1, n):
+            self._queues[k - 1].put((k, fn))
+        first = None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the caller's part on it alone too
+        try:
+            fn(0)
+        except BaseException as e:  # the workers' parts end first: their buffers are in use
+            first = e
+        finally:
+            torch.set_num_threads(threads)
+        for _ in range(1, n):
+            err = self._done.get()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
+    def _grow(self, workers: int) -> None:
+        if len(self._queues) >= workers:
+            return
+        threads = torch.get_num_threads()
+        # The caller's CUDA device (a rank's): a new thread starts on device 0.
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        for i in range(len(self._queues), workers):
+            q, ready = queue.SimpleQueue(), threading.Event()
+            threading.Thread(target=self._serve, args=(q, ready, cuda), name=f"offloadctl-host-lane-{i + 1}",
+                             daemon=True).start()
+            ready.wait()
+            self._queues.append(q)
+        # A worker's set_num_threads(1) also set torch's default for threads started later:
+        # put back the caller's count (its own OpenMP setting never changed).
+        torch.set_num_threads(threads)
+
+    def _serve(self, q: queue.SimpleQueue, ready: threading.Event, cuda: int | None) -> None:
+        torch.set_num_threads(1)  # this thread's ops run on it alone: no team, no barrier
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        ready.set()
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            k, fn = item
+            try:
+                fn(k)
+                self._done.put(None)
+            except BaseException as e:
+                self._done.put(e)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        self._queues = []
+
+
 def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper, kernel: HostKernel,
-                scratch: _Scratch, weights: "WeightUploader | None" = None, reader: "GradReader | None" = None) -> int:
+                scratch: _Scratch, weights: "WeightUploader | None" = None, reader: "GradReader | None" = None,
+                lane_threads: "_LaneThreads | None" = None, part_scratch: "list[_Scratch] | None" = None) -> int:
     """One AdamW step of a subgroup whose state is in host memory, chunk by chunk (module
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
-    them. Gradients on the device come down through ``reader``, a chunk ahead. Returns the
-    slices updated."""
+    them. Gradients on the device come down through ``reader``, a chunk ahead. With
+    ``lane_threads`` (and gradients in host memory), ``torch.get_num_threads()`` threads each
+    update a contiguous part in :data:`PART_CHUNK_NUMEL` chunks, on one thread each, into their
+    own ``part_scratch``. Returns the slices updated."""
     buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
     grads = _Grads(binding, steps)
     if not grads.runs:
@@ -145,36 +232,50 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp
         reader.begin()
     else:
         reader = None
+    parts = torch.get_num_threads() if lane_threads is not None and reader is None else 1
+    chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL
     sink = weights.begin(binding) if weights is not None else None
-    chunks = [(i, a, min(offsets[j], a + HOST_CHUNK_NUMEL))
-              for i, j in grads.runs for a in range(offsets[i], offsets[j], HOST_CHUNK_NUMEL)]
-    ahead = reader.fetch(grads, chunks[0][1], chunks[0][2]) if reader is not None and chunks else None
-    covered, step, run = 0, None, None
-    for n, (i, a, b) in enumerate(chunks):
-        if i != run:  # a run's first chunk
-            run, step = i, _step_tensor(steps[i] + 1, master.device)
-            if sink is not None and a > covered:
-                sink.write(covered, a, master[covered:a])  # slices not updated: their weights as they are
-        if direct:
-            g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
-        else:
-            g = scratch.get(b - a)
-            if reader is not None:
-                handle, ahead = ahead, (reader.fetch(grads, chunks[n + 1][1], chunks[n + 1][2])
-                                        if n + 1 < len(chunks) else None)  # the next chunk's copy runs meanwhile
-                reader.gather(handle, g, grads, a, b)
-            else:
-                _gather(g, per_slice, offsets, a, b)
-            if scale != 1.0:
-                g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
-        kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step]), hp)
-        if sink is not None:
-            sink.write(a, b, master[a:b])  # cast while the chunk is in cache
-        covered = b
-    updated = grads.advance(steps)
-    if sink is not None:
+    chunks = [(i, a, min(offsets[j], a + chunk_numel))
+              for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
+    step_of = {i: _step_tensor(steps[i] + 1, master.device) for i, _ in grads.runs}
+    if sink is not None:  # slices not updated: their weights as they are
+        covered = 0
+        for i, j in grads.runs:
+            if offsets[i] > covered:
+                sink.write(covered, offsets[i], master[covered:offsets[i]])
+            covered = offsets[j]
         if covered < binding.numel:
             sink.write(covered, binding.numel, master[covered:binding.numel])
+
+    def update(part: int, mine: list[tuple[int, int, int]], scratch: _Scratch) -> None:
+        ahead = reader.fetch(grads, mine[0][1], mine[0][2]) if reader is not None and mine else None
+        for n, (i, a, b) in enumerate(mine):
+            if direct:
+                g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+            else:
+                g = scratch.get(b - a)
+                if reader is not None:
+                    handle, ahead = ahead, (reader.fetch(grads, mine[n + 1][1], mine[n + 1][2])
+                                            if n + 1 < len(mine) else None)  # the next chunk's copy runs meanwhile
+                    reader.gather(handle, g, grads, a, b)
+                else:
+                    _gather(g, per_slice, offsets, a, b)
+                if scale != 1.0:
+                    g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
+            kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step_of[i]]), hp)
+            if sink is not None:
+                sink.write(a, b, master[a:b], part)  # cast while the chunk is in cache
+
+    parts = max(1, min(parts, len(chunks)))
+    if parts == 1:
+        update(0, chunks, scratch)
+    else:
+        while len(part_scratch) < parts:
+            part_scratch.append(_Scratch(torch.device("cpu")))
+        bounds = [len(chunks) * k // parts for k in range(parts + 1)]
+        lane_threads.run(parts, lambda k: update(k, chunks[bounds[k]:bounds[k + 1]], part_scratch[k]))
+    updated = grads.advance(steps)
+    if sink is not None:
         sink.finish()
     else:
         binding.write_weights(master)
@@ -188,11 +289,11 @@ class _WeightSink:
         self.uploader, self.binding, self.target = uploader, binding, target
         self.in_place = uploader.streams.in_host_memory(target)
 
-    def write(self, a: int, b: int, master_chunk: torch.Tensor) -> None:
+    def write(self, a: int, b: int, master_chunk: torch.Tensor, part: int = 0) -> None:
         if self.in_place:
             self.target[a:b].copy_(master_chunk)
         else:
-            self.uploader.upload(self.target, a, master_chunk)
+            self.uploader.upload(self.target, a, master_chunk, part)
 
     def finish(self) -> None:
         weights_written(self.binding)
@@ -234,45 +335,50 @@ class WeightUploader:
     """Gets the host lane's updated weights into the model's flat weights.
 
     A flat weight tensor in host memory is written in place. One in device memory is written
-    chunk by chunk (``chunk_numel`` elements) through :data:`UPLOAD_SLOTS` pinned chunk buffers:
-    the host lane casts a chunk into one, its asynchronous copy runs on ``stream`` (the upload
-    stream, which the engine joins to the caller's stream at the end of the step) while the next
-    chunk is cast. The pinned memory is a few chunks whatever the subgroup size, and a subgroup's
-    last copy is one chunk. Bindings without a flat weight tensor (``OffloadAdamW``) fall back to
-    their ``write_weights``.
+    chunk by chunk (``chunk_numel`` elements) through :data:`UPLOAD_SLOTS` pinned chunk buffers
+    per host-lane thread (each thread its own: no lock between them): the thread casts a chunk
+    into one, its asynchronous copy runs on ``stream`` (the upload stream, which the engine joins
+    to the caller's stream at the end of the step) while the next chunk is cast. The pinned
+    memory is a few chunks per thread whatever the subgroup size, and a subgroup's last copy is
+    one chunk. Bindings without a flat weight tensor (``OffloadAdamW``) fall back to their
+    ``write_weights``.
     """
 
-    def __init__(self, streams: Streams, chunk_numel: int = HOST_CHUNK_NUMEL) -> None:
+    def __init__(self, streams: Streams, chunk_numel: int = PART_CHUNK_NUMEL) -> None:
         self.streams = streams
         self.stream = streams.new_stream()
         self.chunk_numel = chunk_numel
-        self._ring = _PinnedRing(UPLOAD_SLOTS, 4 * chunk_numel)  # 4 bytes an element: any weight dtype
+        self._rings: dict[int, _PinnedRing] = {}  # per host-lane thread (its part number)
 
     def begin(self, binding: SubgroupBinding) -> _WeightSink | None:
         target = flat_weights_of(binding)
         return None if target is None else _WeightSink(self, binding, target)
 
     @staticmethod
-    def pinned_bytes(chunk_numel: int = HOST_CHUNK_NUMEL) -> int:
-        """Host memory of the pinned chunk buffers, once weights on a device have been written."""
-        return UPLOAD_SLOTS * 4 * chunk_numel
+    def pinned_bytes(threads: int = 1, chunk_numel: int = PART_CHUNK_NUMEL) -> int:
+        """Host memory of the pinned chunk buffers of ``threads`` host-lane threads, once weights
+        on a device have been written."""
+        return threads * UPLOAD_SLOTS * 4 * chunk_numel
 
     def host_bytes(self) -> int:
         """Host memory of the pinned chunk buffers (allocated when first needed)."""
-        return self._ring.nbytes
+        return sum(r.nbytes for r in self._rings.values())
 
-    def upload(self, target: torch.Tensor, offset: int, master: torch.Tensor) -> None:
+    def upload(self, target: torch.Tensor, offset: int, master: torch.Tensor, part: int = 0) -> None:
         """``master`` (fp32, in host memory) cast into ``target[offset:]`` on the device, a chunk
-        at a time through the pinned buffers."""
+        at a time through host-lane thread ``part``'s pinned buffers."""
+        ring = self._rings.get(part)
+        if ring is None:  # 4 bytes an element: any weight dtype
+            ring = self._rings[part] = _PinnedRing(UPLOAD_SLOTS, 4 * self.chunk_numel)
         n, size = master.numel(), target.element_size()
         for a in range(0, n, self.chunk_numel):
             b = min(n, a + self.chunk_numel)
-            k, raw = self._ring.take()
+            k, raw = ring.take()
             staging = raw[:(b - a) * size].view(target.dtype)
             staging.copy_(master[a:b])  # the cast, on the CPU, while the last chunk crosses PCIe
             with self.streams.use(self.stream):
                 self.streams.copy(target[offset + a:offset + b], staging)
-                self._ring.done(k, self.streams.record(self.stream))
+                ring.done(k, self.streams.record(self.stream))
 
 
 READ_SLOTS = 2
@@ -331,7 +437,9 @@ class GradReader:
 
 
 class HostLane:
-    """Updates state in host memory with the faster fused CPU AdamW kernel."""
+    """Updates state in host memory with the faster fused CPU AdamW kernel. With torch's kernel
+    and more than one thread, the lane's threads update each subgroup in parts
+    (:class:`_LaneThreads`); DeepSpeed's kernel runs its own OpenMP threads and is driven by one."""
 
     def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None,
                  grads: GradReader | None = None) -> None:
@@ -339,19 +447,29 @@ class HostLane:
         self.weights = weights
         self.grads = grads if grads is not None else (GradReader(weights.streams) if weights is not None else None)
         self._grad = _Scratch(torch.device("cpu"))
+        self._parts: list[_Scratch] = []
+        self._threads = _LaneThreads() if kernel_name == "torch" else None
 
     def update(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hp: AdamWHyper) -> int:
-        return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights, self.grads)
+        return host_update(buf, binding, steps, hp, self.kernel, self._grad, self.weights, self.grads,
+                           self._threads, self._parts)
+
+    def close(self) -> None:
+        """Stop the lane's worker threads (they are made again if the lane runs once more)."""
+        if self._threads is not None:
+            self._threads.close()
 
     @staticmethod
     def scratch_bytes(numel: int) -> int:
-        """Host memory of the gradient scratch for subgroups of up to ``numel`` elements."""
-        return 4 * min(numel, HOST_CHUNK_NUMEL)
+        """Host memory of the gradient scratch for subgroups of up to ``numel`` elements: one
+        chunk, or one part chunk per thread."""
+        return 4 * min(numel, max(HOST_CHUNK_NUMEL, torch.get_num_threads() * PART_CHUNK_NUMEL))
 
     def host_bytes(self) -> int:
         """Host memory the lane holds besides the state: its gradient scratch, the pinned chunk
         buffers of the weight uploads and the gradient reads."""
-        return (self._grad.nbytes + (self.weights.host_bytes() if self.weights is not None else 0)
+        return (self._grad.nbytes + sum(s.nbytes for s in self._parts)
+                + (self.weights.host_bytes() if self.weights is not None else 0)
                 + (self.grads.host_bytes() if self.grads is not None else 0))
 
 

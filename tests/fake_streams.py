@@ -11,11 +11,13 @@ after a host wait starts after what was waited for).
 Tensors named with :meth:`RecordingStreams.mark_device` play the device's memory (the model's
 weights, gradients kept on the GPU); everything else is host memory. So with ``device='cpu'``
 the engine runs its CUDA code path (uploads through staging, gradients copied in with the
-state) and the test checks what each wait orders.
+state) and the test checks what each wait orders. Safe to use from several threads (the host
+lane's): the stream a thread made current is its own, and every operation holds one lock.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +54,9 @@ class FakeEvent:
         self.owner, self.clock, self.blocking = owner, dict(clock), blocking
 
     def synchronize(self) -> None:
-        _merge(self.owner.host, self.clock)
-        self.owner.ops.append(("wait", dict(self.owner.host)))
+        with self.owner.lock:
+            _merge(self.owner.host, self.clock)
+            self.owner.ops.append(("wait", dict(self.owner.host)))
 
     def query(self) -> bool:
         return True
@@ -65,14 +68,17 @@ class FakeStream:
         self.clock: dict[str, int] = {name: 0}
 
     def wait_event(self, event: FakeEvent) -> None:
-        _merge(self.clock, event.clock)
+        with self.owner.lock:
+            _merge(self.clock, event.clock)
 
     def wait_stream(self, stream: "FakeStream") -> None:
-        _merge(self.clock, stream.clock)
+        with self.owner.lock:
+            _merge(self.clock, stream.clock)
 
     def synchronize(self) -> None:
-        _merge(self.owner.host, self.clock)
-        self.owner.ops.append(("wait", dict(self.owner.host)))
+        with self.owner.lock:
+            _merge(self.owner.host, self.clock)
+            self.owner.ops.append(("wait", dict(self.owner.host)))
 
     def query(self) -> bool:
         return True
@@ -91,7 +97,8 @@ class RecordingStreams:
         self.host: dict[str, int] = {}
         self.default = FakeStream(self, "default")
         self.streams = [self.default]
-        self._active: FakeStream | None = None
+        self.lock = threading.RLock()
+        self._local = threading.local()  # the stream each thread made current
         self.copies: list[Copy] = []
         self.events: list[FakeEvent] = []
         self.ops: list[tuple[str, object]] = []
@@ -101,33 +108,37 @@ class RecordingStreams:
     # -- the seam ------------------------------------------------------------------------------
 
     def new_stream(self) -> FakeStream:
-        s = FakeStream(self, f"s{len(self.streams)}")
-        self.streams.append(s)
-        return s
+        with self.lock:
+            s = FakeStream(self, f"s{len(self.streams)}")
+            self.streams.append(s)
+            return s
 
     def current(self) -> FakeStream:
         return self.default
 
     @contextlib.contextmanager
     def use(self, stream: FakeStream):
-        prev, self._active = self._active, stream
+        prev = getattr(self._local, "active", None)
+        self._local.active = stream
         try:
             yield
         finally:
-            self._active = prev
+            self._local.active = prev
 
     def record(self, stream: FakeStream) -> FakeEvent:
-        ev = FakeEvent(self, stream.clock, blocking=True)
-        self.events.append(ev)
-        return ev
+        with self.lock:
+            ev = FakeEvent(self, stream.clock, blocking=True)
+            self.events.append(ev)
+            return ev
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        s = self._active or self.default
-        _merge(s.clock, self.host)  # issued after whatever the host waited for
-        s.clock[s.name] = s.clock.get(s.name, 0) + 1
-        self.copies.append(Copy(s.name, s.clock[s.name], dict(s.clock), _span(dst), _span(src), self.on_device(dst)))
-        self.ops.append(("copy", len(self.copies) - 1))
-        dst.copy_(src)
+        s = getattr(self._local, "active", None) or self.default
+        with self.lock:
+            _merge(s.clock, self.host)  # issued after whatever the host waited for
+            s.clock[s.name] = s.clock.get(s.name, 0) + 1
+            self.copies.append(Copy(s.name, s.clock[s.name], dict(s.clock), _span(dst), _span(src), self.on_device(dst)))
+            self.ops.append(("copy", len(self.copies) - 1))
+            dst.copy_(src)
 
     def on_device(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._device_storages
@@ -136,9 +147,10 @@ class RecordingStreams:
         return not self.on_device(t)
 
     def synchronize(self) -> None:
-        for s in self.streams:
-            _merge(self.host, s.clock)
-        self.ops.append(("wait", dict(self.host)))
+        with self.lock:
+            for s in self.streams:
+                _merge(self.host, s.clock)
+            self.ops.append(("wait", dict(self.host)))
 
     # -- for the tests ---------------------------------------------------------------------------
 

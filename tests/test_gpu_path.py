@@ -613,7 +613,7 @@ def test_host_lane_uploads_weights_a_chunk_at_a_time_through_a_few_pinned_buffer
     (2 x 2 GB pinned at sub_group_size 1e9, a serial last upload of 2 GB, buffers that grew and
     were pinned inside the step). They go up a chunk at a time through UPLOAD_SLOTS pinned chunk
     buffers, pinned once, whatever the subgroup size; each copy is joined to the caller's stream."""
-    from engine.lanes import UPLOAD_SLOTS, _PinnedRing
+    from engine.lanes import UPLOAD_SLOTS
 
     pins = []
     real = engine.lanes.aligned_empty
@@ -626,18 +626,22 @@ def test_host_lane_uploads_weights_a_chunk_at_a_time_through_a_few_pinned_buffer
     monkeypatch.setattr(engine.lanes, "aligned_empty", aligned_empty)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, fraction=0.0)
     up = run.engine.host_lane.weights
-    up.chunk_numel, up._ring = CHUNK, _PinnedRing(UPLOAD_SLOTS, 4 * CHUNK)
+    up.chunk_numel = CHUNK
     names = _stream_names(run)
     weights = _spans(run.weights)
-    for _ in range(4):
+    for it in range(4):
         rec, copies = run.step()
         assert rec.host_lane_subgroups == len(NUMELS)
         uploads = [c for c in copies if _touches(c, weights, src=False)]
         assert uploads and all(names[c.stream] == "upload" for c in uploads)
         assert all(c.dst[1] - c.dst[0] <= 2 * CHUNK for c in uploads)  # bf16: a chunk at most, the last one too
         assert not [c for c in uploads if not c.before(run.fake.default.clock)]
-    assert pins == [4 * CHUNK] * UPLOAD_SLOTS  # pinned once, at the first upload; nothing grows after
-    assert up.host_bytes() == UPLOAD_SLOTS * 4 * CHUNK
+        if it == 0:
+            first = list(pins)
+    rings = len(up._rings)  # one per host-lane thread that uploaded
+    assert 1 <= rings <= torch.get_num_threads()
+    assert pins == first == [4 * CHUNK] * (UPLOAD_SLOTS * rings)  # pinned at the first uploads; nothing after
+    assert up.host_bytes() == rings * UPLOAD_SLOTS * 4 * CHUNK
     assert not run.fake.races()
     run.check_numerics()
     run.engine.close()
@@ -670,3 +674,50 @@ def test_host_lane_reads_device_gradients_a_chunk_ahead(monkeypatch, swap_dir):
     assert not run.fake.races()
     run.check_numerics()
     run.engine.close()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
+def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch):
+    """Issue 35, item 11: driven by one thread, every op of every host-lane chunk was a parallel
+    region of all the process's OpenMP threads, ending in a barrier; a few hundred a step, each
+    waiting for whichever thread anything else on the cores had descheduled (the step took 2-3
+    times stock's on 2 busy cores). Each of the lane's threads now updates its own part of a
+    subgroup with ops that run on it alone; the math is the same, element for element."""
+    from engine.adamw import adamw_update_torch_
+    from engine.lanes import PART_CHUNK_NUMEL
+
+    seen = []
+
+    def kernel(s, hp):
+        import threading
+
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        adamw_update_torch_(s, hp)
+
+    monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice: ("torch", kernel))
+    threads = torch.get_num_threads()
+    n = 3 * PART_CHUNK_NUMEL + 1000
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, generator=gen).to(torch.bfloat16)
+    g = torch.randn(n, generator=gen).to(torch.bfloat16)
+    b, b1 = FlatSubgroup(w, g), FlatSubgroup(w.clone(), g)
+    b.grad_scale = b1.grad_scale = 0.5
+    ref = torch.nn.Parameter(w.float())
+    ref_opt = torch.optim.AdamW([ref], lr=HP.lr, weight_decay=HP.weight_decay)
+    eng = SubgroupEngine([b], EngineConfig(host_cache_bytes=None, host_adam="torch"))
+    one = SubgroupEngine([b1], EngineConfig(host_cache_bytes=None, host_adam="torch"))
+    one.host_lane._threads = None  # driven by one thread, as before
+    for _ in range(2):
+        ref.grad = g.float() * 0.5
+        eng.step([HP])
+        ref_opt.step()
+    parts = list(seen)
+    for _ in range(2):
+        one.step([HP])
+    assert {k for _, k in parts} == {1}  # every op on its thread alone
+    assert len({t for t, _ in parts}) == min(threads, 4)  # the chunks spread over the lane's threads
+    assert torch.get_num_threads() == threads  # the caller's count is back
+    assert torch.equal(eng.read_state(0)[0], one.read_state(0)[0]) and torch.equal(w, b1.weight)  # the same math
+    torch.testing.assert_close(eng.read_state(0)[0], ref.detach(), rtol=1e-6, atol=1e-7)
+    eng.close()
+    one.close()
