@@ -46,7 +46,8 @@ class HostUsage:
     kept: int = 0
     """Staging buffers that keep a subgroup's state across the step boundary."""
     copies: int = 0
-    """The weight uploads' pinned buffers and the host lane's gradient scratch."""
+    """The host lane's gradient scratch, its pinned chunk buffers (weight uploads, gradient reads),
+    and the device tier's pinned host buffers kept between ``release_device()`` cycles."""
 
     @property
     def total(self) -> int:
