@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from engine.errors import ConfigError
 
-DEEPSPEED_REQUIREMENT = "deepspeed>=0.19,<0.20"
+DEEPSPEED_REQUIREMENT = "deepspeed>=0.19.8,<0.20"
 """Used only without offloadctl's package metadata (running from a bare checkout)."""
 
 CHECKED_AGAINST = "0.19.8"

@@ -103,7 +103,7 @@ def test_the_class_install_puts_in_place_is_looked_through(ds, stage3, monkeypat
     ds_compat.check_deepspeed(ds)
 
 
-@pytest.mark.parametrize("version", ["0.20.0", "0.18.9", "0.20.0.dev0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.20.0", "0.19.7", "0.18.9", "0.20.0.dev0", "1.0.0"])
 def test_version_outside_the_range_fails(version):
     fake = types.SimpleNamespace(__version__=version, __name__="deepspeed")
     req = ds_compat.supported_requirement()
@@ -114,7 +114,7 @@ def test_version_outside_the_range_fails(version):
                             f"the supported range (pip install '{req}' --no-build-isolation)")
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.19.9.dev0", "0.19.8+cpu"])
+@pytest.mark.parametrize("version", ["0.19.8", "0.19.9.dev0", "0.19.8+cpu"])
 def test_version_inside_the_range_passes(version):
     ds_compat.check_deepspeed(types.SimpleNamespace(__version__=version, __name__="deepspeed"))
 

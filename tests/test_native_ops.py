@@ -108,8 +108,9 @@ def test_an_op_built_once_is_reused_whatever_path_or_activation(tmp_path):
     the other's: every switch between `PATH=.venv/bin:$PATH` (or an activated venv) and the usual
     PATH recompiled every op. Built once here; then no load and no build compiles anything."""
     ext = str(tmp_path / "ext")
+    _seed(ext, "cpu_adam", drop=("cpu_adam.so", "cpu_adam_impl.o"))  # a compile here, not all of them
     first, _ = _child(BUILD, "cpu_adam", _env(ext, "usual"))
-    assert first["state"] == "built" and first["steps"], first  # from scratch: it compiled
+    assert first["state"] == "built" and first["steps"], first  # it compiled, and linked, here
     op_dir = os.path.join(ext, "cpu_adam")
     before = _fingerprint(op_dir)
     decoy_dir, decoy_ran = _decoy(tmp_path)
@@ -180,19 +181,19 @@ def _busy(op_dir: str) -> bool:
         os.close(fd)
 
 
-def _async_io_seed(ext: str) -> bool:
-    """Copy a built async_io (and pin_memory, which it loads first) into ``ext`` when the default
-    build directory has one built by this ninja, less the library and a few objects: the build
-    below then compiles those (a minute) instead of the whole op (several). False: no seed."""
+def _seed(ext: str, op: str, drop: tuple[str, ...], deps: tuple[str, ...] = ()) -> bool:
+    """Copy ``op`` (and ``deps``, which DeepSpeed loads first) into ``ext`` where the default build
+    directory has it built by this ninja, less the files in ``drop``: a build there then compiles
+    those (a minute) instead of the whole op (several). False: nothing to seed from."""
     src = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")  # as engine.storage.native_ops
-    probe = subprocess.run([sys.executable, "-c", LOAD, "async_io"], capture_output=True, text=True, cwd=ROOT,
+    probe = subprocess.run([sys.executable, "-c", LOAD, op], capture_output=True, text=True, cwd=ROOT,
                            env=_env(src), timeout=300)
     if probe.returncode != 0 or json.loads(probe.stdout.strip().splitlines()[-1])["state"] != "built":
         return False
-    for op in ("pin_memory", "async_io"):
-        shutil.copytree(os.path.join(src, op), os.path.join(ext, op), ignore=shutil.ignore_patterns("lock", "*.flock"))
-    for f in ("async_io.so", "deepspeed_aio_utils.o", "deepspeed_py_aio_handle.o", "py_ds_aio.o"):
-        os.unlink(os.path.join(ext, "async_io", f))
+    for name in (*deps, op):
+        shutil.copytree(os.path.join(src, name), os.path.join(ext, name), ignore=shutil.ignore_patterns("lock", "*.flock"))
+    for f in drop:
+        os.unlink(os.path.join(ext, op, f))
     return True
 
 
@@ -204,7 +205,8 @@ def test_a_build_killed_mid_compile_is_recovered_by_the_next_build(tmp_path):
     probe, _ = _child(LOAD, "async_io", _env(str(tmp_path / "probe")))
     if probe["state"] == "unavailable":
         pytest.skip(f"async_io cannot build here: {probe['detail']}")
-    _async_io_seed(ext)
+    _seed(ext, "async_io", drop=("async_io.so", "deepspeed_aio_utils.o", "deepspeed_py_aio_handle.o", "py_ds_aio.o"),
+          deps=("pin_memory",))
     build = subprocess.Popen([sys.executable, "-c", BUILD, "async_io"], env=_env(ext), cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     lock = os.path.join(ext, "async_io", "lock")
