@@ -75,9 +75,12 @@ def _failed(settings, error: BaseException) -> None:
 
 
 class Stopped(BaseException):
-    """Raised in the main thread by SIGTERM or SIGHUP (DeepSpeed's launcher sends SIGTERM to every
-    rank when one fails or when it is interrupted): the script unwinds, and the engine's swap
-    files go at exit, as after the end of the script."""
+    """Raised in the main thread by SIGINT, SIGTERM or SIGHUP: the script unwinds, and the
+    engine's swap files go at exit, as after the end of the script. Ctrl-C reaches every rank
+    as SIGINT (the terminal signals the whole process group), and ``offloadctl train`` forwards
+    a signal sent to it alone as that same signal, so the rank's record and its tuner's run say
+    what the user did; DeepSpeed's launcher sends SIGTERM too, after, when one rank fails or it
+    is interrupted: the first signal counts."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -92,7 +95,7 @@ def _stop_on_signals() -> None:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)
 
-    for s in (signal.SIGTERM, signal.SIGHUP):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT: inherited ignored, set here
         signal.signal(s, handler)
 
 
@@ -110,12 +113,27 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
     parts = [f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
              f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
              f"{start}; {tuner}"]
+    history = _history_start(opt.tuner_client)
+    if history:
+        parts.append(history)
     from engine.text import printable
 
     parts = [printable(p) for p in parts]  # paths and a profile's name are the user's text
     width = max(40, min(shutil.get_terminal_size().columns, 120))
     return "\n".join(textwrap.fill(p, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
                                    break_on_hyphens=False, break_long_words=False) for i, p in enumerate(parts))
+
+
+def _history_start(client, timeout_s: float = 2.0) -> str | None:
+    """Which knobs the tuner's history sets for this run's start, and from which earlier run
+    (the daemon says so at registration, which takes milliseconds on this node), or None."""
+    if client is None or not client.wait_registered(timeout_s) or not client.start_from:
+        return None
+    import json
+
+    knobs = ", ".join(f"{k}={json.dumps(v)}" for k, v in client.start_from["knobs"].items())
+    return (f"history: {knobs}, from the tuner's verdict in run {client.start_from['run_id']} (at the first knob "
+            f"change; a knob you give is never taken from history)")
 
 
 def main() -> int:

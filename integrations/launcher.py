@@ -198,10 +198,11 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port:
     SIGTERM or SIGHUP stopped it, after every rank has unwound (or been killed). Either way this
     run's /dev/shm buffers are removed. With ``output``, the launcher's stdout and stderr go
     through it (DeepSpeed's lines to the run's log) until every process of the run is gone."""
-    # The launcher stays in our process group, so killing the group kills the whole run. It and
-    # the ranks ignore SIGINT (inherited: the ranks are started before DeepSpeed's launcher sets
-    # its handlers): on Ctrl-C, DeepSpeed's per-node launcher alone acts, sending the ranks
-    # SIGTERM, on which each rank unwinds and removes its swap files; no launcher traceback.
+    # The launcher stays in our process group, so killing the group kills the whole run. It
+    # ignores SIGINT until DeepSpeed's per-node launcher sets its handler (no launcher
+    # traceback); the ranks inherit the ignore and set their own (integrations.bootstrap): on
+    # Ctrl-C each rank takes the SIGINT itself, records it, unwinds and removes its swap files,
+    # and the per-node launcher's SIGTERM that follows finds it unwinding already.
     streams = output.child_fds() if output is not None else (None, None)
     try:
         proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint,
@@ -222,7 +223,7 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         if output is not None:  # one line for the whole run follows; each rank's own goes to the log
             output.hide_also(r"offloadctl: rank \d+ stopped by ", "offloadctl: rank ")
-        _stop_run(proc)
+        _stop_run(proc, e.signum)
         return 128 + e.signum, signal.Signals(e.signum)
     finally:
         for s, h in before.items():
@@ -232,19 +233,21 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port:
         remove_shm_buffers(master_port)
 
 
-def _stop_run(proc: subprocess.Popen) -> None:
-    """Stop the launcher and every process under it: SIGTERM to each (after SIGINT, which they
-    ignore, DeepSpeed's launcher has sent it already), wait until all are gone, SIGKILL what is
-    left after ``STOP_GRACE_S``."""
+def _stop_run(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
+    """Stop the launcher and every process under it: the ranks first, with the signal that
+    stopped us (``signum``: they unwind on SIGINT, SIGTERM and SIGHUP alike, and record which,
+    so a Ctrl-C is recorded as SIGINT, not as the SIGTERM DeepSpeed's launcher then sends), then
+    SIGTERM to the launchers; wait until all are gone, SIGKILL what is left after ``STOP_GRACE_S``."""
     import psutil
 
     try:
         tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
     except psutil.NoSuchProcess:
         tree = []
-    for p in reversed(tree):  # the ranks first, so that no launcher reports them as failed first
+    ranks = [p for p in tree if _is_rank(p)]
+    for p in ranks + [p for p in reversed(tree) if p not in ranks]:  # ranks first: no launcher reports them failed first
         try:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(signum if p in ranks else signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
@@ -254,6 +257,16 @@ def _stop_run(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     proc.wait()
+
+
+def _is_rank(p) -> bool:
+    """Whether process ``p`` is a rank: it runs the bootstrap."""
+    import psutil
+
+    try:
+        return os.path.abspath(bootstrap.__file__) in p.cmdline()
+    except (psutil.Error, OSError):
+        return False
 
 
 # -- DeepSpeed's shared memory ------------------------------------------------------------------

@@ -50,6 +50,8 @@ _RANK_FAILED = re.compile(rb"^offloadctl: rank (\d+) failed: (.*?)\s*$")
 # gloo's threads torn down by a rank's exit after a peer has gone.
 _TEARDOWN = (b"terminate called without an active exception",)
 _LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
+_OURS = b"offloadctl: "
+"""How offloadctl's own lines begin (a rank's, or this process's)."""
 
 
 def log_path(run_dir: str) -> str:
@@ -184,9 +186,13 @@ class OutputFilter:
     A failed rank's lines (its one line, DeepSpeed's launcher's report of it, gloo's teardown)
     go to the log and into ``failures``: the run ends with one line for them."""
 
-    def __init__(self, shown, log, *, verbose: bool = False, failures: RankFailures | None = None) -> None:
+    def __init__(self, shown, log, *, verbose: bool = False, failures: RankFailures | None = None,
+                 said: set | None = None) -> None:
         self.shown, self.log, self.verbose = shown, log, verbose
         self.failures = failures if failures is not None else RankFailures()
+        self.said = said if said is not None else set()
+        """offloadctl's lines shown so far: the same line from another rank (a config every rank
+        refuses, a warning every rank gives) goes to the log, not to the terminal again."""
         self._held = b""
         self._passing = False  # in the middle of a line already passed on
         self.hidden_lines = 0
@@ -221,6 +227,8 @@ class OutputFilter:
                 self._log(line)
                 if self.verbose:
                     self._show(line)
+            elif self._said_already(line):
+                self._log(line)
             else:
                 self._show(line)
 
@@ -240,6 +248,15 @@ class OutputFilter:
             return True
         return bool(self.extra_hidden and self.extra_hidden.match(text.decode(errors="replace")))
 
+    def _said_already(self, line: bytes) -> bool:
+        text = line.lstrip(b"\r").rstrip()
+        if not text.startswith(_OURS) or _RANK_FAILED.match(text):
+            return False
+        if text in self.said:
+            return True
+        self.said.add(text)
+        return False
+
     def _undecided(self, partial: bytes) -> bool:
         """Whether the start of a line, ``partial``, could still become a line for the log."""
         text = partial.lstrip(b"\r")
@@ -248,7 +265,9 @@ class OutputFilter:
             rest = text[n:]
             if any((level + b"] ").startswith(rest) or rest.startswith(level + b"] ") for level in _LEVELS):
                 return True
-        starts = _DS_PRINT_STARTS + (b"offloadctl: rank ", b"terminate called") + \
+        if (_OURS.startswith(text) or text.startswith(_OURS)) and len(text) < 2000:
+            return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
+        starts = _DS_PRINT_STARTS + (b"terminate called",) + \
             ((self.extra_start,) if self.extra_hidden and self.extra_start else ())
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 
@@ -281,6 +300,7 @@ class LauncherOutput:
         self.filters: list[OutputFilter] = []
         self._threads: list[threading.Thread] = []
         self.failures = RankFailures()
+        self._said: set[bytes] = set()
 
     def child_fds(self) -> tuple[int, int]:
         """The child's stdout and stderr (close them in the parent once it has started)."""
@@ -289,7 +309,8 @@ class LauncherOutput:
             r, w = _terminal_pair(ours) if _isatty(ours) else os.pipe()
             self._pairs.append((r, w))
             ends.append(w)
-            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose, failures=self.failures))
+            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose, failures=self.failures,
+                                             said=self._said))
         return ends[0], ends[1]
 
     def started(self) -> None:

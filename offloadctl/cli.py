@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("offloadctl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `offloadctl ... --json | head`: the reader has all it wanted
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + 13  # as a process killed by SIGPIPE, like any other filter in a pipe
 
 
 if __name__ == "__main__":

@@ -46,6 +46,96 @@ def run_summary_lines(run_dir: str, *, rank: int = 0) -> list[str]:
     return _wrap([f"no summary: {run_dir} has no record-rank{rank}.jsonl or telemetry-rank{rank}.jsonl"])
 
 
+WHO_CHANGED = {"policy": "the tuner", "resync": "the tuner", "user": "you, tune --pin", "history": "history"}
+"""Who changed a knob, by the daemon's source of the change."""
+
+
+def tuner_lines(view: dict) -> list[str]:
+    """The tuner's part of the end of a run, from the daemon's view of it
+    (``tuner.service.run_view``): every knob that ended other than it started, from what to
+    what and who changed it (history names the earlier run), then what the tuner is doing.
+    Wrapped to :data:`WIDTH`."""
+    from tuner.knob_text import changed_knobs
+
+    start = view.get("start_knobs") or {}
+    changed = changed_knobs(start, view.get("knobs") or {}) if start else {}
+    by = view.get("changed_by") or {}
+    origin = (view.get("start_from") or {}).get("run_id")
+    said = []
+    for key, (before, after) in changed.items():
+        who = WHO_CHANGED.get(by.get(key, "policy"), by.get(key, "policy"))
+        if by.get(key) == "history" and origin:
+            who = f"history: the tuner's verdict in run {origin}"
+        said.append(f"{key} {_knob_value(before)} -> {_knob_value(after)} ({who})")
+    policy = view.get("policy") or {}
+    mode = "frozen" if view.get("frozen") else policy.get("mode")
+    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {policy.get('trial')}",
+             "measuring": "measuring"}.get(mode, mode or "done")
+    decisions = [d for d in view.get("decisions") or [] if d.get("source") != "user"]
+    reason = policy.get("holding_reason") or (decisions[-1]["reason"] if decisions and mode != "frozen" else "")
+    why = reason.rsplit(": ", 1)[-1] if reason else ""
+    head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
+    return _wrap([f"{head}; {doing}" + (f" ({why})" if why else "")])
+
+
+def _knob_value(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+SUMMARY_FORMAT = "offloadctl-run-summary"
+SUMMARY_VERSION = 1
+
+
+def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None = None, stopped_by: str | None = None,
+                        tuner_view: dict | None = None) -> dict:
+    """The end-of-run summary's figures, for ``offloadctl train --json-summary FILE``: how the
+    run ended and, when it recorded iterations, how fast (median iteration, throughput), where
+    the time went (shares of the median iteration), why (the bottleneck sentence), the bytes it
+    moved per parameter, and the tuner's changes (knob, from, to, by whom). Seconds and bytes;
+    None where a figure is unknown."""
+    from tuner.knob_text import changed_knobs
+
+    out: dict = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "run_dir": os.path.abspath(run_dir),
+                 "rank": rank, "exit_status": exit_status, "stopped_by": stopped_by,
+                 "status": "interrupted" if stopped_by else "finished" if exit_status == 0 else "failed"}
+    try:
+        a = analyze_run(load_run(run_dir, rank=rank))
+    except ConfigError as e:
+        out["recorded"] = str(e)
+        a = None
+    if a is not None:
+        s = a["summary"]
+        out.update({
+            "status": a["status_kind"] if a["status_kind"] in ("finished", "interrupted", "error") else out["status"],
+            "status_text": a["status"], "iterations": s["iterations"], "total_s": s["total_s"],
+            "steady_iterations": len(s["steady_iterations"]), "median_iteration_s": s["median_iter_s"],
+            "samples_per_s": s.get("samples_per_s"), "tokens_per_s": s.get("tokens_per_s"),
+            "world_size": s.get("world_size", 1), "shares": dict(s["shares"]), "bottleneck": s["verdict"],
+            "bytes_per_param": s.get("engine_bytes_per_param"),
+            "bytes_per_param_total": s.get("engine_bytes_per_param_total"),
+            "disk_bytes_per_param_total": s.get("disk_bytes_per_param_total"),
+            "other_processes_disk_bytes_per_param_total": s.get("other_disk_bytes_per_param_total"),
+            "host_memory": s.get("host_memory"), "fixed_knobs": s.get("fixed_knobs"),
+        })
+    if tuner_view:
+        by = tuner_view.get("changed_by") or {}
+        start = tuner_view.get("start_knobs") or {}
+        policy = tuner_view.get("policy") or {}
+        out["tuner"] = {
+            "run_id": tuner_view.get("run_id"), "knobs": tuner_view.get("knobs"),
+            "changes": [{"knob": k, "from": a_, "to": b_, "by": by.get(k, "policy")}
+                        for k, (a_, b_) in (changed_knobs(start, tuner_view.get("knobs") or {}) if start else {}).items()],
+            "history_run": (tuner_view.get("start_from") or {}).get("run_id"),
+            "mode": "frozen" if tuner_view.get("frozen") else policy.get("mode"),
+            "reason": policy.get("holding_reason"), "pins": tuner_view.get("pins") or {},
+        }
+    return out
+
+
 def print_run_summary(run_dir: str, console: Console | None = None, *, rank: int = 0) -> None:
     """Print :func:`run_summary_lines` (the lines are wrapped already: the console leaves them be)."""
     console = console or Console()
@@ -101,7 +191,12 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
     lines.append(f"bottleneck: {s['verdict']}")
     per_param = s.get("engine_bytes_per_param")
     total = s.get("engine_bytes_per_param_total")
-    if per_param is None and s.get("disk_bytes_per_param_total") is not None:
+    if per_param is None and s.get("run_disk_bytes_per_param_total") is not None:  # stock: the rank's own bytes
+        label = "+".join(dict.fromkeys(t["kind"] for t in a["tiers"] if t.get("device"))) or "disk"
+        per_param = {label: {d: sum(rw[d] for rw in s["run_disk_bytes_per_param"].values())
+                             for d in ("read", "written")}}
+        total = s["run_disk_bytes_per_param_total"]
+    elif per_param is None and s.get("disk_bytes_per_param_total") is not None:
         per_param = {}
         for ph in s["disk_bytes_per_param"].values():
             for tier, rw in ph.items():
@@ -114,6 +209,10 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
     line = _bytes_line(per_param, total, s.get("median_cache_hits"), s.get("swapped_subgroups"), by_tier)
     if line:
         lines.append(line)
+    others, own = s.get("other_disk_bytes_per_param_total"), s.get("run_disk_bytes_per_param_total") or 0.0
+    if others is not None and others >= max(0.5, 0.25 * own):
+        lines.append(f"other processes moved {others:.1f} B/param an iteration on the same device (not counted as "
+                     f"this run's)")
     elif not a["tiers"]:
         lines.append(f"optimizer state kept in {storage_name(a)}: no storage tier, no bytes moved to disk")
     lines += _host_lines(s.get("host_memory"), s.get("fixed_knobs"), rank, a["engine"] != "stock")

@@ -260,7 +260,7 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in v:
         if k not in fields:
-            raise _SchemaError(_join(key, k), f"is not a key of {cls.__name__} ({', '.join(fields)})",
+            raise _SchemaError(_join(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})",
                                "remove it, or fix its spelling")
     kwargs = {}
     for name, f in fields.items():
@@ -268,12 +268,24 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
         if name not in v:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required:
-                raise _SchemaError(sub, f"is missing ({cls.__name__} needs {', '.join(_required(cls))})",
-                                   f"add `{name} = ...`", at_parent=True)
+                table = dataclasses.is_dataclass(hints[name]) and not key
+                raise _SchemaError(sub, f"is missing ({_table_name(key)} needs {', '.join(_required(cls))})",
+                                   f"add a [{name}] table" if table else f"add `{name} = ...`", at_parent=True)
             continue
         kwargs[name] = _convert(v[name], hints[name], sub)
     _check_values(cls, kwargs, key)
     return cls(**kwargs)
+
+
+def _table_name(key: str) -> str:
+    """The TOML table at dotted ``key``, as the file writes it: ``[machine]``, ``[[paths]]``
+    (an entry of an array of tables), ``the top level``; never a Python class."""
+    if not key:
+        return "the top level"
+    array = re.sub(r"\[\d+\]$", "", key)
+    if "." in key:
+        return f"table {key}"
+    return f"[[{array}]]" if array != key else f"[{key}]"
 
 
 def _check_values(cls: type, kw: dict, key: str) -> None:

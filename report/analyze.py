@@ -11,7 +11,10 @@ Bytes per parameter, the engine's own counts per tier kind (``engine_bytes``) an
 node-wide per-device counters per phase (``disk_bytes``, divided by the parameters of the node's
 ranks), are means over the steady iterations, so that the phases add up to the iteration's
 total (the engine's alternating order moves 8 B/param one way and 6 the other on alternate
-steps: medians taken apart would not add up).
+steps: medians taken apart would not add up). The device counters count every process on the
+device: the rank's own storage bytes per phase (``run_disk_bytes``, /proc/self/io, divided by
+the rank's parameters) are the run's, and what the devices moved beyond them is other
+processes' (``other_disk_bytes``): the report and the verdict never count those as the run's.
 
 :func:`shares` and :func:`verdict` say where the time went in words, for the report and
 ``offloadctl train``'s end-of-run summary. docs/report.md ("Reading the report") says what each
@@ -50,9 +53,12 @@ def shares(segments: dict, iter_s: float) -> list[tuple[str, float]]:
     return [(name, max(0.0, sum(segments.get(k) or 0.0 for k in keys)) / iter_s) for name, keys in SHARE_GROUPS]
 
 
-def verdict(segments: dict, iter_s: float, storage: str) -> str:
+def verdict(segments: dict, iter_s: float, storage: str, shared: tuple[float, float] | None = None) -> str:
     """The bottleneck in one sentence, from an iteration's segments; ``storage`` names where the
-    update's state is read from and written to ('nvme', 'nvme+remote', 'host memory')."""
+    update's state is read from and written to ('nvme', 'nvme+remote', 'host memory').
+    ``shared``: (the run's own, other processes') disk bytes per parameter on those devices:
+    where others' are a sizeable part and the update waits on the device, the sentence says so,
+    so that the run is not taken to have caused their traffic."""
     sh = dict(shares(segments, iter_s))
     if not sh:
         return "no iteration time recorded"
@@ -63,15 +69,19 @@ def verdict(segments: dict, iter_s: float, storage: str) -> str:
     if sh["outside DeepSpeed"] > max(compute, update):
         return (f"the script's own work between DeepSpeed calls (data loading, logging) takes "
                 f"{pct(sh['outside DeepSpeed'])} of the iteration")
+    others = ""
+    if shared is not None and shared[1] >= max(0.5, 0.25 * shared[0]):
+        others = (f", a device other processes used as well (theirs {shared[1]:.1f} B/param an iteration, the "
+                  f"run's {shared[0]:.1f})")
     if update > compute and sh[top] >= 0.1:
         what = {"update: read waits": f"the update waits on reads from {storage}",
                 "update: AdamW": "the update is bound by AdamW's compute",
                 "update: write waits": f"the update waits on writes to {storage}",
                 "update: other": "the update's bookkeeping (gradient norm, clipping, partitioning)"}[top]
-        return f"{what}: {pct(sh[top])} of the iteration"
+        return f"{what}: {pct(sh[top])} of the iteration" + (others if "waits on" in what else "")
     waits = sh["update: read waits"] + sh["update: write waits"]
     return (f"forward and backward (the model's compute) take {pct(compute)} of the iteration; the update "
-            f"{pct(update)}" + (f", of it {pct(waits)} waiting on {storage}" if waits >= 0.01 else ""))
+            f"{pct(update)}" + (f", of it {pct(waits)} waiting on {storage}{others}" if waits >= 0.01 else ""))
 
 
 def storage_name(run: dict) -> str:
@@ -131,7 +141,9 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     plan = init.get("engine_plan") or {}
     summary["fixed_knobs"] = fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
-    summary["verdict"] = verdict(med_seg, summary["median_iter_s"], storage_name(result))
+    shared = ((summary["run_disk_bytes_per_param_total"], summary["other_disk_bytes_per_param_total"])
+              if "other_disk_bytes_per_param_total" in summary else None)
+    summary["verdict"] = verdict(med_seg, summary["median_iter_s"], storage_name(result), shared)
     return result
 
 
@@ -209,6 +221,9 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
     out["disk_bytes_per_param"] = per_param(out["disk_bytes"])
     if out["disk_bytes_update_parts"]:
         out["disk_bytes_per_param_update_parts"] = per_param(out["disk_bytes_update_parts"])
+    params_rank = run.record.init.get("params_rank") or 0
+    if it.get("io_self") is not None and params_rank and _device_labels(tiers):
+        out.update(_run_and_others(it["io_self"], out["disk_bytes_per_param"], params_rank))
     if eng is not None:
         kinds = sorted(set(eng.get("bytes_read", {})) | set(eng.get("bytes_written", {})))
         out["engine_bytes"] = {k: {"read": eng.get("bytes_read", {}).get(k, 0),
@@ -228,6 +243,25 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         if it.get("tuner"):
             out["tuner"] = it["tuner"]
     return out
+
+
+def _run_and_others(io_self: dict, disk_per_param: dict, params_rank: int) -> dict:
+    """Per phase, the rank's own storage bytes per parameter (``io_self``: this process's, by
+    the same phase edges as the device counters) and the tier devices' bytes beyond them: other
+    processes' (never below 0; the rank's own bytes on other devices, its dataset's say, do not
+    make others' negative)."""
+    run: dict = {}
+    for key, (r, w) in io_self.items():
+        ph = key.split(".")[0]
+        if ph in PHASES:
+            d = run.setdefault(ph, {"read": 0.0, "written": 0.0})
+            d["read"] += r / params_rank
+            d["written"] += w / params_rank
+    others = {}
+    for ph, tiers in disk_per_param.items():
+        device = {d: sum(rw.get(d, 0.0) for rw in tiers.values()) for d in ("read", "written")}
+        others[ph] = {d: max(0.0, device[d] - run.get(ph, {}).get(d, 0.0)) for d in ("read", "written")}
+    return {"run_disk_bytes_per_param": run, "other_disk_bytes_per_param": others}
 
 
 def _disk_bytes(io: dict, tiers: list[dict], parts: bool = False) -> dict:
@@ -300,6 +334,17 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
         s["disk_bytes_per_param_update_parts"] = parts
     s["disk_bytes_per_param_total"] = sum(v for d in disk.values() for rw in d.values() for v in rw.values()
                                           ) if has_devices else None
+    if has_devices and any("run_disk_bytes_per_param" in i for i in steady):
+        # The run's own and other processes', per phase (means, as above), and over the iteration:
+        # others' total is what the devices moved beyond the run's, direction by direction, so that
+        # the run's bytes counted a phase later by the device never show as another's.
+        for key in ("run_disk_bytes_per_param", "other_disk_bytes_per_param"):
+            s[key] = {ph: {d: _mean((i.get(key) or {}).get(ph, {}).get(d, 0.0) for i in steady)
+                           for d in ("read", "written")} for ph in PHASES}
+        device = {d: sum(rw[d] for ph in disk.values() for rw in ph.values()) for d in ("read", "written")}
+        run = {d: sum(rw[d] for rw in s["run_disk_bytes_per_param"].values()) for d in ("read", "written")}
+        s["run_disk_bytes_per_param_total"] = sum(run.values())
+        s["other_disk_bytes_per_param_total"] = sum(max(0.0, device[d] - run[d]) for d in ("read", "written"))
     if any("engine_bytes_per_param" in i for i in steady):
         kinds = sorted({k for i in steady for k in i.get("engine_bytes_per_param", {})})
         s["engine_bytes_per_param"] = {k: {d: _mean(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0)

@@ -270,6 +270,10 @@ def _shade(ax, spans) -> None:
 
 # -- bytes per parameter -------------------------------------------------------------------------
 
+OTHERS = "other processes"
+"""The bytes-per-parameter plot's label for the traffic of other processes on the tier devices."""
+
+
 def bytes_per_param(runs: list[dict]):
     n = len(runs)
     fig, axes = plt.subplots(1, n, figsize=(WIDTH_IN, 4.2), squeeze=False, sharey=True)
@@ -278,14 +282,21 @@ def bytes_per_param(runs: list[dict]):
         s = run["summary"]
         cats = list(PHASES)
         data = {ph: s["disk_bytes_per_param"].get(ph, {}) for ph in PHASES}
+        others = s.get("other_disk_bytes_per_param")
+        if s.get("run_disk_bytes_per_param") is not None:  # the run's own, apart from other processes'
+            label = "+".join(t["label"] for t in run["tiers"] if t.get("device")) or "disk"
+            data = {ph: {label: s["run_disk_bytes_per_param"].get(ph, {})} for ph in PHASES}
+            for ph in PHASES:
+                if sum((others or {}).get(ph, {}).values()) >= 0.05:
+                    data[ph][OTHERS] = others[ph]
         if "engine_bytes_per_param" in s:
             cats.append("update\n(engine's count)")
             data["update\n(engine's count)"] = s["engine_bytes_per_param"]
         for k, cat in enumerate(cats):
             bottom = 0.0
-            for tier, rw in sorted(data[cat].items()):
-                base = tier.split(" ")[0]
-                color = tier_colors.setdefault(base, f"C{len(tier_colors)}")
+            for tier, rw in sorted(data[cat].items(), key=lambda kv: (kv[0] == OTHERS, kv[0])):
+                base = tier.split(" ")[0] if tier != OTHERS else tier
+                color = tier_colors.setdefault(base, "#b0b0b0" if tier == OTHERS else f"C{len(tier_colors)}")
                 for direction, hatch in (("read", ""), ("written", "//")):
                     v = rw.get(direction) or 0.0
                     if v <= 0:
@@ -298,9 +309,12 @@ def bytes_per_param(runs: list[dict]):
                 ax.text(k, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(cats)), cats, fontsize=8)
         ax.set_xlim(-0.6, len(cats) - 0.4)
-        total = s.get("disk_bytes_per_param_total")
-        ax.set_title(f"{run['label']}\n{total:.1f} B/param per iteration on disk" if total is not None
-                     else run["label"], fontsize=9)
+        total = s.get("run_disk_bytes_per_param_total", s.get("disk_bytes_per_param_total"))
+        other = s.get("other_disk_bytes_per_param_total") or 0.0
+        title = f"{run['label']}\n{total:.1f} B/param per iteration on disk" if total is not None else run["label"]
+        if other >= 0.05:
+            title += f" (other processes: {other:.1f})"
+        ax.set_title(title, fontsize=9)
         if not any(data[c] for c in cats):
             _absent(ax, "no storage tier on a block device:\nno bytes to count")
         trip = s.get("gradient_round_trip_bytes_per_param")

@@ -35,7 +35,7 @@ from engine.errors import ConfigError
 from engine.storage.blockdev import device_of
 from perf.plan import node_layout
 from report.sampler import Sampler, stop_writing
-from tuner.sensors import disk_bytes
+from tuner.sensors import disk_bytes, process_io_bytes
 
 RECORD_FORMAT = "offloadctl-record"
 SAMPLES_FORMAT = "offloadctl-samples"
@@ -153,6 +153,7 @@ class Recorder:
         self._cuda = None
         self._sampler: Sampler | None = None
         self._devices: list[str] = []
+        self._last_own: tuple[int, int] | None = None
         self._depth = 0
         self._iteration = 0
         self._engine_records = 0
@@ -205,6 +206,7 @@ class Recorder:
         self._engine = engine
         self._devices = devices
         self._last_disk = self._disk()
+        self._last_own = process_io_bytes() if devices else None
         self._cuda = device if device is not None and getattr(device, "type", None) == "cuda" else None
 
     def start_sampler(self) -> None:
@@ -289,6 +291,7 @@ class Recorder:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._io: dict[str, dict[str, list[int]]] = {}
+        self._io_self: dict[str, list[int]] = {}  # this process's own storage bytes, by the same edges
         self._t_enter = 0.0
         self._tuner_pending: list[dict] = []
 
@@ -298,6 +301,8 @@ class Recorder:
         return disk_bytes(self._devices)
 
     def _account_io(self, phase: str) -> None:
+        """The bytes the tier devices moved since the last edge, and of them this process's own
+        (the rest is other processes' on the same devices), into ``phase``."""
         if not self._devices:
             return
         now = self._disk()
@@ -309,6 +314,12 @@ class Recorder:
                 cur[0] += r - r0
                 cur[1] += w - w0
         self._last_disk = now
+        own = process_io_bytes()
+        if own is not None and self._last_own is not None:
+            cur = self._io_self.setdefault(phase, [0, 0])
+            cur[0] += own[0] - self._last_own[0]
+            cur[1] += own[1] - self._last_own[1]
+        self._last_own = own
 
     def _enter(self, phase: str) -> None:
         t0 = time.perf_counter()
@@ -343,7 +354,8 @@ class Recorder:
         line = {"type": "iteration", "iteration": self._iteration, "t_end": _round(t_end),
                 "spans": self._spans, "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
                 "sums": {k: _round(v) for k, v in self._sums.items()}, "counts": self._counts,
-                "io": self._io, "skipped": bool(getattr(opt, "overflow", False)), "failed": failed,
+                "io": self._io, "io_self": self._io_self, "skipped": bool(getattr(opt, "overflow", False)),
+                "failed": failed,
                 "samples": self._samples, "tokens": self._tokens}
         oe = getattr(opt, "offload_engine", None)
         if oe is not None:

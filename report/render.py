@@ -24,9 +24,10 @@ SECTION_TEXT = {
                  "from the kernel's disk counters, and the process's RSS and CPU use, with the phases shaded behind. "
                  "Series that a run could not measure (no GPU, no NVML) say so instead of showing zeros."),
     "bytes": ("Bytes per parameter, by phase and tier",
-              "Bytes each tier's device read (solid) and wrote (hatched) in each phase of an iteration, per parameter "
-              "of the node's ranks (kernel counters, mean over the steady iterations, so that the phases add up to "
-              "the total), and the engine's own count for its "
+              "Bytes the run read (solid) and wrote (hatched) on its tiers' devices in each phase of an iteration, "
+              "per parameter (the rank's own storage bytes, mean over the steady iterations, so that the phases add "
+              "up to the total), with what other processes moved on the same devices in grey above them (the "
+              "kernel's device counters less the run's own), and the engine's own count for its "
               "update. Stock ZeRO-Infinity writes the fp32 "
               "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
               "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
@@ -158,6 +159,31 @@ def _bpp(d: dict | None) -> str:
     return ", ".join(f"{t.split(' ')[0]} {rw.get('read', 0):.1f}r {rw.get('written', 0):.1f}w" for t, rw in sorted(d.items()))
 
 
+OTHERS_SHOWN = 0.05
+"""B/param of other processes' traffic in a phase below which the table leaves it out."""
+
+
+def _disk_cell(s: dict, phase: str) -> str:
+    """A phase's disk bytes per parameter: the run's own ('0.0r 6.8w'), and other processes'
+    on the same devices apart; without the run's own count (an older record), the devices'."""
+    run = (s.get("run_disk_bytes_per_param") or {}).get(phase)
+    if run is None:
+        return _bpp(s["disk_bytes_per_param"].get(phase))
+    text = f"{run['read']:.1f}r {run['written']:.1f}w"
+    other = (s.get("other_disk_bytes_per_param") or {}).get(phase) or {}
+    if sum(other.values()) >= OTHERS_SHOWN:
+        text += f"; others {other['read']:.1f}r {other['written']:.1f}w"
+    return text
+
+
+def _disk_total_cell(s: dict) -> str:
+    if s.get("run_disk_bytes_per_param_total") is not None:
+        text = f"{s['run_disk_bytes_per_param_total']:.1f}"
+        others = s.get("other_disk_bytes_per_param_total") or 0.0
+        return text + (f"; other processes {others:.1f}" if others >= OTHERS_SHOWN else "")
+    return f"{s['disk_bytes_per_param_total']:.1f}" if s.get("disk_bytes_per_param_total") is not None else "-"
+
+
 def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     """The terminal's and the HTML page's table: one column per run."""
     runs = analysis["runs"]
@@ -179,9 +205,8 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
         row(f"  {name}", lambda r, name=name: _share_cell(r, name))
     row("phases recorded / iteration", lambda r: f"{100 * r['summary']['median_measured_share']:.1f}%")
     for ph in PHASES:
-        row(f"disk B/param, {ph}", lambda r, ph=ph: _bpp(r["summary"]["disk_bytes_per_param"].get(ph)))
-    row("disk B/param, iteration", lambda r: f"{r['summary']['disk_bytes_per_param_total']:.1f}"
-        if r["summary"].get("disk_bytes_per_param_total") is not None else "-")
+        row(f"disk B/param, {ph}", lambda r, ph=ph: _disk_cell(r["summary"], ph))
+    row("disk B/param, iteration", lambda r: _disk_total_cell(r["summary"]))
     row("gradients' round trip B/param", lambda r: "{written:.1f}w {read:.1f}r".format(
         **r["summary"]["gradient_round_trip_bytes_per_param"]) if "gradient_round_trip_bytes_per_param" in r["summary"]
         else "-")
@@ -253,7 +278,8 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
         say(indent + extent(r), "" if r["status_kind"] == "finished" else "yellow")
         say(f"{indent}bottleneck: {r['summary']['verdict']}", "bold")
     t = Table("", *[r["label"] for r in analysis["runs"]],
-              title="the median iteration (B/param: mean of steady iterations)")
+              title="the median iteration (B/param: mean of steady iterations; disk: the run's own, others: other "
+                    "processes on the same devices)")
     for name, vals in summary_rows(analysis):
         t.add_row(name, *vals)
     console.print(t)

@@ -75,7 +75,7 @@ def test_live_runs_are_found_listed_and_picked_by_run_dir(private_env):
             assert "2 live runs: pick one with --run-dir DIR" in out.stderr
             listed = out.stdout.splitlines()
             assert listed[0].split() == ["RUN", "DIR", "RUN", "ITERATION", "STARTED"]
-            assert [line.split()[:3] for line in listed[1:]] == [[a_dir, "run-a", "3"], [b_dir, "run-b", "3"]]
+            assert [line.split()[:3] for line in listed[1:]] == [[a_dir, "run-a", "4"], [b_dir, "run-b", "4"]]
 
             out = _cli("tune", "--once", "--json", "--run-dir", b_dir)
             assert out.returncode == 0, out.stderr
@@ -141,7 +141,7 @@ def test_the_live_view_ends_with_the_run(private_env):
         assert watch.poll() is None, watch.communicate()
         rank.close()
         out, _ = _ended(watch)
-        assert "fin-run (finished)" in out and "fin-run: finished at iteration 3" in out, out
+        assert "fin-run (finished)" in out and "fin-run: finished at iteration 4" in out, out
     finally:
         stop()
     assert "Traceback" not in open(service.logfile_for(sock)).read()
@@ -155,7 +155,7 @@ def test_the_live_view_ends_with_the_run(private_env):
         rank.close()
         out, _ = _ended(watch)
         assert "int-run (interrupted)" in out, out
-        assert "int-run: interrupted (a rank was stopped by SIGTERM) at iteration 3" in out, out
+        assert "int-run: interrupted by SIGTERM at iteration 4" in out, out
     finally:
         client_module._stopped_by = None
         stop()
@@ -167,7 +167,7 @@ def test_the_live_view_ends_with_the_run(private_env):
         time.sleep(2)
         stop()  # the daemon goes while the rank still trains: `offloadctl train` killed, say
         out, _ = _ended(watch)
-        assert "gone-run (interrupted)" in out and "gone-run: interrupted at iteration 3" in out, out
+        assert "gone-run (interrupted)" in out and "gone-run: interrupted at iteration 4" in out, out
     finally:
         rank.close()
 
@@ -257,7 +257,7 @@ time.sleep(600)
         t0 = time.monotonic()
         out, _ = _ended(watch)
         assert time.monotonic() - t0 >= 2.5  # the grace period: ranks that come back within it are not gone
-        assert "dead-run (interrupted)" in out and "dead-run: interrupted at iteration 4" in out, out
+        assert "dead-run (interrupted)" in out and "dead-run: interrupted at iteration 5" in out, out
     finally:
         rank.kill()
         rank.wait()

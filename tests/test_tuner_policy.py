@@ -514,14 +514,14 @@ def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
             h.record_run(run, profile, params, ranks, Knobs(prefetch_depth=depth, io_concurrency={NVME: 4}), t)
 
         rec("a", "h100", 7e9, 8, 1, 20.0)     # 2.86e-9 s/param
-        rec("b", "h100", 13e9, 8, 2, 30.0)    # 2.31e-9 s/param: the best per parameter
-        rec("c", "h100", 30e9, 8, 3, 10.0)    # faster, but more than 2x bigger than 7e9
+        rec("b", "h100", 13e9, 8, 2, 30.0)    # the latest verdict within 2x of 7e9
+        rec("c", "h100", 30e9, 8, 3, 10.0)    # later, but more than 2x bigger than 7e9
         rec("d", "a100", 7e9, 8, 4, 1.0)      # another profile
         rec("e", "h100", 7e9, 4, 5, 1.0)      # other ranks
         rec("f", "h100", 7e9, 8, 6, None)     # no time: not a candidate
         assert h.best_knobs("h100", 7e9, 8).prefetch_depth == 2
         assert h.best_knobs("h100", 3.5e9, 8).prefetch_depth == 1  # 13e9 is more than 2x of 3.5e9
-        assert h.best_knobs("h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is faster per param
+        assert h.best_knobs("h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is the later verdict
         assert h.best_knobs("h100", 1e9, 8) is None
         assert h.best_knobs("v100", 7e9, 8) is None
 

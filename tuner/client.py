@@ -111,6 +111,10 @@ class TunerClient:
         self.connects = 0
         """Successful registrations, the first one included."""
         self.last_error: str | None = None
+        self.start_from: dict | None = None
+        """What the daemon said at registration of the run's start from history: ``{"run_id": the
+        earlier run, "knobs": {knob: value}}``, or None (:meth:`wait_registered`)."""
+        self._registered = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name=f"tuner-client-{run_id}-{rank}", daemon=True)
@@ -201,6 +205,10 @@ class TunerClient:
         self._wake()
         return change.knobs
 
+    def wait_registered(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the first registration; whether it happened."""
+        return self._registered.wait(timeout_s)
+
     def pending_changes(self) -> list[dict]:
         """Changes received and not yet applied, oldest first: seq, apply_at, knobs, reason."""
         with self._lock:
@@ -267,12 +275,14 @@ class TunerClient:
                                  "rank": self.rank, "world_size": self.world_size, **self._static,
                                  "knobs": self._target_knobs().to_dict(), "device_headroom_bytes": self._headroom,
                                  "iteration": self._iteration}))
-            self._expect(sock, "registered")
+            reply = self._expect(sock, "registered")
         except BaseException:
             sock.close()
             raise
+        self.start_from = reply.get("start_from")
         self.connects += 1
         self.connected.set()
+        self._registered.set()
         self.last_error = None
         log.info("rank %d: registered run %s with the tuner daemon at %s", self.rank, self.run_id, self.socket_path)
         return sock

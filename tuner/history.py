@@ -1,7 +1,11 @@
 """The tuner's memory: one SQLite database per host with runs, telemetry summaries and knobs.
 
 A new run with the same profile, the same number of ranks and a model within 2x the size of
-an earlier one starts from the best knobs found then (lowest iteration time per parameter).
+an earlier one starts from the tuner's latest verdict for such a run (:meth:`History.warm_start`):
+the knobs the tuner itself settled on in a run that finished, and only those of its knobs that
+no one pinned. A user's pin (``tune --pin``, or a knob given to ``offloadctl train``), an
+interrupted run and a row written before schema 2 (which did not say which knobs were the
+tuner's) never set a later run's start.
 Written by one daemon process (a lock serialises its threads); WAL lets ``offloadctl tune``
 and other readers look at it meanwhile.
 """
@@ -13,12 +17,16 @@ import socket
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: ``runs.outcome`` and ``runs.learned``; a schema-1 file is upgraded in place (its rows get
+NULL there, and are never learned from)."""
+OUTCOMES = ("finished", "interrupted")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -31,7 +39,9 @@ CREATE TABLE IF NOT EXISTS runs (
     knobs       TEXT NOT NULL,      -- JSON of Knobs.to_dict(): the knobs chosen
     iter_time_s REAL,               -- with those knobs; NULL when unknown
     started_s   REAL NOT NULL,      -- Unix time
-    updated_s   REAL NOT NULL
+    updated_s   REAL NOT NULL,
+    outcome     TEXT,               -- finished | interrupted; NULL in rows of schema 1
+    learned     TEXT                -- JSON list of the knob names the tuner chose (not pinned); NULL: unknown
 );
 CREATE INDEX IF NOT EXISTS runs_match ON runs (profile, ranks, params);
 CREATE TABLE IF NOT EXISTS summaries (
@@ -50,6 +60,23 @@ CREATE TABLE IF NOT EXISTS controls (  -- the user's pins and freeze of a run, k
     updated_s   REAL NOT NULL
 );
 """
+
+
+_ADDED_IN_2 = (("outcome", "TEXT"), ("learned", "TEXT"))
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Where a new run starts from: the tuner's verdict in an earlier run like it."""
+
+    run_id: str
+    """The earlier run."""
+    knobs: Knobs
+    """Its knobs, cut to the new run's paths; only the ``learned`` ones are the tuner's."""
+    learned: tuple[str, ...]
+    """The knob names the tuner chose in that run (none of them pinned there)."""
+    updated_s: float
+    """When that run ended (Unix time)."""
 
 
 def profile_key(profile) -> str:
@@ -76,11 +103,16 @@ class History:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, 1, SCHEMA_VERSION):  # 1 is upgraded below
                 raise ConfigError(f"tuner history database {self.db_path} has schema version {version}, this offloadctl "
                                   f"reads {SCHEMA_VERSION}: move the file away to start a new history")
             with self._db:
-                self._db.executescript("BEGIN;" + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
+                self._db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
+                have = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
+                for name, kind in _ADDED_IN_2:  # a schema-1 file: its rows say nothing of who chose the knobs
+                    if name not in have:
+                        self._db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as e:
             self._db.close()
             raise ConfigError(f"tuner history database {self.db_path} is not usable ({e}): move the file away to "
@@ -90,19 +122,29 @@ class History:
             raise
 
     def record_run(self, run_id: str, profile, params: int, ranks: int, knobs: Knobs, iter_time_s: float | None,
-                   *, paths: Sequence[str] | None = None) -> None:
-        """Insert or update ``run_id`` with the knobs chosen and their iteration time."""
+                   *, paths: Sequence[str] | None = None, outcome: str = "finished",
+                   learned: Sequence[str] | None = None) -> None:
+        """Insert or update ``run_id`` with the knobs chosen and their iteration time.
+
+        ``outcome``: 'finished', or 'interrupted' (a signal stopped it: never learned from).
+        ``learned``: the knob names the tuner chose in this run, those no one pinned (None: all
+        of them; ``[]``: none, e.g. the run's tuning failed); only these are ever a later start."""
+        if outcome not in OUTCOMES:
+            raise ConfigError(f"record_run outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
+        learned = list(Knobs.names()) if learned is None else [n for n in Knobs.names() if n in set(learned)]
         if paths is None:
             paths = sorted(set(knobs.io_concurrency) | set(knobs.stripe_weights))
         now = time.time()
         with self._lock, self._db:
             self._db.execute(
-                "INSERT INTO runs (run_id, host, profile, params, ranks, paths, knobs, iter_time_s, started_s, updated_s) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET profile=excluded.profile, "
-                "params=excluded.params, ranks=excluded.ranks, paths=excluded.paths, knobs=excluded.knobs, "
-                "iter_time_s=excluded.iter_time_s, updated_s=excluded.updated_s",
+                "INSERT INTO runs (run_id, host, profile, params, ranks, paths, knobs, iter_time_s, started_s, updated_s, "
+                "outcome, learned) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(run_id) DO UPDATE SET "
+                "profile=excluded.profile, params=excluded.params, ranks=excluded.ranks, paths=excluded.paths, "
+                "knobs=excluded.knobs, iter_time_s=excluded.iter_time_s, updated_s=excluded.updated_s, "
+                "outcome=excluded.outcome, learned=excluded.learned",
                 (run_id, self.host, profile_key(profile), int(params), int(ranks), json.dumps(list(paths)),
-                 json.dumps(knobs.to_dict(), sort_keys=True), _float_or_none(iter_time_s), now, now))
+                 json.dumps(knobs.to_dict(), sort_keys=True), _float_or_none(iter_time_s), now, now, outcome,
+                 json.dumps(learned)))
 
     def save_controls(self, run_id: str, pins: dict, frozen: bool) -> None:
         """Remember ``run_id``'s pins and freeze (a restarted daemon puts them back)."""
@@ -134,38 +176,51 @@ class History:
                 (run_id, int(iteration), time.time(), _float_or_none(iter_time_s), _float_or_none(update_s),
                  json.dumps(knobs.to_dict(), sort_keys=True)))
 
-    def best_knobs(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> Knobs | None:
-        """The knobs of the fastest matching run (iteration time per parameter): same profile, same
-        ranks, params within 2x. With ``paths``, only entries for those paths are kept, and runs on
-        exactly these paths are preferred."""
+    def warm_start(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> WarmStart | None:
+        """The tuner's latest verdict for a run like this one: same profile, same ranks, params
+        within 2x, a run that finished with an iteration time and knobs the tuner chose; with
+        ``paths``, runs on exactly these paths first, and only entries for those paths kept.
+        The latest, not the fastest: runs of other sizes and loads are not comparable by
+        speed, and the newest verdict knows the machine as it is now. None when there is none."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT knobs, paths, iter_time_s, params FROM runs WHERE profile = ? AND ranks = ? "
-                "AND params * 2 >= ? AND params <= ? * 2 AND iter_time_s IS NOT NULL AND params > 0",
+                "SELECT run_id, knobs, paths, learned, updated_s FROM runs WHERE profile = ? AND ranks = ? "
+                "AND params * 2 >= ? AND params <= ? * 2 AND iter_time_s IS NOT NULL AND params > 0 "
+                "AND outcome = 'finished' AND learned IS NOT NULL AND learned != '[]'",
                 (profile_key(profile), int(ranks), int(params), int(params))).fetchall()
         if not rows:
             return None
         want = set(paths) if paths is not None else None
-        best = min(rows, key=lambda r: (want is not None and set(json.loads(r[1])) != want, r[2] / r[3]))
-        knobs = Knobs.from_dict(json.loads(best[0]))
-        if want is None:
-            return knobs
-        conc = {p: v for p, v in knobs.io_concurrency.items() if p in want}
-        weights = {p: v for p, v in knobs.stripe_weights.items() if p in want}
-        if set(weights) != want:
-            weights = {}  # partial weights would mix with the engine's measured bandwidths
-        return knobs.replace(io_concurrency=conc, stripe_weights=weights)
+        run_id, knobs_json, paths_json, learned_json, updated = min(
+            rows, key=lambda r: (want is not None and set(json.loads(r[2])) != want, -r[4]))
+        knobs = Knobs.from_dict(json.loads(knobs_json))
+        learned = tuple(n for n in json.loads(learned_json) if n in Knobs.names())
+        if want is not None:
+            conc = {p: v for p, v in knobs.io_concurrency.items() if p in want}
+            weights = {p: v for p, v in knobs.stripe_weights.items() if p in want}
+            if set(weights) != want:
+                weights = {}  # partial weights would mix with the engine's measured bandwidths
+                learned = tuple(n for n in learned if n != "stripe_weights")
+            knobs = knobs.replace(io_concurrency=conc, stripe_weights=weights)
+        return WarmStart(run_id=run_id, knobs=knobs, learned=learned, updated_s=updated) if learned else None
+
+    def best_knobs(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> Knobs | None:
+        """The knobs of :meth:`warm_start` (all of them, the tuner's and any others), or None."""
+        warm = self.warm_start(profile, params, ranks, paths=paths)
+        return warm.knobs if warm is not None else None
 
     def runs(self) -> list[dict]:
         """Every run, newest first."""
         with self._lock:
             rows = self._db.execute("SELECT run_id, host, profile, params, ranks, paths, knobs, iter_time_s, started_s, "
-                                    "updated_s FROM runs ORDER BY updated_s DESC").fetchall()
-        keys = ("run_id", "host", "profile", "params", "ranks", "paths", "knobs", "iter_time_s", "started_s", "updated_s")
+                                    "updated_s, outcome, learned FROM runs ORDER BY updated_s DESC").fetchall()
+        keys = ("run_id", "host", "profile", "params", "ranks", "paths", "knobs", "iter_time_s", "started_s", "updated_s",
+                "outcome", "learned")
         out = []
         for r in rows:
             d = dict(zip(keys, r))
             d["paths"], d["knobs"] = json.loads(d["paths"]), json.loads(d["knobs"])
+            d["learned"] = json.loads(d["learned"]) if d["learned"] is not None else None
             out.append(d)
         return out
 

@@ -63,6 +63,25 @@ def split_key(text: str) -> tuple[str, str | None]:
     return text, None
 
 
+def flat_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """``Knobs.to_dict()`` with the per-path knobs spread out by :class:`KnobKey` spelling:
+    ``{'prefetch_depth': 2, 'io_concurrency[/nvme0]': 8, 'stripe_weights[/nvme0]': 0.5, ...}``."""
+    out: dict[str, Any] = {}
+    for name, v in knobs.items():
+        if isinstance(v, Mapping):
+            out.update({f"{name}[{p}]": x for p, x in v.items()})
+        else:
+            out[name] = v
+    return out
+
+
+def changed_knobs(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (before, after)}`` of the :func:`flat_knobs` entries that differ (None: absent)."""
+    a, b = flat_knobs(before), flat_knobs(after)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (k.split("[")[0], k))
+            if a.get(k) != b.get(k)}
+
+
 def knob_pattern() -> str:
     """A regular expression for knob text (group ``knob``), for parsers that split larger text on it."""
     return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(map(re.escape, Knobs.names()))

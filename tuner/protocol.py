@@ -257,8 +257,10 @@ SERVER_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                 "pid": (Int(0), True), "started_at": (Num(0), True)},
     "pong": {},
     "ok": {"knobs": (KNOBS, False)},
+    # start_from: the knobs the history set for the run's start, and the earlier run they come from
     "registered": {**_RUN_RANK, "knobs": (Opt(KNOBS), False), "apply_at": (Opt(Int(0)), False),
-                   "seq": (Opt(Int(0)), False), "reason": (Opt(Str(4096)), False)},
+                   "seq": (Opt(Int(0)), False), "reason": (Opt(Str(4096)), False),
+                   "start_from": (Obj({"run_id": (RUN_ID, True), "knobs": (Dict(Any_), True)}), False)},
     "knobs": {"run_id": (RUN_ID, True), "knobs": (KNOBS, True), "apply_at": (Int(0), True), "seq": (Int(1), True),
               "reason": (Str(4096), True)},
     "snapshot": {"runs": (List(Dict(Any_, max_items=64), 4096), True), "daemon": (Dict(Any_), True),

@@ -93,7 +93,13 @@ class Run:
     policy_error: str | None = None
     in_force: dict | None = None     # knobs of the latest observed iteration, as the engines report them
     in_force_since: int = 0          # first iteration observed under them
-    start_change: tuple[Knobs, str] | None = None  # from the history, pushed once all ranks registered
+    start_change: tuple[Knobs, str, str] | None = None  # (knobs, reason, source): pushed once all ranks registered
+    start_knobs: dict = field(default_factory=dict)
+    """The knobs the run registered with (its own options, plan and probe): where its changes start."""
+    changed_by: dict[str, str] = field(default_factory=dict)
+    """Who last changed each knob (``flat_knobs`` key): 'history', 'policy' or 'user'."""
+    start_from: dict | None = None
+    """The history's start: ``{"run_id": the earlier run, "knobs": {key: value it set}}``."""
     history: deque = field(default_factory=deque)   # (iteration, iter_time_s, update_s)
     phases: dict = field(default_factory=dict)
     bandwidth: dict = field(default_factory=dict)
@@ -107,6 +113,7 @@ class Run:
 
     def __post_init__(self) -> None:
         self.knobs_dict = self.knobs.to_dict()
+        self.start_knobs = self.start_knobs or dict(self.knobs_dict)
 
     def connected(self) -> int:
         return sum(1 for r in self.ranks.values() if r.peer is not None)
@@ -156,6 +163,7 @@ def run_view(run: Run, history: int = 60) -> dict:
         "decisions": list(run.decisions)[-20:], "events": list(run.events)[-20:],
         "applied": {str(s): {str(r): i for r, i in d.items()} for s, d in list(run.applied.items())[-8:]},
         "policy_error": run.policy_error, "policy": _policy_state(run),
+        "start_knobs": run.start_knobs, "changed_by": dict(run.changed_by), "start_from": run.start_from,
     }
 
 

@@ -26,7 +26,7 @@ from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from tuner.daemon_config import ServerConfig
-from tuner.knob_text import Pins
+from tuner.knob_text import Pins, changed_knobs, split_key
 from tuner.observation import Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
 from tuner.run_state import Rank, Run, RunFacts, encodable_view
@@ -60,8 +60,11 @@ class Runs:
     """
 
     def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
-                 sensors_factory: Callable | None | bool = None, history=None) -> None:
+                 sensors_factory: Callable | None | bool = None, history=None,
+                 on_end: Callable[[Run], None] | None = None) -> None:
         self.config = config
+        self.on_end = on_end
+        """Called with each run that ends (every rank said bye), after its history is written."""
         self.policy_factory = policy_factory or _default_policy_factory
         self.sensors_factory = _default_sensors_factory if sensors_factory is None else sensors_factory
         self.history = history
@@ -128,10 +131,13 @@ class Runs:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"run {run_id} has world_size {run.facts.ranks}, but rank {rank} "
                                 f"says {world}: give each run its own run_id")
         self._attach(run, rank, peer, msg)
+        reply = {"type": "registered", "run_id": run_id, "rank": rank}
+        if run.start_from is not None:  # the rank's start line says which knobs history set, and from which run
+            reply["start_from"] = run.start_from
         if run.start_change is not None and run.connected() == run.facts.ranks:
-            (start, reason), run.start_change = run.start_change, None
-            self._change(run, start, reason, source="history")
-            return {"type": "registered", "run_id": run_id, "rank": rank}
+            (start, reason, source), run.start_change = run.start_change, None
+            self._change(run, start, reason, source=source)
+            return reply
         if knobs != run.knobs:
             if run.seq and run.apply_at > run.max_iteration:
                 # A change no rank has reached yet: this rank takes it at the same iteration as the others.
@@ -141,7 +147,7 @@ class Runs:
                             run_id, rank, knobs.to_dict(), run.knobs_dict)
                 self._change(run, run.knobs, f"rank {rank} registered with other knobs; every rank takes the run's",
                              source="resync")
-        return {"type": "registered", "run_id": run_id, "rank": rank}
+        return reply
 
     def _attach(self, run: Run, rank: int, peer, msg: dict) -> None:
         """``rank`` of ``run`` is on ``peer`` now (a first registration or a reconnect)."""
@@ -162,11 +168,7 @@ class Runs:
         run = Run(run_id=msg["run_id"], facts=RunFacts.from_register(msg, knobs), knobs=knobs,
                   history=deque(maxlen=self.config.history_points))
         self.runs[run.run_id] = run
-        from_history = self._best_from_history(run, knobs)
-        if from_history is not None and run.facts.fixed:
-            # The run's own options fixed these: their values are the registration's, whatever history says.
-            from_history = Pins.of(run.facts.fixed).apply(from_history, paths, run.facts.has_device)
-            from_history = None if from_history == knobs else from_history
+        from_history = self._warm_start(run, knobs, paths)
         start = from_history if from_history is not None else knobs
         try:
             run.policy = self.policy_factory(start, run.facts)
@@ -181,7 +183,9 @@ class Runs:
         run.sensor_at = time.monotonic()
         log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
         if from_history is not None:  # pushed once every rank is here to take it at the same iteration
-            run.start_change = (from_history, "best knobs of earlier runs with the same profile, size and ranks")
+            said = ", ".join(f"{k}={_json(v)}" for k, v in run.start_from["knobs"].items())
+            run.start_change = (from_history, f"from history: the tuner's verdict in run {run.start_from['run_id']} "
+                                              f"({said})", "history")
         self._restore_controls(run, knobs)
         return run
 
@@ -198,18 +202,37 @@ class Runs:
         del self.runs[oldest.run_id]
         _close_sensors(oldest)
 
-    def _best_from_history(self, run: Run, knobs: Knobs) -> Knobs | None:
-        """The best knobs of earlier runs like this one, when usable here and not ``knobs``."""
+    def _warm_start(self, run: Run, knobs: Knobs, paths: tuple[str, ...]) -> Knobs | None:
+        """``knobs`` with the tuner's latest verdict for runs like this one
+        (:meth:`tuner.history.History.warm_start`) in place of the knobs it chose there, except
+        those this run's own options fix; None when history has nothing usable here that
+        differs. Sets ``run.start_from`` to say where each value came from."""
         if self.history is None:
             return None
         try:
-            best = self.history.best_knobs(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(run.facts.paths))
-            if best is not None and best != knobs:
-                _check_knobs_for(best, run.facts.paths, run.facts.has_device)
-                return best
+            warm = self.history.warm_start(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(paths))
+            if warm is None:
+                return None
+            fixed = {split_key(k)[0] for k in run.facts.fixed}
+            start = knobs
+            for name in warm.learned:
+                if name in fixed:
+                    continue  # the run's own options fixed it: their value stands, whatever history says
+                value = getattr(warm.knobs, name)
+                if name == "io_concurrency":
+                    value = {**knobs.io_concurrency, **value}
+                elif name == "stripe_weights" and not value:
+                    continue  # none for these paths: the engine's own measured weights stand
+                start = start.replace(**{name: value})
+            if start == knobs:
+                return None
+            _check_knobs_for(start, run.facts.paths, run.facts.has_device)
         except Exception as e:  # history is advice; a bad entry must not stop the run
             log.warning("run %s: history not used: %s", run.run_id, e)
-        return None
+            return None
+        run.start_from = {"run_id": warm.run_id,
+                          "knobs": {k: new for k, (_, new) in changed_knobs(knobs.to_dict(), start.to_dict()).items()}}
+        return start
 
     def _rank_of(self, peer, msg: dict) -> tuple[Run, Rank]:
         key = (msg["run_id"], msg["rank"])
@@ -272,22 +295,43 @@ class Runs:
                      run.in_force or run.knobs_dict)
             self._record_history(run)
             _close_sensors(run)
+            if self.on_end is not None:
+                try:
+                    self.on_end(run)
+                except Exception as e:  # what the end is told to: never a reason to lose the run
+                    log.warning("run %s: its end not recorded: %s", run.run_id, e)
         else:
             run.status = "disconnected"
 
     # -- the history database ----------------------------------------------------------------
 
     def _record_history(self, run: Run) -> None:
-        """The knobs the run ended with (as the engines reported them) and their iteration time."""
+        """The run's end in the history: the tuner's verdict (the policy's last good knobs, and
+        which of them it chose: none the user or the run's options pinned), its iteration time,
+        and whether it finished or was interrupted. Only a finished run's verdict is ever a
+        later run's start (:meth:`_warm_start`)."""
         if self.history is None or not run.history:
             return
         times = [t if t is not None else u for i, t, u in run.history if i >= run.in_force_since]
         try:
-            knobs = knobs_from_dict(run.in_force) if run.in_force else run.knobs
+            knobs, learned = self._verdict(run)
             self.history.record_run(run.run_id, run.facts.profile, run.facts.params, run.facts.ranks, knobs,
-                                    statistics.median(times) if times else None, paths=list(run.facts.paths))
+                                    statistics.median(times) if times else None, paths=list(run.facts.paths),
+                                    outcome="interrupted" if run.stopped_by else "finished", learned=learned)
         except Exception as e:
             log.warning("run %s: not recorded in the history: %s", run.run_id, e)
+
+    @staticmethod
+    def _verdict(run: Run) -> tuple[Knobs, list[str]]:
+        """(knobs, names the tuner chose) at the run's end: the policy's last good knobs less every
+        knob pinned (by the user or the run's options); without a working policy, the knobs in
+        force and nothing learned."""
+        in_force = knobs_from_dict(run.in_force) if run.in_force else run.knobs
+        state = run.policy.state() if run.policy_ok() and callable(getattr(run.policy, "state", None)) else None
+        if not state or not isinstance(state.get("good_knobs"), dict):
+            return in_force, []
+        pinned = {split_key(k)[0] for k in state.get("pins") or {}} | {split_key(k)[0] for k in run.facts.fixed}
+        return knobs_from_dict(state["good_knobs"]), [n for n in Knobs.names() if n not in pinned]
 
     def _maybe_summarize(self, run: Run, i: int, iter_time: float | None, update_s: float) -> None:
         """A point in the history database every ``summary_interval_s``: how the run went over time."""
@@ -330,7 +374,7 @@ class Runs:
         run.frozen = frozen
         log.info("run %s: restored the user's pins %s%s", run.run_id, pins, " and freeze" if frozen else "")
         if target != knobs:
-            run.start_change = (target, "the user's pins, restored after a daemon restart")
+            run.start_change = (target, "the user's pins, restored after a daemon restart", "user")
 
     def _save_controls(self, run: Run) -> None:
         if self.history is not None:
@@ -450,6 +494,8 @@ class Runs:
         """Push ``knobs`` to every rank of ``run``, to apply at one iteration all ranks reach later."""
         run.seq += 1
         run.apply_at = max(run.max_iteration, 0) + self._margin(run)
+        for key in changed_knobs(run.knobs_dict, knobs.to_dict()):
+            run.changed_by[key] = source
         run.knobs, run.knobs_dict, run.reason = knobs, knobs.to_dict(), reason
         run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq,
                               "apply_at": run.apply_at, "knobs": run.knobs_dict, "reason": reason, "source": source})
@@ -543,6 +589,12 @@ class Runs:
             runs.append(view)
             used += size
         return runs, omitted
+
+
+def _json(v) -> str:
+    import json
+
+    return json.dumps(v, sort_keys=True)
 
 
 def _close_sensors(run: Run) -> None:

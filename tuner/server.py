@@ -119,7 +119,8 @@ class TunerServer:
     def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
                  sensors_factory: Callable | None | bool = None, history=None) -> None:
         self.config = config
-        self.runs = Runs(config, policy_factory=policy_factory, sensors_factory=sensors_factory, history=history)
+        self.runs = Runs(config, policy_factory=policy_factory, sensors_factory=sensors_factory, history=history,
+                         on_end=_ended_runs_writer(config.socket_path))
         # Message type -> handler(conn, msg): the daemon's own, then those about runs.
         self._handlers: dict[str, Callable] = {"ping": self._on_ping, "snapshot": self._on_snapshot,
                                                "shutdown": self._on_shutdown, **self.runs.handlers()}
@@ -498,6 +499,28 @@ def bind_socket(path: str) -> socket.socket:
     sock.listen(512)
     sock.setblocking(False)
     return sock
+
+
+def _ended_runs_writer(socket_path: str):
+    """What :class:`TunerServer` does with a run that ended: its final view goes to
+    ``tuner.service.endedfile_for(socket_path)`` (the last 20 runs), where ``offloadctl tune``
+    reads how it ended once this daemon is gone."""
+    def record(run) -> None:
+        import json
+
+        from tuner.run_state import encodable_view
+        from tuner.service import endedfile_for, read_ended
+
+        view, _ = encodable_view(run, 60, 256 * 1024)
+        ended = read_ended(socket_path)
+        ended.pop(run.run_id, None)
+        ended[run.run_id] = view
+        path = endedfile_for(socket_path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(dict(list(ended.items())[-20:]), f, allow_nan=False)
+        os.replace(tmp, path)
+    return record
 
 
 def serve(config: ServerConfig, *, policy_factory=None, sensors_factory=None, history=None,

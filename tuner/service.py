@@ -51,8 +51,9 @@ def registry_dir() -> str:
     return os.path.join(os.path.dirname(default_socket_path()), "runs")
 
 
-def register_run(socket_path: str, run_dir: str, pid: int | None = None) -> str:
-    """List the daemon ``pid`` (default: this process) serving ``run_dir`` at ``socket_path``;
+def register_run(socket_path: str, run_dir: str, pid: int | None = None, run_id: str | None = None) -> str:
+    """List the daemon ``pid`` (default: this process) serving ``run_dir`` (the run ``run_id``,
+    when known: ``tune`` finds it by that id before its ranks register) at ``socket_path``;
     the entry's path, for :func:`unregister_run`."""
     pid = pid or os.getpid()
     d = private_dir(registry_dir())
@@ -60,7 +61,7 @@ def register_run(socket_path: str, run_dir: str, pid: int | None = None) -> str:
     tmp = f"{entry}.tmp"
     with open(tmp, "w") as f:
         json.dump({"pid": pid, "socket": os.path.abspath(socket_path), "run_dir": os.path.abspath(run_dir),
-                   "started_at": time.time()}, f)
+                   "started_at": time.time(), "run_id": run_id}, f)
     os.replace(tmp, entry)  # a reader never sees half an entry
     return entry
 
@@ -108,6 +109,22 @@ def logfile_for(socket_path: str) -> str:
     return socket_path + ".log"
 
 
+def endedfile_for(socket_path: str) -> str:
+    """The daemon's record of the runs that ended (their final views, by run id)."""
+    return socket_path + ".ended.json"
+
+
+def read_ended(socket_path: str) -> dict:
+    """``{run_id: final view}`` of the runs that ended at the daemon of ``socket_path``, oldest
+    first; {} when there is no such record (yet)."""
+    try:
+        with open(endedfile_for(socket_path)) as f:
+            ended = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return ended if isinstance(ended, dict) else {}
+
+
 def private_dir(path: str) -> str:
     """Create ``path`` (mode 0700) if missing. Refuse it if it, or the directory holding it,
     belongs to another user: they could swap the socket for their own (a /tmp trap)."""
@@ -146,30 +163,16 @@ def status(socket_path: str | None = None) -> dict:
     return out
 
 
-def run_verdict(socket_path: str, run_id: str) -> str | None:
-    """The tuner's state at the end of one run, in one short line for the end of
-    ``offloadctl train``: what it is doing, how many knob changes it made, and the last word of
-    why. None when the daemon does not answer or knows no such run."""
+def run_view(socket_path: str, run_id: str) -> dict | None:
+    """The daemon's view of one run (``tuner.run_state.run_view``: its knobs, where they
+    started, who changed each, the policy's state), for the end of ``offloadctl train``; None
+    when the daemon does not answer or knows no such run."""
     try:
         with Connection(socket_path, timeout_s=2.0) as c:
-            snap = c.request("snapshot", history=0)
+            snap = c.request("snapshot", run_id=run_id, history=0)
     except (OSError, ProtocolError, ValueError):
         return None
-    for r in snap["runs"]:
-        if r["run_id"] != run_id:
-            continue
-        policy = r.get("policy") or {}
-        decisions = r.get("decisions") or []
-        changes = sum(1 for d in decisions if d.get("source") != "user" and d.get("apply_at") is not None)
-        mode = policy.get("mode")
-        doing = {"holding": "holding", "frozen": "frozen",
-                 "trial": f"trying {policy.get('trial')}", "measuring": "measuring"}.get(mode, mode or "done")
-        reason = policy.get("holding_reason") or (decisions[-1]["reason"] if decisions else "")
-        why = reason.rsplit(": ", 1)[-1] if reason else ""
-        line = f"{changes or 'no'} knob change{'s' if changes != 1 else ''}, {doing}"
-        fits = len("tuner: ") + len(line) + len(why) + 3 <= 80  # one line on an 80-column terminal
-        return f"{line} ({why})" if why and fits else line
-    return None
+    return next((r for r in snap["runs"] if r["run_id"] == run_id), None)
 
 
 def start(socket_path: str | None = None, *, db_path: str | None = None, timeout_s: float = 30.0,
@@ -239,11 +242,11 @@ def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
     return {"socket": path, "pid": pid, "was_running": welcome is not None or stopped}
 
 
-def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None):
+def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None, run_id: str | None = None):
     """``(socket_path, stop)`` for a run: a daemon that answers at ``socket_path`` (default:
     :func:`default_socket_path`) with ``stop=None``, else a private daemon started for this run
-    (under ``run_dir``, or a temporary directory when that path is too long for a socket), whose
-    ``stop()`` shuts it down."""
+    (under ``run_dir``, or a temporary directory when that path is too long for a socket; listed
+    with ``run_id``), whose ``stop()`` shuts it down."""
     path = socket_path or default_socket_path()
     if probe(path) is not None:
         return path, None
@@ -252,7 +255,8 @@ def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None)
     if scratch:
         base = tempfile.mkdtemp(prefix="offloadctl-")
     own = os.path.join(private_dir(os.path.join(base, "tuner")), "tuner.sock")
-    info = start(own, owned=True, extra_args=("--run-dir", os.path.abspath(run_dir)) if run_dir else ())
+    extra = ("--run-dir", os.path.abspath(run_dir)) if run_dir else ()
+    info = start(own, owned=True, extra_args=extra + (("--run-id", run_id) if run_dir and run_id else ()))
     proc = info.get("process")
 
     def stop_private() -> None:

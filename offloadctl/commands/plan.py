@@ -43,7 +43,8 @@ def parse_params(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, metavar="NAME|PATH", help="hardware profile: a name or a TOML file")
+    p.add_argument("--profile", metavar="NAME|PATH", help="hardware profile: a name or a TOML file (required; "
+                   "offloadctl profile save makes one, profiles/ has examples)")
     p.add_argument("--params", required=True, metavar="N", help="model parameters: 7e9, 7B, 1.5T, 70M")
     p.add_argument("--ranks", type=int, default=1, metavar="R", help="ranks (GPUs) per node (default 1)")
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes (default 1)")
@@ -63,6 +64,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = fill_paragraphs(p.epilog)
 
 
+def no_profile_text() -> str:
+    """What to do without --profile: the user's saved profiles, how to measure one, the examples."""
+    import os
+
+    from perf.profile_toml import list_profiles, profile_dir
+
+    mine = list_profiles(profile_dir())
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "profiles")
+    shown = os.path.relpath(examples) if not os.path.relpath(examples).startswith("..") else examples
+    found = sorted(f for f in os.listdir(examples) if f.endswith(".toml")) if os.path.isdir(examples) else []
+    text = "plan needs a hardware profile: give --profile NAME|PATH"
+    if mine:
+        text += f" (yours: {', '.join(mine)})"
+    text += "; measure this machine with `offloadctl profile save NAME --nvme PATH --quick` (under 2 minutes)"
+    if found:
+        text += f", or try an example (datasheet figures, not a measurement): --profile {os.path.join(shown, found[0])}"
+    return text
+
+
 def fill_paragraphs(text: str, width: int = HELP_WIDTH) -> str:
     """``text``'s paragraphs (blank-line separated) refilled to ``width`` columns."""
     return "\n\n".join(textwrap.fill(" ".join(par.split()), width) for par in text.split("\n\n"))
@@ -74,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from perf.profile_toml import load_profile
     from perf.search import alternatives
 
+    if not args.profile:
+        raise ConfigError(no_profile_text())
     profile = load_profile(args.profile)
     if not (math.isfinite(args.subgroup) and args.subgroup >= 1 and float(args.subgroup).is_integer()):
         raise ConfigError(f"--subgroup must be a whole number of elements, 1 or more, got {args.subgroup:g}")

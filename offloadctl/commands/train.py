@@ -106,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "given, the tuner never moves it")
     o.add_argument("--params", metavar="N", help="with --dry-run and --profile: model size for the plan preview "
                    "(7e9, 70M, 1.5B); the ranks plan for the real size")
+    o.add_argument("--json-summary", metavar="FILE",
+                   help="at the end, write the summary's figures to FILE as JSON (how the run ended, iterations, "
+                   "median iteration time, throughput, shares, bottleneck, bytes per parameter, the tuner's changes)")
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     o.add_argument("--verbose", action="store_true",
@@ -145,6 +148,16 @@ def build(args: argparse.Namespace) -> dict:
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     launcher.check_launcher_values(vars(args))
+    if args.json_summary:  # a path that cannot take the file: said now, not after the run
+        where = os.path.dirname(os.path.abspath(args.json_summary))
+        if os.path.isdir(args.json_summary) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+            raise ConfigError(f"--json-summary {args.json_summary}: "
+                              + ("is a directory: give a file name" if os.path.isdir(args.json_summary)
+                                 else f"cannot write there ({where} is not a writable directory)"))
+    if args.engine != "stock":  # a config the engine refuses: said now, not by every rank after the launch
+        from integrations.ds_config_check import check_ds_config
+
+        check_ds_config(args.script_args)
     host_cache = size_bytes(args.host_cache)
     host_memory = size_bytes(args.host_memory)
     read_ahead = size_bytes(args.read_ahead, auto=True)
@@ -282,25 +295,81 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
         plan["launch"] = launcher.resolved_launch(plan["command"], plan["env"])
-        plan["settings"] = plan["settings"].to_json()
         if args.json:
-            print(json.dumps(plan, indent=2))
+            print(json.dumps(dict(plan, settings=plan["settings"].to_json()), indent=2))
         else:
-            print("command: " + shlex.join(plan["command"]))
-            launch = plan["launch"]
-            print("starts:  " + (shlex.join(launch["command"]) if "command" in launch else launch["error"]))
-            print("env:     " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items()))
-            print("plan:    " + json.dumps(plan["settings"]))
-            print("tuner:   " + {"auto": "auto (the running daemon, else a private one for this run)",
-                                 "off": "off (the starting plan is kept)"}.get(plan["tuner"], plan["tuner"]))
-            if "plan_preview" in plan:
-                print("preview: " + plan["plan_preview"]["summary"])
+            print("\n".join(dry_run_lines(args, plan)))
         return 0
     plan, claimed = _claim_run_dir(args, plan)
     try:
         return _run(args, plan)
     finally:
         claimed.release()
+
+
+DRY_RUN_LABEL = 11
+"""Columns of a dry run's row labels ('launch:    ')."""
+
+
+def dry_run_lines(args: argparse.Namespace, plan: dict, width: int | None = None) -> list[str]:
+    """``train --dry-run`` for a person: one block, a row each for the launch, the ranks, where
+    the state goes, the run dir, the knobs and pins, the tuner, the recording and the
+    environment, wrapped to the terminal (``--json`` gives the exact commands and settings)."""
+    import shutil
+    import textwrap
+
+    from engine.text import printable
+    from engine.units import format_size
+
+    settings = plan["settings"]
+    zero = settings.zero
+    width = width or max(60, min(shutil.get_terminal_size().columns, 120))
+    script = [os.path.relpath(args.script) if not os.path.relpath(args.script).startswith("..") else args.script,
+              *args.script_args]
+    rows = [("launch", "deepspeed " + shlex.join(launcher.launcher_args(vars(args)) + script)
+             + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)")]
+    launch = plan.get("launch") or {}
+    if "error" in launch:
+        rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {launch['error']}"))
+    rows.append(("ranks", ranks_text(args)))
+    if settings.engine == "stock":
+        rows.append(("state", "as the ds_config says: DeepSpeed's own optimizer and offload (--engine stock)"))
+    else:
+        paths = [f"{p} (NVMe)" for p in zero.nvme_paths] + [f"{p} (remote)" for p in zero.remote_paths]
+        cache = ("all of it in host memory" if zero.host_cache_bytes is None and not paths
+                 else "none in host memory" if zero.host_cache_bytes is None
+                 else f"{format_size(zero.host_cache_bytes)} per rank in host memory")
+        state = (f"{'; '.join(paths) or 'no storage path (a ds_config nvme_path becomes one)'}; {cache}; GPU: "
+                 + ("what it has free after the first forward/backward" if zero.device_cache_bytes is None
+                    else f"{format_size(zero.device_cache_bytes)} per rank"))
+        state += ("; host-memory budget " + (f"{format_size(zero.host_memory_bytes)} per rank" if zero.host_memory_bytes
+                                             else "half of what is available at start"))
+        rows.append(("state", state))
+    rows.append(("run dir", f"{zero.run_dir} (records, telemetry, deepspeed.log)"))
+    if settings.engine != "stock":
+        k = zero.knobs
+        given = {name: v for name, v in zero.knob_overrides.items()}
+        knobs = [f"prefetch_depth {k.prefetch_depth}",
+                 "device_fraction " + ("auto" if zero.auto_device_fraction else f"{k.device_fraction:g}"),
+                 f"node_lock {'on' if k.node_lock else 'off'}", "io_concurrency and stripe weights from a probe "
+                 "of the paths"]
+        start = f"the performance model's plan for profile {zero.profile}" if zero.profile else "defaults"
+        rows.append(("knobs", f"{', '.join(knobs)} ({start}); pinned by your options, never tuned: "
+                     + (", ".join(f"{n}={json.dumps(v)}" for n, v in given.items()) or "none")))
+    rows.append(("tuner", {"auto": "auto: the running daemon, else a private one for this run; it may start from "
+                                   "the tuner's verdict in an earlier run like this one",
+                           "off": "off: the starting knobs are kept"}.get(plan["tuner"], plan["tuner"])))
+    rec = settings.recorder
+    rows.append(("recording", "off (--no-record)" if rec is None else
+                 f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}"))
+    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items())))
+    if "plan_preview" in plan:
+        rows.append(("preview", plan["plan_preview"]["summary"]))
+    out = ["offloadctl train --dry-run: nothing started; --json gives the exact commands and settings"]
+    for label, text in rows:
+        out += textwrap.wrap(printable(text), width, initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
+                             subsequent_indent=" " * DRY_RUN_LABEL, break_on_hyphens=False, break_long_words=True)
+    return out
 
 
 def _claim_run_dir(args: argparse.Namespace, plan: dict):
@@ -323,9 +392,10 @@ def _run(args: argparse.Namespace, plan: dict) -> int:
     if plan["tuner"] == "auto":
         from tuner.service import ensure_daemon
 
-        socket_path, stop_tuner = ensure_daemon(run_dir=run_dir)
+        socket_path, stop_tuner = ensure_daemon(run_dir=run_dir, run_id=plan["settings"].zero.run_id)
         plan = with_tuner_socket(plan, socket_path)
     settings = plan["settings"]
+    print(start_line(args, settings, plan["tuner"]), file=sys.stderr, flush=True)  # the ranks take seconds to speak
     try:
         from integrations.run_output import LauncherOutput
 
@@ -340,29 +410,101 @@ def _run(args: argparse.Namespace, plan: dict) -> int:
         elif rc not in (0, 2) and output.hidden_lines and not args.verbose:  # 2: the ranks' one-line error said it all
             print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
-        if rc == 0 or stopped_by is not None:  # how fast and why: first, before any pointer
+        ended = rc == 0 or stopped_by is not None
+        if ended:  # how fast and why: first, before any pointer
             from offloadctl.summary import print_run_summary
 
             print_run_summary(run_dir, rank=0)
-        socket_path = settings.zero.tuner_socket
-        if socket_path and (rc == 0 or stopped_by is not None):
-            from tuner.service import run_verdict
+        socket_path, view = settings.zero.tuner_socket, None
+        if socket_path and ended:
+            from offloadctl.summary import tuner_lines
+            from tuner.service import run_view
 
-            verdict = run_verdict(socket_path, settings.zero.run_id)
-            if verdict:
-                print(f"tuner: {verdict}")
+            view = run_view(socket_path, settings.zero.run_id)
+            if view:
+                print("\n".join(tuner_lines(view)))
             else:
                 from tuner.service import logfile_for, probe
 
                 if probe(socket_path, timeout_s=1.0) is None:
                     print(f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
                           f"had; the daemon's log: {logfile_for(socket_path)}")
-        if settings.recorder:
+        recorded = bool(settings.recorder) and recorded_iterations(run_dir)
+        if recorded:  # nothing to report: no pointer to a refusal
             print(f"recorded: offloadctl report {run_dir}")
+        if args.json_summary:
+            from offloadctl.summary import run_summary_figures
+
+            figures = run_summary_figures(run_dir, rank=0, exit_status=rc, tuner_view=view,
+                                          stopped_by=stopped_by.name if stopped_by is not None else None)
+            _write_json(args.json_summary, figures)
         return rc
     finally:
         if stop_tuner is not None:
             stop_tuner()
+
+
+def _write_json(path: str, obj: dict) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (a reader never sees half a file); a
+    path that cannot be written is one warning line: the run is over, and its records stand."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, allow_nan=False, default=float)
+            f.write("\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:
+        print(f"offloadctl: warning: --json-summary {path} not written ({getattr(e, 'strerror', None) or e})",
+              file=sys.stderr)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def recorded_iterations(run_dir: str) -> bool:
+    """Whether a rank's record in ``run_dir`` holds an iteration (``offloadctl report`` has something to show)."""
+    import glob
+
+    for path in glob.glob(os.path.join(run_dir, "record-rank*.jsonl")):
+        try:
+            with open(path) as f:
+                if any('"type":"iteration"' in line for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def ranks_text(args: argparse.Namespace) -> str:
+    """How many ranks the launch starts, as far as its options say without asking DeepSpeed."""
+    gpus, nodes = getattr(args, "ds_num_gpus", None), getattr(args, "ds_num_nodes", None)
+    multi = nodes or getattr(args, "ds_hostfile", None) or getattr(args, "ds_include", None)
+    if gpus and not multi:
+        return f"{gpus} rank{'s' if str(gpus) != '1' else ''}"
+    if gpus and nodes:
+        return f"{gpus} ranks per node on {nodes} nodes"
+    return "a rank per GPU slot" + (" of the hostfile" if multi else "")
+
+
+def start_line(args: argparse.Namespace, settings, tuner: str) -> str:
+    """The run's first line, printed before the launcher starts (the ranks take seconds to say
+    anything): how many ranks, the run's id, where DeepSpeed's log goes, and how to watch it.
+    Wrapped to the terminal."""
+    import shutil
+    import textwrap
+
+    from engine.text import printable
+    from integrations.run_output import log_path
+
+    run_dir = settings.run_dir
+    head = (f"offloadctl: starting {ranks_text(args)} of {os.path.basename(args.script)} (run "
+            f"{settings.zero.run_id}); DeepSpeed's log: {log_path(run_dir)}")
+    watch = (f"watch it, pin a knob: offloadctl tune --run-dir {shlex.quote(run_dir)}" if tuner != "off"
+             else "tuner off: the knobs stay as planned")
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    return "\n".join(textwrap.fill(printable(p), width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
+                                   break_on_hyphens=False, break_long_words=False) for i, p in enumerate((head, watch)))
 
 
 def with_tuner_socket(plan: dict, socket_path: str) -> dict:

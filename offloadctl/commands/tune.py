@@ -104,9 +104,10 @@ class Target:
 
 def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     """The daemon to talk to: ``--socket``; the run in ``--run-dir``; the system daemon when it
-    serves a run; else the one live private run of this user (of ``run_ids`` when given).
-    Several runs are listed for the user to pick one rather than guessed at: a pin sent to a
-    guessed run would change the wrong training."""
+    serves a run; else the one live private run of this user (of ``run_ids`` when given: a run
+    whose ranks are still starting counts by the id its daemon was started for). Several runs
+    are listed for the user to pick one rather than guessed at, and so are the live ones when
+    ``run_ids`` names none of them: a pin sent to a guessed run would change the wrong training."""
     from engine.errors import ConfigError
     from tuner import service
 
@@ -119,40 +120,49 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     if system_runs is not None and any(r["status"] == "running" and (not run_ids or r["run_id"] in run_ids)
                                        for r in system_runs):
         return Target(system, private=False)
-    found = []
-    for entry in service.live_runs():
-        runs = _runs_at(entry["socket"])
-        if runs is not None and (not run_ids or any(r["run_id"] in run_ids for r in runs)):
-            found.append((entry, runs))
+    live = [(entry, runs) for entry in service.live_runs() if (runs := _runs_at(entry["socket"])) is not None]
+    found = [(entry, runs) for entry, runs in live
+             if not run_ids or entry.get("run_id") in run_ids or any(r["run_id"] in run_ids for r in runs)]
     if len(found) == 1:
         return Target(found[0][0]["socket"], private=True)
     if found:
         print(live_runs_table(found))
         raise ConfigError(f"{len(found)} live runs: pick one with --run-dir DIR")
+    if run_ids and (live or system_runs):
+        theirs = [({"run_dir": f"(daemon {system})", "started_at": None}, system_runs)] if system_runs else []
+        print(live_runs_table(live + theirs))
+        raise ConfigError(f"no live run {', '.join(sorted(run_ids))}: the live runs are above; give one of their ids "
+                          f"(RUN in RUN:KNOB=VALUE), or --run-dir DIR")
     if system_runs is not None:
         return Target(system, private=False)
-    which = f" with run {', '.join(sorted(run_ids))}" if run_ids else ""
+    which = f" {', '.join(sorted(run_ids))}" if run_ids else ""
     raise ConfigError(f"no live run{which} (no tuner daemon at {system}, no training run of yours): "
                       "start one with `offloadctl train`, or give --run-dir DIR or --socket PATH")
 
 
-def _target_in(run_dir: str) -> Target:
+def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
+    """The daemon of the run in ``run_dir``; while that run is starting (its run dir taken, its
+    daemon not up yet), waited for up to ``wait_s``."""
     from engine.errors import ConfigError
+    from integrations.run_dir import in_use
     from tuner import service
 
     own = os.path.join(run_dir, "tuner", "tuner.sock")
-    if service.probe(own) is not None:
-        return Target(own, private=True)
-    for entry in service.live_runs():  # a run dir too long for a socket path has its socket elsewhere
-        if entry["run_dir"] == run_dir:
-            return Target(entry["socket"], private=True)
-    from integrations.run_dir import in_use
-
-    if in_use(run_dir):
-        raise ConfigError(f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not answer: "
-                          f"it stopped, and the run keeps the knobs it has (the daemon's log: {service.logfile_for(own)})")
-    raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
-                      "`offloadctl tune` without --run-dir lists the live ones")
+    deadline = time.monotonic() + wait_s
+    while True:
+        if service.probe(own) is not None:
+            return Target(own, private=True)
+        for entry in service.live_runs():  # a run dir too long for a socket path has its socket elsewhere
+            if entry["run_dir"] == run_dir:
+                return Target(entry["socket"], private=True)
+        if not in_use(run_dir):
+            raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
+                              "`offloadctl tune` without --run-dir lists the live ones")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not "
+                              f"answer: it stopped, and the run keeps the knobs it has (the daemon's log: "
+                              f"{service.logfile_for(own)})")
+        time.sleep(0.2)
 
 
 def _runs_at(socket_path: str) -> list[dict] | None:
@@ -167,25 +177,39 @@ def _runs_at(socket_path: str) -> list[dict] | None:
 
 
 def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
-    """The live private runs, one line each: run dir, run id, iteration, start time."""
+    """The live runs, one line each: run dir, run id, iteration, start time."""
     rows = [("RUN DIR", "RUN", "ITERATION", "STARTED")]
     for entry, runs in found:
-        for r in runs or [{"run_id": "(not connected yet)", "iteration": -1}]:
-            started = time.strftime("%H:%M:%S", time.localtime(r.get("started_at") or entry["started_at"]))
-            rows.append((entry["run_dir"], r["run_id"], str(r["iteration"]) if r["iteration"] >= 0 else "-", started))
+        for r in runs or [{"run_id": (entry.get("run_id") or "") + " (starting)", "iteration": -1}]:
+            t = r.get("started_at") or entry.get("started_at")
+            started = time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+            rows.append((entry["run_dir"], r["run_id"].strip(), str(at_iteration(r)) if r["iteration"] >= 0 else "-",
+                         started))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def at_iteration(r: dict) -> int:
+    """The iteration a run is at, counted as the end-of-run summary and the report count it:
+    the iterations it completed (the daemon's ``iteration`` is the last one reported, from 0)."""
+    return max(0, r["iteration"] + 1)
 
 
 # -- the command ----------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
-    from tuner.protocol import Connection, ProtocolError
+    from tuner.protocol import Connection
 
     actions = _actions(args)
     run_ids = {fields["run_id"] for _, _, fields in actions} | ({args.run} if args.run else set())
-    target = find_target(args, run_ids)
+    try:
+        target = find_target(args, run_ids)
+    except ConfigError:
+        if args.json and args.once and not actions:
+            print(json.dumps({"runs": []}))  # no run to show is an answer, not an error
+            return 0
+        raise
     try:
         conn = Connection(target.socket, timeout_s=5.0)
     except OSError as e:
@@ -193,15 +217,12 @@ def run(args: argparse.Namespace) -> int:
                           "`offloadctl tuner start`, or give --run-dir DIR or --socket PATH") from None
     with conn:
         for flag, kind, fields in actions:
-            try:
-                reply = conn.request(kind, **fields)
-            except ProtocolError as e:
-                raise ConfigError(f"{flag}: {knob_words(str(e))}") from None
+            reply = _send(conn, flag, kind, fields)
             if not (args.once or args.json or args.live):
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
                         "freeze": "frozen" if fields.get("frozen") else "unfrozen"}[kind]
-                print(f"{fields['run_id']}: {what}; knobs now {json.dumps(reply.get('knobs'))}")
+                print(f"{fields['run_id']}: {what}; knobs now {_knobs_text(reply.get('knobs') or {})}")
         if actions and not (args.once or args.json or args.live):
             return 0
         if args.once or args.json:
@@ -211,14 +232,225 @@ def run(args: argparse.Namespace) -> int:
             else:
                 from rich.console import Console
 
-                Console().print(runs_table(snap["runs"]))
+                console = Console()
+                console.print(runs_table(snap["runs"], width=console.width))
             return 0
         return live(conn, args, target)
 
 
-def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
-    """Redraw the view every ``--interval`` until Ctrl-C, or until the runs end (a private
-    daemon's run, or runs seen running here): then print their final frame and figures."""
+STARTING_WAIT_S = 600.0
+"""How long a pin waits for a run whose ranks are still starting (imports, DeepSpeed's set-up)."""
+
+
+def _send(conn, flag: str, kind: str, fields: dict) -> dict:
+    """Send one pin, unpin or freeze; a run the daemon does not know yet, but was started for
+    (its ranks are loading), is waited for, with one line saying so."""
+    import sys
+
+    from engine.errors import ConfigError
+    from tuner.protocol import ErrorCode, ProtocolError
+
+    deadline, said = time.monotonic() + STARTING_WAIT_S, False
+    while True:
+        try:
+            return conn.request(kind, **fields)
+        except ProtocolError as e:
+            if e.code == ErrorCode.UNKNOWN_RUN and "has finished" not in str(e) and time.monotonic() < deadline \
+                    and not _known(conn, fields["run_id"]) and _starting(conn, fields["run_id"]):
+                if not said:
+                    print(f"offloadctl: waiting for run {fields['run_id']} to start (its ranks are loading)...",
+                          file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.5)
+                continue
+            raise ConfigError(f"{flag}: {knob_words(str(e))}") from None
+
+
+def _known(conn, run_id: str) -> bool:
+    return any(r["run_id"] == run_id for r in conn.request("snapshot", history=0)["runs"])
+
+
+def _starting(conn, run_id: str) -> bool:
+    """Whether the daemon behind ``conn`` is a private one started for ``run_id``."""
+    from tuner import service
+
+    pid = conn.welcome.get("pid") if getattr(conn, "welcome", None) else None
+    return any(e.get("run_id") == run_id and (pid is None or e.get("pid") == pid) for e in service.live_runs())
+
+
+LEGEND = "q quit  p pin  u unpin  f {freeze}  ? help"
+HELP = ("keys: q leaves the view (the run goes on); p pins a knob: type KNOB=VALUE, Enter sends it, Esc "
+        "cancels; u unpins one (type KNOB); f freezes tuning (the knobs stay) or resumes it; ? shows or hides "
+        "this. Knobs: {knobs}; io_concurrency[PATH] for one path. Values are JSON: 4, 0.5, true, "
+        "{{\"/nvme\": 8}}.")
+
+
+class Keys:
+    """The live view's keyboard, where stdin is a terminal: no echo and no line buffering while
+    the view runs (a key neither shows on the frame nor moves it), and on exit the terminal as
+    it was, with the keys not yet read dropped (they never reach the shell's prompt). Ctrl-C
+    still interrupts."""
+
+    def __init__(self, stream=None) -> None:
+        import sys
+
+        stream = stream if stream is not None else sys.stdin
+        try:
+            self.fd = stream.fileno() if stream.isatty() else None
+        except (AttributeError, ValueError, OSError):
+            self.fd = None
+        self._saved = None
+
+    @property
+    def active(self) -> bool:
+        return self._saved is not None
+
+    def __enter__(self) -> "Keys":
+        if self.fd is not None:
+            import termios
+
+            try:
+                self._saved = termios.tcgetattr(self.fd)
+                mode = termios.tcgetattr(self.fd)
+                mode[3] &= ~(termios.ECHO | termios.ICANON)  # lflags: keys one by one, not shown
+                mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+                termios.tcsetattr(self.fd, termios.TCSANOW, mode)
+            except termios.error:
+                self._saved = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            import termios
+
+            try:
+                termios.tcflush(self.fd, termios.TCIFLUSH)
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+            except termios.error:
+                pass
+            self._saved = None
+
+    def read(self, timeout_s: float) -> str:
+        """The keys typed within ``timeout_s`` (at once when some are waiting); '' if none."""
+        if not self.active:
+            time.sleep(max(0.0, timeout_s))
+            return ""
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout_s))
+        if not ready:
+            return ""
+        return os.read(self.fd, 64).decode(errors="replace")
+
+
+class Controls:
+    """What the keys do in the live view of one run: the prompt being typed, the last action's
+    result, the help; :meth:`legend` is the line under the frame."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.prompt: str | None = None  # 'pin' or 'unpin' while one is typed
+        self.typed = ""
+        self.message = ""
+        self.help = False
+        self.quit = False
+
+    def keys(self, text: str, runs: list[dict]) -> None:
+        i = 0
+        while i < len(text):
+            ch = text[i]
+            i += 1
+            if ch == "\x1b":  # Esc, or the start of an arrow key's sequence: cancels a prompt, else nothing
+                if text[i:i + 1] in ("[", "O"):
+                    i += 2
+                if self.prompt:
+                    self.prompt, self.typed, self.message = None, "", "cancelled"
+                continue
+            if self.prompt is not None:
+                if ch in "\r\n":
+                    self._send(runs)
+                elif ch in "\x7f\b":
+                    self.typed = self.typed[:-1]
+                elif ch.isprintable():
+                    self.typed += ch
+                continue
+            if ch == "q":
+                self.quit = True
+                return
+            if ch == "?":
+                self.help = not self.help
+            elif ch in "pu":
+                if self._run(runs) is not None:
+                    self.prompt, self.typed, self.message = {"p": "pin", "u": "unpin"}[ch], "", ""
+            elif ch == "f":
+                run = self._run(runs)
+                if run is not None:
+                    self._request(f"{'unfrozen' if run['frozen'] else 'frozen'}: tuning "
+                                  f"{'resumed' if run['frozen'] else 'stopped, knobs held'}",
+                                  "freeze", run_id=run["run_id"], frozen=not run["frozen"])
+            elif ch.isprintable() and ch != " ":
+                self.message = f"no key {ch!r}: ? shows the keys"
+
+    def _run(self, runs: list[dict]) -> dict | None:
+        live = [r for r in runs if r["status"] not in ENDED]
+        if len(live) == 1:
+            return live[0]
+        self.message = ("no running run here" if not live
+                        else f"{len(live)} runs: pin or freeze one from a view of it alone (tune --run RUN)")
+        return None
+
+    def _send(self, runs: list[dict]) -> None:
+        from engine.errors import ConfigError
+
+        kind, text = self.prompt, self.typed.strip()
+        self.prompt, self.typed = None, ""
+        run = self._run(runs)
+        if run is None or not text:
+            return
+        try:
+            if kind == "pin":
+                _, knob, value = parse_pin(f"{run['run_id']}:{text}")
+                self._request(f"pinned {knob}={json.dumps(value)}", "pin", run_id=run["run_id"], knob=knob, value=value)
+            else:
+                _, knob = parse_unpin(f"{run['run_id']}:{text}")
+                self._request(f"unpinned {knob}: the tuner may move it", "unpin", run_id=run["run_id"], knob=knob)
+        except ConfigError as e:
+            self.message = str(e).replace(f"'{run['run_id']}:", "'")
+
+    def _request(self, done: str, kind: str, **fields) -> None:
+        from tuner.protocol import ProtocolError
+
+        try:
+            self.conn.request(kind, **fields)
+            self.message = done
+        except ProtocolError as e:
+            self.message = knob_words(str(e))
+
+    def legend(self, runs: list[dict]):
+        from rich.text import Text
+
+        if self.prompt is not None:
+            what = "KNOB=VALUE" if self.prompt == "pin" else "KNOB"
+            return Text(f"{self.prompt} {what}: ") + Text(self.typed + "_", style="bold") + \
+                Text("  (Enter sends, Esc cancels)", style="dim")
+        frozen = any(r.get("frozen") for r in runs if r["status"] not in ENDED)
+        text = Text(LEGEND.format(freeze="unfreeze" if frozen else "freeze"), style="dim")
+        if self.message:
+            text.append("  " + self.message, style="yellow")
+        return text
+
+    def help_text(self):
+        from rich.text import Text
+
+        from engine.config import Knobs
+
+        return Text(HELP.format(knobs=", ".join(Knobs.names())), style="cyan")
+
+
+def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Keys | None = None) -> int:
+    """Redraw the view every ``--interval`` until q or Ctrl-C, or until the runs end (a private
+    daemon's run, or runs seen running here): then print their final frame and figures. On a
+    terminal, keys pin, unpin and freeze the run shown (:class:`Controls`), with a legend line."""
     from rich.console import Console, Group
     from rich.live import Live
     from rich.text import Text
@@ -230,13 +462,14 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
     seen_running = False
     ended_since: float | None = None
     final: list[dict] | None = None
-    with Live(console=console, auto_refresh=False, transient=True) as view:
+    controls = Controls(conn)
+    with (keys or Keys()) as keyboard, Live(console=console, auto_refresh=False, transient=True) as view:
         try:
-            while True:
+            while not controls.quit:
                 try:
                     runs = conn.request("snapshot", run_id=args.run, history=60)["runs"]
                 except (OSError, ProtocolError, ValueError):
-                    final = ended_runs(last, _log_tail(target.socket))  # the daemon went away
+                    final = ended_runs(last, target.socket)  # the daemon went away
                     break
                 seen_running = seen_running or any(r["status"] == "running" for r in runs)
                 last = runs or last
@@ -248,11 +481,24 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
                              or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S):
                     final = runs
                     break
-                view.update(Group(*fitted_panels(runs, console)) if runs else Text(_waiting(target)), refresh=True)
-                time.sleep(args.interval)
+                deadline = time.monotonic() + args.interval
+                while True:  # redrawn at once after each key, so what is typed shows as it is typed
+                    extra = []
+                    if keyboard.active:
+                        extra = ([controls.help_text()] if controls.help else []) + [controls.legend(runs)]
+                    room = console.size.height - 1 - sum(len(console.render_lines(x, console.options, pad=False))
+                                                         for x in extra)
+                    body = fitted_panels(runs, console, height=room) if runs else [Text(_waiting(target, keyboard))]
+                    view.update(Group(*body, *extra), refresh=True)
+                    typed = keyboard.read(deadline - time.monotonic())
+                    if not typed:
+                        break
+                    controls.keys(typed, runs)
+                    if controls.quit or time.monotonic() >= deadline:
+                        break
         except KeyboardInterrupt:
             pass
-    if final is None:  # Ctrl-C: the last frame stays on screen, whole
+    if final is None:  # q or Ctrl-C: the last frame stays on screen, whole
         for p in (fitted_panels(last, console, height=None) if last else []):
             console.print(p)
         console.print("left the live view; the run goes on")
@@ -266,36 +512,23 @@ def live(conn, args: argparse.Namespace, target: Target, console=None) -> int:
     return 0
 
 
-def _waiting(target: Target) -> str:
-    return ("waiting for the run's ranks to connect" if target.private
-            else f"no runs yet at {target.socket} (Ctrl-C to leave)")
+def _waiting(target: Target, keys: Keys | None = None) -> str:
+    leave = "q or Ctrl-C" if keys is not None and keys.active else "Ctrl-C"
+    return (f"waiting for the run's ranks to connect ({leave} to leave)" if target.private
+            else f"no runs yet at {target.socket} ({leave} to leave)")
 
 
-def _log_tail(socket_path: str, n: int = 64 * 1024) -> str:
-    from tuner.service import logfile_for
+def ended_runs(last: list[dict], socket_path: str) -> list[dict]:
+    """The runs of the last snapshot as they ended once their daemon is gone: as the daemon
+    recorded their end (``tuner.service.read_ended``: the run may have ended between two
+    snapshots), else interrupted."""
+    from tuner.service import read_ended
 
-    try:
-        with open(logfile_for(socket_path), "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def ended_runs(last: list[dict], log_text: str) -> list[dict]:
-    """The runs of the last snapshot as they ended once their daemon is gone: as the daemon's
-    log says (the run may have ended between two snapshots), else interrupted."""
+    ended = read_ended(socket_path)
     out = []
     for r in last:
-        r = dict(r)
         if r["status"] not in ENDED:
-            said = re.findall(r"run %s: (finished|interrupted by (\w+)) at iteration (\d+)" % re.escape(r["run_id"]),
-                              log_text)
-            if said:
-                _, r["stopped_by"], iteration = said[-1]
-                r["status"], r["iteration"] = "finished", int(iteration)
-            else:
-                r["status"] = "disconnected"
+            r = dict(ended.get(r["run_id"]) or dict(r, status="disconnected"))
         out.append(r)
     return out
 
@@ -308,15 +541,23 @@ def outcome(r: dict) -> str:
     return "interrupted" if r["status"] == "disconnected" else r["status"]
 
 
+def ended_text(r: dict) -> str:
+    """'finished at iteration 30', 'interrupted by SIGINT at iteration 110': the words and the
+    count of the end-of-run summary and the report."""
+    by = f" by {r['stopped_by']}" if r.get("stopped_by") and outcome(r) == "interrupted" else ""
+    return f"{outcome(r)}{by} at iteration {at_iteration(r)}"
+
+
 def final_line(r: dict) -> str:
     """One run's outcome: how it ended, at which iteration, its iteration time and knobs."""
+    from engine.units import format_seconds
+
     times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
-    pace = f"; median iteration time {_median(times):.3f} s (last {len(times)})" if times else ""
+    pace = f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)})" if times else ""
     pol = r.get("policy") or {}
     word = pol.get("holding_reason") or (r["decisions"][-1]["reason"] if r.get("decisions") else None)
-    how = f" (a rank was stopped by {r['stopped_by']})" if r.get("stopped_by") else ""
-    return (f"{r['run_id']}: {outcome(r)}{how} at iteration {r['iteration']}{pace}; "
-            f"knobs {_knobs_text(r['knobs'])}" + (f"\ntuner: {word}" if word else ""))
+    return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {_knobs_text(r['knobs'])}"
+            + (f"\ntuner: {word}" if word else ""))
 
 
 def _median(xs: list[float]) -> float:
@@ -344,16 +585,25 @@ def _secs(s: float | None) -> str:
     return "-" if s is None else f"{s:.3f} s"
 
 
-def runs_table(runs: list[dict]):
-    from rich.table import Table
+def runs_table(runs: list[dict], width: int = 80):
+    """The runs of a snapshot, for ``tune --once``: a line each (status, ranks, iteration,
+    iteration time), then its knobs, wrapped whole to ``width`` (never cut)."""
+    import textwrap
+
     from rich.text import Text
 
-    t = Table("run", "status", "ranks", "iteration", "iteration time", "knobs", title="tuner runs")
+    from engine.units import format_seconds
+
+    out = Text("tuner runs" + ("" if runs else ": none"), style="bold")
     for r in runs:
-        t.add_row(Text(r["run_id"]), r["status"] + (" (frozen)" if r["frozen"] else ""),
-                  f"{r['connected']}/{r['ranks']}", str(r["iteration"]), _secs(r["iter_time_s"]),
-                  Text(_knobs_text(r["knobs"])))
-    return t
+        status = (ended_text(r) if r["status"] in ENDED else r["status"]) + (" (frozen)" if r["frozen"] else "")
+        pace = f", {format_seconds(r['iter_time_s'])}/iteration" if r.get("iter_time_s") else ""
+        out.append(f"\n{r['run_id']}: {status}, ranks {r['connected']}/{r['ranks']}, iteration "
+                   f"{at_iteration(r)}{pace}", style="")
+        knobs = textwrap.wrap("knobs: " + _knobs_text(r["knobs"]), max(40, width), initial_indent="  ",
+                              subsequent_indent="    ", break_on_hyphens=False, break_long_words=True)
+        out.append("\n" + "\n".join(knobs), style="")
+    return out
 
 
 def _knobs_text(k: dict) -> str:
@@ -373,7 +623,7 @@ def tuner_state(r: dict) -> str:
     """What the tuner is doing with the run, from the policy's own mode (the same state its
     decisions come from), or how the run ended."""
     if r["status"] in ENDED:
-        return f"{outcome(r)} at iteration {r['iteration']}"
+        return ended_text(r)
     if r.get("policy_error"):
         return f"policy stopped: {r['policy_error']}"
     if r["frozen"]:
@@ -431,7 +681,7 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
     ph = r.get("phases") or {}
     it = ph.get("iter_time_s")
     observed = ph.get("iteration")
-    head = Text(f"iteration {r['iteration']}, ranks {r['connected']}/{r['ranks']}; tuner: ")
+    head = Text(f"iteration {at_iteration(r)}, ranks {r['connected']}/{r['ranks']}; tuner: ")
     head.append(tuner_state(r), style="red" if r.get("policy_error") else "yellow" if r["frozen"] else "green")
     body: list = [head, Text("knobs: " + _knobs_text(r["knobs"])), Text(knob_control(r), style="dim")]
     if r.get("truncated"):
@@ -481,8 +731,8 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
     if decisions:
         log = Table("iteration", "applies at", "by", "why", box=None, title="knob changes", title_justify="left")
         for d in r["decisions"][-decisions:]:
-            log.add_row(str(d["iteration"]), str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"],
-                        Text(d["reason"]))
+            log.add_row(str(d["iteration"]) if d["iteration"] >= 0 else "start",
+                        str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"], Text(d["reason"]))
         if not r["decisions"]:
             log.add_row("-", "-", "-", "none yet")
         body.append(log)

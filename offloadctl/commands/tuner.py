@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             s.add_argument("--idle-exit", type=float, metavar="S", help="stop after S seconds with no run")
             s.add_argument("--run-dir", metavar="DIR",
                            help="the run this daemon serves: listed for `offloadctl tune` while it runs")
+            s.add_argument("--run-id", metavar="RUN", help="with --run-dir: that run's id, listed with it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         nonlocal entry
         if args.run_dir:
             try:
-                entry = register_run(config.socket_path, args.run_dir)
+                entry = register_run(config.socket_path, args.run_dir, run_id=args.run_id)
             except (OSError, OffloadError) as e:  # the run is served all the same; only `tune` will not list it
                 logging.getLogger("offloadctl.tuner").warning("not listed among the live runs: %s", e)
         if args.pidfile:  # only once the socket is ours; atomically, so a reader never sees half
