@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli, env_with_root
+from helpers import ROOT, cli, env_with_root, free_port
 
 from engine.units import format_size, parse_size
 
@@ -58,8 +58,9 @@ def test_demo_under_offloadctl_train(tmp_path):
     scripts = os.path.dirname(sys.executable)
     ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
     before = _builds(ext_dir)
-    out = _run("-m", "offloadctl.cli", "train", "--num_gpus", "1", "--nvme", str(tmp_path), "--run-dir",
-               str(tmp_path / "run"), "examples/train_gpt.py", "--steps", "4",
+    # A port of its own (make demo takes DeepSpeed's default, 29500): other tests run beside this one.
+    out = _run("-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme", str(tmp_path),
+               "--run-dir", str(tmp_path / "run"), "examples/train_gpt.py", "--steps", "4",
                env={"VIRTUAL_ENV": os.path.dirname(scripts), "PATH": scripts + os.pathsep + os.environ["PATH"]})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "offloadctl: engine active" in out.stderr and str(tmp_path) in out.stderr
