@@ -36,12 +36,13 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 # The main job: an unmodified DeepSpeed ZeRO-3 script under `offloadctl train`, all optimizer
-# state in an NVMe tier under a temporary directory (removed afterwards), then the report of
-# the run (plots of every iteration) in runs/demo-report.html.
+# state in an NVMe tier under a temporary directory (removed afterwards), its records in
+# runs/demo (replaced at each demo), then the report of the run (plots of every iteration) in
+# runs/demo-report.html: the last line it prints.
 demo: setup
 	@d=$$(mktemp -d "$${TMPDIR:-/var/tmp}/offloadctl-demo.XXXXXX"); trap 'rm -rf "$$d"' EXIT; \
-	  $(VENV)/bin/offloadctl train --num_gpus 1 --nvme "$$d" --run-dir "$$d/run" examples/train_gpt.py --steps 30 && \
-	  $(VENV)/bin/offloadctl report "$$d/run" --output runs/demo-report.html
+	  $(VENV)/bin/offloadctl train --num_gpus 1 --nvme "$$d" --run-dir runs/demo --force examples/train_gpt.py --steps 30 && \
+	  $(VENV)/bin/offloadctl report runs/demo --output runs/demo-report.html
 
 test: setup
 	$(VENV)/bin/python -m pytest -q tests

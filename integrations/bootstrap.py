@@ -87,12 +87,23 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+def _later_signal(signum, frame) -> None:
+    """A stop signal after the first: the rank is unwinding already. A Python handler, not
+    SIG_IGN: a signal that arrived with the first (Ctrl-C's SIGINT, then the launcher's
+    SIGTERM) is still pending when the first's handler runs, and Python reports a pending signal
+    whose handler became SIG_IGN meanwhile as an error ("ignored due to race condition")."""
+
+
+def _ignore_later_signals() -> None:
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _later_signal)
+
+
 def _stop_on_signals() -> None:
     def handler(signum, frame):
         # The first signal unwinds the script; later ones (the launcher repeats them, Ctrl-C
         # twice) must not interrupt the cleanup it started.
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(s, signal.SIG_IGN)
+        _ignore_later_signals()
         raise Stopped(signum)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT: inherited ignored, set here
@@ -137,16 +148,15 @@ def _history_start(client, timeout_s: float = 2.0) -> str | None:
 
 
 def main() -> int:
-    from integrations import run_output
+    from integrations import ds_patches, run_output
 
     settings, script, script_args = split_argv(sys.argv[1:])
     if not settings.verbose and settings.run_dir:  # before DeepSpeed is imported: it logs as it loads
         log = run_output.open_log(settings.run_dir)
-        run_output.quiet_deepspeed_logger(log)
-        run_output.route_deepspeed_warnings(log)
+        ds_patches.quiet_deepspeed_logger(log)
+        ds_patches.route_deepspeed_warnings(log)
 
     from engine.errors import OffloadError
-    from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
@@ -161,9 +171,7 @@ def main() -> int:
 
         def check(engine) -> None:
             """The engine engaged in what deepspeed.initialize built (one line where not)."""
-            from integrations.checkpoints import guard_save_checkpoint
-
-            guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
+            ds_patches.guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
             if settings.stock:
                 state["engaged"] += 1
                 return
@@ -206,8 +214,7 @@ def main() -> int:
         _failed(settings, e)
         return 1
     except (Stopped, KeyboardInterrupt) as e:
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(s, signal.SIG_IGN)  # the swap files are removed at exit: let nothing cut that short
+        _ignore_later_signals()  # the swap files are removed at exit: let nothing cut that short
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         from tuner.client import note_stopped
 
@@ -226,8 +233,7 @@ def _exiting() -> None:
     """The rank is on its way out (the script ended, or failed): a SIGTERM from the launcher
     (stopping the ranks after another failed) must not raise into the interpreter's shutdown,
     which runs the engine's cleanup."""
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
+    _ignore_later_signals()
 
 
 if __name__ == "__main__":

@@ -365,7 +365,7 @@ def dry_run_lines(args: argparse.Namespace, plan: dict, width: int | None = None
     rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items())))
     if "plan_preview" in plan:
         rows.append(("preview", plan["plan_preview"]["summary"]))
-    out = ["offloadctl train --dry-run: nothing started; --json gives the exact commands and settings"]
+    out = ["dry run, nothing started (--json: the exact commands and settings)"]
     for label, text in rows:
         out += textwrap.wrap(printable(text), width, initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
                              subsequent_indent=" " * DRY_RUN_LABEL, break_on_hyphens=False, break_long_words=True)

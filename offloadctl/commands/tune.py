@@ -279,10 +279,17 @@ def _starting(conn, run_id: str) -> bool:
 
 
 LEGEND = "q quit  p pin  u unpin  f {freeze}  ? help"
-HELP = ("keys: q leaves the view (the run goes on); p pins a knob: type KNOB=VALUE, Enter sends it, Esc "
-        "cancels; u unpins one (type KNOB); f freezes tuning (the knobs stay) or resumes it; ? shows or hides "
-        "this. Knobs: {knobs}; io_concurrency[PATH] for one path. Values are JSON: 4, 0.5, true, "
-        "{{\"/nvme\": 8}}.")
+HELP = """keys of the live view
+  q  leave the view; the run goes on
+  p  pin a knob (the tuner never moves it): type KNOB=VALUE, Enter; Esc cancels
+  u  unpin a knob (the tuner may move it again): type KNOB, Enter
+  f  freeze tuning (the knobs stay as they are), or resume it
+  ?  this help, or back to the run
+
+knobs: {knobs};
+  io_concurrency[PATH] for one path
+values are JSON: 4, 0.5, true, {{"/nvme": 8}}
+the same from a shell: offloadctl tune --pin RUN:KNOB=VALUE, --unpin, --freeze"""
 
 
 class Keys:
@@ -444,7 +451,7 @@ class Controls:
 
         from engine.config import Knobs
 
-        return Text(HELP.format(knobs=", ".join(Knobs.names())), style="cyan")
+        return Text(HELP.format(knobs=", ".join(Knobs.names())))
 
 
 def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Keys | None = None) -> int:
@@ -483,12 +490,13 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                     break
                 deadline = time.monotonic() + args.interval
                 while True:  # redrawn at once after each key, so what is typed shows as it is typed
-                    extra = []
-                    if keyboard.active:
-                        extra = ([controls.help_text()] if controls.help else []) + [controls.legend(runs)]
+                    extra = [controls.legend(runs)] if keyboard.active else []
                     room = console.size.height - 1 - sum(len(console.render_lines(x, console.options, pad=False))
                                                          for x in extra)
-                    body = fitted_panels(runs, console, height=room) if runs else [Text(_waiting(target, keyboard))]
+                    if controls.help:  # the keys in place of the frame, until ? again
+                        body = [controls.help_text()]
+                    else:
+                        body = fitted_panels(runs, console, height=room) if runs else [Text(_waiting(target, keyboard))]
                     view.update(Group(*body, *extra), refresh=True)
                     typed = keyboard.read(deadline - time.monotonic())
                     if not typed:
@@ -582,7 +590,10 @@ def _rate(b: float | None) -> str:
 
 
 def _secs(s: float | None) -> str:
-    return "-" if s is None else f"{s:.3f} s"
+    """Seconds as the end-of-run summary and the report write them: '561 ms', '1.13 s'."""
+    from engine.units import format_seconds
+
+    return "-" if s is None else format_seconds(s)
 
 
 def runs_table(runs: list[dict], width: int = 80):
@@ -687,7 +698,7 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
     if r.get("truncated"):
         body.append(Text(f"(compact view: {r['truncated']})", style="dim"))
 
-    phases = Table("iteration time" + (f" (iteration {observed}, slowest rank)" if observed is not None else ""),
+    phases = Table("iteration time" + (f" (iteration {observed + 1}, slowest rank)" if observed is not None else ""),
                    "", box=None, title_justify="left")
     rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
     phases.add_row("  forward, backward, other", _secs(rest))
@@ -702,11 +713,11 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
         times, what = r["history"]["update_s"], "update time"
     known = [t for t in times if t is not None]
     if known:
-        scale = f"  {min(known):.3f} to {max(known):.3f} s"
+        scale = f"  {_secs(min(known))} to {_secs(max(known))}"
         spark_w = max(8, min(len(times), (width or 100) - 4 - len(f"{what}, last 60 iterations: ") - len(scale)))
         times = times[-spark_w:]
         known = [t for t in times if t is not None]
-        scale = f"  {min(known):.3f} to {max(known):.3f} s" if known else ""
+        scale = f"  {_secs(min(known))} to {_secs(max(known))}" if known else ""
         label = f"{what}, last {len(times)} iterations: "
         body.append(Text(label) + Text(sparkline(times, spark_w), style="cyan") + Text(scale))
     else:
