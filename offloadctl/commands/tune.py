@@ -361,6 +361,7 @@ class Controls:
         self.message = ""
         self.help = False
         self.quit = False
+        self.sent = False  # a request went to the daemon: the frame is redrawn from a new snapshot
 
     def keys(self, text: str, runs: list[dict]) -> None:
         i = 0
@@ -429,7 +430,7 @@ class Controls:
 
         try:
             self.conn.request(kind, **fields)
-            self.message = done
+            self.message, self.sent = done, True
         except ProtocolError as e:
             self.message = knob_words(str(e))
 
@@ -502,7 +503,8 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                     if not typed:
                         break
                     controls.keys(typed, runs)
-                    if controls.quit or time.monotonic() >= deadline:
+                    if controls.quit or controls.sent or time.monotonic() >= deadline:
+                        controls.sent = False
                         break
         except KeyboardInterrupt:
             pass
