@@ -286,8 +286,7 @@ HELP = """keys of the live view
   f  freeze tuning (the knobs stay as they are), or resume it
   ?  this help, or back to the run
 
-knobs: {knobs};
-  io_concurrency[PATH] for one path
+{knobs}
 values are JSON: 4, 0.5, true, {{"/nvme": 8}}
 the same from a shell: offloadctl tune --pin RUN:KNOB=VALUE, --unpin, --freeze"""
 
@@ -452,7 +451,11 @@ class Controls:
 
         from engine.config import Knobs
 
-        return Text(HELP.format(knobs=", ".join(Knobs.names())))
+        import textwrap
+
+        knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78,
+                              subsequent_indent="  ")
+        return Text(HELP.format(knobs=knobs))
 
 
 def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Keys | None = None) -> int:
