@@ -500,8 +500,12 @@ def start_line(args: argparse.Namespace, settings, tuner: str) -> str:
     run_dir = settings.run_dir
     head = (f"offloadctl: starting {ranks_text(args)} of {os.path.basename(args.script)} (run "
             f"{settings.zero.run_id}); DeepSpeed's log: {log_path(run_dir)}")
-    watch = (f"watch it, pin a knob: offloadctl tune --run-dir {shlex.quote(run_dir)}" if tuner != "off"
-             else "tuner off: the knobs stay as planned")
+    if settings.engine == "stock":
+        watch = "DeepSpeed's own optimizer and offload (--engine stock), recorded for offloadctl report"
+    elif tuner == "off":
+        watch = "tuner off (--tuner off): the knobs stay as planned"
+    else:
+        watch = f"watch it, pin a knob: offloadctl tune --run-dir {shlex.quote(run_dir)}"
     width = max(40, min(shutil.get_terminal_size().columns, 120))
     return "\n".join(textwrap.fill(printable(p), width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
                                    break_on_hyphens=False, break_long_words=False) for i, p in enumerate((head, watch)))

@@ -447,11 +447,11 @@ class Controls:
         return text
 
     def help_text(self):
+        import textwrap
+
         from rich.text import Text
 
         from engine.config import Knobs
-
-        import textwrap
 
         knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78,
                               subsequent_indent="  ")
