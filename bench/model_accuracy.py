@@ -145,7 +145,7 @@ def run_plan(plan: Plan, specs: tuple, numel: int, sub: int, steps: int, backend
     return {"measured_s": statistics.mean([statistics.median(x) for x in (fwd, rev) if x]),
             "forward_s": fwd, "reverse_s": rev,
             "measured_bytes_per_param": statistics.median(r.bytes_moved_per_param for r in recs),
-            "host_kernel": eng.host_kernel_name, "io_backend": eng.io_backend}
+            "host_kernel": eng.host_kernel_name, "io_backend": eng.swap_paths.io_backend}
 
 
 def main() -> int:

@@ -107,7 +107,7 @@ def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: st
         "write_bytes_per_s": med(lambda r: r.write_bytes_per_s),
         "cache_hits": med(lambda r: r.cache_hits),
         "host_kernel": eng.host_kernel_name,
-        "io_backend": eng.io_backend,
+        "io_backend": eng.swap_paths.io_backend,
         "io_cores": io_cores,
     }
 

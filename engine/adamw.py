@@ -56,13 +56,13 @@ class AdamWSlices:
     steps: list[torch.Tensor]
 
 
-def adamw_update_torch_(s: AdamWSlices, hp: AdamWHyper) -> None:
+def adamw_update_torch_(s: AdamWSlices, hyper: AdamWHyper) -> None:
     """One AdamW step on every slice, in place, with torch's fused kernel."""
     if not s.params:
         return
     torch._fused_adamw_(
         s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, [], s.steps,
-        lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
         amsgrad=False, maximize=False,
     )
 
@@ -78,10 +78,10 @@ class DeepSpeedCpuAdam:
         # adamw_mode=True: decoupled weight decay, as torch.optim.AdamW.
         self._op.create_adam(self._opt_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
 
-    def __call__(self, s: AdamWSlices, hp: AdamWHyper) -> None:
+    def __call__(self, s: AdamWSlices, hyper: AdamWHyper) -> None:
         for p, g, m, v, step in zip(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.steps):
-            self._op.adam_update(self._opt_id, int(step.item()), hp.lr, hp.beta1, hp.beta2, hp.eps,
-                                 hp.weight_decay, True, p, g, m, v)
+            self._op.adam_update(self._opt_id, int(step.item()), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                                 hyper.weight_decay, True, p, g, m, v)
 
 
 HostKernel = Callable[[AdamWSlices, AdamWHyper], None]
@@ -108,14 +108,14 @@ def measure_host_kernels(numel: int = 1 << 24, reps: int = 7) -> dict[str, float
     gen = torch.Generator().manual_seed(0)
     t = [torch.rand(numel, generator=gen) for _ in range(4)]
     s = AdamWSlices([t[0]], [t[1]], [t[2]], [t[3]], [torch.tensor(1.0)])
-    hp = AdamWHyper(lr=1e-6)
+    hyper = AdamWHyper(lr=1e-6)
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for k in kernels:
-        kernels[k](s, hp)  # warm-up
+        kernels[k](s, hyper)  # warm-up
     for _ in range(reps):
         for k, kernel in kernels.items():
             t0 = time.perf_counter()
-            kernel(s, hp)
+            kernel(s, hyper)
             times[k].append(time.perf_counter() - t0)
     return {k: numel / statistics.median(v) for k, v in times.items()}
 

@@ -130,8 +130,8 @@ class EngineConfig:
     buffers. None: ``engine.host_memory.default_floor()`` (5% of memory, at least 1 GiB)."""
     overlap_io: bool = True
     """Overlap state I/O with forward and backward: a step's write-backs drain behind it, and the
-    next step's first reads start at its end and as writes land (``engine.core``). False: a step
-    returns when its writes have landed and reads nothing ahead (the behaviour before 0.3)."""
+    next step's first reads start at its end and as writes land (``engine.transfers``). False: a step
+    returns when its writes have landed and reads nothing ahead."""
     read_ahead_bytes: int | None = None
     """Host memory for reading ahead beyond the working staging buffers, in whole buffers. None:
     what the paths can read during one forward and backward, measured at the second step

@@ -1,12 +1,14 @@
 """What the engine tells the layers above about itself: :class:`EngineFacts` (its plan in
-force, from :meth:`engine.core.SubgroupEngine.describe`) and :class:`DeviceFit` (what
-:meth:`~engine.core.SubgroupEngine.fit_device_tier` decided). Frozen: they travel as they are,
-and ``to_dict`` is their one JSON form (logs, ``--dry-run``, the run record)."""
+force, from :meth:`engine.core.SubgroupEngine.describe`, gathered from its parts by
+:func:`facts_of`) and :class:`DeviceFit` (what :meth:`engine.device_tier.DeviceTier.fit`
+decided). Frozen: they travel as they are, and ``to_dict`` is their one JSON form (logs,
+``--dry-run``, the run record). ``docs/engine.md`` names the parts."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from engine.config import Knobs
+from engine.layout import payload_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +48,7 @@ class EngineFacts:
 
 @dataclass(frozen=True)
 class DeviceFit:
-    """What :meth:`SubgroupEngine.fit_device_tier` decided (for logs, the adapter and the report)."""
+    """What :meth:`engine.device_tier.DeviceTier.fit` decided (for logs, the adapter and the report)."""
 
     headroom_bytes: int = 0
     """Device memory the state could take after forward/backward (less the margin and reserve)."""
@@ -64,3 +66,24 @@ class DeviceFit:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def facts_of(engine) -> EngineFacts:
+    """The plan in force of ``engine`` (a :class:`engine.core.SubgroupEngine`), from its parts."""
+    tiers: dict[str, int] = {}
+    for sg in engine.subgroups:
+        key = engine.swap_paths.paths[sg.tier.path_index].path if sg.tier.swapped else sg.tier.kind
+        tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
+    has_device = engine.device is not None
+    return EngineFacts(
+        subgroups=len(engine.subgroups), params=sum(sg.numel for sg in engine.subgroups),
+        state_bytes_by_tier=tiers, staging_buffers=engine.transfers.pool_size, io_backend=engine.swap_paths.io_backend,
+        host_kernel=engine.host_kernel_name, device=str(engine.device) if has_device else None,
+        path_bandwidth_bytes_per_s=dict(zip((p.path for p in engine.swap_paths.paths), engine.swap_paths.round_trip_bytes_per_s)),
+        knobs=engine.knobs, paths=[p.path for p in engine.config.paths], has_device=has_device,
+        subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
+        device_headroom_bytes=engine.device_tier.headroom_bytes() if has_device else None,
+        device_lane_bytes=engine.device_tier.lane_bytes(),
+        device_lane_available=engine.device_lane is not None and engine.device_tier.lane_has_room,
+        host_memory_budget_bytes=engine.host_memory.budget_bytes, host_bytes=engine.host_usage().to_dict(),
+        host_staging_bytes=engine.host_memory.staging_room(), fixed_knobs=engine.config.fixed_knobs)

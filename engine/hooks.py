@@ -31,3 +31,15 @@ class StepHook:
 
     def close(self) -> None:
         pass
+
+
+def close_hooks(hooks) -> None:
+    """Close each hook that has ``close()``; a failure in one is ignored (the engine closes its
+    hooks on its way out, and must still remove its swap files)."""
+    for hook in hooks:
+        close = getattr(hook, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass

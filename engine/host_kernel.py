@@ -28,7 +28,7 @@ import torch
 from engine.adamw import AdamWHyper, DeepSpeedCpuAdam, HostKernel, adamw_update_torch_, host_kernels
 from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
-from engine.lanes import HostLane, WeightUploader
+from engine.host_lane import HostLane, WeightUploader
 from engine.storage.native_ops import extensions_dir, load_cpu_adam
 from engine.streams import Streams, streams_for
 
@@ -63,13 +63,13 @@ def time_host_lane(kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: i
         buf.exp_avg.zero_()
         buf.exp_avg_sq.zero_()
         work.append((b, buf, [0]))
-    hp = AdamWHyper(lr=1e-6)
+    hyper = AdamWHyper(lr=1e-6)
     lanes = {k: HostLane(k, kernel, WeightUploader(streams)) for k, kernel in kernels.items()}
 
     def one_round(lane: HostLane) -> float:
         t0 = time.perf_counter()
         for b, buf, steps in work:
-            lane.update(buf, b, steps, hp)
+            lane.update(buf, b, steps, hyper)
         lane.weights.stream.synchronize()
         return time.perf_counter() - t0
 

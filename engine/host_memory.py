@@ -14,15 +14,25 @@ pinned buffers, the host lane's gradient scratch). The rules (``docs/host-memory
 When the machine's available memory falls below a floor (:func:`default_floor`),
 :class:`PressureWatch` says so, and the engine writes back and frees the buffers it keeps
 beyond the step's working set (kept and read-ahead ones) before the kernel's OOM killer has to
-choose a process. Torch-free: ``offloadctl`` reads these numbers without importing torch.
+choose a process. :class:`HostBudget` is the engine's side: the budget, what the engine holds
+against it, and what it gives back and takes again. Torch-free: ``offloadctl`` reads these
+numbers without importing torch.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
 
 import psutil
+
+from engine.errors import ConfigError
+from engine.layout import deepest_prefetch, host_buffer_bytes, staging_buffers
+from engine.units import format_size
+
+log = logging.getLogger(__name__)
 
 HOST_SHARE = 0.5
 """Share of the memory available at start that the default budget gives the node's ranks together."""
@@ -122,3 +132,110 @@ class PressureWatch:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+
+
+class HostBudget:
+    """One rank's host-memory budget, held by its engine.
+
+    ``usage`` says what the engine holds now, by kind. Under pressure (the :class:`PressureWatch`
+    started by :meth:`watch`), :meth:`give_back` frees what the engine keeps beyond a step's
+    working set (its transfers' kept and read-ahead buffers, its device tier's kept host copies),
+    said in one line; :meth:`take_back` makes the staging pool again once memory is back above
+    the floor. Both run at a step boundary, under the engine's lock.
+    """
+
+    def __init__(self, budget_bytes: int, usage: Callable[[], HostUsage]) -> None:
+        self.budget_bytes = budget_bytes
+        self.usage = usage
+        self.given_back = False
+        """Buffers were given back under pressure and not yet taken again."""
+        self._watch: PressureWatch | None = None
+        self._closed = False
+
+    @classmethod
+    def for_start(cls, given_bytes: int | None, *, usage: Callable[[], HostUsage], local_ranks: int,
+                  prefetch_depth: int, state_numels: Sequence[int], swapped_numels: Sequence[int],
+                  copies_bytes: int) -> HostBudget:
+        """The budget given (``--host-memory``), or :func:`default_budget` raised to what the start
+        needs: the host tier's state (``state_numels``), the staging buffers of the swapped
+        subgroups at ``prefetch_depth``, and the copies (the host lane's). A budget given that the
+        start does not fit is a :class:`ConfigError` naming the fix. Decided before the engine
+        allocates anything: a refusal costs nothing."""
+        need = HostUsage(
+            state=sum(host_buffer_bytes(n) for n in state_numels),
+            staging=staging_buffers(prefetch_depth) * host_buffer_bytes(max(swapped_numels)) if swapped_numels else 0,
+            copies=copies_bytes)
+        if given_bytes is None:
+            return cls(max(default_budget(local_ranks), need.total), usage)
+        if need.total > given_bytes:
+            parts = ", ".join(f"{format_size(v)} {k}" for k, v in need.to_dict().items() if v)
+            raise ConfigError(
+                f"host memory budget {format_size(given_bytes)} (--host-memory) is below what this rank needs to start: "
+                f"{format_size(need.total)} ({parts}, prefetch depth {prefetch_depth}); raise --host-memory, "
+                f"or lower --host-cache or --prefetch-depth")
+        return cls(given_bytes, usage)
+
+    def watch(self, floor_bytes: int | None, lock, *, transfers, device_tier) -> None:
+        """Watch the machine's available memory against ``floor_bytes`` (None: :func:`default_floor`),
+        to give back what ``transfers`` (:class:`engine.transfers.Transfers`) and ``device_tier``
+        (:class:`engine.device_tier.DeviceTier`) keep. When memory runs low while the engine is
+        idle (``lock`` free: between steps, in forward and backward), the watch's thread gives back
+        at once; a step in progress gives back at its next decision."""
+        self._transfers, self._device_tier, self._lock = transfers, device_tier, lock
+        self._watch = PressureWatch(default_floor() if floor_bytes is None else floor_bytes, on_low=self._on_low)
+
+    @property
+    def low(self) -> bool:
+        """Whether available memory is below the floor now (False when nothing is watched)."""
+        return self._watch is not None and self._watch.low.is_set()
+
+    def staging_room(self) -> int:
+        """Bytes the budget leaves for staging buffers now (:func:`staging_room`)."""
+        return staging_room(self.budget_bytes, self.usage())
+
+    def affordable_depth(self, depth: int, buffer_bytes: int) -> int:
+        """The deepest prefetch up to ``depth`` whose staging buffers of ``buffer_bytes`` each fit
+        the budget's spare bytes (``depth`` itself when nothing is staged)."""
+        if not buffer_bytes:
+            return depth
+        return max(0, min(depth, deepest_prefetch(self.staging_room() // buffer_bytes)))
+
+    def fits(self, extra_bytes: int) -> bool:
+        """Whether ``extra_bytes`` more stay within the budget."""
+        return self.usage().total + extra_bytes <= self.budget_bytes
+
+    def give_back(self) -> None:
+        """Under pressure, between steps: the engine frees what it keeps beyond its working set.
+        The first time since memory was last back, one line says how much."""
+        before = self.usage().total
+        self._transfers.give_back()  # every transfer landed, kept copies written back, the pool shrunk
+        self._device_tier.drop_host_copies()  # made again at the next release
+        if not self.given_back:
+            self.given_back = True
+            log.warning("offloadctl: host memory low (%s available, floor %s): gave back %s of kept and read-ahead "
+                        "staging buffers; reading ahead again when memory recovers",
+                        format_size(self._watch.available_bytes), format_size(self._watch.floor_bytes),
+                        format_size(before - self.usage().total))
+
+    def take_back(self, prefetch_depth: int) -> None:
+        """Memory is back above the floor: the staging pool for ``prefetch_depth`` again, as deep as
+        the budget holds."""
+        self.given_back = False
+        self._transfers.take_back(self.affordable_depth(prefetch_depth, self._transfers.buffer_bytes))
+        log.warning("offloadctl: host memory recovered (%s available): reading ahead again",
+                    format_size(self._watch.available_bytes))
+
+    def _on_low(self) -> None:
+        """The watch's thread: memory just ran low. Give back now if the engine is idle."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self.give_back()
+            finally:
+                self._lock.release()
+
+    def close(self) -> None:
+        """Stop the watch: nothing is given back from now on."""
+        self._closed = True
+        if self._watch is not None:
+            self._watch.close()

@@ -1,6 +1,6 @@
 """How long the update's lanes take for one split of the work: the one model of it.
 
-The engine balances its lanes with it at the first step (:meth:`SubgroupEngine.fit_device_tier`,
+The engine balances its lanes with it at the first step (:meth:`engine.device_tier.DeviceTier.fit`,
 from rates measured in the training process), and the performance model (``perf.model``)
 predicts the GPU and PCIe side of a plan with it (from a profile's rates). Same formula, so a
 plan's device fraction and the engine's agree when their rates do. Pure, no torch.

@@ -4,7 +4,7 @@ A subgroup's state is 12 bytes per element (fp32 master, exp_avg, exp_avg_sq), p
 O_DIRECT alignment, behind a 4096-byte header that holds, besides fixed fields, one CRC32 per
 I/O chunk. With swapped state a rank keeps ``2 d + 3`` staging buffers for a prefetch depth d.
 
-``engine.buffers``, ``engine.storage.swapfile`` and ``engine.core`` build on these; the
+``engine.buffers``, ``engine.storage.swapfile``, ``engine.staging`` and ``engine.core`` build on these; the
 performance model (``perf.layout``, ``perf.model``, ``perf.search``) imports them without
 importing torch, so ``offloadctl plan`` starts at once.
 """
@@ -52,6 +52,11 @@ def forward_order(iteration: int) -> bool:
     """Whether step ``iteration`` visits subgroups 0..N-1 (even) or N-1..0 (odd): the alternating
     order that lets each step start with what the previous one kept."""
     return iteration % 2 == 0
+
+
+def step_order(subgroups: int, iteration: int) -> range:
+    """The subgroups in the order step ``iteration`` visits them (:func:`forward_order`)."""
+    return range(subgroups) if forward_order(iteration) else range(subgroups - 1, -1, -1)
 
 
 def kept_subgroups(prefetch_depth: int) -> int:

@@ -181,7 +181,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.step([hyper_from_group(g) for g in self.param_groups])
-        self._read_ahead_armed = self.engine.staging.capacity_numel > 0
+        self._read_ahead_armed = self.engine.transfers.swaps
         return loss
 
     def flush(self) -> None:
@@ -225,10 +225,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             off = 0
             for s, step in zip(b.slices, steps):
                 if step > 0:
-                    st = per_param.setdefault(index[id(s.param)], _empty_state(s.param, step))
+                    param_state = per_param.setdefault(index[id(s.param)], _empty_state(s.param, step))
                     for key, src in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
-                        if key in st:
-                            st[key].view(-1)[s.start:s.start + s.numel].copy_(src[off:off + s.numel])
+                        if key in param_state:
+                            param_state[key].view(-1)[s.start:s.start + s.numel].copy_(src[off:off + s.numel])
                 off += s.numel
         groups = []
         for g in self.param_groups:
@@ -258,16 +258,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             b.read_weights(master)
             steps, off = [], 0
             for s in b.slices:
-                st = by_param[id(s.param)]
-                if st:
-                    if tuple(st["exp_avg"].shape) != tuple(s.param.shape):
-                        raise ConfigError(f"saved optimizer state has shape {tuple(st['exp_avg'].shape)} for a parameter "
+                saved = by_param[id(s.param)]
+                if saved:
+                    if tuple(saved["exp_avg"].shape) != tuple(s.param.shape):
+                        raise ConfigError(f"saved optimizer state has shape {tuple(saved['exp_avg'].shape)} for a parameter "
                                           f"of shape {tuple(s.param.shape)}: load the state of the same model")
-                    m[off:off + s.numel].copy_(st["exp_avg"].reshape(-1)[s.start:s.start + s.numel])
-                    v[off:off + s.numel].copy_(st["exp_avg_sq"].reshape(-1)[s.start:s.start + s.numel])
-                    if "master" in st:
-                        master[off:off + s.numel].copy_(st["master"].reshape(-1)[s.start:s.start + s.numel])
-                    steps.append(int(float(st["step"])))
+                    m[off:off + s.numel].copy_(saved["exp_avg"].reshape(-1)[s.start:s.start + s.numel])
+                    v[off:off + s.numel].copy_(saved["exp_avg_sq"].reshape(-1)[s.start:s.start + s.numel])
+                    if "master" in saved:
+                        master[off:off + s.numel].copy_(saved["master"].reshape(-1)[s.start:s.start + s.numel])
+                    steps.append(int(float(saved["step"])))
                 else:
                     steps.append(0)
                 off += s.numel
@@ -299,12 +299,12 @@ def _backward_began(ref) -> None:
 
 
 def _empty_state(p: torch.Tensor, step: int) -> dict:
-    st = {"step": torch.tensor(float(step)),
+    state = {"step": torch.tensor(float(step)),
           "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
           "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
     if p.dtype != torch.float32:
-        st["master"] = torch.zeros(p.shape, dtype=torch.float32)
-    return st
+        state["master"] = torch.zeros(p.shape, dtype=torch.float32)
+    return state
 
 
 

@@ -9,7 +9,7 @@ of neighbours run on several devices at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 from engine.errors import ConfigError
 
@@ -17,10 +17,10 @@ from engine.errors import ConfigError
 @dataclass(frozen=True)
 class Tier:
     """Where one subgroup's state lives: device memory, host memory, or a swap file on the
-    storage path ``path_index`` (the engine's ``paths[path_index]``)."""
+    storage path ``path_index`` (``SwapPaths.paths[path_index]``)."""
 
-    kind: str
-    """'device', 'host' or 'swap'."""
+    kind: Literal["device", "host", "swap"]
+    """Device memory, host memory, or a swap file."""
     path_index: int | None = None
 
     @property

@@ -1,8 +1,8 @@
 """A subgroup's record (:class:`Subgroup`), and the staging of swapped ones (:class:`StagingPool`):
 the host buffers their state passes through between its file and its update, and the write-backs
-in flight. Reading into a buffer, and when, is the step's (``engine.core``); writing a buffer back,
+in flight. Reading into a buffer, and when, is :mod:`engine.transfers`'; writing a buffer back,
 taking it back when the write lands (or keeping the state in memory when it fails), and finding a
-free one are here.
+free one are here. How the two overlap training: ``docs/io-overlap.md``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from engine.binding import SubgroupBinding
 from engine.buffers import StateBuffer
 from engine.errors import OffloadError, StorageIOError
-from engine.layout import host_buffer_bytes
+from engine.layout import host_buffer_bytes, staging_buffers
 from engine.placement import HOST, Tier
 from engine.storage.paths import SwapFile
 
@@ -31,7 +31,7 @@ class Subgroup:
     file: SwapFile | None = None  # swapped: where the state is
     next_file: SwapFile | None = None  # restriped: where the next write goes
     staged: StateBuffer | None = None  # swapped: staging buffer holding it now
-    fresh: bool = True  # no state yet: its first state (first_state) is made where it is first needed
+    fresh: bool = True  # no state yet: its first state (start_state) is made where it is first needed
     dirty: bool = False  # staged copy is newer than the file
     kept: bool = False  # staged copy held between updates (dirty: the kept tail; clean: its write landed)
     writing: bool = False  # staged copy being written back (the buffer is read-only until it lands)
@@ -41,6 +41,19 @@ class Subgroup:
     def numel(self) -> int:
         return self.binding.numel
 
+    def start_state(self, buf: StateBuffer) -> None:
+        """Its first state, in host buffer ``buf`` where it is first needed; nothing once it has state."""
+        if self.fresh:
+            first_state(self.binding, buf)
+            self.fresh = False
+
+
+def first_state(binding: SubgroupBinding, buf: StateBuffer) -> None:
+    """A subgroup's state before its first update: master from the model's weights, zero moments."""
+    binding.read_weights(buf.master)
+    buf.exp_avg.zero_()
+    buf.exp_avg_sq.zero_()
+
 
 class StagingPool:
     """``size`` staging buffers of ``capacity_numel`` elements each: free, holding a subgroup's
@@ -48,6 +61,15 @@ class StagingPool:
     subgroup as a clean copy (``kept``, not ``dirty``) until its buffer is taken for another: a
     later update of that subgroup reads nothing. A write that fails leaves the subgroup's state in
     its buffer as host-resident state, out of the pool, and its error in ``failures``."""
+
+    @classmethod
+    def for_swapped(cls, subgroups: Sequence[Subgroup], prefetch_depth: int) -> StagingPool:
+        """The pool of ``subgroups``' swapped ones: buffers of the largest, as many as the working
+        buffers of ``prefetch_depth`` need (none without swapped state)."""
+        swapped = [sg.numel for sg in subgroups if sg.tier.swapped]
+        pool = cls(max(swapped, default=0))
+        pool.resize(staging_buffers(prefetch_depth) if swapped else 0)
+        return pool
 
     def __init__(self, capacity_numel: int) -> None:
         self.capacity_numel = capacity_numel

@@ -148,16 +148,15 @@ def _history_start(client, timeout_s: float = 2.0) -> str | None:
 
 
 def main() -> int:
-    from integrations import run_output
+    from integrations import ds_patches, run_output
 
     settings, script, script_args = split_argv(sys.argv[1:])
     if not settings.verbose and settings.run_dir:  # before DeepSpeed is imported: it logs as it loads
         log = run_output.open_log(settings.run_dir)
-        run_output.quiet_deepspeed_logger(log)
-        run_output.route_deepspeed_warnings(log)
+        ds_patches.quiet_deepspeed_logger(log)
+        ds_patches.route_deepspeed_warnings(log)
 
     from engine.errors import OffloadError
-    from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
@@ -172,9 +171,7 @@ def main() -> int:
 
         def check(engine) -> None:
             """The engine engaged in what deepspeed.initialize built (one line where not)."""
-            from integrations.checkpoints import guard_save_checkpoint
-
-            guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
+            ds_patches.guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
             if settings.stock:
                 state["engaged"] += 1
                 return

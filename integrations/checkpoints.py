@@ -1,7 +1,7 @@
 """Loading a DeepSpeed checkpoint: what is wrong with one that does not load, in one line.
 
-:func:`guard_load_checkpoint` wraps a DeepSpeed engine's ``load_checkpoint`` (offloadctl's and
-stock's alike, under ``offloadctl train``): a failure deep inside DeepSpeed becomes a
+:func:`integrations.ds_patches.guard_load_checkpoint` wraps a DeepSpeed engine's ``load_checkpoint``
+(offloadctl's and stock's alike, under ``offloadctl train``): a failure deep inside DeepSpeed becomes a
 :class:`engine.errors.CheckpointError` naming the file and what differs, with the fix:
 
 - the directory or tag does not exist;
@@ -283,38 +283,9 @@ def _agreed(mine: str | None) -> str | None:
 
 # -- saving ----------------------------------------------------------------------------------------
 
-def guard_save_checkpoint(engine) -> None:
-    """Make ``engine.save_checkpoint`` raise :class:`CheckpointError` (one line) where the disk
-    fills or fails under it (torch says only "iostream error" or "file write failed"), and remove
-    the checkpoint folder it had begun (the earlier checkpoints and ``latest`` stay as they were)."""
-    import functools
-    import shutil
-
-    original = engine.save_checkpoint
-    if getattr(original, "_offloadctl_guarded", False):
-        return
-
-    @functools.wraps(original)
-    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
-        folder = os.path.join(str(save_dir), str(tag)) if tag is not None else None
-        fresh = folder is not None and not os.path.exists(folder)
-        try:
-            return original(save_dir, tag, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - torch's and DeepSpeed's ways of saying a write failed
-            why = _write_failure(str(save_dir), e)
-            if why is None:
-                raise
-            if fresh and os.path.isdir(folder):
-                shutil.rmtree(folder, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints "
-                                  f"are as they were") from e
-
-    save_checkpoint._offloadctl_guarded = True
-    engine.save_checkpoint = save_checkpoint
-
-
-def _write_failure(save_dir: str, error: BaseException) -> str | None:
-    """What a failed save says of the disk, or None when it is not a write failure."""
+def describe_write_failure(save_dir: str, error: BaseException) -> str | None:
+    """What a failed save says of the disk (``integrations.ds_patches.guard_save_checkpoint`` says
+    it in one line), or None when it is not a write failure."""
     import errno
 
     text = str(error)
@@ -322,8 +293,8 @@ def _write_failure(save_dir: str, error: BaseException) -> str | None:
     if code is None and not any(s in text for s in ("iostream error", "file write failed", "unexpected pos", "No space left")):
         return None
     try:
-        st = os.statvfs(save_dir)
-        free = st.f_bavail * st.f_frsize
+        fs = os.statvfs(save_dir)
+        free = fs.f_bavail * fs.f_frsize
     except OSError:
         free = None
     if code == errno.ENOSPC or (free is not None and free < (1 << 20)) or "No space left" in text:

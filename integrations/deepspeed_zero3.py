@@ -15,19 +15,23 @@ from integrations.settings import ZeroEngineSettings
 def _keep_deepspeed_from_compiling() -> None:
     """DeepSpeed loads native ops itself in a rank (cpu_adam for DeepSpeedCPUAdam, the shm comm op
     on the CPU accelerator), and would compile a missing one there, for minutes, with no output.
-    Load them first without compiling (DeepSpeed then finds them in its cache); when cpu_adam is not
-    built, DeepSpeed builds torch's AdamW instead: the engine takes only the param groups and
-    hyperparameters from that optimizer and never steps it."""
+    Load them first without compiling (DeepSpeed then finds them in its cache). One that is not
+    built is kept from DeepSpeed: the shm comm op is marked incompatible (torch.distributed's
+    all-reduce is used), and without cpu_adam DeepSpeed builds torch's AdamW instead: the engine
+    takes only the param groups and hyperparameters from that optimizer and never steps it."""
     from engine.storage.native_ops import prepare_deepspeed_loads
     from integrations import ds_patches
 
-    if not prepare_deepspeed_loads()["cpu_adam"]:
+    ops = prepare_deepspeed_loads()
+    if ops["deepspeed_shm_comm"].fallback is not None:
+        ds_patches.keep_ops_from_deepspeed(["deepspeed_shm_comm"])
+    if ops["cpu_adam"].fallback is not None:
         ds_patches.build_torch_adam()
 
 
 def install(settings: ZeroEngineSettings):
     """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
-    from engine.storage.native_ops import import_deepspeed
+    from integrations.ds_patches import import_deepspeed
 
     ds = import_deepspeed()
     ds_compat.check_deepspeed(ds)

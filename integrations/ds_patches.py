@@ -1,26 +1,68 @@
 """Every change offloadctl makes to DeepSpeed's own objects, in one module.
 
+Here:
+
 - ``deepspeed.initialize``, wrapped once (:func:`wrap_initialize`): on each engine it returns, the
   ``load_checkpoint`` guard, the rank's checks, then the recorder.
 - DeepSpeed's ZeRO-3 optimizer class, replaced in its module by the engine's subclass
-  (:func:`replace_zero3_optimizer`).
+  (:func:`replace_zero3_optimizer`; its overrides are listed below).
 - ``DeepSpeedEngine.get_optimizer_configuration``, wrapped on the class so that DeepSpeed builds
   torch's AdamW where cpu_adam is not built (:func:`build_torch_adam`).
-- On each engine: ``load_checkpoint`` (:func:`guard_load_checkpoint`; what it says is
-  :mod:`integrations.checkpoints`'), and for the recorder ``forward``, ``backward``, ``step`` and,
-  under ``--engine stock``, the optimizer's per-subgroup update methods (:func:`attach_recorder`;
-  :class:`report.recorder.Recorder` supplies the callbacks and keeps the spans).
+- ``deepspeed.ops.__compatible_ops__``: an op the engine cannot load without compiling is marked
+  incompatible, so that DeepSpeed does not compile it in the rank (:func:`keep_ops_from_deepspeed`;
+  which ops, ``engine.storage.native_ops.prepare_deepspeed_loads`` says).
+- DeepSpeed's logger: its stdout handler moved to stderr (:func:`import_deepspeed`), and its records
+  below ERROR sent to the run's log (:func:`quiet_deepspeed_logger`, a filter on the logger).
+- ``warnings.showwarning``, replaced so that warnings raised inside DeepSpeed go to the run's log
+  (:func:`route_deepspeed_warnings`).
+- On each engine: ``load_checkpoint`` and ``save_checkpoint`` (:func:`guard_load_checkpoint`,
+  :func:`guard_save_checkpoint`; what they say is :mod:`integrations.checkpoints`'), and for the
+  recorder ``forward``, ``backward``, ``step`` and, under ``--engine stock``, the optimizer's
+  per-subgroup update methods (:func:`attach_recorder`; :class:`report.recorder.Recorder`
+  supplies the callbacks and keeps the spans).
+
+The subclass, ``integrations.zero3_optimizer.OffloadZero3Optimizer``, overrides these methods of
+``DeepSpeedZeroOptimizer_Stage3``:
+
+- ``_configure_offloading``: requires ``offload_optimizer``, and creates no swapper;
+- ``_create_fp32_partitions``, ``initialize_optimizer_states``: placeholders, no fp32 copies and
+  no Adam state (the engine's);
+- ``_offload_grad_partition_at_boundary``: the norm bookkeeping, no fp32 gradient copy;
+- ``partition_grads``: DeepSpeed's body (checked, ``ds_compat.COPIED``) less one PCIe round trip;
+- ``_setup_for_real_optimizer``: the gradient buffer pinned in place, then the engine built;
+- ``step``: DeepSpeed's overflow check, loss scale and clipping, then the engine's update;
+- ``backward_prologue``: the engine reads ahead, then DeepSpeed's;
+- ``_swappable_optimizer_subgroup``, ``_optimizer_states_and_gradient_swap_in``,
+  ``_optimizer_states_and_gradient_swap_out``, ``_release_swap_buffers``,
+  ``_writeback_swap_state``: a subgroup's state checked out of the engine and back in;
+- ``_restore_from_bit16_weights``, ``_load_universal_checkpoint``, ``state_dict``,
+  ``_rigid_load_state_dict``: checkpoints in DeepSpeed's layout, from and into the engine;
+- ``offload_states``, ``reload_states``: the engine's device memory given back and taken again;
+- ``destroy``: the engine closed; DeepSpeed unpins only what it pinned.
+
+Elsewhere, and only for as long as one call: ``integrations.launcher.resolved_launch``
+(``--dry-run``) runs DeepSpeed's launcher ``runner.main`` in-process with its ``subprocess``
+module and the multinode runners' ``backend_exists`` replaced, and puts them back after, to read
+the command it would start.
+
+Elsewhere, not DeepSpeed's: ``engine.storage.native_ops`` replaces py-cpuinfo's ``get_cpu_info``
+(its answer kept beside the built ops), and runs DeepSpeed's import and op builders with stdout
+sent to stderr (a handler DeepSpeed's logger makes during that import writes to stderr).
 
 The private names come from :mod:`integrations.ds_compat`'s table, which ``check_deepspeed``
 compares with the installed DeepSpeed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import logging
+import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 
 from engine.errors import CheckpointError, OffloadError
 from integrations import checkpoints, ds_compat
@@ -86,6 +128,96 @@ def build_torch_adam() -> None:
     DeepSpeedEngine._offloadctl_torch_adam = True
 
 
+@functools.lru_cache(maxsize=None)
+def import_deepspeed():
+    """Import DeepSpeed with its log lines on stderr, so that stdout stays clean for ``--json``.
+
+    DeepSpeed's logger writes to stdout; its handler is moved, not silenced.
+    """
+    with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
+        import deepspeed
+
+    for h in logging.getLogger("DeepSpeed").handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+    return deepspeed
+
+
+def keep_ops_from_deepspeed(ops: Iterable[str]) -> None:
+    """Mark ``ops`` incompatible in ``deepspeed.ops.__compatible_ops__``: DeepSpeed then uses its
+    fallback (torch.distributed's all-reduce for the shm comm op) instead of compiling them."""
+    compatible = import_deepspeed().ops.__compatible_ops__
+    for op in ops:
+        compatible[op] = False
+
+
+class _ToLog(logging.Filter):
+    """On DeepSpeed's logger: records below ERROR go to ``log`` (or nowhere) instead of its handler."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = log
+        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                                           "%(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        if self.log is not None:
+            try:
+                self.log.write((self.formatter.format(record) + "\n").encode())
+            except (OSError, ValueError):
+                pass
+        return False
+
+
+def quiet_deepspeed_logger(log=None) -> None:
+    """DeepSpeed's logger keeps its errors and sends the rest to ``log`` (a binary file, or None:
+    dropped). Call before DeepSpeed is imported: it logs as it imports (the accelerator line),
+    and it takes this same logger object by name, filters included."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _ToLog) for f in logger.filters):
+        logger.addFilter(_ToLog(log))
+
+
+def route_deepspeed_warnings(log) -> None:
+    """Python warnings raised inside DeepSpeed (torch's deprecations of the calls DeepSpeed makes,
+    and DeepSpeed's own) go to ``log``; other warnings are shown as before. Which it is is decided
+    where the warning arises: walking out from it past the standard library and third-party
+    packages (torch, typing_extensions...), is the first frame left DeepSpeed's?"""
+    import importlib.util
+    import sysconfig
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.origin:
+        return
+    deepspeed_dir = os.path.dirname(os.path.realpath(spec.origin)) + os.sep
+    libraries = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")})
+    shown = warnings.showwarning
+
+    def from_deepspeed() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = os.path.realpath(frame.f_code.co_filename)
+            if path.startswith(deepspeed_dir):
+                return True
+            if not path.startswith(libraries) and not path.startswith("<"):
+                return False
+            frame = frame.f_back
+        return False
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if from_deepspeed():
+            try:
+                log.write(warnings.formatwarning(message, category, filename, lineno, line).encode())
+            except (OSError, ValueError):
+                pass
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
 def guard_load_checkpoint(engine) -> None:
     """Make ``engine.load_checkpoint`` raise :class:`CheckpointError` (one line) on a checkpoint
     that does not load: :func:`integrations.checkpoints.preflight` on every rank first, and a
@@ -113,6 +245,35 @@ def guard_load_checkpoint(engine) -> None:
 
     load_checkpoint._offloadctl_guarded = True
     engine.load_checkpoint = load_checkpoint
+
+
+def guard_save_checkpoint(engine) -> None:
+    """Make ``engine.save_checkpoint`` raise :class:`CheckpointError` (one line) where the disk
+    fills or fails under it (torch says only "iostream error" or "file write failed"), and remove
+    the checkpoint folder it had begun (the earlier checkpoints and ``latest`` stay as they were)."""
+    import shutil
+
+    original = engine.save_checkpoint
+    if getattr(original, "_offloadctl_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        folder = os.path.join(str(save_dir), str(tag)) if tag is not None else None
+        fresh = folder is not None and not os.path.exists(folder)
+        try:
+            return original(save_dir, tag, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - torch's and DeepSpeed's ways of saying a write failed
+            why = checkpoints.describe_write_failure(str(save_dir), e)
+            if why is None:
+                raise
+            if fresh and os.path.isdir(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints "
+                                  f"are as they were") from e
+
+    save_checkpoint._offloadctl_guarded = True
+    engine.save_checkpoint = save_checkpoint
 
 
 def attach_recorder(engine, recorder) -> None:

@@ -7,22 +7,22 @@ DeepSpeed's own chatter (its logger's INFO/WARNING lines from the launchers and 
 of the two places, and an error is always shown.
 
 Three places do the sorting, because DeepSpeed speaks from three kinds of process:
-- :func:`quiet_deepspeed_logger` in every process of ours (the CLI, each rank) before DeepSpeed
-  is imported: its logger's records below ERROR go to the log file (or nowhere in the CLI).
-- :func:`route_deepspeed_warnings` in each rank: a warning whose first frame outside torch is
-  in DeepSpeed goes to the log; the user's own warnings are shown as Python shows them.
+- ``integrations.ds_patches.quiet_deepspeed_logger`` in every process of ours (the CLI, each
+  rank) before DeepSpeed is imported: its logger's records below ERROR go to the log file (or
+  nowhere in the CLI).
+- ``integrations.ds_patches.route_deepspeed_warnings`` in each rank: a warning whose first frame
+  outside torch is in DeepSpeed goes to the log; the user's own warnings are shown as Python
+  shows them.
 - :class:`OutputFilter` in ``offloadctl train`` on the launcher's stdout and stderr, for the
   processes we do not start ourselves (DeepSpeed's runner and per-node launcher).
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
 import sys
 import threading
-import warnings
 
 LOG_NAME = "deepspeed.log"
 """DeepSpeed's lines of a run, in its run dir."""
@@ -63,75 +63,6 @@ def open_log(run_dir: str):
     private to its user (0600: it holds the script's command line)."""
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     return open(os.open(log_path(run_dir), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
-
-
-# -- in our own processes ---------------------------------------------------------------------
-
-class _ToLog(logging.Filter):
-    """On DeepSpeed's logger: records below ERROR go to ``log`` (or nowhere) instead of its handler."""
-
-    def __init__(self, log) -> None:
-        super().__init__()
-        self.log = log
-        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
-                                           "%(message)s")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
-        if self.log is not None:
-            try:
-                self.log.write((self.formatter.format(record) + "\n").encode())
-            except (OSError, ValueError):
-                pass
-        return False
-
-
-def quiet_deepspeed_logger(log=None) -> None:
-    """DeepSpeed's logger keeps its errors and sends the rest to ``log`` (a binary file, or None:
-    dropped). Call before DeepSpeed is imported: it logs as it imports (the accelerator line),
-    and it takes this same logger object by name, filters included."""
-    logger = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _ToLog) for f in logger.filters):
-        logger.addFilter(_ToLog(log))
-
-
-def route_deepspeed_warnings(log) -> None:
-    """Python warnings raised inside DeepSpeed (torch's deprecations of the calls DeepSpeed makes,
-    and DeepSpeed's own) go to ``log``; other warnings are shown as before. Which it is is decided
-    where the warning arises: walking out from it past the standard library and third-party
-    packages (torch, typing_extensions...), is the first frame left DeepSpeed's?"""
-    import importlib.util
-    import sysconfig
-
-    spec = importlib.util.find_spec("deepspeed")
-    if spec is None or not spec.origin:
-        return
-    deepspeed_dir = os.path.dirname(os.path.realpath(spec.origin)) + os.sep
-    libraries = tuple({os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")})
-    shown = warnings.showwarning
-
-    def from_deepspeed() -> bool:
-        frame = sys._getframe(2)
-        while frame is not None:
-            path = os.path.realpath(frame.f_code.co_filename)
-            if path.startswith(deepspeed_dir):
-                return True
-            if not path.startswith(libraries) and not path.startswith("<"):
-                return False
-            frame = frame.f_back
-        return False
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        if from_deepspeed():
-            try:
-                log.write(warnings.formatwarning(message, category, filename, lineno, line).encode())
-            except (OSError, ValueError):
-                pass
-            return
-        shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = showwarning
 
 
 # -- on the launcher's output -----------------------------------------------------------------

@@ -203,8 +203,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
         self.plan_summary = None
         if self.settings.profile:
-            rp = self._rank_plan(paths)
-            host_cache, knobs, paths, self.plan_summary = rp.host_cache_bytes, rp.knobs, rp.paths, rp.summary
+            plan = self._rank_plan(paths)
+            host_cache, knobs, paths, self.plan_summary = plan.host_cache_bytes, plan.knobs, plan.paths, plan.summary
         lane_device = resolve_lane_device(self.settings.lane_device or None)
         device = str(lane_device) if lane_device is not None else None
         config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
@@ -244,11 +244,11 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes, reserve_bytes=reserve)
         if self.settings.profile:
             try:
-                rp = self._rank_plan(tuple(p.spec for p in engine.paths) or tuple(engine.config.paths),
-                                     gpu_headroom_bytes=self.device_fit.headroom_bytes,
-                                     device_cache_bytes=self.device_fit.device_tier_bytes,
-                                     device_fraction=self.device_fit.device_fraction)
-                self.plan_summary = rp.summary
+                plan = self._rank_plan(tuple(p.spec for p in engine.swap_paths.paths) or tuple(engine.config.paths),
+                                       gpu_headroom_bytes=self.device_fit.headroom_bytes,
+                                       device_cache_bytes=self.device_fit.device_tier_bytes,
+                                       device_fraction=self.device_fit.device_fraction)
+                self.plan_summary = plan.summary
             except ConfigError as e:  # the prediction is for the record; the run goes on as fitted
                 self.plan_summary = f"profile: no prediction for the fitted plan ({e})"
 
@@ -386,10 +386,10 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if placeholder is None:
             return
         master = self.fp32_partitioned_groups_flat[i]
-        st = self.optimizer.state.pop(master, {})
+        adam = self.optimizer.state.pop(master, {})
         if write_state:
-            step = st.get("step", 0)
-            self.offload_engine.write_state(i, master, st["exp_avg"], st["exp_avg_sq"],
+            step = adam.get("step", 0)
+            self.offload_engine.write_state(i, master, adam["exp_avg"], adam["exp_avg_sq"],
                                             [int(step.item() if torch.is_tensor(step) else step)])
         if write_grads and master.grad is not None:
             self._bindings[i].grads()[0].copy_(master.grad)
@@ -455,7 +455,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         super().reload_states(non_blocking=non_blocking)
         self._remap_grads()
         # The fit after the next forward/backward measures their peak, not the generation's before.
-        self.offload_engine.device_returned()
+        self.offload_engine.device_tier.returned()
 
     def _remap_grads(self) -> None:
         """Every subgroup's host slice of the gradient buffer, and its parameters' entries in
@@ -491,9 +491,9 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             for g, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         for i, master in enumerate(state_dict[FP32_FLAT_GROUPS]):
-            st = osd["state"].get(i) if load_optimizer_states else None
-            if st:
-                self.offload_engine.write_state(i, master, st["exp_avg"], st["exp_avg_sq"], [int(st["step"])])
+            saved = osd["state"].get(i) if load_optimizer_states else None
+            if saved:
+                self.offload_engine.write_state(i, master, saved["exp_avg"], saved["exp_avg_sq"], [int(saved["step"])])
             else:
                 zeros = torch.zeros_like(master)
                 self.offload_engine.write_state(i, master, zeros, zeros, [0])
@@ -514,8 +514,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if load_optimizer_states:
             states = state_dict[OPTIMIZER_STATE_DICT]["state"]
             for i, n in enumerate(mine):
-                st = states.get(i)
-                if st and any(int(st[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
+                saved = states.get(i)
+                if saved and any(int(saved[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
                     raise CheckpointError(f"the checkpoint's moments of subgroup {i} do not have its {n} elements: "
                                           f"the file is damaged or from another run; resume from another checkpoint")
 

@@ -96,7 +96,7 @@ def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.errors import OffloadError
-    from integrations.run_output import quiet_deepspeed_logger
+    from integrations.ds_patches import quiet_deepspeed_logger
 
     quiet_deepspeed_logger()  # DeepSpeed's import-time lines (the accelerator it picked) are not for this terminal
     ap = build_parser()

@@ -5,7 +5,7 @@ float, bool, ``Literal``, tuples, nested and optional dataclasses), so the schem
 definition. An unknown key, a value of the wrong type, a missing required key, another
 ``schema_version`` or a TOML syntax error is a :class:`ConfigError` naming the file, the dotted
 key (``paths[1].read_bytes_per_s.value``) and its line. tomllib gives no line numbers for
-keys, so :func:`key_lines` finds them in the source text.
+keys, so :func:`perf.toml_lines.key_lines` finds them in the source text.
 
 Files are written with tomli-w formatting every value; figures are inline tables
 (``{ value = ..., how = "...", when = "..." }``) so that a profile reads as one line per figure.
@@ -28,6 +28,7 @@ import tomli_w
 from engine.errors import ConfigError
 from engine.text import printable
 from perf.profile import SCHEMA_VERSION, Figure, Profile
+from perf.toml_lines import join_key, key_lines, line_for
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -155,7 +156,7 @@ def profile_from_dict(d: Mapping[str, Any], lines: Mapping[str, int] | None = No
         _check_version(d)
         return _convert(d, Profile, "")
     except _SchemaError as e:
-        line = _line_for(e.key, lines, at_parent=e.at_parent)
+        line = line_for(e.key, lines, at_parent=e.at_parent)
         where = f"profile {file}" + (f", line {line}" if line else "")
         what = f"key {e.key}" if e.key else "the document"
         raise ConfigError(f"{where}: {what} {e.problem}: {e.fix}") from None
@@ -177,10 +178,6 @@ def _check_version(d: Mapping[str, Any]) -> None:
 @functools.lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
 
 
 def _kind(v: Any) -> str:
@@ -260,11 +257,11 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in v:
         if k not in fields:
-            raise _SchemaError(_join(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})",
+            raise _SchemaError(join_key(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})",
                                "remove it, or fix its spelling")
     kwargs = {}
     for name, f in fields.items():
-        sub = _join(key, name)
+        sub = join_key(key, name)
         if name not in v:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required:
@@ -292,8 +289,9 @@ def _check_values(cls: type, kw: dict, key: str) -> None:
     """Checks beyond types: provenance of every figure, and ISO 8601 times."""
     if cls is Figure:
         if not kw["how"].strip():
-            raise _SchemaError(_join(key, "how"), "is empty", "say how the figure was measured, or which document it comes from")
-        _check_time(kw["when"], _join(key, "when"), required=True)
+            raise _SchemaError(join_key(key, "how"), "is empty",
+                               "say how the figure was measured, or which document it comes from")
+        _check_time(kw["when"], join_key(key, "when"), required=True)
     if cls is Profile:
         _check_time(kw.get("created", ""), "created", required=False)
 
@@ -315,186 +313,6 @@ def _field_names(cls: type) -> list[str]:
 def _required(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-
-
-# -- line numbers of keys ------------------------------------------------------------------------
-
-def _parent(key: str) -> str:
-    """``paths[1].x`` -> ``paths[1]`` -> ``paths`` -> ``""``."""
-    m = re.match(r"^(.*?)(?:\.[^.\[\]]+|\[\d+\])$", key)
-    return m.group(1) if m else ""
-
-
-def _line_for(key: str, lines: Mapping[str, int], *, at_parent: bool = False) -> int | None:
-    k = _parent(key) if at_parent else key
-    while k:
-        if k in lines:
-            return lines[k]
-        k = _parent(k)
-    return None
-
-
-def key_lines(text: str) -> dict[str, int]:
-    """Line (1-based) of every key, table and array element of valid TOML ``text``, by dotted key
-    (``host``, ``paths[1]``, ``paths[1].read_bytes_per_s.value``). Best effort: what it cannot
-    follow is left out, and errors then name the nearest enclosing key's line."""
-    sc = _KeyScanner(text)
-    try:
-        sc.document()
-    except (IndexError, ValueError):
-        pass
-    return sc.lines
-
-
-class _KeyScanner:
-    """Walks TOML syntax (already validated by tomllib) and records where each key starts."""
-
-    _BARE = re.compile(r"[A-Za-z0-9_-]+")
-
-    def __init__(self, text: str) -> None:
-        self.s, self.i, self.line = text, 0, 1
-        self.lines: dict[str, int] = {}
-
-    def _adv(self, n: int = 1) -> None:
-        self.line += self.s.count("\n", self.i, self.i + n)
-        self.i += n
-
-    def _at(self, tok: str) -> bool:
-        return self.s.startswith(tok, self.i)
-
-    def _skip(self, newlines: bool) -> None:
-        while self.i < len(self.s):
-            c = self.s[self.i]
-            if c in " \t" or (newlines and c in "\r\n"):
-                self._adv()
-            elif c == "#":
-                end = self.s.find("\n", self.i)
-                self._adv((len(self.s) if end < 0 else end) - self.i)
-            else:
-                return
-
-    def _expect(self, tok: str) -> None:
-        self._skip(False)
-        if not self._at(tok):
-            raise ValueError(f"expected {tok!r} at line {self.line}")
-        self._adv(len(tok))
-
-    def _record(self, key: str, line: int) -> None:
-        self.lines.setdefault(key, line)
-
-    def _string(self) -> str:
-        for q in ('"""', "'''"):
-            if self._at(q):
-                end = self.s.index(q, self.i + 3)
-                while self.s.startswith(q[0], end + 3):  # up to two quotes may end the content
-                    end += 1
-                raw = self.s[self.i + 3:end]
-                self._adv(end + 3 - self.i)
-                return raw
-        q = self.s[self.i]
-        j = self.i + 1
-        while self.s[j] != q:
-            j += 2 if (q == '"' and self.s[j] == "\\") else 1
-        raw = self.s[self.i + 1:j]
-        self._adv(j + 1 - self.i)
-        return raw
-
-    def _key(self) -> list[str]:
-        parts = []
-        while True:
-            self._skip(False)
-            if self.s[self.i] in "\"'":
-                parts.append(self._string())
-            else:
-                m = self._BARE.match(self.s, self.i)
-                if not m:
-                    raise ValueError(f"no key at line {self.line}")
-                parts.append(m.group())
-                self._adv(m.end() - self.i)
-            self._skip(False)
-            if not self._at("."):
-                return parts
-            self._adv()
-
-    def _value(self, key: str) -> None:
-        self._skip(False)
-        c = self.s[self.i]
-        if c == "{":
-            self._adv()
-            while True:
-                self._skip(False)
-                if self._at("}"):
-                    self._adv()
-                    return
-                line, parts = self.line, self._key()
-                sub = key
-                for p in parts:
-                    sub = _join(sub, p)
-                    self._record(sub, line)
-                self._expect("=")
-                self._value(sub)
-                self._skip(False)
-                if self._at(","):
-                    self._adv()
-        elif c == "[":
-            self._adv()
-            n = 0
-            while True:
-                self._skip(True)
-                if self._at("]"):
-                    self._adv()
-                    return
-                self._record(f"{key}[{n}]", self.line)
-                self._value(f"{key}[{n}]")
-                n += 1
-                self._skip(True)
-                if self._at(","):
-                    self._adv()
-        elif c in "\"'":
-            self._string()
-        else:  # number, boolean, date-time (which may hold one space)
-            m = re.compile(r"[^,\]}#\r\n]*").match(self.s, self.i)
-            self._adv(m.end() - self.i)
-
-    def document(self) -> None:
-        table = ""
-        arrays: dict[str, int] = {}  # array-of-tables key -> elements so far
-
-        def resolve(parts: list[str]) -> str:
-            k = ""
-            for p in parts:
-                k = _join(k, p)
-                if k in arrays:
-                    k = f"{k}[{arrays[k] - 1}]"
-            return k
-
-        while True:
-            self._skip(True)
-            if self.i >= len(self.s):
-                return
-            line = self.line
-            if self._at("[["):
-                self._adv(2)
-                parts = self._key()
-                self._expect("]]")
-                base = _join(resolve(parts[:-1]), parts[-1])
-                n = arrays.get(base, 0)
-                arrays[base] = n + 1
-                table = f"{base}[{n}]"
-                self._record(base, line)
-                self._record(table, line)
-            elif self._at("["):
-                self._adv()
-                table = resolve(self._key())
-                self._expect("]")
-                self._record(table, line)
-            else:
-                key = table
-                for p in self._key():
-                    key = _join(key, p)
-                    self._record(key, line)
-                self._expect("=")
-                self._value(key)
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -602,7 +420,7 @@ def _emit_table(d: dict, name: str, out: list[str], *, top: bool = False, elemen
     out.extend(f"{_key(k)} = {_literal(v)}" for k, v in literals)
     out.append("")
     for k, v in tables:
-        _emit_table(v, _join(name, _key(k)), out)
+        _emit_table(v, join_key(name, _key(k)), out)
     for k, v in arrays:
         for x in v:
-            _emit_table(x, _join(name, _key(k)), out, element=True)
+            _emit_table(x, join_key(name, _key(k)), out, element=True)

@@ -210,7 +210,7 @@ def test_swap_files_removed_at_exit_or_next_start(end, left_behind, swap_dir):
     assert bool(_swap_files(swap_dir)) == left_behind
     # The next engine on this path removes what a crashed one left.
     opt = _opt(make_model(), swap_dir)
-    assert len(opt.engine.paths[0].stale_dirs_removed) == int(left_behind)
+    assert len(opt.engine.swap_paths.paths[0].stale_dirs_removed) == int(left_behind)
     opt.close()
     assert not _swap_files(swap_dir)
 
@@ -218,8 +218,8 @@ def test_swap_files_removed_at_exit_or_next_start(end, left_behind, swap_dir):
 def test_other_live_process_dirs_are_kept(swap_dir):
     a = _opt(make_model(), swap_dir)
     b = _opt(make_model(), swap_dir)  # same pid, live: a's directory must survive b's clean-up
-    assert b.engine.paths[0].stale_dirs_removed == []
-    assert os.path.isdir(a.engine.paths[0].dir)
+    assert b.engine.swap_paths.paths[0].stale_dirs_removed == []
+    assert os.path.isdir(a.engine.swap_paths.paths[0].dir)
     a.close()
     b.close()
 

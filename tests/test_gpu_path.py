@@ -20,6 +20,8 @@ from helpers import needs_cuda
 
 import engine.buffers
 import engine.core
+import engine.device_tier
+import engine.host_lane
 from engine.adamw import AdamWHyper
 from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
@@ -94,9 +96,9 @@ def _stream_names(run: _Run) -> dict[str, str]:
 
 
 def test_every_weight_write_is_joined_to_the_current_stream_before_step_returns(monkeypatch, swap_dir):
-    """Issue 18, item 1: DeepSpeed's all-gather inside step(), checkpoints and the next forward
-    read the weights on the caller's stream; the host lane's uploads (and the lanes' casts) must
-    be ordered before anything queued there after step() returns."""
+    """DeepSpeed's all-gather inside step(), checkpoints and the next forward read the weights on
+    the caller's stream: the host lane's uploads (and the lanes' casts) are ordered before anything
+    queued there after step() returns."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=STATE[0])
     names = _stream_names(run)
     for _ in range(4):
@@ -125,8 +127,8 @@ def test_device_lane_copies_chunks_through_slots_in_order(monkeypatch, swap_dir)
 
 
 def test_device_tier_updates_never_wait_for_the_lane(monkeypatch, swap_dir):
-    """Item 5: in reverse-order steps the device tier's updates used to queue behind the lane's
-    last copy in. They run on their own stream, issued before any lane work of the step."""
+    """In reverse-order steps too, the device tier's updates run on their own stream, issued
+    before any lane work of the step: never queued behind the lane's last copy in."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=sum(STATE[:2]),
                fraction=1.0)
     names = _stream_names(run)
@@ -141,7 +143,7 @@ def test_device_tier_updates_never_wait_for_the_lane(monkeypatch, swap_dir):
                 name = next(n for n, v in names.items() if v == s)
                 assert copies[k].clock.get(name, 0) <= lane_before[name]  # never after this step's lane work
         assert rec.device_tier_subgroups == 2
-        assert rec.device_lane_subgroups == len(NUMELS) - 2  # item 9: the tier is not counted on the lane
+        assert rec.device_lane_subgroups == len(NUMELS) - 2  # the tier is not counted on the lane
     run.check_numerics()
     run.engine.close()
 
@@ -152,7 +154,7 @@ def _lane_bytes(lane) -> int:
 
 
 def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
-    """Item 2: the lane's device memory is its chunk slots, whatever the subgroup size."""
+    """The lane's device memory is its chunk slots, whatever the subgroup size."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=0, fraction=1.0, numels=[8000, 20000])
     run.step()
     lane = run.engine.device_lane
@@ -167,15 +169,15 @@ def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
 
 def _fast_lane_rates(monkeypatch):
     """Rates under which the balance would put everything on the device lane."""
-    monkeypatch.setattr(engine.core, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 200e9))
-    monkeypatch.setattr(engine.core, "host_lane_rate", lambda name: 1e6)
-    monkeypatch.setattr(engine.core, "node_memory_bandwidth", lambda: None)  # the machine's file is not the test's
+    monkeypatch.setattr(engine.device_tier, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 200e9))
+    monkeypatch.setattr(engine.device_tier, "host_lane_rate", lambda name: 1e6)
+    monkeypatch.setattr(engine.device_tier, "node_memory_bandwidth", lambda: None)  # the machine's file is not the test's
 
 
 def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
-    """Item 2: when the state does not fit the GPU, the balance used to turn the lane on from
-    rates alone and the first slot allocation ran out of memory. Now the lane runs only when its
-    slots fit what is left, says why it does not in one line, and no knob turns it on."""
+    """When the state does not fit the GPU, the lane runs only if its slots fit what is left
+    (rates alone would turn it on and the first slot allocation would run out of memory); it says
+    why it does not in one line, and no knob turns it on."""
     _fast_lane_rates(monkeypatch)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
                auto_fraction=True)
@@ -206,7 +208,7 @@ def test_lane_balance_runs_when_the_slots_fit(monkeypatch, swap_dir):
 
 
 def test_a_refused_pin_is_not_tried_again(monkeypatch):
-    """Item 6: pin() is called at every device-lane update; a refusal must not cost a driver call each time."""
+    """pin() is called at every device-lane update; a refusal costs no driver call the next times."""
     calls = []
     monkeypatch.setattr(engine.buffers, "pin_in_place", lambda t: calls.append(1) or False)
     buf = StateBuffer(1000)
@@ -215,8 +217,8 @@ def test_a_refused_pin_is_not_tried_again(monkeypatch):
 
 
 def test_nothing_is_pinned_before_the_device_fit(monkeypatch, swap_dir):
-    """Item 6: buffers used to be pinned at construction for the starting fraction, then freed when
-    the fit moved them to the device tier: seconds of start-up and an RSS spike for nothing."""
+    """Nothing is pinned at construction: the fit may move the starting fraction's buffers to
+    the device tier, and pinning them first would be seconds of start-up and an RSS spike for nothing."""
     pinned = []
     monkeypatch.setattr(StateBuffer, "pin", lambda self: pinned.append(self) or True)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=None, fraction=0.5)
@@ -228,8 +230,8 @@ def test_nothing_is_pinned_before_the_device_fit(monkeypatch, swap_dir):
 
 
 def test_one_time_costs_of_a_lane_change_are_not_in_the_measured_step(monkeypatch, swap_dir):
-    """Item 6: a tuner trial that moves subgroups to the device lane pins their buffers (seconds
-    for GBs); that is the step's setup, not its update time or the next iteration's."""
+    """A tuner trial that moves subgroups to the device lane pins their buffers (seconds for
+    GBs); that is the step's setup, not its update time or the next iteration's."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=0, fraction=0.0)
     run.step()
     slow = 1.0  # seconds: far above a step of these few kB, even on a loaded machine
@@ -255,8 +257,8 @@ def test_one_time_costs_of_a_lane_change_are_not_in_the_measured_step(monkeypatc
 
 
 def test_cuda_events_are_blocking(monkeypatch):
-    """Item 3: a host wait on a default event spins a core beside the host lane's AdamW threads.
-    Every event the engine waits on comes from CudaStreams.record, and it asks for a blocking one."""
+    """A host wait on a default event spins a core beside the host lane's AdamW threads: every
+    event the engine waits on comes from CudaStreams.record, and it asks for a blocking one."""
     from engine.streams import CudaStreams
 
     made = []
@@ -312,8 +314,9 @@ def test_host_streams_run_the_same_path(monkeypatch, swap_dir, fraction):
 @pytest.mark.parametrize("host_cache,io_cores,expect_less", [(0, 1, True), (0, 0, False), (None, 1, False)],
                          ids=["swapped", "io-cores-0", "all-in-memory"])
 def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_cache, io_cores, expect_less):
-    """Item 3: with state on storage, the I/O threads checksum every chunk while the host lane's
-    OpenMP threads run; sharing a core slows the whole kernel to its slowest thread (bench/io_cores.py)."""
+    """With state on storage, the I/O threads checksum every chunk while the host lane's OpenMP
+    threads run; sharing a core slows the whole kernel to its slowest thread (bench/io_cores.py),
+    so the lane leaves them one."""
     from engine.adamw import adamw_update_torch_
 
     seen = []
@@ -352,9 +355,9 @@ def _cuda_engine(swap_dir, numels, **cfg):
 
 @needs_cuda
 def test_cuda_weights_are_ready_on_the_current_stream(swap_dir):
-    """Item 1 on the real thing: work queued on the current stream right after step() returns
-    (DeepSpeed's all-gather, the next forward) reads every subgroup's new weights, whichever lane
-    wrote them. Subgroups of 2^24 elements make the uploads long enough to be caught in flight."""
+    """On a GPU: work queued on the current stream right after step() returns (DeepSpeed's
+    all-gather, the next forward) reads every subgroup's new weights, whichever lane wrote them.
+    Subgroups of 2^24 elements make the uploads long enough to be caught in flight."""
     numels = [1 << 24] * 4
     eng, weights = _cuda_engine(swap_dir, numels, host_cache_bytes=None, device_cache_bytes=payload_bytes(1 << 24))
     for _ in range(3):
@@ -369,7 +372,7 @@ def test_cuda_weights_are_ready_on_the_current_stream(swap_dir):
 
 @needs_cuda
 def test_cuda_event_waits_sleep():
-    """Item 3: a host wait on the engine's events sleeps (cudaEventBlockingSync) instead of spinning."""
+    """A host wait on the engine's events sleeps (cudaEventBlockingSync) instead of spinning."""
     from engine.streams import CudaStreams
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -386,8 +389,8 @@ def test_cuda_event_waits_sleep():
 
 @needs_cuda
 def test_cuda_lane_memory_is_its_slots(swap_dir):
-    """Item 2 on the real thing: subgroups of 2^26 elements (800 MB of state each) go through the
-    device lane in ~570 MB of slots, not 3 x 12 B x 2^26 = 2.4 GB."""
+    """On a GPU: subgroups of 2^26 elements (800 MB of state each) go through the device lane in
+    ~570 MB of slots, not 3 x 12 B x 2^26 = 2.4 GB."""
     numels = [1 << 26] * 2
     eng, _ = _cuda_engine(swap_dir, numels, host_cache_bytes=None, device_cache_bytes=0)
     eng.set_knobs(eng.knobs.replace(device_fraction=1.0))
@@ -433,13 +436,13 @@ def test_release_device_brings_back_the_placed_subgroups_not_a_prefix(monkeypatc
     run.engine.close()
 
 
-# -- issue 35: the GPU path, second pass ----------------------------------------------------------
+# -- measurements, device placement of gradients, the tier's host buffers, the host lane's transfers --
 
 def test_no_measurement_draws_from_a_generator_the_model_uses():
-    """Issue 35, item 3: the first step's GPU AdamW timing drew its operands with torch.rand from
-    the device's default generator, so from step 2 on every dropout mask differed from a stock run
-    with the same seed. Nothing the engine runs in the training process may draw random numbers
-    except from a generator of its own (``generator=``), nor seed or set a global generator."""
+    """Nothing the engine runs in the training process draws random numbers except from a
+    generator of its own (``generator=``), nor seeds or sets a global generator: a draw from the
+    device's default generator (the GPU AdamW timing's operands, say) would change every dropout
+    mask against a stock run with the same seed."""
     import ast
     import os
 
@@ -466,9 +469,8 @@ def test_no_measurement_draws_from_a_generator_the_model_uses():
 
 
 def test_cuda_without_an_index_is_the_current_device(monkeypatch):
-    """Issue 35, item 8: resolve_lane_device('cuda') kept no index, so tensors on cuda:0 did not
-    compare equal to the lane's device and nothing was read in place (OffloadAdamW(device='cuda')
-    took the slow path). 'cuda' is the current CUDA device, with its index."""
+    """'cuda' is the current CUDA device, with its index: tensors on cuda:0 compare equal to the
+    lane's device and are read in place (OffloadAdamW(device='cuda') takes the fast path)."""
     from engine.streams import CudaStreams, resolve_lane_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -484,8 +486,8 @@ def test_cuda_without_an_index_is_the_current_device(monkeypatch):
 
 
 def test_a_pending_lane_change_moves_the_gradients_placed_for_the_next_step(monkeypatch, swap_dir):
-    """Issue 35, item 7 (the engine's side): device_grad_subgroups() answers for the next step's
-    lanes, a device fraction set and not yet applied included."""
+    """device_grad_subgroups() answers for the next step's lanes, a device fraction set and not
+    yet applied included (the engine's side of placing gradients for a lane change)."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=0, fraction=0.0)
     run.engine.fit_device_tier(grad_bytes_per_element=2, headroom_bytes=10 ** 9)
     run.step()
@@ -495,7 +497,7 @@ def test_a_pending_lane_change_moves_the_gradients_placed_for_the_next_step(monk
     assert placed == list(range(len(NUMELS)))  # the budget holds every lane gradient
     run.device_grads = set(placed)  # as the adapter places them before the next backward
     rec, copies = run.step()
-    assert rec.device_lane_subgroups == len(NUMELS) and run.engine._device_grads == set(placed)
+    assert rec.device_lane_subgroups == len(NUMELS) and run.engine.device_tier.device_grads == set(placed)
     grads = [(b.grad.data_ptr(), b.grad.data_ptr() + 2 * b.grad.numel()) for b in run.bindings]
     uploads = [c for c in copies if any(lo < c.src[1] and c.src[0] < hi for lo, hi in grads)]
     assert not uploads  # every gradient was read in place, where it was placed
@@ -504,10 +506,9 @@ def test_a_pending_lane_change_moves_the_gradients_placed_for_the_next_step(monk
 
 
 def test_release_device_keeps_pinned_host_buffers_across_cycles(monkeypatch, swap_dir):
-    """Issue 35, item 9: every offload_states()/reload_states() cycle copied the device tier out
-    through fresh pageable buffers (about 6 s a cycle at 4B). From the first release on, the tier
-    keeps its host buffers, pinned once, counted in the host budget as copies; the next cycles
-    allocate and pin nothing."""
+    """From the first release on, the device tier keeps its host buffers, pinned once, counted in
+    the host budget as copies: the next offload_states()/reload_states() cycles allocate and pin
+    nothing (fresh pageable buffers cost about 6 s a cycle at 4B)."""
     made, pinned = [], []
     real_init, real_pin = StateBuffer.__init__, StateBuffer.pin
 
@@ -544,13 +545,13 @@ def test_release_device_keeps_pinned_host_buffers_across_cycles(monkeypatch, swa
 
 
 def test_the_tiers_host_buffers_are_kept_only_within_the_host_budget(monkeypatch, swap_dir):
-    """Issue 35, item 9: a spare host copy of the device tier is host memory like any other: kept
-    only while the rank's host budget has room for it."""
+    """A spare host copy of the device tier is host memory like any other: kept only while the
+    rank's host budget has room for it."""
     tier = sum(STATE[:2])
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=tier, fraction=0.0)
     run.step()
     usage = run.engine.host_usage()
-    run.engine.host_budget = usage.total + host_buffer_bytes(NUMELS[0]) + 64  # room for the first buffer only
+    run.engine.host_memory.budget_bytes = usage.total + host_buffer_bytes(NUMELS[0]) + 64  # room for the first buffer only
     run.engine.release_device()
     run.step()
     kept = [sg.index for sg in run.engine.subgroups if sg.host_copy is not None]
@@ -561,8 +562,8 @@ def test_the_tiers_host_buffers_are_kept_only_within_the_host_budget(monkeypatch
 
 @needs_cuda
 def test_cuda_lane_rates_leave_the_generators_alone():
-    """Item 3 on the real thing: measuring the lanes at the first step draws nothing from the
-    CPU's or the GPU's default generator (a stock run with the same seed keeps its dropout masks)."""
+    """On a GPU: measuring the lanes at the first step draws nothing from the CPU's or the GPU's
+    default generator (a stock run with the same seed keeps its dropout masks)."""
     import engine.gpumem as gm
 
     for f in (gm.measure_pcie, gm.measure_gpu_adamw, gm.measure_memory_bandwidth):
@@ -575,9 +576,9 @@ def test_cuda_lane_rates_leave_the_generators_alone():
 
 @needs_cuda
 def test_cuda_refit_after_release_measures_the_training_peak(swap_dir):
-    """Item 1 on the real thing: after release_device() and a generation phase that filled the
-    GPU, device_returned() makes the next fit measure the training's peak again, not the
-    generation's: the headroom is the first fit's."""
+    """On a GPU: after release_device() and a generation phase that filled the GPU, the device
+    tier's returned() makes the next fit measure the training's peak again, not the generation's:
+    the headroom is the first fit's."""
     eng, _ = _cuda_engine(swap_dir, [1 << 22] * 8, host_cache_bytes=None, device_cache_bytes=None)
     dev = eng.device
 
@@ -590,7 +591,7 @@ def test_cuda_refit_after_release_measures_the_training_peak(swap_dir):
     eng.step([HP])
     eng.release_device()
     peak(int(torch.cuda.mem_get_info(dev)[0] * 0.8))  # generation
-    eng.device_returned()
+    eng.device_tier.returned()
     peak(1 << 30)
     again = eng.fit_device_tier(grad_bytes_per_element=2)
     assert abs(again.headroom_bytes - first.headroom_bytes) <= max(256 << 20, first.headroom_bytes // 20), (first, again)
@@ -609,21 +610,21 @@ def _touches(c, spans, src=True) -> bool:
 
 
 def test_host_lane_uploads_weights_a_chunk_at_a_time_through_a_few_pinned_buffers(monkeypatch, swap_dir):
-    """Issue 35, item 10: weights on the GPU were staged and uploaded a whole subgroup at a time
-    (2 x 2 GB pinned at sub_group_size 1e9, a serial last upload of 2 GB, buffers that grew and
-    were pinned inside the step). They go up a chunk at a time through UPLOAD_SLOTS pinned chunk
-    buffers, pinned once, whatever the subgroup size; each copy is joined to the caller's stream."""
-    from engine.lanes import UPLOAD_SLOTS
+    """Weights on the GPU go up a chunk at a time through UPLOAD_SLOTS pinned chunk buffers per
+    host-lane thread, pinned once at the first uploads, whatever the subgroup size (no whole-subgroup
+    staging: 2 x 2 GB pinned at sub_group_size 1e9 and a serial last upload of 2 GB); each copy
+    is joined to the caller's stream."""
+    from engine.host_lane import UPLOAD_SLOTS
 
     pins = []
-    real = engine.lanes.aligned_empty
+    real = engine.host_lane.aligned_empty
 
     def aligned_empty(nbytes, pin=False):
         if pin:
             pins.append(nbytes)
         return real(nbytes, pin=pin)
 
-    monkeypatch.setattr(engine.lanes, "aligned_empty", aligned_empty)
+    monkeypatch.setattr(engine.host_lane, "aligned_empty", aligned_empty)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, fraction=0.0)
     up = run.engine.host_lane.weights
     up.chunk_numel = CHUNK
@@ -648,13 +649,12 @@ def test_host_lane_uploads_weights_a_chunk_at_a_time_through_a_few_pinned_buffer
 
 
 def test_host_lane_reads_device_gradients_a_chunk_ahead(monkeypatch, swap_dir):
-    """Issue 35, item 10: OffloadAdamW with the model on a GPU read each host-lane chunk's
-    gradient by a synchronous copy into pageable memory. They come down through pinned chunk
-    buffers on a stream of their own, after backward's work, the next chunk's copy issued before
-    the host waits for this one's."""
-    from engine.lanes import GradReader
+    """OffloadAdamW with the model on a GPU: each host-lane chunk's gradient comes down through
+    pinned chunk buffers on a stream of their own, after backward's work, the next chunk's copy
+    issued before the host waits for this one's (not a synchronous copy into pageable memory)."""
+    from engine.host_lane import GradReader
 
-    monkeypatch.setattr(engine.lanes, "HOST_CHUNK_NUMEL", CHUNK)
+    monkeypatch.setattr(engine.host_lane, "HOST_CHUNK_NUMEL", CHUNK)
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, fraction=0.0, device_grads=set(range(len(NUMELS))))
     run.engine.host_lane.grads = reader = GradReader(run.fake, chunk_numel=CHUNK)
     for _ in range(3):
@@ -678,13 +678,13 @@ def test_host_lane_reads_device_gradients_a_chunk_ahead(monkeypatch, swap_dir):
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
 def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch):
-    """Issue 35, item 11: driven by one thread, every op of every host-lane chunk was a parallel
-    region of all the process's OpenMP threads, ending in a barrier; a few hundred a step, each
-    waiting for whichever thread anything else on the cores had descheduled (the step took 2-3
-    times stock's on 2 busy cores). Each of the lane's threads now updates its own part of a
-    subgroup with ops that run on it alone; the math is the same, element for element."""
+    """Each of the host lane's threads updates its own part of a subgroup with ops that run on it
+    alone, and the math is the same, element for element, as one thread driving the lane. (Driven
+    by one thread, every op of every chunk is a parallel region of all the process's OpenMP
+    threads ending in a barrier, each waiting for whichever thread anything else on the cores
+    descheduled.)"""
     from engine.adamw import adamw_update_torch_
-    from engine.lanes import PART_CHUNK_NUMEL
+    from engine.host_lane import PART_CHUNK_NUMEL
 
     seen = []
 
@@ -706,7 +706,7 @@ def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch
     ref_opt = torch.optim.AdamW([ref], lr=HP.lr, weight_decay=HP.weight_decay)
     eng = SubgroupEngine([b], EngineConfig(host_cache_bytes=None, host_adam="torch"))
     one = SubgroupEngine([b1], EngineConfig(host_cache_bytes=None, host_adam="torch"))
-    one.host_lane._threads = None  # driven by one thread, as before
+    one.host_lane._threads = None  # driven by one thread
     for _ in range(2):
         ref.grad = g.float() * 0.5
         eng.step([HP])

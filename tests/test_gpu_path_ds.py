@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @needs_cuda
 def test_cuda_offload_and_reload_states_refit_as_at_the_first_step(tmp_path):
-    """Issue 35, items 1, 2 and 9 on a GPU: after offload_states()/reload_states() at step 3 the
+    """On a GPU, through DeepSpeed: after offload_states()/reload_states() at step 3 the
     device tier and the lane gradients kept on the GPU are what the first step's fit gave (the
     refit is the same fit, from a fresh peak), and the run finishes."""
     run = tmp_path / "run"

@@ -18,6 +18,7 @@ import torch
 from fake_streams import RecordingStreams
 
 import engine.core
+import engine.device_tier
 import engine.gpumem
 from engine.config import EngineConfig, Knobs
 from engine.core import SubgroupEngine
@@ -29,7 +30,7 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def ds():
-    from engine.storage.native_ops import import_deepspeed
+    from integrations.ds_patches import import_deepspeed
 
     return import_deepspeed()
 
@@ -46,9 +47,9 @@ class FakeCudaMemory:
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
         # The engine's device is the CPU here; its memory questions go to the fake CUDA device.
-        monkeypatch.setattr(engine.core, "gpu_headroom_bytes", lambda device: engine.gpumem.gpu_headroom_bytes(CUDA0))
-        monkeypatch.setattr(engine.core, "reset_peak", lambda device: torch.cuda.reset_peak_memory_stats(CUDA0),
-                            raising=False)
+        for module in (engine.core, engine.device_tier):
+            monkeypatch.setattr(module, "gpu_headroom_bytes", lambda device: engine.gpumem.gpu_headroom_bytes(CUDA0))
+        monkeypatch.setattr(engine.device_tier, "reset_peak", lambda device: torch.cuda.reset_peak_memory_stats(CUDA0))
         monkeypatch.setattr(engine.gpumem, "MARGIN_MIN_BYTES", 0)
         monkeypatch.setattr(engine.gpumem, "MARGIN_SHARE", 0.0)
 
@@ -154,10 +155,9 @@ def _offload_and_reload(opt, mem: FakeCudaMemory | None = None, generation_bytes
 
 
 def test_the_refit_after_offload_states_is_the_first_steps_fit(ds, monkeypatch):
-    """Issue 35, item 1: after offload_states()/reload_states() the next step used to fit the tier
-    with no gradient bytes and no prefetch reserve (the engine's bare fit; no lane gradient kept
-    on the GPU again), from a peak that included the generation phase in between (the tier
-    collapsed). The refit is the first step's, measured from a fresh peak."""
+    """After offload_states()/reload_states() the next step's refit is the first step's (with the
+    gradient bytes and the prefetch reserve; lane gradients kept on the GPU again), measured from
+    a fresh peak, not one that includes the generation phase in between."""
     mem = FakeCudaMemory(monkeypatch, total=600_000)
     opt = make_optimizer(monkeypatch, fraction=1.0)
     gen = torch.Generator().manual_seed(1)
@@ -175,17 +175,16 @@ def test_the_refit_after_offload_states_is_the_first_steps_fit(ds, monkeypatch):
     first, refit = fits[0], fits[2]
     assert first.device_tier_subgroups >= 2 and first.device_lane_grads_on_device >= 1  # the case is not vacuous
     assert refit == first, (first, refit)
-    assert opt.offload_engine._grad_bytes_per_element == 2  # lane gradients kept on the device again
+    assert opt.offload_engine.device_tier.grad_bytes_per_element == 2  # lane gradients kept on the device again
     assert kept[2] == kept[0] and kept[3] == kept[0]
     opt.offload_engine.close()
 
 
 def test_the_gradient_buffer_stays_in_host_memory_across_offload_states(ds, monkeypatch):
-    """Issue 35, item 2: DeepSpeed's lp_grads offload copied the engine's gradient buffer (pinned
-    in place, at its exact size) into a power-of-two pinned copy of its own, kept for good, and
-    reload_states moved it to the GPU (2 B/param of GPU memory, host-lane reads across PCIe).
-    With offload_optimizer the buffer is the engine's: it stays where it is, and training goes on
-    with the same numbers as a run without the cycle."""
+    """With offload_optimizer the gradient buffer is the engine's (pinned in place, at its exact
+    size): offload_states()/reload_states() leave it where it is (DeepSpeed's lp_grads offload
+    would copy it into a power-of-two pinned copy of its own and move it to the GPU), and training
+    goes on with the same numbers as a run without the cycle."""
     opt, twin = make_optimizer(monkeypatch), make_optimizer(monkeypatch)
     buf = opt.grad_partitions_flat_buffer
     ptr = buf.data_ptr()
@@ -211,10 +210,9 @@ def test_the_gradient_buffer_stays_in_host_memory_across_offload_states(ds, monk
 
 
 def test_a_lane_change_places_gradients_for_the_step_it_applies_to(ds, monkeypatch):
-    """Issue 35, item 7: knobs apply at the start of a step but gradients are placed after the
-    step before it; a tuner's lane change made the very step it judges read every moved
-    subgroup's gradient across PCIe. The change due next is handed over at the step's end, and
-    gradients are placed for the lanes it sets."""
+    """Knobs apply at the start of a step but gradients are placed after the step before it: the
+    lane change due next is handed over at the step's end, and gradients are placed for the lanes
+    it sets, so the step a tuner judges reads no moved subgroup's gradient across PCIe."""
     opt = make_optimizer(monkeypatch, fraction=0.0, device_cache_bytes=0)
     eng = opt.offload_engine
 
@@ -239,15 +237,14 @@ def test_a_lane_change_places_gradients_for_the_step_it_applies_to(ds, monkeypat
     backward(opt, gen)
     opt.step()
     assert eng.telemetry.records[-1].device_lane_subgroups == len(NUMELS)
-    assert lane_grads == eng._device_grads  # the step that ran the new lanes read these in place
+    assert lane_grads == eng.device_tier.device_grads  # the step that ran the new lanes read these in place
     eng.close()
 
 
 def test_destroy_leaves_the_engines_gradient_buffer_to_it(ds, monkeypatch):
-    """Issue 35, item 12: DeepSpeed 0.19.8's destroy() unpins its offload buffers, the gradient
-    buffer among them; under DS_PIN_MEMORY_BACKEND=native that frees by address, and the engine's
-    buffer was pinned in place by the engine (cudaHostRegister), not allocated by DeepSpeed.
-    DeepSpeed is handed only what it pinned itself."""
+    """DeepSpeed 0.19.8's destroy() unpins its offload buffers; under DS_PIN_MEMORY_BACKEND=native
+    that frees by address, and the gradient buffer was pinned in place by the engine
+    (cudaHostRegister), not allocated by DeepSpeed: DeepSpeed is handed only what it pinned itself."""
     import deepspeed.runtime.zero.stage3 as stage3
     from deepspeed.accelerator import get_accelerator
 

@@ -68,8 +68,8 @@ def test_resolve_host_cache(budget, paths, want):
 
 
 def test_offload_adamw_with_paths_and_no_budget_puts_state_on_the_paths(tmp_path):
-    """The rule `offloadctl train` always had: paths given means state on the paths. Before it
-    was shared, OffloadAdamW kept everything in memory and left the paths silently unused."""
+    """The rule `offloadctl train` follows holds for OffloadAdamW too: paths given means state on
+    the paths (not everything in memory with the paths silently unused)."""
     swap = tmp_path / "swap"
     swap.mkdir()
     model = torch.nn.Linear(32, 32)

@@ -114,7 +114,7 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
     buf = host_buffer_bytes(sub)
     pairs = [(model, opt), (ref, ref_opt)]
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.core"):
+        with caplog.at_level(logging.WARNING, logger="engine.host_memory"):
             feed_same_grads(pairs, steps=3, seed=1)
             assert opt.engine.host_usage().kept >= kept_subgroups(2) * buf
             hog = torch.ones(3 << 28)  # 3 GiB, every page touched
@@ -129,12 +129,12 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
             finally:
                 del hog
                 held["bytes"] = 0
-            _wait(lambda: not opt.engine._low_memory(), 10, "the memory back")
+            _wait(lambda: not opt.engine.host_memory.low, 10, "the memory back")
             feed_same_grads(pairs, steps=3, seed=3)
         after = opt.engine.telemetry.records[-2:]
         assert all(not r.host_pressure and r.cache_hits > 0 for r in after)
         assert (opt.engine.host_usage().staging + opt.engine.host_usage().kept
-                == staging_buffers(2) * buf + opt.engine.read_ahead_bytes)
+                == staging_buffers(2) * buf + opt.engine.transfers.read_ahead_bytes)
         low = [m for m in caplog.messages if "host memory low" in m]
         assert len(low) == 1 and "gave back" in low[0], caplog.messages
         assert sum("host memory recovered" in m for m in caplog.messages) == 1
@@ -237,7 +237,7 @@ def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-# -- host memory bandwidth: what the host lane is bound by (issue 35, item 6) ---------------------
+# -- host memory bandwidth: what the host lane is bound by ------------------------------------------
 
 def test_a_ranks_memory_bandwidth_is_the_lower_of_its_own_and_its_share():
     from engine.lane_model import memory_share
@@ -252,18 +252,18 @@ def test_the_lane_balance_uses_the_nodes_bandwidth_share(monkeypatch, tmp_path):
     """The first step's lane rates used this process's copy rate divided by the node's ranks: a
     rank bound to 8 of 64 cores measured a fraction of the node and then divided it again. The
     memory rate is the lower of its own and its share of the node's, measured once with every core."""
-    import engine.core
+    import engine.device_tier
     from engine.binding import FlatSubgroup
     from engine.config import EngineConfig
     from engine.core import SubgroupEngine
 
-    monkeypatch.setattr(engine.core, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 12e9))
-    monkeypatch.setattr(engine.core, "host_lane_rate", lambda name: 1e9)
-    monkeypatch.setattr(engine.core, "node_memory_bandwidth", lambda: 80e9)
+    monkeypatch.setattr(engine.device_tier, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 12e9))
+    monkeypatch.setattr(engine.device_tier, "host_lane_rate", lambda name: 1e9)
+    monkeypatch.setattr(engine.device_tier, "node_memory_bandwidth", lambda: 80e9)
     eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.zeros(100))],
                          EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=0, host_adam="torch",
                                       local_ranks=8))
-    assert eng.lane_rates().memory_bytes_per_s == 10e9
+    assert eng.device_tier.lane_rates().memory_bytes_per_s == 10e9
     eng.close()
 
 
@@ -313,7 +313,7 @@ def test_profile_save_keeps_the_nodes_bandwidth_and_info_shows_it(monkeypatch):
             "host_lane_params_per_s": 1e9, "host_memory_bytes_per_s": 28e9, "host_lane_memory_bound_params_per_s": 1e9}
     from rich.console import Console
 
-    con = Console(width=200, record=True)
+    con = Console(width=400, record=True)  # the kept files' paths are long on CI: no wrap inside a figure
     con.print(info.info_table(data))
     text = con.export_text()
     assert "host memory" in text and "28 GB/s read and written" in text and "28 B a parameter" in text

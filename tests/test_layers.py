@@ -1,7 +1,8 @@
 """The layers import only downward: engine < perf < tuner < report < integrations < offloadctl.
 
 Read from the source (every import statement, at module level or inside functions), so that a
-lazy import inside a function cannot hide an upward dependency.
+lazy import inside a function cannot hide an upward dependency. And no module of any layer is
+over :data:`MAX_LINES` lines: one a newcomer reads in one sitting.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ["engine", "perf", "tuner", "report", "integrations", "offloadctl"]
 # engine/storage sits below the rest of engine: it may use only these engine modules.
 STORAGE_MAY_USE = {"engine.errors", "engine.buffers", "engine.config", "engine.layout", "engine.storage"}
+MAX_LINES = 600
 
 
 def _modules(package: str):
@@ -47,6 +49,17 @@ def test_no_module_imports_a_layer_above_it(package):
                     mod == m or mod.startswith(m + ".") for m in STORAGE_MAY_USE):
                 bad.append(f"{rel}:{line} imports {mod} (engine/storage may use only {sorted(STORAGE_MAY_USE)})")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_no_module_is_over_600_lines(package):
+    long = []
+    for rel, path in _modules(package):
+        with open(path) as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_LINES:
+            long.append(f"{rel}: {lines} lines")
+    assert not long, f"over {MAX_LINES} lines: " + ", ".join(long)
 
 
 def test_ruff_is_clean():

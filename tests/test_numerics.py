@@ -45,9 +45,9 @@ def test_layouts_match_adamw(layout, backend, swap_dirs):
                         steps=5)
     rec = opt.telemetry[-1]
     if layout == "host":
-        assert opt.engine.io_backend is None and rec.bytes_read == {}
+        assert opt.engine.swap_paths.io_backend is None and rec.bytes_read == {}
     else:
-        assert opt.engine.io_backend == backend
+        assert opt.engine.swap_paths.io_backend == backend
         assert sum(rec.bytes_read.values()) > 0 and sum(rec.bytes_written.values()) > 0
     if layout == "remote_capped":
         for kind in ("remote", "nvme"):
@@ -206,7 +206,7 @@ CUDA_LAYOUTS = {
 
 
 def _cuda_spellings() -> list[str]:
-    """Both ways to name the GPU (issue 35, item 8: 'cuda' kept no index and took the slow path)."""
+    """Both ways to name the GPU: 'cuda' (the current device, its index resolved) and 'cuda:N'."""
     return ["cuda", f"cuda:{torch.cuda.current_device()}"] if torch.cuda.is_available() else ["cuda"]
 
 
@@ -253,13 +253,13 @@ def _flat_reference_run(device: str, layout: str, monkeypatch) -> None:
     """What the DeepSpeed binding hands the engine: bf16 flat weights on the device, bf16
     gradients (on the host, or on the device for the GPU-updated layouts) and a gradient
     scale (clipping). Against torch AdamW on fp32 masters fed fp32(grad) * scale."""
-    import engine.lanes as lanes
+    import engine.host_lane as host_lane
     from engine.adamw import AdamWHyper
     from engine.binding import FlatSubgroup
     from engine.config import EngineConfig
     from engine.core import SubgroupEngine
 
-    monkeypatch.setattr(lanes, "HOST_CHUNK_NUMEL", 64)  # chunk edges fall inside subgroups
+    monkeypatch.setattr(host_lane, "HOST_CHUNK_NUMEL", 64)  # chunk edges fall inside subgroups
     gen = torch.Generator().manual_seed(3)
     sizes = [300, 257, 300, 129]
     weights = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
@@ -336,8 +336,8 @@ def test_io_overlap_is_bit_identical_to_no_overlap(swap_dir):
         assert sum(sum(r.bytes_read.values()) for r in recs[1:]) > 0, kw  # state came back from the files
         # The auto budget takes buffers once forward and backward were timed; the others take none.
         auto = kw.get("read_ahead_bytes") is None and kw.get("overlap_io", True)
-        assert (opt.engine.read_ahead_bytes > 0) == auto, kw
-        assert all(r.read_ahead_bytes == opt.engine.read_ahead_bytes for r in recs[2:]), kw
+        assert (opt.engine.transfers.read_ahead_bytes > 0) == auto, kw
+        assert all(r.read_ahead_bytes == opt.engine.transfers.read_ahead_bytes for r in recs[2:]), kw
         sd = opt.state_dict()
         results.append(([p.detach().clone() for p in model.parameters()],
                         [(s["exp_avg"], s["exp_avg_sq"]) for s in sd["state"].values()]))

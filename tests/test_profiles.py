@@ -16,7 +16,6 @@ from perf.probe import best_concurrency, measure_memory_bandwidth, measure_path,
 from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
 from perf.profile_toml import (
     dumps_profile,
-    key_lines,
     list_profiles,
     load_profile,
     loads_profile,
@@ -25,6 +24,7 @@ from perf.profile_toml import (
     resolve_profile,
     save_profile,
 )
+from perf.toml_lines import key_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(os.path.join(ROOT, "profiles", f) for f in os.listdir(os.path.join(ROOT, "profiles")) if f.endswith(".toml"))

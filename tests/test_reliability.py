@@ -1,7 +1,6 @@
-"""Reliability, second pass (issue 34): nothing the user, the tuner or a full disk does kills
-training, corrupts results or loses records. One test (or one parametrized set) per item of the
-issue, on real processes, real files and file systems, real signals; each failed on the code
-before its fix.
+"""Reliability: nothing the user, the tuner or a full disk does kills training, corrupts results
+or loses records. One test (or one parametrized set) per case, on real processes, real files and
+file systems, real signals.
 """
 from __future__ import annotations
 

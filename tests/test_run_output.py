@@ -21,7 +21,8 @@ import pytest
 from ds_runs import SAVE, ours
 from helpers import ROOT, env_with_root, free_port
 
-from integrations.run_output import OutputFilter, log_path, route_deepspeed_warnings
+from integrations.ds_patches import route_deepspeed_warnings
+from integrations.run_output import OutputFilter, log_path
 
 TINY = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
 DS_LINE = re.compile(r"^\s*\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING|DEBUG)\]", re.M)

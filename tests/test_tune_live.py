@@ -190,7 +190,7 @@ def test_live_view_at_80_columns(private_env):
     """The frame fits 80x24; one iteration time; a labelled sparkline; pins and movable knobs."""
     from rich.console import Console
 
-    from offloadctl.commands.tune import fitted_panels, tuner_state
+    from offloadctl.commands.tune_view import fitted_panels, tuner_state
 
     sock, stop, rank = _run(str(private_env / "w" / "run"), "wide-run", str(private_env), iterations=12)
     try:
@@ -268,7 +268,7 @@ def test_the_tuner_state_line_follows_the_policys_mode():
     """The recorded demo run, on which the policy holds and says why; a pin then restarts its
     measuring: the state line says so, not the old reason to hold (which the decisions table
     would contradict with the pin)."""
-    from offloadctl.commands.tune import tuner_state
+    from offloadctl.commands.tune_view import tuner_state
     from tuner.observation import Observation
     from tuner.policy import Policy
 

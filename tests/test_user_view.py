@@ -331,7 +331,7 @@ def test_tune_once_keeps_knob_names_whole_and_history_changes_say_start():
     (history's) was listed at iteration -1; iterations counted as the summary counts them."""
     from rich.console import Console
 
-    from offloadctl.commands.tune import run_panel, runs_table
+    from offloadctl.commands.tune_view import run_panel, runs_table
 
     path = "/a/rather/long/path/to/an/nvme/directory"
     knobs = Knobs(io_concurrency={path: 8}, stripe_weights={path: 1.0}).to_dict()

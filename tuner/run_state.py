@@ -121,6 +121,15 @@ class Run:
     def policy_ok(self) -> bool:
         return self.policy is not None and self.policy_error is None
 
+    def close_sensors(self) -> None:
+        """Stop the run's disk and PCIe sensors (a failure to is logged, never raised)."""
+        close, self.sensors = getattr(self.sensors, "close", None), None
+        if callable(close):
+            try:
+                close()
+            except Exception as e:
+                log.warning("run %s: closing sensors: %s", self.run_id, e)
+
     def pins(self) -> dict[str, Any]:
         """The user's pins, as the wire spells them: the policy's, or without a working one the run's own."""
         return dict(self.policy.pins) if self.policy_ok() else self.own_pins.as_dict()

@@ -15,6 +15,7 @@ so this module can be driven and checked without a daemon.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import statistics
@@ -102,7 +103,7 @@ class Runs:
                 if run.status == "disconnected":
                     log.info("run %s: no rank came back in %.0f s; forgetting it", run.run_id, now - run.ended_at)
                 del self.runs[run.run_id]
-                _close_sensors(run)
+                run.close_sensors()
 
     def detach(self, peer) -> None:
         """A connection ended: its ranks are gone until they register again."""
@@ -183,7 +184,7 @@ class Runs:
         run.sensor_at = time.monotonic()
         log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
         if from_history is not None:  # pushed once every rank is here to take it at the same iteration
-            said = ", ".join(f"{k}={_json(v)}" for k, v in run.start_from["knobs"].items())
+            said = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in run.start_from["knobs"].items())
             run.start_change = (from_history, f"from history: the tuner's verdict in run {run.start_from['run_id']} "
                                               f"({said})", "history")
         self._restore_controls(run, knobs)
@@ -200,7 +201,7 @@ class Runs:
         oldest = min(idle, key=lambda r: r.ended_at or 0.0)
         log.info("run %s: forgotten to make room for run %s", oldest.run_id, run_id)
         del self.runs[oldest.run_id]
-        _close_sensors(oldest)
+        oldest.close_sensors()
 
     def _warm_start(self, run: Run, knobs: Knobs, paths: tuple[str, ...]) -> Knobs | None:
         """``knobs`` with the tuner's latest verdict for runs like this one
@@ -294,7 +295,7 @@ class Runs:
                      f"interrupted by {run.stopped_by}" if run.stopped_by else "finished", run.max_iteration,
                      run.in_force or run.knobs_dict)
             self._record_history(run)
-            _close_sensors(run)
+            run.close_sensors()
             if self.on_end is not None:
                 try:
                     self.on_end(run)
@@ -589,21 +590,6 @@ class Runs:
             runs.append(view)
             used += size
         return runs, omitted
-
-
-def _json(v) -> str:
-    import json
-
-    return json.dumps(v, sort_keys=True)
-
-
-def _close_sensors(run: Run) -> None:
-    close, run.sensors = getattr(run.sensors, "close", None), None
-    if callable(close):
-        try:
-            close()
-        except Exception as e:
-            log.warning("run %s: closing sensors: %s", run.run_id, e)
 
 
 def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:

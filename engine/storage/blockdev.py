@@ -22,8 +22,8 @@ class DeviceInfo:
 
 
 def device_of(path: str) -> DeviceInfo:
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    info = os.stat(path)
+    major, minor = os.major(info.st_dev), os.minor(info.st_dev)
     dev_id = f"{major}:{minor}"
     sys_link = f"/sys/dev/block/{dev_id}"
     if os.path.exists(sys_link):

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import logging
 import os
 import shutil
@@ -205,18 +204,13 @@ _said: set[str] = set()  # ops whose fallback this process has announced
 _mutex = threading.RLock()  # one load or build at a time per process: the ninja hook is process-wide
 
 
-@functools.lru_cache(maxsize=None)
-def import_deepspeed():
-    """Import DeepSpeed with its log lines on stderr, so that stdout stays clean for ``--json``.
-
-    DeepSpeed's logger writes to stdout; its handler is moved, not silenced.
-    """
-    with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
+def _import_deepspeed():
+    """DeepSpeed, for its op builders; what it prints as it imports goes to stderr, as what it
+    prints while its builders check and load (stdout stays clean for ``--json``). Changing
+    DeepSpeed's own objects is ``integrations.ds_patches``' (its logger's handler, for one)."""
+    with contextlib.redirect_stdout(sys.stderr):
         import deepspeed
 
-    for h in logging.getLogger("DeepSpeed").handlers:
-        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
-            h.setStream(sys.stderr)
     return deepspeed
 
 
@@ -366,7 +360,7 @@ def _load(name: str, build: bool, on_step=None, on_note=None) -> OpState:
     if name == "deepspeed_shm_comm" and torch.cuda.is_available():
         return OpState(name, "not needed", "CUDA runs all-reduce with NCCL")
     try:
-        import_deepspeed()
+        _import_deepspeed()
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its checks on stdout
             builder = _make_builder(name)
             compatible = builder is not None and builder.is_compatible(verbose=False)
@@ -427,20 +421,20 @@ def op_state(name: str) -> OpState:
 
 def _loaded(name: str):
     """The op's module, or None after one line saying what is used instead and why."""
-    st = op_state(name)
-    if st.state == "built":
+    op = op_state(name)
+    if op.state == "built":
         return _modules[name]
-    if st.state in ("building", "not built") and name not in _said:
+    if op.state in ("building", "not built") and name not in _said:
         _said.add(name)
-        if st.state == "building":
-            msg = f"offloadctl: DeepSpeed's {name} op is {st.detail}; this run uses {st.fallback}"
+        if op.state == "building":
+            msg = f"offloadctl: DeepSpeed's {name} op is {op.detail}; this run uses {op.fallback}"
         else:
-            msg = f"offloadctl: DeepSpeed's {name} op is not built; using {st.fallback}: {BUILD_HINT}"
-            log.info("%s op: %s", name, st.detail)  # where and what is missing: for the log, not the screen
+            msg = f"offloadctl: DeepSpeed's {name} op is not built; using {op.fallback}: {BUILD_HINT}"
+            log.info("%s op: %s", name, op.detail)  # where and what is missing: for the log, not the screen
         # One line per node (every rank there sees the same build directory), none per call.
         (log.warning if os.environ.get("LOCAL_RANK", "0") == "0" else log.info)("%s", msg)
-    elif st.state == "unavailable":
-        log.info("DeepSpeed %s unavailable: %s", name, st.detail)
+    elif op.state == "unavailable":
+        log.info("DeepSpeed %s unavailable: %s", name, op.detail)
     return None
 
 
@@ -460,17 +454,19 @@ def load_shm_comm():
     return _loaded("deepspeed_shm_comm")
 
 
-def prepare_deepspeed_loads() -> dict[str, bool]:
-    """In a rank, before DeepSpeed starts: load the ops DeepSpeed loads by itself (cpu_adam for
-    DeepSpeedCPUAdam, the shm comm op in ``init_distributed`` on the CPU accelerator), so that its
-    loads find them in its cache and run no ninja. An op that is not built is kept from DeepSpeed,
-    which would compile it: the shm comm op is marked incompatible (torch.distributed's all-reduce
-    is used). Returns {op: usable}; the caller keeps DeepSpeedCPUAdam out when cpu_adam is not."""
-    out = {"cpu_adam": load_cpu_adam() is not None}
-    out["deepspeed_shm_comm"] = load_shm_comm() is not None
-    if not out["deepspeed_shm_comm"] and op_state("deepspeed_shm_comm").state != "not needed":
-        import_deepspeed().ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return out
+DEEPSPEED_LOADS = ("cpu_adam", "deepspeed_shm_comm")
+"""Ops DeepSpeed loads by itself in a rank: cpu_adam for DeepSpeedCPUAdam, the shm comm op in
+``init_distributed`` on the CPU accelerator."""
+
+
+def prepare_deepspeed_loads() -> dict[str, OpState]:
+    """In a rank, before DeepSpeed starts: load the ops of :data:`DEEPSPEED_LOADS`, so that
+    DeepSpeed's own loads find them in its cache and run no ninja. Returns each op's state: one
+    with a ``fallback`` is not built here, and DeepSpeed would compile it; the caller keeps it
+    from DeepSpeed (``integrations.ds_patches``)."""
+    load_cpu_adam()
+    load_shm_comm()
+    return {name: op_state(name) for name in DEEPSPEED_LOADS}
 
 
 def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None = None,
@@ -481,8 +477,8 @@ def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None =
     out = {}
     with _mutex:
         for name in ops:
-            st = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
-            _states[name] = out[name] = st
+            op = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
+            _states[name] = out[name] = op
     return out
 
 
@@ -498,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"native op {op}: {f'compiling {target}' if done == 0 else target} [{done}/{total}]", flush=True)
 
     states = build_ops(on_step=step, on_note=lambda op, msg: print(f"native op {op}: {msg}", flush=True))
-    for st in states.values():
-        print(f"native op {st.name}: {st.state}" + (f" ({st.detail}; using {st.fallback})" if st.fallback else ""))
+    for op in states.values():
+        print(f"native op {op.name}: {op.state}" + (f" ({op.detail}; using {op.fallback})" if op.fallback else ""))
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 from engine.buffers import HEADER_BYTES, StateBuffer
 from engine.config import StoragePath
 from engine.errors import CorruptSwapFileError, StorageIOError, StoragePathError
+from engine.layout import STATE_BYTES_PER_ELEMENT
 from engine.storage import swapfile
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
@@ -94,8 +95,8 @@ class SwapPath:
         self.node_lock.enabled = node_lock
 
     def free_bytes(self) -> int:
-        st = os.statvfs(self.spec.path)
-        return st.f_bavail * st.f_frsize
+        fs = os.statvfs(self.spec.path)
+        return fs.f_bavail * fs.f_frsize
 
     def create_file(self, index: int, numel: int, payload_bytes: int, chunk_bytes: int) -> SwapFile:
         """Create and fully allocate the swap file of subgroup ``index``."""
@@ -226,7 +227,7 @@ def measure_bandwidth(path: SwapPath, nbytes: int = 64 << 20) -> tuple[float, fl
     Uses at most an eighth of the free space, so that probing never fills a small disk.
     """
     nbytes = max(1 << 20, min(nbytes, path.free_bytes() // 8))
-    numel = nbytes // 12
+    numel = nbytes // STATE_BYTES_PER_ELEMENT
     buf = StateBuffer(numel, pin=False)
     buf.payload.fill_(1)
     sf = path.create_file(-1, numel, buf.payload.numel(), 4 << 20)

@@ -21,11 +21,9 @@ import re
 import time
 from dataclasses import dataclass
 
+from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, knobs_text, run_panel, runs_table
 from offloadctl.options import knob_words
 
-SPARK = "▁▂▃▄▅▆▇█"
-ENDED = ("finished", "disconnected")
-"""A run's statuses in the daemon once it is over."""
 DISCONNECTED_GRACE_S = 3.0
 """How long a run's ranks must stay away before the live view calls it interrupted."""
 
@@ -189,12 +187,6 @@ def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def at_iteration(r: dict) -> int:
-    """The iteration a run is at, counted as the end-of-run summary and the report count it:
-    the iterations it completed (the daemon's ``iteration`` is the last one reported, from 0)."""
-    return max(0, r["iteration"] + 1)
-
-
 # -- the command ----------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
                         "freeze": "frozen" if fields.get("frozen") else "unfrozen"}[kind]
-                print(f"{fields['run_id']}: {what}; knobs now {_knobs_text(reply.get('knobs') or {})}")
+                print(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}")
         if actions and not (args.once or args.json or args.live):
             return 0
         if args.once or args.json:
@@ -544,219 +536,3 @@ def ended_runs(last: list[dict], socket_path: str) -> list[dict]:
             r = dict(ended.get(r["run_id"]) or dict(r, status="disconnected"))
         out.append(r)
     return out
-
-
-def outcome(r: dict) -> str:
-    """How a run ended: finished, interrupted (a rank was stopped by a signal, or its ranks
-    vanished), or its status."""
-    if r["status"] == "finished":
-        return "interrupted" if r.get("stopped_by") else "finished"
-    return "interrupted" if r["status"] == "disconnected" else r["status"]
-
-
-def ended_text(r: dict) -> str:
-    """'finished at iteration 30', 'interrupted by SIGINT at iteration 110': the words and the
-    count of the end-of-run summary and the report."""
-    by = f" by {r['stopped_by']}" if r.get("stopped_by") and outcome(r) == "interrupted" else ""
-    return f"{outcome(r)}{by} at iteration {at_iteration(r)}"
-
-
-def final_line(r: dict) -> str:
-    """One run's outcome: how it ended, at which iteration, its iteration time and knobs."""
-    from engine.units import format_seconds
-
-    times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
-    pace = f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)})" if times else ""
-    pol = r.get("policy") or {}
-    word = pol.get("holding_reason") or (r["decisions"][-1]["reason"] if r.get("decisions") else None)
-    return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {_knobs_text(r['knobs'])}"
-            + (f"\ntuner: {word}" if word else ""))
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
-# -- rendering --------------------------------------------------------------------------------------
-
-def sparkline(values: list[float | None], width: int = 60) -> str:
-    vals = [v for v in values[-width:]]
-    known = [v for v in vals if v is not None]
-    if not known:
-        return ""
-    lo, hi = min(known), max(known)
-    span = (hi - lo) or 1.0
-    return "".join(" " if v is None else SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in vals)
-
-
-def _rate(b: float | None) -> str:
-    return "-" if b is None else f"{b / 1e6:,.0f} MB/s"
-
-
-def _secs(s: float | None) -> str:
-    """Seconds as the end-of-run summary and the report write them: '561 ms', '1.13 s'."""
-    from engine.units import format_seconds
-
-    return "-" if s is None else format_seconds(s)
-
-
-def runs_table(runs: list[dict], width: int = 80):
-    """The runs of a snapshot, for ``tune --once``: a line each (status, ranks, iteration,
-    iteration time), then its knobs, wrapped whole to ``width`` (never cut)."""
-    import textwrap
-
-    from rich.text import Text
-
-    from engine.units import format_seconds
-
-    out = Text("tuner runs" + ("" if runs else ": none"), style="bold")
-    for r in runs:
-        status = (ended_text(r) if r["status"] in ENDED else r["status"]) + (" (frozen)" if r["frozen"] else "")
-        pace = f", {format_seconds(r['iter_time_s'])}/iteration" if r.get("iter_time_s") else ""
-        out.append(f"\n{r['run_id']}: {status}, ranks {r['connected']}/{r['ranks']}, iteration "
-                   f"{at_iteration(r)}{pace}", style="")
-        knobs = textwrap.wrap("knobs: " + _knobs_text(r["knobs"]), max(40, width), initial_indent="  ",
-                              subsequent_indent="    ", break_on_hyphens=False, break_long_words=True)
-        out.append("\n" + "\n".join(knobs), style="")
-    return out
-
-
-def _knobs_text(k: dict) -> str:
-    if not k:
-        return "-"
-    parts = [f"device_fraction={k['device_fraction']:g}", f"prefetch_depth={k['prefetch_depth']}"]
-    if k["node_lock"]:
-        parts.append("node_lock")
-    if k["io_concurrency"]:
-        parts.append("io_concurrency=" + ",".join(f"{p}:{n}" for p, n in k["io_concurrency"].items()))
-    if k["stripe_weights"]:
-        parts.append("stripe_weights=" + ",".join(f"{p}:{w:g}" for p, w in k["stripe_weights"].items()))
-    return " ".join(parts)
-
-
-def tuner_state(r: dict) -> str:
-    """What the tuner is doing with the run, from the policy's own mode (the same state its
-    decisions come from), or how the run ended."""
-    if r["status"] in ENDED:
-        return ended_text(r)
-    if r.get("policy_error"):
-        return f"policy stopped: {r['policy_error']}"
-    if r["frozen"]:
-        return "frozen by the user: knobs held"
-    pol = r.get("policy") or {}
-    mode = pol.get("mode")
-    if mode == "trial":
-        return f"trying {pol.get('trial')}"
-    if mode == "holding":
-        since = f" (since iteration {pol['since_iteration']})" if pol.get("since_iteration") is not None else ""
-        reason = re.sub(r"^holding(: |; )?", "", pol.get("holding_reason") or "") or "no move left to try"
-        return f"holding{since}: {reason}"
-    if mode == "measuring":
-        return "measuring the current knobs"
-    return "tuning" if r["status"] == "running" else r["status"]
-
-
-def knob_control(r: dict) -> str:
-    """Which knobs the user pinned and which the tuner may move."""
-    from engine.config import Knobs
-
-    pins = r.get("pins") or {}
-    fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
-    pinned = ", ".join(f"{k}={json.dumps(v)}" + (" (run option)" if k in fixed else "")
-                       for k, v in pins.items()) or "none"
-    if r["frozen"] or r["status"] in ENDED:
-        movable = "none" + (" (frozen)" if r["frozen"] else "")
-    else:
-        movable = ", ".join(n + (" (other paths)" if any(p.startswith(n + "[") for p in pins) else "")
-                            for n in Knobs.names() if n not in pins) or "none"
-    return f"pinned: {pinned}; tuner may move: {movable}"
-
-
-def fitted_panels(runs: list[dict], console, height: int | None = -1) -> list:
-    """The runs' panels at the console's width; with one run, as many decision rows as fit the
-    console's height (a frame taller than the terminal would be cut)."""
-    height = console.size.height - 1 if height == -1 else height
-    if len(runs) != 1 or height is None:
-        return [run_panel(r, width=console.width) for r in runs]
-    for rows in (6, 4, 2, 1, 0):
-        panel = run_panel(runs[0], width=console.width, decisions=rows)
-        if len(console.render_lines(panel, console.options, pad=False)) <= height:
-            break
-    return [panel]
-
-
-def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
-    """One run of a snapshot: what the tuner is doing, knobs, the iteration time (its phases and
-    its recent history), per-path traffic, PCIe, and the latest knob changes."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
-    ph = r.get("phases") or {}
-    it = ph.get("iter_time_s")
-    observed = ph.get("iteration")
-    head = Text(f"iteration {at_iteration(r)}, ranks {r['connected']}/{r['ranks']}; tuner: ")
-    head.append(tuner_state(r), style="red" if r.get("policy_error") else "yellow" if r["frozen"] else "green")
-    body: list = [head, Text("knobs: " + _knobs_text(r["knobs"])), Text(knob_control(r), style="dim")]
-    if r.get("truncated"):
-        body.append(Text(f"(compact view: {r['truncated']})", style="dim"))
-
-    phases = Table("iteration time" + (f" (iteration {observed + 1}, slowest rank)" if observed is not None else ""),
-                   "", box=None, title_justify="left")
-    rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
-    phases.add_row("  forward, backward, other", _secs(rest))
-    for name, key in (("  update (optimizer step)", "update_s"), ("    waiting for reads", "read_wait_s"),
-                      ("    AdamW", "kernel_s"), ("    waiting for writes", "write_wait_s")):
-        phases.add_row(name, _secs(ph.get(key)))
-    phases.add_row("  total", _secs(it), style="bold")
-    body.append(phases)
-
-    times, what = r["history"]["iter_time_s"], "iteration time"
-    if not any(t is not None for t in times):
-        times, what = r["history"]["update_s"], "update time"
-    known = [t for t in times if t is not None]
-    if known:
-        scale = f"  {_secs(min(known))} to {_secs(max(known))}"
-        spark_w = max(8, min(len(times), (width or 100) - 4 - len(f"{what}, last 60 iterations: ") - len(scale)))
-        times = times[-spark_w:]
-        known = [t for t in times if t is not None]
-        scale = f"  {_secs(min(known))} to {_secs(max(known))}" if known else ""
-        label = f"{what}, last {len(times)} iterations: "
-        body.append(Text(label) + Text(sparkline(times, spark_w), style="cyan") + Text(scale))
-    else:
-        body.append(Text("no iterations reported yet", style="dim"))
-
-    sensors = r.get("sensors") or {}
-    spaths = sensors.get("paths") or {}
-    if r["bandwidth"]:
-        paths = Table("path", "read", "write", "others", "queue", box=None, title_justify="left")
-        for p, bw in r["bandwidth"].items():
-            queue = (spaths.get(p) or {}).get("in_flight")
-            paths.add_row(Text(p, overflow="fold"), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]),
-                          _rate(bw["other_bytes_per_s"]), f"{queue if queue is not None else '-'} / {bw['concurrency']}")
-        body.append(paths)
-    gpu = sensors.get("gpu")
-    if isinstance(gpu, dict) and gpu:
-        body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items()
-                                                  if not isinstance(v, (dict, list)))))
-    if sensors.get("cpu_percent") is not None:
-        body.append(Text(f"CPU: {sensors['cpu_percent']:.0f}%"))
-
-    if decisions:
-        log = Table("iteration", "applies at", "by", "why", box=None, title="knob changes", title_justify="left")
-        for d in r["decisions"][-decisions:]:
-            log.add_row(str(d["iteration"]) if d["iteration"] >= 0 else "start",
-                        str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"], Text(d["reason"]))
-        if not r["decisions"]:
-            log.add_row("-", "-", "-", "none yet")
-        body.append(log)
-    status = outcome(r) if r["status"] in ENDED else r["status"]
-    return Panel(Group(*body), title=Text(f"{r['run_id']} ({status})"), title_align="left", width=width)
-
-
-def _num(v) -> str:
-    if isinstance(v, float):
-        return f"{v / 1e6:,.0f}M" if abs(v) >= 1e6 else f"{v:.3g}"
-    return str(v)

@@ -1,0 +1,407 @@
+"""The host lane (:class:`HostLane`): AdamW on state in host memory, in chunks.
+
+In chunks of ``HOST_CHUNK_NUMEL`` elements: a chunk's gradient is upcast and unscaled into a
+scratch buffer that stays in the cores' caches, the fused kernel updates the chunk, and its new
+master is cast into the model's 16-bit weights while still in cache. So the gradient is read once
+from memory, the state once read and once written, and nothing is allocated per step. With
+torch's kernel and more than one thread, the lane's threads each update their own part of a
+subgroup (:class:`LaneThreads`).
+
+Weights on a GPU go up chunk by chunk through a few pinned chunk-sized buffers, each copy
+asynchronous on the upload stream (:class:`WeightUploader`): the CPU casts the next chunk while
+the last one crosses PCIe, and a subgroup's last upload is one chunk, whatever its size.
+Gradients on a GPU (``OffloadAdamW`` with the model there) come down the same way
+(:class:`GradReader`): the next chunk's copy runs while the CPU updates this one. The lanes
+together: :mod:`engine.lanes` and ``docs/engine.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Sequence
+
+import torch
+
+from engine.adamw import AdamWHyper, AdamWSlices, HostKernel
+from engine.binding import SubgroupBinding, flat_weights_of, weights_written
+from engine.buffers import StateBuffer, aligned_empty
+from engine.lanes import Scratch, SubgroupGrads, step_tensor
+from engine.streams import Event, Streams
+
+HOST_CHUNK_NUMEL = 1 << 21
+"""Elements per host-lane chunk when one thread drives the lane (every op a parallel region of
+the process's OpenMP threads): 8 MB of fp32 gradient, small enough to stay in the caches between
+its upcast and the kernel, large enough that per-call overhead is noise (~1%)."""
+PART_CHUNK_NUMEL = 1 << 19
+"""Elements per chunk when the lane's threads each update their own part (:class:`LaneThreads`):
+2 MB of fp32 gradient, a core's L2 cache."""
+
+
+def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offsets: list[int], a: int, b: int) -> None:
+    """Copy the gradient elements [a, b) of the subgroup (across slices) into ``out`` (fp32)."""
+    for k, g in enumerate(grads):
+        lo, hi = max(a, offsets[k]), min(b, offsets[k + 1])
+        if g is None or lo >= hi:
+            continue
+        out[lo - a:hi - a].copy_(g[lo - offsets[k]:hi - offsets[k]], non_blocking=True)
+
+
+class LaneThreads:
+    """The host lane's threads when a subgroup is updated in parts: the caller and workers, each
+    running its torch ops on its own thread alone (an OpenMP team of one) over a contiguous part
+    of the subgroup, chunk by chunk, and meeting once per subgroup.
+
+    Why: with one thread driving the lane, every op of every chunk (upcast, unscale, kernel,
+    weight cast) is a parallel region that ends in a barrier of all the process's OpenMP threads,
+    a few hundred a step. When anything else is runnable on the rank's cores (the recorder's
+    sampler, the launcher, I/O threads, another tenant), each barrier waits for its descheduled
+    thread: on 2 busy cores the update of a 9e7-parameter partition took 2-3 times stock
+    DeepSpeed's, whose CPU Adam runs one region per subgroup. In parts, a descheduled thread
+    delays only its own part (BENCHMARKS.md, "host-path overhead"). The workers block on a queue
+    between steps and use no CPU there."""
+
+    def __init__(self) -> None:
+        self._queues: list[queue.SimpleQueue] = []
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self, n: int, fn) -> None:
+        """``fn(k)`` for k in 0..n-1: 0 on the calling thread, the others on workers; raises the
+        first error once every part has ended."""
+        self._grow(n - 1)
+        for k in range(1, n):
+            self._queues[k - 1].put((k, fn))
+        first = None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the caller's part on it alone too
+        try:
+            fn(0)
+        except BaseException as e:  # the workers' parts end first: their buffers are in use
+            first = e
+        finally:
+            torch.set_num_threads(threads)
+        for _ in range(1, n):
+            err = self._done.get()
+            if err is not None and first is None:
+                first = err
+        if first is not None:
+            raise first
+
+    def _grow(self, workers: int) -> None:
+        if len(self._queues) >= workers:
+            return
+        threads = torch.get_num_threads()
+        # The caller's CUDA device (a rank's): a new thread starts on device 0.
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        for i in range(len(self._queues), workers):
+            q, ready = queue.SimpleQueue(), threading.Event()
+            threading.Thread(target=self._serve, args=(q, ready, cuda), name=f"offloadctl-host-lane-{i + 1}",
+                             daemon=True).start()
+            ready.wait()
+            self._queues.append(q)
+        # A worker's set_num_threads(1) also set torch's default for threads started later:
+        # put back the caller's count (its own OpenMP setting never changed).
+        torch.set_num_threads(threads)
+
+    def _serve(self, q: queue.SimpleQueue, ready: threading.Event, cuda: int | None) -> None:
+        torch.set_num_threads(1)  # this thread's ops run on it alone: no team, no barrier
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        ready.set()
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            k, fn = item
+            try:
+                fn(k)
+                self._done.put(None)
+            except BaseException as e:
+                self._done.put(e)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        self._queues = []
+
+
+def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hyper: AdamWHyper, kernel: HostKernel,
+                scratch: Scratch, weights: "WeightUploader | None" = None, reader: "GradReader | None" = None,
+                lane_threads: "LaneThreads | None" = None, part_scratch: "list[Scratch] | None" = None) -> int:
+    """One AdamW step of a subgroup whose state is in host memory, chunk by chunk (module
+    docstring). Slices without a gradient keep their state and step, as torch AdamW skips
+    them. Gradients on the device come down through ``reader``, a chunk ahead. With
+    ``lane_threads`` (and gradients in host memory), ``torch.get_num_threads()`` threads each
+    update a contiguous part in :data:`PART_CHUNK_NUMEL` chunks, on one thread each, into their
+    own ``part_scratch``. Returns the slices updated."""
+    buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
+    grads = SubgroupGrads(binding, steps)
+    if not grads.runs:
+        return 0
+    per_slice, offsets, scale = grads.per_slice, grads.offsets, grads.scale
+    master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
+    direct = (len(per_slice) == 1 and scale == 1.0 and per_slice[0].dtype == torch.float32
+              and per_slice[0].device.type == "cpu" and per_slice[0].is_contiguous())
+    if reader is not None and not direct and reader.on_device(grads):
+        reader.begin()
+    else:
+        reader = None
+    parts = torch.get_num_threads() if lane_threads is not None and reader is None else 1
+    chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL
+    sink = weights.begin(binding) if weights is not None else None
+    chunks = [(i, a, min(offsets[j], a + chunk_numel))
+              for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
+    step_of = {i: step_tensor(steps[i] + 1, master.device) for i, _ in grads.runs}
+    if sink is not None:  # slices not updated: their weights as they are
+        covered = 0
+        for i, j in grads.runs:
+            if offsets[i] > covered:
+                sink.write(covered, offsets[i], master[covered:offsets[i]])
+            covered = offsets[j]
+        if covered < binding.numel:
+            sink.write(covered, binding.numel, master[covered:binding.numel])
+
+    def update(part: int, mine: list[tuple[int, int, int]], scratch: Scratch) -> None:
+        ahead = reader.fetch(grads, mine[0][1], mine[0][2]) if reader is not None and mine else None
+        for n, (i, a, b) in enumerate(mine):
+            if direct:
+                g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+            else:
+                g = scratch.get(b - a)
+                if reader is not None:
+                    handle, ahead = ahead, (reader.fetch(grads, mine[n + 1][1], mine[n + 1][2])
+                                            if n + 1 < len(mine) else None)  # the next chunk's copy runs meanwhile
+                    reader.gather(handle, g, grads, a, b)
+                else:
+                    gather_grads(g, per_slice, offsets, a, b)
+                if scale != 1.0:
+                    g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
+            kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step_of[i]]), hyper)
+            if sink is not None:
+                sink.write(a, b, master[a:b], part)  # cast while the chunk is in cache
+
+    parts = max(1, min(parts, len(chunks)))
+    if parts == 1:
+        update(0, chunks, scratch)
+    else:
+        while len(part_scratch) < parts:
+            part_scratch.append(Scratch(torch.device("cpu")))
+        bounds = [len(chunks) * k // parts for k in range(parts + 1)]
+        lane_threads.run(parts, lambda k: update(k, chunks[bounds[k]:bounds[k + 1]], part_scratch[k]))
+    updated = grads.advance(steps)
+    if sink is not None:
+        sink.finish()
+    else:
+        binding.write_weights(master)
+    return updated
+
+
+class WeightSink:
+    """Where one subgroup's updated weights go, chunk by chunk (see :class:`WeightUploader`)."""
+
+    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding, target: torch.Tensor) -> None:
+        self.uploader, self.binding, self.target = uploader, binding, target
+        self.in_place = uploader.streams.in_host_memory(target)
+
+    def write(self, a: int, b: int, master_chunk: torch.Tensor, part: int = 0) -> None:
+        if self.in_place:
+            self.target[a:b].copy_(master_chunk)
+        else:
+            self.uploader.upload(self.target, a, master_chunk, part)
+
+    def finish(self) -> None:
+        weights_written(self.binding)
+
+
+class PinnedRing:
+    """``slots`` pinned host buffers of ``slot_bytes`` each, taken in turn: taking one waits (a
+    blocking event: the thread sleeps) until the copy last queued on it is done. Pinned all at
+    once, at the first use, so that no buffer grows or is pinned inside a later step."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.n, self.slot_bytes = slots, slot_bytes
+        self._bufs: list[torch.Tensor] = []
+        self._done: list[Event | None] = [None] * slots
+        self._next = 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        if not self._bufs:
+            self._bufs = [aligned_empty(self.slot_bytes, pin=True) for _ in range(self.n)]
+        k, self._next = self._next, (self._next + 1) % self.n
+        if self._done[k] is not None:
+            self._done[k].synchronize()  # its last copy is done with it
+            self._done[k] = None
+        return k, self._bufs[k]
+
+    def done(self, k: int, event: Event) -> None:
+        self._done[k] = event
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs)
+
+
+UPLOAD_SLOTS = 3
+"""Pinned chunk buffers of the weight uploads: the CPU casts into one while the others' copies run."""
+
+
+class WeightUploader:
+    """Gets the host lane's updated weights into the model's flat weights.
+
+    A flat weight tensor in host memory is written in place. One in device memory is written
+    chunk by chunk (``chunk_numel`` elements) through :data:`UPLOAD_SLOTS` pinned chunk buffers
+    per host-lane thread (each thread its own: no lock between them): the thread casts a chunk
+    into one, its asynchronous copy runs on ``stream`` (the upload stream, which the engine joins
+    to the caller's stream at the end of the step) while the next chunk is cast. The pinned
+    memory is a few chunks per thread whatever the subgroup size, and a subgroup's last copy is
+    one chunk. Bindings without a flat weight tensor (``OffloadAdamW``) fall back to their
+    ``write_weights``.
+    """
+
+    def __init__(self, streams: Streams, chunk_numel: int = PART_CHUNK_NUMEL) -> None:
+        self.streams = streams
+        self.stream = streams.new_stream()
+        self.chunk_numel = chunk_numel
+        self._rings: dict[int, PinnedRing] = {}  # per host-lane thread (its part number)
+
+    def begin(self, binding: SubgroupBinding) -> WeightSink | None:
+        target = flat_weights_of(binding)
+        return None if target is None else WeightSink(self, binding, target)
+
+    @staticmethod
+    def pinned_bytes(threads: int = 1, chunk_numel: int = PART_CHUNK_NUMEL) -> int:
+        """Host memory of the pinned chunk buffers of ``threads`` host-lane threads, once weights
+        on a device have been written."""
+        return threads * UPLOAD_SLOTS * 4 * chunk_numel
+
+    def host_bytes(self) -> int:
+        """Host memory of the pinned chunk buffers (allocated when first needed)."""
+        return sum(r.nbytes for r in self._rings.values())
+
+    def upload(self, target: torch.Tensor, offset: int, master: torch.Tensor, part: int = 0) -> None:
+        """``master`` (fp32, in host memory) cast into ``target[offset:]`` on the device, a chunk
+        at a time through host-lane thread ``part``'s pinned buffers."""
+        ring = self._rings.get(part)
+        if ring is None:  # 4 bytes an element: any weight dtype
+            ring = self._rings[part] = PinnedRing(UPLOAD_SLOTS, 4 * self.chunk_numel)
+        n, size = master.numel(), target.element_size()
+        for a in range(0, n, self.chunk_numel):
+            b = min(n, a + self.chunk_numel)
+            k, raw = ring.take()
+            staging = raw[:(b - a) * size].view(target.dtype)
+            staging.copy_(master[a:b])  # the cast, on the CPU, while the last chunk crosses PCIe
+            with self.streams.use(self.stream):
+                self.streams.copy(target[offset + a:offset + b], staging)
+                ring.done(k, self.streams.record(self.stream))
+
+
+READ_SLOTS = 2
+"""Pinned chunk buffers of the gradient reads: one being read by the CPU, one being copied into."""
+
+
+class GradReader:
+    """Gets gradients that live on the device into the host lane, chunk by chunk: each chunk's
+    device slices are copied into one of :data:`READ_SLOTS` pinned chunk buffers on ``stream``,
+    the next chunk's copy issued before this one is read, so that the copy runs while the CPU
+    updates (a pageable destination would make every chunk a synchronous copy). The stream
+    first waits for the caller's stream, where backward produced them."""
+
+    def __init__(self, streams: Streams, chunk_numel: int = HOST_CHUNK_NUMEL) -> None:
+        self.streams = streams
+        self.stream = streams.new_stream()
+        self._ring = PinnedRing(READ_SLOTS, 4 * chunk_numel)
+
+    def host_bytes(self) -> int:
+        return self._ring.nbytes
+
+    def on_device(self, grads: "SubgroupGrads") -> bool:
+        return any(g is not None and not self.streams.in_host_memory(g) for g in grads.per_slice)
+
+    def begin(self) -> None:
+        self.stream.wait_stream(self.streams.current())  # after backward's work that produced them
+
+    def fetch(self, grads: "SubgroupGrads", a: int, b: int):
+        """Start copying the device slices of elements [a, b) down; the handle for :meth:`gather`."""
+        k, raw = self._ring.take()
+        views, off = {}, 0
+        with self.streams.use(self.stream):
+            for i, lo, hi in grads.slices_in(a, b):
+                g = grads.per_slice[i]
+                if self.streams.in_host_memory(g):
+                    continue
+                size = g.element_size()
+                off = -(-off // size) * size
+                dst = raw[off:off + (hi - lo) * size].view(g.dtype)
+                self.streams.copy(dst, grads.source(i, lo, hi))
+                views[i] = dst
+                off += (hi - lo) * size
+            event = self.streams.record(self.stream)
+        self._ring.done(k, event)
+        return event, views
+
+    @staticmethod
+    def gather(handle, out: torch.Tensor, grads: "SubgroupGrads", a: int, b: int) -> None:
+        """Elements [a, b) of the gradient into ``out`` (fp32): the fetched slices once their copy
+        has landed, the ones in host memory read where they are."""
+        event, views = handle
+        if views:
+            event.synchronize()  # this chunk's copy down (a blocking event: the thread sleeps)
+        for i, lo, hi in grads.slices_in(a, b):
+            out[lo - a:hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi))
+
+
+class HostLane:
+    """Updates state in host memory with the faster fused CPU AdamW kernel. With torch's kernel
+    and more than one thread, the lane's threads update each subgroup in parts
+    (:class:`LaneThreads`); DeepSpeed's kernel runs its own OpenMP threads and is driven by one."""
+
+    def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None,
+                 grads: GradReader | None = None) -> None:
+        self.kernel_name, self.kernel = kernel_name, kernel
+        self.weights = weights
+        self.grads = grads if grads is not None else (GradReader(weights.streams) if weights is not None else None)
+        self._grad = Scratch(torch.device("cpu"))
+        self._parts: list[Scratch] = []
+        self._threads = LaneThreads() if kernel_name == "torch" else None
+
+    def update(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hyper: AdamWHyper) -> int:
+        return host_update(buf, binding, steps, hyper, self.kernel, self._grad, self.weights, self.grads,
+                           self._threads, self._parts)
+
+    def close(self) -> None:
+        """Stop the lane's worker threads (they are made again if the lane runs once more)."""
+        if self._threads is not None:
+            self._threads.close()
+
+    @staticmethod
+    def scratch_bytes(numel: int) -> int:
+        """Host memory of the gradient scratch for subgroups of up to ``numel`` elements: one
+        chunk, or one part chunk per thread."""
+        return 4 * min(numel, max(HOST_CHUNK_NUMEL, torch.get_num_threads() * PART_CHUNK_NUMEL))
+
+    @staticmethod
+    def start_bytes(numel: int, weights_on_device: bool) -> int:
+        """Host memory the lane takes for subgroups of up to ``numel`` elements: its gradient
+        scratch and, with the weights on a device, its uploads' pinned chunk buffers."""
+        uploads = WeightUploader.pinned_bytes(torch.get_num_threads()) if weights_on_device else 0
+        return HostLane.scratch_bytes(numel) + uploads
+
+    def host_bytes(self) -> int:
+        """Host memory the lane holds besides the state: its gradient scratch, the pinned chunk
+        buffers of the weight uploads and the gradient reads."""
+        return (self._grad.nbytes + sum(s.nbytes for s in self._parts)
+                + (self.weights.host_bytes() if self.weights is not None else 0)
+                + (self.grads.host_bytes() if self.grads is not None else 0))
+
+
+@contextlib.contextmanager
+def threads_left_to_io(io_cores: int):
+    """Within: ``io_cores`` fewer of this process's threads for the host lane (at least one), left
+    to the I/O threads' checksums while swapped state moves (``EngineConfig.io_cores`` says why)."""
+    threads = torch.get_num_threads()
+    if io_cores and threads > 1:
+        torch.set_num_threads(max(1, threads - io_cores))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

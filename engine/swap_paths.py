@@ -1,0 +1,116 @@
+"""The storage paths an engine swaps state to (:class:`SwapPaths`): their rates, the stripe of the
+swapped subgroups over them, each subgroup's swap file, and the bytes each path moved.
+
+A path itself (its files, its parallel O_DIRECT transfers, its limits) is
+:class:`engine.storage.paths.SwapPath`; the stripe is :func:`engine.placement.stripe`'s.
+``docs/engine.md`` places it among the engine's parts; the knobs that move subgroups between
+paths and change a path's limits are ``docs/tuner.md``'s.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.buffers import payload_bytes
+from engine.config import EngineConfig, Knobs
+from engine.placement import stripe, swap_tier
+from engine.staging import Subgroup
+from engine.storage.io_backends import open_backend
+from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
+
+
+class SwapPaths:
+    """The engine's storage paths. Without swapped state (``host_cache_bytes`` None: everything in
+    memory) none is opened, but each configured path is still checked at construction."""
+
+    def __init__(self, config: EngineConfig, knobs: Knobs) -> None:
+        self.config = config
+        self.paths: list[SwapPath] = []
+        self.round_trip_bytes_per_s: list[float] = []
+        """Per path: a read plus a write of the same bytes, what a subgroup's round trip costs it."""
+        self.read_bytes_per_s: list[float] = []
+        self.io_backend: str | None = None
+        if config.paths and config.host_cache_bytes is not None:
+            backend = open_backend(config.io_backend)
+            self.io_backend = backend.name
+            for spec in config.paths:
+                self.paths.append(SwapPath(spec, backend, concurrency=knobs.concurrency_for(spec.path),
+                                           node_lock=knobs.node_lock, verify_checksums=config.verify_checksums,
+                                           rank=config.rank))
+            rates = [self._rates_of(p) for p in self.paths]
+            self.read_bytes_per_s = [r for r, _ in rates]
+            self.round_trip_bytes_per_s = [1.0 / (1.0 / r + 1.0 / w) for r, w in rates]
+        else:
+            for spec in config.paths:  # unused, but a bad path is still an error at construction
+                check_usable(spec.path)
+
+    @staticmethod
+    def _rates_of(p: SwapPath) -> tuple[float, float]:
+        """Read and write bytes/s of a path: declared, else probed now; within its cap."""
+        r, w = p.spec.read_bytes_per_s, p.spec.write_bytes_per_s
+        if r is None or w is None:
+            mr, mw = measure_bandwidth(p)
+            r, w = r or mr, w or mw
+        if p.spec.cap_bytes_per_s:
+            r, w = min(r, p.spec.cap_bytes_per_s), min(w, p.spec.cap_bytes_per_s)
+        return r, w
+
+    def stripe_weights(self, knobs: Knobs) -> list[float]:
+        """Each path's share of the swapped bytes under ``knobs``: its weight, else its round trip rate."""
+        return [knobs.stripe_weights.get(p.path, bw) for p, bw in zip(self.paths, self.round_trip_bytes_per_s)]
+
+    def create_file(self, sg: Subgroup, path_index: int) -> SwapFile:
+        return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
+
+    def check_stripe(self, subgroups: Sequence[Subgroup], knobs: Knobs, in_force: Knobs) -> None:
+        """Raise :class:`ConfigError` if ``knobs`` would stripe the swapped subgroups where they
+        cannot go (weights no path can take)."""
+        swapped = [payload_bytes(sg.numel) for sg in subgroups if sg.tier.swapped]
+        if swapped and self.stripe_weights(knobs) != self.stripe_weights(in_force):
+            stripe(swapped, self.stripe_weights(knobs))
+
+    def set_limits(self, knobs: Knobs) -> None:
+        """Each path's concurrency and node lock as ``knobs`` say."""
+        for p in self.paths:
+            p.set_limits(concurrency=knobs.concurrency_for(p.path), node_lock=knobs.node_lock)
+
+    def restripe(self, subgroups: Sequence[Subgroup], knobs: Knobs, old: Knobs) -> None:
+        """Where ``knobs`` weigh the paths otherwise than ``old``, move swapped subgroups to their new
+        paths lazily: each goes at its next write."""
+        if self.stripe_weights(knobs) == self.stripe_weights(old):
+            return
+        swapped = [sg for sg in subgroups if sg.tier.swapped]
+        targets = stripe([payload_bytes(sg.numel) for sg in swapped], self.stripe_weights(knobs))
+        for sg, p in zip(swapped, targets):
+            if p == sg.tier.path_index:
+                continue
+            if sg.next_file is not None:
+                sg.next_file.path.remove_file(sg.next_file)
+                sg.next_file = None
+            sg.tier = swap_tier(p)
+            if sg.file.path is self.paths[p]:
+                continue  # back on the path that holds its state (a move not yet done): nothing to move
+            if sg.fresh:  # nothing on storage yet: move the empty file now
+                sg.file.path.remove_file(sg.file)
+                sg.file = self.create_file(sg, p)
+            else:
+                sg.next_file = self.create_file(sg, p)
+
+    def counters(self) -> list[tuple[int, int]]:
+        """Each path's (bytes read, bytes written) so far."""
+        return [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+
+    def moved_since(self, before: list[tuple[int, int]]) -> dict[str, dict[str, int]]:
+        """The bytes moved since :meth:`counters` gave ``before``: read and written per kind of
+        path (``bytes_read``, ``bytes_written``) and per path (``path_bytes_read``,
+        ``path_bytes_written``), as :class:`engine.telemetry.StepRecord` names them."""
+        moved = {"bytes_read": {}, "bytes_written": {}, "path_bytes_read": {}, "path_bytes_written": {}}
+        for p, (r0, w0) in zip(self.paths, before):
+            read, written = p.counters.bytes_read - r0, p.counters.bytes_written - w0
+            moved["path_bytes_read"][p.path], moved["path_bytes_written"][p.path] = read, written
+            moved["bytes_read"][p.spec.kind] = moved["bytes_read"].get(p.spec.kind, 0) + read
+            moved["bytes_written"][p.spec.kind] = moved["bytes_written"].get(p.spec.kind, 0) + written
+        return moved
+
+    def close(self) -> None:
+        for p in self.paths:
+            p.close()
