@@ -260,13 +260,18 @@ def _stop_run(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
 
 
 def _is_rank(p) -> bool:
-    """Whether process ``p`` is a rank: it runs the bootstrap."""
+    """Whether process ``p`` is a rank: the script its interpreter runs is the bootstrap. DeepSpeed's
+    per-node launcher names the bootstrap too, as its own argument (``-m deepspeed.launcher.launch
+    ... bootstrap.py``): it is a launcher, and gets SIGTERM (its handler stops its ranks and logs it),
+    not the run's signal, which as SIGHUP would end it before it could."""
     import psutil
 
     try:
-        return os.path.abspath(bootstrap.__file__) in p.cmdline()
+        args = p.cmdline()[1:]
     except (psutil.Error, OSError):
         return False
+    script = next((a for a in args if not a.startswith("-")), None)  # python -u bootstrap.py ...
+    return script is not None and os.path.abspath(script) == os.path.abspath(bootstrap.__file__)
 
 
 # -- DeepSpeed's shared memory ------------------------------------------------------------------

@@ -339,15 +339,15 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
 
         from rich.console import Console
 
-        from offloadctl.commands.tune import run_panel
+        from offloadctl.commands.tune_view import run_panel
 
         with Connection(sock) as c:
             (snap,) = c.request("snapshot", history=60)["runs"]
         console = Console(record=True, width=140, file=open(os.devnull, "w"))
         console.print(run_panel(snap))
         text = console.export_text()
-        for expected in ("cli-run (running)", "iteration 3", "prefetch_depth=", f"io_concurrency={nvme}:8",
-                         "100 MB/s", "50 MB/s", "frozen", "tuning frozen by the user", "0.500 s"):
+        for expected in ("cli-run (running)", "iteration 4", "prefetch_depth=", f"io_concurrency={nvme}:8",
+                         "100 MB/s", "50 MB/s", "frozen", "tuning frozen by the user", "500 ms"):
             assert expected in text, (expected, text)
     finally:
         client.close()
