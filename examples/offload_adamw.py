@@ -66,7 +66,7 @@ def main() -> int:
                 losses.append(loss.item())
                 progress.update(task, advance=1, loss=f"{loss.item():.3f}")
         opt.close()
-    print_summary([r.to_dict() for r in opt.telemetry], console)
+    print_summary(opt.telemetry, console)
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     if not losses[-1] < losses[0]:
         console.print("[red]loss did not fall[/red]")

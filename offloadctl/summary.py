@@ -9,7 +9,6 @@ update phase, for a plain PyTorch loop's telemetry (examples/offload_adamw.py).
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import textwrap
@@ -18,10 +17,10 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.errors import ConfigError
-from engine.telemetry import upgrade_record
+from engine.telemetry import StepRecord
 from engine.units import format_seconds
-from report.analyze import SHARE_GROUPS, analyze_run, host_memory_summary, storage_name, verdict
-from report.load import load_run
+from report.analyze import analyze_run, engine_segments, host_memory_summary, shares, storage_name, verdict
+from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
 
 WIDTH = 80
@@ -39,7 +38,10 @@ def run_summary_lines(run_dir: str, *, rank: int = 0) -> list[str]:
         except ConfigError as e:  # named by file, not by path: the run directory is the train's own
             return _wrap([f"no summary: {str(e).replace(os.path.join(run_dir, ''), '')}"])
     if os.path.exists(telemetry):
-        records = load_records(telemetry)
+        try:
+            records = read_telemetry(telemetry, [])
+        except ConfigError as e:
+            return _wrap([f"no summary: {str(e).replace(os.path.join(run_dir, ''), '')}"])
         if records:
             return _wrap(_from_telemetry(records, run_dir, rank))
         return _wrap([f"no summary: {telemetry} holds no step: the run stopped before its first update"])
@@ -236,27 +238,21 @@ def _state_by_kind(plan: dict, tiers: list[dict]) -> dict:
     return out
 
 
-def _iteration_s(r: dict) -> float:
-    """One StepRecord's iteration: the time since the last update, the update and its setup."""
-    return (r.get("fwd_bwd_s") or 0.0) + r["update_s"] + (r.get("setup_s") or 0.0)
+def _iteration_s(r: StepRecord) -> float:
+    """One step's iteration: the time since the last update, the update and its setup."""
+    return (r.fwd_bwd_s or 0.0) + r.update_s + r.setup_s
 
 
-def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
+def _from_telemetry(records: list[StepRecord], run_dir: str, rank: int) -> list[str]:
     """The summary from the engine's StepRecords alone: the update's parts, and the time between
     updates (forward, backward and the loop's own work) as ``fwd_bwd_s``."""
-    steady = [r for r in records[1:] if r.get("fwd_bwd_s") is not None] or records
-    iters = [_iteration_s(r) for r in steady]
-    seg = []
-    for r, it_s in zip(steady, iters):
-        other = r["update_s"] - r["read_wait_s"] - r["kernel_s"] - r["write_wait_s"]
-        seg.append(({"forward": r.get("fwd_bwd_s") or 0.0, "read_wait": r["read_wait_s"], "host_lane": r["kernel_s"],
-                     "write_wait": r["write_wait_s"], "update_other": max(0.0, other) + (r.get("setup_s") or 0.0)},
-                    it_s))
+    steady = [r for r in records[1:] if r.fwd_bwd_s is not None] or records
+    seg = [({"forward": r.fwd_bwd_s or 0.0, **engine_segments(r, r.update_s + r.setup_s)}, _iteration_s(r))
+           for r in steady]
     ordered = sorted(seg, key=lambda x: x[1])
     segments, median_s = ordered[(len(ordered) - 1) // 2]
-    shares = [(name, sum(segments.get(k, 0.0) for k in keys) / median_s) for name, keys in SHARE_GROUPS]
-    kinds = sorted({k for r in records for k, v in {**r.get("bytes_read", {}), **r.get("bytes_written", {})}.items()
-                    if v}) or sorted({k for r in records for k in r.get("bytes_read", {})})
+    kinds = sorted({k for r in records for k, v in {**r.bytes_read, **r.bytes_written}.items() if v}) \
+        or sorted({k for r in records for k in r.bytes_read})
     storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
     total = sum(_iteration_s(r) for r in records)
     who = f" of rank {rank}" if rank else ""
@@ -264,31 +260,26 @@ def _from_telemetry(records: list[dict], run_dir: str, rank: int) -> list[str]:
              "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
              f"{format_seconds(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in "
              f"{format_seconds(total)}",
-             _share_line(shares, merge_fwd_bwd=True),
+             _share_line(shares(segments, median_s), merge_fwd_bwd=True),
              f"bottleneck: {verdict(segments, median_s, storage)}"]
-    p = steady[0].get("params") or 0
-    per_param = {k: {"read": statistics.fmean(r.get("bytes_read", {}).get(k, 0) for r in steady) / p,
-                     "written": statistics.fmean(r.get("bytes_written", {}).get(k, 0) for r in steady) / p}
+    p = steady[0].params
+    per_param = {k: {"read": statistics.fmean(r.bytes_read.get(k, 0) for r in steady) / p,
+                     "written": statistics.fmean(r.bytes_written.get(k, 0) for r in steady) / p}
                  for k in kinds} if p else None
     total_pp = sum(v for rw in per_param.values() for v in rw.values()) if per_param else None
-    swapped = statistics.median(r["cache_hits"] + r["cache_misses"] for r in steady)
-    line = _bytes_line(per_param, total_pp, statistics.median(r["cache_hits"] for r in steady), swapped, None)
+    swapped = statistics.median(r.cache_hits + r.cache_misses for r in steady)
+    line = _bytes_line(per_param, total_pp, statistics.median(r.cache_hits for r in steady), swapped, None)
     if line:
         lines.append(line)
-    return lines + _host_lines(host_memory_summary(records), None, rank, True)
+    return lines + _host_lines(host_memory_summary([(r.iteration, r) for r in records]), None, rank, True)
 
 
 # -- the engine's per-step table (a plain PyTorch loop's telemetry) ------------------------------
 
-def load_records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [upgrade_record(json.loads(line)) for line in f if line.strip()]
-
-
-def summary_table(records: list[dict], title: str = "update phase") -> Table:
-    """Medians over steps 2..N (step 1 materialises the state), from ``StepRecord.to_dict()``s."""
+def summary_table(records: list[StepRecord], title: str = "update phase") -> Table:
+    """Medians over steps 2..N (step 1 materialises the state)."""
     steady = records[1:] or records
-    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+    med = lambda key: statistics.median(getattr(r, key) for r in steady)  # noqa: E731
     t = Table(f"median over {len(steady)} steps", "value", title=title)
     t.add_row("update phase wall", f"{med('update_s') * 1e3:.1f} ms")
     t.add_row("  waiting for reads", f"{med('read_wait_s') * 1e3:.1f} ms")
@@ -296,12 +287,12 @@ def summary_table(records: list[dict], title: str = "update phase") -> Table:
     t.add_row("  waiting for writes", f"{med('write_wait_s') * 1e3:.1f} ms")
     t.add_row("bytes moved per param", f"{med('bytes_moved_per_param'):.1f} (stock ZeRO-Infinity: ~32)")
     t.add_row("read / write bandwidth", f"{med('read_bytes_per_s') / 1e6:.0f} / {med('write_bytes_per_s') / 1e6:.0f} MB/s")
-    swapped = steady[0]["cache_hits"] + steady[0]["cache_misses"]
+    swapped = steady[0].cache_hits + steady[0].cache_misses
     t.add_row("swapped subgroups kept in memory (alternating order)", f"{med('cache_hits'):.0f} of {swapped}")
     t.add_row("subgroups on host / device lane", f"{med('host_lane_subgroups'):.0f} / {med('device_lane_subgroups'):.0f}")
-    changes = [r for prev, r in zip(records, records[1:]) if r["knobs"] != prev["knobs"]]
-    t.add_row("knob changes (tuner)", f"{len(changes)}" + (f", last at step {changes[-1]['iteration']}: "
-                                                          f"{_knob_text(changes[-1]['knobs'])}" if changes else ""))
+    changes = [r for prev, r in zip(records, records[1:]) if r.knobs != prev.knobs]
+    t.add_row("knob changes (tuner)", f"{len(changes)}" + (f", last at step {changes[-1].iteration}: "
+                                                          f"{_knob_text(changes[-1].knobs)}" if changes else ""))
     return t
 
 
@@ -309,6 +300,6 @@ def _knob_text(knobs: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in knobs.items() if v not in ({}, None))
 
 
-def print_summary(records: list[dict], console: Console | None = None, title: str = "update phase") -> None:
+def print_summary(records: list[StepRecord], console: Console | None = None, title: str = "update phase") -> None:
     if records:
         (console or Console()).print(summary_table(records, title))

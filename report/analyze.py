@@ -25,7 +25,9 @@ from __future__ import annotations
 import statistics
 
 from engine.config import Knobs
+from engine.telemetry import StepRecord
 from report.load import Run
+from tuner.knob_text import flat_knobs
 
 SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "write_wait", "device_wait",
             "update_other", "outside")
@@ -44,6 +46,19 @@ SHARE_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)), ("update
                 ("update: AdamW", ("host_lane", "device_lane")), ("update: write waits", ("write_wait",)),
                 ("update: other", ("device_wait", "update_other")), ("outside DeepSpeed", ("outside",)))
 """How an iteration's segments are told in shares: the update's parts in what they wait on."""
+
+
+def engine_segments(step: StepRecord, update_s: float) -> dict[str, float]:
+    """The update's segments (:data:`UPDATE_PARTS`) of one engine step whose update took
+    ``update_s`` (the recorder's span of DeepSpeed's step, or, from the telemetry alone, the
+    engine's update and its setup): the parts the engine timed, the device lane's queueing
+    apart from the host lane's AdamW, and the rest ``update_other``. The report and the
+    end-of-run summary both split a step by it."""
+    parts = {"read_wait": step.read_wait_s, "host_lane": step.host_lane_s,
+             "device_lane": max(0.0, step.kernel_s - step.host_lane_s), "write_wait": step.write_wait_s,
+             "device_wait": step.device_wait_s}
+    parts["update_other"] = update_s - sum(parts.values())
+    return parts
 
 
 def shares(segments: dict, iter_s: float) -> list[tuple[str, float]]:
@@ -137,9 +152,11 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         "recorder": _recorder_cost(rec, iters),
     }
     result["knob_series"] = _knob_series(iters)
-    summary["host_memory"] = host_memory_summary(iters)
+    summary["host_memory"] = host_memory_summary([(i["iteration"], it["engine"]) for i, it in zip(iters, rec.iterations)
+                                                  if it.get("engine") is not None])
     plan = init.get("engine_plan") or {}
-    summary["fixed_knobs"] = fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
+    summary["fixed_knobs"] = (dict(plan["pins"]) if "pins" in plan  # an earlier version's record names them only
+                              else fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {}))
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
     shared = ((summary["run_disk_bytes_per_param_total"], summary["other_disk_bytes_per_param_total"])
               if "other_disk_bytes_per_param_total" in summary else None)
@@ -193,18 +210,14 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
     phases = {p: sums.get(p, 0.0) for p in PHASES[:3]}
     measured = sum(phases.values())
     phases["outside"] = iter_s - measured
-    parts = dict.fromkeys(UPDATE_PARTS, 0.0)
-    eng = it.get("engine")
+    eng: StepRecord | None = it.get("engine")
     if eng is not None:
-        parts["read_wait"] = eng["read_wait_s"]
-        parts["host_lane"] = eng.get("host_lane_s", eng["kernel_s"])
-        parts["device_lane"] = max(0.0, eng["kernel_s"] - parts["host_lane"])
-        parts["write_wait"] = eng["write_wait_s"]
-        parts["device_wait"] = eng.get("device_wait_s", 0.0)
-    else:
+        parts = engine_segments(eng, phases["update"])
+    else:  # stock ZeRO-3: its per-subgroup spans
+        parts = dict.fromkeys(UPDATE_PARTS, 0.0)
         for k in ("read_wait", "host_lane", "write_wait"):
             parts[k] = sums.get(k, 0.0)
-    parts["update_other"] = phases["update"] - sum(v for k, v in parts.items() if k != "update_other")
+        parts["update_other"] = phases["update"] - sum(v for k, v in parts.items() if k != "update_other")
     segments = {"forward": phases["forward"], "backward": phases["backward"], **parts, "outside": phases["outside"]}
     out = {
         "iteration": it["iteration"], "t_start": t_start, "t_end": it["t_end"], "iter_s": iter_s,
@@ -225,21 +238,21 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
     if it.get("io_self") is not None and params_rank and _device_labels(tiers):
         out.update(_run_and_others(it["io_self"], out["disk_bytes_per_param"], params_rank))
     if eng is not None:
-        kinds = sorted(set(eng.get("bytes_read", {})) | set(eng.get("bytes_written", {})))
-        out["engine_bytes"] = {k: {"read": eng.get("bytes_read", {}).get(k, 0),
-                                   "written": eng.get("bytes_written", {}).get(k, 0)} for k in kinds}
-        p = eng.get("params") or 0
+        kinds = sorted(set(eng.bytes_read) | set(eng.bytes_written))
+        out["engine_bytes"] = {k: {"read": eng.bytes_read.get(k, 0), "written": eng.bytes_written.get(k, 0)}
+                               for k in kinds}
+        p = eng.params
         out["engine_bytes_per_param"] = ({k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()}
                                          if p else {})
-        out["engine_iteration"] = eng["iteration"]
-        out["cache"] = {"hits": eng.get("cache_hits", 0), "misses": eng.get("cache_misses", 0)}
-        out["lanes"] = {"host": eng.get("host_lane_subgroups", 0), "device": eng.get("device_lane_subgroups", 0),
-                        "device_tier": eng.get("device_tier_subgroups", 0)}
-        out["knobs"] = eng.get("knobs", {})
-        for key in ("host_bytes", "host_budget_bytes", "host_pressure"):
-            out[key] = eng.get(key)
-        out["engine_start_s"] = eng.get("start_s")
-        out["engine_update_s"] = eng["update_s"]
+        out["engine_iteration"] = eng.iteration
+        out["cache"] = {"hits": eng.cache_hits, "misses": eng.cache_misses}
+        out["lanes"] = {"host": eng.host_lane_subgroups, "device": eng.device_lane_subgroups,
+                        "device_tier": eng.device_tier_subgroups}
+        out["knobs"] = eng.knobs
+        out["host_bytes"], out["host_budget_bytes"], out["host_pressure"] = \
+            eng.host_bytes, eng.host_budget_bytes, eng.host_pressure
+        out["engine_start_s"] = eng.start_s
+        out["engine_update_s"] = eng.update_s
         if it.get("tuner"):
             out["tuner"] = it["tuner"]
     return out
@@ -355,17 +368,16 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
     return s
 
 
-def host_memory_summary(records: list[dict]) -> dict | None:
-    """The engine's host memory over a run, from per-step dicts with ``host_bytes`` (by kind),
-    ``host_budget_bytes`` and ``host_pressure`` (engine StepRecords, or the iterations above):
-    the step that held the most, by kind, against the budget; None when none says."""
-    held = [r for r in records if r.get("host_bytes")]
+def host_memory_summary(steps: list[tuple[int, StepRecord]]) -> dict | None:
+    """The engine's host memory over a run, from (iteration, its step record): the step that
+    held the most, by kind, against the budget; None when no record says."""
+    held = [(i, r) for i, r in steps if r.host_bytes]
     if not held:
         return None
-    peak = max(held, key=lambda r: sum(r["host_bytes"].values()))
-    return {"budget_bytes": peak.get("host_budget_bytes") or 0, "peak_bytes": sum(peak["host_bytes"].values()),
-            "peak_iteration": peak.get("iteration"), "by_kind": dict(peak["host_bytes"]),
-            "pressure_iterations": sum(bool(r.get("host_pressure")) for r in held)}
+    peak_iteration, peak = max(held, key=lambda ir: sum(ir[1].host_bytes.values()))
+    return {"budget_bytes": peak.host_budget_bytes or 0, "peak_bytes": sum(peak.host_bytes.values()),
+            "peak_iteration": peak_iteration, "by_kind": dict(peak.host_bytes),
+            "pressure_iterations": sum(bool(r.host_pressure) for _, r in held)}
 
 
 def fixed_knob_values(fixed, knobs: dict) -> dict:
@@ -384,20 +396,9 @@ def fixed_knob_values(fixed, knobs: dict) -> dict:
     return out
 
 
-def flat_knobs(knobs: dict) -> dict:
-    """Knobs with the per-path ones spread out: ``io_concurrency[/mnt/nvme0]``, ``stripe_weights[...]``."""
-    out = {}
-    for name, v in knobs.items():
-        if isinstance(v, dict):
-            out.update({f"{name}[{k}]": x for k, x in v.items()})
-        else:
-            out[name] = v
-    return out
-
-
 def _knob_series(iters: list[dict]) -> dict[str, list]:
     """{knob: [value per iteration with engine telemetry]} of every knob that changes during the
-    run (:func:`flat_knobs` names), with ``iteration`` the x values; empty when none changes."""
+    run (:func:`tuner.knob_text.flat_knobs` names), with ``iteration`` the x values; empty when none changes."""
     its = [i for i in iters if i.get("knobs") is not None]
     flat = [flat_knobs(i["knobs"]) for i in its]
     names = sorted({n for f in flat for n in f})

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.telemetry import upgrade_record
+from engine.telemetry import StepRecord, upgrade_record
 from report.recorder import FORMAT_VERSION, RECORD_FORMAT, SAMPLES_FORMAT
 
 
@@ -30,10 +30,12 @@ class RankRecord:
     header: dict
     init: dict
     iterations: list[dict]
+    """The recorder's iteration lines; an iteration's ``engine``, when there is one, is the
+    engine's :class:`StepRecord` of the step that ended it."""
     end: dict | None
     samples_header: dict | None = None
     samples: list[list] = field(default_factory=list)
-    telemetry: list[dict] = field(default_factory=list)
+    telemetry: list[StepRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """What was odd but did not stop the report (a cut last line, a missing samples file)."""
 
@@ -103,11 +105,34 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
     _load_samples(os.path.join(path, f"samples-rank{rank}.jsonl"), rec)
     tel = os.path.join(path, f"telemetry-rank{rank}.jsonl")
     if os.path.exists(tel):
-        records, _ = _json_lines(tel, rec.notes)
-        rec.telemetry = [upgrade_record(r) for r in records]
+        rec.telemetry = read_telemetry(tel, rec.notes)
     engine = rec.header.get("engine", "offloadctl")
     name = label or f"{os.path.basename(os.path.normpath(os.path.abspath(path)))} ({engine})"
     return Run(path=os.path.abspath(path), label=name, engine=engine, ranks=ranks, record=rec)
+
+
+def read_telemetry(path: str, notes: list[str]) -> list[StepRecord]:
+    """The engine's ``telemetry-rank<R>.jsonl``, a step a line (a last line cut short skipped,
+    with a note); :class:`ConfigError` naming the file and line where a line is no step record."""
+    values, _ = _json_lines(path, notes)
+    return [step_record(v, f"{path}:{i}") for i, v in enumerate(values, 1)]
+
+
+def step_record(d, where: str) -> StepRecord:
+    """One step record as a run directory's files hold it, read as today's
+    :class:`StepRecord`: older names upgraded (:func:`engine.telemetry.upgrade_record`), and a
+    record written before the device lane, without ``host_lane_s``, had all its AdamW on the
+    host lane."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: not a step record (a JSON object): the record is damaged")
+    d = upgrade_record(d)
+    if "host_lane_s" not in d:
+        d = dict(d, host_lane_s=d.get("kernel_s", 0.0))
+    try:
+        return StepRecord.from_dict(d)
+    except TypeError:  # a required field missing
+        raise ConfigError(f"{where}: a step record without its times (iteration, update_s, read_wait_s, kernel_s, "
+                          f"write_wait_s): the record is damaged") from None
 
 
 class _NotFinite(ValueError):
@@ -169,8 +194,8 @@ def _load_record(path: str, rank: int) -> RankRecord:
         if kind == "init" and init is None:
             init = v
         elif kind == "iteration":
-            if isinstance(v.get("engine"), dict):
-                v["engine"] = upgrade_record(v["engine"])
+            if v.get("engine") is not None:
+                v["engine"] = step_record(v["engine"], f"{path}: iteration {v.get('iteration')}'s engine record")
             iterations.append(v)
         elif kind == "end":
             end = v

@@ -7,7 +7,8 @@ and for stock DeepSpeed (``offloadctl train --engine stock``) alike, and
 Each forward, backward and step call is a span on ``time.perf_counter()``, with the kernel's byte
 counters of the tier devices read at every span edge (/proc/diskstats, about 40 us), so each
 phase gets the bytes it moved; inside the update, offloadctl's :class:`engine.telemetry.StepRecord`
-goes in as it is, and stock ZeRO-3's per-subgroup swap-in, optimizer step and swap-out are spans.
+goes in as it is (the recorder is one of the engine's step hooks, ``engine.hooks``), and stock
+ZeRO-3's per-subgroup swap-in, optimizer step and swap-out are spans.
 :class:`report.sampler.Sampler`'s thread adds samples at ``sample_hz`` (host RSS and CPU, tier
 bytes, GPU memory and PCIe where CUDA and NVML exist).
 
@@ -29,10 +30,12 @@ import threading
 import time
 
 from engine.errors import ConfigError
+from engine.hooks import StepHook
 
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
 from engine.storage.blockdev import device_of
+from engine.telemetry import StepRecord
 from perf.plan import node_layout
 from report.sampler import Sampler, stop_writing
 from tuner.sensors import disk_bytes, process_io_bytes
@@ -43,6 +46,8 @@ FORMAT_VERSION = 2
 """2: iterations carry ``samples`` and ``tokens``; the end's ``status`` is finished, interrupted
 or error (1 wrote ok or error). Readers take both."""
 ENGINES = ("offloadctl", "stock")
+TIME_DIGITS = 6
+"""Times and durations are written in seconds to the microsecond."""
 MAX_SPANS = 4000
 """Spans kept per iteration (stock DeepSpeed has three per subgroup); past it only their sums."""
 
@@ -128,8 +133,19 @@ def current() -> "Recorder | None":
     return _CURRENT
 
 
-def _round(x: float, digits: int = 6) -> float:
-    return round(x, digits)
+class _LatestStep(StepHook):
+    """The recorder's step hook on offloadctl's engine: the record of the engine's latest step,
+    taken by the iteration that step ends."""
+
+    def __init__(self) -> None:
+        self.record: StepRecord | None = None
+
+    def after_step(self, engine, record: StepRecord) -> None:
+        self.record = record
+
+    def take(self) -> StepRecord | None:
+        record, self.record = self.record, None
+        return record
 
 
 class Recorder:
@@ -156,7 +172,7 @@ class Recorder:
         self._last_own: tuple[int, int] | None = None
         self._depth = 0
         self._iteration = 0
-        self._engine_records = 0
+        self._engine_step = _LatestStep()
         self._last_knobs = None
         self._reset_iteration()
         self._cost_s = 0.0  # time spent in the hooks' own bookkeeping
@@ -192,16 +208,17 @@ class Recorder:
         flat = getattr(opt, "fp16_partitioned_groups_flat_numel", None)
         params_rank = int(sum(flat)) if flat else -(-params_total // world)
         device = getattr(engine, "device", None)
-        init = {"type": "init", "t": _round(time.perf_counter()), "argv": sys.argv[1:], "params_total": params_total,
+        init = {"type": "init", "t": round(time.perf_counter(), TIME_DIGITS), "argv": sys.argv[1:], "params_total": params_total,
                 "params_rank": params_rank, "local_world_size": node_layout(world)[0],
                 "zero_stage": _call(engine, "zero_optimization_stage"), "optimizer": type(opt).__name__,
                 "offload_optimizer": _offload(engine, "zero_offload_optimizer"),
                 "offload_param": _offload(engine, "zero_offload_param"),
                 "device": str(device) if device is not None else None, "tiers": tiers,
                 "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps")}
-        oe = getattr(opt, "offload_engine", None)
-        if oe is not None:
-            init["engine_plan"] = oe.describe().to_dict()
+        offload_engine = getattr(opt, "offload_engine", None)
+        if offload_engine is not None:
+            init["engine_plan"] = offload_engine.describe().to_dict()
+            offload_engine.add_step_hook(self._engine_step)
         self._write(init)
         self._engine = engine
         self._devices = devices
@@ -219,9 +236,9 @@ class Recorder:
 
     @staticmethod
     def _tiers(engine, opt) -> list[dict]:
-        oe = getattr(opt, "offload_engine", None)
-        if oe is not None:
-            return [{"kind": p.spec.kind, "path": p.path} for p in oe.paths]
+        offload_engine = getattr(opt, "offload_engine", None)
+        if offload_engine is not None:
+            return [{"kind": p.spec.kind, "path": p.path} for p in offload_engine.paths]
         tiers = []
         for getter in ("zero_offload_optimizer", "zero_offload_param"):
             off = _call(engine, getter)
@@ -347,35 +364,32 @@ class Recorder:
         self._sums[name] = self._sums.get(name, 0.0) + (t1 - t0)
         self._counts[name] = self._counts.get(name, 0) + 1
         if len(self._spans) < MAX_SPANS:
-            self._spans.append([name, _round(t0), _round(t1)])
+            self._spans.append([name, round(t0, TIME_DIGITS), round(t1, TIME_DIGITS)])
 
     def _close_iteration(self, t_end: float, failed: bool) -> None:
         opt = getattr(self._engine, "optimizer", None)
-        line = {"type": "iteration", "iteration": self._iteration, "t_end": _round(t_end),
+        line = {"type": "iteration", "iteration": self._iteration, "t_end": round(t_end, TIME_DIGITS),
                 "spans": self._spans, "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
-                "sums": {k: _round(v) for k, v in self._sums.items()}, "counts": self._counts,
+                "sums": {k: round(v, TIME_DIGITS) for k, v in self._sums.items()}, "counts": self._counts,
                 "io": self._io, "io_self": self._io_self, "skipped": bool(getattr(opt, "overflow", False)),
                 "failed": failed,
                 "samples": self._samples, "tokens": self._tokens}
-        oe = getattr(opt, "offload_engine", None)
-        if oe is not None:
-            recs = oe.telemetry.records
-            if len(recs) > self._engine_records:
-                rec = recs[-1].to_dict()
-                line["engine"] = rec
-                if self._last_knobs is not None and rec["knobs"] != self._last_knobs:
-                    line["tuner"] = self._tuner_reason(rec)
-                self._last_knobs = rec["knobs"]
-            self._engine_records = len(recs)
-        line["recorder_s"] = _round(self._cost_s)
+        step = self._engine_step.take()
+        if step is not None:
+            line["engine"] = step.to_dict()
+            if self._last_knobs is not None and step.knobs != self._last_knobs:
+                line["tuner"] = self._tuner_reason(step.iteration)
+            self._last_knobs = step.knobs
+        line["recorder_s"] = round(self._cost_s, TIME_DIGITS)
         self._write(line)
         self._iteration += 1
         self._cost_s = 0.0
         self._reset_iteration()
 
-    def _tuner_reason(self, rec: dict) -> dict:
-        """Why the knobs changed: the tuner's change applied at this step, else unattributed."""
-        due = [c for c in self._tuner_pending if c["apply_at"] <= rec["iteration"]]
+    def _tuner_reason(self, engine_iteration: int) -> dict:
+        """Why the knobs changed at the engine's step ``engine_iteration``: the tuner's change
+        applied at that step, else unattributed."""
+        due = [c for c in self._tuner_pending if c["apply_at"] <= engine_iteration]
         if due:
             c = due[-1]
             return {"seq": c["seq"], "reason": c["reason"], "apply_at": c["apply_at"]}
@@ -400,11 +414,11 @@ class Recorder:
         if sampler is not None:
             sampler.stop()
         status = "error" if self.error else "interrupted" if self.stopped_by else "finished"
-        end = {"type": "end", "t": _round(time.perf_counter()), "status": status, "signal": self.stopped_by,
+        end = {"type": "end", "t": round(time.perf_counter(), TIME_DIGITS), "status": status, "signal": self.stopped_by,
                "error": self.error, "iterations": self._iteration, "open_spans": len(self._spans)}
         if sampler is not None:
-            end.update(sampler_rows=sampler.rows, sampler_busy_s=_round(sampler.busy_s),
-                       sampler_interval_s=_round(sampler.interval_s))
+            end.update(sampler_rows=sampler.rows, sampler_busy_s=round(sampler.busy_s, TIME_DIGITS),
+                       sampler_interval_s=round(sampler.interval_s, TIME_DIGITS))
         self._write(end)
         with self._lock:
             if not self._file.closed:

@@ -1,5 +1,7 @@
-"""One step record from the engine to the tuner: a record read back, old files included, and
-an iteration aggregated over its ranks' records in one place (``Observation.from_records``)."""
+"""One step record from the engine to the tuner and the report: a record read back, old files
+included; an iteration aggregated over its ranks' records in one place
+(``Observation.from_records``); one split of a step into the update's segments for the report
+and the end-of-run summary; the recorder given each step by the engine's step hook."""
 from __future__ import annotations
 
 import json
@@ -46,3 +48,104 @@ def test_an_iteration_is_its_slowest_rank_and_its_ranks_traffic_summed():
     assert obs.lanes == LaneTimes(host_lane_s=0.9, device_wait_s=0.3, host_lane_subgroups=2,
                                   device_lane_subgroups=2, device_tier_subgroups=1)
     assert obs.error == "oom" and Observation.from_records([a]).iter_time_s is None
+
+
+def _lane_step(iteration: int, **kw) -> StepRecord:
+    """A step of 1 s between updates and a 0.5 s update: 0.1 s reading, 0.3 s of AdamW of
+    which 0.1 s on the host lane (the rest queueing the device lane's), 0.05 s writing, 0.02 s
+    waiting for the device."""
+    return StepRecord(**{"iteration": iteration, "update_s": 0.5, "read_wait_s": 0.1, "kernel_s": 0.3,
+                         "host_lane_s": 0.1, "write_wait_s": 0.05, "device_wait_s": 0.02,
+                         "fwd_bwd_s": 1.0 if iteration else None, "params": 1000,
+                         "bytes_read": {"nvme": 8000}, "bytes_written": {"nvme": 6000}, **kw})
+
+
+def test_one_split_of_a_step_for_the_report_and_the_summary(tmp_path):
+    """The device lane's queueing is its own segment (not the host lane's AdamW), the update's
+    rest is the update less its parts, and the summary from the telemetry alone tells its
+    shares from that split."""
+    from offloadctl.summary import run_summary_lines
+    from report.analyze import engine_segments, shares
+
+    seg = engine_segments(_lane_step(1), 0.5 + 0.04)
+    assert seg == pytest.approx({"read_wait": 0.1, "host_lane": 0.1, "device_lane": 0.2, "write_wait": 0.05,
+                                 "device_wait": 0.02, "update_other": 0.07})
+    (tmp_path / "telemetry-rank0.jsonl").write_text(
+        "".join(json.dumps(_lane_step(i, setup_s=0.04).to_dict()) + "\n" for i in range(3)))
+    text = " ".join(run_summary_lines(str(tmp_path)))
+    iteration_s = 1.0 + 0.5 + 0.04
+    adamw = dict(shares({"forward": 1.0, **seg}, iteration_s))["update: AdamW"]
+    assert f"AdamW {100 * adamw:.0f}%" in text and adamw == pytest.approx(0.3 / iteration_s)
+
+
+def test_a_telemetry_file_from_before_the_device_lane_reads_all_its_adamw_on_the_host(tmp_path):
+    from report.load import read_telemetry
+
+    old = {"iteration": 0, "wall_s": 2.0, "read_wait_s": 0.5, "update_s": 1.25, "write_wait_s": 0.1}
+    path = tmp_path / "telemetry-rank0.jsonl"
+    path.write_text(json.dumps(old) + "\n" + json.dumps(_lane_step(1).to_dict()) + "\n" + '{"iteration": 2, "upd')
+    notes: list[str] = []
+    first, second = read_telemetry(str(path), notes)
+    assert (first.update_s, first.kernel_s, first.host_lane_s) == (2.0, 1.25, 1.25)
+    assert second == _lane_step(1) and "cut short" in notes[0]
+
+
+class _OffloadEngine:
+    """What the recorder touches of offloadctl's engine: its plan, its paths, its step hooks
+    (no telemetry list: the recorder takes each step from its hook)."""
+
+    def __init__(self) -> None:
+        self.paths, self.hooks, self.iteration = [], [], 0
+
+    def describe(self):
+        class Plan:
+            def to_dict(self):
+                return {"knobs": {}}
+
+        return Plan()
+
+    def add_step_hook(self, hook) -> None:
+        self.hooks.append(hook)
+
+    def step(self) -> None:
+        record = _lane_step(self.iteration, knobs={"prefetch_depth": 2 if self.iteration < 2 else 3})
+        self.iteration += 1
+        for hook in self.hooks:
+            hook.after_step(self, record)
+
+
+class _DeepSpeedEngine:
+    def __init__(self) -> None:
+        import torch
+
+        self.optimizer = type("Optimizer", (), {"overflow": False, "offload_engine": _OffloadEngine()})()
+        self.module = torch.nn.Linear(2, 2)
+        self.global_steps = 0
+
+    def forward(self, x):
+        return x
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        self.optimizer.offload_engine.step()
+        self.global_steps += 1
+
+
+def test_the_recorder_takes_each_step_from_the_engines_step_hook(tmp_path):
+    from integrations.ds_patches import attach_recorder
+    from report.load import load_run
+    from report.recorder import Recorder, RecorderConfig
+
+    rec = Recorder(RecorderConfig(run_dir=str(tmp_path), sample_hz=0), rank=0, script="fake.py")
+    eng = _DeepSpeedEngine()
+    attach_recorder(eng, rec)
+    for _ in range(3):
+        eng.backward(eng.forward(1.0))
+        eng.step()
+    rec.close()
+    run = load_run(str(tmp_path))
+    steps = [it["engine"] for it in run.record.iterations]
+    assert [s.iteration for s in steps] == [0, 1, 2] and all(isinstance(s, StepRecord) for s in steps)
+    assert "tuner" in run.record.iterations[2] and "tuner" not in run.record.iterations[1]
