@@ -22,6 +22,7 @@ from engine.units import format_seconds
 from report.analyze import analyze_run, engine_segments, host_memory_summary, shares, storage_name, verdict
 from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
+from tuner.knob_text import knobs_text
 
 WIDTH = 80
 STOCK_BYTES_PER_PARAM = 32
@@ -57,7 +58,7 @@ def tuner_lines(view: dict) -> list[str]:
     (``tuner.service.run_view``): every knob that ended other than it started, from what to
     what and who changed it (history names the earlier run), then what the tuner is doing.
     Wrapped to :data:`WIDTH`."""
-    from tuner.knob_text import changed_knobs
+    from tuner.knob_text import changed_knobs, value_text
 
     start = view.get("start_knobs") or {}
     changed = changed_knobs(start, view.get("knobs") or {}) if start else {}
@@ -68,7 +69,7 @@ def tuner_lines(view: dict) -> list[str]:
         who = WHO_CHANGED.get(by.get(key, "policy"), by.get(key, "policy"))
         if by.get(key) == "history" and origin:
             who = f"history: the tuner's verdict in run {origin}"
-        said.append(f"{key} {_knob_value(before)} -> {_knob_value(after)} ({who})")
+        said.append(f"{key} {value_text(before)} -> {value_text(after)} ({who})")
     policy = view.get("policy") or {}
     mode = "frozen" if view.get("frozen") else policy.get("mode")
     doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {policy.get('trial')}",
@@ -78,14 +79,6 @@ def tuner_lines(view: dict) -> list[str]:
     why = reason.rsplit(": ", 1)[-1] if reason else ""
     head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
     return _wrap([f"{head}; {doing}" + (f" ({why})" if why else "")])
-
-
-def _knob_value(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 SUMMARY_FORMAT = "offloadctl-run-summary"
@@ -292,12 +285,8 @@ def summary_table(records: list[StepRecord], title: str = "update phase") -> Tab
     t.add_row("subgroups on host / device lane", f"{med('host_lane_subgroups'):.0f} / {med('device_lane_subgroups'):.0f}")
     changes = [r for prev, r in zip(records, records[1:]) if r.knobs != prev.knobs]
     t.add_row("knob changes (tuner)", f"{len(changes)}" + (f", last at step {changes[-1].iteration}: "
-                                                          f"{_knob_text(changes[-1].knobs)}" if changes else ""))
+                                                          f"{knobs_text(changes[-1].knobs, ', ')}" if changes else ""))
     return t
-
-
-def _knob_text(knobs: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in knobs.items() if v not in ({}, None))
 
 
 def print_summary(records: list[StepRecord], console: Console | None = None, title: str = "update phase") -> None:

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from engine.units import format_rate, format_seconds, format_size
 from report.analyze import PHASES, SHARE_GROUPS
+from tuner.knob_text import knobs_text
 
 SECTION_TEXT = {
     "breakdown": ("Iteration time, per iteration",
@@ -245,7 +246,7 @@ def host_memory_text(hm: dict | None, kinds: bool = True) -> str:
 
 
 def fixed_knobs_text(fixed: dict | None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in fixed.items()) if fixed else "none"
+    return knobs_text(fixed, ", ") if fixed else "none"
 
 
 def _share_cell(r: dict, name: str) -> str:

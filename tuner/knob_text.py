@@ -1,10 +1,11 @@
-"""The user's knob text, read in one place, and the pins made of it.
+"""The user's knob text, read and written in one place, and the pins made of it.
 
 A knob is named as ``prefetch_depth`` or, for one path of a per-path knob,
 ``io_concurrency[/nvme0]``: a :class:`KnobKey`, whose ``str()`` and :meth:`KnobKey.parse` are
 the one spelling for logs, the wire and the CLI. A value arrives as typed (JSON text, on/off)
 or already decoded; :func:`read_value` reads it and :func:`with_value` applies it. Pins
-(:class:`Pins`) are knob keys with their values, set only through :meth:`Pins.pin`.
+(:class:`Pins`) are knob keys with their values, set only through :meth:`Pins.pin`. Every
+knob and value shown to a user is written by :func:`value_text` and :func:`knobs_text`.
 
 ``offloadctl tune --pin``, the daemon's pin messages (:mod:`tuner.runs`) and the policy read
 knob text here; :class:`engine.config.Knobs` only validates the values it is built from.
@@ -80,6 +81,26 @@ def changed_knobs(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[s
     a, b = flat_knobs(before), flat_knobs(after)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (k.split("[")[0], k))
             if a.get(k) != b.get(k)}
+
+
+def value_text(value: Any) -> str:
+    """A knob's value as shown to a user: on/off, 0.5, 8, a per-path knob's ``/nvme0:8,/nvme1:4``;
+    '-' for none."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, Mapping):
+        return ",".join(f"{p}:{value_text(v)}" for p, v in value.items())
+    return str(value)
+
+
+def knobs_text(knobs: Mapping[str, Any], sep: str = " ") -> str:
+    """``KNOB=VALUE`` of each knob in ``knobs`` (a ``Knobs.to_dict()``, pins, fixed knobs) with a
+    value (a per-path knob with no path set is left out), joined by ``sep``; '-' for none."""
+    return sep.join(f"{k}={value_text(v)}" for k, v in knobs.items() if v not in ({}, None)) or "-"
 
 
 def knob_pattern() -> str:

@@ -21,8 +21,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, knobs_text, run_panel, runs_table
+from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
+from tuner.knob_text import knobs_text
 
 DISCONNECTED_GRACE_S = 3.0
 """How long a run's ranks must stay away before the live view calls it interrupted."""

@@ -2,8 +2,9 @@
 and history), the table of runs, and the line a run ends with, from the daemon's snapshot."""
 from __future__ import annotations
 
-import json
 import re
+
+from tuner.knob_text import knobs_text, value_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "disconnected")
@@ -92,19 +93,6 @@ def runs_table(runs: list[dict], width: int = 80):
     return out
 
 
-def knobs_text(k: dict) -> str:
-    if not k:
-        return "-"
-    parts = [f"device_fraction={k['device_fraction']:g}", f"prefetch_depth={k['prefetch_depth']}"]
-    if k["node_lock"]:
-        parts.append("node_lock")
-    if k["io_concurrency"]:
-        parts.append("io_concurrency=" + ",".join(f"{p}:{n}" for p, n in k["io_concurrency"].items()))
-    if k["stripe_weights"]:
-        parts.append("stripe_weights=" + ",".join(f"{p}:{w:g}" for p, w in k["stripe_weights"].items()))
-    return " ".join(parts)
-
-
 def tuner_state(r: dict) -> str:
     """What the tuner is doing with the run, from the policy's own mode (the same state its
     decisions come from), or how the run ended."""
@@ -133,7 +121,7 @@ def knob_control(r: dict) -> str:
 
     pins = r.get("pins") or {}
     fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
-    pinned = ", ".join(f"{k}={json.dumps(v)}" + (" (run option)" if k in fixed else "")
+    pinned = ", ".join(f"{k}={value_text(v)}" + (" (run option)" if k in fixed else "")
                        for k, v in pins.items()) or "none"
     if r["frozen"] or r["status"] in ENDED:
         movable = "none" + (" (frozen)" if r["frozen"] else "")
