@@ -5,7 +5,8 @@
 - :func:`default_db_path`: ``$XDG_STATE_HOME/offloadctl/tuner.db`` (``~/.local/state/...``):
   history must outlive a reboot, so not under the runtime directory (a tmpfs);
 - :func:`start` / :func:`stop` / :func:`status`: a detached ``offloadctl tuner serve`` with a
-  pidfile and a log file next to the socket;
+  pidfile and a log file next to the socket (:func:`write_pid`, :func:`read_pid` and
+  :func:`release_pid` are the pidfile's only reader and writers; ``_tail``, the log's only reader);
 - :func:`ensure_daemon`: what ``offloadctl train --tuner auto`` calls: the running daemon, or a
   private one for the run;
 - the registry of live runs (:func:`registry_dir`, :func:`register_run`, :func:`live_runs`): a
@@ -222,7 +223,7 @@ def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
     path = os.path.abspath(socket_path or default_socket_path())
     pidfile = pidfile_for(path)
     welcome = probe(path)
-    pid = welcome["pid"] if welcome else _read_pid(pidfile)
+    pid = welcome["pid"] if welcome else read_pid(pidfile)
     if welcome is not None:
         try:
             with Connection(path, timeout_s=2.0) as c:
@@ -280,6 +281,7 @@ def _die_with_parent() -> None:
 
 
 def _tail(path: str, n: int = 400) -> str:
+    """The last line of the log at ``path`` (within its last ``n`` bytes), for an error line."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - n))
@@ -288,7 +290,23 @@ def _tail(path: str, n: int = 400) -> str:
         return "(no log)"
 
 
-def _read_pid(pidfile: str) -> int | None:
+def write_pid(pidfile: str) -> None:
+    """Write this process's pid to ``pidfile``, atomically: a reader never sees half of it."""
+    tmp = f"{pidfile}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, pidfile)
+
+
+def release_pid(pidfile: str) -> None:
+    """Remove ``pidfile`` if it holds this process's pid: a daemon that lost the race for the
+    socket leaves the winner's."""
+    if read_pid(pidfile) == os.getpid():
+        os.unlink(pidfile)
+
+
+def read_pid(pidfile: str) -> int | None:
+    """The pid a daemon wrote to ``pidfile``; None when there is none to read."""
     try:
         with open(pidfile) as f:
             return int(f.read().strip())

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from engine.errors import OffloadError
     from tuner.server import ServerConfig, serve
-    from tuner.service import default_db_path, default_socket_path, register_run, unregister_run
+    from tuner.service import default_db_path, default_socket_path, register_run, release_pid, unregister_run, write_pid
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,11 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
                 entry = register_run(config.socket_path, args.run_dir, run_id=args.run_id)
             except (OSError, OffloadError) as e:  # the run is served all the same; only `tune` will not list it
                 logging.getLogger("offloadctl.tuner").warning("not listed among the live runs: %s", e)
-        if args.pidfile:  # only once the socket is ours; atomically, so a reader never sees half
-            tmp = f"{args.pidfile}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(f"{os.getpid()}\n")
-            os.replace(tmp, args.pidfile)
+        if args.pidfile:  # only once the socket is ours
+            write_pid(args.pidfile)
 
     try:
         return serve(config, policy_factory=policy, sensors_factory=None if not args.no_sensors else False,
@@ -92,17 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if entry is not None:
             unregister_run(entry)
-        # Only our own pidfile: a daemon that lost the race for the socket leaves the winner's.
-        if args.pidfile and _pid_in(args.pidfile) == os.getpid():
-            os.unlink(args.pidfile)
-
-
-def _pid_in(pidfile: str) -> int | None:
-    try:
-        with open(pidfile) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
+        if args.pidfile:
+            release_pid(args.pidfile)
 
 
 def _open_history(db: str):
