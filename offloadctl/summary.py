@@ -70,13 +70,12 @@ def tuner_lines(view: dict) -> list[str]:
         if by.get(key) == "history" and origin:
             who = f"history: the tuner's verdict in run {origin}"
         said.append(f"{key} {value_text(before)} -> {value_text(after)} ({who})")
-    policy = view.get("policy") or {}
-    mode = "frozen" if view.get("frozen") else policy.get("mode")
-    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {policy.get('trial')}",
-             "measuring": "measuring"}.get(mode, mode or "done")
-    decisions = [d for d in view.get("decisions") or [] if d.get("source") != "user"]
-    reason = policy.get("holding_reason") or (decisions[-1]["reason"] if decisions and mode != "frozen" else "")
-    why = reason.rsplit(": ", 1)[-1] if reason else ""
+    verdict = view.get("verdict") or {}
+    mode, why = verdict.get("mode"), verdict.get("reason") or ""
+    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {verdict.get('trial')}",
+             "measuring": "measuring", "stopped": "policy stopped"}.get(mode, "done")
+    if mode == "holding" and not why:
+        why = "no move left to try"
     head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
     return _wrap([f"{head}; {doing}" + (f" ({why})" if why else "")])
 
@@ -119,14 +118,13 @@ def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None 
     if tuner_view:
         by = tuner_view.get("changed_by") or {}
         start = tuner_view.get("start_knobs") or {}
-        policy = tuner_view.get("policy") or {}
+        verdict = tuner_view.get("verdict") or {}
         out["tuner"] = {
             "run_id": tuner_view.get("run_id"), "knobs": tuner_view.get("knobs"),
             "changes": [{"knob": k, "from": a_, "to": b_, "by": by.get(k, "policy")}
                         for k, (a_, b_) in (changed_knobs(start, tuner_view.get("knobs") or {}) if start else {}).items()],
             "history_run": (tuner_view.get("start_from") or {}).get("run_id"),
-            "mode": "frozen" if tuner_view.get("frozen") else policy.get("mode"),
-            "reason": policy.get("holding_reason"), "pins": tuner_view.get("pins") or {},
+            "mode": verdict.get("mode"), "reason": verdict.get("reason"), "pins": tuner_view.get("pins") or {},
         }
     return out
 

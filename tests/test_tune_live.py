@@ -271,14 +271,18 @@ def test_the_tuner_state_line_follows_the_policys_mode():
     from offloadctl.commands.tune_view import tuner_state
     from tuner.observation import Observation
     from tuner.policy import Policy
+    from tuner.run_state import tuner_verdict
 
     pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
     with open(os.path.join(ROOT, "tests", "data", "demo-trace.jsonl")) as f:
         for line in f:
             if not line.startswith("#"):
                 pol.observe(Observation(**json.loads(line), path_other_bytes_per_s={}, device_headroom_bytes=None))
-    view = {"status": "running", "frozen": False, "policy": pol.state()}
-    assert tuner_state(view).startswith("holding (since iteration ") and "I/O waits" in tuner_state(view)
+    def view() -> dict:
+        return {"status": "running", "frozen": False,
+                "verdict": tuner_verdict(pol.state(), frozen=False, policy_error=None, decisions=[])}
+
+    assert re.fullmatch(r"holding \(since iteration \d+\): what the knobs can change \(the update's I/O waits, .*",
+                        tuner_state(view())), tuner_state(view())
     pol.pin("prefetch_depth", 3)
-    view["policy"] = pol.state()
-    assert view["policy"]["holding_reason"] is None and tuner_state(view) == "measuring the current knobs"
+    assert pol.state()["holding_reason"] is None and tuner_state(view()) == "measuring the current knobs"

@@ -142,12 +142,15 @@ def test_the_end_line_names_who_changed_each_knob():
 
     view = {"start_knobs": Knobs().to_dict(), "knobs": Knobs(prefetch_depth=4, node_lock=True).to_dict(),
             "changed_by": {"prefetch_depth": "user", "node_lock": "policy"}, "frozen": False,
-            "policy": {"mode": "holding", "holding_reason": "no move left to try"}, "decisions": []}
+            "verdict": {"mode": "holding", "since_iteration": 40, "trial": None, "reason": None}}
     text = " ".join(" ".join(tuner_lines(view)).split())
     assert "node_lock off -> on (the tuner)" in text and "prefetch_depth 2 -> 4 (you, tune --pin)" in text
     assert text.rstrip().endswith("holding (no move left to try)")
     quiet = dict(view, knobs=Knobs().to_dict(), changed_by={})
     assert tuner_lines(quiet) == ["tuner: no knob changes; holding (no move left to try)"]
+    why = dict(quiet, verdict={"mode": "holding", "since_iteration": 40, "trial": None,
+                               "reason": "knobs change 1% of it"})
+    assert tuner_lines(why) == ["tuner: no knob changes; holding (knobs change 1% of it)"]
 
 
 def test_a_schema_1_history_is_upgraded_and_never_learned_from(tmp_path):

@@ -194,7 +194,7 @@ class Policy:
         if idle is not None and self._knobs == self._good_knobs:
             self._holding_since, self._negligible_why = self._iteration, idle
             self._holding_cost = _median([x.cost for x in self._baseline_samples[-self.cfg.window:]])
-            self._note(idle, "hold")
+            self._note(f"holding: {idle}", "hold")
             return None
         return self._propose("")
 
@@ -440,7 +440,7 @@ class Policy:
             return None
         further = f"after {self._kept_total} kept move{'s' if self._kept_total != 1 else ''}, no further" \
             if self._kept_total else "no"
-        return (f"holding: what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
+        return (f"what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
                 f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: {further} move could "
                 "show above the noise")
 

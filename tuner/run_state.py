@@ -150,7 +150,8 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
     view = {"run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
             "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
             "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
-            "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None}
+            "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None,
+            "stopped_by": run.stopped_by, "outcome": run_outcome(run.status, run.stopped_by), "verdict": None}
     return view, len(json.dumps(view))
 
 
@@ -159,6 +160,7 @@ def run_view(run: Run, history: int = 60) -> dict:
     hist = list(run.history)[-history:] if history else []
     last = run.history[-1] if run.history else None
     iter_time = last[1] if last else max((r.iter_time_s for r in run.ranks.values() if r.iter_time_s), default=None)
+    policy = _policy_state(run)
     return {
         "run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
         "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
@@ -171,9 +173,39 @@ def run_view(run: Run, history: int = 60) -> dict:
         "phases": run.phases, "bandwidth": run.bandwidth, "sensors": run.sensor_sample,
         "decisions": list(run.decisions)[-20:], "events": list(run.events)[-20:],
         "applied": {str(s): {str(r): i for r, i in d.items()} for s, d in list(run.applied.items())[-8:]},
-        "policy_error": run.policy_error, "policy": _policy_state(run),
+        "policy_error": run.policy_error, "policy": policy,
         "start_knobs": run.start_knobs, "changed_by": dict(run.changed_by), "start_from": run.start_from,
+        "outcome": run_outcome(run.status, run.stopped_by),
+        "verdict": tuner_verdict(policy, frozen=run.frozen, policy_error=run.policy_error, decisions=run.decisions),
     }
+
+
+def run_outcome(status: str, stopped_by: str | None) -> str:
+    """How a run stands or ended: running, finished, or interrupted (a rank's bye named the
+    signal that stopped it, or its ranks went away without one)."""
+    if status == "disconnected" or (status == "finished" and stopped_by):
+        return "interrupted"
+    return status
+
+
+def tuner_verdict(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> dict:
+    """What the tuner does with a run, or concluded at its end, for the CLI to word: ``mode``
+    (frozen: by the user; stopped: the policy failed; trial, holding, measuring: the policy's
+    own; None without a policy), ``since_iteration`` (holding since), ``trial`` (the move on
+    trial) and ``reason``: the policy's error, its reason to hold (None when it holds for want
+    of a move to try), or the reason of the tuner's latest change."""
+    policy = policy or {}
+    mode = "stopped" if policy_error else "frozen" if frozen else policy.get("mode")
+    if mode == "stopped":
+        reason = policy_error
+    elif mode == "holding":
+        reason = policy.get("holding_reason")
+    elif mode == "frozen":
+        reason = None
+    else:
+        reason = next((d["reason"] for d in reversed(decisions) if d.get("source") != "user"), None)
+    return {"mode": mode, "since_iteration": policy.get("since_iteration") if mode == "holding" else None,
+            "trial": policy.get("trial") if mode == "trial" else None, "reason": reason}
 
 
 def _policy_state(run: Run) -> dict | None:

@@ -534,6 +534,6 @@ def ended_runs(last: list[dict], socket_path: str) -> list[dict]:
     out = []
     for r in last:
         if r["status"] not in ENDED:
-            r = dict(ended.get(r["run_id"]) or dict(r, status="disconnected"))
+            r = dict(ended.get(r["run_id"]) or dict(r, status="disconnected", outcome="interrupted"))
         out.append(r)
     return out

@@ -2,8 +2,6 @@
 and history), the table of runs, and the line a run ends with, from the daemon's snapshot."""
 from __future__ import annotations
 
-import re
-
 from tuner.knob_text import knobs_text, value_text
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -17,31 +15,23 @@ def at_iteration(r: dict) -> int:
     return max(0, r["iteration"] + 1)
 
 
-def outcome(r: dict) -> str:
-    """How a run ended: finished, interrupted (a rank was stopped by a signal, or its ranks
-    vanished), or its status."""
-    if r["status"] == "finished":
-        return "interrupted" if r.get("stopped_by") else "finished"
-    return "interrupted" if r["status"] == "disconnected" else r["status"]
-
-
 def ended_text(r: dict) -> str:
     """'finished at iteration 30', 'interrupted by SIGINT at iteration 110': the words and the
     count of the end-of-run summary and the report."""
-    by = f" by {r['stopped_by']}" if r.get("stopped_by") and outcome(r) == "interrupted" else ""
-    return f"{outcome(r)}{by} at iteration {at_iteration(r)}"
+    by = f" by {r['stopped_by']}" if r.get("stopped_by") and r["outcome"] == "interrupted" else ""
+    return f"{r['outcome']}{by} at iteration {at_iteration(r)}"
 
 
 def final_line(r: dict) -> str:
-    """One run's outcome: how it ended, at which iteration, its iteration time and knobs."""
+    """One run's outcome: how it ended, at which iteration, its iteration time and knobs, and
+    the tuner's verdict."""
     from engine.units import format_seconds
 
     times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
     pace = f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)})" if times else ""
-    pol = r.get("policy") or {}
-    word = pol.get("holding_reason") or (r["decisions"][-1]["reason"] if r.get("decisions") else None)
+    verdict = verdict_text(r.get("verdict"))
     return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {knobs_text(r['knobs'])}"
-            + (f"\ntuner: {word}" if word else ""))
+            + (f"\ntuner: {verdict}" if verdict else ""))
 
 
 def _median(xs: list[float]) -> float:
@@ -94,25 +84,28 @@ def runs_table(runs: list[dict], width: int = 80):
 
 
 def tuner_state(r: dict) -> str:
-    """What the tuner is doing with the run, from the policy's own mode (the same state its
-    decisions come from), or how the run ended."""
+    """What the tuner is doing with the run (:func:`verdict_text`), or how the run ended."""
     if r["status"] in ENDED:
         return ended_text(r)
-    if r.get("policy_error"):
-        return f"policy stopped: {r['policy_error']}"
-    if r["frozen"]:
+    return verdict_text(r.get("verdict")) or ("tuning" if r["status"] == "running" else r["status"])
+
+
+def verdict_text(verdict: dict | None) -> str:
+    """The tuner's verdict on a run (``tuner.run_state.tuner_verdict``) in words; '' without one."""
+    v = verdict or {}
+    mode, reason = v.get("mode"), v.get("reason")
+    if mode == "stopped":
+        return f"policy stopped: {reason}"
+    if mode == "frozen":
         return "frozen by the user: knobs held"
-    pol = r.get("policy") or {}
-    mode = pol.get("mode")
     if mode == "trial":
-        return f"trying {pol.get('trial')}"
+        return f"trying {v.get('trial')}"
     if mode == "holding":
-        since = f" (since iteration {pol['since_iteration']})" if pol.get("since_iteration") is not None else ""
-        reason = re.sub(r"^holding(: |; )?", "", pol.get("holding_reason") or "") or "no move left to try"
-        return f"holding{since}: {reason}"
+        since = f" (since iteration {v['since_iteration']})" if v.get("since_iteration") is not None else ""
+        return f"holding{since}: {reason or 'no move left to try'}"
     if mode == "measuring":
         return "measuring the current knobs"
-    return "tuning" if r["status"] == "running" else r["status"]
+    return ""
 
 
 def knob_control(r: dict) -> str:
@@ -210,7 +203,7 @@ def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
         if not r["decisions"]:
             log.add_row("-", "-", "-", "none yet")
         body.append(log)
-    status = outcome(r) if r["status"] in ENDED else r["status"]
+    status = r["outcome"] if r["status"] in ENDED else r["status"]
     return Panel(Group(*body), title=Text(f"{r['run_id']} ({status})"), title_align="left", width=width)
 
 
