@@ -269,7 +269,7 @@ class LauncherOutput:
         for _, child_end in self._pairs:
             os.close(child_end)
         for (r, _), f in zip(self._pairs, self.filters):
-            t = threading.Thread(target=_pump, args=(r, f), daemon=True, name="offloadctl-output")
+            t = threading.Thread(target=_filter_until_eof, args=(r, f), daemon=True, name="offloadctl-output")
             t.start()
             self._threads.append(t)
 
@@ -321,7 +321,8 @@ def _terminal_pair(like) -> tuple[int, int]:
     return ours, child
 
 
-def _pump(fd: int, out: OutputFilter) -> None:
+def _filter_until_eof(fd: int, out: OutputFilter) -> None:
+    """Feed what the ranks write to ``fd`` through ``out`` until every writer has gone; then close ``fd``."""
     try:
         while True:
             try:

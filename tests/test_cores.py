@@ -58,7 +58,7 @@ def test_bind_off_leaves_the_process_alone():
     assert os.sched_getaffinity(0) == before
 
 
-# -- real topologies, from fake sysfs trees (issue 35, item 5) -------------------------------------
+# -- real topologies, from fake sysfs trees ------------------------------------------------------
 
 def _sysfs(root, *, packages: int, cores_per_package: int, smt: bool, gpu_nodes: list[int]) -> tuple[str, list[str]]:
     """A sysfs tree of a node as Linux numbers it: the physical cores first (package by package),
@@ -97,9 +97,9 @@ def _split(sysfs, buses, size):
 
 
 def test_two_sockets_of_32_smt_cores_with_8_gpus(tmp_path):
-    """Issue 35, item 5: on a 2x32-core SMT node with 8 GPUs, blocks of sorted CPU numbers gave
-    ranks 4-7 the SMT siblings of ranks 0-3's cores (and none of socket 1's). Each rank takes 8
-    whole physical cores of its GPU's socket, with their siblings, and runs 8 threads."""
+    """On a 2x32-core SMT node with 8 GPUs, each rank takes 8 whole physical cores of its GPU's
+    socket, with their siblings, and runs 8 threads: ranks 4-7 get none of the SMT siblings of
+    ranks 0-3's cores (blocks of sorted CPU numbers would give them those, and none of socket 1's)."""
     sysfs, buses = _sysfs(tmp_path, packages=2, cores_per_package=32, smt=True, gpu_nodes=[0, 0, 0, 0, 1, 1, 1, 1])
     topo, got = _split(sysfs, buses, 8)
     assert topo[70] == CpuPlace(node=0, package=0, core=6) and topo[100] == CpuPlace(node=1, package=1, core=36)

@@ -241,7 +241,7 @@ def test_a_changed_body_runs_deepspeeds_own(stage3, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(n for _, n in ds_compat.MIRRORED))
 def test_a_changed_behaviour_the_integration_relies_on_fails_naming_it(ds, stage3, monkeypatch, name):
-    """Issue 35, item 12: DeepSpeed 0.19.6-0.19.8 changed four behaviours around the store the
+    """DeepSpeed 0.19.6-0.19.8 changed four behaviours around the store the
     engine replaces (step's order and its per-subgroup zeroing, what _release_sub_group drops,
     destroy()'s unpinning; offload_states/reload_states' handling of the gradient buffer is what
     the integration steers). A release whose body of one of these differs, with the same

@@ -150,10 +150,10 @@ def test_the_tuner_keeps_within_the_spare_budget():
     sub = 12 << 20
     pol = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
                  host_staging_bytes=5 * sub, config=PolicyConfig(max_prefetch_depth=16))
-    assert pol._prefetch_cap() == 1  # 5 buffers: depth 1 (2 * 1 + 3)
+    assert pol._limits.prefetch_cap() == 1  # 5 buffers: depth 1 (2 * 1 + 3)
     roomy = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
                    host_staging_bytes=100 * sub, config=PolicyConfig(max_prefetch_depth=16))
-    assert roomy._prefetch_cap() == 16
+    assert roomy._limits.prefetch_cap() == 16
 
 
 def test_fixed_knobs_are_pins_from_the_start():

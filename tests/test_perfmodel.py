@@ -167,7 +167,7 @@ def test_ranks_share_pcie_through_host_memory():
 
 
 def test_the_plan_and_the_engine_share_one_lane_model():
-    """Issue 18, item 4: the plan's GPU and PCIe times are engine.lane_model's, on the profile's rates."""
+    """The plan's GPU and PCIe times are engine.lane_model's, on the profile's rates."""
     from engine.lane_model import lane_times
     from perf.model import _layout, lane_load, lane_rates
 

@@ -588,8 +588,7 @@ def _replay(pol: Policy, scale_waits: float = 1.0) -> list:
 
 def test_recorded_demo_trace_is_left_alone():
     """`make demo`'s real run: the knobs can change only the update's I/O waits, a few percent of
-    the iteration. The policy holds and says why instead of exploring (it made 4 changes in 30
-    steps before)."""
+    the iteration. The policy holds and says why instead of exploring (at most one change)."""
     pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
     decisions = _replay(pol)
     assert len(decisions) <= 1, [d.reason for d in decisions]
@@ -621,14 +620,14 @@ def test_a_move_that_slows_forward_backward_is_rejected():
 
 
 def test_params_are_per_rank(monkeypatch):
-    """The engine registers its own partition's size: the policy must not divide it by the ranks
-    again (it capped prefetch at 2 for 4 ranks of 10 subgroups each, and seeded the model with a
-    model 4x too small)."""
+    """The engine registers its own partition's size: the policy does not divide it by the ranks
+    again (4 ranks of 10 subgroups each: a prefetch cap of 8, not 2, and the model seeded with the
+    rank's parameters, not a quarter of them)."""
     import perf.search
 
     pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4,
                  config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10 ** 15))
-    assert pol._subgroups_per_rank() == 10 and pol._prefetch_cap() == 8
+    assert pol._limits.subgroups_per_rank() == 10 and pol._limits.prefetch_cap() == 8
     seen = {}
 
     def best_plan(profile, wl, paths=None, **kw):
@@ -688,10 +687,10 @@ class ChangeSim(Sim):
 
 
 def test_a_trial_is_judged_on_its_steady_iterations_not_its_one_time_setup():
-    """Issue 35, item 4: the engine keeps one-time costs (pinning for a lane change, gradient
-    buffers) out of its step record, but the iteration time between reports still holds them,
-    and a move more than 25% worse on its first sample was rejected at once. A move whose first
-    measured iteration pays a slow setup is judged on what it costs from then on."""
+    """The engine keeps one-time costs (pinning for a lane change, gradient buffers) out of its
+    step record, but the iteration time between reports still holds them: a move whose first
+    measured iteration pays a slow setup (more than 25% worse on that sample) is judged on what
+    it costs from then on, not rejected at once."""
     start = Knobs(io_concurrency={NVME: 4}, prefetch_depth=2)
     better = 3  # prefetch depth 3 is 20% faster, and its first iterations pin 2 s of buffers
 
@@ -709,10 +708,9 @@ def test_a_trial_is_judged_on_its_steady_iterations_not_its_one_time_setup():
 
 
 def test_a_kept_move_that_turns_out_slower_is_undone():
-    """Issue 35, item 4: under contention a move can look better on its trial's few samples (a
-    transient) and cost more from then on; a tuned run ended 0.82x of the frozen one, holding.
-    Once the good knobs are measured again after it, a kept move that no longer beats what it
-    replaced is undone, and the log says so."""
+    """Under contention a move can look better on its trial's few samples (a transient) and
+    cost more from then on. Once the good knobs are measured again after it, a kept move that
+    no longer beats what it replaced is undone, and the log says so."""
     start = Knobs(io_concurrency={NVME: 4}, prefetch_depth=2)
 
     def cost(k, n):  # depth 3 is quick for its first 4 iterations, then 30% slower than depth 2

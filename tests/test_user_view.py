@@ -1,4 +1,4 @@
-"""What a user sees, second pass (issue 36): a tuner history that learns only from the tuner,
+"""What a user sees: a tuner history that learns only from the tuner,
 the start and end lines that say where knobs came from, and the CLI's own lines.
 
 The tests here need no training run; those that do are in ``test_user_view_runs.py``."""
@@ -61,7 +61,7 @@ class Verdict:
 
 
 def test_a_hand_pin_in_an_interrupted_run_is_no_later_runs_start(tmp_path):
-    """Issue 36, 1: `tune --pin RUN:prefetch_depth=4` in a run stopped by Ctrl-C; the next run
+    """`tune --pin RUN:prefetch_depth=4` in a run stopped by Ctrl-C; the next run
     (another daemon, the same history) starts from its own knobs, and says nothing of history."""
     from tuner.history import History
     from tuner.runs import Runs
@@ -195,7 +195,7 @@ DS_BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "
 
 
 def test_a_config_the_engine_refuses_is_refused_before_the_launch(tmp_path, short_tmp):
-    """Issue 36, 6: ZeRO-2, or ZeRO-3 without offload_optimizer, named by the script's
+    """ZeRO-2, or ZeRO-3 without offload_optimizer, named by the script's
     --deepspeed_config, HF's --deepspeed=FILE or as a JSON among its arguments: one line naming
     the file, at once, no run dir; --engine stock takes it."""
     import time
@@ -245,8 +245,8 @@ def test_a_json_that_is_no_ds_config_is_left_alone(tmp_path):
 
 
 def test_dry_run_is_one_human_block_at_80_columns(short_tmp):
-    """Issue 36, 8: no settings JSON (three times, 40 rows broken mid-token, before); one block
-    with the launch, where the state goes, knobs and pins, the tuner; --json keeps the JSON."""
+    """No settings JSON, and no row broken mid-token: one block with the launch, where the
+    state goes, knobs and pins, the tuner; --json keeps the JSON."""
     from helpers import cli, env_with_root
 
     args = ("train", "--dry-run", "--num_gpus", "1", "--nvme", str(short_tmp), "--prefetch-depth", "3",
@@ -268,7 +268,7 @@ def test_dry_run_is_one_human_block_at_80_columns(short_tmp):
 
 
 def test_json_output_into_a_closed_pipe_ends_quietly(tmp_path):
-    """Issue 36, 11: `plan --json | head` and `train --dry-run --json | head`: no BrokenPipeError."""
+    """`plan --json | head` and `train --dry-run --json | head`: no BrokenPipeError."""
     import subprocess
     import sys
 
@@ -287,7 +287,7 @@ def test_json_output_into_a_closed_pipe_ends_quietly(tmp_path):
 
 
 def test_tune_once_json_with_no_run_is_an_empty_list(tmp_path):
-    """Issue 36, 9: `tune --once --json` with no live run: {"runs": []}, exit 0."""
+    """`tune --once --json` with no live run: {"runs": []}, exit 0."""
     from helpers import cli, env_with_root
 
     (tmp_path / "xdg").mkdir()
@@ -299,7 +299,7 @@ def test_tune_once_json_with_no_run_is_an_empty_list(tmp_path):
 
 
 def test_profile_errors_name_toml_tables_and_plan_says_where_profiles_come_from(tmp_path):
-    """Issue 36, 11: `[machine]`, `[[paths]]`, the top level, never a Python class; `plan`
+    """Profile errors name `[machine]`, `[[paths]]`, the top level, never a Python class; `plan`
     without --profile: how to measure one, and an example; the examples cite nothing a user
     does not have."""
     import glob
@@ -330,8 +330,9 @@ def test_profile_errors_name_toml_tables_and_plan_says_where_profiles_come_from(
 
 
 def test_tune_once_keeps_knob_names_whole_and_history_changes_say_start():
-    """Issue 36, 11: `tune --once` at 80 columns cut knob names; a change made at registration
-    (history's) was listed at iteration -1; iterations counted as the summary counts them."""
+    """`tune --once` at 80 columns keeps knob names whole; a change made at registration
+    (history's) is listed at the start, not at iteration -1; iterations are counted as the
+    summary counts them."""
     from rich.console import Console
 
     from offloadctl.commands.tune_view import run_panel, runs_table
@@ -380,7 +381,7 @@ def test_a_log_line_split_after_a_progress_bar_stays_off_the_terminal():
 
 
 def test_the_readme_says_what_the_code_does():
-    """Issue 36, 11: the sampling rate, the demo's time and last line; single-node options are
+    """The README's sampling rate, the demo's time and last line; single-node options are
     not under "On a cluster"."""
     from helpers import ROOT
 

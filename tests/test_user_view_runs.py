@@ -1,4 +1,4 @@
-"""What a DeepSpeed user sees in tmux at 80x24 (issue 36), with real trainings: the screens are
+"""What a DeepSpeed user sees in tmux at 80x24, with real trainings: the screens are
 captured with ``tmux capture-pane`` as the user would see them.
 
 One scenario serves most tests (a launch costs tens of seconds): a run starts (its start line

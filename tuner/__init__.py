@@ -1,4 +1,4 @@
-"""The tuner daemon (issue 5): watches iteration telemetry and drives ``engine.Knobs``.
+"""The tuner daemon: watches iteration telemetry and drives ``engine.Knobs``.
 
 - :mod:`tuner.protocol`: the wire format (versioned, length-prefixed JSON, schemas, error codes);
 - :mod:`tuner.server`: the daemon's transport (socket, connections, frames, limits; one asyncio loop),

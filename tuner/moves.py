@@ -169,10 +169,10 @@ class MoveSearch:
     def _candidates(self, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
         """Every move worth trying from the good knobs, each with its score (higher: sooner);
         and whether the way back is done."""
-        k, st = state.good_knobs, self.stats(state.baseline)
-        read_share = st.get("read_share", 0.0)
-        io_share = min(1.0, read_share + st.get("write_share", 0.0))
-        shares = st.get("shares", {})
+        k, stats = state.good_knobs, self.stats(state.baseline)
+        read_share = stats.get("read_share", 0.0)
+        io_share = min(1.0, read_share + stats.get("write_share", 0.0))
+        shares = stats.get("shares", {})
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
         planned, back_done = self._planned_moves(k, state)
         out = [*planned, *self._prefetch_moves(k, read_share),

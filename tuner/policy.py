@@ -445,7 +445,7 @@ class Policy:
                 "show above the noise")
 
     def _why(self, move: Move) -> str:
-        st = self._stats()
+        stats = self._stats()
         if move.key == RETURN:
             return ": contention is gone"
         if move.key == START:
@@ -454,20 +454,14 @@ class Policy:
         if knob.path in self._contended and (knob.name == "stripe_weights"
                                              or (knob.name == "io_concurrency" and move.key.step == "-")):
             return ": that path is contended"
-        if not st:
+        if not stats:
             return ""
-        return f" (read wait {100 * st['read_share']:.0f}%, write wait {100 * st['write_share']:.0f}% of the update)"
+        return f" (read wait {100 * stats['read_share']:.0f}%, write wait {100 * stats['write_share']:.0f}% of the update)"
 
     # -- guard rails -----------------------------------------------------------------------------
 
-    def _subgroups_per_rank(self) -> int | None:
-        return self._limits.subgroups_per_rank()
-
     def _device_fits(self, f: float) -> bool:
         return self._limits.device_fits(f)
-
-    def _prefetch_cap(self) -> int:
-        return self._limits.prefetch_cap()
 
     @property
     def _contended(self) -> set[str]:
