@@ -229,8 +229,8 @@ def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_byte
     check_usable(path)
     path = os.path.abspath(path)
     info = device_of(path)
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
+    fs = os.statvfs(path)
+    free = fs.f_bavail * fs.f_frsize
     unit = 2 * max(block_sizes)  # mixed traffic starts its reads and writes half a file apart
     if io_bytes < unit:
         raise ConfigError(f"the probe file ({io_bytes} bytes) must hold at least two of the largest requests "
@@ -333,10 +333,10 @@ def measure_paths(paths: Sequence[tuple[str, Literal["nvme", "remote"]]], *, pro
         if key in done:
             first = done[key]
             info = device_of(p)
-            st = os.statvfs(p)
+            fs = os.statvfs(p)
             note = f"same device as {first.path} ({first.device}), measured there once: "
             out.append(replace(
-                first, path=os.path.abspath(p), kind=kind, device_id=info.device_id, capacity_bytes=st.f_bavail * st.f_frsize,
+                first, path=os.path.abspath(p), kind=kind, device_id=info.device_id, capacity_bytes=fs.f_bavail * fs.f_frsize,
                 read_bytes_per_s=replace(first.read_bytes_per_s, how=note + first.read_bytes_per_s.how),
                 write_bytes_per_s=replace(first.write_bytes_per_s, how=note + first.write_bytes_per_s.how),
                 mixed_bytes_per_s=replace(first.mixed_bytes_per_s, how=note + first.mixed_bytes_per_s.how)))

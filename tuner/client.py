@@ -249,7 +249,7 @@ class TunerClient:
             try:
                 sock = self._connect()
                 delay = self._backoff[0]
-                self._pump(sock)
+                self._exchange(sock)
             except (OSError, ProtocolError, ValueError) as e:
                 if str(e) != self.last_error:  # once per distinct failure, not once per retry
                     refused = isinstance(e, ProtocolError)
@@ -302,7 +302,7 @@ class TunerClient:
                 return validate(msg, SERVER_SCHEMAS)
             self._handle(msg)  # a knobs push may come right after registered
 
-    def _pump(self, sock: socket.socket) -> None:
+    def _exchange(self, sock: socket.socket) -> None:
         """Send the queues and receive pushes until the connection fails or close() is done."""
         frames = FrameBuffer(MAX_FRAME_BYTES)
         sock.settimeout(5.0)  # for sendall only; reads happen when select says so

@@ -385,20 +385,20 @@ def check_daemon_socket(path: str) -> None:
     socket under a root-owned parent (systemd's /run/offloadctl). After connecting, the server's
     credentials must match (:func:`check_daemon_peer`)."""
     me = os.geteuid()
-    st = os.lstat(path)  # FileNotFoundError (an OSError): nothing listens there
-    if not stat.S_ISSOCK(st.st_mode):
+    sock_stat = os.lstat(path)  # FileNotFoundError (an OSError): nothing listens there
+    if not stat.S_ISSOCK(sock_stat.st_mode):
         raise ProtocolError(ErrorCode.PERMISSION, f"{path} is not a socket: not a tuner daemon")
     d = os.path.dirname(os.path.abspath(path))
-    dst, pst = os.stat(d), os.stat(os.path.dirname(d))
-    if dst.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    dir_stat, parent_stat = os.stat(d), os.stat(os.path.dirname(d))
+    if dir_stat.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ProtocolError(ErrorCode.PERMISSION, f"{d} is writable by other users, so the daemon socket in it cannot "
                                                   f"be trusted: use a private directory (--socket)")
     if me != 0:
-        owners = {"socket": st.st_uid, "its directory": dst.st_uid, "the directory above": pst.st_uid}
+        owners = {"socket": sock_stat.st_uid, "its directory": dir_stat.st_uid, "the directory above": parent_stat.st_uid}
         bad = {k: u for k, u in owners.items() if u not in (me, 0)}
     else:  # a service user's daemon (systemd's /run/offloadctl): its own directory under root's
-        bad = {k: u for k, u in (("its directory", dst.st_uid), ("the directory above", pst.st_uid))
-               if u not in (0, st.st_uid) or (k == "the directory above" and u != 0)}
+        bad = {k: u for k, u in (("its directory", dir_stat.st_uid), ("the directory above", parent_stat.st_uid))
+               if u not in (0, sock_stat.st_uid) or (k == "the directory above" and u != 0)}
     if bad:
         what, uid = next(iter(bad.items()))
         raise ProtocolError(ErrorCode.PERMISSION, f"the daemon socket {path}: {what} belongs to uid {uid}, not to you "

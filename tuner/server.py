@@ -156,8 +156,8 @@ class TunerServer:
             log.info("listening on a socket passed by systemd (%s)", sock.getsockname() or "unnamed")
         else:
             sock = bind_socket(self.config.socket_path)
-            st = os.stat(self.config.socket_path)
-            self._sock_ino = (st.st_dev, st.st_ino)
+            bound = os.stat(self.config.socket_path)
+            self._sock_ino = (bound.st_dev, bound.st_ino)
             log.info("listening on %s", self.config.socket_path)
         self._server = await asyncio.start_unix_server(self._on_connect, sock=sock)
         self._spawn(self._housekeeping())
@@ -186,8 +186,8 @@ class TunerServer:
     def _remove_socket_file(self) -> None:
         """Unlink our socket, but not one a newer daemon has bound since."""
         try:
-            st = os.lstat(self.config.socket_path)
-            if (st.st_dev, st.st_ino) == self._sock_ino:
+            now = os.lstat(self.config.socket_path)
+            if (now.st_dev, now.st_ino) == self._sock_ino:
                 os.unlink(self.config.socket_path)
         except FileNotFoundError:
             pass
@@ -464,11 +464,11 @@ def bind_socket(path: str) -> socket.socket:
                           "shorter --socket")
     private_dir(os.path.dirname(os.path.abspath(path)))
     try:
-        st = os.lstat(path)
+        existing = os.lstat(path)
     except FileNotFoundError:
-        st = None
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
+        existing = None
+    if existing is not None:
+        if not stat.S_ISSOCK(existing.st_mode):
             raise ConfigError(f"{path} exists and is not a socket: remove it or pick another --socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(2.0)

@@ -51,7 +51,7 @@ def collect() -> dict:
         "deepspeed_integration": integration,
         "cuda": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "native_ops": {name: st.to_json() for name, st in ops.items()},
+        "native_ops": {name: op.to_json() for name, op in ops.items()},
         "io_backends": ["aio", "posix"] if ops["async_io"].state == "built" else ["posix"],
         "host_adamw_params_per_s": measure_host_kernels(),
         # What runs take: the kernel of the faster host lane (its whole loop timed once per machine
@@ -85,11 +85,11 @@ def build(console: Console) -> None:
         build_ops(on_step=on_step, on_note=lambda op, msg: progress.console.print(f"{op}: {msg}"))
 
 
-def _op_cell(st: dict) -> str:
-    if st["state"] in ("built", "not needed"):
-        return st["state"] if st["state"] == "built" else f"not needed ({st['detail']})"
-    hint = "; `offloadctl info --build`" if st["state"] == "not built" else ""
-    return f"{st['state']} ({st['detail']}): fallback {st['fallback']}{hint}"
+def _op_cell(op: dict) -> str:
+    if op["state"] in ("built", "not needed"):
+        return op["state"] if op["state"] == "built" else f"not needed ({op['detail']})"
+    hint = "; `offloadctl info --build`" if op["state"] == "not built" else ""
+    return f"{op['state']} ({op['detail']}): fallback {op['fallback']}{hint}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,8 +114,8 @@ def info_table(data: dict) -> Table:
     t.add_row("versions", f"offloadctl {data['offloadctl']}, torch {data['torch']}, DeepSpeed {data['deepspeed']}")
     t.add_row("DeepSpeed check", data["deepspeed_integration"])
     t.add_row("GPUs", ", ".join(data["gpus"]) or "none")
-    for name, st in data["native_ops"].items():
-        t.add_row(f"op {name}", _op_cell(st))
+    for name, op in data["native_ops"].items():
+        t.add_row(f"op {name}", _op_cell(op))
     t.add_row("I/O backends", ", ".join(data["io_backends"]))
     names = {"torch": "torch", "deepspeed": "DeepSpeed"}
     t.add_row("AdamW kernels", ", ".join(f"{names.get(n, n)} {format_rate(r, 'params/s')}"
