@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 import textwrap
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -23,6 +24,9 @@ from report.analyze import analyze_run, engine_segments, host_memory_summary, sh
 from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
 from tuner.knob_text import knobs_text
+
+if TYPE_CHECKING:
+    from tuner.run_state import RunView
 
 WIDTH = 80
 STOCK_BYTES_PER_PARAM = 32
@@ -53,7 +57,7 @@ WHO_CHANGED = {"policy": "the tuner", "resync": "the tuner", "user": "you, tune 
 """Who changed a knob, by the daemon's source of the change."""
 
 
-def tuner_lines(view: dict) -> list[str]:
+def tuner_lines(view: RunView) -> list[str]:
     """The tuner's part of the end of a run, from the daemon's view of it
     (``tuner.service.run_view``): every knob that ended other than it started, from what to
     what and who changed it (history names the earlier run), then what the tuner is doing.
@@ -85,7 +89,7 @@ SUMMARY_VERSION = 1
 
 
 def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None = None, stopped_by: str | None = None,
-                        tuner_view: dict | None = None) -> dict:
+                        tuner_view: RunView | None = None) -> dict:
     """The end-of-run summary's figures, for ``offloadctl train --json-summary FILE``: how the
     run ended and, when it recorded iterations, how fast (median iteration, throughput), where
     the time went (shares of the median iteration), why (the bottleneck sentence), the bytes it

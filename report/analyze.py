@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 
 from engine.config import Knobs
+from engine.layout import STATE_BYTES_PER_ELEMENT
 from engine.telemetry import StepRecord
 from report.load import Run
 from tuner.knob_text import flat_knobs
@@ -33,8 +34,6 @@ SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "wri
             "update_other", "outside")
 UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_wait", "update_other")
 PHASES = ("forward", "backward", "update", "outside")
-ADAM_STATE_BYTES = 12
-"""fp32 master weight, exp_avg and exp_avg_sq, per parameter."""
 SEGMENT_LABELS = {
     "forward": "forward", "backward": "backward", "read_wait": "update: waiting for reads",
     "host_lane": "update: host lane (CPU Adam)", "device_lane": "update: device lane (queueing)",
@@ -134,7 +133,7 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         # gradients, written out (in backward, and flushed at the update's first swap-in) and read back.
         summary["gradient_round_trip_bytes_per_param"] = {
             d: max(0.0, _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values())
-                                for i in steady) - ADAM_STATE_BYTES) for d in ("read", "written")}
+                                for i in steady) - STATE_BYTES_PER_ELEMENT) for d in ("read", "written")}
     world = int(rec.header.get("world_size") or 1)
     summary["world_size"] = world
     summary.update(_throughput(steady, iters, summary["median_iter_s"], world))

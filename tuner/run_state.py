@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -135,7 +135,74 @@ class Run:
         return dict(self.policy.pins) if self.policy_ok() else self.own_pins.as_dict()
 
 
-def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
+class Verdict(TypedDict):
+    """What the tuner does with a run, or concluded at its end (:func:`tuner_verdict`)."""
+
+    mode: str | None
+    """frozen (by the user), stopped (the policy failed), trial, holding, measuring; None
+    without a policy."""
+    since_iteration: int | None
+    """While holding: the iteration it started holding at."""
+    trial: str | None
+    """While on trial: the move tried."""
+    reason: str | None
+    """Why: the policy's error, its reason to hold (None when it holds for want of a move to
+    try), or the reason of the tuner's latest change."""
+
+
+class _CompactView(TypedDict):
+    """What every view of a run holds, the compact one too."""
+
+    run_id: str
+    status: str
+    """running, disconnected (its ranks went away without a bye) or finished."""
+    outcome: str
+    """running, finished, or interrupted (:func:`run_outcome`)."""
+    stopped_by: str | None
+    """The signal a rank's bye named: the run was interrupted by it."""
+    verdict: Verdict | None
+    """None in the compact view."""
+    ranks: int
+    connected: int
+    iteration: int
+    """The furthest iteration a rank reported, from 0 (-1: none yet)."""
+    iter_time_s: float | None
+    knobs: dict[str, Any]
+    """``Knobs.to_dict()`` of the latest change pushed ({} in the compact view)."""
+    pins: dict[str, Any]
+    frozen: bool
+    policy: dict | None
+    """The policy's own state (``Policy.state()``)."""
+    history: dict[str, list]
+    paths: list[str]
+    decisions: list[dict]
+    events: list[dict]
+    phases: dict[str, Any]
+    bandwidth: dict[str, dict]
+
+
+class RunView(_CompactView, total=False):
+    """A run as a snapshot shows it (:func:`run_view`), for ``offloadctl tune`` and the end of
+    ``offloadctl train``; the compact view (:func:`encodable_view`) has ``truncated`` and
+    none of the others below."""
+
+    truncated: str
+    seq: int
+    apply_at: int | None
+    params: int
+    has_device: bool
+    started_at: float
+    ended_at: float | None
+    rank_iterations: dict[str, int]
+    sensors: dict | None
+    applied: dict[str, dict[str, int]]
+    policy_error: str | None
+    start_knobs: dict[str, Any]
+    changed_by: dict[str, str]
+    start_from: dict | None
+
+
+def encodable_view(run: Run, history: int, share: int) -> tuple[RunView, int]:
     """``run``'s view and its encoded size; the compact view when the full one fails to
     encode or passes ``share`` bytes."""
     try:
@@ -147,7 +214,7 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         why = f"view could not be encoded ({e})"
         log.error("run %s: %s", run.run_id, why)
-    view = {"run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
+    view: RunView = {"run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
             "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
             "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
             "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None,
@@ -155,7 +222,7 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[dict, int]:
     return view, len(json.dumps(view))
 
 
-def run_view(run: Run, history: int = 60) -> dict:
+def run_view(run: Run, history: int = 60) -> RunView:
     """What ``tune`` shows of a run; ``history`` bounds the per-iteration lists."""
     hist = list(run.history)[-history:] if history else []
     last = run.history[-1] if run.history else None
@@ -188,12 +255,9 @@ def run_outcome(status: str, stopped_by: str | None) -> str:
     return status
 
 
-def tuner_verdict(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> dict:
-    """What the tuner does with a run, or concluded at its end, for the CLI to word: ``mode``
-    (frozen: by the user; stopped: the policy failed; trial, holding, measuring: the policy's
-    own; None without a policy), ``since_iteration`` (holding since), ``trial`` (the move on
-    trial) and ``reason``: the policy's error, its reason to hold (None when it holds for want
-    of a move to try), or the reason of the tuner's latest change."""
+def tuner_verdict(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> Verdict:
+    """What the tuner does with a run, or concluded at its end, for the CLI to word, from the
+    policy's state, the run's freeze and policy error, and its decisions."""
     policy = policy or {}
     mode = "stopped" if policy_error else "frozen" if frozen else policy.get("mode")
     if mode == "stopped":

@@ -20,10 +20,14 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
 from tuner.knob_text import knobs_text
+
+if TYPE_CHECKING:
+    from tuner.run_state import RunView
 
 DISCONNECTED_GRACE_S = 3.0
 """How long a run's ranks must stay away before the live view calls it interrupted."""
@@ -355,7 +359,7 @@ class Controls:
         self.quit = False
         self.sent = False  # a request went to the daemon: the frame is redrawn from a new snapshot
 
-    def keys(self, text: str, runs: list[dict]) -> None:
+    def keys(self, text: str, runs: list[RunView]) -> None:
         i = 0
         while i < len(text):
             ch = text[i]
@@ -391,7 +395,7 @@ class Controls:
             elif ch.isprintable() and ch != " ":
                 self.message = f"no key {ch!r}: ? shows the keys"
 
-    def _run(self, runs: list[dict]) -> dict | None:
+    def _run(self, runs: list[RunView]) -> RunView | None:
         live = [r for r in runs if r["status"] not in ENDED]
         if len(live) == 1:
             return live[0]
@@ -399,7 +403,7 @@ class Controls:
                         else f"{len(live)} runs: pin or freeze one from a view of it alone (tune --run RUN)")
         return None
 
-    def _send(self, runs: list[dict]) -> None:
+    def _send(self, runs: list[RunView]) -> None:
         from engine.errors import ConfigError
 
         kind, text = self.prompt, self.typed.strip()
@@ -426,7 +430,7 @@ class Controls:
         except ProtocolError as e:
             self.message = knob_words(str(e))
 
-    def legend(self, runs: list[dict]):
+    def legend(self, runs: list[RunView]):
         from rich.text import Text
 
         if self.prompt is not None:
@@ -462,7 +466,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     from tuner.protocol import ProtocolError
 
     console = console or Console()
-    last: list[dict] = []
+    last: list[RunView] = []
     seen_running = False
     ended_since: float | None = None
     final: list[dict] | None = None
@@ -524,7 +528,7 @@ def _waiting(target: Target, keys: Keys | None = None) -> str:
             else f"no runs yet at {target.socket} ({leave} to leave)")
 
 
-def ended_runs(last: list[dict], socket_path: str) -> list[dict]:
+def ended_runs(last: list[RunView], socket_path: str) -> list[RunView]:
     """The runs of the last snapshot as they ended once their daemon is gone: as the daemon
     recorded their end (``tuner.service.read_ended``: the run may have ended between two
     snapshots), else interrupted."""

@@ -1,28 +1,34 @@
 """What `offloadctl tune` draws: a run's panel (tuner state, knobs, the iteration time's phases
-and history), the table of runs, and the line a run ends with, from the daemon's snapshot."""
+and history), the table of runs, and the line a run ends with, from the daemon's snapshot: its
+runs' views (:class:`tuner.run_state.RunView`), worded here."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tuner.knob_text import knobs_text, value_text
+
+if TYPE_CHECKING:
+    from tuner.run_state import RunView, Verdict
 
 SPARK = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "disconnected")
 """A run's statuses in the daemon once it is over."""
 
 
-def at_iteration(r: dict) -> int:
+def at_iteration(r: RunView) -> int:
     """The iteration a run is at, counted as the end-of-run summary and the report count it:
     the iterations it completed (the daemon's ``iteration`` is the last one reported, from 0)."""
     return max(0, r["iteration"] + 1)
 
 
-def ended_text(r: dict) -> str:
+def ended_text(r: RunView) -> str:
     """'finished at iteration 30', 'interrupted by SIGINT at iteration 110': the words and the
     count of the end-of-run summary and the report."""
     by = f" by {r['stopped_by']}" if r.get("stopped_by") and r["outcome"] == "interrupted" else ""
     return f"{r['outcome']}{by} at iteration {at_iteration(r)}"
 
 
-def final_line(r: dict) -> str:
+def final_line(r: RunView) -> str:
     """One run's outcome: how it ended, at which iteration, its iteration time and knobs, and
     the tuner's verdict."""
     from engine.units import format_seconds
@@ -62,7 +68,7 @@ def _secs(s: float | None) -> str:
     return "-" if s is None else format_seconds(s)
 
 
-def runs_table(runs: list[dict], width: int = 80):
+def runs_table(runs: list[RunView], width: int = 80):
     """The runs of a snapshot, for ``tune --once``: a line each (status, ranks, iteration,
     iteration time), then its knobs, wrapped whole to ``width`` (never cut)."""
     import textwrap
@@ -83,14 +89,14 @@ def runs_table(runs: list[dict], width: int = 80):
     return out
 
 
-def tuner_state(r: dict) -> str:
+def tuner_state(r: RunView) -> str:
     """What the tuner is doing with the run (:func:`verdict_text`), or how the run ended."""
     if r["status"] in ENDED:
         return ended_text(r)
     return verdict_text(r.get("verdict")) or ("tuning" if r["status"] == "running" else r["status"])
 
 
-def verdict_text(verdict: dict | None) -> str:
+def verdict_text(verdict: Verdict | None) -> str:
     """The tuner's verdict on a run (``tuner.run_state.tuner_verdict``) in words; '' without one."""
     v = verdict or {}
     mode, reason = v.get("mode"), v.get("reason")
@@ -108,7 +114,7 @@ def verdict_text(verdict: dict | None) -> str:
     return ""
 
 
-def knob_control(r: dict) -> str:
+def knob_control(r: RunView) -> str:
     """Which knobs the user pinned and which the tuner may move."""
     from engine.config import Knobs
 
@@ -124,7 +130,7 @@ def knob_control(r: dict) -> str:
     return f"pinned: {pinned}; tuner may move: {movable}"
 
 
-def fitted_panels(runs: list[dict], console, height: int | None = -1) -> list:
+def fitted_panels(runs: list[RunView], console, height: int | None = -1) -> list:
     """The runs' panels at the console's width; with one run, as many decision rows as fit the
     console's height (a frame taller than the terminal would be cut)."""
     height = console.size.height - 1 if height == -1 else height
@@ -137,7 +143,7 @@ def fitted_panels(runs: list[dict], console, height: int | None = -1) -> list:
     return [panel]
 
 
-def run_panel(r: dict, *, width: int | None = None, decisions: int = 6):
+def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
     """One run of a snapshot: what the tuner is doing, knobs, the iteration time (its phases and
     its recent history), per-path traffic, PCIe, and the latest knob changes."""
     from rich.console import Group
