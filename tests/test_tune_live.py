@@ -286,3 +286,30 @@ def test_the_tuner_state_line_follows_the_policys_mode():
                         tuner_state(view())), tuner_state(view())
     pol.pin("prefetch_depth", 3)
     assert pol.state()["holding_reason"] is None and tuner_state(view()) == "measuring the current knobs"
+
+
+def test_the_verdict_is_the_daemons_and_its_words_the_clis():
+    """The snapshot says what the tuner does (mode, since, trial, reason) and how a run ended;
+    tune's view words it, with no sentence of the policy's taken apart."""
+    from offloadctl.commands.tune_view import ended_text, verdict_text
+    from tuner.run_state import run_outcome, tuner_verdict
+
+    decisions = [{"source": "policy", "reason": "kept prefetch_depth 2->3"}, {"source": "user", "reason": "pinned"}]
+    trial = tuner_verdict({"mode": "trial", "trial": "prefetch_depth 3->4"}, frozen=False, policy_error=None,
+                          decisions=decisions)
+    assert trial == {"mode": "trial", "since_iteration": None, "trial": "prefetch_depth 3->4",
+                     "reason": "kept prefetch_depth 2->3"}
+    assert verdict_text(trial) == "trying prefetch_depth 3->4"
+    holding = tuner_verdict({"mode": "holding", "since_iteration": 7, "holding_reason": None}, frozen=False,
+                            policy_error=None, decisions=decisions)
+    assert verdict_text(holding) == "holding (since iteration 7): no move left to try"
+    frozen = tuner_verdict({"mode": "holding"}, frozen=True, policy_error=None, decisions=decisions)
+    assert frozen["reason"] is None and verdict_text(frozen) == "frozen by the user: knobs held"
+    stopped = tuner_verdict(None, frozen=True, policy_error="boom", decisions=[])
+    assert verdict_text(stopped) == "policy stopped: boom"
+    assert verdict_text(tuner_verdict(None, frozen=False, policy_error=None, decisions=[])) == ""
+    assert [run_outcome(s, by) for s, by in (("running", None), ("finished", None), ("finished", "SIGINT"),
+                                              ("disconnected", None))] == ["running", "finished", "interrupted",
+                                                                           "interrupted"]
+    run = {"outcome": "interrupted", "stopped_by": "SIGTERM", "iteration": 9}
+    assert ended_text(run) == "interrupted by SIGTERM at iteration 10"
