@@ -19,7 +19,7 @@ of update time per iteration with the writer window and the decisions.
 Part 2 with ``--pin KNOB=VALUE`` (repeatable; VALUE read as JSON, KNOB a name of
 ``engine.config.Knobs.names()`` or ``io_concurrency[PATH]``): the tuned engine starts with those
 values and they are fixed, as ``offloadctl train --prefetch-depth 2`` fixes them: in-process the
-policy's ``fixed``, through the daemon the engine's ``EngineConfig.fixed_knobs`` in its
+policy's ``pins``, through the daemon the engine's ``EngineConfig.pins`` in its
 registration. The reference engine starts from the same knobs. Reported: the pins, and whether
 every row of the tuned run kept them (``pins_held``).
 
@@ -82,16 +82,16 @@ HYPERS = [AdamWHyper(lr=1e-4)]
 
 
 def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str,
-                 fixed_knobs: tuple[str, ...] = ()) -> SubgroupEngine:
+                 pins: dict | None = None) -> SubgroupEngine:
     """A SubgroupEngine over ``numel`` parameters, every subgroup swapped (no host cache);
-    ``fixed_knobs`` as the run's options would fix them (the engine reports them to a tuner)."""
+    ``pins`` (knob -> value) as the run's options would fix them (the engine reports them to a tuner)."""
     torch.manual_seed(0)
     # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
     weight = torch.randn(numel, device="cpu")
     grad = torch.randn(numel, device="cpu") * 1e-3
     bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs,
-                       fixed_knobs=fixed_knobs)
+                       pins=pins or {})
     return SubgroupEngine(bindings, cfg, knobs)
 
 
@@ -110,7 +110,7 @@ class InProcess:
         # What a registration would carry: the knobs the run fixed, and the spare host budget.
         self.policy = Policy(engine.knobs, paths=paths, has_device=False,
                              subgroup_bytes=max(payload_bytes(sg.numel) for sg in engine.subgroups),
-                             params=sum(sg.numel for sg in engine.subgroups), fixed=fixed,
+                             params=sum(sg.numel for sg in engine.subgroups), pins=fixed,
                              host_staging_bytes=engine.describe().host_staging_bytes,
                              config=PolicyConfig(max_prefetch_depth=max_prefetch))
         self.sensors = Sensors(paths, gpu=False)
@@ -412,7 +412,7 @@ def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
     paths = [s.path for s in specs]
     numel, sub = int(args.params), int(args.subgroup)
     fixed, start = read_pins(args.pin, paths)
-    tuned = build_engine(numel, sub, specs, start, args.io_backend, fixed_knobs=tuple(fixed))
+    tuned = build_engine(numel, sub, specs, start, args.io_backend, pins=fixed)
     # The daemon's sensors would count a reference engine's traffic as contention: none there.
     ref = build_engine(numel, sub, specs, start, args.io_backend) if args.reference and not daemon else None
     driver = (ThroughDaemon(tuned, paths, f"bench-part2-{os.getpid()}", daemon.socket) if daemon

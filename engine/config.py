@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import ClassVar, Iterable, Literal, Mapping
+from typing import Any, ClassVar, Iterable, Literal, Mapping
 
 from engine.errors import ConfigError
 
@@ -136,9 +136,10 @@ class EngineConfig:
     """Host memory for reading ahead beyond the working staging buffers, in whole buffers. None:
     what the paths can read during one forward and backward, measured at the second step
     (``engine.layout.read_ahead_bytes``), within the host memory budget. 0: the working buffers only."""
-    fixed_knobs: tuple[str, ...] = ()
-    """Knobs the user fixed (``prefetch_depth``, or ``io_concurrency[PATH]`` for one path): the
-    engine reports them, and a tuner never moves them."""
+    pins: Mapping[str, Any] = field(default_factory=dict)
+    """Knobs the user fixed, with their values (``{"prefetch_depth": 1}``, or
+    ``{"io_concurrency[PATH]": 8}`` for one path): the engine reports them, and a tuner pins them
+    from the start, never moving them."""
 
     def __post_init__(self) -> None:
         _positive_int("subgroup_numel", self.subgroup_numel)
@@ -151,9 +152,9 @@ class EngineConfig:
         for name in ("host_memory_bytes", "host_memory_floor_bytes", "read_ahead_bytes"):
             if getattr(self, name) is not None:
                 _non_negative_int(name, getattr(self, name))
-        object.__setattr__(self, "fixed_knobs", tuple(self.fixed_knobs))
-        if not all(isinstance(key, str) for key in self.fixed_knobs):
-            raise ConfigError(f"fixed_knobs must be knob names as text, got {self.fixed_knobs!r}")
+        object.__setattr__(self, "pins", dict(self.pins))
+        if not all(isinstance(key, str) for key in self.pins):
+            raise ConfigError(f"pins must map knob names as text to values, got {self.pins!r}")
         if self.io_backend not in ("auto", "aio", "posix"):
             raise ConfigError(f"io_backend must be 'auto', 'aio' or 'posix', got {self.io_backend!r}")
         if self.host_adam not in ("auto", "torch", "deepspeed"):

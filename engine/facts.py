@@ -6,6 +6,7 @@ decided). Frozen: they travel as they are, and ``to_dict`` is their one JSON for
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
 
 from engine.config import Knobs
 from engine.layout import payload_bytes
@@ -39,8 +40,8 @@ class EngineFacts:
     """What the engine holds in host memory now, by kind."""
     host_staging_bytes: int = 0
     """Host bytes the budget leaves for staging buffers (``engine.host_memory.staging_room``)."""
-    fixed_knobs: tuple[str, ...] = ()
-    """Knobs the user fixed: a tuner never moves them."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """Knobs the user fixed (``EngineConfig.pins``), with their values in force: a tuner never moves them."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,4 +87,16 @@ def facts_of(engine) -> EngineFacts:
         device_lane_bytes=engine.device_tier.lane_bytes(),
         device_lane_available=engine.device_lane is not None and engine.device_tier.lane_has_room,
         host_memory_budget_bytes=engine.host_memory.budget_bytes, host_bytes=engine.host_usage().to_dict(),
-        host_staging_bytes=engine.host_memory.staging_room(), fixed_knobs=engine.config.fixed_knobs)
+        host_staging_bytes=engine.host_memory.staging_room(), pins=pins_in_force(engine.config.pins, engine.knobs))
+
+
+def pins_in_force(pins: Mapping[str, Any], knobs: Knobs) -> dict[str, Any]:
+    """``pins`` (knob, or ``io_concurrency[PATH]``, -> value) with the values of ``knobs``: the engine
+    may run a pin lower than given (a prefetch depth the host budget cannot stage, a device
+    fraction the device has no room for), and a tuner pins what runs."""
+    out = {}
+    for key in pins:
+        name, _, path = key.partition("[")  # only io_concurrency is pinned per path (tuner.knob_text.KnobKey)
+        value = getattr(knobs, name)
+        out[key] = knobs.concurrency_for(path[:-1]) if path else dict(value) if isinstance(value, Mapping) else value
+    return out

@@ -155,7 +155,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                               host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank,
                               host_memory_bytes=host_memory_bytes, host_memory_floor_bytes=host_memory_floor_bytes,
                               read_ahead_bytes=read_ahead_bytes, overlap_io=overlap_io,
-                              fixed_knobs=(*given, *(f"io_concurrency[{p}]" for p in concurrency)))
+                              pins={**given, **{f"io_concurrency[{p}]": n for p, n in concurrency.items()}})
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)
         # Read ahead during backward: the first gradient accumulated after a step starts the

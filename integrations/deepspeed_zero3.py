@@ -3,8 +3,8 @@
 :func:`install` checks the installed DeepSpeed (``ds_compat``), loads DeepSpeed's native ops
 without compiling them in the rank, and has ``ds_patches`` put the subclass
 (``integrations.zero3_optimizer.OffloadZero3Optimizer``, which says what it changes against stock
-DeepSpeed) in place of DeepSpeed's ZeRO-3 optimizer before ``deepspeed.initialize``, with the
-rank's :class:`ZeroEngineSettings` (``integrations.settings``).
+DeepSpeed) in place of DeepSpeed's ZeRO-3 optimizer before ``deepspeed.initialize``, given the
+rank's :class:`ZeroEngineSettings` (``integrations.settings``) by ``optimizer_class``.
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def install(settings: ZeroEngineSettings):
     ds_compat.check_deepspeed(ds)
     _keep_deepspeed_from_compiling()
     from integrations import ds_patches
-    from integrations.zero3_optimizer import OffloadZero3Optimizer
+    from integrations.zero3_optimizer import optimizer_class
 
-    OffloadZero3Optimizer.settings = settings  # one install per process: the rank's settings
-    ds_patches.replace_zero3_optimizer(OffloadZero3Optimizer)
-    return OffloadZero3Optimizer
+    cls = optimizer_class(settings)
+    ds_patches.replace_zero3_optimizer(cls)
+    return cls

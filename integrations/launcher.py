@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from integrations import bootstrap
 from integrations.run_output import LauncherOutput
@@ -178,6 +179,41 @@ def with_rank_settings(command: Sequence[str], rank_settings: RankSettings) -> l
     i = cmd.index(bootstrap.CONFIG_FLAG)
     cmd[i + 1] = json.dumps(rank_settings.to_json())
     return cmd
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What ``offloadctl train`` starts, resolved: its one JSON form (:meth:`to_json`) is what
+    ``train --dry-run --json`` prints."""
+
+    command: tuple[str, ...]
+    """DeepSpeed's launcher with the bootstrap in place of the script (:func:`launch_command`),
+    ``settings`` as JSON in it."""
+    env: Mapping[str, str]
+    """What the launch adds to the environment (:func:`launch_env`)."""
+    settings: RankSettings
+    tuner: str
+    """'auto' (the running daemon, else a private one), 'off', or a daemon's socket."""
+    preview: Mapping | None = None
+    """With ``--profile`` and ``--params``: what each rank would plan for that size; None without."""
+
+    @classmethod
+    def of(cls, launcher_args: Sequence[str], settings: RankSettings, script: str, script_args: Sequence[str], *,
+           tuner: str, preview: Mapping | None = None) -> "Launch":
+        return cls(command=tuple(launch_command(launcher_args, settings, script, script_args)), env=launch_env(),
+                   settings=settings, tuner=tuner, preview=preview)
+
+    def with_tuner_socket(self, socket_path: str) -> "Launch":
+        """The launch with the ranks pointed at ``socket_path``."""
+        settings = self.settings.with_tuner_socket(socket_path)
+        return replace(self, command=tuple(with_rank_settings(self.command, settings)), settings=settings)
+
+    def to_json(self) -> dict:
+        out = {"command": list(self.command), "env": dict(self.env), "settings": self.settings.to_json(),
+               "tuner": self.tuner}
+        if self.preview is not None:
+            out["plan_preview"] = dict(self.preview)  # the key --json always had
+        return out
 
 
 # -- running it ---------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ the way that keeps it from compiling native ops in a rank.
 from __future__ import annotations
 
 import atexit
-from typing import ClassVar
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -87,10 +86,14 @@ class ZeroPartitionSubgroup:
 
 class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with the engine in place of its optimizer offload (see the
-    module docstring for what changes). ``settings`` is set by :func:`install` before
-    ``deepspeed.initialize`` builds it."""
+    module docstring for what changes), for a rank's :class:`ZeroEngineSettings`
+    (:func:`optimizer_class` hands them over)."""
 
-    settings: ClassVar[ZeroEngineSettings] = ZeroEngineSettings()
+    settings: ZeroEngineSettings
+
+    def __init__(self, *args, settings: ZeroEngineSettings, **kwargs) -> None:
+        self.settings = settings  # before DeepSpeed's __init__, which calls _configure_offloading and the rest
+        super().__init__(*args, **kwargs)
 
     def _configure_offloading(self, offload_optimizer_config, offload_param_config):
         super()._configure_offloading(offload_optimizer_config, offload_param_config)
@@ -199,7 +202,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
         paths = storage_paths(nvme, self.settings.remote_paths)
         host_cache = resolve_host_cache(self.settings.host_cache_bytes, paths)
-        knobs = self.settings.knobs
+        knobs = self.settings.start_knobs
         subgroup_numel = max(self.fp16_partitioned_groups_flat_numel)
         self.plan_summary = None
         if self.settings.profile:
@@ -213,7 +216,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                               io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank,
                               local_ranks=local_ranks, host_memory_bytes=self.settings.host_memory_bytes,
                               read_ahead_bytes=self.settings.read_ahead_bytes, overlap_io=self.settings.overlap_io,
-                              fixed_knobs=tuple(self.settings.knob_overrides))
+                              pins=self.settings.pins)
         return config, knobs
 
     def _rank_plan(self, paths, **measured):
@@ -226,7 +229,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         return plan_for_rank(self.settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
                              world_size=world, subgroup_numel=max(self.fp16_partitioned_groups_flat_numel),
                              paths=paths, weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
-                             host_cache_bytes=self.settings.host_cache_bytes, knob_overrides=self.settings.knob_overrides,
+                             host_cache_bytes=self.settings.host_cache_bytes, pins=self.settings.pins,
                              **measured)
 
     def _fit_to_gpu(self) -> None:
@@ -560,3 +563,17 @@ def _check_adamw(optimizer) -> None:
     if not adamw or getattr(optimizer, "bias_correction", True) is False:
         raise ConfigError(f"offloadctl's engine runs AdamW (decoupled weight decay, bias correction); the ds_config "
                           f"asks for {name} without them: set \"optimizer\": {{\"type\": \"AdamW\"}}")
+
+
+def optimizer_class(settings: ZeroEngineSettings) -> type["OffloadZero3Optimizer"]:
+    """The class DeepSpeed builds in this rank (``integrations.deepspeed_zero3.install`` puts it in
+    place of its ZeRO-3 optimizer): :class:`OffloadZero3Optimizer` given the rank's ``settings``.
+    DeepSpeed calls the class with its own arguments only, so the settings travel in this closure."""
+
+    class RankOffloadZero3Optimizer(OffloadZero3Optimizer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, settings=settings, **kwargs)
+
+    # DeepSpeed's logs and errors name the optimizer's class: the one this module documents.
+    RankOffloadZero3Optimizer.__name__ = RankOffloadZero3Optimizer.__qualname__ = OffloadZero3Optimizer.__name__
+    return RankOffloadZero3Optimizer

@@ -57,10 +57,10 @@ def node_layout(world_size: int) -> tuple[int, int]:
 
 def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subgroup_numel: int,
                   paths: tuple[StoragePath, ...], weight_bytes: int, host_cache_bytes: int | None,
-                  knob_overrides: dict, gpu_headroom_bytes: int | None = None,
+                  pins: dict, gpu_headroom_bytes: int | None = None,
                   device_cache_bytes: int | None = None, device_fraction: float | None = None) -> RankPlan:
     """The model's best plan for this run, with ``host_cache_bytes`` (when not None) and
-    ``knob_overrides`` (knob name -> value the user set) taking precedence.
+    ``pins`` (knob name -> value the user's options fixed) taking precedence.
 
     ``gpu_headroom_bytes``: what the first forward/backward left free on the GPU (measured by
     the engine at the first step); ``device_cache_bytes``: the device tier the engine fitted to
@@ -94,8 +94,8 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
             plan = best.plan
     if host_cache_bytes is not None:
         plan = plan.replace(host_cache_bytes=host_cache_bytes)
-    if knob_overrides:
-        plan = plan.with_knobs(**knob_overrides)
+    if pins:
+        plan = plan.with_knobs(**pins)
     pred = best if plan == best.plan else predict(profile, workload, plan)
     declared = tuple(replace(sp, read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
                              write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value)

@@ -108,10 +108,10 @@ def _train_launch(tmp_path, *flags):
     args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), *flags,
                                       str(script), "--lr", "1"])
     launch = train.build(args)
-    settings = dict(launch["settings"].to_json(), run_id=None)  # random per launch
-    cmd = launch["command"]
+    settings = dict(launch.settings.to_json(), run_id=None)  # random per launch
+    cmd = launch.command
     i = cmd.index("--offloadctl-config")
-    return settings, cmd[:i + 1] + cmd[i + 2:], launch["env"]
+    return settings, cmd[:i + 1] + cmd[i + 2:], launch.env
 
 
 @pytest.mark.parametrize("old,new", [
@@ -132,7 +132,7 @@ def test_train_sizes_reach_the_ranks_in_bytes(tmp_path):
                                        "--master_port", "29999")
     assert settings["host_cache_bytes"] == 64 * GB and settings["device_cache_bytes"] == 8 * GIB
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and cmd[cmd.index("--master_port") + 1] == "29999"
-    assert cmd[-2:] == ["--lr", "1"] and cmd[-3].endswith("script.py")
+    assert cmd[-2:] == ("--lr", "1") and cmd[-3].endswith("script.py")
     assert env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
 
 

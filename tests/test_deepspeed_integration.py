@@ -181,7 +181,7 @@ def test_profile_starts_from_the_model_plan(tmp_path):
     params = recs[0]["params"]
     expected = plan_for_rank(prof, params_total=params, world_size=1, subgroup_numel=100,
                              paths=(StoragePath(path=str(nvme)),), weight_bytes=4, host_cache_bytes=2000,
-                             knob_overrides={})
+                             pins={})
     assert recs[0]["knobs"]["prefetch_depth"] == expected.knobs.prefetch_depth
     assert all(r["knobs"] == recs[0]["knobs"] for r in recs)  # --tuner off: never changed
 

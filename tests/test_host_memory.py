@@ -160,7 +160,7 @@ def test_fixed_knobs_are_pins_from_the_start():
     from tuner.policy import Policy
 
     pol = Policy(Knobs(prefetch_depth=2), paths=["/nvme0"], has_device=False, subgroup_bytes=1 << 20,
-                 fixed={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4})
+                 pins={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4})
     assert pol.pins == {"prefetch_depth": 2, "io_concurrency[/nvme0]": 4}
     assert pol.state()["fixed"] == ["prefetch_depth", "io_concurrency[/nvme0]"]
     assert "fixed by the run's options" in pol.log[-1]["reason"]
@@ -233,7 +233,7 @@ def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     settings = json.loads(out.stdout)["settings"]
-    assert settings["host_memory_bytes"] == 2 * 10**9 and settings["knob_overrides"] == {"prefetch_depth": 3}
+    assert settings["host_memory_bytes"] == 2 * 10**9 and settings["pins"] == {"prefetch_depth": 3}
     assert not (tmp_path / "run").exists()
 
 

@@ -114,18 +114,36 @@ def test_rank_settings_reach_the_bootstrap_as_built(tmp_path):
     args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), "--nvme",
                                       str(tmp_path), "--prefetch-depth", "3", "--record-hz", "5", "--bind-cores",
                                       "off", "--verbose", str(script), "--lr", "1"])
-    plan = train.build(args)
-    built = plan["settings"]
-    assert isinstance(built, RankSettings) and built.zero.knobs.prefetch_depth == 3 and built.recorder.sample_hz == 5.0
-    plan = train.with_tuner_socket(plan, "/tmp/tuner.sock")
-    cmd = plan["command"]
+    launch = train.build(args)
+    built = launch.settings
+    assert isinstance(built, RankSettings) and built.zero.pins == {"prefetch_depth": 3}
+    assert built.zero.start_knobs.prefetch_depth == 3 and built.recorder.sample_hz == 5.0
+    launch = launch.with_tuner_socket("/tmp/tuner.sock")
+    cmd = launch.command
     runner = cmd.index("deepspeed.launcher.runner")
     read, got_script, got_args = bootstrap.split_argv(["--local_rank=0", *cmd[runner + 2:]])
-    assert read == plan["settings"] == dataclasses.replace(
+    assert read == launch.settings == dataclasses.replace(
         built, zero=dataclasses.replace(built.zero, tuner_socket="/tmp/tuner.sock"))
     assert got_script == str(script) and got_args == ["--local_rank=0", "--lr", "1"]
-    assert launcher.with_rank_settings(cmd, read) == cmd
+    assert tuple(launcher.with_rank_settings(cmd, read)) == cmd
     # The engine's fields and the rank's share one flat JSON object (the keys --dry-run prints).
     own = {f.name for f in dataclasses.fields(RankSettings)} - {"zero"}
     assert own.isdisjoint(f.name for f in dataclasses.fields(ZeroEngineSettings))
     assert RankSettings.from_json({}) == RankSettings()
+
+
+def test_rank_settings_validate_themselves():
+    """The settings refuse what no rank could run, naming it: a key of another offloadctl, a pin
+    no knob takes, and the engine's options with --engine stock (in the order train's help gives them)."""
+    from engine.errors import ConfigError
+    from integrations.settings import RankSettings, ZeroEngineSettings
+
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['knob_overrides'\]"):
+        RankSettings.from_json({"knob_overrides": {}})
+    with pytest.raises(ConfigError, match="prefetch_depth must be at most 64"):
+        ZeroEngineSettings(pins={"prefetch_depth": 65})
+    zero = ZeroEngineSettings(nvme_paths=["/x"], host_cache_bytes=0, pins={"node_lock": True, "prefetch_depth": 1})
+    assert zero.nvme_paths == ("/x",) and zero.start_knobs.node_lock and zero.start_knobs.prefetch_depth == 1
+    with pytest.raises(ConfigError, match="so --nvme, --prefetch-depth, --node-lock do not apply"):
+        RankSettings(engine="stock", zero=zero)
+    assert RankSettings.from_json(RankSettings(zero=zero).to_json()) == RankSettings(zero=zero)

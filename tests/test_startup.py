@@ -20,7 +20,7 @@ from offloadctl.commands import train
 args = build_parser().parse_args(sys.argv[1:])
 launch = train.build(args)
 print(json.dumps({"torch": "torch" in sys.modules, "deepspeed": "deepspeed" in sys.modules,
-                  "command": launch["command"]}))
+                  "command": launch.command}))
 """
 
 

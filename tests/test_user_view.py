@@ -17,11 +17,11 @@ class Peer:
         self.pid = pid
 
 
-def _register(runs, peer, run_id, *, knobs=None, fixed=(), rank=0):
+def _register(runs, peer, run_id, *, knobs=None, pins=None, rank=0):
     msg = {"type": "register", "run_id": run_id, "rank": rank, "world_size": 1, "params": 1000, "paths": [],
            "knobs": (knobs or Knobs()).to_dict(), "has_device": False, "subgroup_bytes": 12000}
-    if fixed:
-        msg["fixed_knobs"] = list(fixed)
+    if pins:
+        msg["pins"] = dict(pins)
     return runs.register(peer, msg)
 
 
@@ -92,7 +92,7 @@ def test_a_finished_run_with_a_pin_teaches_only_the_knobs_the_tuner_chose(tmp_pa
     with History(str(tmp_path / "tuner.db")) as history:
         runs = Runs(ServerConfig(socket_path="unused"), sensors_factory=False, history=history)
         a = Peer(1)
-        _register(runs, a, "pinned", knobs=Knobs(node_lock=True), fixed=["node_lock"])
+        _register(runs, a, "pinned", knobs=Knobs(node_lock=True), pins={"node_lock": True})
         runs.pin({"run_id": "pinned", "knob": "prefetch_depth", "value": 4})
         _iterations(runs, a, "pinned", 8, Knobs(prefetch_depth=4, node_lock=True))
         _end(runs, a, "pinned")
@@ -133,7 +133,7 @@ def test_the_tuners_verdict_is_the_next_runs_start_and_every_line_says_so(tmp_pa
         assert all(len(x) <= 80 for x in line.splitlines())
 
         c = Peer(3)
-        assert "start_from" not in _register(runs, c, "own", knobs=Knobs(prefetch_depth=1), fixed=["prefetch_depth"])
+        assert "start_from" not in _register(runs, c, "own", knobs=Knobs(prefetch_depth=1), pins={"prefetch_depth": 1})
         assert _knob_pushes(runs) == []
 
 

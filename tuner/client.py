@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
@@ -72,7 +72,7 @@ class TunerClient:
 
     def __init__(self, socket_path: str, *, run_id: str, rank: int, world_size: int, params: int,
                  paths: Sequence[str], knobs: Knobs, profile=None, has_device: bool = False,
-                 device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, fixed_knobs: Sequence[str] = (),
+                 device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, pins: Mapping[str, Any] | None = None,
                  host_staging_bytes: int | None = None, queue_size: int = 256,
                  backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0,
                  step_is_iteration: bool = False) -> None:
@@ -88,7 +88,7 @@ class TunerClient:
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
         self._static = {"params": int(params), "paths": [os.path.abspath(p) for p in paths], "profile": profile,
                         "has_device": bool(has_device), "subgroup_bytes": int(subgroup_bytes),
-                        "fixed_knobs": list(fixed_knobs)}
+                        "pins": dict(pins or {})}
         if host_staging_bytes is not None:
             self._static["host_staging_bytes"] = int(host_staging_bytes)
         self.knobs = knobs
@@ -131,7 +131,7 @@ class TunerClient:
         client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
                      params=facts.params, paths=facts.paths, knobs=facts.knobs,
                      has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
-                     fixed_knobs=facts.fixed_knobs, host_staging_bytes=facts.host_staging_bytes, **kw)
+                     pins=facts.pins, host_staging_bytes=facts.host_staging_bytes, **kw)
         if hook:
             engine.add_step_hook(client)
         return client

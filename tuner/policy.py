@@ -49,7 +49,7 @@ class Policy:
 
     def __init__(self, start: Knobs, *, paths: Sequence[str], has_device: bool, subgroup_bytes: int,
                  device_headroom_bytes: int | None = None, profile=None, params: int = 0, ranks: int = 1,
-                 fixed: Mapping[str, Any] | None = None, host_staging_bytes: int | None = None,
+                 pins: Mapping[str, Any] | None = None, host_staging_bytes: int | None = None,
                  config: PolicyConfig | None = None) -> None:
         if not isinstance(start, Knobs):
             raise ConfigError(f"Policy start must be engine.Knobs, got {type(start).__name__}")
@@ -102,7 +102,7 @@ class Policy:
         self._knobs = self._good_knobs = start
         self.fixed: list[str] = []
         """Knobs the run's options fixed (pinned from the start)."""
-        self._fix(fixed or {})
+        self._pin_from_the_start(pins or {})
         if profile is not None:
             self._start_from_model(profile, start)
 
@@ -111,7 +111,7 @@ class Policy:
         """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
         return cls(start, paths=facts.paths, has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
                    device_headroom_bytes=facts.device_headroom_bytes, profile=facts.profile, params=facts.params,
-                   ranks=facts.ranks, fixed=facts.fixed, host_staging_bytes=facts.host_staging_bytes, config=config)
+                   ranks=facts.ranks, pins=facts.pins, host_staging_bytes=facts.host_staging_bytes, config=config)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -218,10 +218,10 @@ class Policy:
         else:
             self._note(f"pinned {knob}={value} by the user (already in force)", "user")
 
-    def _fix(self, fixed: Mapping[str, Any]) -> None:
+    def _pin_from_the_start(self, pins: Mapping[str, Any]) -> None:
         """Pin what the run's options fixed (``train`` flags, ``OffloadAdamW`` arguments; key ->
         value): the search never moves them, as it never moves a ``tune --pin``."""
-        for text, value in fixed.items():
+        for text, value in pins.items():
             try:
                 key, value, self._knobs = self._pins.pin(text, value, self._knobs, self.paths, self.has_device)
             except ConfigError as e:  # a fixed knob this run cannot have: the engine refused it already

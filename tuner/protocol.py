@@ -27,8 +27,10 @@ from typing import Any, Callable
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
 
-API_VERSION = 2
-"""2: a step record's ``update_s`` is the update phase (1 called it ``wall_s``), ``kernel_s`` the math."""
+API_VERSION = 3
+"""3: ``register`` carries ``pins`` (knob -> value the run's options fixed) where 2 named them in
+``fixed_knobs``; 2: a step record's ``update_s`` is the update phase (1 called it ``wall_s``),
+``kernel_s`` the math."""
 MAX_FRAME_BYTES = 1 << 20
 HEADER = struct.Struct(">I")
 
@@ -211,6 +213,8 @@ KNOB = Str(4200, r"(%s)(\[.+\])?" % "|".join(KNOB_NAMES))
 _KNOB_WIRE = {"device_fraction": Num(0), "prefetch_depth": Int(0), "io_concurrency": Dict(Int(1), PATH, 64),
               "node_lock": Bool, "stripe_weights": Dict(Num(0), PATH, 64)}
 KNOBS = Obj({name: (_KNOB_WIRE[name], False) for name in KNOB_NAMES})
+PINS = Dict(Any_, KNOB, 64)
+"""Knob -> value pinned (a value the policy checks as it checks a ``pin`` request's)."""
 # The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
 SECONDS = Num(0, SECONDS_MAX)
 RECORD = Obj({
@@ -233,9 +237,9 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                  "paths": (List(PATH, 64), True), "knobs": (KNOBS, True), "profile": (PROFILE, False),
                  "has_device": (Bool, True), "device_headroom_bytes": (Opt(Int(0)), False),
                  "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False),
-                 # knobs the run's options fixed (pinned from the start), and the rank's host
-                 # bytes for staging buffers within its host-memory budget
-                 "fixed_knobs": (List(KNOB, 64), False), "host_staging_bytes": (Opt(Int(0)), False)},
+                 # knobs the run's options fixed, with their values (pinned from the start), and
+                 # the rank's host bytes for staging buffers within its host-memory budget
+                 "pins": (PINS, False), "host_staging_bytes": (Opt(Int(0)), False)},
     "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
                   "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},

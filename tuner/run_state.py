@@ -43,25 +43,27 @@ class RunFacts:
     profile: Any = None
     """A hardware profile (its name or path, or the profile itself) to start from the model's plan."""
     device_headroom_bytes: int | None = None
-    fixed: dict[str, Any] = field(default_factory=dict)
-    """Knobs the run's options fixed, with their values: pinned from the start."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """Knobs the run's options fixed, with their values (the register message's): pinned from the start."""
     host_staging_bytes: int | None = None
     """Host bytes per rank its host-memory budget leaves for staging buffers."""
 
     @classmethod
-    def from_register(cls, msg: dict, knobs: Knobs) -> "RunFacts":
-        """The facts of a validated register message whose knobs are ``knobs``. A fixed knob the
-        run cannot have is left out, with a warning (the engine refused it already)."""
+    def from_register(cls, msg: dict) -> "RunFacts":
+        """The facts of a validated register message. A pin the run cannot have (a path not its
+        own) is left out, with a warning (the engine refused it already)."""
         paths = tuple(msg["paths"])
-        fixed = {}
-        for text in msg.get("fixed_knobs", ()):
+        pins = {}
+        for text, value in msg.get("pins", {}).items():
             try:
-                fixed[text] = KnobKey.parse(text, paths).value_in(knobs)
+                KnobKey.parse(text, paths)
             except ConfigError as e:
                 log.warning("run %s: fixed knob %s ignored: %s", msg["run_id"], text, e)
+                continue
+            pins[text] = value
         return cls(ranks=msg["world_size"], params=msg["params"], paths=paths, has_device=msg["has_device"],
                    subgroup_bytes=msg["subgroup_bytes"], profile=msg.get("profile"),
-                   device_headroom_bytes=msg.get("device_headroom_bytes"), fixed=fixed,
+                   device_headroom_bytes=msg.get("device_headroom_bytes"), pins=pins,
                    host_staging_bytes=msg.get("host_staging_bytes"))
 
 

@@ -166,7 +166,7 @@ class Runs:
 
     def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
         self._make_room(msg["run_id"])
-        run = Run(run_id=msg["run_id"], facts=RunFacts.from_register(msg, knobs), knobs=knobs,
+        run = Run(run_id=msg["run_id"], facts=RunFacts.from_register(msg), knobs=knobs,
                   history=deque(maxlen=self.config.history_points))
         self.runs[run.run_id] = run
         from_history = self._warm_start(run, knobs, paths)
@@ -214,7 +214,7 @@ class Runs:
             warm = self.history.warm_start(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(paths))
             if warm is None:
                 return None
-            fixed = {split_key(k)[0] for k in run.facts.fixed}
+            fixed = {split_key(k)[0] for k in run.facts.pins}
             start = knobs
             for name in warm.learned:
                 if name in fixed:
@@ -331,7 +331,7 @@ class Runs:
         state = run.policy.state() if run.policy_ok() and callable(getattr(run.policy, "state", None)) else None
         if not state or not isinstance(state.get("good_knobs"), dict):
             return in_force, []
-        pinned = {split_key(k)[0] for k in state.get("pins") or {}} | {split_key(k)[0] for k in run.facts.fixed}
+        pinned = {split_key(k)[0] for k in state.get("pins") or {}} | {split_key(k)[0] for k in run.facts.pins}
         return knobs_from_dict(state["good_knobs"]), [n for n in Knobs.names() if n not in pinned]
 
     def _maybe_summarize(self, run: Run, i: int, iter_time: float | None, update_s: float) -> None:

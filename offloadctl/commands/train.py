@@ -24,10 +24,14 @@ import shlex
 import stat
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from integrations import launcher
 from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
 from report.recorder import ENGINES, RecorderConfig
+
+if TYPE_CHECKING:
+    from integrations.settings import RankSettings
 
 PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]"}
 
@@ -134,9 +138,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_size_epilog(p)
 
 
-def build(args: argparse.Namespace) -> dict:
-    """The resolved launch: command, environment additions, the ranks' settings
-    (:class:`integrations.settings.RankSettings`) and the tuner."""
+def build(args: argparse.Namespace) -> launcher.Launch:
+    """The resolved launch (:class:`integrations.launcher.Launch`): command, environment additions,
+    the ranks' settings (:class:`integrations.settings.RankSettings`, whose validation refuses
+    options that conflict) and the tuner."""
+    _check_inputs(args)
+    tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
+    settings = rank_settings(args, tuner_socket=None if tuner in ("auto", "off") else tuner)
+    preview = None
+    if settings.zero.profile and args.params:
+        from offloadctl.commands.plan import parse_params
+
+        preview = preview_plan(settings.zero, parse_params(args.params))
+    return launcher.Launch.of(launcher.launcher_args(vars(args)), settings, args.script, args.script_args,
+                              tuner=tuner, preview=preview)
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """The script, the launcher's values, the summary's path and the ds_config, checked before
+    anything slow: a typo fails at once."""
     from engine.errors import ConfigError
 
     if os.path.isdir(args.script):
@@ -158,69 +178,60 @@ def build(args: argparse.Namespace) -> dict:
         from integrations.ds_config_check import check_ds_config
 
         check_ds_config(args.script_args)
-    host_cache = size_bytes(args.host_cache)
-    host_memory = size_bytes(args.host_memory)
-    read_ahead = size_bytes(args.read_ahead, auto=True)
-    device_cache = size_bytes(args.device_cache, auto=True)
-    # Imported after the cheap checks: torch and DeepSpeed take seconds, and a typo should fail at once.
-    from engine.storage.usable import check_usable
 
-    for path in args.nvme + args.remote:
-        check_usable(os.path.abspath(path))
-    notes = [_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote))
-             for path in paths]
-    device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
-    if args.engine == "stock":
-        given = [flag for flag, v in (("--nvme", args.nvme), ("--remote", args.remote), ("--host-cache", host_cache),
-                                      ("--host-memory", host_memory), ("--read-ahead", read_ahead),
-                                      ("--no-io-overlap", not args.io_overlap),
-                                      ("--device-cache", device_cache), ("--device-fraction", device_fraction),
-                                      ("--profile", args.profile), ("--prefetch-depth", args.prefetch_depth),
-                                      ("--node-lock", args.node_lock), ("--lane-device", args.lane_device))
-                 if v not in (None, False, [], ())]
-        if given:
-            raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
-                              f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
-                              f"--engine stock")
+
+def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "RankSettings":
+    """The ranks' settings from the options; a bad value is a ConfigError naming its option, and
+    the settings refuse options that conflict (``--engine stock`` with the engine's) and storage
+    paths the engine cannot use."""
+    from engine.errors import ConfigError
     from integrations.run_dir import default_run_dir
+    from integrations.settings import RankSettings, ZeroEngineSettings
 
+    host_cache, host_memory = size_bytes(args.host_cache), size_bytes(args.host_memory)
+    read_ahead, device_cache = size_bytes(args.read_ahead, auto=True), size_bytes(args.device_cache, auto=True)
+    device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else default_run_dir()
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
-    overrides = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
-                                   ("device_fraction", device_fraction)) if v is not None}
-    profile = None
-    if args.profile:
-        from perf.profile_toml import load_profile, resolve_profile
-
-        profile = resolve_profile(args.profile)
-        load_profile(profile)  # a malformed profile fails here, once, not in every rank
-    tuner = "off" if args.engine == "stock" else tuner_target(args.tuner)
-
-    from integrations.settings import RankSettings, ZeroEngineSettings
-
+    pins = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
+                              ("device_fraction", device_fraction)) if v is not None}
+    try:
+        zero = ZeroEngineSettings(
+            nvme_paths=tuple(os.path.abspath(p) for p in args.nvme),
+            remote_paths=tuple(os.path.abspath(p) for p in args.remote), host_cache_bytes=host_cache,
+            host_memory_bytes=host_memory, read_ahead_bytes=read_ahead, overlap_io=args.io_overlap, run_dir=run_dir,
+            device_cache_bytes=device_cache, auto_device_fraction=device_fraction is None,
+            lane_device=args.lane_device, io_backend=args.io_backend, pins=pins,
+            profile=_checked_profile(args.profile) if args.engine != "stock" else args.profile,
+            tuner_socket=tuner_socket, run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
+    except ConfigError as e:  # a pin no knob takes, in the words the user typed
+        raise ConfigError(knob_words(str(e), {n: "--" + n.replace("_", "-") for n in pins})) from None
+    if args.engine != "stock":
+        zero.check_storage_paths()
     # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
     ds_binds = getattr(args, launcher.option_dest(("--bind_cores_to_rank",)), False)
-    bind_cores = "off" if args.bind_cores == "auto" and ds_binds else args.bind_cores
-
-    zero = ZeroEngineSettings(
-        nvme_paths=tuple(os.path.abspath(p) for p in args.nvme), remote_paths=tuple(os.path.abspath(p) for p in args.remote),
-        host_cache_bytes=host_cache, host_memory_bytes=host_memory, read_ahead_bytes=read_ahead,
-        overlap_io=args.io_overlap, run_dir=run_dir, device_cache_bytes=device_cache,
-        auto_device_fraction=device_fraction is None, lane_device=args.lane_device,
-        io_backend=args.io_backend, knobs=_knobs(overrides), knob_overrides=overrides, profile=profile,
-        tuner_socket=None if tuner in ("auto", "off") else tuner,
-        run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
     record = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine, sample_hz=args.record_hz)
-    settings = RankSettings(zero=zero, bind_cores=bind_cores, engine=args.engine, recorder=record, verbose=args.verbose)
-    cmd = launcher.launch_command(launcher.launcher_args(vars(args)), settings, args.script, args.script_args)
-    out = {"command": cmd, "env": launcher.launch_env(), "settings": settings, "tuner": tuner,
-           "notes": [n for n in notes if n]}
-    if profile and args.params:
-        from offloadctl.commands.plan import parse_params
+    return RankSettings(zero=zero, bind_cores="off" if args.bind_cores == "auto" and ds_binds else args.bind_cores,
+                        engine=args.engine, recorder=record, verbose=args.verbose)
 
-        out["plan_preview"] = preview_plan(zero, parse_params(args.params))
-    return out
+
+def _checked_profile(name: str | None) -> str | None:
+    """The path of profile ``name``, loaded once here: a malformed profile fails now, not in every rank."""
+    if not name:
+        return None
+    from perf.profile_toml import load_profile, resolve_profile
+
+    profile = resolve_profile(name)
+    load_profile(profile)
+    return profile
+
+
+def storage_notes(args: argparse.Namespace) -> list[str]:
+    """A warning for each storage path whose file system keeps its files in RAM."""
+    notes = (_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote))
+             for path in paths)
+    return [n for n in notes if n]
 
 
 def _in_memory(flag: str, path: str) -> str | None:
@@ -232,17 +243,6 @@ def _in_memory(flag: str, path: str) -> str | None:
         return None
     return (f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
             f"give a path on a disk, or keep the state in host memory on purpose with --host-cache")
-
-
-def _knobs(overrides: dict):
-    """The starting knobs from the options given; a bad value is reported by its option."""
-    from engine.config import Knobs
-    from engine.errors import ConfigError
-
-    try:
-        return Knobs(**overrides)
-    except ConfigError as e:
-        raise ConfigError(knob_words(str(e), {n: "--" + n.replace("_", "-") for n in overrides})) from None
 
 
 def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:
@@ -277,32 +277,35 @@ def tuner_target(value: str) -> str:
 
 
 def preview_plan(settings, params: int) -> dict:
-    """What each rank would plan for a model of ``params`` parameters on one node."""
+    """What each rank would plan for a model of ``params`` parameters on one node, in the engine's
+    default subgroups and the model's default weight size (the ranks plan for the real ones)."""
     from engine.config import storage_paths
+    from perf.layout import SUBGROUP_NUMEL
+    from perf.model import Workload
     from perf.plan import plan_for_rank
 
     paths = storage_paths(settings.nvme_paths, settings.remote_paths)
-    rp = plan_for_rank(settings.profile, params_total=params, world_size=1, subgroup_numel=10_000_000, paths=paths,
-                       weight_bytes=2, host_cache_bytes=settings.host_cache_bytes, knob_overrides=settings.knob_overrides)
+    rp = plan_for_rank(settings.profile, params_total=params, world_size=1, subgroup_numel=SUBGROUP_NUMEL, paths=paths,
+                       weight_bytes=Workload.weight_bytes, host_cache_bytes=settings.host_cache_bytes, pins=settings.pins)
     return {"host_cache_bytes": rp.host_cache_bytes, "knobs": rp.knobs.to_dict(),
             "predicted_update_s": rp.predicted_update_s, "summary": rp.summary}
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = build(args)
-    for note in plan.pop("notes"):
+    launch = build(args)
+    for note in storage_notes(args):
         print(note, file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
-        plan["launch"] = launcher.resolved_launch(plan["command"], plan["env"])
+        resolved = launcher.resolved_launch(launch.command, launch.env)
         if args.json:
-            print(json.dumps(dict(plan, settings=plan["settings"].to_json()), indent=2))
+            print(json.dumps({**launch.to_json(), "launch": resolved}, indent=2))
         else:
-            print("\n".join(dry_run_lines(args, plan)))
+            print("\n".join(dry_run_lines(args, launch, resolved)))
         return 0
-    plan, claimed = _claim_run_dir(args, plan)
+    launch, claimed = _claim_run_dir(args, launch)
     try:
-        return _run(args, plan)
+        return _run(args, launch)
     finally:
         claimed.release()
 
@@ -311,26 +314,27 @@ DRY_RUN_LABEL = 11
 """Columns of a dry run's row labels ('launch:    ')."""
 
 
-def dry_run_lines(args: argparse.Namespace, plan: dict, width: int | None = None) -> list[str]:
+def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: dict | None = None,
+                  width: int | None = None) -> list[str]:
     """``train --dry-run`` for a person: one block, a row each for the launch, the ranks, where
     the state goes, the run dir, the knobs and pins, the tuner, the recording and the
-    environment, wrapped to the terminal (``--json`` gives the exact commands and settings)."""
+    environment, wrapped to the terminal (``--json`` gives the exact commands and settings).
+    ``resolved``: what DeepSpeed's launcher would start (``launcher.resolved_launch``)."""
     import shutil
     import textwrap
 
     from engine.text import printable
     from engine.units import format_size
 
-    settings = plan["settings"]
+    settings = launch.settings
     zero = settings.zero
     width = width or max(60, min(shutil.get_terminal_size().columns, 120))
     script = [os.path.relpath(args.script) if not os.path.relpath(args.script).startswith("..") else args.script,
               *args.script_args]
     rows = [("launch", "deepspeed " + shlex.join(launcher.launcher_args(vars(args)) + script)
              + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)")]
-    launch = plan.get("launch") or {}
-    if "error" in launch:
-        rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {launch['error']}"))
+    if "error" in (resolved or {}):
+        rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {resolved['error']}"))
     rows.append(("ranks", ranks_text(args)))
     if settings.engine == "stock":
         rows.append(("state", "as the ds_config says: DeepSpeed's own optimizer and offload (--engine stock)"))
@@ -347,24 +351,23 @@ def dry_run_lines(args: argparse.Namespace, plan: dict, width: int | None = None
         rows.append(("state", state))
     rows.append(("run dir", f"{zero.run_dir} (records, telemetry, deepspeed.log)"))
     if settings.engine != "stock":
-        k = zero.knobs
-        given = {name: v for name, v in zero.knob_overrides.items()}
+        k = zero.start_knobs
         knobs = [f"prefetch_depth {k.prefetch_depth}",
                  "device_fraction " + ("auto" if zero.auto_device_fraction else f"{k.device_fraction:g}"),
                  f"node_lock {'on' if k.node_lock else 'off'}", "io_concurrency and stripe weights from a probe "
                  "of the paths"]
         start = f"the performance model's plan for profile {zero.profile}" if zero.profile else "defaults"
         rows.append(("knobs", f"{', '.join(knobs)} ({start}); pinned by your options, never tuned: "
-                     + (", ".join(f"{n}={json.dumps(v)}" for n, v in given.items()) or "none")))
+                     + (", ".join(f"{n}={json.dumps(v)}" for n, v in zero.pins.items()) or "none")))
     rows.append(("tuner", {"auto": "auto: the running daemon, else a private one for this run; it may start from "
                                    "the tuner's verdict in an earlier run like this one",
-                           "off": "off: the starting knobs are kept"}.get(plan["tuner"], plan["tuner"])))
+                           "off": "off: the starting knobs are kept"}.get(launch.tuner, launch.tuner)))
     rec = settings.recorder
     rows.append(("recording", "off (--no-record)" if rec is None else
                  f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}"))
-    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items())))
-    if "plan_preview" in plan:
-        rows.append(("preview", plan["plan_preview"]["summary"]))
+    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())))
+    if launch.preview is not None:
+        rows.append(("preview", launch.preview["summary"]))
     out = ["dry run, nothing started (--json: the exact commands and settings)"]
     for label, text in rows:
         out += textwrap.wrap(printable(text), width, initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
@@ -372,35 +375,35 @@ def dry_run_lines(args: argparse.Namespace, plan: dict, width: int | None = None
     return out
 
 
-def _claim_run_dir(args: argparse.Namespace, plan: dict):
-    """The run dir taken for this run (``integrations.run_dir.claim``); the default is chosen
-    again where another launch took it first."""
+def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
+    """The launch and its run dir, taken for this run (``integrations.run_dir.claim``); the
+    default is chosen again where another launch took it first."""
     from integrations.run_dir import DefaultTaken, claim
 
     for _ in range(100):
         try:
-            return plan, claim(plan["settings"].run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
+            return launch, claim(launch.settings.run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
         except DefaultTaken:
-            plan = build(args)
+            launch = build(args)
     raise RuntimeError("no free default run dir after 100 tries")
 
 
-def _run(args: argparse.Namespace, plan: dict) -> int:
-    run_dir = plan["settings"].run_dir
+def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
+    run_dir = launch.settings.run_dir
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
-    if plan["tuner"] == "auto":
+    if launch.tuner == "auto":
         from tuner.service import ensure_daemon
 
-        socket_path, stop_tuner = ensure_daemon(run_dir=run_dir, run_id=plan["settings"].zero.run_id)
-        plan = with_tuner_socket(plan, socket_path)
-    settings = plan["settings"]
-    print(start_line(args, settings, plan["tuner"]), file=sys.stderr, flush=True)  # the ranks take seconds to speak
+        socket_path, stop_tuner = ensure_daemon(run_dir=run_dir, run_id=launch.settings.zero.run_id)
+        launch = launch.with_tuner_socket(socket_path)
+    settings = launch.settings
+    print(start_line(args, settings, launch.tuner), file=sys.stderr, flush=True)  # the ranks take seconds to speak
     try:
         from integrations.run_output import LauncherOutput
 
         output = LauncherOutput(run_dir, verbose=args.verbose)
-        rc, stopped_by = launcher.run_launcher(plan["command"], dict(os.environ, **plan["env"]),
+        rc, stopped_by = launcher.run_launcher(list(launch.command), dict(os.environ, **launch.env),
                                                master_port=args.ds_master_port, output=output)
         if stopped_by is not None:
             print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
@@ -509,9 +512,3 @@ def start_line(args: argparse.Namespace, settings, tuner: str) -> str:
     width = max(40, min(shutil.get_terminal_size().columns, 120))
     return "\n".join(textwrap.fill(printable(p), width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
                                    break_on_hyphens=False, break_long_words=False) for i, p in enumerate((head, watch)))
-
-
-def with_tuner_socket(plan: dict, socket_path: str) -> dict:
-    """The launch with the ranks pointed at ``socket_path``."""
-    settings = plan["settings"].with_tuner_socket(socket_path)
-    return dict(plan, command=launcher.with_rank_settings(plan["command"], settings), settings=settings)
