@@ -239,6 +239,23 @@ def test_a_changed_body_runs_deepspeeds_own(stage3, monkeypatch):
         ds_compat.copied_source_matches.cache_clear()
 
 
+def test_the_ranks_settings_reach_the_optimizer_through_its_class(stage3, monkeypatch):
+    """DeepSpeed builds the optimizer with its own arguments only: the class install() puts in
+    its place carries the rank's settings, each instance has them before DeepSpeed's __init__
+    runs (which calls the overrides that read them), and DeepSpeed's arguments pass untouched."""
+    from integrations.settings import ZeroEngineSettings
+    from integrations.zero3_optimizer import OffloadZero3Optimizer, optimizer_class
+
+    seen = {}
+    monkeypatch.setattr(stage3, "__init__", lambda self, *a, **k: seen.update(settings=self.settings, args=a, kw=k))
+    settings = ZeroEngineSettings(pins={"prefetch_depth": 1})
+    cls = optimizer_class(settings)
+    assert issubclass(cls, OffloadZero3Optimizer) and cls.__name__ == "OffloadZero3Optimizer"
+    cls("module", init_optimizer="opt")
+    assert seen == {"settings": settings, "args": ("module",), "kw": {"init_optimizer": "opt"}}
+    assert not hasattr(OffloadZero3Optimizer, "settings")  # nothing left on the class for another rank
+
+
 @pytest.mark.parametrize("name", sorted(n for _, n in ds_compat.MIRRORED))
 def test_a_changed_behaviour_the_integration_relies_on_fails_naming_it(ds, stage3, monkeypatch, name):
     """DeepSpeed 0.19.6-0.19.8 changed four behaviours around the store the
