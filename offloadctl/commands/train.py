@@ -196,6 +196,8 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "Ran
         raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
     pins = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
                               ("device_fraction", device_fraction)) if v is not None}
+    # --engine stock: RankSettings refuses a profile or a path given, so neither is looked at first.
+    stock = args.engine == "stock"
     try:
         zero = ZeroEngineSettings(
             nvme_paths=tuple(os.path.abspath(p) for p in args.nvme),
@@ -203,11 +205,11 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "Ran
             host_memory_bytes=host_memory, read_ahead_bytes=read_ahead, overlap_io=args.io_overlap, run_dir=run_dir,
             device_cache_bytes=device_cache, auto_device_fraction=device_fraction is None,
             lane_device=args.lane_device, io_backend=args.io_backend, pins=pins,
-            profile=_checked_profile(args.profile) if args.engine != "stock" else args.profile,
+            profile=args.profile if stock else _checked_profile(args.profile),
             tuner_socket=tuner_socket, run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
     except ConfigError as e:  # a pin no knob takes, in the words the user typed
         raise ConfigError(knob_words(str(e), {n: "--" + n.replace("_", "-") for n in pins})) from None
-    if args.engine != "stock":
+    if not stock:
         zero.check_storage_paths()
     # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
     ds_binds = getattr(args, launcher.option_dest(("--bind_cores_to_rank",)), False)
