@@ -238,7 +238,7 @@ class Recorder:
     def _tiers(engine, opt) -> list[dict]:
         offload_engine = getattr(opt, "offload_engine", None)
         if offload_engine is not None:
-            return [{"kind": p.spec.kind, "path": p.path} for p in offload_engine.paths]
+            return [{"kind": p.spec.kind, "path": p.path} for p in offload_engine.swap_paths.paths]
         tiers = []
         for getter in ("zero_offload_optimizer", "zero_offload_param"):
             off = _call(engine, getter)
