@@ -12,12 +12,14 @@ the argv the launcher would have given it.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -319,20 +321,41 @@ def remove_shm_buffers(master_port: str | None) -> int:
     return _unlink_all(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
+SHM_STALE_AFTER_S = 30.0
+"""A buffer younger than this is never stale: a starting run may be creating it."""
+
+
 def remove_stale_shm_buffers() -> int:
-    """Remove this user's DeepSpeed allreduce buffers in /dev/shm that no live process maps: left
-    by runs killed before they could clean up (any port). Returns the count."""
-    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)]
+    """Remove this user's DeepSpeed allreduce buffers in /dev/shm that no live process holds open
+    or maps and that are older than :data:`SHM_STALE_AFTER_S`: left by runs killed before they
+    could clean up (any port). Returns the count.
+
+    A rank creates its buffer (open, then 64 MiB written, then mapped) while other runs start:
+    a buffer removed in between leaves its peer rank waiting on it for ever. So each process's
+    open files are read before its maps (a creator closes its descriptor only after mapping)."""
+    now = time.time()
+    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)
+            and not _younger_than(f, now - SHM_STALE_AFTER_S)]
     if not mine:
         return 0
-    mapped: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
+    in_use: set[str] = set()
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:  # gone, or another user's (theirs never hold our files): skipped
+            for fd in os.listdir(f"{proc}/fd"):
+                with contextlib.suppress(OSError):
+                    in_use.add(os.readlink(f"{proc}/fd/{fd}"))
+            with open(f"{proc}/maps") as f:
+                in_use.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/deepspeed_allreduce" in line)
         except (OSError, IndexError):
-            continue  # gone, or another user's: theirs never map our files
-    return _unlink_all(f for f in mine if f not in mapped)
+            continue
+    return _unlink_all(f for f in mine if f not in in_use)
+
+
+def _younger_than(path: str, since: float) -> bool:
+    try:
+        return os.stat(path).st_mtime > since
+    except OSError:
+        return True  # gone already: nothing to remove
 
 
 def _unlink_all(paths) -> int:

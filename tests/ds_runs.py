@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -172,13 +173,23 @@ def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) ->
         (run_dir / d).mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(env_with_root(), **dict(spec.env))
+    # A session of its own: a run past its time is killed whole (launcher, per-node launcher and
+    # ranks), not only the process started here, which would leave the ranks on their port.
+    p = subprocess.Popen(spec.argv(str(run_dir), port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=ROOT, start_new_session=True)
     try:
-        p = subprocess.run(spec.argv(str(run_dir), port), capture_output=True, text=True, timeout=timeout, env=env,
-                           cwd=ROOT)
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        stderr += f"\n[ds_runs: killed after {timeout:.0f} s]"
     finally:
+        if p.poll() is None:  # the test was interrupted
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         if spec.who == "stock":
             remove_shm_buffers(port)
-    return Finished(spec, run_dir, p.returncode, p.stdout, p.stderr, port)
+    return Finished(spec, run_dir, p.returncode, stdout, stderr, port)
 
 
 class DSRuns:

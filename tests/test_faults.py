@@ -239,26 +239,36 @@ def test_a_killed_run_leaks_no_tuner_daemon(tmp_path):
 
 def test_stale_shared_memory_of_killed_runs_is_removed(tmp_path):
     """What DeepSpeed's CPU comm op leaves in /dev/shm when a run is killed goes at the next
-    `offloadctl train`; a buffer a live process maps stays."""
+    `offloadctl train`; a buffer a live process maps or holds open, or one made in the last
+    seconds, stays (another run may be creating it: removing it would hang that run)."""
     import mmap
 
-    from integrations.launcher import remove_stale_shm_buffers
+    from integrations.launcher import SHM_STALE_AFTER_S, remove_stale_shm_buffers
 
     port = free_port()
     stale = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0"
     live = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_1"
-    for f in (stale, live):
+    young = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_2"
+    opened = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_3"
+    old = time.time() - 2 * SHM_STALE_AFTER_S
+    for f in (stale, live, young, opened):
         with open(f, "wb") as fh:
             fh.truncate(1 << 16)
+        if f != young:
+            os.utime(f, (old, old))
     fh = open(live, "r+b")
+    being_created = open(opened, "r+b")  # a starting rank's buffer: open, not yet mapped
     mapping = mmap.mmap(fh.fileno(), 1 << 16)
     try:
         assert remove_stale_shm_buffers() >= 1
         assert not os.path.exists(stale) and os.path.exists(live)
+        assert os.path.exists(young) and os.path.exists(opened)  # another run may be creating these
     finally:
         mapping.close()
         fh.close()
-        os.unlink(live)
+        being_created.close()
+        for f in (live, young, opened):
+            os.unlink(f)
 
 
 # -- 7. bad input: one line, no traceback ---------------------------------------------------------------
