@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
+import glob
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -20,24 +21,28 @@ IS_ROOT = os.geteuid() == 0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-_PORTS = itertools.count()
+_PORTS = random.Random()  # seeded from the OS: each process, and each session, draws its own ports
 
 
 def free_port() -> str:
-    """A TCP port nothing listens on now, for a launcher's --master_port: taken in turn from a
-    block of its own per pytest-xdist worker, below the kernel's ephemeral range (from 32768), so
-    that neither another worker's launches nor the connections gloo opens can take it meanwhile."""
+    """A TCP port nothing listens on now and no DeepSpeed shm buffer names, for a launcher's
+    --master_port: drawn at random from a block of its own per pytest-xdist worker, below the
+    kernel's ephemeral range (from 32768), so that neither another worker's launches nor the
+    connections gloo opens can take it meanwhile, and another pytest session on the machine
+    rarely draws it."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    base = 20000 + 2000 * (int(worker[2:]) if worker[2:].isdigit() else 0) + 500 * (os.getpid() % 4)
+    base = 20000 + 2000 * (int(worker[2:]) % 6 if worker[2:].isdigit() else 0)
     for _ in range(500):
-        port = base + next(_PORTS) % 500
+        port = base + _PORTS.randrange(2000)
+        if glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            continue  # a run on this port (maybe of another session) is starting or was killed
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
         return str(port)
-    raise RuntimeError(f"no free port in {base}..{base + 499}")
+    raise RuntimeError(f"no free port in {base}..{base + 1999}")
 
 
 def env_with_root(**extra: str) -> dict:
