@@ -95,7 +95,9 @@ class _OffloadEngine:
     (no telemetry list: the recorder takes each step from its hook)."""
 
     def __init__(self) -> None:
-        self.paths, self.hooks, self.iteration = [], [], 0
+        import types
+
+        self.swap_paths, self.hooks, self.iteration = types.SimpleNamespace(paths=[]), [], 0
 
     def describe(self):
         class Plan:
