@@ -105,6 +105,9 @@ class LaneThreads:
 
     def _serve(self, q: queue.SimpleQueue, ready: threading.Event, cuda: int | None) -> None:
         torch.set_num_threads(1)  # this thread's ops run on it alone: no team, no barrier
+        # ...from now on: torch sets a thread's count up at its first op from the process-wide
+        # one, which the caller puts back once its workers are up; asking now sets it up at 1.
+        torch.get_num_threads()
         if cuda is not None:
             torch.cuda.set_device(cuda)
         ready.set()

@@ -677,6 +677,23 @@ def test_host_lane_reads_device_gradients_a_chunk_ahead(monkeypatch, swap_dir):
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: nothing to tell apart")
+def test_a_host_lane_worker_runs_on_one_thread_whatever_the_caller_sets_later():
+    """torch sets a thread's count up at its first op, from the process-wide count: a worker that
+    only called set_num_threads(1) took the caller's count back at its first op once the caller
+    restored it, and ran its parts with a team and barriers again (a race with the caller's part)."""
+    lane = engine.host_lane.LaneThreads()
+    try:
+        lane._grow(1)  # the caller's count is back on return
+        assert torch.get_num_threads() >= 2
+        seen = []
+        lane._queues[0].put((1, lambda k: seen.append(torch.get_num_threads())))
+        assert lane._done.get(timeout=30) is None
+        assert seen == [1]
+    finally:
+        lane.close()
+
+
 def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch):
     """Each of the host lane's threads updates its own part of a subgroup with ops that run on it
     alone, and the math is the same, element for element, as one thread driving the lane. (Driven
