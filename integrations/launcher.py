@@ -259,8 +259,6 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port:
     except _Interrupted as e:
         for s in handled:
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        if output is not None:  # one line for the whole run follows; each rank's own goes to the log
-            output.hide_also(r"offloadctl: rank \d+ stopped by ", "offloadctl: rank ")
         _stop_run(proc, e.signum)
         return 128 + e.signum, signal.Signals(e.signum)
     finally:

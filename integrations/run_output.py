@@ -47,6 +47,10 @@ _SHOWN_LEVELS = (b"ERROR", b"CRITICAL")
 _RANK_ENDED = re.compile(rb"\[ERROR\] \[launch\.py:\d+:sigkill_handler\] (.*) exits with return code = (-?\d+)\s*$")
 # A rank's one line for an error it did not expect (integrations.bootstrap.FAILED).
 _RANK_FAILED = re.compile(rb"^offloadctl: rank (\d+) failed: (.*?)\s*$")
+# A rank's line as it unwinds from a signal (integrations.bootstrap): when one rank fails, DeepSpeed's
+# launcher stops the others with SIGTERM, and each says so, on its own pipe, in any order
+# with the launcher's report of the failure. The run's one line says it all.
+_RANK_STOPPED = re.compile(rb"^offloadctl: rank (\d+) (stopped by [A-Z]+);")
 # gloo's threads torn down by a rank's exit after a peer has gone.
 _TEARDOWN = (b"terminate called without an active exception",)
 _LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
@@ -86,7 +90,9 @@ class RankFailures:
         return True
 
     def failed(self, line: bytes) -> bool:
-        m = _RANK_FAILED.match(line)
+        """Whether ``line`` is a rank's line of its end (its error, or the signal it unwound
+        from): for the log, and for the run's last line should that rank be the first ended."""
+        m = _RANK_FAILED.match(line) or _RANK_STOPPED.match(line)
         if m:
             self.lines.setdefault(int(m.group(1)), m.group(2).decode(errors="replace"))
         return bool(m)
@@ -127,8 +133,6 @@ class OutputFilter:
         self._held = b""
         self._passing = False  # in the middle of a line already passed on
         self.hidden_lines = 0
-        self.extra_hidden: re.Pattern | None = None  # more lines for the log (set once the run is being stopped)
-        self.extra_start = b""  # how those lines begin: held until their newline (python -u writes the newline apart)
 
     def feed(self, data: bytes) -> None:
         buf = self._held + data
@@ -182,7 +186,7 @@ class OutputFilter:
             return m.group(1) not in _SHOWN_LEVELS
         if _DS_PRINTS.match(text):
             return True
-        return bool(self.extra_hidden and self.extra_hidden.match(text.decode(errors="replace")))
+        return False
 
     @staticmethod
     def _log_start(buf: bytes) -> int:
@@ -219,8 +223,7 @@ class OutputFilter:
                 return True
         if (_OURS.startswith(text) or text.startswith(_OURS)) and len(text) < 2000:
             return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
-        starts = _DS_PRINT_STARTS + (b"terminate called",) + \
-            ((self.extra_start,) if self.extra_hidden and self.extra_start else ())
+        starts = _DS_PRINT_STARTS + (b"terminate called",)
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 
     def _show(self, data: bytes) -> None:
@@ -272,12 +275,6 @@ class LauncherOutput:
             t = threading.Thread(target=_filter_until_eof, args=(r, f), daemon=True, name="offloadctl-output")
             t.start()
             self._threads.append(t)
-
-    def hide_also(self, pattern: str, start: str) -> None:
-        """Lines matching ``pattern`` (which begin with ``start``) go to the log from now on."""
-        for f in self.filters:
-            f.extra_start = start.encode()
-            f.extra_hidden = re.compile(pattern)
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait until both streams end (every process holding them is gone), then close the log."""

@@ -66,18 +66,23 @@ def test_verbose_shows_deepspeed_lines_and_still_logs_them():
     assert _sorted(LOG, verbose=True) == (LOG, LOG)
 
 
-def test_lines_hidden_once_the_run_is_stopped():
+def test_a_ranks_stop_line_goes_to_the_log_and_names_how_it_ended_first():
+    """Each rank's line as it unwinds from a signal goes to the log (they come, on their own pipe, in
+    any order with the launcher's report of a failed rank); the run's own line is shown. Should a
+    stopped rank be the one the launcher found ended first, the run's last line says how."""
     shown, log = io.BytesIO(), io.BytesIO()
     f = OutputFilter(shown, log)
-    f.feed(b"offloadctl: rank 0 stopped by SIGTERM; removing its swap files\n")
-    f.extra_hidden, f.extra_start = re.compile(r"offloadctl: rank \d+ stopped by "), b"offloadctl: rank "
     f.feed(b"offloadctl: rank 1 stopped by SIGTERM; removing its swap files\n")
     # A rank under python -u writes print()'s newline apart: the line is held, not passed on half.
-    f.feed(b"offloadctl: rank 2 stopped by SIGTERM; removing its swap files")
+    f.feed(b"offloadctl: rank 0 stopped by SIGHUP; removing its swap files")
     f.feed(b"\n")
     f.feed(b"offloadctl: stopped by SIGTERM")
     f.feed(b"\n")
-    assert shown.getvalue().count(b"stopped by") == 2 and log.getvalue().count(b"stopped by") == 2
+    assert shown.getvalue() == b"offloadctl: stopped by SIGTERM\n" and log.getvalue().count(b"stopped by") == 2
+    f.feed(b"[2026-11-26 16:00:00,000] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'train.py', "
+           b"'--local_rank=0'] exits with return code = 129\n")
+    assert f.failures.summary("LOG") == "offloadctl: rank 0 failed first, exit status 129: stopped by SIGHUP; " \
+                                        "the full log is in LOG"
 
 
 def test_warnings_raised_inside_deepspeed_go_to_the_log_the_users_are_shown(monkeypatch):
