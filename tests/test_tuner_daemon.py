@@ -229,6 +229,32 @@ def test_ranks_switch_together_across_runs_and_a_daemon_restart(tmp_path, policy
         assert first == apply_at[k[0]] and second == apply_at2[k[0]], (k, first, second, apply_at, apply_at2)
 
 
+def test_a_run_cut_between_a_step_and_its_telemetry_ends_where_its_engine_did(tmp_path):
+    """A signal can stop a rank after its engine's step and the recorder's hook, before the
+    tuner client's hook queued the step's telemetry: the bye carries the steps the engine
+    completed, so the daemon's end (what `tune` shows) counts the iterations the summary does."""
+    sock = str(tmp_path / "tuner.sock")
+    daemon = _serve(sock)
+    eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.ones(100))],
+                         EngineConfig(subgroup_numel=100, host_adam="torch"))
+    client = TunerClient.for_engine(sock, eng, run_id="cut", backoff_s=(0.05, 0.2))
+    try:
+        assert client.connected.wait(20)
+        hp = [AdamWHyper(lr=1e-3)]
+        for _ in range(3):
+            eng.step(hp)
+        _wait(lambda: _snapshot(sock)["cut"]["iteration"] == 2, 10, "telemetry")
+        eng._hooks.remove(client)  # the next step's telemetry is never queued: the signal came first
+        eng.step(hp)
+        client.close()
+        run = _wait(lambda: _snapshot(sock)["cut"]["status"] == "finished" and _snapshot(sock)["cut"], 10, "bye")
+        assert run["iteration"] == 3 and eng.iteration == 4  # four steps: iterations 0 to 3
+    finally:
+        eng.close()
+        daemon.terminate()
+        daemon.wait(10)
+
+
 def test_client_never_blocks_and_connects_when_a_daemon_appears(tmp_path):
     """No daemon: report() is instant and keeps only the newest records; apply_pending is a
     no-op. When a daemon starts at the socket, the client registers on its own and delivers."""

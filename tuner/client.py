@@ -96,6 +96,7 @@ class TunerClient:
         """The knobs in force (as last applied)."""
         self._headroom = device_headroom_bytes
         self._iteration = 0
+        self._engine = None  # the engine whose step hook this client is (for_engine)
         self._telemetry: deque[dict] = deque(maxlen=queue_size)
         self._control: deque[dict] = deque(maxlen=64)  # applied and event: never pushed out by telemetry
         self._pending: list[_Change] = []
@@ -134,6 +135,7 @@ class TunerClient:
                      pins=facts.pins, host_staging_bytes=facts.host_staging_bytes, **kw)
         if hook:
             engine.add_step_hook(client)
+            client._engine = engine  # its completed steps go with the bye
         return client
 
     # -- the engine's step hook (engine.hooks) -------------------------------------------------
@@ -313,6 +315,8 @@ class TunerClient:
                 bye = {"v": API_VERSION, "type": "bye", "run_id": self.run_id, "rank": self.rank}
                 if _stopped_by:
                     bye["stopped_by"] = _stopped_by
+                if self._engine is not None:
+                    bye["steps"] = self._engine.iteration
                 sock.sendall(encode(bye))
                 self._drain_until_eof(sock, frames)
                 return

@@ -244,8 +244,9 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                   "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},
     "applied": {**_RUN_RANK, "seq": (Int(1), True), "iteration": (Int(0), True), "apply_at": (Int(0), True)},
-    # stopped_by: the signal that stopped the rank (SIGINT, SIGTERM); absent when its script ran to the end
-    "bye": {**_RUN_RANK, "stopped_by": (Str(32, r"[A-Z0-9]+"), False)},
+    # stopped_by: the signal that stopped the rank (SIGINT, SIGTERM); absent when its script ran to the end.
+    # steps: the steps its engine completed, whose telemetry a signal between the step's hooks may have cut
+    "bye": {**_RUN_RANK, "stopped_by": (Str(32, r"[A-Z0-9]+"), False), "steps": (Int(0), False)},
     # cli role
     "snapshot": {"run_id": (Opt(RUN_ID), False), "history": (Int(0, 1000), False)},
     "pin": {"run_id": (RUN_ID, True), "knob": (KNOB, True), "value": (Any_, True)},

@@ -50,15 +50,12 @@ def _default_sensors_factory(paths):
 class Runs:
     """Every run of one daemon, driven by the messages of its ranks and of the CLI.
 
-    ``policy_factory(start_knobs, facts)`` makes one run's policy from its
-    :class:`tuner.run_state.RunFacts` (default ``tuner.policy.Policy.for_run``);
-    ``sensors_factory(paths)`` its sensors (default ``tuner.sensors.Sensors``; False: none);
-    ``history`` is a ``tuner.history.History`` or None.
+    ``policy_factory(start_knobs, facts)`` makes one run's policy from its :class:`tuner.run_state.RunFacts`
+    (default ``tuner.policy.Policy.for_run``); ``sensors_factory(paths)`` its sensors (default
+    ``tuner.sensors.Sensors``; False: none); ``history`` is a ``tuner.history.History`` or None.
 
     The message methods take the sender (a peer) and the validated message, return the reply's
-    body (or None) and raise ``ProtocolError`` for the sender; pushes to other peers wait in
-    the outbox.
-    """
+    body (or None) and raise ``ProtocolError`` for the sender; pushes to other peers wait in the outbox."""
 
     def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
                  sensors_factory: Callable | None | bool = None, history=None,
@@ -279,6 +276,8 @@ class Runs:
         run, rank = self._rank_of(peer, msg)
         rank.bye = True
         rank.stopped_by = msg.get("stopped_by")
+        if msg.get("steps"):  # a signal between a step and its telemetry: the run ends where it did
+            run.max_iteration = max(run.max_iteration, msg["steps"] - 1)
         rank.peer = None
         self._peer_ranks.get(peer, set()).discard((run.run_id, msg["rank"]))
         self._maybe_end(run)
