@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.adamw import AdamWHyper, AdamWSlices, DeepSpeedCpuAdam, adamw_update_torch_  # noqa: E402
 from engine.binding import FlatSubgroup  # noqa: E402
 from engine.buffers import StateBuffer  # noqa: E402
-from engine.lanes import HostLane, WeightUploader  # noqa: E402
+from engine.host_lane import HostLane, WeightUploader  # noqa: E402
 from engine.streams import streams_for  # noqa: E402
 
 SUBGROUP_NUMEL = 30_000_000  # elements per subgroup
