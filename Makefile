@@ -44,12 +44,15 @@ demo: setup
 	  $(VENV)/bin/offloadctl train --num_gpus 1 --nvme "$$d" --run-dir runs/demo --force examples/train_gpt.py --steps 30 && \
 	  $(VENV)/bin/offloadctl report runs/demo --output runs/demo-report.html
 
+# Two pytest workers (pytest-xdist): most of a DeepSpeed launch is imports and rendezvous, so
+# two overlap well on two cores (27.5 minutes against about 40 in one process). Each
+# worker takes its own ports; the DeepSpeed runs several tests share are made once (tests/ds_runs.py).
 test: setup
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n 2 tests
 
 # The quick loop: everything but real trainings, processes and signals (pytest -m "not slow").
 quick: setup
-	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(VENV)/bin/python -m pytest -q -n 2 -m "not slow" tests
 
 bench: setup
 	$(VENV)/bin/python bench/update_phase.py
