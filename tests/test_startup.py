@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import env_with_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
@@ -92,3 +93,18 @@ def test_cpu_info_is_asked_once_per_cpu_and_kept(fresh_cpu_info, monkeypatch):
     monkeypatch.setattr(native_ops, "_cpu_description", lambda: "another-cpu")
     native_ops.remember_cpu_info()
     assert cpuinfo.get_cpu_info()["brand_raw"] == "other"
+
+
+def test_an_ops_state_does_not_depend_on_where_stdout_goes():
+    """Under Jupyter or pytest's capture sys.stdout and sys.stderr have no file descriptor, and
+    DeepSpeed's checks and loads write to ``sys.stderr.fileno()``: a built op was then taken for
+    one that cannot build here (the I/O fell back to posix). Its state is the same either way."""
+    code = ("import io, sys\n"
+            "real = sys.__stdout__\n"
+            "if sys.argv[1] == 'captured':\n"
+            "    sys.stdout = io.StringIO(); sys.stderr = io.StringIO()\n"
+            "from engine.storage import native_ops\n"
+            "real.write(' '.join(native_ops.op_state(n).state for n in native_ops.OPS) + '\\n')\n")
+    states = [subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env_with_root(),
+                             cwd=ROOT, timeout=120).stdout.strip() for how in ("plain", "captured")]
+    assert states[0] and states[0] == states[1], states

@@ -351,6 +351,31 @@ def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
 
 # ---- load and build -----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _streams_with_files():
+    """Within: stdout and stderr with file descriptors. DeepSpeed's checks (is libaio there?) and
+    loads send output to ``sys.stderr.fileno()``; under Jupyter or pytest's capture the streams
+    have none, and a built op was taken for one that cannot build here. Their output then goes
+    to /dev/null."""
+    def has_fd(stream) -> bool:
+        try:
+            stream.fileno()
+            return True
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    if has_fd(sys.stdout) and has_fd(sys.stderr):
+        yield
+        return
+    out, err = sys.stdout, sys.stderr
+    with open(os.devnull, "w") as null:
+        sys.stdout = sys.stderr = null
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
 def _load(name: str, build: bool, on_step=None, on_note=None) -> OpState:
     """Load op ``name`` (compiling only when ``build``); records the module and returns its state."""
     on_step = on_step or (lambda *a: None)
@@ -415,7 +440,8 @@ def op_state(name: str) -> OpState:
     """The state of op ``name`` in this process; the first call loads it, compiling nothing."""
     with _mutex:
         if name not in _states:
-            _states[name] = _load(name, build=False)
+            with _streams_with_files():
+                _states[name] = _load(name, build=False)
         return _states[name]
 
 
@@ -477,7 +503,8 @@ def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None =
     out = {}
     with _mutex:
         for name in ops:
-            op = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
+            with _streams_with_files():
+                op = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
             _states[name] = out[name] = op
     return out
 
