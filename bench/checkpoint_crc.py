@@ -32,9 +32,10 @@ def main() -> None:
 
     per_tensor = int(args.gb * 1e9 / 4 / 12)  # 4 subgroups x (fp32, exp_avg, exp_avg_sq), fp32
     if not os.path.exists(args.file):
-        sd = {"optimizer_state_dict": {"state": {i: {"exp_avg": torch.randn(per_tensor), "exp_avg_sq": torch.rand(per_tensor)}
+        state = lambda make: make(per_tensor, device="cpu")  # a checkpoint's tensors, as torch.load gives them
+        sd = {"optimizer_state_dict": {"state": {i: {"exp_avg": state(torch.randn), "exp_avg_sq": state(torch.rand)}
                                                  for i in range(4)},
-                                       "fp32_flat_groups": [torch.randn(per_tensor) for _ in range(4)]}}
+                                       "fp32_flat_groups": [state(torch.randn) for _ in range(4)]}}
         torch.save(sd, args.file)
         del sd
     size = os.path.getsize(args.file)

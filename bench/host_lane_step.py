@@ -34,6 +34,7 @@ from engine.streams import streams_for  # noqa: E402
 SUBGROUP_NUMEL = 30_000_000  # elements per subgroup
 SUBGROUPS = 3
 GRAD_SCALE = 0.5  # DeepSpeed's 1 / combined scale with clipping engaged
+HOST = torch.device("cpu")  # the host lane and DeepSpeedCPUAdam update state in host memory: what is measured
 
 
 def main() -> None:
@@ -44,17 +45,17 @@ def main() -> None:
     ours, stock = [], []
     for _ in range(SUBGROUPS):
         n = SUBGROUP_NUMEL
-        g16 = torch.rand(n, generator=gen).to(torch.bfloat16)
-        b = FlatSubgroup(torch.zeros(n, dtype=torch.bfloat16), g16)
+        g16 = torch.rand(n, generator=gen, device=HOST).to(torch.bfloat16)
+        b = FlatSubgroup(torch.zeros(n, dtype=torch.bfloat16, device=HOST), g16)
         b.grad_scale = GRAD_SCALE
         buf = StateBuffer(n)
-        buf.master.copy_(torch.rand(n, generator=gen))
+        buf.master.copy_(torch.rand(n, generator=gen, device=HOST))
         buf.exp_avg.zero_()
         buf.exp_avg_sq.zero_()
         ours.append((b, buf, [0]))
-        stock.append((g16.float(), torch.rand(n, generator=gen), torch.zeros(n), torch.zeros(n),
-                      torch.zeros(n, dtype=torch.bfloat16)))
-    host = streams_for(torch.device("cpu"))
+        stock.append((g16.float(), torch.rand(n, generator=gen, device=HOST), torch.zeros(n, device=HOST),
+                      torch.zeros(n, device=HOST), torch.zeros(n, dtype=torch.bfloat16, device=HOST)))
+    host = streams_for(HOST)
     before = HostLane("torch", adamw_update_torch_, WeightUploader(host))
     before._threads = None  # one thread drives the chunks, every op a parallel region: as before issue 35
     now = HostLane("torch", adamw_update_torch_, WeightUploader(host))
@@ -70,7 +71,7 @@ def main() -> None:
         step[0] += 1
         for g, p, m, v, w in stock:
             g.mul_(GRAD_SCALE)  # unscale_and_clip_grads
-            ds(AdamWSlices([p], [g], [m], [v], [torch.tensor(float(step[0]))]), hp)
+            ds(AdamWSlices([p], [g], [m], [v], [torch.tensor(float(step[0]), device=HOST)]), hp)
             w.copy_(p)  # _reassign_or_swap_out_partitioned_parameters
 
     variants = {"host lane before (one thread, 2^21 chunks)": lambda: lane(before),

@@ -304,7 +304,7 @@ def test_two_launches_at_once_without_a_run_dir_get_a_dir_each(tmp_path):
 def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
     """Rank 1 of 2 is SIGKILLed (or raises) mid-run, rank 0 meets its loss in a collective: the
     terminal shows which rank failed first, how, its one line and where the full log is; no
-    traceback, no launcher line, no rank's SIGTERM; the tracebacks are in the log."""
+    traceback, no launcher line, no rank's SIGTERM; rank 0's end (a traceback, or its stop) is in the log."""
     import signal
     import subprocess
 
@@ -341,7 +341,10 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
         assert noise not in both, (noise, both[-5000:])
     assert err.count("offloadctl: rank") == 1, err
     text = open(log).read()
-    assert "[rank0]: Traceback" in text or "rank 0 failed" in text, text[-3000:]
+    # Rank 0's end is in the log: its error from the collective whose peer died, or, when DeepSpeed's
+    # launcher (which polls every second) stopped it first, its line of that.
+    assert any(s in text for s in ("[rank0]: Traceback", "rank 0 failed", "offloadctl: rank 0 stopped by SIGTERM")), \
+        text[-3000:]
     if how == "raise":
         assert "[rank1]: Traceback" in text and "ValueError: bad batch" in text
 

@@ -28,6 +28,6 @@ for step in range(args.steps):
             raise ValueError(f"bad batch at step {step} on rank {args.rank}")
         print(f"fail_rank: rank {args.rank} waits at step {step}", flush=True)
         time.sleep(3600)
-    loss = engine(torch.randn(4, 32)).pow(2).mean()
+    loss = engine(torch.randn(4, 32, device=engine.device)).pow(2).mean()
     engine.backward(loss)
     engine.step()
