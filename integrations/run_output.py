@@ -157,11 +157,19 @@ class OutputFilter:
             if nl < 0:
                 if self._undecided(buf):
                     self._held = buf
-                else:
-                    self._show(buf)
+                else:  # as above: the tail may be a log line's first bytes after others on its line
+                    cut = self._log_start(buf)
+                    self._show(buf[:cut])
+                    self._held = buf[cut:]
                     self._passing = True
                 return
             line, buf = buf[:nl + 1], buf[nl + 1:]
+            inside = _DS_LOG_INSIDE.search(line, 1)
+            if inside and not _DS_LOG_LINE.match(line.lstrip(b"\r")):
+                # bytes before a log line on its line (a stopped progress bar's last escape codes,
+                # written by a rank in the same read as the launcher's line): shown; the rest logged
+                self._show(line[:inside.start()])
+                line = line[inside.start():]
             if self.is_deepspeed(line):
                 self.hidden_lines += 1
                 self._log(line)
@@ -191,7 +199,10 @@ class OutputFilter:
     @staticmethod
     def _log_start(buf: bytes) -> int:
         """Where a DeepSpeed log line may begin at the end of ``buf`` (a '[' from which the rest
-        is a prefix of one), else ``len(buf)``."""
+        is a prefix of one, or a whole log line's start), else ``len(buf)``."""
+        whole = _DS_LOG_INSIDE.search(buf)
+        if whole:
+            return whole.start()
         n = len(_DS_LOG_TEMPLATE) + 12
         start = max(0, len(buf) - n)
         for i in range(start, len(buf)):

@@ -51,6 +51,15 @@ def test_a_line_cut_anywhere_is_sorted_the_same():
         assert _sorted(whole[:cut], whole[cut:]) == (b"hello\nbye\n", LOG), cut
 
 
+def test_a_log_line_after_invisible_bytes_on_its_line_is_sorted_the_same_cut_anywhere():
+    """A progress bar stopped by Ctrl-C writes its last bytes (show the cursor: no newline) on
+    the line where DeepSpeed's launcher then logs 'Killing subprocess': one read may hold both."""
+    whole = b"\x1b[?25h" + LOG + b"bye\n"
+    assert _sorted(whole) == (b"\x1b[?25hbye\n", LOG)
+    for cut in range(1, len(whole)):
+        assert _sorted(whole[:cut], whole[cut:]) == (b"\x1b[?25hbye\n", LOG), cut
+
+
 def test_progress_without_newline_is_shown_at_once_and_a_log_line_after_it_is_not():
     shown, log = io.BytesIO(), io.BytesIO()
     f = OutputFilter(shown, log)
