@@ -94,6 +94,14 @@ class Launch:
         return given.replace("{dir}", run_dir)
 
 
+GPT_RECORDED = Launch("ours", 1, ("--steps", "5", "--batch", "8"), script=GPT, opts=(
+    "--nvme", "{dir}/nvme", "--tuner", "off", "--read-ahead", "0", "--prefetch-depth", "0", "--run-dir", "{dir}/ours"))
+"""The example GPT script under ``offloadctl train``, all state on an NVMe path, recorded: the run
+the report and the end-of-run summary are read from. No read-ahead budget and prefetch 0: the 3
+staging buffers hold fewer subgroups than the model has, so each step reads state back from the
+path (the report's read rows are then not empty)."""
+
+
 def stock(ranks: int = 1, *script_args: str, script: str = TINY) -> Launch:
     """Stock DeepSpeed on a test script, as ``accelerate launch --use_deepspeed`` would set it up
     (plain DeepSpeed scripts ignore the variable)."""

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from ds_runs import GPT, Launch
+from ds_runs import GPT, GPT_RECORDED, Launch
 from helpers import ROOT, cli
 
 # Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
@@ -25,10 +25,7 @@ ONE_RUN_SECTIONS = ("breakdown", "timeline", "bytes", "cache")
 @pytest.fixture(scope="module")
 def runs(ds_runs):
     """An offloadctl run (all state on an NVMe path) and a stock DeepSpeed run of the same script."""
-    # No read-ahead budget and prefetch 0: the 3 staging buffers hold fewer subgroups than the model has, so each
-    # step reads state back from the path (the report's read rows are then not empty).
-    ours = ds_runs.get(Launch("ours", 1, ("--steps", "5", "--batch", "8"), script=GPT, opts=(
-        "--nvme", "{dir}/nvme", "--tuner", "off", "--read-ahead", "0", "--prefetch-depth", "0", "--run-dir", "{dir}/ours"))).ok()
+    ours = ds_runs.get(GPT_RECORDED).ok()
     assert f"recorded: offloadctl report {ours.run_dir}" in ours.stdout
     stock = ds_runs.get(Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT,
                                opts=("--engine", "stock", "--run-dir", "{dir}/stock"))).ok()

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from ds_runs import GPT, Launch
+from ds_runs import GPT, GPT_RECORDED
 from helpers import ROOT, cli, env_with_root, free_port
 from rich.console import Console
 
@@ -42,8 +42,7 @@ def _iterations(run_dir) -> int:
 
 @pytest.fixture(scope="module")
 def runs(ds_runs, tmp_path_factory):
-    finished = ds_runs.get(Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT,
-                                  opts=("--nvme", "{dir}/nvme", "--tuner", "off", "--run-dir", "{dir}/finished"))).ok()
+    finished = ds_runs.get(GPT_RECORDED).ok()  # 5 iterations (the report's run)
     # Interrupted: SIGINT to `offloadctl train` (what Ctrl-C sends it) once three iterations are recorded.
     base = tmp_path_factory.mktemp("summary-runs")
     proc = subprocess.Popen(_train_args(base, "interrupted", 400), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -103,7 +102,7 @@ def test_summary_leads_with_speed_then_shares_then_the_bottleneck(runs):
     value = lambda m: float(m.group(1)) * (1000 if m.group(2) == "K" else 1)  # noqa: E731
     assert value(samples) == pytest.approx(8 / s["median_iter_s"], rel=0.01)
     assert value(tokens) == pytest.approx(8 * 64 / s["median_iter_s"], rel=0.01)
-    assert re.search(r"4 iterations in [\d.]+ (ms|s)", text), text
+    assert re.search(r"5 iterations in [\d.]+ (ms|s)", text), text
     # Then the shares of the iteration, then the bottleneck: the report's own sentence.
     order = [text.index(k) for k in ("/iteration", "time per iteration: forward", "bottleneck: ")]
     assert order == sorted(order), text
@@ -126,7 +125,7 @@ def test_summary_from_the_engine_telemetry_alone(runs, short_tmp):
     text = _joined(lines)
     assert "engine telemetry only" in text and "no samples/s or tokens/s" in text
     assert not re.search(r"\d samples/s", text)
-    assert re.search(r"[\d.]+ (ms|s)/iteration \(median of 3\), 4 iterations in", text), text
+    assert re.search(r"[\d.]+ (ms|s)/iteration \(median of 4\), 5 iterations in", text), text
     assert "time per iteration: forward+backward" in text and "bottleneck: " in text
 
 
@@ -177,4 +176,4 @@ def test_a_version_1_record_still_reads(runs, tmp_path):
     run = _report(str(old))
     assert run["status"] == "finished" and run["summary"]["samples_per_s"] is None
     text = _joined(run_summary_lines(str(old)))
-    assert "samples/s" not in text and "/iteration (median of 3)" in text and "bottleneck: " in text
+    assert "samples/s" not in text and "/iteration (median of 4)" in text and "bottleneck: " in text
