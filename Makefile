@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 # installed metadata): taken from there, so that it is written in one place.
 DS_REQ  := $(shell sed -n 's/^ *"\(deepspeed[^"]*\)".*/\1/p' pyproject.toml)
 
-.PHONY: setup demo test quick bench clean-venv
+.PHONY: setup demo test quick golden bench clean-venv
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -53,6 +53,11 @@ test: setup
 # The quick loop: everything but real trainings, processes and signals (pytest -m "not slow").
 quick: setup
 	$(VENV)/bin/python -m pytest -q -n 2 -m "not slow" tests
+
+# The stock DeepSpeed runs the tests read from tests/data/golden where this machine has what
+# they were made with (tests/ds_runs.py): make them again after a DeepSpeed or torch upgrade.
+golden: setup
+	$(VENV)/bin/python tests/make_golden.py
 
 bench: setup
 	$(VENV)/bin/python bench/update_phase.py

@@ -11,6 +11,13 @@ workers share the runs through a lock file per run, so each runs once in the who
 A run's files are shared: a test that changes them (damages a checkpoint, converts it) works on a
 copy (:meth:`Finished.copy_of`). A run that is itself the thing under test (one that must fail,
 or be signalled) is launched with :func:`launch`, uncached, into the test's own directory.
+
+Golden references: a stock run that is a fixed function of its script, its arguments, the seed
+and what computes it (DeepSpeed's and torch's versions, the CPU's instruction set) is kept under
+``tests/data/golden`` (:data:`GOLDEN`, made by ``tests/make_golden.py``, as torchtitan keeps loss
+curves) and read from there by :meth:`DSRuns.reference` where it was made with what this machine
+has; elsewhere that stock run is launched live. The stock runs of every dtype and rank count
+(:func:`baseline`) always run live.
 """
 from __future__ import annotations
 
@@ -85,6 +92,11 @@ class Launch:
         """A directory name unique to the launch, and short: paths in its output are printed whole,
         and the tests hold that output to 80 columns (its ``finished.json`` gives the command)."""
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+    def golden_name(self) -> str:
+        """:meth:`key` without this checkout's path: the name of its golden copy."""
+        text = json.dumps(dict(dataclasses.asdict(self), script=os.path.relpath(self.script, ROOT)), sort_keys=True)
         return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
     def run_dir(self, run_dir: str) -> str:
@@ -200,6 +212,54 @@ def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) ->
     return Finished(spec, run_dir, p.returncode, stdout, stderr, port)
 
 
+GOLDEN_DIR = Path(ROOT) / "tests" / "data" / "golden"
+STATE_API = ("--state-api-out", "{dir}/values.pt")
+"""Script options: the values DeepSpeed's partitioned-state API reads at step 2 go to ``values.pt.rankN``."""
+HF_TRAINER = os.path.join(ROOT, "tests", "ds_scripts", "train_hf_trainer.py")
+ACCELERATE = os.path.join(ROOT, "tests", "ds_scripts", "train_accelerate.py")
+GOLDEN = (
+    stock(1, "--dtype", "fp32", "--groups"),
+    stock(1, "--dtype", "fp16", "--overflow-at", "3", "--overflow-in", "first"),
+    stock(1, "--output-dir", "{dir}/out", script=HF_TRAINER),
+    stock(2, script=ACCELERATE),
+    *(stock(ranks, "--dtype", dtype, *STATE_API) for ranks, dtype in ((1, "fp32"), (2, "bf16"), (1, "bf16"))),
+)
+"""The stock runs kept as golden copies (``tests/make_golden.py`` makes them)."""
+GOLDEN_FILES = ("losses.jsonl", "values.pt.rank0", "values.pt.rank1")
+"""What a golden copy keeps of its run: what the tests read."""
+
+
+def made_with(spec: Launch) -> dict:
+    """What a stock run's numbers depend on besides its arguments and seed: DeepSpeed's and
+    torch's versions, the instruction set their CPU kernels pick (DeepSpeed builds its CPU Adam
+    for this CPU; torch dispatches by capability), the script."""
+    import deepspeed
+    import torch
+
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    with open(spec.script, "rb") as f:
+        script = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": sorted(set(flags) & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16",
+                                              "amx_bf16", "amx_tile"}),
+            "script": f"{os.path.relpath(spec.script, ROOT)} {script}"}
+
+
+def golden(spec: Launch) -> tuple[Finished | None, str]:
+    """``spec``'s golden copy and '', or None and why it cannot stand for the live run here."""
+    meta = GOLDEN_DIR / spec.golden_name() / "golden.json"
+    if not meta.exists():
+        return None, "none kept"
+    kept = json.loads(meta.read_text())
+    here = made_with(spec)
+    differ = [f"{k} {kept['made_with'].get(k)} there, {v} here" for k, v in here.items() if kept["made_with"].get(k) != v]
+    if differ:
+        return None, "; ".join(differ)
+    return Finished(spec, meta.parent, 0, kept["stdout"], "", ""), ""
+
+
 class DSRuns:
     """The session's runs, under ``base`` (shared by pytest-xdist's workers)."""
 
@@ -229,3 +289,16 @@ class DSRuns:
                                               "argv": spec.argv(str(run_dir), done.port)}))
         self._done[spec] = done
         return done
+
+    def reference(self, spec: Launch) -> Finished:
+        """Stock's run ``spec``: its golden copy where that was made with what this machine has
+        (:func:`golden`), else the live run (and a warning when a copy made elsewhere was passed
+        over). ``OFFLOADCTL_TESTS_LIVE_STOCK=1`` runs every one live."""
+        assert spec.who == "stock", spec
+        if os.environ.get("OFFLOADCTL_TESTS_LIVE_STOCK") != "1":
+            kept, why = golden(spec)
+            if kept is not None:
+                return kept
+            if spec in GOLDEN:
+                warnings.warn(f"golden {spec.golden_name()}: {why}; stock DeepSpeed runs live", stacklevel=2)
+        return self.get(spec)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from ds_runs import LANE_ON_CPU, LANE_ON_CPU_2, SAVE, TINY, Launch, baseline, launch, ours, stock
+from ds_runs import ACCELERATE, HF_TRAINER, LANE_ON_CPU, LANE_ON_CPU_2, SAVE, TINY, Launch, baseline, launch, ours, stock
 from helpers import ROOT, cli
 
 # Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
@@ -41,7 +41,7 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, ds_runs):
     # The plain rows save a checkpoint at step 3 on both sides, so that the checkpoint tests reuse
     # these runs (a save changes no loss: stock's losses with and without one are identical).
     save = () if script_opts or opts else SAVE
-    ref = ds_runs.get(baseline(ranks, dtype) if not script_opts else stock(ranks, "--dtype", dtype, *script_opts)).ok()
+    ref = ds_runs.reference(baseline(ranks, dtype) if not script_opts else stock(ranks, "--dtype", dtype, *script_opts)).ok()
     b = ds_runs.get(ours(ranks, "--dtype", dtype, *script_opts, *save, opts=opts)).ok()
     assert "offloadctl: engine active" in b.stderr
     assert len(ref.losses) == len(b.losses) == 6
@@ -75,10 +75,6 @@ def test_gpu_default_keeps_a_small_state_on_the_device(ds_runs):
     assert sum(r["bytes_read"].get("nvme", 0) for r in recs) == 0
 
 
-HF_TRAINER = os.path.join(ROOT, "tests", "ds_scripts", "train_hf_trainer.py")
-ACCELERATE = os.path.join(ROOT, "tests", "ds_scripts", "train_accelerate.py")
-
-
 @pytest.mark.parametrize("script,ranks,extra,opts", [
     (HF_TRAINER, 1, ("--output-dir", "{dir}/out"), ()),
     # Few subgroups per rank: without prefetch only one is kept across steps, so the rest are read.
@@ -86,7 +82,7 @@ ACCELERATE = os.path.join(ROOT, "tests", "ds_scripts", "train_accelerate.py")
 def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, ds_runs):
     """Trainer and Accelerate reach deepspeed.initialize themselves; the engine must engage there too,
     leave the user's RNG alone (GPT-2 has dropout) and keep their LR scheduler stepping."""
-    ref = ds_runs.get(stock(ranks, *extra, script=script)).ok()
+    ref = ds_runs.reference(stock(ranks, *extra, script=script)).ok()
     b = ds_runs.get(ours(ranks, *extra, script=script, opts=opts)).ok()
     assert "offloadctl: engine active" in b.stderr
     assert "lr_scheduler.step()` before `optimizer.step()" not in b.stderr

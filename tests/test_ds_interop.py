@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from ds_runs import LAYOUTS, SAVE, TINY, baseline, launch, ours, stock
+from ds_runs import LAYOUTS, SAVE, STATE_API, TINY, baseline, launch, ours, stock
 from helpers import ROOT, cli, env_with_root, free_port
 
 pytestmark = pytest.mark.slow
@@ -44,8 +44,8 @@ def test_partitioned_state_api_matches_stock(ranks, dtype, layout, ds_runs):
     and "Modifying Partitioned States" in DeepSpeed's ZeRO-3 docs), with gradient clipping: every
     value read at step 2 equals stock's, and the losses after the writes at step 3 do too. A
     subgroup on NVMe is read from and written to its swap file."""
-    api = ("--dtype", dtype, "--state-api-out", "{dir}/values.pt")
-    a = ds_runs.get(stock(ranks, *api)).ok()
+    api = ("--dtype", dtype, *STATE_API)
+    a = ds_runs.reference(stock(ranks, *api)).ok()
     b = ds_runs.get(ours(ranks, *api, opts=LAYOUTS[layout])).ok()
     for ref, got in zip(_read_values(a, ranks), _read_values(b, ranks)):
         assert ref.keys() == got.keys() and len(ref) == 48  # 6 parameters x 8 getters
@@ -99,11 +99,14 @@ def test_checkpoints_move_both_ways(saver, loader, ranks, dtype, ds_runs, tmp_pa
 
 
 def test_zero_to_fp32_reads_our_checkpoint_as_stocks(ds_runs):
-    """DeepSpeed's zero_to_fp32 on offloadctl's checkpoint gives the weights it gives on stock's."""
+    """DeepSpeed's zero_to_fp32 on offloadctl's checkpoint gives the weights it gives on stock's.
+    (The checkpoint is the one stock resumes from in test_checkpoints_move_both_ways: the files'
+    format does not depend on the tiers the state lived on.)"""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     ref, got = (get_fp32_state_dict_from_zero_checkpoint(str(ds_runs.get(_saver(who, 2, "bf16", layout)).ok().dir / "ckpt"),
-                                                          tag="ckpt") for who, layout in (("stock", None), ("ours", TWO_PATHS)))
+                                                          tag="ckpt") for who, layout in (("stock", None),
+                                                                                          ("ours", "nvme-and-host")))
     assert ref.keys() == got.keys() and len(ref) == 6
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
@@ -185,36 +188,30 @@ def test_a_failed_load_leaves_the_tiers_alone(ds_runs, tmp_path):
 
 # -- launching: two nodes, each launched on its own --------------------------------------------------
 
-def test_two_nodes_launched_per_node_match_stock(tmp_path):
+def test_two_nodes_launched_per_node_match_stock(ds_runs, tmp_path):
     """Two per-node launches (--no_ssh --node_rank 0|1, one hostfile naming both nodes, one master
     address), as on a cluster without ssh between nodes (Kubernetes, a Slurm step per node). Each
-    "node" has its own NVMe path, run dir and tuner daemon; losses equal the same launch of stock
-    DeepSpeed; each node's telemetry and report are complete."""
+    "node" has its own NVMe path, run dir and tuner daemon; losses equal stock DeepSpeed's with two
+    ranks (the script's data and model depend on the rank and the world size, not on which node a
+    rank runs on: the session's stock run of two ranks is the reference); each node's telemetry and
+    report are complete."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-
-    def launch(who: str) -> list[dict]:
-        port, procs = free_port(), []
-        for node in (0, 1):
-            d = tmp_path / f"{who}{node}"
-            (d / "nvme").mkdir(parents=True)
-            per_node = ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
-                        "127.0.0.1", "--master_port", port]
-            script = [TINY, "--losses-out", str(d / "losses.jsonl")]
-            cmd = ([sys.executable, "-m", "deepspeed.launcher.runner", *per_node, *script] if who == "stock" else
-                   [sys.executable, "-m", "offloadctl.cli", "train", *per_node, "--nvme", str(d / "nvme"),
-                    "--host-cache", "0", "--run-dir", str(d / "run"), *script])
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          env=env_with_root(), cwd=ROOT))
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-        for p, out in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:]
-        return outs
-
-    launch("stock")
-    outs = launch("ours")
-    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "ours0")), torch.tensor(_losses(tmp_path / "stock0")),
-                               rtol=1e-5, atol=0)
+    port, procs = free_port(), []
+    for node in (0, 1):
+        d = tmp_path / f"ours{node}"
+        (d / "nvme").mkdir(parents=True)
+        per_node = ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+                    "127.0.0.1", "--master_port", port]
+        cmd = [sys.executable, "-m", "offloadctl.cli", "train", *per_node, "--nvme", str(d / "nvme"),
+               "--host-cache", "0", "--run-dir", str(d / "run"), TINY, "--losses-out", str(d / "losses.jsonl")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env_with_root(), cwd=ROOT))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    ref = ds_runs.get(baseline(2, "fp32")).ok()
+    torch.testing.assert_close(torch.tensor(_losses(tmp_path / "ours0")), torch.tensor(ref.losses), rtol=1e-5, atol=0)
     for node in (0, 1):
         run = tmp_path / f"ours{node}" / "run"
         recs = [json.loads(line) for line in open(run / f"telemetry-rank{node}.jsonl")]  # node N runs rank N

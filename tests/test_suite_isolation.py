@@ -38,3 +38,25 @@ def test_state_config_and_runtime_dirs_are_the_suites_own():
         for what, path in where.items():
             assert _inside(path, top), (what, path)
     assert not _inside(service.default_db_path(), os.path.join(os.path.expanduser("~"), ".local"))
+
+
+def test_a_golden_stock_run_stands_for_the_live_one_only_where_it_was_made_so(tmp_path, monkeypatch):
+    """Every golden copy is read where it was made with what this machine has; a copy made with
+    another DeepSpeed (or torch, instruction set, script) is passed over, saying why, and the
+    tests then run that stock run live."""
+    import ds_runs
+
+    for spec in ds_runs.GOLDEN:
+        kept, why = ds_runs.golden(spec)
+        assert kept is not None and why == "", (spec.golden_name(), why)
+        assert len(kept.losses) == 6 and kept.ok() is kept
+    spec = ds_runs.GOLDEN[0]
+    moved = tmp_path / spec.golden_name()
+    kept = ds_runs.GOLDEN_DIR / spec.golden_name()
+    moved.mkdir()
+    meta = json.loads((kept / "golden.json").read_text())
+    meta["made_with"]["deepspeed"] = "0.0.1"
+    (moved / "golden.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(ds_runs, "GOLDEN_DIR", tmp_path)
+    got, why = ds_runs.golden(spec)
+    assert got is None and why.startswith("deepspeed 0.0.1 there, "), why
