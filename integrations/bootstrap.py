@@ -99,12 +99,22 @@ def _ignore_later_signals() -> None:
         signal.signal(s, _later_signal)
 
 
+_FIRST_SIGNAL: dict[str, int] = {}
+"""The signal that stopped this rank: the one owner of it (the record's end line and the tuner's
+bye both take it from the :class:`Stopped` it raised)."""
+
+
 def _stop_on_signals() -> None:
     def handler(signum, frame):
         # The first signal unwinds the script; later ones (the launcher repeats them, Ctrl-C
-        # twice) must not interrupt the cleanup it started.
+        # twice) must not interrupt the cleanup it started. A signal that arrives while this
+        # handler runs (DeepSpeed's launcher's SIGTERM, milliseconds after Ctrl-C's SIGINT,
+        # with other threads holding the GIL) runs this handler again inside it, before
+        # _ignore_later_signals: whichever raises, it names the first (setdefault: one call,
+        # no point between the test and the set where a signal could run Python).
+        first = _FIRST_SIGNAL.setdefault("signum", signum)
         _ignore_later_signals()
-        raise Stopped(signum)
+        raise Stopped(first)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT: inherited ignored, set here
         signal.signal(s, handler)
@@ -219,6 +229,9 @@ def main() -> int:
         from tuner.client import note_stopped
 
         note_stopped(signal.Signals(signum).name)  # the tuner's bye, sent at exit, says the run was interrupted
+        rec = recorder.current()
+        if rec is not None:  # the record's end line, written at exit, says the same
+            rec.stopped_by = signal.Signals(signum).name
         print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
               file=sys.stderr, flush=True)
         return 128 + signum

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -90,11 +89,10 @@ class RecorderConfig:
 
 def start(config: RecorderConfig, *, script: str, rank: int) -> "Recorder":
     """This rank's recorder, current from now on: its record file opened, its end line written at
-    exit with the signal or exception that ended the rank. Call after the bootstrap's signal
-    handlers are in place; ``integrations.ds_patches`` attaches it to the engine."""
+    exit with the signal or exception that ended the rank (the bootstrap, which catches the
+    signal, sets :attr:`Recorder.stopped_by`); ``integrations.ds_patches`` attaches it to the engine."""
     global _CURRENT
     rec = _CURRENT = Recorder(config, rank=rank, script=script)
-    _note_signals(rec)
     atexit.register(rec.close)
     previous_hook = sys.excepthook
 
@@ -107,25 +105,6 @@ def start(config: RecorderConfig, *, script: str, rank: int) -> "Recorder":
 
 
 _CURRENT: "Recorder | None" = None
-
-
-def _note_signals(rec: "Recorder") -> None:
-    """Chain onto the handlers of SIGINT, SIGTERM and SIGHUP (the bootstrap's, which unwind the
-    script) so that the end line says which stopped the rank; the first one counts."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        previous = signal.getsignal(signum)
-        if not callable(previous):
-            continue  # ignored or default: the rank does not unwind, the end line is not written
-
-        def handler(num, frame, previous=previous):
-            if rec.stopped_by is None:
-                rec.stopped_by = signal.Signals(num).name
-            return previous(num, frame)
-
-        try:
-            signal.signal(signum, handler)
-        except ValueError:  # not the main thread: the end line says finished or error only
-            return
 
 
 def current() -> "Recorder | None":

@@ -432,3 +432,37 @@ def test_rank_killed_mid_write_resumes_from_its_checkpoint(ds_runs, tmp_path):
     got = [json.loads(line)["loss"] for line in open(tmp_path / "resumed.jsonl")]
     assert got == pytest.approx(ref, rel=1e-6) and len(got) == 3
     assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+
+
+NESTED_SIGNALS = """
+import os, signal
+from integrations import bootstrap
+
+bootstrap._stop_on_signals()
+real, sent = bootstrap._ignore_later_signals, []
+
+
+def sigterm_arrives_meanwhile():  # DeepSpeed's launcher's SIGTERM, while Ctrl-C's SIGINT is being handled
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    real()
+
+
+bootstrap._ignore_later_signals = sigterm_arrives_meanwhile
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100_000):
+        pass
+except bootstrap.Stopped as e:
+    print(signal.Signals(e.signum).name)
+"""
+
+
+def test_a_signal_arriving_while_the_first_is_handled_does_not_take_its_place():
+    """Ctrl-C's SIGINT, then DeepSpeed's launcher's SIGTERM while the rank's handler of the first
+    still runs (other threads hold the GIL): Python runs the second handler inside the first, and
+    the rank said 'stopped by SIGTERM' to its tuner while its record said SIGINT. The first counts."""
+    out = subprocess.run([sys.executable, "-c", NESTED_SIGNALS], capture_output=True, text=True, cwd=ROOT,
+                         env=env_with_root(), timeout=60)
+    assert out.stdout.strip() == "SIGINT", (out.stdout, out.stderr[-2000:])
