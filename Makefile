@@ -45,7 +45,8 @@ demo: setup
 	  $(VENV)/bin/offloadctl report runs/demo --output runs/demo-report.html
 
 # Two pytest workers (pytest-xdist): most of a DeepSpeed launch is imports and rendezvous, so
-# two overlap well on two cores (27.5 minutes against about 40 in one process). Each
+# two overlap well on two cores (about 20 minutes; about 40 in one process before the run
+# cache and the golden stock runs). Each
 # worker takes its own ports; the DeepSpeed runs several tests share are made once (tests/ds_runs.py).
 test: setup
 	$(VENV)/bin/python -m pytest -q -n 2 tests
