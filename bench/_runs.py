@@ -24,6 +24,19 @@ ROOT = os.path.dirname(HERE)
 TIERS = os.path.join(HERE, "tiers.sh")
 
 
+class Stop(BaseException):
+    """SIGTERM, SIGINT or SIGHUP while a benchmark runs (:func:`on_signal`): it unwinds to the
+    benchmark's cleanup (the current run's processes killed, its files removed, the JSON written)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def on_signal(signum, frame):
+    raise Stop(signum)
+
+
 def use_own_tiers(name: str) -> None:
     """Unless the environment says otherwise, bench/tiers.sh's tiers at /mnt/NAME (images in
     /var/tmp/NAME, cgroup NAME), apart from other emulations on the machine."""

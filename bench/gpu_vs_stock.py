@@ -70,6 +70,7 @@ import tempfile
 import threading
 import time
 
+from _runs import Stop, on_signal
 from rich.console import Console
 from rich.table import Table
 
@@ -102,16 +103,6 @@ H100_TOTAL_BYTES = 81559 << 20
 """An H100 80GB HBM3's memory as nvidia-smi gives it (81559 MiB)."""
 
 
-class Stop(BaseException):
-    """SIGTERM, SIGINT or SIGHUP: the current row's group is killed and the JSON written."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise Stop(signum)
 
 
 class Groups:
@@ -501,7 +492,7 @@ def main() -> int:
                     "and offloadctl default into DIR")
     args = ap.parse_args()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, _on_signal)
+        signal.signal(s, on_signal)
     import torch
 
     gpu = torch.cuda.is_available() and not args.cpu

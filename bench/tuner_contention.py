@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 
+from _runs import Stop, on_signal
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -68,14 +69,6 @@ CHANGE = re.compile(r"iteration (\d+): change #(\d+) at iteration (\d+) \((\w+)\
 DD_STATS = re.compile(r"(\d+) bytes .* copied, ([0-9.]+) s")
 
 
-class Stop(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise Stop(signum)
 
 
 def fail(msg: str) -> None:
@@ -336,7 +329,7 @@ def main() -> int:
     a.last = min(a.last, a.iters)
 
     for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _on_signal)
+        signal.signal(s, on_signal)
     bench = Bench(a)
     work = os.path.abspath(a.work) if a.work else tempfile.mkdtemp(prefix="tuner-contention-")
     os.makedirs(work, exist_ok=True)
