@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from helpers import needs_root
+from helpers import env_with_root, needs_root
 from helpers import wait_for as _wait
 
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, SubgroupEngine
@@ -618,3 +618,28 @@ def test_a_zombie_is_not_alive():
     finally:
         child.wait()
     assert not service.pid_alive(child.pid)
+
+
+def test_a_daemon_that_was_up_and_is_gone_is_told_from_one_still_starting(tmp_path):
+    """`tune --run-dir` waits for a starting run's daemon, but not for one that was killed: its
+    pidfile names a process that is gone (or a pid now used by another program)."""
+    sock = str(tmp_path / "tuner.sock")
+    assert not service.daemon_stopped(sock)  # no pidfile yet: starting
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "tuner.sock.pid").write_text(f"{gone.pid}\n")
+    assert service.daemon_stopped(sock)
+    (tmp_path / "tuner.sock.pid").write_text(f"{os.getpid()}\n")  # alive, but not a tuner daemon
+    assert service.daemon_stopped(sock)
+    daemon = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none",
+                               "--no-sensors", "--pidfile", service.pidfile_for(sock)],
+                              cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while service.read_pid(service.pidfile_for(sock)) != daemon.pid:
+            assert time.monotonic() < deadline, "the daemon did not write its pidfile"
+            time.sleep(0.1)
+        assert not service.daemon_stopped(sock)
+    finally:
+        daemon.terminate()
+        daemon.wait(10)

@@ -314,6 +314,13 @@ def read_pid(pidfile: str) -> int | None:
         return None
 
 
+def daemon_stopped(socket_path: str) -> bool:
+    """Whether the daemon of ``socket_path`` was up (its pidfile written) and is gone without
+    taking its pidfile with it (killed, crashed); False for one that has not started yet."""
+    pid = read_pid(pidfile_for(socket_path))
+    return pid is not None and not (pid_alive(pid) and _is_our_daemon(pid))
+
+
 def _is_our_daemon(pid: int) -> bool:
     """Whether ``pid`` is an ``offloadctl tuner serve`` (not a reused pid)."""
     try:

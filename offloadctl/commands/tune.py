@@ -145,7 +145,7 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
 
 def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
     """The daemon of the run in ``run_dir``; while that run is starting (its run dir taken, its
-    daemon not up yet), waited for up to ``wait_s``."""
+    daemon not up yet), waited for up to ``wait_s``; a daemon that was up and is gone, at once."""
     from engine.errors import ConfigError
     from integrations.run_dir import in_use
     from tuner import service
@@ -161,7 +161,7 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
         if not in_use(run_dir):
             raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
                               "`offloadctl tune` without --run-dir lists the live ones")
-        if time.monotonic() > deadline:
+        if service.daemon_stopped(own) or time.monotonic() > deadline:  # stopped: no use waiting
             raise ConfigError(f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not "
                               f"answer: it stopped, and the run keeps the knobs it has (the daemon's log: "
                               f"{service.logfile_for(own)})")
