@@ -41,4 +41,5 @@ def install(settings: ZeroEngineSettings):
 
     cls = optimizer_class(settings)
     ds_patches.replace_zero3_optimizer(cls)
+    ds_patches.answer_listed_optimizers_without_muon()
     return cls

@@ -44,6 +44,7 @@ ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 PARAM_OFFLOAD = "deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload"
 UTILS = "deepspeed.runtime.utils"
 PARTITION_PARAMETERS = "deepspeed.runtime.zero.partition_parameters"
+ZERO_UTILS = "deepspeed.runtime.zero.utils"
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ OPTIMIZER_STEP = Method(STAGE3, "_optimizer_step", ("sub_group_id",), "wrap")
 RELEASE_SUB_GROUP = Method(STAGE3, "_release_sub_group", ("sub_group_id", "timer_names"), "wrap")
 """Stock ZeRO-3's per-subgroup update (swap-in, optimizer step, swap-out), wrapped on the live
 optimizer for the recorder under ``--engine stock``, each call forwarded as it came."""
+IS_ZERO_SUPPORTED_OPTIMIZER = Method(ZERO_UTILS, "is_zero_supported_optimizer", ("optimizer",), "wrap")
+"""Wrapped where the engine module imported it, so that an optimizer already on DeepSpeed's list is
+answered without importing Muon (``ds_patches.answer_listed_optimizers_without_muon``)."""
 
 METHODS: tuple[Method, ...] = (
     # Overridden by OffloadZero3Optimizer.
@@ -127,7 +131,7 @@ METHODS: tuple[Method, ...] = (
     Method(UTILS, "combine_grad_norm_groups", ("norm_groups", "norm_type"), "call"),
     Method(UTILS, "is_invalid_grad_norm", ("norm",), "call"),
     # Patched by integrations/ds_patches.py, which takes these names from the entries above.
-    GET_OPTIMIZER_CONFIGURATION, PREPARE_SUB_GROUP, OPTIMIZER_STEP, RELEASE_SUB_GROUP,
+    GET_OPTIMIZER_CONFIGURATION, PREPARE_SUB_GROUP, OPTIMIZER_STEP, RELEASE_SUB_GROUP, IS_ZERO_SUPPORTED_OPTIMIZER,
     # install() replaces the class in the stage3 module; this must import it from there at call time.
     Method(ENGINE, "_configure_zero_optimizer", ("optimizer",), "call"),
 )
@@ -150,6 +154,7 @@ ATTRIBUTES: tuple[Attribute, ...] = (
 
 COPIED: dict[tuple[str, str], str] = {
     (STAGE3, "partition_grads"): "ef0ab1c41f74894cf9d033df644e09bd26325849ed62cfe744affa20b775793c",
+    (ZERO_UTILS, "is_zero_supported_optimizer"): "32bf7a76f4c99d89df16b144e6877f22365a394c677876eb4c05be834033588f",
 }
 """Methods whose body the integration copies with a change (sha256 of DeepSpeed's source, as
 :func:`copied_source_matches` reads it, in release ``CHECKED_AGAINST``). Where the installed body
@@ -198,7 +203,8 @@ NAMES: tuple[tuple[str, str], ...] = (
     ("deepspeed.checkpoint.constants", "ZERO_STAGE"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.runtime.config", "TORCH_ADAM_PARAM"),
     ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
-    ("deepspeed.runtime.zero.offload_config", "OffloadStateTypeEnum"))
+    ("deepspeed.runtime.zero.offload_config", "OffloadStateTypeEnum"),
+    (ZERO_UTILS, "ZERO_SUPPORTED_OPTIMIZERS"), ("deepspeed.runtime.engine", "is_zero_supported_optimizer"))
 """Module-level names the integration imports."""
 
 

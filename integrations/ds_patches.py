@@ -8,6 +8,8 @@ Here:
   (:func:`replace_zero3_optimizer`; its overrides are listed below).
 - ``DeepSpeedEngine.get_optimizer_configuration``, wrapped on the class so that DeepSpeed builds
   torch's AdamW where cpu_adam is not built (:func:`build_torch_adam`).
+- ``is_zero_supported_optimizer`` as the engine module imported it, answering for an optimizer on
+  DeepSpeed's list without importing Muon (:func:`answer_listed_optimizers_without_muon`).
 - ``deepspeed.ops.__compatible_ops__``: an op the engine cannot load without compiling is marked
   incompatible, so that DeepSpeed does not compile it in the rank (:func:`keep_ops_from_deepspeed`;
   which ops, ``engine.storage.native_ops.prepare_deepspeed_loads`` says).
@@ -126,6 +128,33 @@ def build_torch_adam() -> None:
 
     setattr(DeepSpeedEngine, name, get_optimizer_configuration)
     DeepSpeedEngine._offloadctl_torch_adam = True
+
+
+def answer_listed_optimizers_without_muon() -> None:
+    """DeepSpeed's ``is_zero_supported_optimizer`` imports its Muon optimizer on each call, to put
+    it on the list of supported optimizers. That import runs ``torch.compile``'s decorator, which
+    imports torch's inductor: 1.7 s of each rank's start on 2 cores, whatever the optimizer. An
+    optimizer already on the list is supported whatever Muon adds, so it is answered (with
+    DeepSpeed's log line) without the import; any other goes to DeepSpeed's own check, which
+    imports Muon as before. Only where the installed body is the one read (``ds_compat.COPIED``).
+    Idempotent."""
+    from deepspeed.runtime import engine as ds_engine
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    m = ds_compat.IS_ZERO_SUPPORTED_OPTIMIZER
+    original = getattr(zero_utils, m.name)
+    if getattr(ds_engine, m.name) is not original or not ds_compat.copied_source_matches(m.owner, m.name):
+        return
+
+    def is_zero_supported_optimizer(optimizer):
+        if type(optimizer) not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+            return original(optimizer)
+        if zero_utils.dist.get_rank() == 0:
+            zero_utils.logger.info(f"Checking ZeRO support for optimizer={optimizer.__class__.__name__} "
+                                   f"type={type(optimizer)}")
+        return True
+
+    setattr(ds_engine, m.name, is_zero_supported_optimizer)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,6 +43,7 @@ def test_pins_are_read_and_checked_against_the_rows(bench_tuner):
             bench_tuner.read_pins([bad], paths)
 
 
+@pytest.mark.slow
 def test_a_bad_pin_is_one_line_and_exit_2(tmp_path):
     nvme, pfs = tmp_path / "nvme", tmp_path / "pfs"
     nvme.mkdir()

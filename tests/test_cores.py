@@ -40,6 +40,7 @@ def _in_child(mode: str, env: dict) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_a_rank_is_bound_to_its_block_with_as_many_threads():
     cores = sorted(os.sched_getaffinity(0))

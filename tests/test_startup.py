@@ -95,6 +95,7 @@ def test_cpu_info_is_asked_once_per_cpu_and_kept(fresh_cpu_info, monkeypatch):
     assert cpuinfo.get_cpu_info()["brand_raw"] == "other"
 
 
+@pytest.mark.slow
 def test_an_ops_state_does_not_depend_on_where_stdout_goes():
     """Under Jupyter or pytest's capture sys.stdout and sys.stderr have no file descriptor, and
     DeepSpeed's checks and loads write to ``sys.stderr.fileno()``: a built op was then taken for
@@ -108,3 +109,41 @@ def test_an_ops_state_does_not_depend_on_where_stdout_goes():
     states = [subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env_with_root(),
                              cwd=ROOT, timeout=120).stdout.strip() for how in ("plain", "captured")]
     assert states[0] and states[0] == states[1], states
+
+
+LISTED_OPTIMIZER = """
+import json, sys
+import torch
+from integrations import ds_patches
+ds = ds_patches.import_deepspeed()
+ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method="tcp://127.0.0.1:" + sys.argv[1],
+                    rank=0, world_size=1)
+from deepspeed.runtime import engine
+from deepspeed.runtime.zero import utils
+stock = engine.is_zero_supported_optimizer
+ds_patches.answer_listed_optimizers_without_muon()
+ds_patches.answer_listed_optimizers_without_muon()
+wrapped = engine.is_zero_supported_optimizer
+muon = "deepspeed.runtime.zero.muon.muon_optimizer"
+p = [torch.nn.Parameter(torch.zeros(4))]
+out = {"wrapped": wrapped is not stock, "adamw": wrapped(torch.optim.AdamW(p)),
+       "muon_after_adamw": muon in sys.modules, "inductor_after_adamw": "torch._inductor.compile_fx" in sys.modules,
+       "sgd": wrapped(torch.optim.SGD(p, lr=0.1)), "muon_after_sgd": muon in sys.modules,
+       "stock_sgd": stock(torch.optim.SGD(p, lr=0.1)), "stock_adamw": stock(torch.optim.AdamW(p))}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_an_optimizer_on_deepspeeds_list_is_answered_without_importing_muon():
+    """DeepSpeed's ZeRO check imports its Muon optimizer, and with it torch's inductor (1.7 s of
+    each rank's start here): an optimizer on the list is answered without it, as DeepSpeed
+    answers; any other still goes through DeepSpeed's own check."""
+    from helpers import free_port
+
+    p = subprocess.run([sys.executable, "-c", LISTED_OPTIMIZER, free_port()], capture_output=True, text=True,
+                       env=env_with_root(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"wrapped": True, "adamw": True, "muon_after_adamw": False, "inductor_after_adamw": False,
+                   "sgd": False, "muon_after_sgd": True, "stock_sgd": False, "stock_adamw": True}, out

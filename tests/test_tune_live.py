@@ -130,6 +130,7 @@ def _ended(watch: subprocess.Popen) -> tuple[str, str]:
     return out, err
 
 
+@pytest.mark.slow
 def test_the_live_view_ends_with_the_run(private_env):
     """Finished (every rank said bye), interrupted (a rank's bye names a signal), and a daemon
     gone mid-run: a final frame and line, exit status 0, no traceback."""
@@ -229,6 +230,7 @@ def test_help_fits_80_columns_and_value_errors_name_the_flag():
     assert out.returncode == 2 and "--pin 'prefetch_depth=-1': write RUN:KNOB=VALUE" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_a_run_whose_rank_dies_ends_as_interrupted(private_env):
     """A rank process killed without a bye while its daemon stays up: after the grace period
     the view calls the run interrupted, at the last iteration it reported."""

@@ -8,6 +8,8 @@ import json
 import re
 import sqlite3
 
+import pytest
+
 from engine import Knobs
 from tuner.daemon_config import ServerConfig
 
@@ -194,6 +196,7 @@ def _script(tmp_path, config: dict | None, *, flag="--deepspeed_config", name="d
 DS_BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
+@pytest.mark.slow
 def test_a_config_the_engine_refuses_is_refused_before_the_launch(tmp_path, short_tmp):
     """ZeRO-2, or ZeRO-3 without offload_optimizer, named by the script's
     --deepspeed_config, HF's --deepspeed=FILE or as a JSON among its arguments: one line naming
@@ -244,6 +247,7 @@ def test_a_json_that_is_no_ds_config_is_left_alone(tmp_path):
     assert check_ds_config(["--deepspeed_config", str(tmp_path / "missing.json")]) is None
 
 
+@pytest.mark.slow
 def test_dry_run_is_one_human_block_at_80_columns(short_tmp):
     """No settings JSON, and no row broken mid-token: one block with the launch, where the
     state goes, knobs and pins, the tuner; --json keeps the JSON."""
