@@ -28,6 +28,13 @@ atexit.register(shutil.rmtree, _STATE, True)
 import engine.storage.native_ops  # noqa: F401,E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (each part in collection order): pytest-xdist hands tests out in this
+    order, so a worker's last tests are short ones and no worker waits long on another's last
+    training run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def ds_runs(tmp_path_factory):
     """The session's training runs (ds_runs.DSRuns), shared by pytest-xdist's workers."""

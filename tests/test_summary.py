@@ -20,7 +20,8 @@ from rich.console import Console
 
 from offloadctl.summary import WIDTH, print_run_summary, run_summary_lines
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its fixture interrupts a run of its own, once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("summary")]
 
 
 

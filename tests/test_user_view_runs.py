@@ -24,7 +24,8 @@ import pytest
 from ds_runs import launch, ours
 from helpers import ROOT, cli, env_with_root, free_port, wait_for
 
-pytestmark = [pytest.mark.slow,
+# One worker runs the module: its scenario (two runs driven in tmux) is played once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("user_view_runs"),
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")]
 
 PROMPT = "$ "
