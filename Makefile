@@ -45,17 +45,16 @@ demo: setup
 	  $(VENV)/bin/offloadctl report runs/demo --output runs/demo-report.html
 
 # Three pytest workers (pytest-xdist) on two cores: a DeepSpeed launch spends much of its time in
-# serial imports, rendezvous and the launcher's polls, so three overlap better than two (15
-# minutes, against 18 with two; about 40 in one process before the run cache and the golden
-# stock runs). --dist loadgroup keeps a module whose fixture plays a scenario once on one worker
-# (xdist_group); conftest.py puts the slow tests first. Each worker takes its own ports; the
-# DeepSpeed runs several tests share are made once (tests/ds_runs.py).
+# serial imports, rendezvous and the launcher's polls, so three overlap better than two (about
+# 15 minutes, against 18 with two; about 40 in one process before the run cache and the golden
+# stock runs). Each worker takes its own ports; the DeepSpeed runs several tests share are made
+# once (tests/ds_runs.py), and so are the scenarios a module's tests share (the once fixture).
 test: setup
-	$(VENV)/bin/python -m pytest -q -n 3 --dist loadgroup tests
+	$(VENV)/bin/python -m pytest -q -n 3 tests
 
 # The quick loop: everything but real trainings, processes and signals (pytest -m "not slow").
 quick: setup
-	$(VENV)/bin/python -m pytest -q -n 3 --dist loadgroup -m "not slow" tests
+	$(VENV)/bin/python -m pytest -q -n 3 -m "not slow" tests
 
 # The stock DeepSpeed runs the tests read from tests/data/golden where this machine has what
 # they were made with (tests/ds_runs.py): make them again after a DeepSpeed or torch upgrade.

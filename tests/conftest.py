@@ -28,11 +28,11 @@ atexit.register(shutil.rmtree, _STATE, True)
 import engine.storage.native_ops  # noqa: F401,E402
 
 
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first (each part in collection order): pytest-xdist hands tests out in this
-    order, so a worker's last tests are short ones and no worker waits long on another's last
-    training run."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+def _session_base(tmp_path_factory) -> Path:
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own basetemp under the session's
+        base = base.parent
+    return base
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +40,34 @@ def ds_runs(tmp_path_factory):
     """The session's training runs (ds_runs.DSRuns), shared by pytest-xdist's workers."""
     from ds_runs import DSRuns
 
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own basetemp under the session's
-        base = base.parent
-    return DSRuns(base / "ds-runs")
+    return DSRuns(_session_base(tmp_path_factory) / "ds-runs")
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory):
+    """``once(name, make)``: what ``make()`` returns, made by one pytest-xdist worker in the whole
+    session and read by the others (pickled under the session's base, a lock per name). For a
+    module fixture that plays a scenario: pytest-xdist spreads a module's tests over its workers,
+    each of which would otherwise play it again. (Its ``--dist loadgroup`` cannot keep them on one:
+    it renames tests, which pytest 9.2's node ids no longer take.) A ``make`` that raises leaves
+    nothing: the next asker plays it again."""
+    import pickle
+
+    from filelock import FileLock
+
+    base = _session_base(tmp_path_factory) / "once"
+    base.mkdir(exist_ok=True)
+
+    def get(name: str, make):
+        kept = base / f"{name}.pickle"
+        with FileLock(str(kept) + ".lock"):
+            if kept.exists():
+                return pickle.loads(kept.read_bytes())
+            value = make()
+            kept.write_bytes(pickle.dumps(value))
+            return value
+
+    return get
 
 
 @pytest.fixture

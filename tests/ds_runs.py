@@ -61,9 +61,20 @@ LAYOUTS = {"nvme-and-host": (), "all-nvme": ("--host-cache", "0"), "lane-on-cpu"
 
 
 @dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint a cached run saved (``--ckpt-dir {dir}/ckpt``, tag ``ckpt``), as a run that
+    resumes from it names it: ``{ckpt}`` in that run's strings, the checkpoint directory."""
+
+    saver: "Launch"
+    universal: bool = False
+    """Converted by DeepSpeed's ds_to_universal first: tag ``universal`` beside ``ckpt``, in a copy."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Launch:
     """One training run of a test script. In every string, ``{dir}`` stands for the run's own
-    directory (``{dir}/nvme`` and ``{dir}/nvme1`` exist before it starts)."""
+    directory (``{dir}/nvme`` and ``{dir}/nvme1`` exist before it starts), and ``{ckpt}`` for
+    the directory of ``ckpt`` (:meth:`DSRuns.checkpoint`)."""
 
     who: str
     """'stock' (DeepSpeed's launcher) or 'ours' (``offloadctl train``, whatever its ``opts`` say)."""
@@ -74,13 +85,15 @@ class Launch:
     script: str = TINY
     env: tuple[tuple[str, str], ...] = ()
     """Variables added to the environment."""
+    ckpt: Checkpoint | None = None
+    """The cached run's checkpoint this one resumes from."""
 
     @property
     def losses_out(self) -> bool:
         return self.script.startswith(os.path.join(ROOT, "tests", "ds_scripts"))
 
-    def argv(self, run_dir: str, port: str) -> list[str]:
-        fill = lambda args: [a.replace("{dir}", run_dir) for a in args]  # noqa: E731
+    def argv(self, run_dir: str, port: str, ckpt_dir: str = "{ckpt}") -> list[str]:
+        fill = lambda args: [a.replace("{dir}", run_dir).replace("{ckpt}", ckpt_dir) for a in args]  # noqa: E731
         launcher = ["--num_gpus", str(self.ranks), "--master_port", port]
         tail = [self.script, *(["--losses-out", f"{run_dir}/losses.jsonl"] if self.losses_out else []),
                 *fill(self.script_args)]
@@ -88,16 +101,28 @@ class Launch:
             return [sys.executable, "-m", "deepspeed.launcher.runner", *launcher, *tail]
         return [sys.executable, "-m", "offloadctl.cli", "train", *launcher, *fill(self.opts), *tail]
 
+    def _fields(self, portable: bool) -> dict:
+        """The fields, ``ckpt`` left out where there is none (the names of runs without one stay
+        as they were before it existed); ``portable``: scripts by their path in the checkout."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ckpt"}
+        if portable:
+            d["script"] = os.path.relpath(self.script, ROOT)
+        if self.ckpt is not None:
+            d["ckpt"] = {"saver": self.ckpt.saver._fields(portable), "universal": self.ckpt.universal}
+        return d
+
+    def _name(self, portable: bool) -> str:
+        text = json.dumps(self._fields(portable), sort_keys=True)
+        return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
     def key(self) -> str:
         """A directory name unique to the launch, and short: paths in its output are printed whole,
         and the tests hold that output to 80 columns (its ``finished.json`` gives the command)."""
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+        return self._name(portable=False)
 
     def golden_name(self) -> str:
         """:meth:`key` without this checkout's path: the name of its golden copy."""
-        text = json.dumps(dict(dataclasses.asdict(self), script=os.path.relpath(self.script, ROOT)), sort_keys=True)
-        return f"{self.who[0]}{self.ranks}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+        return self._name(portable=True)
 
     def run_dir(self, run_dir: str) -> str:
         """Where ``offloadctl train`` records (its --run-dir), for a run in ``run_dir``."""
@@ -114,10 +139,11 @@ staging buffers hold fewer subgroups than the model has, so each step reads stat
 path (the report's read rows are then not empty)."""
 
 
-def stock(ranks: int = 1, *script_args: str, script: str = TINY) -> Launch:
+def stock(ranks: int = 1, *script_args: str, script: str = TINY, ckpt: Checkpoint | None = None) -> Launch:
     """Stock DeepSpeed on a test script, as ``accelerate launch --use_deepspeed`` would set it up
     (plain DeepSpeed scripts ignore the variable)."""
-    return Launch("stock", ranks, tuple(script_args), script=script, env=(("ACCELERATE_USE_DEEPSPEED", "true"),))
+    return Launch("stock", ranks, tuple(script_args), script=script, env=(("ACCELERATE_USE_DEEPSPEED", "true"),),
+                  ckpt=ckpt)
 
 
 def baseline(ranks: int, dtype: str) -> Launch:
@@ -126,11 +152,32 @@ def baseline(ranks: int, dtype: str) -> Launch:
     return stock(ranks, "--dtype", dtype, *SAVE)
 
 
-def ours(ranks: int = 1, *script_args: str, opts: tuple[str, ...] = (), script: str = TINY) -> Launch:
+def ours(ranks: int = 1, *script_args: str, opts: tuple[str, ...] = (), script: str = TINY,
+         ckpt: Checkpoint | None = None) -> Launch:
     """``offloadctl train`` with the state on ``{dir}/nvme`` past a 2 kB host cache (``opts`` come
     after, so they can override it), recording into ``{dir}/run``."""
     base = ("--nvme", "{dir}/nvme", "--host-cache", TINY_CACHE, "--run-dir", "{dir}/run")
-    return Launch("ours", ranks, tuple(script_args), opts=(*base, *opts), script=script)
+    return Launch("ours", ranks, tuple(script_args), opts=(*base, *opts), script=script, ckpt=ckpt)
+
+
+UNIVERSAL = ("--resume-tag", "universal", "--ds-extra", '{"checkpoint": {"load_universal": true}}')
+"""Script options: resume from the ``universal`` tag, as a universal checkpoint."""
+
+
+def resumed_stock(ranks: int, dtype: str, saved_ranks: int, *extra: str, universal: bool = False) -> Launch:
+    """Stock DeepSpeed resuming from the checkpoint of stock's :func:`baseline` of ``saved_ranks``
+    (converted to a universal checkpoint first where ``universal``): a reference that is a fixed
+    function of the script and seed, kept golden."""
+    return stock(ranks, "--dtype", dtype, "--resume", "{ckpt}", *(UNIVERSAL if universal else ()), *extra,
+                 ckpt=Checkpoint(baseline(saved_ranks, dtype), universal))
+
+
+def to_universal(ckpt_dir: str) -> None:
+    """DeepSpeed's ds_to_universal on ``ckpt_dir``'s tag ``ckpt``, into its tag ``universal``."""
+    p = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        f"{ckpt_dir}/ckpt", "--output_folder", f"{ckpt_dir}/universal"], capture_output=True,
+                       text=True, timeout=300, env=env_with_root(), cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +231,10 @@ class Finished:
         return str(to)
 
 
-def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) -> Finished:
-    """Run ``spec`` in ``run_dir`` (made if missing), uncached; DeepSpeed's shared-memory buffers
-    of a stock run are removed after it (stock leaves 64 MiB in /dev/shm per rank)."""
+def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S, ckpt_dir: str = "{ckpt}") -> Finished:
+    """Run ``spec`` in ``run_dir`` (made if missing), uncached (``{ckpt}`` stands for
+    ``ckpt_dir``); DeepSpeed's shared-memory buffers of a stock run are removed after it (stock
+    leaves 64 MiB in /dev/shm per rank)."""
     from integrations.launcher import remove_shm_buffers
 
     for d in ("nvme", "nvme1"):
@@ -195,7 +243,7 @@ def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S) ->
     env = dict(env_with_root(), **dict(spec.env))
     # A session of its own: a run past its time is killed whole (launcher, per-node launcher and
     # ranks), not only the process started here, which would leave the ranks on their port.
-    p = subprocess.Popen(spec.argv(str(run_dir), port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    p = subprocess.Popen(spec.argv(str(run_dir), port, ckpt_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, cwd=ROOT, start_new_session=True)
     try:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -223,6 +271,8 @@ GOLDEN = (
     stock(1, "--output-dir", "{dir}/out", script=HF_TRAINER),
     stock(2, script=ACCELERATE),
     *(stock(ranks, "--dtype", dtype, *STATE_API) for ranks, dtype in ((1, "fp32"), (2, "bf16"), (1, "bf16"))),
+    resumed_stock(1, "fp32", 1, "--resume-module-only"),
+    *(resumed_stock(loaded, "fp32", saved, universal=True) for saved, loaded in ((2, 1), (1, 2))),
 )
 """The stock runs kept as golden copies (``tests/make_golden.py`` makes them)."""
 GOLDEN_FILES = ("losses.jsonl", "values.pt.rank0", "values.pt.rank1")
@@ -273,6 +323,7 @@ class DSRuns:
             return self._done[spec]
         from filelock import FileLock
 
+        ckpt_dir = self.checkpoint(spec.ckpt) if spec.ckpt is not None else "{ckpt}"
         run_dir = self.base / spec.key()
         result = run_dir / "finished.json"
         self.base.mkdir(parents=True, exist_ok=True)
@@ -283,12 +334,30 @@ class DSRuns:
             else:
                 if run_dir.exists():  # a worker that died mid-run left it: start over
                     shutil.rmtree(run_dir)
-                done = launch(spec, run_dir)
+                done = launch(spec, run_dir, ckpt_dir=ckpt_dir)
                 result.write_text(json.dumps({"returncode": done.returncode, "stdout": done.stdout,
                                               "stderr": done.stderr, "port": done.port,
-                                              "argv": spec.argv(str(run_dir), done.port)}))
+                                              "argv": spec.argv(str(run_dir), done.port, ckpt_dir)}))
         self._done[spec] = done
         return done
+
+    def checkpoint(self, c: Checkpoint) -> str:
+        """The directory of ``c``: its saver's own (runs only read it), or for a universal
+        checkpoint a converted copy, made once in the session."""
+        from filelock import FileLock
+
+        saved = self.get(c.saver).ok().dir / "ckpt"
+        if not c.universal:
+            return str(saved)
+        out = self.base / f"{c.saver.key()}-universal"
+        with FileLock(str(out) + ".lock"):
+            done = Path(str(out) + ".done")
+            if not done.exists():
+                shutil.rmtree(out, ignore_errors=True)  # a worker that died mid-conversion left it
+                shutil.copytree(saved, out)
+                to_universal(str(out))
+                done.touch()
+        return str(out)
 
     def reference(self, spec: Launch) -> Finished:
         """Stock's run ``spec``: its golden copy where that was made with what this machine has

@@ -2,6 +2,7 @@
 
     .venv/bin/python tests/make_golden.py           # run each of ds_runs.GOLDEN live, keep its results
     .venv/bin/python tests/make_golden.py --check   # run each live, compare with the kept copy
+    .venv/bin/python tests/make_golden.py --missing # make only those without a copy usable here
 
 A copy (``tests/data/golden/NAME``: the files of ``ds_runs.GOLDEN_FILES`` the run wrote, and
 ``golden.json`` with its command and what it was made with) stands for the live run only where the
@@ -23,20 +24,24 @@ sys.path.insert(0, TESTS)
 sys.path.insert(0, os.path.dirname(TESTS))
 
 import torch  # noqa: E402
-from ds_runs import GOLDEN, GOLDEN_DIR, GOLDEN_FILES, golden, launch, made_with  # noqa: E402
+from ds_runs import GOLDEN, GOLDEN_DIR, GOLDEN_FILES, DSRuns, golden, made_with  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare live runs with the kept copies; keep nothing")
+    ap.add_argument("--missing", action="store_true", help="make only the copies missing or made elsewhere")
     args = ap.parse_args()
     failed = 0
     with tempfile.TemporaryDirectory(prefix="golden-") as scratch:
+        runs = DSRuns(Path(scratch))  # a run that resumes finds the saving run's checkpoint here
         for i, spec in enumerate(GOLDEN):
             name = spec.golden_name()
+            if args.missing and golden(spec)[0] is not None:
+                continue
             print(f"[{i + 1}/{len(GOLDEN)}] {name}: {' '.join(spec.script_args)} ({os.path.basename(spec.script)}, "
                   f"{spec.ranks} rank{'s' * (spec.ranks > 1)})", flush=True)
-            run = launch(spec, Path(scratch) / name).ok()
+            run = runs.get(spec).ok()
             if args.check:
                 kept, why = golden(spec)
                 if kept is None:
@@ -64,6 +69,8 @@ def main() -> int:
                     shutil.copy(run.dir / f, out / f)
             (out / "golden.json").write_text(json.dumps({
                 "command": spec.argv("{dir}", "{port}"), "made_with": made_with(spec),
+                "ckpt": None if spec.ckpt is None else {"saver": spec.ckpt.saver.golden_name(),
+                                                        "universal": spec.ckpt.universal},
                 "made_by": "tests/make_golden.py", "stdout": run.stdout[-2000:]}, indent=1) + "\n")
     return 1 if failed else 0
 

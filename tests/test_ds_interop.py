@@ -15,7 +15,20 @@ import sys
 
 import pytest
 import torch
-from ds_runs import LAYOUTS, SAVE, STATE_API, TINY, baseline, launch, ours, stock
+from ds_runs import (
+    LAYOUTS,
+    SAVE,
+    STATE_API,
+    TINY,
+    UNIVERSAL,
+    Checkpoint,
+    baseline,
+    launch,
+    ours,
+    resumed_stock,
+    stock,
+    to_universal,
+)
 from helpers import ROOT, cli, env_with_root, free_port
 
 pytestmark = pytest.mark.slow
@@ -58,10 +71,9 @@ def test_partitioned_state_api_matches_stock(ranks, dtype, layout, ds_runs):
 def test_module_only_load_of_a_stock_checkpoint_matches_stock(layout, ds_runs):
     """load_checkpoint(load_optimizer_states=False, load_module_only=True), fine-tuning from a
     checkpoint: the masters come from the loaded weights, as in stock. The checkpoint is stock's."""
-    ckpt = str(ds_runs.get(baseline(1, "fp32")).ok().dir / "ckpt")
-    only = ("--dtype", "fp32", "--resume", ckpt, "--resume-module-only")
-    want = ds_runs.get(stock(1, *only)).ok().losses
-    got = ds_runs.get(ours(1, *only, opts=LAYOUTS[layout])).ok().losses
+    want = ds_runs.reference(resumed_stock(1, "fp32", 1, "--resume-module-only")).ok().losses
+    got = ds_runs.get(ours(1, "--dtype", "fp32", "--resume", "{ckpt}", "--resume-module-only", opts=LAYOUTS[layout],
+                           ckpt=Checkpoint(baseline(1, "fp32")))).ok().losses
     assert len(got) == len(want) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
@@ -112,27 +124,18 @@ def test_zero_to_fp32_reads_our_checkpoint_as_stocks(ds_runs):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _to_universal(ckpt: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        f"{ckpt}/ckpt", "--output_folder", f"{ckpt}/universal"], capture_output=True, text=True,
-                       timeout=300, env=env_with_root(), cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-3000:]
-
-
 @pytest.mark.parametrize("saved_ranks,loaded_ranks", [(2, 1), (1, 2)])
 def test_universal_checkpoint_of_ours_resumes_at_another_rank_count(saved_ranks, loaded_ranks, ds_runs, tmp_path):
     """DeepSpeed's universal checkpoint (ds_to_universal) made from offloadctl's checkpoint resumes
     at a different number of ranks, under offloadctl (other tiers) and under stock, as stock's own
     universal checkpoint does. (At another rank count the data per step differs, so the reference
     is stock resuming from stock's universal checkpoint, not the uninterrupted run.)"""
-    universal = ("--resume-tag", "universal", "--ds-extra", '{"checkpoint": {"load_universal": true}}')
-    for who, layout in (("stock", None), ("ours", "all-nvme")):  # converted in copies: the saves are shared
-        _to_universal(ds_runs.get(_saver(who, saved_ranks, "fp32", layout)).ok().copy_of("ckpt", tmp_path / who))
-    ref = launch(_loader("stock", loaded_ranks, "fp32", None, str(tmp_path / "stock"), *universal), tmp_path / "r1").ok()
-    stock_from_ours = launch(_loader("stock", loaded_ranks, "fp32", None, str(tmp_path / "ours"), *universal),
-                             tmp_path / "r2").ok()
-    ours_from_ours = launch(_loader("ours", loaded_ranks, "fp32", TWO_PATHS, str(tmp_path / "ours"), *universal),
-                            tmp_path / "r3").ok()
+    ref = ds_runs.reference(resumed_stock(loaded_ranks, "fp32", saved_ranks, universal=True)).ok()
+    # Converted in a copy: the save is shared.
+    ckpt = ds_runs.get(_saver("ours", saved_ranks, "fp32", "all-nvme")).ok().copy_of("ckpt", tmp_path / "ours")
+    to_universal(ckpt)
+    stock_from_ours = launch(_loader("stock", loaded_ranks, "fp32", None, ckpt, *UNIVERSAL), tmp_path / "r2").ok()
+    ours_from_ours = launch(_loader("ours", loaded_ranks, "fp32", TWO_PATHS, ckpt, *UNIVERSAL), tmp_path / "r3").ok()
     assert len(ref.losses) == 3
     for got in (stock_from_ours, ours_from_ours):
         torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)

@@ -20,8 +20,7 @@ from rich.console import Console
 
 from offloadctl.summary import WIDTH, print_run_summary, run_summary_lines
 
-# One worker runs the module: its fixture interrupts a run of its own, once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("summary")]
+pytestmark = pytest.mark.slow
 
 
 
@@ -42,8 +41,13 @@ def _iterations(run_dir) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(ds_runs, tmp_path_factory):
+def runs(ds_runs, once, tmp_path_factory):
+    """The report's recorded run, and one interrupted by SIGINT (once in the session, ``once``)."""
     finished = ds_runs.get(GPT_RECORDED).ok()  # 5 iterations (the report's run)
+    return dict(once("summary_interrupted", lambda: _interrupted(tmp_path_factory)), finished=str(finished.run_dir))
+
+
+def _interrupted(tmp_path_factory) -> dict:
     # Interrupted: SIGINT to `offloadctl train` (what Ctrl-C sends it) once three iterations are recorded.
     base = tmp_path_factory.mktemp("summary-runs")
     proc = subprocess.Popen(_train_args(base, "interrupted", 400), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -54,8 +58,7 @@ def runs(ds_runs, tmp_path_factory):
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    return {"finished": str(finished.run_dir), "interrupted": str(base / "interrupted"),
-            "interrupted_rc": proc.returncode, "interrupted_stderr": err}
+    return {"interrupted": str(base / "interrupted"), "interrupted_rc": proc.returncode, "interrupted_stderr": err}
 
 
 def _report(run_dir: str) -> dict:

@@ -24,8 +24,7 @@ import pytest
 from ds_runs import launch, ours
 from helpers import ROOT, cli, env_with_root, free_port, wait_for
 
-# One worker runs the module: its scenario (two runs driven in tmux) is played once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("user_view_runs"),
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")]
 
 PROMPT = "$ "
@@ -126,7 +125,12 @@ def _tune(*args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
+def scenario(once, tmp_path_factory):
+    """The scenario's screens and files, played once in the session (``once``)."""
+    return once("user_view_runs", lambda: _play(tmp_path_factory))
+
+
+def _play(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("uv")
     for d in ("nvme", "state", "xdg"):
         (base / d).mkdir(mode=0o700)
