@@ -79,10 +79,12 @@ def test_semaphore_grants_slots_lowest_key_first():
 def test_writes_land_in_the_order_they_started(swap_dir):
     """A burst of write-backs on a capped path lands one after the other: each write's header
     (its last chunk) is not queued behind the chunks of the writes started after it, so the
-    first buffers are free again long before the burst has gone through."""
-    path = SwapPath(StoragePath(path=swap_dir, cap_bytes_per_s=40e6), PosixDirectIO(), concurrency=2,
+    first buffers are free again long before the burst has gone through. Two writes are in
+    flight at a time (concurrency 2), so two neighbours may land in either order; the time
+    each is noted is the completing thread's, which a loaded machine can hold back a little."""
+    path = SwapPath(StoragePath(path=swap_dir, cap_bytes_per_s=20e6), PosixDirectIO(), concurrency=2,
                     node_lock=False, verify_checksums=True)
-    n, numel = 8, 250_000  # 3 MB each, 4 chunks: 24 MB at 40 MB/s
+    n, numel = 8, 250_000  # 3 MB each, 4 chunks: 24 MB at 20 MB/s, 1.2 s
     bufs = [StateBuffer(numel, pin=False) for _ in range(n)]
     files = [path.create_file(i, numel, bufs[i].payload.numel(), 768 << 10) for i in range(n)]
     landed, lock, t0 = {}, threading.Lock(), time.monotonic()
@@ -96,7 +98,8 @@ def test_writes_land_in_the_order_they_started(swap_dir):
     for i, f in enumerate(futs):
         f.add_done_callback(note(i))
     [f.result() for f in futs]
-    assert sorted(landed, key=landed.get) == list(range(n))
+    order = sorted(landed, key=landed.get)
+    assert all(abs(at - i) <= 1 for at, i in enumerate(order)), order
     assert landed[0] < landed[n - 1] / 3  # about 1/8 of it; all together near the end before
     path.close()
 
