@@ -53,6 +53,14 @@ _RANK_FAILED = re.compile(rb"^offloadctl: rank (\d+) failed: (.*?)\s*$")
 _RANK_STOPPED = re.compile(rb"^offloadctl: rank (\d+) (stopped by [A-Z]+);")
 # gloo's threads torn down by a rank's exit after a peer has gone.
 _TEARDOWN = (b"terminate called without an active exception",)
+# DeepSpeed's per-node launcher signalled again as it exits (Ctrl-C reaches it from the terminal
+# and offloadctl's SIGTERM follows): its handler, sigkill_handler, which ends in sys.exit, runs
+# again inside the interpreter's shutdown, and Python prints the SystemExit as a block:
+# "Exception ignored in: <module 'threading' ...>", a traceback through launch.py's
+# sigkill_handler, "SystemExit: 1". The run's own line already says how it stopped.
+_EXIT_NOISE_START = b"Exception ignored in: <module 'threading'"
+_EXIT_NOISE_FRAME = re.compile(rb'deepspeed/launcher/launch\.py", line \d+, in sigkill_handler')
+_BLOCK_MAX_LINES = 40
 _LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
 _OURS = b"offloadctl: "
 """How offloadctl's own lines begin (a rank's, or this process's)."""
@@ -132,6 +140,7 @@ class OutputFilter:
         refuses, a warning every rank gives) goes to the log, not to the terminal again."""
         self._held = b""
         self._passing = False  # in the middle of a line already passed on
+        self._block: list[bytes] | None = None  # a Python "Exception ignored" block, held whole
         self.hidden_lines = 0
 
     def feed(self, data: bytes) -> None:
@@ -155,7 +164,7 @@ class OutputFilter:
                 self._passing = False
                 continue
             if nl < 0:
-                if self._undecided(buf):
+                if self._undecided(buf) or self._block is not None:
                     self._held = buf
                 else:  # as above: the tail may be a log line's first bytes after others on its line
                     cut = self._log_start(buf)
@@ -164,6 +173,8 @@ class OutputFilter:
                     self._passing = True
                 return
             line, buf = buf[:nl + 1], buf[nl + 1:]
+            if self._in_block(line):
+                continue
             inside = _DS_LOG_INSIDE.search(line, 1)
             if inside and not _DS_LOG_LINE.match(line.lstrip(b"\r")):
                 # bytes before a log line on its line (a stopped progress bar's last escape codes,
@@ -181,9 +192,39 @@ class OutputFilter:
                 self._show(line)
 
     def close(self) -> None:
+        if self._block is not None:
+            for line in self._block:
+                self._show(line)
+            self._block = None
         if self._held:
             held, self._held = self._held, b""
             (self._log if self.is_deepspeed(held) and not self.verbose else self._show)(held)
+
+    def _in_block(self, line: bytes) -> bool:
+        """Whether ``line`` is taken into the held block (its start, a frame, its end). A block
+        ending in SystemExit raised in DeepSpeed's launcher's handler goes to the log; any other
+        is shown as it came, and the line after it is sorted as usual."""
+        text = line.lstrip(b"\r")
+        if self._block is None:
+            if not text.startswith(_EXIT_NOISE_START):
+                return False
+            self._block = [line]
+            return True
+        if (text[:1] in (b" ", b"\t") or text.startswith(b"Traceback (most recent call last):")) \
+                and len(self._block) < _BLOCK_MAX_LINES:
+            self._block.append(line)
+            return True
+        block, self._block = self._block, None
+        if text.startswith(b"SystemExit") and any(_EXIT_NOISE_FRAME.search(b) for b in block):
+            for b in block + [line]:
+                self.hidden_lines += 1
+                self._log(b)
+                if self.verbose:
+                    self._show(b)
+            return True
+        for b in block:
+            self._show(b)
+        return False
 
     def is_deepspeed(self, line: bytes) -> bool:
         text = line.lstrip(b"\r")
@@ -234,6 +275,8 @@ class OutputFilter:
                 return True
         if (_OURS.startswith(text) or text.startswith(_OURS)) and len(text) < 2000:
             return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
+        if (_EXIT_NOISE_START.startswith(text) or text.startswith(_EXIT_NOISE_START)) and len(text) < 500:
+            return True  # may start a block held whole (_in_block)
         starts = _DS_PRINT_STARTS + (b"terminate called",)
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 

@@ -180,3 +180,37 @@ def test_a_run_on_a_terminal_shows_no_deepspeed_line_and_the_script_sees_a_termi
             assert not DS_LINE.search(text), text
             assert "FutureWarning" not in text
         assert "spawned with command" in open(log_path(str(run_dir))).read()
+
+
+EXIT_NOISE = (b"Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>\n"
+              b"Traceback (most recent call last):\n"
+              b'  File "/usr/lib/python3.11/threading.py", line 1541, in _shutdown\n'
+              b"    def _shutdown():\n"
+              b"    \n"
+              b'  File "/v/lib/python3.11/site-packages/deepspeed/launcher/launch.py", line 266, in sigkill_handler\n'
+              b"    sys.exit(1)\n"
+              b"SystemExit: 1\n")
+
+
+def test_the_launchers_second_stop_at_exit_goes_to_the_log_cut_anywhere():
+    """Ctrl-C reaches DeepSpeed's per-node launcher from the terminal, and offloadctl's SIGTERM
+    follows: arriving while the launcher exits, it runs the launcher's handler again inside the
+    interpreter's shutdown, and Python prints its sys.exit as an ignored exception (a full
+    run's Ctrl-C showed it once in several). It is the launcher's, and goes to the log."""
+    end = b"offloadctl: stopped by SIGINT: the ranks were stopped and their swap files removed\n"
+    whole = b"step 3\n" + EXIT_NOISE + end
+    assert _sorted(whole) == (b"step 3\n" + end, EXIT_NOISE)
+    for cut in range(1, len(whole)):
+        assert _sorted(whole[:cut], whole[cut:]) == (b"step 3\n" + end, EXIT_NOISE), cut
+    assert _sorted(whole, verbose=True) == (whole, EXIT_NOISE)
+
+
+def test_an_ignored_exception_of_anything_else_is_shown_whole_in_order():
+    """The same block from the user's own code (another frame, another exception), or cut short
+    by the end of the stream, is shown as it came; the line after it is sorted as usual."""
+    users = EXIT_NOISE.replace(b"/v/lib/python3.11/site-packages/deepspeed/launcher/launch.py", b"/home/me/train.py")
+    assert _sorted(users + LOG + b"bye\n") == (users + b"bye\n", LOG)
+    other = EXIT_NOISE.replace(b"SystemExit: 1", b"KeyboardInterrupt")
+    assert _sorted(other + b"bye\n") == (other + b"bye\n", b"")
+    cut_short = EXIT_NOISE[:EXIT_NOISE.index(b"SystemExit")]
+    assert _sorted(cut_short) == (cut_short, b"")
