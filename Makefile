@@ -45,10 +45,11 @@ demo: setup
 	  $(VENV)/bin/offloadctl report runs/demo --output runs/demo-report.html
 
 # Three pytest workers (pytest-xdist) on two cores: a DeepSpeed launch spends much of its time in
-# serial imports, rendezvous and the launcher's polls, so three overlap better than two (about
-# 15 minutes, against 18 with two; about 40 in one process before the run cache and the golden
-# stock runs). Each worker takes its own ports; the DeepSpeed runs several tests share are made
-# once (tests/ds_runs.py), and so are the scenarios a module's tests share (the once fixture).
+# serial imports, rendezvous and the launcher's polls, so three overlap better than two (15-17
+# minutes as the machine's speed varies, against 18 with two; about 40 in one process before
+# the run cache and the golden stock runs). Each worker takes its own ports; the DeepSpeed runs
+# several tests share are made once (tests/ds_runs.py), and so are the scenarios a module's
+# tests share (the once fixture in tests/conftest.py).
 test: setup
 	$(VENV)/bin/python -m pytest -q -n 3 tests
 
