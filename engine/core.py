@@ -38,6 +38,7 @@ from engine.host_memory import HostBudget, HostUsage
 from engine.layout import host_buffer_bytes, kept_subgroups, step_order
 from engine.placement import DEVICE, HOST, place
 from engine.staging import StagingPool, Subgroup
+from engine.storage.paths import PathCounters
 from engine.streams import resolve_lane_device, streams_for
 from engine.swap_paths import SwapPaths
 from engine.telemetry import StepRecord, TelemetryLog
@@ -73,7 +74,7 @@ class SubgroupEngine:
         self._check(self.knobs)
         self._setup_s = 0.0  # one-time work outside a step (setup_time()) not yet taken out of fwd_bwd_s
         self._last_step_end: float | None = None
-        self._counters_at: list[tuple[int, int]] | None = None  # the paths' byte counters at the last step's end
+        self._counters_at: list[PathCounters] | None = None  # the paths' counters at the last step's end
         # Held by every entry point that touches the state, so that the memory watch's thread
         # gives buffers back only while the engine is idle.
         self._lock = threading.RLock()
@@ -291,7 +292,7 @@ class SubgroupEngine:
         """The swapped subgroups of the next (or current) step, in its order."""
         return [i for i in step_order(len(self.subgroups), self.iteration) if self.subgroups[i].tier.swapped]
 
-    def _step_record(self, tally: _StepTally, swaps: SwapPass, before: list[tuple[int, int]], *, t_start: float,
+    def _step_record(self, tally: _StepTally, swaps: SwapPass, before: list[PathCounters], *, t_start: float,
                      update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
                      fwd_bwd_s: float | None) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""

@@ -15,7 +15,7 @@ from engine.config import EngineConfig, Knobs
 from engine.placement import stripe, swap_tier
 from engine.staging import Subgroup
 from engine.storage.io_backends import open_backend
-from engine.storage.paths import SwapFile, SwapPath, check_usable, measure_bandwidth
+from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
 
 
 class SwapPaths:
@@ -95,18 +95,26 @@ class SwapPaths:
             else:
                 sg.next_file = self.create_file(sg, p)
 
-    def counters(self) -> list[tuple[int, int]]:
-        """Each path's (bytes read, bytes written) so far."""
-        return [(p.counters.bytes_read, p.counters.bytes_written) for p in self.paths]
+    def counters(self) -> list[PathCounters]:
+        """Each path's counters so far (bytes, busy times, queue wait)."""
+        return [p.snapshot() for p in self.paths]
 
-    def moved_since(self, before: list[tuple[int, int]]) -> dict[str, dict[str, int]]:
-        """The bytes moved since :meth:`counters` gave ``before``: read and written per kind of
+    def moved_since(self, before: list[PathCounters]) -> dict[str, dict]:
+        """What moved since :meth:`counters` gave ``before``: bytes read and written per kind of
         path (``bytes_read``, ``bytes_written``) and per path (``path_bytes_read``,
-        ``path_bytes_written``), as :class:`engine.telemetry.StepRecord` names them."""
-        moved = {"bytes_read": {}, "bytes_written": {}, "path_bytes_read": {}, "path_bytes_written": {}}
-        for p, (r0, w0) in zip(self.paths, before):
-            read, written = p.counters.bytes_read - r0, p.counters.bytes_written - w0
+        ``path_bytes_written``), and per path the seconds it was busy reading and writing and its
+        requests waited for a slot (``path_read_busy_s``, ``path_write_busy_s``,
+        ``path_queue_wait_s``), as :class:`engine.telemetry.StepRecord` names them."""
+        moved: dict[str, dict] = {name: {} for name in (
+            "bytes_read", "bytes_written", "path_bytes_read", "path_bytes_written", "path_read_busy_s",
+            "path_write_busy_s", "path_queue_wait_s")}
+        for p, b in zip(self.paths, before):
+            c = p.snapshot()
+            read, written = c.bytes_read - b.bytes_read, c.bytes_written - b.bytes_written
             moved["path_bytes_read"][p.path], moved["path_bytes_written"][p.path] = read, written
+            moved["path_read_busy_s"][p.path] = round(c.read_busy_s - b.read_busy_s, 6)
+            moved["path_write_busy_s"][p.path] = round(c.write_busy_s - b.write_busy_s, 6)
+            moved["path_queue_wait_s"][p.path] = round(c.queue_wait_s - b.queue_wait_s, 6)
             moved["bytes_read"][p.spec.kind] = moved["bytes_read"].get(p.spec.kind, 0) + read
             moved["bytes_written"][p.spec.kind] = moved["bytes_written"].get(p.spec.kind, 0) + written
         return moved

@@ -27,6 +27,18 @@ class StepRecord:
     bytes_written: dict[str, int] = field(default_factory=dict)
     path_bytes_read: dict[str, int] = field(default_factory=dict)
     path_bytes_written: dict[str, int] = field(default_factory=dict)
+    """Per storage path; like every ``path_*`` figure, over the time since the previous step
+    ended (the reads ahead during backward and the writes behind during forward count here)."""
+    path_read_busy_s: dict[str, float] = field(default_factory=dict)
+    """Per path: seconds with at least one of our reads in the device's hands (the union of the
+    requests' intervals). ``path_bytes_read / path_read_busy_s`` is the rate the path serves
+    reads at now, whatever the gaps between requests: what the tuner watches for a path that
+    slows or speeds up."""
+    path_write_busy_s: dict[str, float] = field(default_factory=dict)
+    """The same for writes."""
+    path_queue_wait_s: dict[str, float] = field(default_factory=dict)
+    """Per path: seconds our requests waited for a slot (the concurrency limit) or the node
+    lock, summed over requests."""
     read_bytes_per_s: float = 0.0
     """Bytes read over the step's wall time (achieved, not peak)."""
     write_bytes_per_s: float = 0.0
@@ -72,6 +84,12 @@ class StepRecord:
     """Available memory ran below the floor during the step: nothing was read ahead or kept."""
     read_ahead_bytes: int = 0
     """Host memory of the read-ahead budget in force (``EngineConfig.read_ahead_bytes``)."""
+    excluded_s: float = 0.0
+    """Time since the previous step that was not this iteration's work, and is in neither
+    ``fwd_bwd_s`` nor ``setup_s``: iterations whose step was skipped (an fp16 overflow), the
+    gap between ``offload_states`` and ``reload_states`` (an RLHF loop's generation). An
+    iteration's own time is the wall time since the previous step's end less this and
+    ``setup_s`` (what the tuner judges by)."""
 
     @property
     def order(self) -> str:

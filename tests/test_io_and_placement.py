@@ -177,3 +177,29 @@ def test_telemetry_bytes_alternation_and_jsonl(swap_dir, tmp_path):
     assert len(lines) == 5 and lines[-1]["iteration"] == 4 and "read_wait_s" in lines[-1]
     full.close()
     half.close()
+
+
+def test_a_paths_busy_time_gives_its_service_rate_whatever_the_gaps(swap_dir):
+    """Issue 41 item 1: bytes over busy time is the rate the path serves at, not bytes over the
+    step: a path capped at 40 MB/s reads and writes at about 40 MB/s while requests are in
+    flight, and the idle second between two bursts adds nothing to its busy time. Two requests
+    in flight at once count their overlap once (the union, not the sum)."""
+    cap = 40e6
+    path = SwapPath(StoragePath(path=swap_dir, cap_bytes_per_s=cap), PosixDirectIO(), concurrency=2,
+                    node_lock=False, verify_checksums=True)
+    numel = 500_000  # 6 MB each, in 4 chunks
+    bufs = [StateBuffer(numel, pin=False) for _ in range(2)]
+    files = [path.create_file(i, numel, bufs[i].payload.numel(), 1536 << 10) for i in range(2)]
+    before = path.snapshot()
+    [f.result() for f in [path.write(sf, b) for sf, b in zip(files, bufs)]]  # two at once: 12 MB, ~0.3 s
+    time.sleep(1.0)  # idle: not busy
+    [f.result() for f in [path.read(sf, b) for sf, b in zip(files, bufs)]]
+    after = path.snapshot()
+    written, read = after.bytes_written - before.bytes_written, after.bytes_read - before.bytes_read
+    write_busy, read_busy = after.write_busy_s - before.write_busy_s, after.read_busy_s - before.read_busy_s
+    assert written >= 12e6 and read >= 12e6
+    assert 0.7 * cap < written / write_busy < 1.3 * cap, written / write_busy
+    assert 0.7 * cap < read / read_busy < 1.3 * cap, read / read_busy
+    assert read_busy < 0.6 and write_busy < 0.6  # neither holds the idle second, nor sums two requests' overlap
+    assert after.queue_wait_s > before.queue_wait_s  # 8 chunks per burst for 2 slots: some waited
+    path.close()

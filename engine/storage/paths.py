@@ -47,10 +47,40 @@ class SwapFile:
 
 @dataclass
 class PathCounters:
-    """Cumulative traffic of one path; the engine takes differences per step."""
+    """Cumulative traffic of one path; the engine takes differences per step.
+
+    The busy times are wall time with at least one request of that direction in the device's
+    hands (the union of their intervals, not their sum), so bytes over busy time is the rate
+    the path serves at now, whatever the gaps between requests; the queue wait is the sum over
+    requests of the time spent waiting for a slot (the concurrency limit) or the node lock."""
 
     bytes_read: int = 0
     bytes_written: int = 0
+    read_busy_s: float = 0.0
+    write_busy_s: float = 0.0
+    queue_wait_s: float = 0.0
+
+
+class _BusyClock:
+    """The union of one direction's request intervals on a path (see :class:`PathCounters`)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.since = 0.0
+
+    def enter(self, now: float) -> None:
+        if self.in_flight == 0:
+            self.since = now
+        self.in_flight += 1
+
+    def leave(self, now: float) -> float:
+        """Seconds to add to the busy time: the interval that just ended, if none is left in flight."""
+        self.in_flight -= 1
+        return now - self.since if self.in_flight == 0 else 0.0
+
+    def running(self, now: float) -> float:
+        """The busy interval still open at ``now`` (0 when idle), for a reading taken mid-interval."""
+        return now - self.since if self.in_flight else 0.0
 
 
 class SwapPath:
@@ -75,6 +105,7 @@ class SwapPath:
         self.write_pacer = RateLimiter(spec.cap_bytes_per_s)
         self.counters = PathCounters()
         self._counter_lock = threading.Lock()
+        self._busy = {"r": _BusyClock(), "w": _BusyClock()}
         # Chunks run on a pool per direction; whole-subgroup transfers wait on them from
         # _transfer_pool, so a waiting transfer never occupies a chunk thread, and a burst of
         # write chunks never queues ahead of a read's.
@@ -167,20 +198,53 @@ class SwapPath:
     def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
         # The CRC is taken in this I/O thread, off the update's critical path.
         crc = swapfile.crc32(view) if payload else 0
+        queued = time.perf_counter()
         with self.write_slots.slot(number), self.node_lock:
-            self.write_pacer.acquire(view.numel())
-            self.backend.pwrite(sf.fd, sf.filename, view, offset)
-        with self._counter_lock:
-            self.counters.bytes_written += view.numel()
+            self._in_service("w", queued)
+            try:
+                self.write_pacer.acquire(view.numel())
+                self.backend.pwrite(sf.fd, sf.filename, view, offset)
+            finally:
+                self._served("w", view.numel())
         return crc
 
     def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
+        queued = time.perf_counter()
         with self.read_slots.slot(number), self.node_lock:
-            self.read_pacer.acquire(view.numel())
-            self.backend.pread(sf.fd, sf.filename, view, offset)
-        with self._counter_lock:
-            self.counters.bytes_read += view.numel()
+            self._in_service("r", queued)
+            try:
+                self.read_pacer.acquire(view.numel())
+                self.backend.pread(sf.fd, sf.filename, view, offset)
+            finally:
+                self._served("r", view.numel())
         return swapfile.crc32(view) if payload and self.verify_checksums else 0
+
+    def _in_service(self, direction: str, queued: float) -> None:
+        """A request of ``direction`` ('r', 'w') got its slot (it waited since ``queued``)."""
+        now = time.perf_counter()
+        with self._counter_lock:
+            self.counters.queue_wait_s += now - queued
+            self._busy[direction].enter(now)
+
+    def _served(self, direction: str, nbytes: int) -> None:
+        """A request of ``direction`` left the device (``nbytes`` moved; 0 would not count: it failed)."""
+        now = time.perf_counter()
+        with self._counter_lock:
+            busy = self._busy[direction].leave(now)
+            if direction == "r":
+                self.counters.read_busy_s += busy
+                self.counters.bytes_read += nbytes
+            else:
+                self.counters.write_busy_s += busy
+                self.counters.bytes_written += nbytes
+
+    def snapshot(self) -> PathCounters:
+        """The counters now, the busy intervals still open counted up to now (a step's reading)."""
+        now = time.perf_counter()
+        with self._counter_lock:
+            c = self.counters
+            return PathCounters(c.bytes_read, c.bytes_written, c.read_busy_s + self._busy["r"].running(now),
+                                c.write_busy_s + self._busy["w"].running(now), c.queue_wait_s)
 
     def close(self) -> None:
         for pool in self._chunk_pools.values():
