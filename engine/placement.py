@@ -82,6 +82,14 @@ def place_resident(sizes_bytes: Sequence[int], *, device_budget: int, host_budge
     return out
 
 
+def round_trip_rate(read_bytes_per_s: float, write_bytes_per_s: float) -> float:
+    """A path's rate for a read plus a write of the same bytes, its default stripe weight: what
+    a subgroup's round trip costs it. 0 when either rate is unknown (0)."""
+    if not (read_bytes_per_s > 0 and write_bytes_per_s > 0):
+        return 0.0
+    return 1.0 / (1.0 / read_bytes_per_s + 1.0 / write_bytes_per_s)
+
+
 def stripe(sizes_bytes: Sequence[int], weights: Sequence[float]) -> list[int]:
     """Path index for each subgroup so that bytes per path are proportional to ``weights``."""
     if not weights or sum(weights) <= 0:

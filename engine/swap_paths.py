@@ -12,7 +12,7 @@ from typing import Sequence
 
 from engine.buffers import payload_bytes
 from engine.config import EngineConfig, Knobs
-from engine.placement import stripe, swap_tier
+from engine.placement import round_trip_rate, stripe, swap_tier
 from engine.staging import Subgroup
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
@@ -38,7 +38,7 @@ class SwapPaths:
                                            rank=config.rank))
             rates = [self._rates_of(p) for p in self.paths]
             self.read_bytes_per_s = [r for r, _ in rates]
-            self.round_trip_bytes_per_s = [1.0 / (1.0 / r + 1.0 / w) for r, w in rates]
+            self.round_trip_bytes_per_s = [round_trip_rate(r, w) for r, w in rates]
         else:
             for spec in config.paths:  # unused, but a bad path is still an error at construction
                 check_usable(spec.path)

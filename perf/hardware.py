@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from engine.errors import ConfigError
+from engine.placement import round_trip_rate
 from engine.units import format_size
 from perf.layout import CHUNK_BYTES
 from perf.profile import PathProfile, Profile
@@ -70,8 +71,7 @@ class Device:
 
 def default_weight(p: PathProfile) -> float:
     """The engine's default stripe weight of a path: a read plus a write of the same bytes."""
-    r, w = p.read_bytes_per_s.value, p.write_bytes_per_s.value
-    return 1.0 / (1.0 / r + 1.0 / w)
+    return round_trip_rate(p.read_bytes_per_s.value, p.write_bytes_per_s.value)
 
 
 def group_devices(paths: Sequence[PathProfile], active: Sequence[bool]) -> list[Device]:

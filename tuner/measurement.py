@@ -56,9 +56,18 @@ class Noise:
         return min(self.cfg.max_threshold, max(self.cfg.min_gain, self.cfg.noise_k * sigma))
 
     def add(self, xs: list[float]) -> None:
-        """Pool a relative-noise estimate from one window: its range over its median, divided by
-        the expected range of n normal samples in units of sigma (d2, as in control charts)."""
-        d2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326}.get(min(len(xs), 5))
-        m = statistics.median(xs) if xs else 0.0
-        if d2 and m > 0:
-            self._sigmas.append((max(xs) - min(xs)) / m / d2)
+        """Pool a relative-noise estimate from one window (:func:`relative_noise`)."""
+        sigma = relative_noise(xs)
+        if sigma is not None:
+            self._sigmas.append(sigma)
+
+
+def relative_noise(xs: Sequence[float]) -> float | None:
+    """Sigma over the median, estimated from a window's range: the range over the median, divided
+    by the expected range of n normal samples in units of sigma (d2, as in control charts). None
+    for fewer than two samples or a median of 0."""
+    d2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326}.get(min(len(xs), 5))
+    m = statistics.median(xs) if xs else 0.0
+    if not d2 or m <= 0:
+        return None
+    return (max(xs) - min(xs)) / m / d2

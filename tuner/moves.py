@@ -19,7 +19,7 @@ from tuner.knob_text import KnobKey, Pins, split_key
 from tuner.measurement import Sample
 from tuner.policy_config import PolicyConfig
 
-Plan = Literal["start", "return"]
+Plan = Literal["start", "return", "model"]
 Step = Literal["+", "-", ""]
 
 
@@ -29,7 +29,7 @@ class MoveKey:
     changes and which way (``''``: a toggle), or a whole plan (``plan``, and no knob).
 
     ``str()`` spells it ('prefetch_depth+', 'io_concurrency[/p]-', 'stripe_weights[/p]-' (weight
-    away from /p), 'node_lock', 'start', 'return'); :meth:`parse` reads that back."""
+    away from /p), 'node_lock', 'start', 'return', 'model'); :meth:`parse` reads that back."""
 
     knob: KnobKey | None = None
     step: Step = ""
@@ -40,7 +40,7 @@ class MoveKey:
 
     @classmethod
     def parse(cls, text: str) -> "MoveKey":
-        if text in ("start", "return"):
+        if text in ("start", "return", "model"):
             return cls(plan=text)
         step = text[-1] if text[-1:] in ("+", "-") else ""
         return cls(KnobKey(*split_key(text[:-1] if step else text)), step)
@@ -65,6 +65,8 @@ START = MoveKey(plan="start")
 """The run's own starting knobs, tried against the performance model's plan."""
 RETURN = MoveKey(plan="return")
 """A step back toward the plan from before contention."""
+MODEL = MoveKey(plan="model")
+"""The stripe that balances the paths at their measured rates, after a change of conditions."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +157,20 @@ class MoveSearch:
             "shares": {p: v / total for p, v in moved.items()} if total > 0 else {},
         }
 
+    def why(self, move: Move, baseline: Sequence[Sample]) -> str:
+        """Why ``move`` is tried, for the log: ': that path is contended', ' (read wait 40%, ...)'."""
+        if move.key == RETURN:
+            return ": contention is gone"
+        if move.key == START:
+            return ": the run's own starting knobs, against the model's plan"
+        knob, stats = move.key.knob, self.stats(baseline)
+        if knob is not None and knob.path in self._contended and (
+                knob.name == "stripe_weights" or (knob.name == "io_concurrency" and move.key.step == "-")):
+            return ": that path is contended"
+        if not stats:
+            return ""
+        return f" (read wait {100 * stats['read_share']:.0f}%, write wait {100 * stats['write_share']:.0f}% of the update)"
+
     def next_move(self, state: SearchState) -> tuple[Move | None, bool]:
         """The best move not failed, not to knobs that caused an error, and not to the good knobs
         themselves; and whether the way back to ``state.return_to`` is done (no step is left)."""
@@ -232,7 +248,7 @@ class MoveSearch:
     def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
         if len(self.paths) > 1 and not self._pinned("stripe_weights"):
-            w = self._weights(k, shares)
+            w = self.weights_of(k, shares)
             for p in self.paths:
                 new = self._shift_away(w, p) if w else None
                 if new is None:
@@ -314,7 +330,7 @@ class MoveSearch:
 
     # -- stripe weights ------------------------------------------------------------------------
 
-    def _weights(self, k: Knobs, shares: Mapping[str, float]) -> dict[str, float] | None:
+    def weights_of(self, k: Knobs, shares: Mapping[str, float]) -> dict[str, float] | None:
         """Current stripe weights as shares summing to 1: the knobs', else the observed byte shares
         (the engine's default weights are its measured bandwidths, which the policy cannot see)."""
         if all(p in k.stripe_weights for p in self.paths):
@@ -359,8 +375,8 @@ class MoveSearch:
                 del conc[p]  # back to the engine's default, as the target has it
         out = out.replace(io_concurrency=conc, node_lock=target.node_lock if not self._pinned("node_lock") else k.node_lock)
         if len(self.paths) > 1 and not self._pinned("stripe_weights") and k.stripe_weights != target.stripe_weights:
-            cur = self._weights(k, self.stats(state.baseline).get("shares", {}))
-            tgt = self._weights(target, state.shares_before_contention)
+            cur = self.weights_of(k, self.stats(state.baseline).get("shares", {}))
+            tgt = self.weights_of(target, state.shares_before_contention)
             if cur and tgt:
                 # Paths losing weight lose at most stripe_step of theirs; the gainers share it.
                 delta = {p: tgt[p] - cur[p] for p in self.paths}

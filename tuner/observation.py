@@ -49,6 +49,13 @@ class Observation:
     path_write_bytes_per_s: dict[str, float] = field(default_factory=dict)
     path_other_bytes_per_s: dict[str, float] = field(default_factory=dict)
     """Others' traffic on each path's device (contention), from :class:`tuner.sensors.Sensors`."""
+    path_read_rate: dict[str, float] = field(default_factory=dict)
+    """The rate each path serves our reads at now: bytes over the time it was busy reading
+    (:func:`service_rates`), summed over ranks; no entry where it moved too little to say."""
+    path_write_rate: dict[str, float] = field(default_factory=dict)
+    """The same for writes."""
+    path_queue_wait_s: dict[str, float] = field(default_factory=dict)
+    """Seconds our requests waited for a slot or the node lock on each path, summed over ranks."""
     device_headroom_bytes: int | None = None
     error: str | None = None
     """'oom' or a message when a rank reported an event during this iteration."""
@@ -69,10 +76,16 @@ class Observation:
         records do not carry (others' traffic, headroom, error, the knobs in force)."""
         slowest = max(records, key=lambda r: r.update_s)
         read, write = path_rates(records)
+        read_rate, write_rate = service_rates(records)
+        queued: dict[str, float] = {}
+        for r in records:
+            for p, s in r.path_queue_wait_s.items():
+                queued[p] = queued.get(p, 0.0) + s
         return cls(iteration=records[0].iteration, iter_time_s=max(iter_times_s) if iter_times_s else None,
                    update_s=slowest.update_s, read_wait_s=max(r.read_wait_s for r in records),
                    write_wait_s=max(r.write_wait_s for r in records), kernel_s=max(r.kernel_s for r in records),
-                   path_read_bytes_per_s=read, path_write_bytes_per_s=write, lanes=LaneTimes.of(slowest),
+                   path_read_bytes_per_s=read, path_write_bytes_per_s=write, path_read_rate=read_rate,
+                   path_write_rate=write_rate, path_queue_wait_s=queued, lanes=LaneTimes.of(slowest),
                    setup_s=max(r.setup_s for r in records), **context)
 
 
@@ -88,6 +101,27 @@ def path_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict[st
         for p, b in r.path_bytes_written.items():
             write[p] = write.get(p, 0.0) + b / r.update_s
     return read, write
+
+
+MIN_BUSY_S = 0.005
+"""Less busy time than this is no measurement of a path's rate."""
+MIN_SERVED_BYTES = 1 << 20
+"""Nor are fewer bytes (one request's latency, not the path's rate)."""
+
+
+def service_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict[str, float]]:
+    """Read and write bytes/s each path served while busy with them, summed over records (ranks
+    sharing a device each see their part of it); records of engines that do not report busy
+    times, and paths that moved too little, give no entry."""
+    out: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    for r in records:
+        for rates, moved, busy in ((out[0], r.path_bytes_read, r.path_read_busy_s),
+                                   (out[1], r.path_bytes_written, r.path_write_busy_s)):
+            for p, s in busy.items():
+                b = moved.get(p, 0)
+                if s >= MIN_BUSY_S and b >= MIN_SERVED_BYTES:
+                    rates[p] = rates.get(p, 0.0) + b / s
+    return out
 
 
 @dataclass(frozen=True)

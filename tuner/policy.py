@@ -10,34 +10,25 @@ are importable from here too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
 from statistics import median as _median
 from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
+from tuner.conditions import Conditions, RateChange, restripe
 from tuner.guards import Contention, Limits
 from tuner.knob_text import KnobKey, Pins
+from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample
-from tuner.moves import RETURN, START, Move, MoveKey, MoveSearch, SearchState, Trial, diff, knobs_key
+from tuner.moves import MODEL, RETURN, START, Move, MoveKey, MoveSearch, SearchState, Trial, diff
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
 
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 
 LOG_ENTRIES = 1000
-
-
-@dataclass(frozen=True)
-class _Kept:
-    """A move kept on its trial's samples, not yet confirmed by a window measured after it."""
-
-    move: Move
-    before: Knobs
-    """The good knobs it replaced."""
-    before_cost: float
-    """Their median cost when it was judged."""
 
 
 def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
@@ -76,17 +67,15 @@ class Policy:
         self._holding_since: int | None = None  # iteration the search ran out of moves
         self._holding_cost: float | None = None  # median cost (iteration) when it did
         self._negligible_why: str | None = None  # why the policy holds without searching (update too small to matter)
-        self._reverts = 0  # reverted moves since the baseline was last measured
-        self._failed_moves: set[MoveKey] = set()  # moves that did not help, since the last re-exploration
-        self._bad_knobs: set[str] = set()  # knob settings (knobs_key) that caused an error: never again
-        self._last_kept: MoveKey | None = None  # the move that just helped: tried again first
-        self._unconfirmed: list[_Kept] = []  # kept moves a later window of the good knobs must confirm
+        self._ledger = Ledger()
         self._fresh = 0  # samples of the good knobs measured since the knobs last changed
-        self._kept_total = 0  # moves kept and confirmed (or not yet refuted) in this run
         self._noise = Noise(self.cfg)
         self._limits = Limits(self.cfg, has_device=self.has_device, params=self.params,
                               subgroup_bytes=self.subgroup_bytes, ranks=self.ranks, staging_bytes=host_staging_bytes)
         self._contention = Contention(self.paths, self.cfg)
+        self._conditions = Conditions(self.paths, self.cfg)
+        self._recent: deque[Sample] = deque(maxlen=8)  # every usable sample, whatever its knobs: a change's baseline
+        self._stripe_checked = False  # the stripe checked against the paths' first measured rates
         self._plan_before_contention: Knobs | None = None  # the good knobs when contention appeared
         self._return_to: Knobs | None = None  # where to head back to once it vanished
         self._shares_before_contention: dict[str, float] = {}  # byte shares per path then (the engine's default weights)
@@ -156,17 +145,21 @@ class Policy:
         if obs.device_headroom_bytes is not None:
             self._device_headroom_bytes = obs.device_headroom_bytes
         changes = self._contention.track(obs)
+        moved = self._conditions.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None)
+        usable = isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0
+        if usable:
+            self._recent.append(Sample.of(obs, self.paths))
         if self._unannounced is not None:  # user requests apply even while frozen
             reason, self._unannounced = self._unannounced, None
-            if changes and not self._frozen:
-                self._on_contention_change(changes)  # no trial runs after a pin: only bookkeeping
+            if (changes or moved) and not self._frozen:
+                self._on_conditions(changes, moved, model=False)  # no trial runs after a pin: only bookkeeping
             return self._decide(self._knobs, reason, "user")
         if self._frozen:
             return None
         if obs.error:
             return self._on_error(obs.error)
-        if changes:
-            d = self._on_contention_change(changes)
+        if changes or moved:
+            d = self._on_conditions(changes, moved)
             if d is not None:
                 return d
         if obs.knobs is not None and _as_knobs(obs.knobs) != self._knobs:
@@ -174,11 +167,17 @@ class Policy:
         if self._iters_to_discard > 0:
             self._iters_to_discard -= 1
             return None
-        if not (isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0):
+        if not usable:
             return None  # no usable figure (a rank sent garbage, or nothing was updated)
-        s = Sample.of(obs, self.paths)
+        s = self._recent[-1]
         if self._trial is not None:
             return self._judge(s)
+        if not self._stripe_checked and self._conditions.known():
+            self._stripe_checked = True  # the stripe at start came from a probe, or the user: check it once
+            d = self._model_move("the stripe does not match the paths' measured rates",
+                                 list(self._baseline_samples[-2:]) + [s], quiet=True)
+            if d is not None:
+                return d
         self._baseline_samples.append(s)
         if self._knobs == self._good_knobs:
             self._fresh += 1
@@ -209,7 +208,7 @@ class Policy:
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
         knob = str(key)
         self._trial = None
-        self._unconfirmed = []  # the user's knobs now: nothing of the search's to undo
+        self._ledger.unconfirmed = []  # the user's knobs now: nothing of the search's to undo
         self._good_knobs = new
         self._restart_measuring()
         if new != self._knobs:
@@ -236,7 +235,7 @@ class Policy:
     def unpin(self, knob: str) -> None:
         key = self._pins.unpin(knob, self.paths)
         self.fixed = [k for k in self.fixed if k != str(key)]
-        self._failed_moves.clear()
+        self._ledger.failed_moves.clear()
         self._restart_measuring(keep_samples=True)
         self._note(f"unpinned {knob}: the search may change it again", "user")
 
@@ -282,14 +281,14 @@ class Policy:
             self._baseline_samples = []
         self._samples_wanted = self.cfg.window
         self._holding_since, self._negligible_why = None, None
-        self._reverts = 0
+        self._ledger.reverts = 0
 
     # -- the search --------------------------------------------------------------------------
 
     def _propose(self, prefix: str, reverting: Move | None = None) -> Decision | None:
         """Start the best untried move from the good knobs, or hold there. ``reverting``: the
         move just rejected, whose knobs are still in force."""
-        if self._reverts >= 3 and self._knobs != self._good_knobs:
+        if self._ledger.reverts >= 3 and self._knobs != self._good_knobs:
             # The baseline is old after several reverts: measure the good knobs again first.
             self._restart_measuring()
             return self._decide(self._good_knobs, prefix + "measuring the last good knobs again before further moves", "revert")
@@ -310,7 +309,7 @@ class Policy:
             self._note(msg, "hold")
             return None
         self._trial = Trial(move)
-        why = self._why(move)
+        why = self._search.why(move, self._baseline_samples)
         return self._decide(move.knobs, f"{prefix}trying {move.what}{why}", "trial")
 
     def _judge(self, s: Sample) -> Decision | None:
@@ -324,6 +323,8 @@ class Policy:
         if t.move.lenient:
             if n >= 2 and all(x > base * (1 + 2 * thr) for x in xs):
                 verdict = False
+            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
+                verdict = True  # clearly better: no need to wait for the window
             elif n >= self.cfg.window:
                 verdict = _median(xs) <= base * (1 + thr)
         else:
@@ -346,19 +347,15 @@ class Policy:
         self._trial = None
         move = t.move
         if verdict:
-            if move.key not in (START, RETURN):  # those two are judged against the plan, not kept over it
-                self._unconfirmed.append(_Kept(move, self._good_knobs, base))
-            self._kept_total += 1
-            self._good_knobs, self._baseline_samples, self._reverts = move.knobs, list(t.samples), 0
-            self._last_kept = move.key
-            if move.key.opposite() is not None:
-                self._failed_moves.add(move.key.opposite())  # undoing a gain is pointless
+            # The start and the way back are judged against a plan, not kept over it.
+            self._ledger.kept(move, self._good_knobs, base, confirm=move.key not in (START, RETURN))
+            self._good_knobs, self._baseline_samples = move.knobs, list(t.samples)
             if move.key == START:
                 self._own_start = None
+            if move.key == MODEL:
+                self._ledger.failed_moves |= {MoveKey(KnobKey("stripe_weights", p), "-") for p in self.paths}
             return self._propose(f"kept {move.what} ({figures}); ")
-        self._failed_moves.add(move.key)
-        self._reverts += 1
-        self._last_kept = None
+        self._ledger.reverted(move)
         if move.key == START:
             self._own_start = None
         if move.key == RETURN:
@@ -373,20 +370,13 @@ class Policy:
         changes) when the good knobs now cost more than that by more than the threshold; the
         next window checks the one before it. Confirmed moves are not checked again."""
         w = self.cfg.window
-        if not self._unconfirmed or self._fresh < w or self._knobs != self._good_knobs:
+        if not self._ledger.unconfirmed or self._fresh < w or self._knobs != self._good_knobs:
             return None
         now = _median([x.cost for x in self._baseline_samples[-w:]])
         thr = self._noise.threshold()
-        worse = [k for k in self._unconfirmed if now > k.before_cost * (1 + thr)]
-        if not worse:
-            self._unconfirmed = []
+        last = self._ledger.refuted(now, thr)
+        if last is None:
             return None
-        last = self._unconfirmed.pop()
-        self._kept_total -= 1
-        self._failed_moves.add(last.move.key)
-        if last.move.key.opposite() is not None:
-            self._failed_moves.discard(last.move.key.opposite())  # undoing it is what helps now
-        self._last_kept = None
         reason = (f"undid {last.move.what}: {self._cost_name()} {last.before_cost:.3f} s before it, {now:.3f} s over "
                   f"the {w} iterations since ({100 * (now / last.before_cost - 1):+.0f}%, threshold {100 * thr:.0f}%)")
         self._good_knobs = last.before
@@ -404,14 +394,14 @@ class Policy:
                 return self._propose("the update phase grew past the point where tuning pays; re-exploring; ")
             return None  # holding: nothing the knobs change is worth measuring
         if len(recent) >= w and self._holding_cost and _median(recent) > self._holding_cost * (1 + self.cfg.drift):
-            self._failed_moves.clear()
+            self._ledger.failed_moves.clear()
             self._holding_since = None
             self._baseline_samples = self._baseline_samples[-w:]
             return self._propose(f"{self._cost_name()} rose {100 * (_median(recent) / self._holding_cost - 1):.0f}% while "
                                  f"holding; re-exploring; ")
         every = self.cfg.reexplore_every_iters
         if every and self._iteration - self._holding_since >= every:
-            self._failed_moves.clear()
+            self._ledger.failed_moves.clear()
             self._holding_since = None
             return self._propose(f"{every} iterations since the last move; re-exploring; ")
         return None
@@ -438,25 +428,11 @@ class Policy:
         share = tunable / it if it > 0 else 1.0
         if share >= bar:
             return None
-        further = f"after {self._kept_total} kept move{'s' if self._kept_total != 1 else ''}, no further" \
-            if self._kept_total else "no"
+        kept = self._ledger.kept_total
+        further = f"after {kept} kept move{'s' if kept != 1 else ''}, no further" if kept else "no"
         return (f"what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
                 f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: {further} move could "
                 "show above the noise")
-
-    def _why(self, move: Move) -> str:
-        stats = self._stats()
-        if move.key == RETURN:
-            return ": contention is gone"
-        if move.key == START:
-            return ": the run's own starting knobs, against the model's plan"
-        knob = move.key.knob
-        if knob.path in self._contended and (knob.name == "stripe_weights"
-                                             or (knob.name == "io_concurrency" and move.key.step == "-")):
-            return ": that path is contended"
-        if not stats:
-            return ""
-        return f" (read wait {100 * stats['read_share']:.0f}%, write wait {100 * stats['write_share']:.0f}% of the update)"
 
     # -- guard rails -----------------------------------------------------------------------------
 
@@ -471,30 +447,35 @@ class Policy:
     def _on_error(self, error: str) -> Decision | None:
         if self._trial is not None:
             move, self._trial = self._trial.move, None
-            self._bad_knobs.add(knobs_key(move.knobs))
-            self._failed_moves.add(move.key)
+            self._ledger.errored(move.knobs, move)
             # The baseline still holds: go on after settling.
             self._samples_wanted = max(self._samples_wanted, len(self._baseline_samples))
             return self._decide(self._good_knobs, f"rolled back {move.what} after an error on a rank ({error}); "
                                 f"those knobs are not tried again", "rollback")
         f = self._knobs.device_fraction
         if "oom" in error.lower() and f > 0:
-            self._bad_knobs.add(knobs_key(self._knobs))
+            self._ledger.errored(self._knobs)
             down = round(max(0.0, f - self.cfg.device_step), 6)
             self._limits.device_cap = down
             self._good_knobs = self._knobs.replace(device_fraction=down)
-            self._unconfirmed = []
+            self._ledger.unconfirmed = []
             self._restart_measuring()
             return self._decide(self._good_knobs, f"out of memory with the device lane at {f:.2g} ({error}): lowered to "
                                 f"{down:.2g}, and never raised above it again", "rollback")
         self._note(f"error on a rank under the last good knobs ({error}); nothing to roll back", "error")
         return None
 
-    # -- contention ------------------------------------------------------------------------------
+    # -- a change of conditions ---------------------------------------------------------------
 
-    def _on_contention_change(self, changes: list[tuple[str, bool, float]]) -> Decision | None:
-        desc = "; ".join(f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
-                         for p, up, other in changes)
+    def _on_conditions(self, changes: list[tuple[str, bool, float]], moved: list[RateChange], *,
+                       model: bool = True) -> Decision | None:
+        """Contention appeared or vanished (``changes``), or a path's rate moved (``moved``): what
+        was learned under the old conditions (failed moves, kept moves to confirm, the noise, and
+        on a rate change the knobs that failed) no longer blocks a move. On a rate change the
+        model's stripe is tried at once (``model``); otherwise the last good knobs are measured
+        again, a trial in flight abandoned."""
+        desc = "; ".join([f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
+                          for p, up, other in changes] + [c.describe() for c in moved])
         if any(up for _, up, _ in changes) and self._plan_before_contention is None:
             if self._return_to is None:
                 self._plan_before_contention = self._good_knobs
@@ -504,18 +485,48 @@ class Policy:
             self._return_to = None
         if not self._contended and self._plan_before_contention is not None:
             self._return_to, self._plan_before_contention = self._plan_before_contention, None
-        # Earlier verdicts were made in another regime: forget them and measure again.
-        self._failed_moves.clear()
-        self._unconfirmed = []
-        self._last_kept = None
+        self._ledger.forget(errors=bool(moved))
+        if moved:
+            self._noise = Noise(self.cfg)
+            self._stripe_checked = True
+        abandoned, self._trial = (self._trial.move.what if self._trial else None), None
+        if moved and model:
+            d = self._model_move(desc, list(self._recent)[-self.cfg.change_iters:], abandoned)
+            if d is not None:
+                return d
         self._restart_measuring()
         self._samples_wanted = self.cfg.rebaseline_iters
-        if self._trial is not None:
-            what, self._trial = self._trial.move.what, None
-            return self._decide(self._good_knobs, f"{desc}: trial of {what} abandoned, measuring the last good knobs",
-                                "contention")
-        self._note(f"{desc}: measuring the current knobs again", "contention")
+        kind = "contention" if changes else "conditions"
+        if abandoned is not None:
+            return self._decide(self._good_knobs, f"{desc}: trial of {abandoned} abandoned, measuring the last good "
+                                "knobs", kind)
+        self._note(f"{desc}: measuring the current knobs again", kind)
         return None
+
+    def _model_move(self, why: str, baseline: list[Sample], abandoned: str | None = None, *,
+                    quiet: bool = False) -> Decision | None:
+        """Straight to the stripe that balances the paths at their measured rates, judged (kept
+        unless it does worse) against ``baseline``, the iterations that showed the change; None
+        when the stripe is pinned, a rate is unknown, or it is already close to balance (said in
+        the log unless ``quiet``). Once kept, the stripe is not searched by small steps until the
+        search re-explores: the rates are a direct measurement, a trial a noisier one."""
+        if len(self.paths) < 2 or self._pins.covers("stripe_weights") or not self._conditions.known() or not baseline:
+            return None
+        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._recent)).get("shares", {}))
+        r = restripe(self._conditions.rates(), shares or {}, self.cfg)
+        if r is None:
+            if not quiet:
+                self._note(f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the "
+                           "paths' rates now", "conditions")
+            return None
+        knobs = self._good_knobs.replace(stripe_weights=r.after)
+        self._restart_measuring()
+        self._baseline_samples = baseline
+        self._trial = Trial(Move(key=MODEL, knobs=knobs, lenient=True, what=r.describe()))
+        rates = ", ".join(f"{p} {v / 1e6:.0f} MB/s" for p, v in self._conditions.rates().items())
+        return self._decide(knobs, f"{why}: {r.describe()} (balances the paths at their rates now, {rates}; predicted "
+                            f"I/O time -{100 * r.gain:.0f}%)" + (f"; trial of {abandoned} abandoned" if abandoned else ""),
+                            "model")
 
     # -- the model's plan ------------------------------------------------------------------------
 
@@ -569,7 +580,8 @@ class Policy:
 
     def _search_state(self) -> SearchState:
         return SearchState(good_knobs=self._good_knobs, baseline=self._baseline_samples,
-                           failed_moves=self._failed_moves, bad_knobs=self._bad_knobs, last_kept=self._last_kept,
+                           failed_moves=self._ledger.failed_moves, bad_knobs=self._ledger.bad_knobs,
+                           last_kept=self._ledger.last_kept,
                            own_start=self._own_start, return_to=self._return_to,
                            shares_before_contention=self._shares_before_contention)
 

@@ -52,9 +52,20 @@ class PolicyConfig:
     ``contention_ratio`` x our own traffic there (sensor and engine intervals never align
     exactly); it is gone below half of that."""
     contention_ratio: float = 0.05
+    rate_change: float = 0.3
+    """A path's measured rate that moves by more than this share (and beyond its own noise) for
+    ``change_iters`` iterations in a row is a change of conditions (:mod:`tuner.conditions`)."""
+    change_iters: int = 3
+    """Iterations a path's rate must stay beyond its band before it counts as a change."""
+    model_gain: float = 0.15
+    """The model's re-stripe is made when it predicts the paths' I/O time shorter by this share;
+    closer to balance than that, small moves refine it."""
+    min_stripe_share: float = 0.03
+    """The smallest share of the bytes the model leaves a path: enough to keep measuring its rate,
+    so that a path that comes back is seen."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "rebaseline_iters"):
+        for name in ("window", "rebaseline_iters", "change_iters"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ConfigError(f"PolicyConfig.{name} must be an integer >= 1, got {v!r}")
@@ -64,12 +75,15 @@ class PolicyConfig:
                 raise ConfigError(f"PolicyConfig.{name} must be a non-negative integer, got {v!r}")
         if self.max_prefetch_depth > 64:
             raise ConfigError(f"PolicyConfig.max_prefetch_depth must be at most 64, got {self.max_prefetch_depth}")
-        for name in ("min_gain", "max_threshold", "drift", "device_step", "stripe_step", "contention_ratio"):
+        for name in ("min_gain", "max_threshold", "drift", "device_step", "stripe_step", "contention_ratio",
+                     "rate_change", "model_gain"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ConfigError(f"PolicyConfig.{name} must be in (0, 1], got {v!r}")
         if self.min_gain > self.max_threshold:
             raise ConfigError(f"PolicyConfig.min_gain ({self.min_gain}) must not exceed max_threshold ({self.max_threshold})")
+        if not (isinstance(self.min_stripe_share, (int, float)) and 0 <= self.min_stripe_share < 0.5):
+            raise ConfigError(f"PolicyConfig.min_stripe_share must be in [0, 0.5), got {self.min_stripe_share!r}")
         if not (isinstance(self.noise_k, (int, float)) and self.noise_k >= 0):
             raise ConfigError(f"PolicyConfig.noise_k must be a non-negative number, got {self.noise_k!r}")
         if not (isinstance(self.contention_min_bytes_per_s, (int, float)) and self.contention_min_bytes_per_s > 0):
