@@ -62,7 +62,7 @@ def tuner_lines(view: RunView) -> list[str]:
     (``tuner.service.run_view``): every knob that ended other than it started, from what to
     what and who changed it (history names the earlier run), then what the tuner is doing.
     Wrapped to :data:`WIDTH`."""
-    from tuner.knob_text import changed_knobs, value_text
+    from tuner.knob_text import adaptation_text, changed_knobs, value_text
 
     start = view.get("start_knobs") or {}
     changed = changed_knobs(start, view.get("knobs") or {}) if start else {}
@@ -81,7 +81,8 @@ def tuner_lines(view: RunView) -> list[str]:
     if mode == "holding" and not why:
         why = "no move left to try"
     head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
-    return _wrap([f"{head}; {doing}" + (f" ({why})" if why else "")])
+    changes = [f"tuner: {adaptation_text(a)}" for a in ((view.get("policy") or {}).get("adaptations") or [])[-3:]]
+    return _wrap([*changes, f"{head}; {doing}" + (f" ({why})" if why else "")])
 
 
 SUMMARY_FORMAT = "offloadctl-run-summary"

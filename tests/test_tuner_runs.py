@@ -140,3 +140,28 @@ def test_a_failed_policy_s_pins_stay_with_the_run():
     runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": "2"})
     assert run.pins() == {"prefetch_depth": 5, "io_concurrency[/nvme0]": 2}
     assert run.knobs.prefetch_depth == 5 and run.knobs.io_concurrency == {"/nvme0": 2}
+
+
+def test_a_knob_pinned_then_unpinned_and_left_there_is_still_the_users(tmp_path):
+    """Issue 41 item 4: the user pins prefetch_depth, later unpins it, and the tuner holds there:
+    the run's end does not record it as the tuner's verdict, so the next run does not start from
+    it. A knob the tuner itself chose is still learned."""
+    from tuner.history import History
+    from tuner.runs import Runs
+
+    with History(str(tmp_path / "tuner.db")) as history:
+        runs = Runs(ServerConfig(socket_path="unused"), sensors_factory=False, history=history)
+        a = Peer(1)
+        _register(runs, a, 0, world=1)
+        for i in range(3):
+            _telemetry(runs, a, 0, i, 0.5)
+        runs.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
+        runs.unpin({"type": "unpin", "run_id": "r", "knob": "prefetch_depth"})
+        for i in range(3, 8):
+            _telemetry(runs, a, 0, i, 0.5)
+        runs.bye(a, {"type": "bye", "run_id": "r", "rank": 0})
+        runs.detach(a)
+        (row,) = history.runs()
+        assert row["knobs"]["prefetch_depth"] == 5
+        assert "prefetch_depth" not in row["learned"] and "node_lock" in row["learned"], row
+        assert history.warm_start(None, 1000, 1) is None or "prefetch_depth" not in history.warm_start(None, 1000, 1).learned

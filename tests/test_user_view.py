@@ -399,3 +399,32 @@ def test_the_readme_says_what_the_code_does():
         assert single not in cluster, single
     makefile = open(f"{ROOT}/Makefile").read()
     assert "--output runs/demo-report.html" in makefile and "report runs/demo " in makefile
+
+
+def test_a_change_of_conditions_is_said_with_its_cause_and_measured_effect():
+    """Issue 41 item 4: the summary and the live view say each change of conditions, what the
+    tuner did about it, and what that did to the iteration; the live view shows each path's rate."""
+    from rich.console import Console
+
+    from offloadctl.commands.tune_view import run_panel
+    from offloadctl.summary import tuner_lines
+
+    a = {"iteration": 42, "cause": "path /ssd1 slowed from 300 to 62 MB/s",
+         "move": "stripe weight /ssd1 0.5 -> 0.17, stripe weight /ssd0 0.5 -> 0.83", "effect": "iteration 10.5 -> 3.9 s, -63%"}
+    policy = {"adaptations": [a], "rates": {"/ssd0": 301e6, "/ssd1": 62e6}}
+    view = {"start_knobs": Knobs().to_dict(), "knobs": Knobs().to_dict(), "changed_by": {}, "frozen": False,
+            "policy": policy, "verdict": {"mode": "holding", "since_iteration": 50, "trial": None, "reason": None}}
+    text = " ".join(" ".join(tuner_lines(view)).split())
+    assert ("tuner: at iteration 42, path /ssd1 slowed from 300 to 62 MB/s: stripe weight /ssd1 0.5 -> 0.17, "
+            "stripe weight /ssd0 0.5 -> 0.83 (iteration 10.5 -> 3.9 s, -63%)") in text
+    snap = {"run_id": "r", "status": "running", "ranks": 1, "connected": 1, "iteration": 60, "iter_time_s": 3.9,
+            "knobs": Knobs().to_dict(), "pins": {}, "frozen": False, "policy": policy, "policy_error": None,
+            "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "decisions": [], "phases": {},
+            "bandwidth": {p: {"read_bytes_per_s": 1e8, "write_bytes_per_s": 1e8, "other_bytes_per_s": 0.0,
+                              "concurrency": 4} for p in ("/ssd0", "/ssd1")},
+            "verdict": view["verdict"], "outcome": "running"}
+    console = Console(width=120, record=True)
+    console.print(run_panel(snap, width=120))
+    shown = console.export_text()
+    assert "serves at" in shown and "62 MB/s" in shown and "301 MB/s" in shown
+    assert "conditions: at iteration 42, path /ssd1 slowed from 300 to 62 MB/s" in shown

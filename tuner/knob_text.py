@@ -206,3 +206,14 @@ class Pins:
 
     def __len__(self) -> int:
         return len(self._values)
+
+
+def adaptation_text(a: Mapping[str, Any]) -> str:
+    """One change of conditions and what the tuner did (``Policy.adaptations``), in plain words:
+    'at iteration 42, path /ssd1 slowed from 300 to 62 MB/s: stripe weight /ssd1 0.5 -> 0.17
+    (iteration 10.5 -> 3.9 s, -63%)'."""
+    move = a.get("move")
+    done = move if move else (a.get("effect") or "no move")
+    effect = a.get("effect") if move else None
+    return (f"at iteration {a.get('iteration')}, {a.get('cause')}: {done}"
+            + (f" ({effect})" if effect else " (being measured)" if move else ""))

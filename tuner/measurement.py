@@ -71,3 +71,28 @@ def relative_noise(xs: Sequence[float]) -> float | None:
     if not d2 or m <= 0:
         return None
     return (max(xs) - min(xs)) / m / d2
+
+
+def negligible(baseline: Sequence[Sample], cfg: PolicyConfig, *, has_device: bool, threshold: float, kept: int,
+               factor: float = 1.0) -> str | None:
+    """Why no move can pay, in one sentence, or None when one can: what the knobs can change is
+    under the bar (``factor`` x the larger of ``cfg.negligible_share`` and twice the noise
+    ``threshold``) as a share of the iteration, medians over ``baseline`` (the last window).
+    Without a device lane the knobs change only the update's I/O waits; with one, the whole
+    update phase. ``kept``: moves kept so far in the run (said, when any)."""
+    if not baseline:
+        return None
+    cost = "iteration" if all(x.iter_time_s for x in baseline) else "update"
+    it = statistics.median([x.cost for x in baseline])
+    if has_device:
+        tunable, what = statistics.median([x.update_s for x in baseline]), "the update phase"
+    else:
+        tunable, what = statistics.median([x.read_wait_s + x.write_wait_s for x in baseline]), "the update's I/O waits"
+    bar = factor * max(cfg.negligible_share, 2 * threshold)
+    share = tunable / it if it > 0 else 1.0
+    if share >= bar:
+        return None
+    after = f"after {kept} kept move{'s' if kept != 1 else ''}, " if kept else ""
+    bar_is = (f"under the {100 * bar:.0f}% a gain must pass to show above this run's noise"
+              if 2 * threshold >= cfg.negligible_share else f"under {100 * bar:.0f}%, too little to be worth a trial")
+    return f"{after}the knobs can change only {what}, {100 * share:.1f}% of the {cost}: {bar_is}"

@@ -21,7 +21,7 @@ from tuner.conditions import Conditions, RateChange, restripe
 from tuner.guards import Contention, Limits
 from tuner.knob_text import KnobKey, Pins
 from tuner.ledger import Ledger
-from tuner.measurement import Noise, Sample
+from tuner.measurement import Noise, Sample, negligible
 from tuner.moves import MODEL, RETURN, START, Move, MoveKey, MoveSearch, SearchState, Trial, diff
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
@@ -58,6 +58,7 @@ class Policy:
         self._device_headroom_bytes = device_headroom_bytes
         self._iteration = -1
         self._pins = Pins()
+        self._user_values: dict[str, Any] = {}  # each knob the user pinned in this run -> the value given
         self._frozen = False
         self._unannounced: str | None = None  # why the knobs changed outside observe(): the next one says so
         self._iters_to_discard = self.cfg.warmup_iters
@@ -76,6 +77,9 @@ class Policy:
         self._conditions = Conditions(self.paths, self.cfg)
         self._recent: deque[Sample] = deque(maxlen=8)  # every usable sample, whatever its knobs: a change's baseline
         self._stripe_checked = False  # the stripe checked against the paths' first measured rates
+        self.adaptations: deque[dict] = deque(maxlen=20)
+        """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
+        none made, and why in ``effect``), effect (its measured result once judged)."""
         self._plan_before_contention: Knobs | None = None  # the good knobs when contention appeared
         self._return_to: Knobs | None = None  # where to head back to once it vanished
         self._shares_before_contention: dict[str, float] = {}  # byte shares per path then (the engine's default weights)
@@ -135,8 +139,11 @@ class Policy:
             "threshold": self._noise.threshold(),
             "contended_paths": sorted(self._contended),
             "pins": self._pins.as_dict(),
+            "user_set": self._user_set(),
             "fixed": list(self.fixed),
             "frozen": self._frozen,
+            "rates": {p: round(v) for p, v in self._conditions.rates().items()},
+            "adaptations": list(self.adaptations),
         }
 
     def observe(self, obs: Observation) -> Decision | None:
@@ -207,6 +214,7 @@ class Policy:
 
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
         knob = str(key)
+        self._user_values[knob] = key.value_in(new)
         self._trial = None
         self._ledger.unconfirmed = []  # the user's knobs now: nothing of the search's to undo
         self._good_knobs = new
@@ -231,6 +239,11 @@ class Policy:
         if self.fixed:
             self._note(f"fixed by the run's options, never moved: "
                        f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.fixed)}", "user")
+
+    def _user_set(self) -> list[str]:
+        """Knobs the user pinned in this run, pinned still or unpinned since, whose good value is
+        still the one the user gave: the user's, not the tuner's verdict (history never learns them)."""
+        return [k for k, v in self._user_values.items() if KnobKey.parse(k, self.paths).value_in(self._good_knobs) == v]
 
     def unpin(self, knob: str) -> None:
         key = self._pins.unpin(knob, self.paths)
@@ -302,7 +315,8 @@ class Policy:
             self._holding_since = self._iteration
             recent = self._baseline_samples[-self.cfg.window:]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
-            msg = (prefix + f"no move left to try; holding ({self._cost_name()} {self._holding_cost:.3f} s)"
+            msg = (prefix + f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% "
+                   f"(this run's noise threshold); holding at {self._cost_name()} {self._holding_cost:.3f} s"
                    if self._holding_cost else prefix + "holding")
             if self._knobs != self._good_knobs:
                 return self._decide(self._good_knobs, msg, "revert")
@@ -346,6 +360,8 @@ class Policy:
                         f"{_median([x.update_s for x in t.samples]):.3f} s")
         self._trial = None
         move = t.move
+        if move.key == MODEL and self.adaptations:
+            self.adaptations[-1]["effect"] = ("" if verdict else "undone: ") + figures.split(", threshold")[0]
         if verdict:
             # The start and the way back are judged against a plan, not kept over it.
             self._ledger.kept(move, self._good_knobs, base, confirm=move.key not in (START, RETURN))
@@ -411,28 +427,9 @@ class Policy:
         return "iteration" if recent and all(x.iter_time_s for x in recent) else "update"
 
     def _negligible(self, factor: float = 1.0) -> str | None:
-        """Why no move can pay, or None when one can: what the knobs can change is under the
-        bar (``factor`` x the larger of ``negligible_share`` and twice the noise threshold) as
-        a share of the iteration, medians of the last window. Without a device lane the knobs
-        change only the update's I/O waits; with one, the whole update phase."""
-        b = self._baseline_samples[-self.cfg.window:]
-        if not b:
-            return None
-        it = _median([x.cost for x in b])
-        upd = _median([x.update_s for x in b])
-        if self.has_device:
-            tunable, what = upd, "the update phase"
-        else:
-            tunable, what = _median([x.read_wait_s + x.write_wait_s for x in b]), "the update's I/O waits"
-        bar = factor * max(self.cfg.negligible_share, 2 * self._noise.threshold())
-        share = tunable / it if it > 0 else 1.0
-        if share >= bar:
-            return None
-        kept = self._ledger.kept_total
-        further = f"after {kept} kept move{'s' if kept != 1 else ''}, no further" if kept else "no"
-        return (f"what the knobs can change ({what}, {1e3 * tunable:.1f} ms) is {100 * share:.1f}% of the "
-                f"{self._cost_name()} (median {1e3 * it:.0f} ms), under {100 * bar:.0f}%: {further} move could "
-                "show above the noise")
+        """Why no move can pay (:func:`tuner.measurement.negligible`), or None when one can."""
+        return negligible(self._baseline_samples[-self.cfg.window:], self.cfg, has_device=self.has_device,
+                          threshold=self._noise.threshold(), kept=self._ledger.kept_total, factor=factor)
 
     # -- guard rails -----------------------------------------------------------------------------
 
@@ -516,10 +513,13 @@ class Policy:
         r = restripe(self._conditions.rates(), shares or {}, self.cfg)
         if r is None:
             if not quiet:
+                self.adaptations.append({"iteration": self._iteration, "cause": why, "move": None,
+                                         "effect": "no move: the stripe is already near the balance"})
                 self._note(f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the "
                            "paths' rates now", "conditions")
             return None
         knobs = self._good_knobs.replace(stripe_weights=r.after)
+        self.adaptations.append({"iteration": self._iteration, "cause": why, "move": r.describe(), "effect": None})
         self._restart_measuring()
         self._baseline_samples = baseline
         self._trial = Trial(Move(key=MODEL, knobs=knobs, lenient=True, what=r.describe()))

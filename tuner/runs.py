@@ -324,13 +324,14 @@ class Runs:
     @staticmethod
     def _verdict(run: Run) -> tuple[Knobs, list[str]]:
         """(knobs, names the tuner chose) at the run's end: the policy's last good knobs less every
-        knob pinned (by the user or the run's options); without a working policy, the knobs in
-        force and nothing learned."""
+        knob pinned (by the user or the run's options) and every knob the user pinned and unpinned
+        whose value the tuner never moved since; without a working policy, the knobs in force and
+        nothing learned."""
         in_force = knobs_from_dict(run.in_force) if run.in_force else run.knobs
         state = run.policy.state() if run.policy_ok() and callable(getattr(run.policy, "state", None)) else None
         if not state or not isinstance(state.get("good_knobs"), dict):
             return in_force, []
-        pinned = {split_key(k)[0] for k in state.get("pins") or {}} | {split_key(k)[0] for k in run.facts.pins}
+        pinned = {split_key(k)[0] for k in [*(state.get("pins") or {}), *(state.get("user_set") or []), *run.facts.pins]}
         return knobs_from_dict(state["good_knobs"]), [n for n in Knobs.names() if n not in pinned]
 
     def _maybe_summarize(self, run: Run, i: int, iter_time: float | None, update_s: float) -> None:

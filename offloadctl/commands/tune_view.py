@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tuner.knob_text import knobs_text, value_text
+from tuner.knob_text import adaptation_text, knobs_text, value_text
 
 if TYPE_CHECKING:
     from tuner.run_state import RunView, Verdict
@@ -187,13 +187,18 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
 
     sensors = r.get("sensors") or {}
     spaths = sensors.get("paths") or {}
+    policy = r.get("policy") or {}
     if r["bandwidth"]:
-        paths = Table("path", "read", "write", "others", "queue", box=None, title_justify="left")
+        rates = policy.get("rates") or {}
+        paths = Table("path", "read", "write", "serves at", "others", "queue", box=None, title_justify="left")
         for p, bw in r["bandwidth"].items():
             queue = (spaths.get(p) or {}).get("in_flight")
             paths.add_row(Text(p, overflow="fold"), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]),
-                          _rate(bw["other_bytes_per_s"]), f"{queue if queue is not None else '-'} / {bw['concurrency']}")
+                          _rate(rates.get(p)), _rate(bw["other_bytes_per_s"]),
+                          f"{queue if queue is not None else '-'} / {bw['concurrency']}")
         body.append(paths)
+    for a in (policy.get("adaptations") or [])[-2:]:
+        body.append(Text("conditions: " + adaptation_text(a)))
     gpu = sensors.get("gpu")
     if isinstance(gpu, dict) and gpu:
         body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items()
