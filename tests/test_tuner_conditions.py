@@ -13,6 +13,8 @@ import random
 import re
 import statistics
 
+import pytest
+
 from engine.config import Knobs
 from tuner.conditions import Conditions, balanced_stripe, io_time, restripe
 from tuner.policy import Observation, Policy, PolicyConfig
@@ -174,3 +176,62 @@ def test_the_model_balances_the_paths_times():
     assert restripe(rates, {A: 0.84, B: 0.16}, PolicyConfig()) is None  # already balanced: small moves refine it
     r = restripe(rates, {A: 1.0, B: 1.0}, PolicyConfig())
     assert r is not None and r.describe() == f"stripe weight {B} 0.5 -> 0.17, stripe weight {A} 0.5 -> 0.83"
+
+
+@pytest.mark.slow
+def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
+    """The whole path on real O_DIRECT files: two paths paced at 40 MB/s each, one slowed to
+    8 MB/s at iteration 8 (its pacer, as a throttled drive). The engine's busy-time rates show
+    it, the policy re-stripes in one move, the engine moves subgroups at their next write, and
+    the slow path's share of the bytes falls to about a sixth; the parameters stay those of
+    ``torch.optim.AdamW`` fed the same gradients throughout."""
+    import time
+
+    import torch
+    from helpers import assert_params_close
+
+    from engine import OffloadAdamW, StoragePath
+    from tuner.observation import Observation as Obs
+
+    dirs = [tmp_path / "p0", tmp_path / "p1"]
+    for d in dirs:
+        d.mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(400, 400) for _ in range(6)])  # 963k params, 11.6 MB of state
+    ref = torch.nn.Sequential(*[torch.nn.Linear(400, 400) for _ in range(6)])
+    ref.load_state_dict(model.state_dict())
+    paths = [StoragePath(path=str(d), cap_bytes_per_s=40e6) for d in dirs]
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=100_000, host_cache_bytes=0, nvme_paths=paths,
+                       host_adam="torch", read_ahead_bytes=0, io_backend="posix")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    names = [p.path for p in opt.engine.swap_paths.paths]
+    pol = Policy(opt.knobs, paths=names, has_device=False, subgroup_bytes=1_200_000, pins={"prefetch_depth": 2})
+    gen = torch.Generator().manual_seed(1)
+    slow = opt.engine.swap_paths.paths[1]
+    shares, decided, last = [], [], time.perf_counter()
+    try:
+        for i in range(24):
+            if i == 8:
+                slow.read_pacer.cap_bytes_per_s = slow.write_pacer.cap_bytes_per_s = 8e6
+            grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad(set_to_none=True)
+                for p, g in zip(m.parameters(), grads):
+                    p.grad = g.clone()
+                o.step()
+            rec = opt.telemetry[-1]
+            now = time.perf_counter()
+            d = pol.observe(Obs.from_records([rec], iter_times_s=[now - last], knobs=rec.knobs))
+            last = now
+            moved = {p: rec.path_bytes_read.get(p, 0) + rec.path_bytes_written.get(p, 0) for p in names}
+            shares.append(moved[names[1]] / max(1, sum(moved.values())))
+            if d is not None:
+                decided.append((i, d.reason))
+                opt.set_knobs(d.knobs)
+        model_moves = [(i, r) for i, r in decided if "balances the paths" in r]
+        assert model_moves and 8 <= model_moves[0][0] <= 8 + 6, decided
+        assert re.search(rf"path {re.escape(names[1])}( reads| writes)? slowed from", model_moves[0][1])
+        assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, shares
+        assert_params_close(model, ref)
+    finally:
+        opt.engine.close()

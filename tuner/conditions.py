@@ -5,9 +5,10 @@ measured rates (:func:`balanced_stripe`), the move the policy makes at once on a
 
 The engine reports, per path and step, the bytes it read and wrote and the seconds the path was
 busy reading and writing (``StepRecord.path_*_busy_s``): bytes over busy time is the rate the
-path serves at now, whatever the gaps between requests. A path's rate is one round trip of the
-same bytes, ``1 / (1/read + 1/write)``, the engine's own default stripe weight
-(:func:`engine.placement.round_trip_rate`). A throttled drive, a burst buffer another tenant fills,
+path serves at now, whatever the gaps between requests. Reads and writes are followed apart
+(a step may read little: its subgroups were kept in memory); a path's rate for the model is
+one round trip of the same bytes, ``1 / (1/read + 1/write)``, the engine's own default stripe
+weight (:func:`engine.placement.round_trip_rate`). A throttled drive, a burst buffer another tenant fills,
 a competing O_DIRECT job: each shows as a rate that drops and stays down, which the iteration
 time alone cannot attribute to a path.
 
@@ -42,14 +43,18 @@ class RateChange:
     path: str
     before_bytes_per_s: float
     after_bytes_per_s: float
+    direction: str = ""
+    """'reads' or 'writes' when only one of them changed; '' for both (the rates are then the
+    path's round trip)."""
 
     @property
     def slowed(self) -> bool:
         return self.after_bytes_per_s < self.before_bytes_per_s
 
     def describe(self) -> str:
-        """'path /ssd1 slowed from 300 to 62 MB/s'."""
-        return (f"path {self.path} {'slowed' if self.slowed else 'sped up'} from {_mb(self.before_bytes_per_s)} to "
+        """'path /ssd1 slowed from 300 to 62 MB/s' ('path /ssd1 writes slowed ...' for one direction)."""
+        what = f"path {self.path}" + (f" {self.direction}" if self.direction else "")
+        return (f"{what} {'slowed' if self.slowed else 'sped up'} from {_mb(self.before_bytes_per_s)} to "
                 f"{_mb(self.after_bytes_per_s)} MB/s")
 
 
@@ -80,35 +85,47 @@ class Conditions:
     def __init__(self, paths: Sequence[str], cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self.paths = list(paths)
-        self._refs: dict[str, dict[tuple, _Reference]] = {p: {} for p in self.paths}
-        self._now: dict[str, float] = {}
+        self._refs: dict[tuple[str, str], dict[tuple | None, _Reference]] = {
+            (p, d): {} for p in self.paths for d in _DIRECTIONS}
+        self._now: dict[tuple[str, str], float] = {}
 
     def rates(self) -> dict[str, float]:
-        """Each path's round-trip bytes/s now (as last measured), for the paths measured so far."""
-        return {p: self._now[p] for p in self.paths if p in self._now}
+        """Each path's round-trip bytes/s now (as last measured), for the paths measured so far; a
+        direction not measured yet is taken to run at the other's rate."""
+        out = {}
+        for p in self.paths:
+            r, w = self._now.get((p, "reads")), self._now.get((p, "writes"))
+            if r or w:
+                out[p] = round_trip_rate(r or w, w or r)
+        return out
 
     def known(self) -> bool:
         """Every path's rate has been measured (the model can weigh all of them)."""
-        return len(self._now) == len(self.paths) > 0
+        return len(self.rates()) == len(self.paths) > 0
 
     def track(self, obs: Observation, knobs: Knobs | None) -> list[RateChange]:
         """Take one iteration's rates; return the paths whose rate changed. ``knobs``: those in
         force for the iteration (None: unknown, taken as the same as before)."""
         changes = []
         for p in self.paths:
-            x = round_trip_rate(obs.path_read_rate.get(p, 0.0), obs.path_write_rate.get(p, 0.0))
-            if not x > 0:
-                continue  # too little traffic this iteration to say
-            key = _io_key(knobs, p) if knobs is not None else None
-            refs = self._refs[p]
-            ref = refs.setdefault(key, _Reference())
-            change = self._add(ref, x)
-            if ref.rate is not None:
-                self._now[p] = ref.rate
-            if change is not None:
-                self._refs[p] = {key: ref}  # the others were measured under the old conditions
-                self._now[p] = change[1]
-                changes.append(RateChange(p, *change))
+            before = self.rates().get(p)
+            moved = []
+            for d, x in (("reads", obs.path_read_rate.get(p, 0.0)), ("writes", obs.path_write_rate.get(p, 0.0))):
+                if not x > 0:
+                    continue  # too little traffic this iteration to say
+                key = _io_key(knobs, p) if knobs is not None else None
+                ref = self._refs[(p, d)].setdefault(key, _Reference())
+                change = self._add(ref, x)
+                if ref.rate is not None:
+                    self._now[(p, d)] = ref.rate
+                if change is not None:
+                    self._refs[(p, d)] = {key: ref}  # the others were measured under the old conditions
+                    self._now[(p, d)] = change[1]
+                    moved.append((d, change))
+            if len(moved) == 1:
+                changes.append(RateChange(p, *moved[0][1], direction=moved[0][0]))
+            elif moved and before:
+                changes.append(RateChange(p, before, self.rates()[p]))
         return changes
 
     def _add(self, ref: _Reference, x: float) -> tuple[float, float] | None:
@@ -151,6 +168,9 @@ def io_time(shares: Mapping[str, float], rates: Mapping[str, float]) -> float:
     """Seconds per byte moved in all when the paths work in parallel: the slowest path's share
     over its rate (the paths' time per iteration, up to the iteration's bytes)."""
     return max(shares.get(p, 0.0) / r for p, r in rates.items())
+
+
+_DIRECTIONS = ("reads", "writes")
 
 
 def _io_key(k: Knobs, path: str) -> tuple:
