@@ -41,109 +41,48 @@ what was measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _runs import Stop, on_signal
+import _runs
+from _runs import Stop, TierRuns, applied_changes, count_lines, free_port, on_signal, read_records, tuner_changes
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SHARED_TIERS = os.path.join(os.path.dirname(ROOT), "shared", "tools", "tiers")
-SYSTEM_SOCKET = "/run/offloadctl/tuner.sock"
-KILL_GRACE_S = 10.0
 console = Console(stderr=True)
-CHANGE = re.compile(r"iteration (\d+): change #(\d+) at iteration (\d+) \((\w+)\): (.*); knobs (\{.*\})$")
-DD_STATS = re.compile(r"(\d+) bytes .* copied, ([0-9.]+) s")
-
-
+WHO = "tuner_contention"
 
 
 def fail(msg: str) -> None:
-    console.print(f"[red]tuner_contention: {msg}[/red]", highlight=False)
-    raise SystemExit(2)
+    _runs.fail(WHO, msg)
 
 
-class Bench:
-    """What the bench started and made, undone by :meth:`cleanup` whatever happens."""
+class Bench(TierRuns):
+    """What the bench started and made (:class:`_runs.TierRuns`), with the contention's readers."""
 
     def __init__(self, args) -> None:
-        self.args, self.tool = args, args.tiers_tool
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.paths: list[str] = []
-        self.tiers_brought_up = False
-        self.mounts: dict[str, str] = {}
+        super().__init__(WHO, args.tiers_tool)
+        self.args = args
 
-    # -- tiers and files ---------------------------------------------------------------------
     def tiers(self) -> dict:
-        status = subprocess.run([self.tool, "status"], capture_output=True, text=True)
-        if status.returncode != 0:
-            fail(f"{self.tool} status failed: {(status.stderr or status.stdout).strip()}")
-        if "no tiers are up" in status.stdout:
-            up = subprocess.run([self.tool, "up", *self.args.tier_spec.split()], capture_output=True, text=True)
-            self.tiers_brought_up = True  # down at the end, even if up failed half-way
-            if up.returncode != 0:
-                fail(f"{self.tool} up failed: {(up.stderr or up.stdout).strip()}")
-            status = subprocess.run([self.tool, "status"], capture_output=True, text=True, check=True)
-        limits, section = {}, None
-        for line in status.stdout.splitlines():
-            f = line.split()
-            if line.endswith("limits:"):
-                section = line.split()[0]
-            elif section and len(f) == 2:
-                limits.setdefault(f[0], {})[section] = int(f[1])
-            elif len(f) == 3 and f[2].startswith("/dev/"):
-                self.mounts[f[0]] = f[1]
-                rdev = os.stat(f[2]).st_rdev
-                limits.setdefault(f"{os.major(rdev)}:{os.minor(rdev)}", {})["tier"] = f[0]
-        if not {"nvme", "pfs"} <= set(self.mounts):
-            fail(f"the tiers that are up ({', '.join(self.mounts) or 'none'}) lack nvme and pfs; "
-                 f"bring them down ({self.tool} down) or up with both")
-        by_tier = {v.pop("tier"): {k: b / 1e6 for k, b in v.items()} for v in limits.values() if "tier" in v}
-        return {"tool": self.tool, "brought_up": self.tiers_brought_up, "mounts": self.mounts,
-                "limits_MBps": by_tier}
+        return super().tiers(self.args.tier_spec.split(), {"nvme", "pfs"})
 
     def write_file(self, tier: str, mib: int) -> str:
-        path = os.path.join(self.mounts[tier], f"tuner-contention-{os.getpid()}.bin")
-        self.paths.append(path)
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={max(1, mib // 8)}", "oflag=direct",
-                        "status=none"], check=True)
-        return path
+        return super().write_file(tier, mib, "tuner-contention")
 
     def fresh_dir(self, tier: str) -> str:
-        d = tempfile.mkdtemp(prefix="tuner-contention-", dir=self.mounts[tier])
-        self.paths.append(d)
-        return d
-
-    # -- processes ---------------------------------------------------------------------------
-    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen([self.tool, "run", *cmd], start_new_session=True, **kw)
-        self.procs[p.pid] = p
-        return p
-
-    def kill(self, p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-        deadline = time.monotonic() + (KILL_GRACE_S if sig == signal.SIGTERM else 0)
-        for s in (sig, signal.SIGKILL):
-            try:
-                os.killpg(p.pid, s)
-            except ProcessLookupError:
-                break
-            while time.monotonic() < deadline and _alive(p.pid, p):
-                time.sleep(0.2)
-        p.wait()
-        self.procs.pop(p.pid, None)
+        return super().fresh_dir(tier, "tuner-contention")
 
     def readers(self, path: str) -> subprocess.Popen:
         loop = f'while :; do dd if="{path}" iflag=direct bs=8M of=/dev/null status=none || exit 1; done'
@@ -152,43 +91,7 @@ class Bench:
 
     def read_bw(self, path: str) -> float:
         """One O_DIRECT reader's bandwidth (MB/s) in the tiers' cgroup over ``--bw-seconds``."""
-        p = self.start(["timeout", "-s", "INT", str(self.args.bw_seconds), "dd", f"if={path}", "iflag=direct",
-                        "bs=8M", "of=/dev/null"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _, err = p.communicate()
-        self.procs.pop(p.pid, None)
-        m = DD_STATS.search(err or "")
-        if not m:
-            fail(f"no figures from dd reading {path}: {err.strip()[-300:]}")
-        return int(m.group(1)) / float(m.group(2)) / 1e6
-
-    def cleanup(self) -> None:
-        for p in list(self.procs.values()):
-            self.kill(p)
-        for path in reversed(self.paths):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
-        if self.tiers_brought_up:
-            subprocess.run([self.tool, "down"], capture_output=True)
-
-
-def _alive(pgid: int, p: subprocess.Popen) -> bool:
-    p.poll()  # reap the leader, or the group never looks empty
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def system_daemon_answers() -> bool:
-    with socket.socket(socket.AF_UNIX) as s:
-        return s.connect_ex(SYSTEM_SOCKET) == 0
+        return self.dd_rate(path, self.args.bw_seconds)
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -214,7 +117,7 @@ def one_run(bench: Bench, work: str, name: str, tuned: bool, reader_file: str, p
             if time.monotonic() - t0 > a.run_timeout:
                 bench.kill(p)
                 break
-            done = _lines(tel)
+            done = count_lines(tel)
             progress.update(task, description=f"{name}: iteration {done}/{a.iters}")
             time.sleep(0.5)
         bench.kill(p)
@@ -230,8 +133,8 @@ def one_run(bench: Bench, work: str, name: str, tuned: bool, reader_file: str, p
         iters = json.load(f)["iter_s"]
     with open(summary) as f:
         s = json.load(f)
-    applied = _applied_changes(tel)
-    changes = _tuner_changes(os.path.join(run_dir, "tuner"))
+    applied = applied_changes(read_records(tel))
+    changes = tuner_changes(os.path.join(run_dir, "tuner"))
     t = s.get("tuner") or {}
     r = {"name": name, "tuned": tuned, "wall_s": wall, "iter_s": iters,
          "median_last_s": statistics.median(iters[-a.last:]), "summary_median_s": s.get("median_iteration_s"),
@@ -243,43 +146,6 @@ def one_run(bench: Bench, work: str, name: str, tuned: bool, reader_file: str, p
          "other_processes_disk_bytes_per_param": s.get("other_processes_disk_bytes_per_param_total")}
     r["verdict_agrees"] = _agrees(r) if tuned else None
     return r
-
-
-def _lines(path: str) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(1 for _ in f)
-    except FileNotFoundError:
-        return 0
-
-
-def _applied_changes(tel: str) -> list[dict]:
-    """Each iteration whose knobs differ from the iteration before, with what changed."""
-    out, prev = [], None
-    with open(tel) as f:
-        for line in f:
-            rec = json.loads(line)
-            k = rec.get("knobs") or {}
-            if prev is not None and k != prev:
-                out.append({"iteration": rec["iteration"],
-                            "changed": {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev))
-                                        if k.get(n) != prev.get(n)}})
-            prev = k
-    return out
-
-
-def _tuner_changes(tuner_dir: str) -> list[dict]:
-    """The daemon's knob changes for the run, from its log: decided at, applied at, who, why."""
-    out = []
-    for fn in sorted(os.listdir(tuner_dir)) if os.path.isdir(tuner_dir) else []:
-        if fn.endswith(".log"):
-            with open(os.path.join(tuner_dir, fn)) as f:
-                for line in f:
-                    m = CHANGE.search(line.rstrip("\n"))
-                    if m:
-                        out.append({"iteration": int(m.group(1)), "seq": int(m.group(2)), "apply_at": int(m.group(3)),
-                                    "source": m.group(4), "reason": m.group(5)})
-    return out
 
 
 def _agrees(r: dict) -> bool | None:
@@ -309,21 +175,12 @@ def main() -> int:
     ap.add_argument("--bw-seconds", type=float, default=3.0, help="length of each bandwidth measurement (default 3)")
     ap.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto")
     ap.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is stopped (default 900)")
-    ap.add_argument("--tiers-tool", default=SHARED_TIERS if os.path.exists(SHARED_TIERS) else os.path.join(HERE, "tiers.sh"))
+    ap.add_argument("--tiers-tool", default=_runs.default_tiers_tool())
     ap.add_argument("--tier-spec", default="nvme:4:400:400 pfs:4:200:200", help="for `tiers up` when none is up")
     ap.add_argument("--work", help="keep the runs' directories here (default: a temporary directory, removed)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        fail("needs root (emulated tiers: loop devices, mounts, blkio cgroups)")
-    if not os.path.isfile(a.tiers_tool) or not os.access(a.tiers_tool, os.X_OK):
-        fail(f"tiers tool {a.tiers_tool} is missing or not executable (--tiers-tool)")
-    if not os.path.isdir("/sys/fs/cgroup/blkio"):
-        fail("no blkio cgroup (v1) on this machine for the tiers' throttles")
-    if not shutil.which("dd") or not shutil.which("timeout"):
-        fail("needs dd and timeout (coreutils)")
-    if system_daemon_answers():
-        fail(f"a system tuner daemon answers on {SYSTEM_SOCKET}: tuned runs would use it and its history; stop it first")
+    _runs.check_can_run(WHO, a.tiers_tool)
     if a.runs < 1 or a.iters < 2 or a.last < 1:
         fail("--runs and --last must be >= 1, --iters >= 2")
     a.last = min(a.last, a.iters)
