@@ -73,6 +73,11 @@ class SubgroupEngine:
         self.device = resolve_lane_device(config.device)
         self._check(self.knobs)
         self._setup_s = 0.0  # one-time work outside a step (setup_time()) not yet taken out of fwd_bwd_s
+        # The iteration's clock (what a tuner judges by): the time since the last step's end that
+        # was no iteration's own (skipped_step, pause_clock), and the pause in progress: when it
+        # began, and _setup_s then (setup inside a pause is setup, not excluded twice).
+        self._excluded_s = 0.0
+        self._paused: tuple[float, float] | None = None
         self._last_step_end: float | None = None
         self._counters_at: list[PathCounters] | None = None  # the paths' counters at the last step's end
         # Held by every entry point that touches the state, so that the memory watch's thread
@@ -137,12 +142,13 @@ class SubgroupEngine:
         if self._closed:
             raise OffloadError("this optimizer engine was closed; create a new one")
         t_call = time.perf_counter()
-        fwd_bwd_s = None
+        self._resume_clock_at(t_call)  # a pause not resumed ends at the step's start
+        fwd_bwd_s, excluded_s, self._excluded_s = None, self._excluded_s, 0.0
         if self._last_step_end is not None:
-            fwd_bwd_s = max(0.0, t_call - self._last_step_end - self._setup_s)
+            fwd_bwd_s = max(0.0, t_call - self._last_step_end - self._setup_s - excluded_s)
         try:
             with self._lock:
-                rec = self._step(hypers, t_call, fwd_bwd_s)
+                rec = self._step(hypers, t_call, fwd_bwd_s, excluded_s)
         except BaseException as e:
             for hook in self._hooks:
                 hook.on_error(self, e)
@@ -151,7 +157,8 @@ class SubgroupEngine:
             hook.after_step(self, rec)
         return rec
 
-    def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None) -> StepRecord:
+    def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None,
+              excluded_s: float) -> StepRecord:
         write_wait_s = self._between_steps(fwd_bwd_s)  # knobs, the device fit, host memory: the step's setup
         t_start = time.perf_counter()
         setup_s, self._setup_s = t_start - t_call - write_wait_s + self._setup_s, 0.0
@@ -187,7 +194,7 @@ class SubgroupEngine:
         device_wait_s = time.perf_counter() - t0
         rec = self._step_record(tally, swaps, before, t_start=t_start, write_wait_s=write_wait_s,
                                 update_s=time.perf_counter() - t_start + write_wait_s, device_wait_s=device_wait_s,
-                                setup_s=setup_s, fwd_bwd_s=fwd_bwd_s)
+                                setup_s=setup_s, fwd_bwd_s=fwd_bwd_s, excluded_s=excluded_s)
         self.iteration += 1
         self.telemetry.append(rec)
         self._counters_at = self.swap_paths.counters()
@@ -294,7 +301,7 @@ class SubgroupEngine:
 
     def _step_record(self, tally: _StepTally, swaps: SwapPass, before: list[PathCounters], *, t_start: float,
                      update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
-                     fwd_bwd_s: float | None) -> StepRecord:
+                     fwd_bwd_s: float | None, excluded_s: float) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
         moved = self.swap_paths.moved_since(before)
         headroom = gpu_headroom_bytes(self.device) if self.device is not None and self.device.type == "cuda" else None
@@ -309,7 +316,7 @@ class SubgroupEngine:
             fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
             params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start - write_wait_s,
             host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_memory.budget_bytes,
-            host_pressure=tally.pressure, read_ahead_bytes=self.transfers.read_ahead_bytes)
+            host_pressure=tally.pressure, read_ahead_bytes=self.transfers.read_ahead_bytes, excluded_s=excluded_s)
 
     @contextlib.contextmanager
     def setup_time(self):
@@ -322,6 +329,44 @@ class SubgroupEngine:
             yield
         finally:
             self._setup_s += time.perf_counter() - t0
+
+    # -- the iteration's clock -----------------------------------------------------------------------
+    # A step's fwd_bwd_s and a tuner's iteration time are this iteration's work only: the time
+    # since the last step's end less the adapter's one-time setup (setup_time) and what the
+    # calls below exclude (StepRecord.excluded_s). Before the first step they do nothing: its
+    # record has no fwd_bwd_s, and a tuner no iteration time for it.
+
+    def skipped_step(self) -> None:
+        """An iteration ended without this engine's step (an fp16 overflow: the adapter skipped
+        the update): its time since the last step's end (less setup) is excluded from the next
+        step's, whose ``fwd_bwd_s`` then covers the next iteration alone."""
+        if self._last_step_end is None:
+            return
+        now = time.perf_counter()
+        # Everything since the last step's end that is not setup is now excluded; a pause in
+        # progress is covered up to now, and goes on from here.
+        self._excluded_s = max(self._excluded_s, now - self._last_step_end - self._setup_s)
+        if self._paused is not None:
+            self._paused = (now, self._setup_s)
+
+    def pause_clock(self) -> None:
+        """Training pauses between steps (DeepSpeed's ``offload_states``: an RLHF loop frees the
+        GPU for generation): the time until :meth:`resume_clock` (or the next step's start, if
+        it comes first) is excluded from the next step's ``fwd_bwd_s`` and a tuner's iteration
+        time. Calling it again while paused changes nothing."""
+        if self._last_step_end is not None and self._paused is None:
+            self._paused = (time.perf_counter(), self._setup_s)
+
+    def resume_clock(self) -> None:
+        """Training resumes (``reload_states``): the pause since :meth:`pause_clock` goes to
+        the next step's ``excluded_s``. Harmless when not paused."""
+        self._resume_clock_at(time.perf_counter())
+
+    def _resume_clock_at(self, now: float) -> None:
+        if self._paused is None:
+            return
+        (since, setup_then), self._paused = self._paused, None
+        self._excluded_s += max(0.0, now - since - (self._setup_s - setup_then))
 
     # -- transfers between steps -------------------------------------------------------------------
 

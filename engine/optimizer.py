@@ -184,6 +184,31 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._read_ahead_armed = self.engine.transfers.swaps
         return loss
 
+    def skipped_step(self) -> None:
+        """Say that this iteration ends without ``step()`` (a ``torch.amp.GradScaler`` that found
+        inf gradients skips it), so that the next step's ``fwd_bwd_s`` and a tuner's iteration
+        time cover the next iteration alone, the skipped one's time going to ``excluded_s``
+        (:meth:`SubgroupEngine.skipped_step`). With a GradScaler::
+
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:  # inf gradients: the step was skipped
+                opt.skipped_step()
+
+        Without it the next iteration is timed as both, which a tuner takes for a slower one."""
+        self.engine.skipped_step()
+
+    def pause_clock(self) -> None:
+        """Training pauses between steps (generation in an RLHF loop, an evaluation): the time
+        until :meth:`resume_clock`, or the next ``step()``, is kept out of the next step's
+        ``fwd_bwd_s`` and a tuner's iteration time (``excluded_s``)."""
+        self.engine.pause_clock()
+
+    def resume_clock(self) -> None:
+        """Training resumes after :meth:`pause_clock`."""
+        self.engine.resume_clock()
+
     def flush(self) -> None:
         """Wait for the state writes still running behind the last ``step()`` (they drain during
         the next forward and backward); raise the first that failed. ``close()``, checkpoints

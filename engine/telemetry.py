@@ -55,8 +55,9 @@ class StepRecord:
     host_lane_s: float = 0.0
     """Time in host-lane updates (the CPU's share of ``kernel_s``)."""
     fwd_bwd_s: float | None = None
-    """Time from the end of the previous step to the start of this one: forward, backward and
-    whatever else the training loop does between steps. None at the first step."""
+    """Time from the end of the previous step to the start of this one, less ``excluded_s`` and
+    the adapter's one-time work counted in ``setup_s``: forward, backward and whatever else the
+    training loop does between steps. None at the first step."""
     device_headroom_bytes: int | None = None
     """Device memory still free beyond what forward/backward and the engine use, at the end of
     the step (``engine.gpumem.gpu_headroom_bytes``); None without a CUDA device."""
@@ -86,10 +87,12 @@ class StepRecord:
     """Host memory of the read-ahead budget in force (``EngineConfig.read_ahead_bytes``)."""
     excluded_s: float = 0.0
     """Time since the previous step that was not this iteration's work, and is in neither
-    ``fwd_bwd_s`` nor ``setup_s``: iterations whose step was skipped (an fp16 overflow), the
-    gap between ``offload_states`` and ``reload_states`` (an RLHF loop's generation). An
-    iteration's own time is the wall time since the previous step's end less this and
-    ``setup_s`` (what the tuner judges by)."""
+    ``fwd_bwd_s`` nor ``setup_s``: iterations whose step was skipped (an fp16 overflow:
+    ``SubgroupEngine.skipped_step``), an ``offload_states``/``reload_states`` cycle (an RLHF
+    loop's generation between them, and the two calls but for the engine's own release, which
+    is ``setup_s``: ``SubgroupEngine.pause_clock``/``resume_clock``). An iteration's own time is
+    the wall time since the previous step's end less this and ``setup_s`` (what the tuner judges
+    by: ``tuner.client.TunerClient.report`` takes this out of the time it measures)."""
 
     @property
     def order(self) -> str:

@@ -32,14 +32,16 @@ The subclass, ``integrations.zero3_optimizer.OffloadZero3Optimizer``, overrides 
 - ``_offload_grad_partition_at_boundary``: the norm bookkeeping, no fp32 gradient copy;
 - ``partition_grads``: DeepSpeed's body (checked, ``ds_compat.COPIED``) less one PCIe round trip;
 - ``_setup_for_real_optimizer``: the gradient buffer pinned in place, then the engine built;
-- ``step``: DeepSpeed's overflow check, loss scale and clipping, then the engine's update;
+- ``step``: DeepSpeed's overflow check, loss scale and clipping, then the engine's update (a
+  skipped step is told to the engine, so that the next iteration is timed alone);
 - ``backward_prologue``: the engine reads ahead, then DeepSpeed's;
 - ``_swappable_optimizer_subgroup``, ``_optimizer_states_and_gradient_swap_in``,
   ``_optimizer_states_and_gradient_swap_out``, ``_release_swap_buffers``,
   ``_writeback_swap_state``: a subgroup's state checked out of the engine and back in;
 - ``_restore_from_bit16_weights``, ``_load_universal_checkpoint``, ``state_dict``,
   ``_rigid_load_state_dict``: checkpoints in DeepSpeed's layout, from and into the engine;
-- ``offload_states``, ``reload_states``: the engine's device memory given back and taken again;
+- ``offload_states``, ``reload_states``: the engine's device memory given back and taken again,
+  the time between them kept out of the next iteration's;
 - ``destroy``: the engine closed; DeepSpeed unpins only what it pinned.
 
 Elsewhere, and only for as long as one call: ``integrations.launcher.resolved_launch``

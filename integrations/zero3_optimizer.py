@@ -311,7 +311,10 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(scaled_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
-            return  # overflow: DeepSpeed skips the step (fp16 loss scaling)
+            # Overflow: DeepSpeed skips the step (fp16 loss scaling). This iteration's time is
+            # not the next one's: the tuner judges that one alone.
+            self.offload_engine.skipped_step()
+            return
         self._global_grad_norm = scaled_norm / self.loss_scale
         combined = self.loss_scale
         if self.clip_grad > 0.0:
@@ -320,7 +323,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         inv = 1.0 / combined
         self.offload_grad_scale = float(inv)
         if self.device_fit is None and self.offload_engine.device is not None:
-            self._fit_to_gpu()
+            with self.offload_engine.setup_time():  # the first fit, or the refit after reload_states: one-time
+                self._fit_to_gpu()
         # The tuner client, when there is one, is the engine's step hook (engine.hooks).
         self.offload_engine.step([hyper_from_group(g) for g in self.optimizer.param_groups])
         if self.offload_engine.device is not None:
@@ -432,13 +436,20 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         (DeepSpeed's would copy the buffer into a pinned copy of its own, rounded up to a power
         of two and kept for good, and ``reload_states`` would move it to the GPU: 2 bytes per
         parameter of GPU memory from then on, and every host-lane read of it across PCIe). The
-        rest (the 16-bit params, the contiguous bucket) is DeepSpeed's own work."""
+        rest (the 16-bit params, the contiguous bucket) is DeepSpeed's own work.
+
+        From here to the end of :meth:`reload_states` (the cycle, and the generation between)
+        no training iteration runs: that time is kept out of the next step's (the tuner's clock:
+        ``StepRecord.excluded_s``), but for the engine's release, one-time work like the refit
+        after it, counted in its ``setup_s``."""
+        self.offload_engine.pause_clock()
         ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
         asked = set(OffloadStateTypeEnum) if include is None else set(include)
         grads = OffloadStateTypeEnum.lp_grads
         release = bool(asked & ours - self.offloaded_states)
         if release:
-            self.offload_engine.release_device()
+            with self.offload_engine.setup_time():
+                self.offload_engine.release_device()
             self.device_fit = None  # the next step fits again: gradients and DeepSpeed's prefetch counted
             self.offloaded_states |= asked & ours
         if grads in asked:
@@ -452,6 +463,9 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         super().offload_states(include=include, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking=False):
+        """DeepSpeed's, less the engine's states (see :meth:`offload_states`). The time since
+        ``offload_states`` began is kept out of the next step's (``StepRecord.excluded_s``); the
+        next step's refit is its ``setup_s``."""
         ours = {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.lp_grads}
         # The engine's come back at the next step's device fit; the gradient buffer never left.
         self.offloaded_states -= ours
@@ -459,6 +473,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._remap_grads()
         # The fit after the next forward/backward measures their peak, not the generation's before.
         self.offload_engine.device_tier.returned()
+        self.offload_engine.resume_clock()  # training again
 
     def _remap_grads(self) -> None:
         """Every subgroup's host slice of the gradient buffer, and its parameters' entries in

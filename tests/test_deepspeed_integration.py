@@ -54,6 +54,8 @@ def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, ds_runs):
     for rank in range(ranks):
         recs = b.telemetry(rank)
         assert len(recs) == 6 - skipped and sum(r["bytes_written"].get("nvme", 0) for r in recs) > 0
+        # The skipped iteration (step 3) is no part of the next step's time (the tuner's clock).
+        assert [r["excluded_s"] > 0 for r in recs] == [bool(skipped) and i == 2 for i in range(len(recs))]
         if opts in (LANE_ON_CPU, LANE_ON_CPU_2):
             # Of the 2 subgroups outside the tier, the lane takes half (1) or all (2).
             assert recs[-1]["device_tier_subgroups"] == 2

@@ -225,19 +225,29 @@ def test_two_nodes_launched_per_node_match_stock(ds_runs, tmp_path):
         assert p.returncode == 0 and (run / "report.html").stat().st_size > 10_000, p.stderr[-2000:]
 
 
+OFFLOAD_GAP_S = 1.0
+"""Seconds between offload_states and reload_states (the generation) in the runs below."""
+GENERATING = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny_generating.py")
+
+
 @pytest.mark.parametrize("include,layout", [("all", "lane-on-cpu"), ("optim_states,hp_params", "all-nvme"),
                                             ("lp_params,lp_grads,contiguous_grad_buffer", "nvme-and-host")])
 def test_offload_and_reload_states_keep_training_exact(include, layout, ds_runs):
     """engine.offload_states()/reload_states() (RLHF frameworks, around generation) after step 3:
     the state DeepSpeed's API reads is the same before and after (checked in the script), and
     training continues with stock's losses (stock runs without them: with CPU offload its own
-    offload_states takes only the 16-bit states, so there is nothing to compare it with)."""
+    offload_states takes only the 16-bit states, so there is nothing to compare it with). The
+    gap between them (OFFLOAD_GAP_S: the generation) is no part of the next step's time."""
     run = ds_runs.get(ours(1, "--dtype", "bf16", "--offload-states-at", "3", "--offload-include", include,
-                           opts=LAYOUTS[layout])).ok()
+                           "--offload-gap-s", str(OFFLOAD_GAP_S), opts=LAYOUTS[layout], script=GENERATING)).ok()
     ref = ds_runs.get(baseline(1, "bf16")).ok()
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=STOCK_RTOL["bf16"], atol=0)
+    recs = run.telemetry()
     if layout == "lane-on-cpu":  # the device tier went to host memory and came back at the next step
-        assert [r["device_tier_subgroups"] for r in run.telemetry()] == [2] * 6
+        assert [r["device_tier_subgroups"] for r in recs] == [2] * 6
+    after = recs[3]  # the step after the cycle
+    assert [r["excluded_s"] > 0 for r in recs] == [i == 3 for i in range(6)]
+    assert after["excluded_s"] >= OFFLOAD_GAP_S and after["fwd_bwd_s"] < OFFLOAD_GAP_S / 2, after
 
 
 def _losses(run_dir) -> list[float]:

@@ -11,6 +11,7 @@ session (bench/gpu_session.sh).
 """
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -178,6 +179,82 @@ def test_the_refit_after_offload_states_is_the_first_steps_fit(ds, monkeypatch):
     assert opt.offload_engine.device_tier.grad_bytes_per_element == 2  # lane gradients kept on the device again
     assert kept[2] == kept[0] and kept[3] == kept[0]
     opt.offload_engine.close()
+
+
+# The iteration's clock (StepRecord.fwd_bwd_s, excluded_s, setup_s: what the tuner judges by).
+# Sleeps stand in for the time of each part: an iteration's forward/backward (FWD_S), a skipped
+# iteration's or the generation between offload_states and reload_states (AWAY_S), the device
+# fit (FIT_S). A bound on the clean time holds unless the machine stalls the test for a tenth
+# of AWAY_S or more.
+FWD_S, AWAY_S, FIT_S = 0.05, 0.8, 0.4
+
+
+def test_an_overflow_skipped_step_is_not_timed_as_part_of_the_next(ds, monkeypatch):
+    """DeepSpeed skips the step of an iteration whose gradients overflowed (fp16): the engine
+    never ran, and the next step's record must not time both iterations as one. The skipped
+    one's time goes to that record's excluded_s; its fwd_bwd_s is the next iteration's alone."""
+    opt = make_optimizer(monkeypatch)
+    overflow = {"now": False}
+    opt._loss_scale_update_and_overflow_cleanup = lambda: overflow["now"]  # DeepSpeed's answer: skip the step
+    gen = torch.Generator().manual_seed(1)
+    for it in range(4):
+        overflow["now"] = it == 2
+        time.sleep(AWAY_S if it == 2 else FWD_S)  # forward/backward; the skipped iteration's is the long one
+        backward(opt, gen)
+        opt.step()
+    recs = opt.offload_engine.telemetry.records
+    assert [r.iteration for r in recs] == [0, 1, 2]
+    assert recs[0].excluded_s == recs[1].excluded_s == 0.0
+    after = recs[2]  # the step after the skipped one
+    assert after.excluded_s >= AWAY_S, after
+    assert FWD_S <= after.fwd_bwd_s < FWD_S + AWAY_S / 2, after
+    opt.offload_engine.close()
+
+
+def test_the_gap_between_offload_and_reload_states_and_the_refit_are_not_the_iterations_time(ds, monkeypatch):
+    """An RLHF loop offloads the states, generates, reloads them: the cycle is no training
+    iteration's, and goes to the next record's excluded_s. The engine's release of the device
+    and the device fit that follows (as at the first step) are one-time work: in setup_s, not
+    fwd_bwd_s."""
+    mem = FakeCudaMemory(monkeypatch, total=600_000)
+    opt = make_optimizer(monkeypatch, fraction=1.0)
+    eng = opt.offload_engine
+    fit, release = eng.fit_device_tier, eng.release_device
+
+    def slow_fit(*args, **kw):  # a fit that takes FIT_S (measuring, allocating, pinning on a real GPU)
+        time.sleep(FIT_S)
+        return fit(*args, **kw)
+
+    def slow_release():  # and a release (copying the device tier out)
+        time.sleep(FIT_S)
+        release()
+
+    monkeypatch.setattr(eng, "fit_device_tier", slow_fit)
+    monkeypatch.setattr(eng, "release_device", slow_release)
+    gen = torch.Generator().manual_seed(1)
+    for it in range(4):
+        if it == 2:
+            from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+            opt.offload_states(include=[OffloadStateTypeEnum(s) for s in OURS_AND_GRADS])
+            mem.use(590_000)
+            time.sleep(AWAY_S)  # generation
+            mem.use(0)
+            opt.reload_states()
+            assert opt.device_fit is None  # the next step fits again
+        mem.use(300_000)
+        time.sleep(FWD_S)
+        backward(opt, gen)
+        opt.step()
+    recs = eng.telemetry.records
+    assert recs[0].setup_s >= FIT_S  # the first step's fit is setup too
+    assert recs[1].excluded_s == recs[3].excluded_s == 0.0 and recs[1].setup_s < FIT_S
+    after = recs[2]  # the step after reload_states, with its refit
+    assert after.device_tier_subgroups == recs[1].device_tier_subgroups > 0  # refitted, as at the first step
+    assert after.excluded_s >= AWAY_S, after
+    assert after.setup_s >= 2 * FIT_S, after  # the release and the refit
+    assert FWD_S <= after.fwd_bwd_s < FWD_S + AWAY_S / 2 and after.fwd_bwd_s < FIT_S, after
+    eng.close()
 
 
 def test_the_gradient_buffer_stays_in_host_memory_across_offload_states(ds, monkeypatch):

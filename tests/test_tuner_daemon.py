@@ -607,6 +607,63 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
         daemon.wait(10)
 
 
+def test_the_tuner_is_told_each_iterations_time_without_a_skipped_step_or_a_pause(tmp_path, policy_dir):
+    """The iteration time the client sends (the daemon's history, what the policy judges by) is
+    the iteration's own: an fp16-skipped iteration before it (OffloadAdamW.skipped_step, as the
+    ZeRO-3 adapter calls on an overflow) and a pause (pause_clock/resume_clock, as around
+    offload_states/reload_states) are left out, and the step's record says how long they were
+    (excluded_s). Sleeps stand in for forward/backward (fwd_s) and the time left out (away_s)."""
+    from engine import OffloadAdamW
+
+    fwd_s, away_s = 0.05, 0.8
+    sock = str(tmp_path / "tuner.sock")
+    model = torch.nn.Linear(64, 64)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=1024, host_adam="torch")
+    daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
+    try:
+        TunerClient.for_engine(sock, opt.engine, run_id="clock")
+
+        def iteration(skipped: bool = False):
+            model(torch.randn(8, 64)).square().mean().backward()
+            time.sleep(away_s if skipped else fwd_s)
+            if skipped:
+                opt.skipped_step()  # a GradScaler found inf gradients: no step
+            else:
+                opt.step()
+            opt.zero_grad()
+
+        for _ in range(2):
+            iteration()
+        iteration(skipped=True)
+        iteration()  # record 2: after the skipped iteration
+        opt.pause_clock()
+        time.sleep(away_s)  # generation
+        opt.resume_clock()
+        iteration()  # record 3: after the pause
+        iteration()
+        _wait(lambda: _snapshot_history(sock, "clock").get(4) is not None, 20, "the iterations' times")
+        told = _snapshot_history(sock, "clock")
+        recs = opt.telemetry
+        for i in (2, 3):
+            assert recs[i].excluded_s >= away_s, recs[i]
+            assert fwd_s <= recs[i].fwd_bwd_s < fwd_s + away_s / 2, recs[i]
+            assert fwd_s <= told[i] < fwd_s + away_s / 2, (i, told)
+        assert recs[1].excluded_s == recs[4].excluded_s == 0.0
+        assert told[4] < fwd_s + away_s / 2
+    finally:
+        opt.close()
+        daemon.terminate()
+        daemon.wait(10)
+
+
+def _snapshot_history(sock: str, run_id: str) -> dict[int, float | None]:
+    """The iteration time the daemon was told for each iteration of ``run_id`` it observed."""
+    with Connection(sock) as c:
+        runs = {r["run_id"]: r for r in c.request("snapshot", history=60)["runs"]}
+    hist = runs.get(run_id, {}).get("history") or {"iteration": [], "iter_time_s": []}
+    return dict(zip(hist["iteration"], hist["iter_time_s"]))
+
+
 def test_a_zombie_is_not_alive():
     """The daemon's owner check and the run registry share one answer: an exited process that
     its parent has not reaped yet is gone."""

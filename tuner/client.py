@@ -156,10 +156,12 @@ class TunerClient:
     def report(self, rec: StepRecord, *, iter_time_s: float | None = None,
                device_headroom_bytes: int | None = None) -> None:
         """Queue this step's telemetry. ``iter_time_s`` defaults to the time since the last call
-        (the whole iteration, forward and backward included)."""
+        (the whole iteration, forward and backward included) less what was not this iteration's
+        (``rec.excluded_s``: a step skipped since, an ``offload_states``/``reload_states`` gap);
+        one given is sent as it is."""
         now = time.perf_counter()
         if iter_time_s is None and self._last_report is not None:
-            iter_time_s = now - self._last_report
+            iter_time_s = max(0.0, now - self._last_report - rec.excluded_s)
         self._last_report = now
         if device_headroom_bytes is None:
             device_headroom_bytes = rec.device_headroom_bytes  # the engine's, refreshed every step
