@@ -284,8 +284,8 @@ def test_the_tuner_state_line_follows_the_policys_mode():
         return {"status": "running", "frozen": False,
                 "verdict": tuner_verdict(pol.state(), frozen=False, policy_error=None, decisions=[])}
 
-    assert re.fullmatch(r"holding \(since iteration \d+\): the knobs can change only the update's I/O waits, [\d.]+% of the iteration: "
-                        r"under the \d+% a gain must pass to show above this run's noise",
+    assert re.fullmatch(r"holding \(since iteration \d+\): the knobs can change only the update's I/O waits, "
+                        r"[\d.]+% of the iteration: under the \d+% a gain must pass to show above this run's noise",
                         tuner_state(view())), tuner_state(view())
     pol.pin("prefetch_depth", 3)
     assert pol.state()["holding_reason"] is None and tuner_state(view()) == "measuring the current knobs"
