@@ -205,3 +205,18 @@ def test_a_paths_busy_time_gives_its_service_rate_whatever_the_gaps(swap_dir):
     assert read_busy < 0.9 and write_busy < 0.9  # neither holds the idle second, nor sums two requests' overlap
     assert after.queue_wait_s > before.queue_wait_s  # 8 chunks per burst for 2 slots: some waited
     path.close()
+
+
+def test_busy_time_is_the_union_of_overlapping_requests():
+    """Two requests that overlap count their overlap once; a gap between requests counts nothing."""
+    from engine.storage.paths import _BusyClock
+
+    c, busy = _BusyClock(), 0.0
+    c.enter(10.0)
+    c.enter(10.5)  # overlaps the first
+    busy += c.leave(11.0)
+    assert c.running(11.25) == 1.25  # still one in flight: open since 10.0
+    busy += c.leave(12.0)
+    c.enter(20.0)  # after an idle gap of 8 s
+    busy += c.leave(20.5)
+    assert busy == 2.5 and c.running(30.0) == 0.0
