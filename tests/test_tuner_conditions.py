@@ -113,13 +113,16 @@ def test_a_path_that_slows_is_given_its_share_at_once_and_the_tuner_says_why():
     assert static_time(0.5) / steady >= 1.5  # frozen: half the bytes stay on the slow path
     kept = [e for e in sim.policy.log if e["iteration"] > i and e["reason"].startswith("kept stripe weight")]
     assert kept and "iteration" in kept[0]["reason"]  # its measured effect, in the log
+    # Settled: the I/O knobs wait for the next re-exploration; nothing moves after the kept move.
+    assert "the stripe balances the paths at their rates now" in kept[0]["reason"]
+    assert not [d for d in sim.decisions if d[0] > kept[0]["iteration"]], sim.decisions
 
 
 def test_the_stripe_returns_when_the_path_comes_back():
     """(b): the path recovers at iteration 60; within 10 iterations the stripe is back near even and
     the time within 5% of the frozen run's before the change."""
     sim = TwoPaths(policy(), slows(30, back=60)).run(100)
-    back = [d for d in sim.decisions if d[0] >= 60 and f"path {B} sped up from 60 to" in d[2]]
+    back = [d for d in sim.decisions if d[0] >= 60 and re.search(rf"path {B} sped up from (59|60|61) to", d[2])]
     assert back and back[0][0] <= 60 + 10, sim.decisions
     assert 0.4 <= sim.slow_share(75) <= 0.6
     assert sim.median(75, 100) <= 1.05 * sim.median(10, 30)

@@ -157,6 +157,14 @@ class MoveSearch:
             "shares": {p: v / total for p, v in moved.items()} if total > 0 else {},
         }
 
+    def io_move_keys(self) -> set[MoveKey]:
+        """Every move of the knobs that shape the paths' traffic (prefetch, concurrency, stripe,
+        node lock): what a model-guided re-stripe settles until the next re-exploration."""
+        keys = {_key("prefetch_depth", "+"), _key("prefetch_depth", "-"), _key("node_lock", "")}
+        for p in self.paths:
+            keys |= {_key("io_concurrency", "+", p), _key("io_concurrency", "-", p), _key("stripe_weights", "-", p)}
+        return keys
+
     def why(self, move: Move, baseline: Sequence[Sample]) -> str:
         """Why ``move`` is tried, for the log: ': that path is contended', ' (read wait 40%, ...)'."""
         if move.key == RETURN:

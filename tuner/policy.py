@@ -22,7 +22,7 @@ from tuner.guards import Contention, Limits
 from tuner.knob_text import KnobKey, Pins
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
-from tuner.moves import MODEL, RETURN, START, Move, MoveKey, MoveSearch, SearchState, Trial, diff
+from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial, diff
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
 
@@ -315,8 +315,11 @@ class Policy:
             self._holding_since = self._iteration
             recent = self._baseline_samples[-self.cfg.window:]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
-            msg = (prefix + f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% "
-                   f"(this run's noise threshold); holding at {self._cost_name()} {self._holding_cost:.3f} s"
+            left = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
+                    "re-exploration" if self._ledger.last_kept == MODEL else
+                    f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% (this run's "
+                    "noise threshold)")
+            msg = (prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
                    if self._holding_cost else prefix + "holding")
             if self._knobs != self._good_knobs:
                 return self._decide(self._good_knobs, msg, "revert")
@@ -368,8 +371,8 @@ class Policy:
             self._good_knobs, self._baseline_samples = move.knobs, list(t.samples)
             if move.key == START:
                 self._own_start = None
-            if move.key == MODEL:
-                self._ledger.failed_moves |= {MoveKey(KnobKey("stripe_weights", p), "-") for p in self.paths}
+            if move.key == MODEL:  # the paths balanced on measured rates: a trial of an I/O knob is noisier evidence
+                self._ledger.failed_moves |= self._search.io_move_keys()
             return self._propose(f"kept {move.what} ({figures}); ")
         self._ledger.reverted(move)
         if move.key == START:
