@@ -16,10 +16,11 @@ Scenarios (``--scenarios``, default all four):
   b  the same, and back to the spec's rate at ``--recover-at`` (this scenario runs
      ``--recover-at + --iters - --change-at`` iterations: as long after the recovery as the
      others run after the change);
-  c  a competing O_DIRECT job on the slow tier from ``--change-at``: ``--readers`` loops of
-     ``dd iflag=direct bs=8M`` over a 512 MiB file and ``--writers`` loops of ``dd
-     oflag=direct bs=8M`` (256 MiB files), in the tiers' cgroup, so they share its throttle
-     with the engine by queue depth;
+  c  a competing O_DIRECT job on the slow tier from ``--change-at``: ``--readers`` (default 4)
+     loops of ``dd iflag=direct bs=8M`` over a 512 MiB file and ``--writers`` (default 4) loops
+     of ``dd oflag=direct bs=8M`` (256 MiB files), in the tiers' cgroup, so they share its
+     throttle with the engine (4 requests in flight per path) by queue depth (3 and 3 left
+     frozen's update waiting on I/O 48% of the iteration, under the Goal's half);
   d  nothing changes.
 The change happens when the run's telemetry (``RUN_DIR/telemetry-rank0.jsonl``, one record per
 step) has ``--change-at`` records: iteration ``--change-at`` is the first under it (the reads
@@ -46,7 +47,9 @@ Reported per run, over steady windows of the script's own iteration times (the f
 ``--warmup`` iterations and ``--settle`` iterations after each change left out): the median
 before the change, after it, and after the recovery (b); the iterations the tuner took to settle
 (the last knob change in the telemetry's ``knobs`` within the window after the change, counted
-from the change); every move with its reason (the daemon's log); each tier's bytes read and
+from the change); every move with its reason (the daemon's log), and what the tuner was doing
+when the change came (a trial in flight: a run whose tuner is still exploring at the change
+answers it sooner than one that holds); each tier's bytes read and
 written after the change and its share; the share of the iteration spent waiting on I/O; whether
 the pinned prefetch depth and the host-memory budget held in every record. Per scenario: frozen
 over tuned after the change, tuned over the best static, (b) tuned after the recovery over
@@ -281,6 +284,16 @@ def checks(records: list[dict], prefetch_depth: int, pinned_weights: dict | None
     return out
 
 
+def at_change(changes: list[dict], change_at: int) -> dict | None:
+    """The tuner's last decision before the change (from its log): whether it was still trying
+    moves (a trial in flight meets the change) or had stopped; None: it had decided nothing."""
+    before = [c for c in changes if c["iteration"] < change_at]
+    if not before:
+        return None
+    c = before[-1]
+    return {"iteration": c["iteration"], "trial_in_flight": "trying" in c["reason"], "reason": c["reason"]}
+
+
 def _same_weights(a: dict | None, b: dict) -> bool:
     if not a or set(a) != set(b):
         return False
@@ -478,6 +491,7 @@ def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight:
                     "took_hold_at": r["checks"].get("pin_took_hold_at"), "errors": pinner.errors[-3:]}
     t = s.get("tuner") or {}
     r["tuner_changes"] = tuner_changes(os.path.join(run_dir, "tuner"))
+    r["tuner_at_change"] = at_change(r["tuner_changes"], a.change_at) if scenario != "d" else None
     r["verdict"] = {"mode": t.get("mode"), "reason": t.get("reason")} if kind != "frozen" else None
     r["final_knobs"] = t.get("knobs")
     r["summary_median_s"] = s.get("median_iteration_s")
@@ -596,8 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slow-rate", default="60:60", help="its READ:WRITE MB/s after the change (default 60:60)")
     ap.add_argument("--static-weights", default="0.3,0.17,0.1",
                     help="the slow path's stripe weights of the static sweep in a and c (default 0.3,0.17,0.1)")
-    ap.add_argument("--readers", type=int, default=3, help="(c) dd readers of the competing job (default 3)")
-    ap.add_argument("--writers", type=int, default=3, help="(c) dd writers of the competing job (default 3)")
+    ap.add_argument("--readers", type=int, default=4, help="(c) dd readers of the competing job (default 4)")
+    ap.add_argument("--writers", type=int, default=4, help="(c) dd writers of the competing job (default 4)")
     ap.add_argument("--layers", type=int, default=18, help="bench/ds_model.py layers (default 18)")
     ap.add_argument("--width", type=int, default=1700, help="bench/ds_model.py width (default 1700)")
     ap.add_argument("--sub-group-size", type=int, default=0, help="ZeRO-3 sub_group_size (default width^2: a layer)")
@@ -757,6 +771,8 @@ def _print_ceilings(a, c: dict) -> None:
 
 def _print(a, res: dict) -> None:
     for s, sc in res.get("scenarios", {}).items():
+        if not any(rep["runs"] for rep in sc["reps"]):
+            continue
         w = res["windows"][s]
         t = Table(title=f"({s}) {sc['what']}: {a.slow_tier} " + {
             "a": f"at {a.slow_rate[0]:g}:{a.slow_rate[1]:g} MB/s from iteration {a.change_at}",
@@ -802,6 +818,11 @@ def _print(a, res: dict) -> None:
                 for c in r["tuner_changes"]:
                     console.print(f"  {r['name']} it {c['iteration']} (applied at {c['apply_at']}): "
                                   f"{_short(c['reason'], r)}", highlight=False, markup=False)
+                if r.get("tuner_at_change"):
+                    c = r["tuner_at_change"]
+                    console.print(f"  {r['name']} at the change: " + (
+                        f"a trial decided at iteration {c['iteration']} was in flight" if c["trial_in_flight"]
+                        else f"no trial in flight (last decision at iteration {c['iteration']})"), highlight=False)
                 v = r["verdict"] or {}
                 console.print(f"  {r['name']} verdict: {v.get('mode')} ({_short(v.get('reason') or '', r)})",
                               highlight=False, markup=False)

@@ -158,3 +158,11 @@ def test_a_bad_option_exits_2_with_one_line_before_anything_else(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == ["tuner_scenarios: --scenarios: z: use a comma-separated subset of a,b,c,d"]
+
+
+def test_what_the_tuner_was_doing_when_the_change_came(ts):
+    log = [{"iteration": 9, "reason": "reverted x; trying stripe weight of /s 0.46->0.345"},
+           {"iteration": 17, "reason": "reverted y; measuring the last good knobs again before further moves"},
+           {"iteration": 22, "reason": "trying z"}]
+    assert ts.at_change(log, 20) == {"iteration": 17, "trial_in_flight": False, "reason": log[1]["reason"]}
+    assert ts.at_change(log, 12)["trial_in_flight"] and ts.at_change(log, 5) is None
