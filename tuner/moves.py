@@ -14,6 +14,7 @@ from statistics import median
 from typing import AbstractSet, Literal, Mapping, Sequence
 
 from engine.config import Knobs
+from tuner.conditions import io_time
 from tuner.guards import Contention, Limits
 from tuner.knob_text import KnobKey, Pins, split_key
 from tuner.measurement import Sample
@@ -116,6 +117,8 @@ class SearchState:
     """The plan from before contention, while the way back is not done."""
     shares_before_contention: Mapping[str, float]
     """Byte shares per path when contention appeared (the engine's default weights then)."""
+    path_rates: Mapping[str, float] = field(default_factory=dict)
+    """Each path's measured rate now (:class:`tuner.conditions.Conditions`); {} until every path's is known."""
 
 
 class MoveSearch:
@@ -200,7 +203,7 @@ class MoveSearch:
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
         planned, back_done = self._planned_moves(k, state)
         out = [*planned, *self._prefetch_moves(k, read_share),
-               *self._concurrency_moves(k, io_share, shares), *self._stripe_moves(k, io_share, shares),
+               *self._concurrency_moves(k, io_share, shares), *self._stripe_moves(k, io_share, shares, state.path_rates),
                *self._device_moves(k, io_share, state), *self._node_lock_moves(k, io_share)]
         return [(s + (1.0 if m.key == state.last_kept else 0.0), m) for s, m in out], back_done
 
@@ -253,13 +256,18 @@ class MoveSearch:
                                  what=f"io_concurrency[{p}] {c}->{c // 2}")))
         return out
 
-    def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
+    def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float],
+                      rates: Mapping[str, float]) -> list[tuple[float, Move]]:
+        """Weight away from one path, for each path; with every path's rate known, only the steps
+        the paths' balance at those rates says may shorten their time (a step away from a
+        balanced stripe only unbalances it: no trial spent on it)."""
         out: list[tuple[float, Move]] = []
         if len(self.paths) > 1 and not self._pinned("stripe_weights"):
             w = self.weights_of(k, shares)
+            known = w is not None and set(rates) == set(self.paths)
             for p in self.paths:
                 new = self._shift_away(w, p) if w else None
-                if new is None:
+                if new is None or (known and io_time(new, rates) >= io_time(w, rates)):
                     continue
                 calm_elsewhere = any(q not in self._contended for q in self.paths if q != p)
                 score = 2.0 if p in self._contended and calm_elsewhere else 0.05 + 0.3 * io_share

@@ -586,7 +586,8 @@ class Policy:
                            failed_moves=self._ledger.failed_moves, bad_knobs=self._ledger.bad_knobs,
                            last_kept=self._ledger.last_kept,
                            own_start=self._own_start, return_to=self._return_to,
-                           shares_before_contention=self._shares_before_contention)
+                           shares_before_contention=self._shares_before_contention,
+                           path_rates=self._conditions.rates() if self._conditions.known() else {})
 
     def _next_move(self) -> Move | None:
         move, back_done = self._search.next_move(self._search_state())
