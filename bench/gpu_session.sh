@@ -2,17 +2,20 @@
 # The GPU session (issue 32), in stages: each stage is ONE call of the device tool, bounded by its
 # own clock (GPU_SESSION_BUDGET_S, default 510 s from its start; with env.sh's ~30 s, about 9 min
 # of the 10 the tool allows), and leaves under OUT:
-#   OUT/stageN.json       its figures, written as it goes (device name with every figure)
+#   OUT/stageN.json       its figures, written as it goes (with every figure the device's name as
+#                         torch and nvidia-smi give it, and the device memory the rows were allowed)
 #   OUT/stageN-logs.tgz   its logs (and reports), at most 15 MiB
 #   OUT/ops.tgz           DeepSpeed's built ops, debug info stripped (stage 1; later stages only when
 #                         they had to build them), with the host-kernel choice our first row wrote
 #   OUT/profile.toml      the machine's profile (stage 2)
 # and prints a short table. Stages, in order of value (expected command time on a bare machine):
 #
-#   stage1  works, and the headline (~9 min): ops build (background) beside the CUDA tests; at 4b
-#           (state larger than an H100): offloadctl default, stock ZeRO-3 CPU offload (bf16,
-#           gradient_clipping 1.0), 5 iterations each; then, as time allows, offloadctl with the
-#           device lane forced to 1 and stock Twin-Flow 0.7. ops.tgz after our first row.
+#   stage1  works, and the headline (~9 min): ops build (background) beside the CUDA tests (the
+#           GPU path in-process and through DeepSpeed, numerics); at 4b (the state does not fit
+#           the rows' device memory beside the model, see below): offloadctl default, stock
+#           ZeRO-3 CPU offload (bf16, gradient_clipping 1.0), 5 iterations each, 180 s kept for
+#           stock (it needs 110-170 s at 4b); ops.tgz after these two; then, as time allows,
+#           offloadctl with the device lane forced to 1 and stock Twin-Flow 0.7.
 #   stage2  4b calibration (~9 min): offloadctl profile save --quick (profile.toml, the predicted
 #           column), our row and a recorded stock row for `offloadctl report`, then forced fractions
 #           0 and 0.5 and Twin-Flow 0.5 as time allows.
@@ -29,12 +32,15 @@
 #           registered) for 35 iterations against static fractions 0.5, 1, 0 (goal: within 5% of
 #           the best by iteration 30); offload_states/reload_states and checkpoint round trips.
 #
-# The device calls, one per stage, in this order (every stage is planned for an H100: name the kind,
-# so that no call lands on an H200; were one to, the bench rows hold what an H100 lacks, see
-# bench/gpu_vs_stock.py --gpu-memory-as, and the JSON and table say so):
-#   run(command='source .gpu/env.sh && bash bench/gpu_session.sh stage1 "$OUT"',
-#       carry=[".gpu"], kind="nvidia-h100-x1", timeout_s=600)
+# The device calls, one per stage, in this order (no kind can be named: only H200s are lent):
+#   run(command='source .gpu/env.sh && bash bench/gpu_session.sh stage1 "$OUT"', carry=[".gpu"], timeout_s=600)
 #   ... the same with stage2, stage3, stage4, stage5 in place of stage1.
+# The sizes are planned for an H100 80GB (4b: the state does not fit; 2b: it fits). On a card over
+# 100 GB (an H200: about 150 GB as torch sees it) the bench rows, stock and ours, are allowed an H100
+# 80GB's 85.5 GB: a ballast process holds the rest (bench/gpu_vs_stock.py --gpu-memory-as auto).
+# offloadctl's device-tier margin is taken from those 85.5 GB (5.1 GB), not from the card's total (the
+# engine's 6% of 150 GB would be 9.0 GB: the ballast then leaves that 3.9 GB difference free). The
+# JSON and the table give the card's name and memory, and the memory the rows were allowed.
 # Before stage 1: ../shared/tools/gpu-prep (fills .gpu/). After stage 1: cp <files_at>/ops.tgz
 # .gpu/ops.tgz (env.sh unpacks it: no op build in later stages, each then has ~2 min more for rows).
 # After stage 2: cp <files_at>/profile.toml .gpu/profile.toml (kept for later sessions; no stage
@@ -43,6 +49,11 @@
 # Dry run on a CPU machine (the same steps, rows, JSON, archives, kills; CUDA-only steps become
 # `pytest --collect-only` of the same selection; size cpu; not GPU figures):
 #   GPU_SESSION_SIZE=cpu GPU_SESSION_ITERS=3 GPU_SESSION_BUDGET_S=420 bash bench/gpu_session.sh stage1 /tmp/out
+#
+# CPU check, first: where os.cpu_count() is more than this process may use (a cpuset), the stage says
+# so in one line; offloadctl's node-bandwidth probe may respawn itself without end there (issue 43),
+# so the stage measures the node's host memory bandwidth at once on the CPUs it may use (what that
+# fix measures), keeps it where the rows read it, and goes on.
 #
 # Every row runs in a session of its own (bench/gpu_vs_stock.py); each step here runs under
 # `timeout`, in its own process group. Every such group is registered in WORK/pgids: on SIGTERM,
@@ -56,7 +67,8 @@ root=$PWD
 
 ext_dir() { python3 -c 'import os, sys; print(os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions"))'; }
 
-pack_ops() {  # OUT WORK: the built ops, stripped of debug info, as OUT/ops.tgz (if under 15 MiB)
+pack_ops() {  # OUT WORK: the built ops, stripped of debug info, as OUT/ops.tgz (if under 15 MiB); the
+  # node's memory bandwidth kept beside them stays out (each machine measures its own, cpuset or not)
   local dst=$1 work=$2 ext copy size max=$((15 << 20)) choice=no kept=false
   ext=$(ext_dir); copy=$work/ops-copy
   # A copy is stripped, not the ops in use (the dry run's are this machine's own build).
@@ -67,7 +79,8 @@ pack_ops() {  # OUT WORK: the built ops, stripped of debug info, as OUT/ops.tgz 
   else
     echo "pack-ops: no strip here: the archive keeps the debug info"
   fi
-  tar -C "$copy" --exclude=./.ninja-bin --exclude='./*/lock' -czf "$work/ops.tgz" .
+  tar -C "$copy" --exclude=./.ninja-bin --exclude='./*/lock' --exclude='./offloadctl-memory-bandwidth.json*' \
+    -czf "$work/ops.tgz" .
   size=$(stat -c %s "$work/ops.tgz")
   if [ "$size" -le "$max" ]; then
     mv "$work/ops.tgz" "$dst/ops.tgz"; kept=true
@@ -98,8 +111,22 @@ if [ "${GPU_SESSION_SIZE:-}" = cpu ]; then
   export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$root/.venv/torch_extensions}
   export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 fi
+# CPU check, at once (see the header).
+read -r ncpu naff < <(python3 -c 'import os; print(os.cpu_count() or 0, len(os.sched_getaffinity(0)))' 2>/dev/null \
+  || echo "0 0")
+cpuset=0
+if [ "$naff" -gt 0 ] && [ "$ncpu" -gt "$naff" ]; then
+  cpuset=1
+  echo "gpu_session: CPU check: this process may use $naff of the machine's $ncpu CPUs (a cpuset): \
+offloadctl's node-bandwidth probe may respawn itself without end here (issue 43); the stage goes on, \
+measuring the node's memory bandwidth on these $naff CPUs first and keeping it for the rows"
+fi
 iters=${GPU_SESSION_ITERS:-5}
+# The least time a row needs: a 4b row needs more (stock ZeRO-3 CPU offload at 4b: 110-170 s, pinning
+# its 52 GB through torch's power-of-two allocator on first-touch memory). Time is kept for each
+# required row still to come (the headline's stock row), and an optional row starts only with it.
 min_row=${GPU_SESSION_MIN_ROW_S:-$([ $dry = 1 ] && echo 40 || echo 120)}
+min_row_4b=${GPU_SESSION_MIN_ROW_4B_S:-$([ $dry = 1 ] && echo 40 || echo 180)}
 row_cap=${GPU_SESSION_ROW_CAP_S:-$([ $dry = 1 ] && echo 120 || echo 300)}
 zi_aio=${GPU_SESSION_ZI_AIO:---aio-block-size 1048576 --aio-queue-depth 32 --aio-intra-op 8}
 mkdir -p "$out"; out=$(cd "$out" && pwd)
@@ -161,26 +188,36 @@ def write():
 def table():
     doc = write()
     dev = doc.get("device", {})
+    total = f", {dev['total_bytes'] / 1e9:.1f} GB" if dev.get("total_bytes") else ""
     print(f"\n== {stage}{' (DRY RUN on the CPU: not GPU figures)' if doc.get('dry_run') else ''}: "
-          f"{dev.get('name')} {dev.get('nvidia_smi_L') or ''}; {doc['elapsed_s']:.0f} s of {doc.get('budget_s')} s")
+          f"{dev.get('name')}{total} (nvidia-smi: {dev.get('nvidia_smi') or '-'}); {doc['elapsed_s']:.0f} s of {doc.get('budget_s')} s")
+    cpus = doc.get("cpus") or {}
+    if cpus.get("os_cpu_count", 0) > cpus.get("affinity", 0) > 0:
+        print(f"  CPUs: this process could use {cpus['affinity']} of {cpus['os_cpu_count']} (a cpuset)")
     for s in doc["steps"]:
         print(f"  step {s['name']:<18} rc {s['rc']:>3}  {s['wall_s']:>5.0f} s (limit {s['limit_s']})  {s.get('note', '')[:110]}")
     for name, b in doc["bench"].items():
         if not b:
             continue
         mem = b.get("gpu_memory") or {}
-        if mem.get("applied"):
-            print(f"  {name}: GPU memory as an {mem['as_gpu']} ({mem['held_bytes'] / 1e9:.0f} GB held by a ballast)")
+        if mem.get("rows_bytes"):
+            margin = mem.get("margin_bytes")
+            print(f"  {name}: rows allowed {mem['rows_bytes'] / 1e9:.1f} GB of the {mem.get('gpu')}'s "
+                  f"{mem['gpu_total_bytes'] / 1e9:.1f} GB"
+                  + (f" (an {mem['as_gpu']}'s: {mem['held_bytes'] / 1e9:.1f} GB held by a ballast)" if mem.get("applied") else "")
+                  + (f"; offloadctl's device-tier margin {margin / 1e9:.1f} GB" if margin is not None else ""))
         for size, rows in (b.get("sizes") or {}).items():
             # Mid-size (cut short) a row is the list of its runs so far.
             rows = {n: (r[-1] if r else {"skipped": "not reached"}) if isinstance(r, list) else r for n, r in rows.items()}
             base = (rows.get("stock ZeRO-3 CPU offload", {}).get("iteration_s")
                     or rows.get("stock ZeRO-3 CPU offload, recorded", {}).get("iteration_s"))
-            print(f"  {name} size {size}: {'row':<36} {'iter s':>8} {'vs CPU off':>10} {'GPU GB':>7}  device")
+            print(f"  {name} size {size}: {'row':<36} {'iter s':>8} {'vs CPU off':>10} {'GPU GB':>7} {'tier GB':>7}  device")
             for row, r in rows.items():
                 if "iteration_s" in r:
                     vs = f"{base / r['iteration_s']:.2f}x" if base else "-"
-                    print(f"    {row:<44} {r['iteration_s']:>8.3f} {vs:>10} {r['gpu_peak_reserved_bytes'] / 1e9:>7.1f}  {r['device']}")
+                    tier = ((r.get("engine") or {}).get("fit") or {}).get("device_tier_bytes")
+                    tier = f"{tier / 1e9:.1f}" if isinstance(tier, (int, float)) else "-"
+                    print(f"    {row:<44} {r['iteration_s']:>8.3f} {vs:>10} {r['gpu_peak_reserved_bytes'] / 1e9:>7.1f} {tier:>7}  {r['device']}")
                 else:
                     print(f"    {row:<44} {('failed: ' + r['failed']) if 'failed' in r else ('skipped: ' + r.get('skipped', '?'))}"[:150])
         for size, c in (b.get("checks") or {}).items():
@@ -192,7 +229,7 @@ def table():
             if "tuner" in c:
                 t = c["tuner"]
                 print(f"  tuner: {json.dumps({k: t.get(k) for k in ('best_static', 'reached_at_iteration', 'met', 'final_device_fraction', 'note')})}")
-    for key in ("ops-archive", "disk"):
+    for key in ("node-bandwidth", "ops-archive", "disk"):
         if doc.get(key):
             print(f"  {key}: {json.dumps(doc[key])[:300]}")
     if doc.get("interrupted"):
@@ -309,45 +346,69 @@ tests() {  # NAME LIMIT pytest args...
 # bench NAME SIZE [gpu_vs_stock options]: rows of bench/gpu_vs_stock.py, bounded by the stage's clock
 # (less keep_s seconds, kept for a step after it).
 bench() {
-  local name=$1 size=$2; shift 2
+  local name=$1 size=$2 mr=$min_row; shift 2
+  [ "$size" = 4b ] && mr=$min_row_4b
   run_step "bench-$name" "$budget" python3 bench/gpu_vs_stock.py --sizes "$size" --iters "$iters" \
-    --stop-by $((t0 + budget - reserve - ${keep_s:-0})) --min-row-s "$min_row" --row-timeout "$row_cap" --gpu-memory-as auto \
+    --stop-by $((t0 + budget - reserve - ${keep_s:-0})) --min-row-s "$mr" --row-timeout "$row_cap" --gpu-memory-as auto \
     --json "$work/bench-$name.json" --logs "$logs/rows" "$@"
 }
 
 # -- the stage's facts, first: what ran where
 nvidia-smi -L >"$logs/gpu.txt" 2>&1 || echo "no nvidia-smi" >"$logs/gpu.txt"
-python3 - "$work/meta.json" "$dry" "$budget" "$logs/gpu.txt" <<'EOF' 2>>"$logs/meta.err"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$logs/gpu-query.txt" 2>&1 \
+  || echo "no nvidia-smi" >"$logs/gpu-query.txt"
+python3 - "$work/meta.json" "$dry" "$budget" "$logs/gpu.txt" "$logs/gpu-query.txt" "$ncpu" "$naff" <<'EOF' 2>>"$logs/meta.err"
 import json, sys, torch
-dst, dry, budget, smi = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), open(sys.argv[4]).read().strip()
+dst, dry, budget = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+smi, query = (open(f).read().strip() for f in sys.argv[4:6])
 cuda = torch.cuda.is_available()
 total = torch.cuda.get_device_properties(0).total_memory if cuda else None
 json.dump({"dry_run": dry, "budget_s": budget, "torch": torch.__version__,
+           "cpus": {"os_cpu_count": int(sys.argv[6]), "affinity": int(sys.argv[7])},
            "device": {"name": torch.cuda.get_device_name() if cuda else "cpu", "nvidia_smi_L": smi if cuda else None,
-                      "total_bytes": total,
-                      "bench_gpu_memory": ("held to an H100 80GB's by a ballast in the bench rows"
-                                           if total and total > 100e9 else "as it is")}}, open(dst, "w"), indent=1)
+                      "nvidia_smi": query if cuda else None, "total_bytes": total,
+                      "bench_gpu_memory": ("the bench rows are allowed an H100 80GB's memory (a ballast holds the rest; "
+                                           "offloadctl's device-tier margin taken from it): bench.*.gpu_memory"
+                                           if total and total > 100e9 else "the bench rows have the whole card")}},
+          open(dst, "w"), indent=1)
 EOF
 if [ $dry = 0 ] && ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   echo "gpu_session: no CUDA here (for a dry run on a CPU machine: GPU_SESSION_SIZE=cpu)"
   emit step cuda 1 0 0 /dev/null "no CUDA"; finish; exit 1
 fi
 swap=$(odirect_dir) || { emit step odirect 1 0 0 /dev/null "no O_DIRECT directory"; finish; exit 1; }
+if [ $cpuset = 1 ]; then  # before the op builds, which would take the cores it measures with
+  run_step node-bandwidth 60 python3 -c 'import json, os, sys, torch
+from engine.gpumem import measure_memory_bandwidth
+from engine.host_kernel import keep_node_memory_bandwidth, node_memory_bandwidth
+cpus = os.sched_getaffinity(0)
+torch.set_num_threads(len(cpus))
+bw = getattr(measure_memory_bandwidth, "__wrapped__", measure_memory_bandwidth)()
+keep_node_memory_bandwidth(bw)
+kept = node_memory_bandwidth(measure=False)
+json.dump({"cpuset": True, "os_cpu_count": os.cpu_count(), "affinity": len(cpus), "node_bandwidth_bytes_per_s": bw,
+           "kept": kept == bw}, open(sys.argv[1], "w"))
+print(f"node memory bandwidth {bw / 1e9:.1f} GB/s on the {len(cpus)} CPUs this process may use, kept for the rows: {kept == bw}")' \
+    "$work/extra-node-bandwidth.json" \
+    || echo "gpu_session: the node bandwidth could not be kept: offloadctl's first step may probe it (see node-bandwidth.log)"
+fi
 had_ops=0; ops_ready && had_ops=1
 echo "gpu_session $stage: $(head -1 "$logs/gpu.txt"), budget $budget s, swap $swap, ops built at start: $had_ops"
 build_ops_bg
 
 case "$stage" in
   stage1)
-    # The CUDA tests while the ops build: numerics on CUDA, the GPU path's ordering, events, lane memory.
-    tests cuda-tests 150 tests/test_gpu_path.py tests/test_numerics.py -k "cuda or flat or gpu_path"
+    # The CUDA tests while the ops build: numerics on CUDA, the GPU path's ordering, events, lane
+    # memory, and the GPU path through DeepSpeed (one launch: offload_states/reload_states refit).
+    tests cuda-tests 150 tests/test_gpu_path.py tests/test_numerics.py tests/test_gpu_path_ds.py \
+      -k "cuda or flat or gpu_path"
     wait_ops
-    # The headline second, not fifth: time is kept for it (--required 2). The ops are archived
-    # after our row, so that the host-kernel choice it made is in the archive.
+    # The headline second, not fifth: time is kept for stock (--required 2, min_row_4b). The ops are
+    # archived after both (the host-kernel choice our row made is in the archive), never in stock's time.
     bench headline "$big" --profile none --required 2 \
       --row "offloadctl default" --row "stock ZeRO-3 CPU offload" \
       --row "offloadctl fraction 1" --row "stock Twin-Flow ratio 0.7" \
-      --after-first-row "bash bench/gpu_session.sh pack-ops '$out' '$work'"
+      --after-required "bash bench/gpu_session.sh pack-ops '$out' '$work'"
     ;;
   stage2)
     wait_ops   # the profile times the host AdamW kernels and the I/O backend: not beside a build
@@ -429,6 +490,7 @@ EOF
     if [ $had_ops = 1 ]; then wait_ops; tuned_bench; rlhf_tests; else rlhf_tests; wait_ops; tuned_bench; fi
     ;;
 esac
-# Later stages bring back the ops they had to build (stage 1 did it after its first row).
+# Later stages bring back the ops they had to build (stage 1 after its required rows, or here when
+# those took the stage's time).
 if [ $had_ops = 0 ] && [ ! -f "$out/ops.tgz" ] && ops_ready; then pack_ops "$out" "$work"; fi
 finish

@@ -38,16 +38,25 @@ the best ``offloadctl fraction F`` row is reported).
 Time: ``--stop-by EPOCH`` bounds the whole run. A row's limit is what is left, less
 ``--min-row-s`` for each required row still to come (the first ``--required`` rows), capped by
 ``--row-timeout``; a row that is not required runs only when ``--min-row-s`` is left. Skipped rows
-are in the JSON as skipped. A row runs in a session of its own (its pgid registered in
+are in the JSON as skipped. ``--after-required CMD`` runs once after the last required row (after
+the first row when none is), so that a slow command (gpu_session.sh packs the built ops there) never
+takes the time kept for a required row. A row runs in a session of its own (its pgid registered in
 ``$GPU_SESSION_PGID_DIR`` when set, so that bench/gpu_session.sh can kill it if this process
 dies first); past its limit, or when this process gets SIGTERM, SIGINT or SIGHUP, the row's group
 gets SIGTERM (offloadctl then removes its swap files) and SIGKILL ``KILL_GRACE_S`` later. The
 JSON is written after every row and on such a signal.
 
-``--gpu-memory-as auto`` keeps comparisons with an H100 honest on a bigger GPU (an H200's 141 GB
-holds the 4b state, and "offloadctl default" would no longer offload): where the GPU has more
-than ``BIG_GPU_BYTES``, a ballast process holds the difference, so every row, stock and ours,
-sees the free memory of an H100 80GB (``H100_TOTAL_BYTES``). The JSON and the table say so.
+``--gpu-memory-as auto`` keeps the planned sizes honest on a bigger GPU (an H200's 141 GB holds the
+4b state, and "offloadctl default" would no longer offload): where the GPU has more than
+``BIG_GPU_BYTES``, a ballast process holds the difference, so every row, stock and ours, is
+allowed the memory of an H100 80GB (``H100_TOTAL_BYTES``). offloadctl's device tier keeps a
+safety margin beyond its step's peak; it is computed from the memory the rows are allowed, not
+the card's: where the engine takes it from the card's total (6% of an H200's 150 GB, 9 GB, against
+5.1 GB on the H100's 85.5 GB), the ballast holds that difference less (asked of
+``engine.gpumem.gpu_headroom_bytes``, see :func:`engine_margin_bytes`), so the tier is sized as on
+an H100; stock rows then have that much more than an H100 (never less). The JSON (``gpu_memory``;
+``device_memory_bytes`` in every row) and the table say which card the rows ran on and how much
+of its memory they had.
 
 ``--report DIR`` adds a row: stock CPU offload again, under ``offloadctl train --engine stock``
 (DeepSpeed's own optimizer, only recorded). Its iteration over the plain stock row's is the
@@ -100,7 +109,8 @@ KILL_GRACE_S = 8.0
 """SIGTERM to SIGKILL for a row's group: offloadctl's ranks unwind and remove their swap files."""
 BIG_GPU_BYTES = 100e9
 H100_TOTAL_BYTES = 81559 << 20
-"""An H100 80GB HBM3's memory as nvidia-smi gives it (81559 MiB)."""
+"""An H100 80GB HBM3's memory as nvidia-smi gives it (81559 MiB): what the rows are allowed on a
+bigger card (--gpu-memory-as)."""
 
 
 
@@ -417,19 +427,54 @@ sys.stdin.read()  # until the bench closes its end, or dies: then the memory goe
 """
 
 
+def engine_margin_bytes(free: int, total: int) -> int | None:
+    """The safety margin offloadctl's device tier keeps beyond a step's peak, in a process that
+    sees ``free`` of ``total`` bytes free and has allocated nothing: the engine's own rule
+    (``engine.gpumem.gpu_headroom_bytes``) asked with those figures; the GPU is not touched.
+    None where the engine gives no sensible answer (its rule changed shape)."""
+    from unittest import mock
+
+    import torch
+
+    try:
+        from engine import gpumem
+
+        with mock.patch.object(torch.cuda, "mem_get_info", lambda *a, **k: (free, total)), \
+                mock.patch.object(torch.cuda, "memory_reserved", lambda *a, **k: 0), \
+                mock.patch.object(torch.cuda, "max_memory_reserved", lambda *a, **k: 0):
+            headroom = gpumem.gpu_headroom_bytes(torch.device("cuda"))
+    except Exception as e:  # noqa: BLE001 - a bench that cannot ask goes on without the correction
+        console.print(f"[yellow]cannot ask the engine for its device margin: {e}[/yellow]")
+        return None
+    if headroom is None or not 0 <= free - headroom <= free:
+        return None
+    return free - headroom
+
+
 def start_ballast(mode: str, gpu: bool) -> tuple[subprocess.Popen | None, dict]:
     """--gpu-memory-as: on a GPU bigger than BIG_GPU_BYTES, a process holding what an H100 80GB
-    would not have, so that every row sees an H100's free memory. Returns (process, what it did)."""
+    would not have (less the part of offloadctl's margin that comes from the card's size, see the
+    module's docstring), so that every row is allowed an H100's memory. Returns (process, what it
+    did: ``rows_bytes`` the memory the rows are allowed, ``margin_bytes`` offloadctl's device-tier
+    margin on it)."""
     import torch
 
     if mode == "none" or not gpu:
         return None, {"mode": mode, "applied": False, "why": "not asked" if mode == "none" else "no GPU"}
-    total = torch.cuda.get_device_properties(0).total_memory
+    props = torch.cuda.get_device_properties(0)
+    total = props.total_memory
+    card = {"gpu": props.name, "gpu_total_bytes": total}
     if mode == "auto" and total <= BIG_GPU_BYTES:
-        return None, {"mode": mode, "applied": False, "gpu_total_bytes": total,
+        return None, {"mode": mode, "applied": False, **card, "rows_bytes": total,
+                      "margin_bytes": engine_margin_bytes(total, total),
                       "why": f"the GPU has {total / 1e9:.0f} GB, not more than {BIG_GPU_BYTES / 1e9:.0f} GB"}
+    # The engine's margin on the memory the rows are allowed, and what it would keep here: where it
+    # takes it from the card's total, the ballast leaves the difference free for it.
+    on_rows = engine_margin_bytes(H100_TOTAL_BYTES, H100_TOTAL_BYTES)
+    on_card = engine_margin_bytes(H100_TOTAL_BYTES, total)
+    adjust = max(0, on_card - on_rows) if on_card is not None and on_rows is not None else 0
     # A session of its own, as a row's; it also exits when its stdin (our pipe) closes.
-    p = subprocess.Popen([sys.executable, "-c", BALLAST, str(H100_TOTAL_BYTES)], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", BALLAST, str(H100_TOTAL_BYTES + adjust)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, start_new_session=True)
     GROUPS.add(p.pid)
     line = p.stdout.readline()
@@ -437,10 +482,18 @@ def start_ballast(mode: str, gpu: bool) -> tuple[subprocess.Popen | None, dict]:
         info = json.loads(line)
     except ValueError:
         GROUPS.kill(p.pid, p)
-        return None, {"mode": mode, "applied": False, "why": f"the ballast process failed: {line.strip()[-200:]}"}
-    info.update(mode=mode, applied=True, as_gpu="H100 80GB", as_total_bytes=H100_TOTAL_BYTES,
-                note=f"{info['held_bytes'] / 1e9:.1f} GB held by a ballast process: every row sees an H100 80GB's "
-                     f"free memory ({info['free_after_bytes'] / 1e9:.1f} GB free)")
+        return None, {"mode": mode, "applied": False, **card,
+                      "why": f"the ballast process failed: {line.strip()[-200:]}"}
+    info.update(mode=mode, applied=True, **card, as_gpu="H100 80GB", as_total_bytes=H100_TOTAL_BYTES,
+                rows_bytes=H100_TOTAL_BYTES, margin_bytes=on_rows, engine_margin_on_card_bytes=on_card,
+                margin_adjust_bytes=adjust,
+                note=f"on an {props.name} ({total / 1e9:.1f} GB) the rows are allowed an H100 80GB's "
+                     f"{H100_TOTAL_BYTES / 1e9:.1f} GB: {info['held_bytes'] / 1e9:.1f} GB held by a ballast, "
+                     f"{info['free_after_bytes'] / 1e9:.1f} GB free; offloadctl's device-tier margin "
+                     + (f"{on_rows / 1e9:.1f} GB, taken from the rows' memory" if on_rows is not None
+                        else "not known (the engine did not answer): not corrected")
+                     + (f" (the engine takes {on_card / 1e9:.1f} GB from the card's total: the ballast leaves the "
+                        f"{adjust / 1e9:.1f} GB between them free)" if adjust else ""))
     console.print(f"[bold]gpu memory: {info['note']}[/bold]")
     return p, info
 
@@ -485,8 +538,9 @@ def main() -> int:
                     "run without --profile, the lanes balance from the rates measured at the first step)")
     ap.add_argument("--logs", metavar="DIR", help="each row's output to DIR/row-NAME.log, and the rows' run directories "
                     "removed at the end (default: both kept in a temporary directory)")
-    ap.add_argument("--after-first-row", metavar="CMD", help="a shell command run once, after the first row that ran "
-                    "(gpu_session.sh: the built ops archived with the host-kernel choice that row wrote)")
+    ap.add_argument("--after-required", metavar="CMD", help="a shell command run once, after the last required row "
+                    "(the first row when none is), so it takes none of their time (gpu_session.sh: the built ops "
+                    "archived, with the host-kernel choice our first row wrote)")
     ap.add_argument("--json", metavar="FILE", help="write every row's figures here")
     ap.add_argument("--report", metavar="DIR", help="add a recorded stock row and write offloadctl report of it "
                     "and offloadctl default into DIR")
@@ -510,7 +564,8 @@ def main() -> int:
     try:
         ballast, report["gpu_memory"] = start_ballast(args.gpu_memory_as, gpu)
         report["machine"]["gpu_memory_as"] = report["gpu_memory"].get("as_gpu")
-        hook = args.after_first_row
+        rows_memory = report["gpu_memory"].get("rows_bytes")  # the device memory every row was allowed
+        hook, hook_after = args.after_required, max(args.required, 1) - 1
         for size in sizes:
             if args.row:
                 cat = catalog(size, gpu, profile, tuple(args.zi_aio.split()))
@@ -545,13 +600,15 @@ def main() -> int:
                         running = None
                         rec["wall_s"] = round(time.monotonic() - t0, 1)
                         rec["limit_s"] = round(limit)
+                        if "iteration_s" in rec:
+                            rec["device_memory_bytes"] = rows_memory
                         results[name].append(rec)
                         console.print(f"[dim]  {name}: {_brief(rec)}[/dim]")
-                        if hook:
-                            run_hook(hook)
-                            hook = None
                     if args.json:  # as it goes: a call cut short keeps the rows it finished
                         _write(args.json, report)
+                    if hook and i >= hook_after:  # after the required rows: never in their time
+                        run_hook(hook)
+                        hook = None
             table = {}
             for name, runs in results.items():
                 ok = [r for r in runs if "failed" not in r and "skipped" not in r]
@@ -570,6 +627,8 @@ def main() -> int:
             _print(size, table, report.get("gpu_memory", {}))
             if args.report:
                 report.setdefault("report", {})[size] = write_report(args.report, size, workdir, table, gpu)
+        if hook:  # fewer rows than --required
+            run_hook(hook)
     except Stop as e:
         report["interrupted"] = f"{signal.Signals(e.signum).name} during the run: the running row was killed"
         if running:
@@ -591,14 +650,14 @@ def main() -> int:
 
 
 def run_hook(cmd: str) -> None:
-    """--after-first-row's command, in its own group (killed with the rest on a signal)."""
-    console.print(f"[dim]after the first row: {cmd}[/dim]")
+    """--after-required's command, in its own group (killed with the rest on a signal)."""
+    console.print(f"[dim]after the required rows: {cmd}[/dim]")
     p = subprocess.Popen(cmd, shell=True, cwd=ROOT, start_new_session=True)
     GROUPS.add(p.pid)
     try:
         p.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        console.print("[yellow]after-first-row command over 180 s: killed[/yellow]")
+        console.print("[yellow]after-required command over 180 s: killed[/yellow]")
     finally:
         GROUPS.kill(p.pid, p)
 
@@ -682,8 +741,13 @@ def _write(path: str, report: dict) -> None:
 def _print(size: str, table: dict, gpu_memory: dict) -> None:
     base = table.get("stock ZeRO-3 CPU offload", {}).get("iteration_s") or table.get(RECORDED_STOCK, {}).get("iteration_s")
     title = f"size {size}: medians of iterations 3..N"
-    if gpu_memory.get("applied"):
-        title += f" (GPU memory as an {gpu_memory['as_gpu']}: {gpu_memory['held_bytes'] / 1e9:.0f} GB held by a ballast)"
+    if gpu_memory.get("rows_bytes"):
+        title += (f" on an {gpu_memory['gpu']}: rows allowed {gpu_memory['rows_bytes'] / 1e9:.1f} GB of its "
+                  f"{gpu_memory['gpu_total_bytes'] / 1e9:.1f} GB"
+                  + (f" (an {gpu_memory['as_gpu']}'s; {gpu_memory['held_bytes'] / 1e9:.1f} GB held by a ballast)"
+                     if gpu_memory.get("applied") else ""))
+        if gpu_memory.get("margin_bytes") is not None:
+            title += f", offloadctl's device-tier margin {gpu_memory['margin_bytes'] / 1e9:.1f} GB"
     t = Table(title=title)
     for c in ("row", "iteration s", "vs CPU offload", "step s", "fwd+bwd s", "first s", "GPU peak GB", "host RSS GB",
               "losses 1-3", "predicted s", "device"):
