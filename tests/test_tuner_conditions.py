@@ -115,6 +115,7 @@ def test_a_path_that_slows_is_given_its_share_at_once_and_the_tuner_says_why():
     assert kept and "iteration" in kept[0]["reason"]  # its measured effect, in the log
     # Settled: the I/O knobs wait for the next re-exploration; nothing moves after the kept move.
     assert "the stripe balances the paths at their rates now" in kept[0]["reason"]
+    assert "the stripe balances the paths" in sim.policy.state()["holding_reason"]
     assert not [d for d in sim.decisions if d[0] > kept[0]["iteration"]], sim.decisions
 
 
@@ -151,6 +152,23 @@ def test_a_rate_our_own_knobs_moved_is_not_a_change():
     assert [bool(x) for x in seen] == [False, False, True, False]
     change = seen[2][0]
     assert change.path == A and change.slowed and round(change.after_bytes_per_s / 1e6) == 120
+
+
+def test_one_direction_that_moves_less_than_the_round_trip_band_is_no_change():
+    """A lightly loaded path's writes read faster than its steady rate (requests meet less
+    queueing): writes 300 -> 440 MB/s with reads steady moves the round trip 19%, under the 30%
+    band: the writes' reference moves silently, and no move is made. Writes 300 -> 60 is a change
+    of the path, said as its writes'."""
+    c = Conditions([A], PolicyConfig())
+
+    def obs(i, r, w):
+        return Observation(iteration=i, iter_time_s=1.0, update_s=1.0, read_wait_s=0, write_wait_s=0,
+                           path_read_rate={A: r}, path_write_rate={A: w})
+    k = Knobs()
+    assert not any(c.track(obs(i, 300e6, 300e6), k) for i in range(6))
+    assert not any(c.track(obs(i, 300e6, 440e6), k) for i in range(6, 12))
+    seen = [x for i in range(12, 17) for x in c.track(obs(i, 300e6, 60e6), k)]
+    assert len(seen) == 1 and seen[0].describe() == f"path {A} writes slowed from 440 to 60 MB/s"
 
 
 def test_a_pinned_stripe_is_not_moved_by_a_change():

@@ -12,10 +12,12 @@ weight (:func:`engine.placement.round_trip_rate`). A throttled drive, a burst bu
 a competing O_DIRECT job: each shows as a rate that drops and stays down, which the iteration
 time alone cannot attribute to a path.
 
-Our own knob changes move rates too (more requests in flight, the node lock): a path has a
-reference per setting of its concurrency, the node lock and the prefetch depth. A change of
-stripe weights does not change the rate a path serves at (only how long it is busy), so the
-reference holds across it, and the model's move is judged against the rates that caused it.
+Our own knob changes move rates too: more requests in flight, the node lock, and the stripe (a
+lightly loaded path's requests meet less queueing and read faster than its steady rate). A path
+has a reference per setting of its concurrency, the node lock, the prefetch depth and the stripe,
+each measured from the second iteration under it; a change that comes during a trial is seen
+once the knobs are back. A direction's rate that moves (reads, writes) is a change of the path
+only when the path's round trip moves beyond the band too.
 """
 from __future__ import annotations
 
@@ -63,6 +65,9 @@ class _Reference:
     """One path's rate under one setting of the knobs that move it: the rates that agree with
     it, and those that do not."""
 
+    skip: int = 1
+    """Iterations still to leave out: the first under new knobs (a re-stripe moves subgroups at
+    their next write, so its traffic is neither the old stripe's nor the new one's)."""
     agreeing: list[float] = field(default_factory=list)
     """The last rates within the band (the reference is their median), oldest first."""
     sigma: float = NOISE_FLOOR
@@ -78,9 +83,9 @@ class Conditions:
     """Each path's rate now, and the changes of conditions (see the module docstring).
 
     A path keeps one reference per setting of the knobs that move its rate (its concurrency, the
-    node lock, the prefetch depth): a trial of another setting measures its own, and a change that
-    comes during a trial is seen once the knobs are back. A change makes every other reference of
-    the path stale: they are dropped."""
+    node lock, the prefetch depth, the stripe): a trial of another setting measures its own, and a
+    change that comes during a trial is seen once the knobs are back. A change makes every other
+    reference of the path stale: they are dropped."""
 
     def __init__(self, paths: Sequence[str], cfg: PolicyConfig) -> None:
         self.cfg = cfg
@@ -108,8 +113,7 @@ class Conditions:
         force for the iteration (None: unknown, taken as the same as before)."""
         changes = []
         for p in self.paths:
-            before = self.rates().get(p)
-            moved = []
+            moved: dict[str, tuple[float, float]] = {}
             for d, x in (("reads", obs.path_read_rate.get(p, 0.0)), ("writes", obs.path_write_rate.get(p, 0.0))):
                 if not x > 0:
                     continue  # too little traffic this iteration to say
@@ -121,15 +125,30 @@ class Conditions:
                 if change is not None:
                     self._refs[(p, d)] = {key: ref}  # the others were measured under the old conditions
                     self._now[(p, d)] = change[1]
-                    moved.append((d, change))
+                    moved[d] = change
+            if not moved:
+                continue
+            # A change of the path, not of one direction alone: its round trip (what the model
+            # weighs) moved beyond the band too, from the references that changed. A direction
+            # that moved less than that (a lightly loaded path's writes read faster than its cap)
+            # becomes its new reference silently.
+            old = {d: moved[d][0] if d in moved else self._now.get((p, d)) for d in _DIRECTIONS}
+            new = {d: self._now.get((p, d)) for d in _DIRECTIONS}
+            before, after = (round_trip_rate(r["reads"] or r["writes"], r["writes"] or r["reads"]) for r in (old, new))
+            if not (before > 0 and after > 0 and abs(math.log(after / before)) > math.log1p(self.cfg.rate_change)):
+                continue
             if len(moved) == 1:
-                changes.append(RateChange(p, *moved[0][1], direction=moved[0][0]))
-            elif moved and before:
-                changes.append(RateChange(p, before, self.rates()[p]))
+                (d, (b, a)), = moved.items()
+                changes.append(RateChange(p, b, a, direction=d))
+            else:
+                changes.append(RateChange(p, before, after))
         return changes
 
     def _add(self, ref: _Reference, x: float) -> tuple[float, float] | None:
         """Add rate ``x`` to ``ref``; (before, after) when it is a change."""
+        if ref.skip > 0:
+            ref.skip -= 1
+            return None
         before = ref.rate
         if before is None:
             ref.agreeing.append(x)
@@ -174,7 +193,7 @@ _DIRECTIONS = ("reads", "writes")
 
 
 def _io_key(k: Knobs, path: str) -> tuple:
-    return k.concurrency_for(path), k.node_lock, k.prefetch_depth
+    return k.concurrency_for(path), k.node_lock, k.prefetch_depth, tuple(sorted(k.stripe_weights.items()))
 
 
 def _relative_noise(xs: Sequence[float]) -> float:

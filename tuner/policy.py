@@ -66,7 +66,9 @@ class Policy:
         self._samples_wanted = self.cfg.window  # samples of the good knobs wanted before the next move
         self._trial: Trial | None = None
         self._holding_since: int | None = None  # iteration the search ran out of moves
-        self._holding_cost: float | None = None  # median cost (iteration) when it did
+        self._holding_cost: float | None = None  # median cost (iteration) of the hold's first window
+        self._held: list[float] = []  # costs measured while holding, up to a window (the hold's level)
+        self._hold_why: str | None = None  # why it holds with moves left (a model-guided re-stripe settled them)
         self._negligible_why: str | None = None  # why the policy holds without searching (update too small to matter)
         self._ledger = Ledger()
         self._fresh = 0  # samples of the good knobs measured since the knobs last changed
@@ -135,7 +137,7 @@ class Policy:
             "good_update_s": _median([s.update_s for s in self._baseline_samples[-5:]]) if self._baseline_samples else None,
             "good_iteration_s": (_median([s.iter_time_s for s in self._baseline_samples[-5:] if s.iter_time_s])
                                  if any(s.iter_time_s for s in self._baseline_samples[-5:]) else None),
-            "holding_reason": self._negligible_why if mode == "holding" else None,
+            "holding_reason": (self._negligible_why or self._hold_why) if mode == "holding" else None,
             "threshold": self._noise.threshold(),
             "contended_paths": sorted(self._contended),
             "pins": self._pins.as_dict(),
@@ -207,7 +209,7 @@ class Policy:
     def pin(self, knob: str, value) -> None:
         """Fix ``knob`` (a Knobs field, or ``io_concurrency[PATH]``) at ``value``; never searched."""
         def device_fits(key: KnobKey, new: Knobs) -> None:
-            if key.name == "device_fraction" and new.device_fraction > 0 and not self._device_fits(new.device_fraction):
+            if key.name == "device_fraction" and new.device_fraction > 0 and not self._limits.device_fits(new.device_fraction):
                 why = ("this run has no device lane" if not self.has_device
                        else f"it ran out of GPU memory above {self._limits.device_cap:g}")
                 raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: {why}; pin a smaller fraction")
@@ -312,13 +314,13 @@ class Policy:
             self._samples_wanted = len(self._baseline_samples) + 1
             return self._decide(self._good_knobs, prefix.rstrip("; "), "revert")
         if move is None:
-            self._holding_since = self._iteration
+            self._holding_since, self._held = self._iteration, []
             recent = self._baseline_samples[-self.cfg.window:]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
-            left = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
-                    "re-exploration" if self._ledger.last_kept == MODEL else
-                    f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% (this run's "
-                    "noise threshold)")
+            self._hold_why = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
+                              "re-exploration" if self._ledger.last_kept == MODEL else None)
+            left = self._hold_why or (f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}%"
+                                      " (this run's noise threshold)")
             msg = (prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
                    if self._holding_cost else prefix + "holding")
             if self._knobs != self._good_knobs:
@@ -412,7 +414,11 @@ class Policy:
                 self._baseline_samples = self._baseline_samples[-w:]
                 return self._propose("the update phase grew past the point where tuning pays; re-exploring; ")
             return None  # holding: nothing the knobs change is worth measuring
-        if len(recent) >= w and self._holding_cost and _median(recent) > self._holding_cost * (1 + self.cfg.drift):
+        if len(self._held) < w:  # the hold's level is its own first window, not the trial's few samples
+            self._held.append(recent[-1])
+            self._holding_cost = _median(self._held)
+            return None
+        if _median(recent) > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             self._ledger.failed_moves.clear()
             self._holding_since = None
             self._baseline_samples = self._baseline_samples[-w:]
@@ -435,9 +441,6 @@ class Policy:
                           threshold=self._noise.threshold(), kept=self._ledger.kept_total, factor=factor)
 
     # -- guard rails -----------------------------------------------------------------------------
-
-    def _device_fits(self, f: float) -> bool:
-        return self._limits.device_fits(f)
 
     @property
     def _contended(self) -> set[str]:
@@ -479,7 +482,7 @@ class Policy:
         if any(up for _, up, _ in changes) and self._plan_before_contention is None:
             if self._return_to is None:
                 self._plan_before_contention = self._good_knobs
-                self._shares_before_contention = self._stats().get("shares", {})
+                self._shares_before_contention = self._search.stats(self._baseline_samples).get("shares", {})
             else:  # back before the return finished: keep heading for the same plan afterwards
                 self._plan_before_contention = self._return_to
             self._return_to = None
@@ -554,7 +557,7 @@ class Policy:
             self._note(f"performance model not used ({type(e).__name__}: {e}); searching from the starting knobs", "model")
             return
         fit = plan.device_fraction
-        while fit > 0 and not self._device_fits(fit):
+        while fit > 0 and not self._limits.device_fits(fit):
             fit = round(max(0.0, fit - self.cfg.device_step), 6)
         plan = self._pins.apply(plan.replace(device_fraction=fit), self.paths, self.has_device)
         if plan == start:
@@ -595,5 +598,3 @@ class Policy:
             self._return_to = None
         return move
 
-    def _stats(self) -> dict:
-        return self._search.stats(self._baseline_samples)
