@@ -44,20 +44,23 @@ class RateChange:
 
     path: str
     before_bytes_per_s: float
+    """The path's round trip before (what the model weighs)."""
     after_bytes_per_s: float
-    direction: str = ""
-    """'reads' or 'writes' when only one of them changed; '' for both (the rates are then the
-    path's round trip)."""
+    moved: tuple[tuple[str, float, float], ...] = ()
+    """The directions that changed: ('reads' or 'writes', before, after), in bytes/s."""
 
     @property
     def slowed(self) -> bool:
         return self.after_bytes_per_s < self.before_bytes_per_s
 
     def describe(self) -> str:
-        """'path /ssd1 slowed from 300 to 62 MB/s' ('path /ssd1 writes slowed ...' for one direction)."""
-        what = f"path {self.path}" + (f" {self.direction}" if self.direction else "")
-        return (f"{what} {'slowed' if self.slowed else 'sped up'} from {_mb(self.before_bytes_per_s)} to "
-                f"{_mb(self.after_bytes_per_s)} MB/s")
+        """In the rates a user knows their drive by: 'path /ssd1 slowed: reads 300 -> 60 MB/s,
+        writes 290 -> 62 MB/s', or 'path /ssd1 writes slowed from 440 to 60 MB/s' when one moved."""
+        verb = "slowed" if self.slowed else "sped up"
+        if len(self.moved) == 1:
+            (d, b, a), = self.moved
+            return f"path {self.path} {d} {verb} from {_mb(b)} to {_mb(a)} MB/s"
+        return f"path {self.path} {verb}: " + ", ".join(f"{d} {_mb(b)} -> {_mb(a)} MB/s" for d, b, a in self.moved)
 
 
 @dataclass
@@ -137,11 +140,7 @@ class Conditions:
             before, after = (round_trip_rate(r["reads"] or r["writes"], r["writes"] or r["reads"]) for r in (old, new))
             if not (before > 0 and after > 0 and abs(math.log(after / before)) > math.log1p(self.cfg.rate_change)):
                 continue
-            if len(moved) == 1:
-                (d, (b, a)), = moved.items()
-                changes.append(RateChange(p, b, a, direction=d))
-            else:
-                changes.append(RateChange(p, before, after))
+            changes.append(RateChange(p, before, after, tuple((d, b, a) for d, (b, a) in moved.items())))
         return changes
 
     def _add(self, ref: _Reference, x: float) -> tuple[float, float] | None:
