@@ -29,8 +29,8 @@ class TwoPaths:
     """A run whose paths' read and write rates are ``rates(i)``, per path, at iteration ``i``."""
 
     def __init__(self, policy: Policy, rates, *, noise: float = 0.03, seed: int = 0,
-                 conc_speedup: float = 1.0) -> None:
-        self.policy, self.rates, self.noise = policy, rates, noise
+                 conc_speedup: float = 1.0, others=lambda i: {}) -> None:
+        self.policy, self.rates, self.noise, self.others = policy, rates, noise, others
         self.rnd = random.Random(seed)
         self.knobs = policy.knobs
         self.conc_speedup = conc_speedup
@@ -58,7 +58,8 @@ class TwoPaths:
                           path_read_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
                           path_write_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
                           path_read_rate={p: 2 * rate[p] * n[p] for p in (A, B)},
-                          path_write_rate={p: 2 * rate[p] * n[p] for p in (A, B)}, knobs=k.to_dict())
+                          path_write_rate={p: 2 * rate[p] * n[p] for p in (A, B)}, knobs=k.to_dict(),
+                          path_other_bytes_per_s=self.others(i))
         self.times.append(it)
         self.in_force.append(k)
         d = self.policy.observe(obs)
@@ -171,6 +172,18 @@ def test_one_direction_that_moves_less_than_the_round_trip_band_is_no_change():
     assert not any(c.track(obs(i, 300e6, 440e6), k) for i in range(6, 12))
     seen = [x for i in range(12, 17) for x in c.track(obs(i, 300e6, 60e6), k)]
     assert len(seen) == 1 and seen[0].describe() == f"path {A} writes slowed from 440 to 60 MB/s"
+
+
+def test_weight_away_from_a_contended_path_is_still_tried_after_the_model_move():
+    """Another job on a path shares it by queue depth: the rate we measure there moves with how
+    much we send it, so after the model's re-stripe a step of weight away from that path is still
+    tried (and kept when it helps); a step away from the uncontended path is not."""
+    def rates(i):
+        return {A: FAST, B: FAST / 3 if i >= 20 else FAST}
+
+    sim = TwoPaths(policy(), rates, others=lambda i: {B: 500e6} if i >= 20 else {}).run(60)
+    tried = [d[2] for d in sim.decisions if d[0] > 20 and "trying stripe weight of" in d[2]]
+    assert tried and all(f"stripe weight of {B}" in t for t in tried), sim.decisions
 
 
 def test_a_pinned_stripe_is_not_moved_by_a_change():

@@ -162,10 +162,14 @@ class MoveSearch:
 
     def io_move_keys(self) -> set[MoveKey]:
         """Every move of the knobs that shape the paths' traffic (prefetch, concurrency, stripe,
-        node lock): what a model-guided re-stripe settles until the next re-exploration."""
+        node lock): what a model-guided re-stripe settles until the next re-exploration; but weight
+        away from a contended path, whose rate depends on how much we send it (another job's
+        requests share it by queue depth), which only a trial can tell."""
         keys = {_key("prefetch_depth", "+"), _key("prefetch_depth", "-"), _key("node_lock", "")}
         for p in self.paths:
-            keys |= {_key("io_concurrency", "+", p), _key("io_concurrency", "-", p), _key("stripe_weights", "-", p)}
+            keys |= {_key("io_concurrency", "+", p), _key("io_concurrency", "-", p)}
+            if p not in self._contended:
+                keys.add(_key("stripe_weights", "-", p))
         return keys
 
     def why(self, move: Move, baseline: Sequence[Sample]) -> str:
@@ -260,14 +264,15 @@ class MoveSearch:
                       rates: Mapping[str, float]) -> list[tuple[float, Move]]:
         """Weight away from one path, for each path; with every path's rate known, only the steps
         the paths' balance at those rates says may shorten their time (a step away from a
-        balanced stripe only unbalances it: no trial spent on it)."""
+        balanced stripe only unbalances it: no trial spent on it), but away from a contended path."""
         out: list[tuple[float, Move]] = []
         if len(self.paths) > 1 and not self._pinned("stripe_weights"):
             w = self.weights_of(k, shares)
             known = w is not None and set(rates) == set(self.paths)
             for p in self.paths:
                 new = self._shift_away(w, p) if w else None
-                if new is None or (known and io_time(new, rates) >= io_time(w, rates)):
+                # A contended path's rate moves with our share of its queue: no prediction holds.
+                if new is None or (known and p not in self._contended and io_time(new, rates) >= io_time(w, rates)):
                     continue
                 calm_elsewhere = any(q not in self._contended for q in self.paths if q != p)
                 score = 2.0 if p in self._contended and calm_elsewhere else 0.05 + 0.3 * io_share

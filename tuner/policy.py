@@ -67,7 +67,7 @@ class Policy:
         self._trial: Trial | None = None
         self._holding_since: int | None = None  # iteration the search ran out of moves
         self._holding_cost: float | None = None  # median cost (iteration) of the hold's first window
-        self._held: list[float] = []  # costs measured while holding, up to a window (the hold's level)
+        self._held: list[float] = []  # costs measured while holding (the first window is its level)
         self._hold_why: str | None = None  # why it holds with moves left (a model-guided re-stripe settled them)
         self._negligible_why: str | None = None  # why the policy holds without searching (update too small to matter)
         self._ledger = Ledger()
@@ -201,7 +201,6 @@ class Policy:
         idle = self._negligible()
         if idle is not None and self._knobs == self._good_knobs:
             self._holding_since, self._negligible_why = self._iteration, idle
-            self._holding_cost = _median([x.cost for x in self._baseline_samples[-self.cfg.window:]])
             self._note(f"holding: {idle}", "hold")
             return None
         return self._propose("")
@@ -414,15 +413,16 @@ class Policy:
                 self._baseline_samples = self._baseline_samples[-w:]
                 return self._propose("the update phase grew past the point where tuning pays; re-exploring; ")
             return None  # holding: nothing the knobs change is worth measuring
-        if len(self._held) < w:  # the hold's level is its own first window, not the trial's few samples
-            self._held.append(recent[-1])
-            self._holding_cost = _median(self._held)
-            return None
-        if _median(recent) > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
+        # Its level: its own first window, not a trial's few samples; a rise: over two windows after
+        # it (one noisy window starts no search; a path that slows is a change of conditions).
+        self._held = (self._held + [recent[-1]])[:2 * w + 1]
+        self._holding_cost = _median(self._held[:w])
+        risen = _median([s.cost for s in self._baseline_samples[-2 * w:]])
+        if len(self._held) > 2 * w and risen > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             self._ledger.failed_moves.clear()
             self._holding_since = None
             self._baseline_samples = self._baseline_samples[-w:]
-            return self._propose(f"{self._cost_name()} rose {100 * (_median(recent) / self._holding_cost - 1):.0f}% while "
+            return self._propose(f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while "
                                  f"holding; re-exploring; ")
         every = self.cfg.reexplore_every_iters
         if every and self._iteration - self._holding_since >= every:
