@@ -25,6 +25,9 @@ class EngineFacts:
     host_kernel: str = ""
     device: str | None = None
     path_bandwidth_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    path_depth_response: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per probed path: its round trip at twice and half its concurrency over at it
+    (:func:`engine.swap_paths.depth_response`)."""
     knobs: Knobs = field(default_factory=Knobs)
     """The knobs in force."""
     paths: list[str] = field(default_factory=list)
@@ -81,6 +84,7 @@ def facts_of(engine) -> EngineFacts:
         state_bytes_by_tier=tiers, staging_buffers=engine.transfers.pool_size, io_backend=engine.swap_paths.io_backend,
         host_kernel=engine.host_kernel_name, device=str(engine.device) if has_device else None,
         path_bandwidth_bytes_per_s=dict(zip((p.path for p in engine.swap_paths.paths), engine.swap_paths.round_trip_bytes_per_s)),
+        path_depth_response=dict(engine.swap_paths.depth_response),
         knobs=engine.knobs, paths=[p.path for p in engine.config.paths], has_device=has_device,
         subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
         device_headroom_bytes=engine.device_tier.headroom_bytes() if has_device else None,

@@ -18,6 +18,25 @@ from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
 
 
+def depth_response(p: SwapPath, concurrency: int, node_lock: bool, at: tuple[float, float]) -> dict[str, float]:
+    """``p``'s round trip with twice (``double``) and half (``half``) ``concurrency`` requests in
+    flight, over its round trip ``at`` it (read and write bytes/s just probed), probed now; with
+    ``at``, the concurrency the ratios were measured from. A tuner spends no trial raising a
+    path's concurrency where twice the requests gained nothing here, nor lowering it on a path
+    no one else shares: one probe each at start against a few iterations each in the run."""
+    out: dict[str, float] = {"at": concurrency}
+    base = round_trip_rate(*at)
+    for name, n in (("double", min(64, 2 * concurrency)), ("half", max(1, concurrency // 2))):
+        if n == concurrency or base <= 0:
+            continue
+        p.set_limits(concurrency=n, node_lock=node_lock)
+        try:
+            out[name] = round(round_trip_rate(*measure_bandwidth(p)) / base, 3)
+        finally:
+            p.set_limits(concurrency=concurrency, node_lock=node_lock)
+    return out
+
+
 class SwapPaths:
     """The engine's storage paths. Without swapped state (``host_cache_bytes`` None: everything in
     memory) none is opened, but each configured path is still checked at construction."""
@@ -28,6 +47,9 @@ class SwapPaths:
         self.round_trip_bytes_per_s: list[float] = []
         """Per path: a read plus a write of the same bytes, what a subgroup's round trip costs it."""
         self.read_bytes_per_s: list[float] = []
+        self.depth_response: dict[str, dict[str, float]] = {}
+        """Per probed path: its round trip at twice and at half its concurrency over its round trip
+        at it (:func:`depth_response`): whether a tuner's concurrency trial there can gain."""
         self.io_backend: str | None = None
         if config.paths and config.host_cache_bytes is not None:
             backend = open_backend(config.io_backend)
@@ -36,19 +58,21 @@ class SwapPaths:
                 self.paths.append(SwapPath(spec, backend, concurrency=knobs.concurrency_for(spec.path),
                                            node_lock=knobs.node_lock, verify_checksums=config.verify_checksums,
                                            rank=config.rank))
-            rates = [self._rates_of(p) for p in self.paths]
+            rates = [self._rates_of(p, knobs) for p in self.paths]
             self.read_bytes_per_s = [r for r, _ in rates]
             self.round_trip_bytes_per_s = [round_trip_rate(r, w) for r, w in rates]
         else:
             for spec in config.paths:  # unused, but a bad path is still an error at construction
                 check_usable(spec.path)
 
-    @staticmethod
-    def _rates_of(p: SwapPath) -> tuple[float, float]:
-        """Read and write bytes/s of a path: declared, else probed now; within its cap."""
+    def _rates_of(self, p: SwapPath, knobs: Knobs) -> tuple[float, float]:
+        """Read and write bytes/s of a path: declared, else probed now (and how the probe's rate
+        answers the requests in flight); within its cap."""
         r, w = p.spec.read_bytes_per_s, p.spec.write_bytes_per_s
         if r is None or w is None:
             mr, mw = measure_bandwidth(p)
+            if not p.spec.cap_bytes_per_s:  # a cap paces the path whatever is in flight: nothing to learn
+                self.depth_response[p.path] = depth_response(p, knobs.concurrency_for(p.path), knobs.node_lock, (mr, mw))
             r, w = r or mr, w or mw
         if p.spec.cap_bytes_per_s:
             r, w = min(r, p.spec.cap_bytes_per_s), min(w, p.spec.cap_bytes_per_s)

@@ -9,6 +9,7 @@ rates do (``StepRecord.path_*_busy_s``).
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import statistics
@@ -269,5 +270,77 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
         assert re.search(rf"path {re.escape(names[1])}( writes slowed from| slowed: )", model_moves[0][1])
         assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, shares
         assert_params_close(model, ref)
+    finally:
+        opt.engine.close()
+
+
+def depth(double: float, at: int = 4) -> dict:
+    """Both paths' probe at start: twice the requests in flight served ``double`` times as fast."""
+    return {p: {"at": at, "double": double, "half": 0.8} for p in (A, B)}
+
+
+def test_a_quiet_run_whose_probe_showed_no_gain_from_depth_changes_no_knob():
+    """(d): equal quiet paths whose probe at start served no faster with twice the requests in
+    flight. No concurrency trial is spent (the old search tried 4 -> 8 and 4 -> 2 on each path,
+    four trials, each reverted), no knob changes at all, and the hold says why."""
+    sim = TwoPaths(policy(path_depth_response=depth(1.02)), lambda i: {A: FAST, B: FAST}, noise=0.05, seed=3).run(80)
+    assert sim.decisions == []
+    assert sim.policy.state()["mode"] == "holding"
+    assert any("no move worth a trial" in e["reason"] for e in sim.policy.log if e["kind"] == "hold"), sim.policy.log
+
+
+def test_a_path_whose_probe_gained_from_depth_is_tried_deeper():
+    """The same run on paths whose probe served 30% faster with twice the requests in flight: each
+    path's rise is tried (and the fall, which cannot gain there, is not)."""
+    sim = TwoPaths(policy(path_depth_response=depth(1.3)), lambda i: {A: FAST, B: FAST}, conc_speedup=1.3).run(40)
+    tried = [e["reason"] for e in sim.policy.log if "trying io_concurrency" in e["reason"]]
+    assert any(f"trying io_concurrency[{A}] 4->8" in r for r in tried), sim.policy.log
+    assert any(f"trying io_concurrency[{B}] 4->8" in r for r in tried), sim.policy.log
+    assert not any("4->2" in r for r in tried), tried
+
+
+def test_a_path_that_changed_is_tried_again_whatever_its_probe_said():
+    """The probe answered for the conditions at start: once a path's rate changes, its concurrency
+    is a move again (another tenant's queue may now share it), while the other path's probe holds."""
+    sim = TwoPaths(policy(path_depth_response=depth(1.0)), slows(30)).run(45)
+    assert [d for d in sim.decisions if d[0] >= 30], "the change was not acted on"
+    assert not [d for d in sim.decisions if d[0] < 30 and "io_concurrency" in d[2]], sim.decisions
+    assert set(sim.policy._search_state().depth_response) == {A}
+
+
+def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(tmp_path):
+    """Real O_DIRECT files: an unpaced path's probe at start measures its round trip at twice and
+    half the run's concurrency (positive ratios, ``at`` the run's), gives the path its limits
+    back, and reaches the tuner's registration through ``EngineFacts``; a capped path, paced
+    whatever is in flight, is not probed for depth."""
+    import torch
+
+    from engine import OffloadAdamW, StoragePath
+    from tuner.client import TunerClient
+    from tuner.protocol import API_VERSION, CLIENT_SCHEMAS, ProtocolError, validate
+    from tuner.run_state import RunFacts
+
+    free, capped = tmp_path / "free", tmp_path / "capped"
+    free.mkdir()
+    capped.mkdir()
+    model = torch.nn.Linear(200, 200)
+    opt = OffloadAdamW(model.parameters(), subgroup_numel=20_000, host_cache_bytes=0, io_backend="posix",
+                       nvme_paths=[StoragePath(path=str(free)), StoragePath(path=str(capped), cap_bytes_per_s=200e6)],
+                       io_concurrency={str(free): 4})
+    try:
+        facts = opt.engine.describe()
+        (path, r), = facts.path_depth_response.items()
+        assert os.path.samefile(path, free) and r["at"] == 4 and r["double"] > 0 and r["half"] > 0, r
+        sp = opt.engine.swap_paths.paths[0]
+        assert sp.read_slots._limit == 4 and sp.write_slots._limit == 4
+        client = TunerClient.for_engine(str(tmp_path / "no.sock"), opt.engine, run_id="r", hook=False,
+                                        connect_timeout_s=0.1)
+        client.close()
+        msg = {"v": API_VERSION, "type": "register", "run_id": "r", "rank": 0, "world_size": 1, **client._static,
+               "knobs": facts.knobs.to_dict()}
+        validate(msg, CLIENT_SCHEMAS)  # what the daemon checks first
+        assert RunFacts.from_register(msg).path_depth_response == {os.path.abspath(path): r}
+        with pytest.raises(ProtocolError):
+            validate({**msg, "path_depth_response": {path: {"at": 4, "double": float("inf")}}}, CLIENT_SCHEMAS)
     finally:
         opt.engine.close()

@@ -73,7 +73,8 @@ class TunerClient:
     def __init__(self, socket_path: str, *, run_id: str, rank: int, world_size: int, params: int,
                  paths: Sequence[str], knobs: Knobs, profile=None, has_device: bool = False,
                  device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, pins: Mapping[str, Any] | None = None,
-                 host_staging_bytes: int | None = None, queue_size: int = 256,
+                 host_staging_bytes: int | None = None, path_depth_response: Mapping[str, Any] | None = None,
+                 queue_size: int = 256,
                  backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0,
                  step_is_iteration: bool = False) -> None:
         try:  # what the daemon would refuse at every registration: refuse it now, once
@@ -91,6 +92,8 @@ class TunerClient:
                         "pins": dict(pins or {})}
         if host_staging_bytes is not None:
             self._static["host_staging_bytes"] = int(host_staging_bytes)
+        if path_depth_response:
+            self._static["path_depth_response"] = {os.path.abspath(p): dict(r) for p, r in path_depth_response.items()}
         self.knobs = knobs
         self.step_is_iteration = step_is_iteration
         """The knobs in force (as last applied)."""
@@ -132,7 +135,8 @@ class TunerClient:
         client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
                      params=facts.params, paths=facts.paths, knobs=facts.knobs,
                      has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
-                     pins=facts.pins, host_staging_bytes=facts.host_staging_bytes, **kw)
+                     pins=facts.pins, host_staging_bytes=facts.host_staging_bytes,
+                     path_depth_response=facts.path_depth_response, **kw)
         if hook:
             engine.add_step_hook(client)
             client._engine = engine  # its completed steps go with the bye

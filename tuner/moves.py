@@ -119,6 +119,9 @@ class SearchState:
     """Byte shares per path when contention appeared (the engine's default weights then)."""
     path_rates: Mapping[str, float] = field(default_factory=dict)
     """Each path's measured rate now (:class:`tuner.conditions.Conditions`); {} until every path's is known."""
+    depth_response: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Per path whose conditions have not changed since: how its probe at start answered twice and
+    half its concurrency (``EngineFacts.path_depth_response``)."""
 
 
 class MoveSearch:
@@ -207,7 +210,8 @@ class MoveSearch:
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
         planned, back_done = self._planned_moves(k, state)
         out = [*planned, *self._prefetch_moves(k, read_share),
-               *self._concurrency_moves(k, io_share, shares), *self._stripe_moves(k, io_share, shares, state.path_rates),
+               *self._concurrency_moves(k, io_share, shares, state.depth_response),
+               *self._stripe_moves(k, io_share, shares, state.path_rates),
                *self._device_moves(k, io_share, state), *self._node_lock_moves(k, io_share)]
         return [(s + (1.0 if m.key == state.last_kept else 0.0), m) for s, m in out], back_done
 
@@ -241,19 +245,25 @@ class MoveSearch:
                                        what=f"prefetch_depth {d}->{d - 1}")))
         return out
 
-    def _concurrency_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
+    def _concurrency_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float],
+                           depth: Mapping[str, Mapping[str, float]]) -> list[tuple[float, Move]]:
+        """Twice or half the requests in flight on one path; where the path's probe at start
+        answered at this concurrency and no one else shares it, only a rise the probe says gains
+        (half the requests cannot serve it faster than the probe showed at full depth)."""
         out: list[tuple[float, Move]] = []
         for p in self.paths:
             if self._pinned("io_concurrency", p):
                 continue
             c = k.concurrency_for(p)
             conc = dict(k.io_concurrency)
-            if c < 64:
+            probed = depth.get(p) if p not in self._contended else None
+            probed = probed if probed is not None and probed.get("at") == c else None
+            if c < 64 and (probed is None or probed.get("double", 0.0) >= 1 + self.cfg.depth_gain):
                 conc[p] = min(64, 2 * c)
                 out.append((0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
                             Move(key=_key("io_concurrency", "+", p), knobs=k.replace(io_concurrency=dict(conc)),
                                  what=f"io_concurrency[{p}] {c}->{conc[p]}")))
-            if c > 1:
+            if c > 1 and probed is None:
                 conc[p] = c // 2
                 out.append((1.5 if p in self._contended else 0.03,
                             Move(key=_key("io_concurrency", "-", p), knobs=k.replace(io_concurrency=dict(conc)),

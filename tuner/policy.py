@@ -16,15 +16,15 @@ from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
-from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
 from tuner.conditions import Conditions, RateChange, restripe
 from tuner.guards import Contention, Limits
 from tuner.knob_text import KnobKey, Pins
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
-from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial, diff
+from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
+from tuner.start_plan import known_paths, model_start
 
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 
@@ -41,6 +41,7 @@ class Policy:
     def __init__(self, start: Knobs, *, paths: Sequence[str], has_device: bool, subgroup_bytes: int,
                  device_headroom_bytes: int | None = None, profile=None, params: int = 0, ranks: int = 1,
                  pins: Mapping[str, Any] | None = None, host_staging_bytes: int | None = None,
+                 path_depth_response: Mapping[str, Mapping[str, float]] | None = None,
                  config: PolicyConfig | None = None) -> None:
         if not isinstance(start, Knobs):
             raise ConfigError(f"Policy start must be engine.Knobs, got {type(start).__name__}")
@@ -79,6 +80,8 @@ class Policy:
         self._conditions = Conditions(self.paths, self.cfg)
         self._recent: deque[Sample] = deque(maxlen=8)  # every usable sample, whatever its knobs: a change's baseline
         self._stripe_checked = False  # the stripe checked against the paths' first measured rates
+        # How each path's probe answered more and fewer requests in flight: until its rate changes
+        self._depth_response = {p: dict(r) for p, r in (path_depth_response or {}).items() if p in self.paths}
         self.adaptations: deque[dict] = deque(maxlen=20)
         """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
         none made, and why in ``effect``), effect (its measured result once judged)."""
@@ -90,7 +93,9 @@ class Policy:
                                   limits=self._limits, contention=self._contention, pins=self._pins)
 
         self._knobs = self._good_knobs = start
-        start = self._known_paths(start, "start knobs")
+        start, dropped = known_paths(start, self.paths, "start knobs")
+        if dropped:
+            self._note(dropped, "guard")
         if not self.has_device and start.device_fraction > 0:
             start = start.replace(device_fraction=0.0)
             self._note("no device lane: device_fraction set to 0", "guard")
@@ -99,14 +104,24 @@ class Policy:
         """Knobs the run's options fixed (pinned from the start)."""
         self._pin_from_the_start(pins or {})
         if profile is not None:
-            self._start_from_model(profile, start)
+            m = model_start(profile, start, cfg=self.cfg, limits=self._limits, pins=self._pins, paths=self.paths,
+                            has_device=self.has_device, params=self.params, ranks=self.ranks,
+                            subgroup_bytes=self.subgroup_bytes, device_headroom_bytes=device_headroom_bytes)
+            if m.dropped:
+                self._note(m.dropped, "guard")
+            if m.plan is None:
+                self._note(m.note, "model")
+            else:
+                self._knobs = self._good_knobs = m.plan
+                self._own_start, self._unannounced = start, m.note
 
     @classmethod
     def for_run(cls, start: Knobs, facts, config: PolicyConfig | None = None) -> "Policy":
         """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
         return cls(start, paths=facts.paths, has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
                    device_headroom_bytes=facts.device_headroom_bytes, profile=facts.profile, params=facts.params,
-                   ranks=facts.ranks, pins=facts.pins, host_staging_bytes=facts.host_staging_bytes, config=config)
+                   ranks=facts.ranks, pins=facts.pins, host_staging_bytes=facts.host_staging_bytes,
+                   path_depth_response=facts.path_depth_response, config=config)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -319,7 +334,8 @@ class Policy:
             self._hold_why = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
                               "re-exploration" if self._ledger.last_kept == MODEL else None)
             left = self._hold_why or (f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}%"
-                                      " (this run's noise threshold)")
+                                      " (this run's noise threshold)" if self._ledger.failed_moves else
+                                      "no move worth a trial: the paths' probes and rates leave no knob to gain by")
             msg = (prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
                    if self._holding_cost else prefix + "holding")
             if self._knobs != self._good_knobs:
@@ -492,6 +508,8 @@ class Policy:
         if moved:
             self._noise = Noise(self.cfg)
             self._stripe_checked = True
+            for c in moved:
+                self._depth_response.pop(c.path, None)
         abandoned, self._trial = (self._trial.move.what if self._trial else None), None
         if moved and model:
             d = self._model_move(desc, list(self._recent)[-self.cfg.change_iters:], abandoned)
@@ -534,54 +552,6 @@ class Policy:
                             f"I/O time -{100 * r.gain:.0f}%)" + (f"; trial of {abandoned} abandoned" if abandoned else ""),
                             "model")
 
-    # -- the model's plan ------------------------------------------------------------------------
-
-    def _start_from_model(self, profile, start: Knobs) -> None:
-        try:
-            from perf.model import Workload
-            from perf.search import best_plan
-            if isinstance(profile, str):
-                from perf.profile_toml import load_profile
-                profile = load_profile(profile)
-            # The host cache is fixed for the run's life and not a knob: plan for state on the
-            # paths, with host memory for the staging buffers of the deepest prefetch only.
-            staging = (min(self._limits.staging_cap, staging_buffers(self.cfg.max_prefetch_depth) * self.subgroup_bytes)
-                       * self.ranks if self.paths else None)
-            # params are per rank; the model's are the whole model (it divides by ranks and nodes).
-            wl = Workload(params=self.params * self.ranks, ranks=self.ranks,
-                          subgroup_numel=max(1, self.subgroup_bytes // STATE_BYTES_PER_ELEMENT),
-                          host_bytes=staging, gpu_headroom_bytes=self._device_headroom_bytes)
-            pred = best_plan(profile, wl, paths=list(self.paths))
-            plan = self._known_paths(pred.plan.knobs, "the model's plan")
-        except Exception as e:  # the model is advice: without it the search starts from `start`
-            self._note(f"performance model not used ({type(e).__name__}: {e}); searching from the starting knobs", "model")
-            return
-        fit = plan.device_fraction
-        while fit > 0 and not self._limits.device_fits(fit):
-            fit = round(max(0.0, fit - self.cfg.device_step), 6)
-        plan = self._pins.apply(plan.replace(device_fraction=fit), self.paths, self.has_device)
-        if plan == start:
-            self._note(f"the performance model's best plan for profile {getattr(profile, 'name', profile)} is the "
-                       f"starting plan", "model")
-            return
-        self._knobs = self._good_knobs = plan
-        self._own_start = start
-        self._unannounced = (f"performance model's best plan for profile {getattr(profile, 'name', profile)} "
-                         f"(predicted update {pred.update_s:.3f} s): {diff(start, plan)}")
-
-    # -- knob names and values -------------------------------------------------------------------
-
-    def _known_paths(self, k: Knobs, what: str) -> Knobs:
-        """``k`` less entries for paths this run does not have (the engine would refuse them)."""
-        conc = {p: v for p, v in k.io_concurrency.items() if p in self.paths}
-        weights = {p: v for p, v in k.stripe_weights.items() if p in self.paths}
-        if len(weights) != len(self.paths):
-            weights = {}  # partial weights would mix with the engine's measured bandwidths
-        dropped = (set(k.io_concurrency) - set(conc)) | (set(k.stripe_weights) - set(weights))
-        if dropped:
-            self._note(f"{what} name paths this run does not use, or not all of them: dropped {sorted(dropped)}", "guard")
-        return k.replace(io_concurrency=conc, stripe_weights=weights)
-
     # -- asking the search ----------------------------------------------------------------------
 
     def _search_state(self) -> SearchState:
@@ -590,7 +560,8 @@ class Policy:
                            last_kept=self._ledger.last_kept,
                            own_start=self._own_start, return_to=self._return_to,
                            shares_before_contention=self._shares_before_contention,
-                           path_rates=self._conditions.rates() if self._conditions.known() else {})
+                           path_rates=self._conditions.rates() if self._conditions.known() else {},
+                           depth_response=self._depth_response)
 
     def _next_move(self) -> Move | None:
         move, back_done = self._search.next_move(self._search_state())

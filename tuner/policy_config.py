@@ -63,6 +63,10 @@ class PolicyConfig:
     min_stripe_share: float = 0.03
     """The smallest share of the bytes the model leaves a path: enough to keep measuring its rate,
     so that a path that comes back is seen."""
+    depth_gain: float = 0.1
+    """A path's concurrency is tried higher only where its probe at start served at least this
+    share faster with twice the requests in flight (``EngineFacts.path_depth_response``), until
+    its conditions change; a path without a probe is tried."""
 
     def __post_init__(self) -> None:
         for name in ("window", "rebaseline_iters", "change_iters"):
@@ -76,7 +80,7 @@ class PolicyConfig:
         if self.max_prefetch_depth > 64:
             raise ConfigError(f"PolicyConfig.max_prefetch_depth must be at most 64, got {self.max_prefetch_depth}")
         for name in ("min_gain", "max_threshold", "drift", "device_step", "stripe_step", "contention_ratio",
-                     "rate_change", "model_gain"):
+                     "rate_change", "model_gain", "depth_gain"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ConfigError(f"PolicyConfig.{name} must be in (0, 1], got {v!r}")

@@ -225,6 +225,8 @@ RECORD = Obj({
     "host_lane_s": (SECONDS, False), "device_wait_s": (SECONDS, False), "host_lane_subgroups": (Int(0), False),
     "device_lane_subgroups": (Int(0), False), "device_tier_subgroups": (Int(0), False),
 }, extra=True)
+DEPTH_RESPONSE = Obj({"at": (Int(1, 64), True), "double": (Num(0, 1000), False), "half": (Num(0, 1000), False)})
+"""A path's probed round trip at twice and half its concurrency ``at``, over at it (``EngineFacts``)."""
 PROFILE = Opt(lambda v, where: v if isinstance(v, (str, dict)) else _fail(where, "a string, an object or null", v))
 
 _RUN_RANK = {"run_id": (RUN_ID, True), "rank": (RANK, True)}
@@ -239,7 +241,8 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
                  "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False),
                  # knobs the run's options fixed, with their values (pinned from the start), and
                  # the rank's host bytes for staging buffers within its host-memory budget
-                 "pins": (PINS, False), "host_staging_bytes": (Opt(Int(0)), False)},
+                 "pins": (PINS, False), "host_staging_bytes": (Opt(Int(0)), False),
+                 "path_depth_response": (Dict(DEPTH_RESPONSE, PATH, 64), False)},
     "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
                   "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},

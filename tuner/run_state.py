@@ -47,6 +47,8 @@ class RunFacts:
     """Knobs the run's options fixed, with their values (the register message's): pinned from the start."""
     host_staging_bytes: int | None = None
     """Host bytes per rank its host-memory budget leaves for staging buffers."""
+    path_depth_response: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per path of the run, how its probed rate answered twice and half its concurrency (``EngineFacts``)."""
 
     @classmethod
     def from_register(cls, msg: dict) -> "RunFacts":
@@ -64,7 +66,8 @@ class RunFacts:
         return cls(ranks=msg["world_size"], params=msg["params"], paths=paths, has_device=msg["has_device"],
                    subgroup_bytes=msg["subgroup_bytes"], profile=msg.get("profile"),
                    device_headroom_bytes=msg.get("device_headroom_bytes"), pins=pins,
-                   host_staging_bytes=msg.get("host_staging_bytes"))
+                   host_staging_bytes=msg.get("host_staging_bytes"),
+                   path_depth_response={p: r for p, r in msg.get("path_depth_response", {}).items() if p in paths})
 
 
 @dataclass
