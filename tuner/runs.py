@@ -4,9 +4,9 @@
 per-rank telemetry into a :class:`tuner.observation.Observation` (the slowest rank's times, the sum
 of the ranks' bandwidths) once every rank reported it, asking the run's policy, and pushing a
 change to every rank with ``apply_at``, an iteration far enough ahead that all ranks have the
-message before they reach it, so every rank switches at the same iteration. The user's pins
-and freeze, the history database (best earlier knobs, saved controls, summaries) and the end
-of a run are here too. One run's state, policy or client failing never touches another run.
+message before they reach it, so every rank switches at the same iteration. The history
+database (best earlier knobs, summaries) and the end of a run are here too; the user's pins and
+freeze are :mod:`tuner.controls`'. One run's state, policy or client failing never touches another run.
 
 No sockets: a rank's connection is an opaque *peer* (any hashable object; its ``pid``
 attribute, if it has one, is named in logs). Messages for peers are queued in an outbox that
@@ -24,8 +24,8 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.config import Knobs
-from engine.errors import ConfigError
 from engine.telemetry import StepRecord
+from tuner.controls import UserControls, check_knobs_for
 from tuner.daemon_config import ServerConfig
 from tuner.knob_text import Pins, changed_knobs, split_key
 from tuner.observation import Observation
@@ -47,7 +47,7 @@ def _default_sensors_factory(paths):
     return Sensors(paths)
 
 
-class Runs:
+class Runs(UserControls):
     """Every run of one daemon, driven by the messages of its ranks and of the CLI.
 
     ``policy_factory(start_knobs, facts)`` makes one run's policy from its :class:`tuner.run_state.RunFacts`
@@ -119,7 +119,7 @@ class Runs:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"rank {rank} is not below world_size {world}")
         knobs = knobs_from_dict(msg["knobs"])
         paths = tuple(msg["paths"])
-        _check_knobs_for(knobs, paths, msg["has_device"])
+        check_knobs_for(knobs, paths, msg["has_device"])
         run = self.runs.get(run_id)
         if run is not None and run.status == "finished":
             run = None  # a run id used again after its end: a new run
@@ -224,7 +224,7 @@ class Runs:
                 start = start.replace(**{name: value})
             if start == knobs:
                 return None
-            _check_knobs_for(start, run.facts.paths, run.facts.has_device)
+            check_knobs_for(start, run.facts.paths, run.facts.has_device)
         except Exception as e:  # history is advice; a bad entry must not stop the run
             log.warning("run %s: history not used: %s", run.run_id, e)
             return None
@@ -345,45 +345,6 @@ class Runs:
         except Exception as e:
             log.warning("run %s: summary not recorded in the history: %s", run.run_id, e)
 
-    def _restore_controls(self, run: Run, knobs: Knobs) -> None:
-        """The user's pins and freeze of this run, saved before a daemon restart: put them back."""
-        saved = None
-        if self.history is not None:
-            try:
-                saved = self.history.controls(run.run_id)
-            except Exception as e:
-                log.warning("run %s: saved pins not read: %s", run.run_id, e)
-        if not saved:
-            return
-        pins, frozen = saved
-        try:
-            if run.policy_ok():
-                for knob, value in pins.items():
-                    run.policy.pin(knob, value)
-                if frozen:
-                    run.policy.freeze(True)
-                target = run.policy.knobs
-            else:
-                own, target = Pins(), knobs
-                for knob, value in pins.items():
-                    _, _, target = own.pin(knob, value, target, run.facts.paths, run.facts.has_device)
-                run.own_pins = own
-            _check_knobs_for(target, run.facts.paths, run.facts.has_device)
-        except (ConfigError, ProtocolError, TypeError) as e:
-            log.warning("run %s: saved pins %s not restored: %s", run.run_id, pins, e)
-            return
-        run.frozen = frozen
-        log.info("run %s: restored the user's pins %s%s", run.run_id, pins, " and freeze" if frozen else "")
-        if target != knobs:
-            run.start_change = (target, "the user's pins, restored after a daemon restart", "user")
-
-    def _save_controls(self, run: Run) -> None:
-        if self.history is not None:
-            try:
-                self.history.save_controls(run.run_id, run.pins(), run.frozen)
-            except Exception as e:
-                log.warning("run %s: pins not saved: %s", run.run_id, e)
-
     # -- aggregation and decisions -----------------------------------------------------------
 
     def _aggregate_ready(self, run: Run, flush: bool = False) -> None:
@@ -460,7 +421,7 @@ class Runs:
         if decision is None:
             return
         try:
-            _check_knobs_for(decision.knobs, run.facts.paths, run.facts.has_device)
+            check_knobs_for(decision.knobs, run.facts.paths, run.facts.has_device)
         except ProtocolError as e:
             self._policy_failed(run, f"policy proposed unusable knobs: {e}")
             log.error("run %s: %s", run.run_id, run.policy_error)
@@ -512,67 +473,6 @@ class Runs:
         return {"v": API_VERSION, "type": "knobs", "run_id": run.run_id, "knobs": run.knobs_dict,
                 "apply_at": run.apply_at, "seq": run.seq, "reason": run.reason}
 
-    # -- the user's controls -----------------------------------------------------------------
-
-    def _run_for_cli(self, msg: dict) -> Run:
-        run = self.runs.get(msg["run_id"])
-        if run is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"no run {msg['run_id']!r}; runs: "
-                                f"{', '.join(sorted(self.runs)) or 'none'}")
-        if run.status == "finished":
-            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {run.run_id} has finished")
-        return run
-
-    def pin(self, msg: dict) -> dict:
-        run = self._run_for_cli(msg)
-        knob, value = msg["knob"], msg["value"]
-        try:
-            if run.policy_ok():  # the policy owns the pins: it ends a trial of the knob, and never searches it
-                run.policy.pin(knob, value)
-                knobs = run.policy.knobs
-            else:
-                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.facts.paths, run.facts.has_device)
-        except (ConfigError, TypeError) as e:
-            raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
-        _check_knobs_for(knobs, run.facts.paths, run.facts.has_device)
-        self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
-        self._save_controls(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
-
-    def unpin(self, msg: dict) -> dict:
-        run = self._run_for_cli(msg)
-        knob = msg["knob"]
-        try:
-            if run.policy_ok():
-                run.policy.unpin(knob)
-            else:
-                run.own_pins.unpin(knob, run.facts.paths)
-        except ConfigError as e:
-            raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
-        self._user_change(run, run.knobs, f"{knob} unpinned by the user")
-        self._save_controls(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
-
-    def freeze(self, msg: dict) -> dict:
-        run = self._run_for_cli(msg)
-        run.frozen = msg["frozen"]
-        knobs = run.knobs
-        if run.policy_ok():
-            run.policy.freeze(run.frozen)  # freezing mid-trial goes back to the last good knobs
-            knobs = run.policy.knobs
-        self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
-        self._save_controls(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
-
-    def _user_change(self, run: Run, knobs: Knobs, reason: str) -> None:
-        """Push ``knobs`` now if they differ; log the request either way."""
-        if knobs != run.knobs:
-            self._change(run, knobs, reason, source="user")
-            return
-        log.info("run %s: %s", run.run_id, reason)
-        run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq, "apply_at": None,
-                              "knobs": run.knobs_dict, "source": "user", "reason": reason})
-
     # -- views -------------------------------------------------------------------------------
 
     def views(self, run_id: str | None, history: int, budget: int) -> tuple[list[dict], list[str]]:
@@ -590,11 +490,3 @@ class Runs:
             runs.append(view)
             used += size
         return runs, omitted
-
-
-def _check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
-    """``Knobs.check_for`` as the protocol's BAD_VALUE, so no rank refuses a change."""
-    try:
-        knobs.check_for(paths, has_device)
-    except ConfigError as e:
-        raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
