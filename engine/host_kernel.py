@@ -190,41 +190,99 @@ state read and written (24), the gradient read (2), the weight written (2)
 (:data:`engine.lane_model.HOST_LANE_STATE_BYTES` and the rest)."""
 
 
+NODE_CPUS_ENV = "OFFLOADCTL_NODE_CPUS"
+"""The CPUs a rank's launcher gave it before ``--bind-cores`` bound it to its share, as
+``0,1,2``: the node's CPUs this process may use (a cpuset's, a ``taskset``'s), kept by
+:func:`integrations.cores.bind_rank_cores` for the node's bandwidth measurement."""
+NODE_PROBE_TIMEOUT_S = 120
+"""The most the measurement in a child process may take; past it, the rank's own figure."""
+
+
 def _bandwidth_key() -> str:
-    """What the node's bandwidth depends on: the CPU and how many there are, the memory size."""
+    """What the node's bandwidth depends on: the CPU and how many of them a process may use
+    (fewer than the machine's in a cpuset), the memory size."""
     import psutil
 
-    return f"{_cpu_model()}|cpus={os.cpu_count()}|memory={psutil.virtual_memory().total}"
+    return f"{_cpu_model()}|cpus={len(node_cpus())}|memory={psutil.virtual_memory().total}"
 
 
-def _all_cpus() -> set[int]:
-    return set(range(os.cpu_count() or 1))
+def node_cpus() -> set[int]:
+    """The CPUs the node's bandwidth is measured on: those the launcher gave this process before
+    it was bound to its share (``NODE_CPUS_ENV``), else its affinity (a cpuset's or a taskset's:
+    a process inside one may use no others, whatever ``os.cpu_count()`` says)."""
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        given = {int(c) for c in os.environ.get(NODE_CPUS_ENV, "").split(",") if c.strip()}
+    except ValueError:
+        given = set()
+    return given | mine if given else mine
 
 
-def _measure_node_bandwidth() -> float:
-    """The copy bandwidth with every CPU of the machine: here when this process may use them all
-    (``offloadctl info``, ``profile save``, a lone rank), else in a child process unbound from
-    this rank's share (a rank bound to 8 of 64 cores cannot fill the node's memory channels)."""
+def _copy_bandwidth_on(cpus: set[int]) -> tuple[float, int]:
+    """(bytes/s of a large copy, CPUs it ran on) with a thread per CPU of ``cpus`` that this
+    process gets: it widens its affinity to them first, and the kernel clips that to its cpuset
+    (or refuses it): then it measures on what it has. Never starts a process."""
+    if hasattr(os, "sched_setaffinity") and set(os.sched_getaffinity(0)) != cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass  # none of them in this process's cpuset: measured on its own CPUs
+    have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else len(cpus)
+    from engine.gpumem import measure_memory_bandwidth
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(have)
+    try:
+        return measure_memory_bandwidth.__wrapped__(), have  # measured now, not this process's cached figure
+    finally:
+        torch.set_num_threads(threads)
+
+
+_CHILD = ("import sys\n"
+          "from engine.host_kernel import _copy_bandwidth_on\n"
+          "print(*_copy_bandwidth_on({int(c) for c in sys.argv[1].split(',')}))\n")
+
+
+def _measure_node_bandwidth() -> float | None:
+    """The copy bandwidth with every CPU this process may use (:func:`node_cpus`): here when it
+    is not bound to fewer (``offloadctl info``, ``profile save``, a lone rank, a process in a
+    cpuset), else in one child process that takes them itself (a rank bound to 8 of 64 cores
+    cannot fill the node's memory channels). The child measures and starts nothing (a child that
+    measured again wherever its affinity came out short would spawn without end in a cpuset),
+    and it sets its own affinity: no ``preexec_fn`` between fork and exec of a rank that runs
+    threads. None, said in one line, when the child fails: the rank counts on its own figure."""
     import subprocess
     import sys
 
-    cpus = _all_cpus()
-    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+    cpus = node_cpus()
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     if mine >= cpus:
-        from engine.gpumem import measure_memory_bandwidth
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(len(cpus))
-        try:
-            return measure_memory_bandwidth.__wrapped__()  # measured now, not this process's cached figure
-        finally:
-            torch.set_num_threads(threads)
+        bytes_per_s, measured_on = _copy_bandwidth_on(mine)
+        log.info("node memory bandwidth: %.3g bytes/s on %d CPUs (this process)", bytes_per_s, measured_on)
+        return bytes_per_s
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)), "PYTHONPATH": root}
-    out = subprocess.run([sys.executable, "-c", "from engine.host_kernel import _measure_node_bandwidth as m; print(m())"],
-                         env=env, capture_output=True, text=True, timeout=120,
-                         preexec_fn=lambda: os.sched_setaffinity(0, cpus))
-    return float(out.stdout.strip().splitlines()[-1])
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        out = subprocess.run([sys.executable, "-c", _CHILD, ",".join(map(str, sorted(cpus)))], env=env,
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=NODE_PROBE_TIMEOUT_S)
+        if out.returncode != 0:
+            raise RuntimeError((out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1])
+        printed = out.stdout.split()
+        if len(printed) < 2:
+            raise RuntimeError("the child process printed no figure")
+        bytes_per_s, measured_on = float(printed[-2]), printed[-1]
+        if not bytes_per_s > 0:
+            raise ValueError(f"measured {printed[-2]}")
+    except subprocess.TimeoutExpired:
+        why = f"the measurement took over {NODE_PROBE_TIMEOUT_S} s"
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        why = str(e) or type(e).__name__
+    else:
+        log.info("node memory bandwidth: %.3g bytes/s on %s CPUs (a child process)", bytes_per_s, measured_on)
+        return bytes_per_s
+    log.warning("offloadctl: the node's memory bandwidth was not measured (%s): this rank counts on its own figure", why)
+    return None
 
 
 def keep_node_memory_bandwidth(bytes_per_s: float) -> None:

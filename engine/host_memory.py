@@ -30,7 +30,7 @@ import psutil
 
 from engine.errors import ConfigError
 from engine.layout import deepest_prefetch, host_buffer_bytes, staging_buffers
-from engine.units import format_size
+from engine.units import format_size, size_at_least
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ class HostBudget:
             parts = ", ".join(f"{format_size(v)} {k}" for k, v in need.to_dict().items() if v)
             raise ConfigError(
                 f"host memory budget {format_size(given_bytes)} (--host-memory) is below what this rank needs to start: "
-                f"{format_size(need.total)} ({parts}, prefetch depth {prefetch_depth}); raise --host-memory, "
-                f"or lower --host-cache or --prefetch-depth")
+                f"{format_size(need.total)} ({parts}, prefetch depth {prefetch_depth}); give --host-memory "
+                f"{size_at_least(need.total)} or more, or lower --host-cache or --prefetch-depth")
         return cls(given_bytes, usage)
 
     def watch(self, floor_bytes: int | None, lock, *, transfers, device_tier) -> None:

@@ -109,6 +109,19 @@ def format_size(n: float | None, *, binary: bool = False) -> str:
     return f"{'-' if n < 0 else ''}{digits} {prefix}B"
 
 
+def size_at_least(n: float) -> str:
+    """``n`` bytes as a size to type (``1.43GB``), rounded up at its third significant digit: the
+    smallest such size that is not below ``n``, for a message that names the least setting that
+    works (:func:`format_size` rounds to nearest, which can fall short)."""
+    whole = max(1, math.ceil(n))
+    drop = max(0, len(str(whole)) - 3)
+    top = -(-whole // 10**drop) * 10**drop
+    for prefix, scale in _SI:
+        if top >= scale:
+            return f"{top / scale:.2f}".rstrip("0").rstrip(".") + f"{prefix}B"
+    return f"{top}B"
+
+
 def format_rate(v: float | None, unit: str = "B/s") -> str:
     """A rate: ``13 GB/s``, ``850 MB/s``; with another ``unit``: ``1.07G params/s``."""
     if v is None or not math.isfinite(v):

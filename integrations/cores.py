@@ -190,13 +190,19 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
         return None
     topology = read_topology(sysfs)
     gpu_nodes = [gpu_numa_node(b, sysfs) if b else None for b in local_gpu_bus_ids(local_size, environ)]
-    cores = rank_cores(os.sched_getaffinity(0), local_rank(environ), local_size, topology, gpu_nodes)
+    given = os.sched_getaffinity(0)
+    cores = rank_cores(given, local_rank(environ), local_size, topology, gpu_nodes)
     if not cores:
         return None
     os.sched_setaffinity(0, cores)
     threads = physical_cores(cores, topology)
     environ["OMP_NUM_THREADS"] = str(threads)  # DeepSpeed's cpu_adam op and anything OpenMP started later
     import torch
+
+    from engine.host_kernel import NODE_CPUS_ENV
+
+    # The node's bandwidth is measured on every CPU the launcher gave (a cpuset's), not this share.
+    environ[NODE_CPUS_ENV] = ",".join(map(str, sorted(given)))
 
     torch.set_num_threads(threads)
     return cores

@@ -68,9 +68,13 @@ def test_a_budget_the_start_does_not_fit_is_one_clear_error(swap_dir):
     with pytest.raises(ConfigError) as e:
         OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=10_000)
     msg = str(e.value)
-    assert "\n" not in msg and "host memory budget" in msg and "raise --host-memory" in msg, msg
-    assert "prefetch depth 2" in msg and "staging" in msg
+    assert "\n" not in msg and "host memory budget" in msg and "prefetch depth 2" in msg and "staging" in msg, msg
     assert os.listdir(swap_dir) == []  # refused before any swap file was made
+    # It names the smallest budget that starts (issue 43): that one starts.
+    from engine.units import parse_size
+
+    smallest = parse_size(msg.split("give --host-memory ", 1)[1].split(" or more")[0], flag="--host-memory")
+    OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=smallest).close()
 
 
 def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
@@ -281,20 +285,7 @@ def test_the_nodes_bandwidth_is_measured_once_and_kept(monkeypatch, tmp_path):
     assert hk.node_memory_bandwidth() == 50e9 and calls == [1]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_a_bound_rank_measures_the_node_with_every_core(monkeypatch):
-    """A rank bound to its share cannot fill the node's memory channels: the node's figure is
-    measured by a child process unbound from it."""
-    import engine.host_kernel as hk
-
-    everything = set(os.sched_getaffinity(0))
-    monkeypatch.setattr(hk, "_all_cpus", lambda: everything)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {min(everything)})  # as a bound rank sees itself
-    ran = []
-    real = subprocess.run
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: ran.append(a[0]) or real(*a, **k))
-    assert hk._measure_node_bandwidth() > 1e8
-    assert ran and ran[0][0] == sys.executable
+# A bound rank's measurement of the node, in a real taskset and cpuset: tests/test_cpuset_probe.py.
 
 
 def test_profile_save_keeps_the_nodes_bandwidth_and_info_shows_it(monkeypatch):
