@@ -250,7 +250,7 @@ def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_byte
     sweep: list[SweepPoint] = []
     fd = None
     try:
-        fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.posix_fallocate(fd, 0, size)
         # Incompressible data: some devices compress or skip zeros.
         noise = torch.randint(0, 256, (max(block_sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

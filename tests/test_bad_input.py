@@ -62,7 +62,7 @@ def test_disk_too_small_fails_at_construction():
     with mounted("tmpfs", "size=64k") as d:
         with pytest.raises(StoragePathError, match=f"{d} is full.*free space"):
             _opt(make_model(), d)
-        assert glob.glob(os.path.join(d, "offloadctl-swap", "*", "*.swp")) == []
+        assert glob.glob(os.path.join(d, "offloadctl-swap-*", "*", "*.swp")) == []
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> None:
@@ -174,14 +174,14 @@ def test_load_state_of_another_model(swap_dir):
 # -- lifecycle: swap files never outlive their run ----------------------------------------------
 
 def _swap_files(d):
-    return glob.glob(os.path.join(d, "offloadctl-swap", "*", "*.swp"))
+    return glob.glob(os.path.join(d, "offloadctl-swap-*", "*", "*.swp"))
 
 
 def test_close_removes_swap_files(swap_dir):
     _, opt, _, _ = reference_pair(lambda m: _opt(m, swap_dir), 2)
     assert _swap_files(swap_dir)
     opt.close()
-    assert not os.path.exists(os.path.join(swap_dir, "offloadctl-swap"))
+    assert glob.glob(os.path.join(swap_dir, "offloadctl-swap*")) == []
 
 
 _CHILD = """

@@ -198,7 +198,7 @@ def _train(tmp_path, *opts, steps=400, port=None):
     err = open(tmp_path / "stderr", "w")
     # A session of its own, as a shell gives a job: the test can signal it as a terminal would.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    swaps = lambda: glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp"))  # noqa: E731
+    swaps = lambda: glob.glob(str(nvme / "offloadctl-swap-*" / "*" / "*.swp"))  # noqa: E731
     _wait(lambda: os.path.exists(tmp_path / "losses.jsonl") or proc.poll() is not None, 180, "training to start")
     assert proc.poll() is None, open(tmp_path / "stderr").read()[-3000:]
     assert swaps()
@@ -399,7 +399,7 @@ def test_two_runs_sharing_one_nvme_path(tmp_path):
         assert p.returncode == 0, err[-3000:]
     losses = [[json.loads(line)["loss"] for line in open(tmp_path / f"l{k}.jsonl")] for k in range(2)]
     assert losses[0] == losses[1] and len(losses[0]) == 6
-    assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+    assert glob.glob(str(nvme / "offloadctl-swap-*" / "*" / "*.swp")) == []
 
 
 @pytest.mark.slow
@@ -431,7 +431,7 @@ def test_rank_killed_mid_write_resumes_from_its_checkpoint(ds_runs, tmp_path):
     ref = whole.losses[3:]
     got = [json.loads(line)["loss"] for line in open(tmp_path / "resumed.jsonl")]
     assert got == pytest.approx(ref, rel=1e-6) and len(got) == 3
-    assert glob.glob(str(nvme / "offloadctl-swap" / "*" / "*.swp")) == []
+    assert glob.glob(str(nvme / "offloadctl-swap-*" / "*" / "*.swp")) == []
 
 
 NESTED_SIGNALS = """

@@ -133,7 +133,8 @@ class SwapPath:
         """Create and fully allocate the swap file of subgroup ``index``."""
         plan = swapfile.ChunkPlan.for_payload(payload_bytes, chunk_bytes)
         filename = os.path.join(self.dir, f"sg{index:06d}.swp")
-        fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        # O_NOFOLLOW: a link in the swap directory is never followed (engine/storage/swapdir.py).
+        fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             # Allocating now turns a disk that is too small into an error at start, not mid-run.
             os.posix_fallocate(fd, 0, HEADER_BYTES + payload_bytes)

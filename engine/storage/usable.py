@@ -14,10 +14,12 @@ import threading
 
 from engine.errors import StoragePathError
 from engine.layout import ALIGN_BYTES
+from engine.storage.swapdir import check_swap_root
 
 
 def check_usable(path: str) -> None:
-    """Raise :class:`StoragePathError` unless ``path`` is a writable directory that supports O_DIRECT."""
+    """Raise :class:`StoragePathError` unless ``path`` is a writable directory that supports O_DIRECT,
+    where this user's swap directory cannot be another user's (:func:`check_swap_root`)."""
     try:
         os.stat(path)
     except OSError as e:
@@ -27,6 +29,7 @@ def check_usable(path: str) -> None:
         raise StoragePathError(f"storage path {path} does not exist: create it (mkdir -p {path}) or fix the path")
     if not os.path.isdir(path):
         raise StoragePathError(f"storage path {path} is not a directory: give a directory for swap files")
+    check_swap_root(path)
     probe = os.path.join(path, f".offloadctl-probe-{os.getpid()}-{threading.get_ident()}")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
