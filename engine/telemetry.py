@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from engine.layout import forward_order
+from engine.record_files import private_opener, say_records_stopped
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,11 @@ class TelemetryLog:
         self.records.append(rec)
         if self.path:
             try:
-                with open(self.path, "a") as f:
+                with open(self.path, "a", opener=private_opener) as f:
                     f.write(json.dumps(rec.to_dict()) + "\n")
             except OSError as e:
                 self._stop_writing(e)
 
     def _stop_writing(self, e: OSError) -> None:
-        log.warning("offloadctl: telemetry no longer written to %s (%s): the run goes on, its telemetry kept in memory",
-                    self.path, e.strerror or e)
+        say_records_stopped(self.path, e)  # its records stay in memory
         self.path = None

@@ -68,10 +68,28 @@ def _read(path: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def check_ds_config(script_args: Sequence[str]) -> FoundConfig | None:
+def nvme_without_path(where: str) -> str:
+    """The refusal of an ``offload_optimizer`` on NVMe that names no directory, with no ``--nvme``
+    or ``--remote`` given: the state would stay in host memory, which the user asked to spare
+    (stock DeepSpeed fails there with a traceback)."""
+    return (f"{where} puts the optimizer state on NVMe (offload_optimizer.device \"nvme\") but names no nvme_path, "
+            f"and no --nvme was given: add \"nvme_path\": DIR to its offload_optimizer, or give --nvme DIR (device "
+            f"\"cpu\" keeps the state in host memory)")
+
+
+def refuse_nvme_without_path(on_nvme: bool, nvme_path, settings) -> None:
+    """In a rank (a config built inside the script): ConfigError where the optimizer is offloaded
+    to NVMe (``on_nvme``) without ``nvme_path`` and ``settings`` (its ZeroEngineSettings) give
+    no storage path."""
+    if on_nvme and not nvme_path and not (settings.nvme_paths or settings.remote_paths):
+        raise ConfigError(nvme_without_path("the ZeRO-3 config"))
+
+
+def check_ds_config(script_args: Sequence[str], *, paths_given: bool = False) -> FoundConfig | None:
     """ConfigError, in one line naming the file, when the ds_config the script's arguments name
-    is one the engine refuses: a ZeRO stage other than 3, or stage 3 without
-    ``offload_optimizer``. Returns what was found (None: nothing to check before the launch)."""
+    is one the engine refuses: a ZeRO stage other than 3, stage 3 without ``offload_optimizer``,
+    or one on NVMe without a path while no storage path was given (``paths_given``: --nvme or
+    --remote). Returns what was found (None: nothing to check before the launch)."""
     found = find_ds_config(script_args)
     if found is None:
         return None
@@ -91,4 +109,6 @@ def check_ds_config(script_args: Sequence[str]) -> FoundConfig | None:
                           f"{'none' if not isinstance(off, dict) else 'device ' + json.dumps(device)}: add "
                           f"\"offload_optimizer\": {{\"device\": \"cpu\"}} to its zero_optimization (the engine takes "
                           f"over an offloaded optimizer), or run it with --engine stock")
+    if stage == 3 and device == "nvme" and not off.get("nvme_path") and not paths_given:
+        raise ConfigError(nvme_without_path(where))
     return found

@@ -7,7 +7,9 @@
   on the directory, held until this process exits) and one that holds an earlier run's
   records (unless ``force``: then those records go first), in one line naming the fix.
 - A run dir offloadctl makes is 0700 (the records hold the script's argv, which may hold a
-  token), as is an empty one it is given; the log and records it writes there are 0600.
+  token), as is an empty one it is given; the log and records it writes there are 0600 whatever
+  the dir's mode (:mod:`engine.record_files`), and a dir it leaves open to others (one holding
+  other files, given with ``--force`` or not) is said in one line (:attr:`RunDir.note`).
 
 Imports neither torch nor DeepSpeed.
 """
@@ -18,6 +20,7 @@ import fcntl
 import glob
 import os
 import shutil
+import stat
 import time
 
 from engine.errors import ConfigError
@@ -49,8 +52,10 @@ def earlier_run(run_dir: str) -> list[str]:
 class RunDir:
     """A claimed run dir: the lock is held while this object lives (or until :meth:`release`)."""
 
-    def __init__(self, path: str, fd: int | None) -> None:
+    def __init__(self, path: str, fd: int | None, note: str | None = None) -> None:
         self.path, self._fd = path, fd
+        self.note = note
+        """One line for the user where the dir is open to others (its records are private all the same)."""
 
     def release(self) -> None:
         if self._fd is not None:
@@ -100,7 +105,16 @@ def claim(run_dir: str, *, flag: str, force: bool = False, default: bool = False
         except OSError as e:
             os.close(fd)
             raise ConfigError(f"{flag} {run_dir}: cannot remove the earlier run's {name} ({_why(e)})") from None
-    return RunDir(run_dir, fd)
+    return RunDir(run_dir, fd, _open_to_others(run_dir, fd, flag))
+
+
+def _open_to_others(run_dir: str, fd: int, flag: str) -> str | None:
+    """The note for a run dir others may read or enter (left so: it holds more than this run's)."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if not mode & 0o077:
+        return None
+    return (f"offloadctl: {flag} {run_dir} is open to other users (mode {mode:04o}): the run's records there are "
+            f"created private (0600); chmod 700 {run_dir} to hide their names too")
 
 
 def in_use(run_dir: str) -> bool:

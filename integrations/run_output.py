@@ -24,6 +24,8 @@ import signal
 import sys
 import threading
 
+from engine.record_files import private_opener
+
 LOG_NAME = "deepspeed.log"
 """DeepSpeed's lines of a run, in its run dir."""
 
@@ -74,7 +76,7 @@ def open_log(run_dir: str):
     """The run's DeepSpeed log, opened for appending (every process of the run appends lines);
     private to its user (0600: it holds the script's command line)."""
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    return open(os.open(log_path(run_dir), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab", buffering=0)
+    return open(log_path(run_dir), "ab", buffering=0, opener=private_opener)
 
 
 # -- on the launcher's output -----------------------------------------------------------------

@@ -41,6 +41,7 @@ from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
 from engine.streams import resolve_lane_device
 from integrations import ds_compat
+from integrations.ds_config_check import refuse_nvme_without_path
 from integrations.settings import ZeroEngineSettings
 
 
@@ -101,6 +102,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             raise ConfigError("offloadctl needs `offload_optimizer` (device cpu or nvme) in the ZeRO-3 config: "
                               "add it, or use engine.OffloadAdamW without DeepSpeed")
         nvme = getattr(offload_optimizer_config, "nvme_path", None) if self.swap_optimizer else None
+        refuse_nvme_without_path(self.swap_optimizer, nvme, self.settings)  # a config built in the script
         self._ds_nvme_path = str(nvme) if nvme else None
         self.swap_optimizer = False  # the engine owns the tiers; DeepSpeed creates no swapper
 

@@ -30,6 +30,7 @@ import time
 
 from engine.errors import ConfigError
 from engine.hooks import StepHook
+from engine.record_files import private_opener
 
 # Imported here, before bootstrap puts the user's script directory first on sys.path: a script
 # beside a module named like ours (bench/tuner.py) must not shadow them when a rank attaches.
@@ -138,7 +139,7 @@ class Recorder:
         """The signal that stopped the rank (SIGINT, SIGTERM, SIGHUP), when one did."""
         self._lock = threading.Lock()
         path = os.path.join(config.run_dir, f"record-rank{rank}.jsonl")  # 0600: it holds the script's argv
-        self._file = open(path, "w", buffering=1, opener=lambda p, flags: os.open(p, flags, 0o600))
+        self._file = open(path, "w", buffering=1, opener=private_opener)
         self._write({"type": "header", "format": RECORD_FORMAT, "version": FORMAT_VERSION, "rank": rank,
                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "engine": config.engine,
                      "script": script, "host": socket.gethostname(), "pid": os.getpid(),
@@ -382,7 +383,7 @@ class Recorder:
                 try:
                     self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
                 except OSError as e:  # a full or failing disk: recording is never a reason to stop training
-                    stop_writing(self._file, e, "the record")
+                    stop_writing(self._file, e)
 
     def close(self) -> None:
         """Stop the sampler and write the ``end`` line. Idempotent (atexit calls it)."""
@@ -404,7 +405,7 @@ class Recorder:
                 try:
                     self._file.close()
                 except OSError as e:
-                    stop_writing(self._file, e, "the record")
+                    stop_writing(self._file, e)
 
 
 def _call(obj, name: str):

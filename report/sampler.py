@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 
+from engine.record_files import private_opener, say_records_stopped
 from perf.nvml import open_nvml
 from tuner.sensors import disk_bytes
 
@@ -45,7 +45,7 @@ class Sampler(threading.Thread):
         if self._nvml is not None:
             columns += ["nvml_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"]
         self.columns = columns
-        self._file = open(path, "w")
+        self._file = open(path, "w", opener=private_opener)  # 0600, whatever the run dir's mode
         self._file.write(json.dumps({"type": "header", "format": fmt, "version": version,
                                      "columns": columns, "hz": hz, "max_rows": max_rows,
                                      "clock": "perf_counter", "t0": time.perf_counter(),
@@ -61,7 +61,7 @@ class Sampler(threading.Thread):
             try:
                 self._file.close()
             except OSError as e:
-                stop_writing(self._file, e, "the sampled series")
+                stop_writing(self._file, e)
         if self._nvml is not None:
             try:
                 self._nvml[0].nvmlShutdown()
@@ -106,7 +106,7 @@ class Sampler(threading.Thread):
             self._file.flush()
             return True
         except OSError as e:
-            stop_writing(self._file, e, "the sampled series")
+            stop_writing(self._file, e)
             return False
 
     def _sample(self, t: float) -> list:
@@ -191,10 +191,10 @@ def _own_nvml(cuda_device):
     return None
 
 
-def stop_writing(f, e: OSError, what: str) -> None:
-    """Stop writing ``f`` (``what`` a run's file holds) after ``e``, with one warning; the run goes on."""
-    print(f"offloadctl: {what} of this rank is no longer written to {getattr(f, 'name', '?')} ({e.strerror or e}): the "
-          f"run goes on; offloadctl report shows what was written before", file=sys.stderr, flush=True)
+def stop_writing(f, e: OSError) -> None:
+    """Stop writing ``f``, a run's file, after ``e``: one warning for all of the rank's record
+    files (:func:`engine.record_files.say_records_stopped`); the run goes on."""
+    say_records_stopped(str(getattr(f, "name", "?")), e)
     try:
         f.close()
     except OSError:

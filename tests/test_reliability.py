@@ -329,7 +329,7 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
                     return int(pid)
             return None
         pid = wait_for(rank1, 120, "rank 1 to start")
-        wait_for(lambda: glob.glob(str(tmp_path / "nvme" / "offloadctl-swap" / "*" / "*.swp")), 120, "training")
+        wait_for(lambda: glob.glob(str(tmp_path / "nvme" / "offloadctl-swap-*" / "*" / "*.swp")), 120, "training")
         os.kill(pid, signal.SIGKILL)
     out, err = p.communicate(timeout=300)
     log = str(run_dir / "deepspeed.log")
@@ -596,9 +596,9 @@ def test_a_killed_private_daemon_is_said_and_the_run_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
-    """The run dir on a small file system that fills mid-run: each of the rank's files (the
-    engine's telemetry, the record, the sampled series) stops with one warning, no traceback,
-    and training goes on to its end."""
+    """The run dir on a small file system that fills mid-run: the rank's files (the engine's
+    telemetry, the record, the sampled series) stop with one warning for all of them (it was one
+    each), no traceback, and training goes on to its end."""
     import signal
     import subprocess
 
@@ -632,7 +632,5 @@ def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
             out, err = p.communicate(timeout=180)
     assert p.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-5000:]
     warned = [line for line in err.splitlines() if "no longer written" in line]
-    assert any(line.startswith(f"offloadctl: telemetry no longer written to {run_dir}/telemetry-rank0.jsonl (No space "
-                               f"left on device): the run goes on") for line in warned), err[-3000:]
-    assert any(line.startswith("offloadctl: the record of this rank is no longer written") for line in warned), err
-    assert len(warned) == len(set(warned)) <= 3, warned
+    assert warned == [f"offloadctl: this rank's records are no longer written to {run_dir} (No space left on device): "
+                      f"the run goes on (telemetry kept in memory); offloadctl report shows what was written before"], err

@@ -177,7 +177,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
     if args.engine != "stock":  # a config the engine refuses: said now, not by every rank after the launch
         from integrations.ds_config_check import check_ds_config
 
-        check_ds_config(args.script_args)
+        check_ds_config(args.script_args, paths_given=bool(args.nvme or args.remote))
 
 
 def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "RankSettings":
@@ -384,9 +384,13 @@ def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
 
     for _ in range(100):
         try:
-            return launch, claim(launch.settings.run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
+            claimed = claim(launch.settings.run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
         except DefaultTaken:
             launch = build(args)
+            continue
+        if claimed.note:  # a run dir open to others: its records are private all the same
+            print(claimed.note, file=sys.stderr)
+        return launch, claimed
     raise RuntimeError("no free default run dir after 100 tries")
 
 
