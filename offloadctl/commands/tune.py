@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.text import printable, printable_all
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
 from tuner.knob_text import knobs_text
@@ -129,11 +130,11 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     if len(found) == 1:
         return Target(found[0][0]["socket"], private=True)
     if found:
-        print(live_runs_table(found))
+        print(printable(live_runs_table(found)))
         raise ConfigError(f"{len(found)} live runs: pick one with --run-dir DIR")
     if run_ids and (live or system_runs):
         theirs = [({"run_dir": f"(daemon {system})", "started_at": None}, system_runs)] if system_runs else []
-        print(live_runs_table(live + theirs))
+        print(printable(live_runs_table(live + theirs)))
         raise ConfigError(f"no live run {', '.join(sorted(run_ids))}: the live runs are above; give one of their ids "
                           f"(RUN in RUN:KNOB=VALUE), or --run-dir DIR")
     if system_runs is not None:
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
                         "freeze": "frozen" if fields.get("frozen") else "unfrozen"}[kind]
-                print(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}")
+                print(printable(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}"))
         if actions and not (args.once or args.json or args.live):
             return 0
         if args.once or args.json:
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                 from rich.console import Console
 
                 console = Console()
-                console.print(runs_table(snap["runs"], width=console.width))
+                console.print(runs_table(printable_all(snap["runs"]), width=console.width))
             return 0
         return live(conn, args, target)
 
@@ -497,7 +498,8 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                     if controls.help:  # the keys in place of the frame, until ? again
                         body = [controls.help_text()]
                     else:
-                        body = fitted_panels(runs, console, height=room) if runs else [Text(_waiting(target, keyboard))]
+                        body = (fitted_panels(printable_all(runs), console, height=room) if runs
+                                else [Text(_waiting(target, keyboard))])
                     view.update(Group(*body, *extra), refresh=True)
                     typed = keyboard.read(deadline - time.monotonic())
                     if not typed:
@@ -509,10 +511,11 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
         except KeyboardInterrupt:
             pass
     if final is None:  # q or Ctrl-C: the last frame stays on screen, whole
-        for p in (fitted_panels(last, console, height=None) if last else []):
+        for p in (fitted_panels(printable_all(last), console, height=None) if last else []):
             console.print(p)
         console.print("left the live view; the run goes on")
         return 0
+    final = printable_all(final)  # shown only: the run ids the daemon knows are the raw ones
     for r in final:
         console.print(run_panel(r, width=console.width))
     for r in final:
