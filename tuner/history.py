@@ -22,6 +22,7 @@ from typing import Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from tuner.own_files import foreign_file_problem, shared_dir_problem
 
 SCHEMA_VERSION = 2
 """2: ``runs.outcome`` and ``runs.learned``; a schema-1 file is upgraded in place (its rows get
@@ -86,6 +87,23 @@ def profile_key(profile) -> str:
     return str(getattr(profile, "name", profile))
 
 
+def check_db_place(db_path: str) -> None:
+    """ConfigError (one line) unless ``db_path`` is a place for the history that no one else can
+    put a link in: its directory (if there is one yet) writable by this user only, and the
+    database and SQLite's files beside it, where they exist, this user's own regular files."""
+    path = os.path.abspath(os.path.expanduser(db_path))
+    fix = "give --db a path in a directory only you can write (mode 0700)"
+    d = os.path.dirname(path)
+    problem = shared_dir_problem(d, own_group_ok=True) if os.path.isdir(d) else None
+    if problem:
+        raise ConfigError(f"tuner history database {path}: {problem}, where they could put links for it: {fix}")
+    for name in (path, *(path + suffix for suffix in ("-wal", "-shm", "-journal"))):
+        problem = foreign_file_problem(name)
+        if problem:
+            raise ConfigError(f"tuner history database {path}: {problem}, which someone else may have put there: "
+                              f"remove it, or {fix}")
+
+
 class History:
     """Runs, periodic summaries and chosen knobs in ``db_path`` (created with its directory)."""
 
@@ -93,8 +111,13 @@ class History:
         self.db_path = os.path.abspath(os.path.expanduser(db_path))
         self.host = socket.gethostname()
         self._lock = threading.Lock()
+        check_db_place(self.db_path)
         try:
             os.makedirs(os.path.dirname(self.db_path), mode=0o700, exist_ok=True)
+            try:  # a new database is born the user's alone (0600), never through a link put there meanwhile
+                os.close(os.open(self.db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                pass
             self._db = sqlite3.connect(self.db_path, timeout=10, check_same_thread=False, isolation_level=None)
         except (OSError, sqlite3.Error) as e:
             raise ConfigError(f"tuner history database {self.db_path} cannot be opened ({e}): give a writable path "

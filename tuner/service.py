@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from engine.errors import ConfigError
+from tuner.own_files import open_own, shared_dir_problem
 from tuner.protocol import Connection, ProtocolError
 
 
@@ -128,12 +129,18 @@ def read_ended(socket_path: str) -> dict:
 
 def private_dir(path: str) -> str:
     """Create ``path`` (mode 0700) if missing. Refuse it if it, or the directory holding it,
-    belongs to another user: they could swap the socket for their own (a /tmp trap)."""
+    belongs to another user (they could swap the socket for their own: a /tmp trap), or if other
+    users may write in it (they could put links there for the daemon's log, pidfile or history:
+    :mod:`tuner.own_files`)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     for d, allowed in ((path, (os.geteuid(),)), (os.path.dirname(os.path.abspath(path)), (os.geteuid(), 0))):
         uid = os.stat(d).st_uid
         if uid not in allowed:
             raise ConfigError(f"{d} belongs to uid {uid}, not to you: pick another --socket")
+    problem = shared_dir_problem(path)
+    if problem:
+        raise ConfigError(f"{problem}: they could put links there for the tuner daemon's log, pidfile or history; pick "
+                          f"a --socket in a directory only you can write (mode 0700)")
     return path
 
 
@@ -185,9 +192,14 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
     welcome = probe(path)
     if welcome is not None:
         return {"socket": path, "pid": welcome["pid"], "log": logfile_for(path), "already_running": True}
+    log_fix = "remove it, or pick a --socket in a directory only you can write (mode 0700)"
     try:
         private_dir(os.path.dirname(path))
-        open(logfile_for(path), "ab").close()
+        if db_path != "none":  # refused here, in one line, rather than in the daemon's log
+            from tuner.history import check_db_place
+
+            check_db_place(db_path or default_db_path())
+        log_fd = open_own(logfile_for(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, "tuner log", log_fix)
     except OSError as e:
         why = {errno.EROFS: "the file system is read-only", errno.EEXIST: "a part of the path is a file",
                errno.ENOTDIR: "a part of the path is a file", errno.EACCES: "permission denied",
@@ -198,12 +210,14 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
            "--db", db_path or default_db_path(), "--pidfile", pidfile_for(path), *extra_args]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    with open(logfile_for(path), "ab") as logf:
-        # A new session: the daemon outlives this command and ignores its terminal's signals.
-        if owned:
-            cmd += ["--owner-pid", str(os.getpid())]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, cwd="/", env=env,
+    # A new session: the daemon outlives this command and ignores its terminal's signals.
+    if owned:
+        cmd += ["--owner-pid", str(os.getpid())]
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, cwd="/", env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent if owned else None)
+    finally:
+        os.close(log_fd)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -214,8 +228,20 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
             return {"socket": path, "pid": proc.pid, "log": logfile_for(path), "already_running": False,
                     "process": proc}
         time.sleep(0.05)
-    proc.kill()
-    raise ConfigError(f"the tuner daemon did not answer at {path} within {timeout_s:g} s: see {logfile_for(path)}")
+    why = _no_answer(path)
+    proc.kill()  # a daemon no client would talk to is no use; and this command says it failed
+    proc.wait()
+    raise ConfigError(f"the tuner daemon did not answer at {path} within {timeout_s:g} s ({why}), and was stopped: see "
+                      f"{logfile_for(path)}")
+
+
+def _no_answer(path: str) -> str:
+    """Why nothing answers at the socket ``path``: the client's own words."""
+    try:
+        with Connection(path, timeout_s=1.0):
+            return "it answered only now"
+    except (OSError, ProtocolError, ValueError) as e:
+        return " ".join(str(e).split())[:300]
 
 
 def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
@@ -293,7 +319,11 @@ def _tail(path: str, n: int = 400) -> str:
 def write_pid(pidfile: str) -> None:
     """Write this process's pid to ``pidfile``, atomically: a reader never sees half of it."""
     tmp = f"{pidfile}.{os.getpid()}"
-    with open(tmp, "w") as f:
+    try:
+        os.unlink(tmp)  # left by an earlier process of this pid
+    except FileNotFoundError:
+        pass
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         f.write(f"{os.getpid()}\n")
     os.replace(tmp, pidfile)
 
