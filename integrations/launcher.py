@@ -88,6 +88,65 @@ def check_launcher_values(values: Mapping[str, object]) -> None:
     whole("--node_rank", 0, None, "a whole number of 0 or more")
 
 
+def rendezvous_port(values: Mapping[str, object]) -> object:
+    """The ``--master_port`` a launch of parsed ``values`` takes. Where every rank runs on this
+    machine (no hostfile, no other master address), the port is checked here, before anything
+    starts, because a port in use fails only in the ranks, after the launch, in a page of
+    traceback ending in EADDRINUSE: without ``--master_port``, DeepSpeed's 29500 where it is
+    free, else another free one (two runs on one machine); with one, ConfigError in one line
+    where it is in use. Elsewhere (several nodes: the port is the master node's) the value as given."""
+    from engine.errors import ConfigError
+
+    given = values.get(option_dest(("--master_port",)))
+    if not _local_launch(values):
+        return given
+    if given is not None:
+        try:
+            port = int(str(given), 10)
+        except ValueError:
+            return given  # check_launcher_values says what is wrong with it
+        in_use = _port_in_use(port)
+        if in_use:
+            raise ConfigError(f"--master_port {port} {in_use} on this machine (another run, or another program): give "
+                              f"another port, or leave --master_port out and offloadctl picks a free one")
+        return given
+    if not _port_in_use(int(DEFAULT_MASTER_PORT)):
+        return None  # DeepSpeed's own default, as the command line was
+    import random
+
+    for port in random.sample(range(int(DEFAULT_MASTER_PORT) + 1, 30000), 499):  # random: two launches at once differ
+        if not _port_in_use(port):
+            return str(port)
+    raise ConfigError(f"no free rendezvous port in {DEFAULT_MASTER_PORT}..29999 on this machine: give --master_port")
+
+
+def _local_launch(values: Mapping[str, object]) -> bool:
+    """Whether DeepSpeed's launcher starts every rank on this machine and meets them here: no
+    hostfile (given, or DeepSpeed's default /job/hostfile), nothing forcing a multi-node launch,
+    no master address other than this machine's."""
+    get = lambda flag: values.get(option_dest((flag,)))  # noqa: E731
+    addr = get("--master_addr")
+    return (get("--hostfile") is None and not os.path.isfile("/job/hostfile") and not get("--force_multi")
+            and not get("--no_ssh") and get("--launcher") in (None, "pdsh")
+            and addr in (None, "localhost", "127.0.0.1", "::1"))
+
+
+def _port_in_use(port: int) -> str | None:
+    """How the TCP port ``port`` cannot be listened on here ('is in use', ...), or None where it
+    can: bound as torch's rendezvous store binds it (all addresses, SO_REUSEADDR: a connection of
+    an earlier run still closing does not count)."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return "is in use" if e.errno == errno.EADDRINUSE else f"cannot be listened on ({e.strerror})"
+    return None
+
+
 def launch_command(launcher: Sequence[str], rank_settings: RankSettings, script: str,
                    script_args: Sequence[str]) -> list[str]:
     """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""

@@ -42,7 +42,7 @@ LAUNCHER_HELP = {
     "--exclude": ("HOSTS", "hosts and GPUs to leave out, as --include"),
     "--num_nodes": ("N", "nodes to use"),
     "--num_gpus": ("N", "GPUs per node to use"),
-    "--master_port": ("PORT", "rendezvous port (default 29500)"),
+    "--master_port": ("PORT", "rendezvous port (default 29500, or a free one where that is in use)"),
     "--master_addr": ("ADDR", "rendezvous address (default: the first host)"),
     "--node_rank": ("N", "this node's rank, with --no_ssh"),
     "--launcher": ("NAME", "multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich"),
@@ -294,6 +294,9 @@ def preview_plan(settings, params: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.dry_run:  # a port in use is refused, or a free one taken, before anything starts
+        _check_inputs(args)
+        args.ds_master_port = launcher.rendezvous_port(vars(args))
     launch = build(args)
     for note in storage_notes(args):
         print(note, file=sys.stderr)
