@@ -67,7 +67,9 @@ class DeepSpeedAIO:
         # The op aborts the process on a short file; a truncated swap file must be an error.
         if os.fstat(fd).st_size < offset + buf.numel():
             raise ShortFileError(errno.EIO, f"file is shorter than {offset + buf.numel()} bytes", path)
-        if self._handle().sync_pread(buf, path, offset) < 0:
+        # The op opens by name: this descriptor's file through /proc, so that a swap directory
+        # deleted or renamed mid-run still reads from the file this rank made, never from a name.
+        if self._handle().sync_pread(buf, f"/proc/self/fd/{fd}", offset) < 0:
             raise OSError(errno.EIO, f"async_io read of {buf.numel()} bytes at offset {offset} failed", path)
 
     pwrite = PosixDirectIO.pwrite  # see the module docstring: failed aio writes go unreported

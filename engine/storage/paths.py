@@ -279,6 +279,7 @@ def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError | Corr
         errno.EDQUOT: f"raise your quota on {sf.path.path} or give the state another path",
         errno.EFBIG: "raise the file-size limit (ulimit -f) or use a smaller subgroup_numel",
         errno.EIO: f"check the device behind {sf.path.path} (dmesg) and resume from your last checkpoint",
+        errno.EROFS: f"{sf.path.path} went read-only (dmesg says why): resume from your last checkpoint on a writable path",
     }
     fix = fixes.get(e.errno, "check the storage path and resume from your last checkpoint")
     kept = " The state is still in host memory." if doing == "writing" else ""
