@@ -268,7 +268,7 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
         model_moves = [(i, r) for i, r in decided if "balances the paths" in r]
         assert model_moves and 8 <= model_moves[0][0] <= 8 + 6, decided
         assert re.search(rf"path {re.escape(names[1])}( writes slowed from| slowed: )", model_moves[0][1])
-        assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, shares
+        assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, (shares, decided)
         assert_params_close(model, ref)
     finally:
         opt.engine.close()
@@ -285,7 +285,7 @@ def test_a_quiet_run_whose_probe_showed_no_gain_from_depth_changes_no_knob():
     four trials, each reverted), no knob changes at all, and the hold says why."""
     sim = TwoPaths(policy(path_depth_response=depth(1.02)), lambda i: {A: FAST, B: FAST}, noise=0.05, seed=3).run(80)
     assert sim.decisions == []
-    assert sim.policy.state()["mode"] == "holding"
+    assert "no move worth a trial" in sim.policy.state()["holding_reason"]  # what the summary and live view say
     assert any("no move worth a trial" in e["reason"] for e in sim.policy.log if e["kind"] == "hold"), sim.policy.log
 
 

@@ -332,10 +332,10 @@ class Policy:
             recent = self._baseline_samples[-self.cfg.window:]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
             self._hold_why = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
-                              "re-exploration" if self._ledger.last_kept == MODEL else None)
+                              "re-exploration" if self._ledger.last_kept == MODEL else None if self._ledger.failed_moves
+                              else "no move worth a trial: the paths' probes and rates leave no knob to gain by")
             left = self._hold_why or (f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}%"
-                                      " (this run's noise threshold)" if self._ledger.failed_moves else
-                                      "no move worth a trial: the paths' probes and rates leave no knob to gain by")
+                                      " (this run's noise threshold)")
             msg = (prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
                    if self._holding_cost else prefix + "holding")
             if self._knobs != self._good_knobs:
