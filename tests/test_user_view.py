@@ -242,7 +242,7 @@ def test_a_json_that_is_no_ds_config_is_left_alone(tmp_path):
     assert find_ds_config(["--data", str(data)]) is None and check_ds_config([str(data)]) is None
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({**DS_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}))
-    found = check_ds_config(["--config", f"{cfg}"])
+    found = check_ds_config(["--config", f"{cfg}"], paths_given=True)  # on NVMe: with --nvme given
     assert found is not None and found.how == "a JSON file among the script's arguments"
     assert check_ds_config(["--deepspeed_config", str(tmp_path / "missing.json")]) is None
 
