@@ -53,14 +53,18 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     with the same line (a rank that stopped alone would leave the others in a collective, ending
     in a peer's traceback): the directory and tag, every file a complete archive, every rank's
     files there, the rank count it was saved with."""
+    named_by_latest = tag is None
     tag = _tag(load_dir, tag)
     if tag is None:
         raise _every_rank(f"checkpoint {load_dir} has no 'latest' file naming a tag: pass the tag to "
                           f"load_checkpoint, or check the directory")
     folder = os.path.join(load_dir, tag)
     if not os.path.isdir(folder):
-        tags = sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
-            if os.path.isdir(load_dir) else []
+        tags = _tags_in(load_dir)
+        if named_by_latest:
+            raise _every_rank(f"checkpoint {load_dir}'s 'latest' file names tag {tag!r}, which is not there (tags "
+                              f"there: {tags or 'none'}): write the tag to resume from into "
+                              f"{os.path.join(load_dir, 'latest')}, or pass it to load_checkpoint")
         raise _every_rank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: "
                           f"{tags or 'none'})")
     if universal:  # another layout (zero/<param>/...), loaded at any rank count: DeepSpeed checks it
@@ -90,6 +94,9 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
         raise _every_rank(f"checkpoint {folder} was saved by {saved} ranks and this run has {world_size}: run with "
                           f"{saved} ranks, or convert it with `python -m deepspeed.checkpoint.ds_to_universal` and "
                           f"set \"checkpoint\": {{\"load_universal\": true}} in the ds_config")
+    bad = _agreed(_mixed_saves(folder, optimizer_states=optimizer_states))
+    if bad:
+        raise _every_rank(bad)
 
 
 def _every_rank(msg: str) -> CheckpointError:
@@ -98,20 +105,52 @@ def _every_rank(msg: str) -> CheckpointError:
     return e
 
 
+def _tags_in(load_dir: str) -> list[str]:
+    return sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
+        if os.path.isdir(load_dir) else []
+
+
 def _tag(load_dir: str, tag) -> str | None:
+    """``tag``, or the one ``load_dir``'s ``latest`` file names (None where there is no such
+    file); a ``latest`` that names no usable tag is a :class:`CheckpointError` saying what is wrong
+    with it (DeepSpeed would look for a folder of that name, and report the folder missing)."""
     if tag is not None:
         return str(tag)
+    latest = os.path.join(load_dir, "latest")
     try:
-        with open(os.path.join(load_dir, "latest")) as f:
-            return f.read().strip()
-    except OSError:
+        with open(latest, "rb") as f:
+            raw = f.read(4097)
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file cannot be read ({e.strerror}): fix it, or pass the "
+                          f"tag to load_checkpoint") from None
+    fix = (f"write the tag to resume from into {latest} (tags there: {_tags_in(load_dir) or 'none'}), or pass it to "
+           f"load_checkpoint")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is not text ({len(raw)} bytes, not UTF-8): {fix}") \
+            from None
+    text = text.strip()  # DeepSpeed strips it too: a trailing newline is fine
+    if not text:
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is empty: it names no tag; {fix}")
+    bad = next((c for c in text if not c.isprintable() or c in "/\\"), None)
+    if bad is not None or len(raw) > 4096 or text in (".", ".."):
+        what = ("is too long to be a tag" if len(raw) > 4096 else f"has {bad!r} in it" if bad is not None
+                else "names the directory itself")
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file holds {text[:80]!r}, which is not a tag (it {what}): "
+                          f"{fix}")
+    return text
 
 
 def describe_failure(load_dir: str, tag, error: BaseException) -> str:
     """One line for a load that passed :func:`preflight` and failed inside DeepSpeed: the
     checkpoint, what differs (read from the error) and the fix."""
-    folder = os.path.join(load_dir, _tag(load_dir, tag) or "")
+    try:
+        folder = os.path.join(load_dir, _tag(load_dir, tag) or "")
+    except CheckpointError:  # 'latest' changed since the preflight read it
+        folder = load_dir
     text = " ".join(str(error).split())
     gone = getattr(error, "filename", None)
     if isinstance(error, FileNotFoundError) and gone:
@@ -252,6 +291,9 @@ def _damaged_records(folder: str, *, recursive: bool) -> str | None:
         if owner != rank:
             continue
         try:
+            bad = _saved_as_another(path)
+            if bad:
+                return bad
             bad = damaged_record(path)
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             return (f"checkpoint file {path} is truncated or damaged ({e}): restore it, or resume from another "
@@ -259,6 +301,77 @@ def _damaged_records(folder: str, *, recursive: bool) -> str | None:
         if bad:
             return (f"checkpoint file {path} is damaged: {bad}; restore it from where it was saved, or resume from "
                     f"another checkpoint")
+    return None
+
+
+# -- files that belong together -------------------------------------------------------------------
+# Every record can pass its CRC-32 in a folder put together wrong (another rank's file copied over
+# this one's, another save's optimizer states beside these model states): each file is checked for
+# the name it was saved under and the step it was saved at before anything loads.
+
+SAVED_AT_STEP = "offloadctl_global_steps"
+"""The key of the engine's step (``global_steps``) in an optimizer state offloadctl's engine saves
+(``OffloadZero3Optimizer.state_dict``); its model states file carries the same step."""
+_DS_FILE = re.compile(r"(?:bf16_)?(?:zero_pp_rank_\d+_)?mp_rank_\d+_(?:model|optim)_states")
+
+
+def _saved_as_another(path: str) -> str | None:
+    """One line where the archive ``path`` was saved under another DeepSpeed file's name:
+    ``torch.save`` names every record after the stem of the file it writes
+    (``zero_pp_rank_0_mp_rank_00_optim_states/data.pkl``), and a copy keeps them."""
+    with zipfile.ZipFile(path) as zf:
+        first = next(iter(zf.namelist()), "")
+    saved_as, stem = first.split("/", 1)[0], os.path.basename(path).removesuffix(".pt")
+    if "/" not in first or saved_as == stem or not _DS_FILE.fullmatch(saved_as):
+        return None  # the same name, or one that is not a DeepSpeed file's (saved through a stream: 'archive')
+    return (f"checkpoint file {path} was saved as {saved_as}.pt (the name its records carry), not as "
+            f"{os.path.basename(path)}: another file was copied over it; copy this one from where the checkpoint was "
+            f"saved, or resume from another checkpoint")
+
+
+def _rank_file(folder: str, rank: int, kind: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(folder, f"*zero_pp_rank_{rank}_mp_rank_00_{kind}.pt")))
+    return found[0] if found else None
+
+
+def _mixed_saves(folder: str, *, optimizer_states: bool) -> str | None:
+    """One line where this rank's files of ``folder`` come from different saves: its model states
+    at another step than rank 0's, or its optimizer states at another step than its model states
+    (offloadctl's carry the step, :data:`SAVED_AT_STEP`; stock's only their updates, which a save
+    can never have more of than its steps that were not skipped). None where they agree, or where
+    a file does not unpickle (the load itself then says what is wrong)."""
+    import torch
+
+    rank, _ = _rank_and_world()
+    model, first = _rank_file(folder, rank, "model_states"), _rank_file(folder, 0, "model_states")
+    if model is None:
+        return None
+    try:
+        states = {p: torch.load(p, map_location="cpu", mmap=True, weights_only=False) for p in {model, first} if p}
+        steps = {p: (int(sd.get("global_steps") or 0), int(sd.get("skipped_steps") or 0)) for p, sd in states.items()}
+    except Exception:  # noqa: BLE001 - not ours to diagnose here
+        return None
+    fix = "copy the whole folder of one save, or resume from another checkpoint"
+    step, skipped = steps[model]
+    if first and steps[first][0] != step:
+        return (f"checkpoint file {model} was saved at step {step} and {first} at step {steps[first][0]}: the folder "
+                f"mixes files of two saves; {fix}")
+    optim = _rank_file(folder, rank, "optim_states")
+    if not optimizer_states or optim is None:
+        return None
+    try:
+        osd = torch.load(optim, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+        saved_at = osd.get(SAVED_AT_STEP)
+        updates = max((int(s["step"]) for s in osd["optimizer_state_dict"]["state"].values()
+                       if isinstance(s, dict) and "step" in s), default=None)
+    except Exception:  # noqa: BLE001
+        return None
+    if saved_at is not None and int(saved_at) != step:
+        return (f"checkpoint file {optim} was saved at step {int(saved_at)} and {model} at step {step}: the folder "
+                f"mixes files of two saves; {fix}")
+    if saved_at is None and updates is not None and updates > step - skipped:
+        return (f"checkpoint file {optim} holds the optimizer state after {updates} updates and {model} was saved at "
+                f"step {step}: the folder mixes files of two saves; {fix}")
     return None
 
 

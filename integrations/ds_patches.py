@@ -292,6 +292,9 @@ def guard_save_checkpoint(engine) -> None:
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         folder = os.path.join(str(save_dir), str(tag)) if tag is not None else None
         fresh = folder is not None and not os.path.exists(folder)
+        opt = getattr(engine, "optimizer", None)
+        if opt is not None:  # the engine's optimizer saves the step it is saved at, for this save only
+            opt.checkpoint_global_steps = engine.global_steps
         try:
             return original(save_dir, tag, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - torch's and DeepSpeed's ways of saying a write failed
@@ -302,6 +305,9 @@ def guard_save_checkpoint(engine) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
             raise CheckpointError(f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints "
                                   f"are as they were") from e
+        finally:
+            if opt is not None:
+                opt.checkpoint_global_steps = None
 
     save_checkpoint._offloadctl_guarded = True
     engine.save_checkpoint = save_checkpoint

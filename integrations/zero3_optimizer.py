@@ -41,6 +41,7 @@ from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
 from engine.streams import resolve_lane_device
 from integrations import ds_compat
+from integrations.checkpoints import SAVED_AT_STEP
 from integrations.ds_config_check import refuse_nvme_without_path
 from integrations.settings import ZeroEngineSettings
 
@@ -499,7 +500,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         return {ZERO_STAGE: ZeroStageEnum.weights, LOSS_SCALER: self.loss_scaler,
                 "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
                 PARTITION_COUNT: self.partition_count,
-                OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters}
+                OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters,
+                SAVED_AT_STEP: getattr(self, "checkpoint_global_steps", None)}  # which model states it goes with
 
     def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
         self._check_loadable(state_dict, load_optimizer_states)  # before anything is written
