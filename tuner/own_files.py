@@ -46,7 +46,7 @@ def foreign_file_problem(path: str) -> str | None:
     a symbolic link, not a regular file, another user's, or a hard link of another file."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none there (or a file in the way: said where it is opened)
         return None
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a symbolic link"
