@@ -219,7 +219,7 @@ def test_the_model_balances_the_paths_times():
 def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
     """The whole path on real O_DIRECT files: two paths paced at 40 MB/s each, one slowed to
     8 MB/s at iteration 8 (its pacer, as a throttled drive). The engine's busy-time rates show
-    it, the policy re-stripes in one move, the engine moves subgroups at their next write, and
+    it, the policy re-stripes in one move within 10 iterations, the engine moves subgroups at their next write, and
     the slow path's share of the bytes falls to about a sixth; the parameters stay those of
     ``torch.optim.AdamW`` fed the same gradients throughout."""
     import time
@@ -245,9 +245,9 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
     pol = Policy(opt.knobs, paths=names, has_device=False, subgroup_bytes=1_200_000, pins={"prefetch_depth": 2})
     gen = torch.Generator().manual_seed(1)
     slow = opt.engine.swap_paths.paths[1]
-    shares, decided, last = [], [], time.perf_counter()
+    shares, decided = [], []
     try:
-        for i in range(24):
+        for i in range(28):
             if i == 8:
                 slow.read_pacer.cap_bytes_per_s = slow.write_pacer.cap_bytes_per_s = 8e6
             grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
@@ -255,18 +255,22 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
                 o.zero_grad(set_to_none=True)
                 for p, g in zip(m.parameters(), grads):
                     p.grad = g.clone()
+                t0 = time.perf_counter()
                 o.step()
+                if o is opt:  # the engine's iteration: its step, not the reference's or the gradients' making
+                    took = time.perf_counter() - t0
             rec = opt.telemetry[-1]
-            now = time.perf_counter()
-            d = pol.observe(Obs.from_records([rec], iter_times_s=[now - last], knobs=rec.knobs))
-            last = now
+            d = pol.observe(Obs.from_records([rec], iter_times_s=[took], knobs=rec.knobs))
             moved = {p: rec.path_bytes_read.get(p, 0) + rec.path_bytes_written.get(p, 0) for p in names}
             shares.append(moved[names[1]] / max(1, sum(moved.values())))
             if d is not None:
                 decided.append((i, d.reason))
                 opt.set_knobs(d.knobs)
         model_moves = [(i, r) for i, r in decided if "balances the paths" in r]
-        assert model_moves and 8 <= model_moves[0][0] <= 8 + 6, decided
+        # Within the issue's 10 iterations: a trial of the run's start (concurrency, at iteration 4 or
+        # later) on the path that slows makes its rate the trial's own until it ends, so a change
+        # during one is seen only after it.
+        assert model_moves and 8 <= model_moves[0][0] <= 8 + 9, decided
         assert re.search(rf"path {re.escape(names[1])}( writes slowed from| slowed: )", model_moves[0][1])
         assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, (shares, decided)
         assert_params_close(model, ref)
