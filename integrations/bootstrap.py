@@ -36,11 +36,15 @@ def split_argv(argv: list[str]):
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    from perf.plan import launcher_rank
+
+    return launcher_rank() or 0
 
 
 def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from perf.plan import launcher_world_size
+
+    return launcher_world_size()
 
 
 FAILED = "offloadctl: rank {rank} failed: "
@@ -158,22 +162,49 @@ def _history_start(client, timeout_s: float = 2.0) -> str | None:
 
 
 def main() -> int:
+    settings, script, script_args = split_argv(sys.argv[1:])
+    return run_rank(settings, script, script_args)
+
+
+def run_rank(settings, program: str, args: list[str], *, module: bool = False) -> int:
+    """Install the engine from ``settings`` and run ``program`` (a script's path, or with
+    ``module`` a module's name, as ``python -m``) with ``args``, as the launcher would have run
+    it; the rank's exit status. A stop signal unwinds it wherever it arrives, even inside the
+    report of an error (DeepSpeed's launcher stops the other ranks with SIGTERM as soon as one
+    fails): the rank then says it stopped, in one line, and removes its swap files at exit."""
     from integrations import ds_patches, run_output
 
-    settings, script, script_args = split_argv(sys.argv[1:])
     if not settings.verbose and settings.run_dir:  # before DeepSpeed is imported: it logs as it loads
         log = run_output.open_log(settings.run_dir)
         ds_patches.quiet_deepspeed_logger(log)
         ds_patches.route_deepspeed_warnings(log)
+    _stop_on_signals()
+    try:
+        return _run_program(settings, program, args, module)
+    except (Stopped, KeyboardInterrupt) as e:
+        _ignore_later_signals()  # the swap files are removed at exit: let nothing cut that short
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        from report import recorder
+        from tuner.client import note_stopped
 
+        note_stopped(signal.Signals(signum).name)  # the tuner's bye, sent at exit, says the run was interrupted
+        rec = recorder.current()
+        if rec is not None:  # the record's end line, written at exit, says the same
+            rec.stopped_by = signal.Signals(signum).name
+        print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
+              file=sys.stderr, flush=True)
+        return 128 + signum
+
+
+def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     from engine.errors import OffloadError
+    from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
     from report import recorder
 
     state = {"engaged": 0}
-    _stop_on_signals()
     try:
         cores = bind_rank_cores(settings.bind_cores)  # before torch starts its threads
         # --engine stock: DeepSpeed's own optimizer, recorded only.
@@ -198,17 +229,12 @@ def main() -> int:
 
         import deepspeed  # noqa: F401 - first, so that the recorder's atexit (registered next) runs before DeepSpeed's
 
-        rec = recorder.start(settings.recorder, script=script, rank=_rank()) if settings.recorder else None
+        rec = recorder.start(settings.recorder, script=program, rank=_rank()) if settings.recorder else None
         ds_patches.wrap_initialize(check, rec, rank=_rank())
-        if not os.path.isfile(script):
-            raise OffloadError(f"training script {script} does not exist: check the path")
-        sys.argv = [script, *script_args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:  # the script's own exit: keep its status unless it succeeded
-            if e.code not in (None, 0):
-                raise
+        if module:
+            _run_module(program, args)
+        else:
+            _run_script(program, args)
     except OffloadError as e:
         if _rank() == 0 or not getattr(e, "every_rank", False):  # the same line from every rank: once
             from engine.text import printable
@@ -223,23 +249,46 @@ def main() -> int:
             rec.error = f"{type(e).__name__}: {e}"
         _failed(settings, e)
         return 1
-    except (Stopped, KeyboardInterrupt) as e:
-        _ignore_later_signals()  # the swap files are removed at exit: let nothing cut that short
-        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
-        from tuner.client import note_stopped
-
-        note_stopped(signal.Signals(signum).name)  # the tuner's bye, sent at exit, says the run was interrupted
-        rec = recorder.current()
-        if rec is not None:  # the record's end line, written at exit, says the same
-            rec.stopped_by = signal.Signals(signum).name
-        print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
-              file=sys.stderr, flush=True)
-        return 128 + signum
     if not state["engaged"]:
-        print(f"offloadctl: {script} finished without calling deepspeed.initialize, so the engine never ran: "
+        print(f"offloadctl: {program} finished without calling deepspeed.initialize, so the engine never ran: "
               f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)", file=sys.stderr)
         return 2
     return 0
+
+
+def _run_script(script: str, args: list[str]) -> None:
+    from engine.errors import OffloadError
+
+    if not os.path.isfile(script):
+        raise OffloadError(f"training script {script} does not exist: check the path")
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # the script's own exit: keep its status unless it succeeded
+        if e.code not in (None, 0):
+            raise
+
+
+def _run_module(name: str, args: list[str]) -> None:
+    """``python -m name args``: the module found from the working directory, as there."""
+    from engine.errors import OffloadError
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        import importlib.util
+
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise OffloadError(f"module {name} not found from {os.getcwd()}: check the name (--module runs python -m)")
+    sys.argv = [name, *args]  # run_module sets argv[0] to the module's file
+    try:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
 
 
 def _exiting() -> None:
@@ -249,10 +298,19 @@ def _exiting() -> None:
     _ignore_later_signals()
 
 
+def finish(run) -> int:
+    """``run()``'s status, with the rank's way out guarded: a stop signal that arrives after the
+    run returned (the launcher stopping the ranks after another failed) is the status of that
+    stop, not a traceback."""
+    try:
+        try:
+            return run()
+        finally:
+            _exiting()
+    except Stopped as e:
+        return 128 + e.signum
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        status = main()
-    finally:
-        _exiting()
-    raise SystemExit(status)
+    raise SystemExit(finish(main))

@@ -53,6 +53,7 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     with the same line (a rank that stopped alone would leave the others in a collective, ending
     in a peer's traceback): the directory and tag, every file a complete archive, every rank's
     files there, the rank count it was saved with."""
+    _LOADING["folder"] = None
     named_by_latest = tag is None
     tag = _tag(load_dir, tag)
     if tag is None:
@@ -75,6 +76,7 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     bad = _damaged_file(folder) or _agreed(_damaged_records(folder, recursive=False))
     if bad:
         raise _every_rank(bad)
+    _LOADING["folder"] = folder
     model_files = sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))
     if not model_files:
         raise _every_rank(f"checkpoint {folder} has no model states file (*mp_rank_00_model_states.pt): it is not a "
@@ -99,10 +101,67 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
         raise _every_rank(bad)
 
 
+_LOADING: dict = {"folder": None}
+"""The checkpoint folder this process's last :func:`preflight` passed (None: a universal one, or
+none yet): the engine's optimizer checks its files against this run's model as it loads them."""
+
+
+def loading_folder() -> str | None:
+    """The folder of the checkpoint being loaded, as :func:`preflight` found it (None: unknown)."""
+    return _LOADING["folder"]
+
+
+def rank_optimizer_file(folder: str, rank: int) -> str:
+    """Rank ``rank``'s optimizer states file in ``folder`` (DeepSpeed's name, bf16_ prefixed or not)."""
+    return _rank_file(folder, rank, "optim_states") or os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+
+
+def _shape(s) -> str:
+    return "[" + ", ".join(str(int(d)) for d in s) + "]"
+
+
+def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) -> str | None:
+    """One line where the checkpoint in ``folder`` holds another model than this run's: the
+    ``param_shapes`` its model states file keeps (each optimized parameter's name and full shape,
+    by param group, in the order of the optimizer's flat partitions) against ``current``, this
+    run's shapes in the same order. ZeRO-3 partitions every parameter, so two models can give
+    each rank the same partition sizes, or not: the shapes say which parameter differs. None
+    where they agree, or where the file keeps no shapes."""
+    import torch
+
+    model = _rank_file(folder, rank, "model_states") or next(
+        iter(sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))), None)
+    if model is None:
+        return None
+    try:
+        saved = torch.load(model, map_location="cpu", mmap=True, weights_only=False).get("param_shapes")
+        theirs = [(str(name), tuple(int(d) for d in shape)) for group in saved for name, shape in group.items()]
+    except Exception:  # noqa: BLE001 - no shapes to compare (an older save): the sizes are checked next
+        return None
+    mine = [tuple(int(d) for d in s) for group in current for s in group]
+    fix = "load a checkpoint of this model, or check the script's model arguments"
+    for (name, there), here in zip(theirs, mine):
+        if there != here:
+            return (f"checkpoint file {model} holds another model: parameter {name} is {_shape(there)} there and "
+                    f"{_shape(here)} here (its param_shapes); {fix}")
+    if len(theirs) != len(mine):
+        return (f"checkpoint file {model} holds another model: {len(theirs)} optimized parameters there and "
+                f"{len(mine)} here (its param_shapes); {fix}")
+    return None
+
+
 def _every_rank(msg: str) -> CheckpointError:
     e = CheckpointError(msg)
     e.every_rank = True  # every rank raises it: the bootstrap prints it once
     return e
+
+
+def refuse_on_every_rank(mine: str | None) -> None:
+    """Raise, on every rank, the first rank's finding (by rank) where any rank has one: a
+    collective, so every rank calls it at the same point of the load."""
+    found = _agreed(mine)
+    if found:
+        raise _every_rank(found)
 
 
 def _tags_in(load_dir: str) -> list[str]:

@@ -45,6 +45,7 @@ def find_ds_config(script_args: Sequence[str]) -> FoundConfig | None:
         flag, eq, value = a.partition("=")
         if flag in CONFIG_FLAGS:
             path = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            _check_named(flag, path)
             config = _read(path)
             if config is not None:
                 return FoundConfig(path, flag, config)
@@ -55,6 +56,29 @@ def find_ds_config(script_args: Sequence[str]) -> FoundConfig | None:
             if config is not None and DS_KEYS & set(config):
                 return FoundConfig(path, "a JSON file among the script's arguments", config)
     return None
+
+
+def _check_named(flag: str, path: str) -> None:
+    """ConfigError for a config file the script's ``flag`` names that does not exist or is not
+    JSON: DeepSpeed would say so only in the ranks, after the launch, in a page of traceback.
+    DeepSpeed's own ``--deepspeed`` is a switch, so after it only a ``.json`` name is taken as a
+    file; a value that is JSON itself (``{...}``) is left to the script."""
+    if not path or path.startswith(("-", "{")) or (flag == "--deepspeed" and not path.endswith(".json")):
+        return
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path} does not exist (the script's {flag}): check the path")
+    if not os.path.isfile(path) or os.path.getsize(path) > MAX_CONFIG_BYTES:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not text (the script's {flag}): give a DeepSpeed JSON config") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} line {e.lineno} column {e.colno}: not valid JSON ({e.msg}; the script's "
+                          f"{flag}): fix the file") from None
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror}; the script's {flag})") from None
 
 
 def _read(path: str) -> dict | None:

@@ -127,7 +127,8 @@ def _local_launch(values: Mapping[str, object]) -> bool:
     get = lambda flag: values.get(option_dest((flag,)))  # noqa: E731
     addr = get("--master_addr")
     return (get("--hostfile") is None and not os.path.isfile("/job/hostfile") and not get("--force_multi")
-            and not get("--no_ssh") and get("--launcher") in (None, "pdsh")
+            and not get("--no_ssh") and get("--launcher") in (None, "pdsh", "torchrun", "accelerate")
+            and (get("--launcher") in (None, "pdsh") or str(get("--num_nodes") or 1) == "1")
             and addr in (None, "localhost", "127.0.0.1", "::1"))
 
 
@@ -258,20 +259,42 @@ class Launch:
     preview: Mapping | None = None
     """With ``--profile`` and ``--params``: what each rank would plan for that size; None without."""
 
+    hooked: bool = False
+    """The engine reaches the ranks through the environment (``integrations.launch_commands``:
+    a launch run as given, or built for torchrun or Accelerate), not through the bootstrap in
+    DeepSpeed's runner's command; the settings are then in ``env``."""
+    launcher: str = "deepspeed"
+    """Which launcher starts the ranks: 'deepspeed' (its runner), or the launch program."""
+
     @classmethod
     def of(cls, launcher_args: Sequence[str], settings: RankSettings, script: str, script_args: Sequence[str], *,
            tuner: str, preview: Mapping | None = None) -> "Launch":
         return cls(command=tuple(launch_command(launcher_args, settings, script, script_args)), env=launch_env(),
                    settings=settings, tuner=tuner, preview=preview)
 
+    @classmethod
+    def through_hook(cls, command: Sequence[str], settings: RankSettings, *, launcher: str, tuner: str,
+                     direct: bool = False, preview: Mapping | None = None) -> "Launch":
+        """``command`` run as it is, with the engine carried to its ranks by the environment;
+        ``direct``: the command's own interpreter is the one rank (``python script.py``)."""
+        from integrations.launch_commands import hook_env
+
+        env = hook_env(json.dumps(settings.to_json()), direct=direct)
+        return cls(command=tuple(command), env=env, settings=settings, tuner=tuner, preview=preview, hooked=True,
+                   launcher=launcher)
+
     def with_tuner_socket(self, socket_path: str) -> "Launch":
         """The launch with the ranks pointed at ``socket_path``."""
         settings = self.settings.with_tuner_socket(socket_path)
+        if self.hooked:
+            from integrations.rank_entry import SETTINGS_ENV
+
+            return replace(self, env={**self.env, SETTINGS_ENV: json.dumps(settings.to_json())}, settings=settings)
         return replace(self, command=tuple(with_rank_settings(self.command, settings)), settings=settings)
 
     def to_json(self) -> dict:
         out = {"command": list(self.command), "env": dict(self.env), "settings": self.settings.to_json(),
-               "tuner": self.tuner}
+               "tuner": self.tuner, "launcher": self.launcher}
         if self.preview is not None:
             out["plan_preview"] = dict(self.preview)  # the key --json always had
         return out
@@ -355,18 +378,27 @@ def _stop_run(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
 
 
 def _is_rank(p) -> bool:
-    """Whether process ``p`` is a rank: the script its interpreter runs is the bootstrap. DeepSpeed's
-    per-node launcher names the bootstrap too, as its own argument (``-m deepspeed.launcher.launch
-    ... bootstrap.py``): it is a launcher, and gets SIGTERM (its handler stops its ranks and logs it),
-    not the run's signal, which as SIGHUP would end it before it could."""
+    """Whether process ``p`` is a rank: the script its interpreter runs is the bootstrap, or, in a
+    launch through the rank hook, the hook's own test (``integrations.rank_entry.is_rank``) on
+    the environment and command line ``p`` started with. DeepSpeed's per-node launcher names
+    the bootstrap too, as its own argument (``-m deepspeed.launcher.launch ... bootstrap.py``):
+    it is a launcher, and gets SIGTERM (its handler stops its ranks and logs it), not the run's
+    signal, which as SIGHUP would end it before it could; so do torchrun and Accelerate."""
     import psutil
 
+    from integrations import rank_entry
+
     try:
-        args = p.cmdline()[1:]
+        argv = p.cmdline()
     except (psutil.Error, OSError):
         return False
-    script = next((a for a in args if not a.startswith("-")), None)  # python -u bootstrap.py ...
-    return script is not None and os.path.abspath(script) == os.path.abspath(bootstrap.__file__)
+    script = next((a for a in argv[1:] if not a.startswith("-")), None)  # python -u bootstrap.py ...
+    if script is not None and os.path.abspath(script) == os.path.abspath(bootstrap.__file__):
+        return True
+    try:
+        return rank_entry.is_rank(p.environ(), argv)
+    except (psutil.Error, OSError):
+        return False
 
 
 # -- DeepSpeed's shared memory ------------------------------------------------------------------

@@ -5,7 +5,8 @@
   two launches at once never share one.
 - :func:`claim` takes a run dir for a run: it refuses one that another live run holds (a lock
   on the directory, held until this process exits) and one that holds an earlier run's
-  records (unless ``force``: then those records go first), in one line naming the fix.
+  records (unless ``force``: then those records go first), in one line naming the fix; one
+  whose earlier run ran no iteration (refused at its start) is taken again as it is.
 - A run dir offloadctl makes is 0700 (the records hold the script's argv, which may hold a
   token), as is an empty one it is given; the log and records it writes there are 0600 whatever
   the dir's mode (:mod:`engine.record_files`), and a dir it leaves open to others (one holding
@@ -93,7 +94,7 @@ def claim(run_dir: str, *, flag: str, force: bool = False, default: bool = False
                               f"for that run to end") from None
         # A file system without flock (some network ones): no lock, the other checks stand.
     earlier = earlier_run(run_dir)
-    if earlier and not force:
+    if earlier and not force and ran_iterations(run_dir):
         os.close(fd)
         raise ConfigError(f"{flag} {run_dir} holds an earlier run ({', '.join(earlier[:4])}"
                           f"{', ...' if len(earlier) > 4 else ''}): give another {flag}, or add --force to replace its "
@@ -106,6 +107,29 @@ def claim(run_dir: str, *, flag: str, force: bool = False, default: bool = False
             os.close(fd)
             raise ConfigError(f"{flag} {run_dir}: cannot remove the earlier run's {name} ({_why(e)})") from None
     return RunDir(run_dir, fd, _open_to_others(run_dir, fd, flag))
+
+
+def recorded_iterations(run_dir: str) -> bool:
+    """Whether a rank's record in ``run_dir`` holds an iteration (``offloadctl report`` has something to show)."""
+    return _any_line(run_dir, "record-rank*.jsonl", '"type":"iteration"')
+
+
+def ran_iterations(run_dir: str) -> bool:
+    """Whether the run in ``run_dir`` ran an iteration (its record, or the engine's telemetry, has
+    one). One that did not (a config the ranks refused, a port in use: the same command's retry
+    takes its dir again) holds nothing to keep."""
+    return recorded_iterations(run_dir) or _any_line(run_dir, "telemetry-rank*.jsonl", "")
+
+
+def _any_line(run_dir: str, pattern: str, text: str) -> bool:
+    for path in glob.glob(os.path.join(glob.escape(run_dir), pattern)):
+        try:
+            with open(path) as f:
+                if any(text in line for line in f if line.strip()):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _open_to_others(run_dir: str, fd: int, flag: str) -> str | None:

@@ -63,6 +63,25 @@ _TEARDOWN = (b"terminate called without an active exception",)
 _EXIT_NOISE_START = b"Exception ignored in: <module 'threading'"
 _EXIT_NOISE_FRAME = re.compile(rb'deepspeed/launcher/launch\.py", line \d+, in sigkill_handler')
 _BLOCK_MAX_LINES = 40
+# torch's own log lines (torchrun, torch.distributed.elastic, c10d), in glog's format:
+# "W1201 19:39:24.514000 8343 .../torch/distributed/run.py:874] Setting OMP_NUM_THREADS ...".
+_TORCH_LOG_LINE = re.compile(rb"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\n]*\] ?")
+_TORCH_LOG_START = re.compile(rb"^\[?[IWEF]\d{0,4}( \d{0,2}(:\d{0,2}(:\d{0,2}(\.\d*)?)?)?)?$")
+# torch elastic's report of the first rank it found ended: "... failed (exitcode: 1) local_rank: 1 (pid: ...".
+_ELASTIC_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# A traceback, held whole with the exceptions chained to it, to decide where it goes.
+_TRACEBACK_START = b"Traceback (most recent call last):"
+_CHAINED = (b"During handling of the above exception, another exception occurred:",
+            b"The above exception was the direct cause of the following exception:")
+_TRACEBACK_MAX_LINES = 1000
+# A launcher's own traceback (torchrun, torch elastic's agent, Accelerate's launch): the ranks'
+# failure or the stop it reports is the run's one line; its page goes to the log.
+_LAUNCHER_FRAME = re.compile(rb'(torch/distributed/(run|launch)\.py|torch/distributed/elastic/|accelerate/commands/'
+                             rb'(launch|accelerate_cli)\.py)", line \d+')
+_ELASTIC_TABLE_RANK = re.compile(rb"^\s+rank\s+: (\d+) \(local_rank: (\d+)\)")
+_ELASTIC_TABLE_EXIT = re.compile(rb"^\s+exitcode\s+: (-?\d+)")
+# The rendezvous store's bind failing: a port another run (or program) holds.
+_PORT_IN_USE = re.compile(rb"port: (\d+),.*EADDRINUSE|EADDRINUSE.*port (\d+)|address already in use.*:(\d+)")
 _LEVELS = (b"DEBUG", b"INFO", b"WARNING") + _SHOWN_LEVELS
 _OURS = b"offloadctl: "
 """How offloadctl's own lines begin (a rank's, or this process's)."""
@@ -89,6 +108,24 @@ class RankFailures:
         self.first: tuple[int, int] | None = None
         """(local rank, return code: negative for a signal) of the first rank found ended."""
         self.lines: dict[int, str] = {}
+        self.port_in_use: int | None = None
+        """The rendezvous port a rank or launcher found in use (EADDRINUSE), once seen."""
+
+    def elastic(self, line: bytes) -> None:
+        """torch elastic's report of a rank found ended (its log line, or its table's rows)."""
+        m = _ELASTIC_FAILED.search(line)
+        if m and self.first is None:
+            self.first = (int(m.group(2)), int(m.group(1)))
+
+    def port(self, line: bytes) -> None:
+        m = _PORT_IN_USE.search(line)
+        if m and self.port_in_use is None:
+            self.port_in_use = int(next(g for g in m.groups() if g))
+
+    @property
+    def refused(self) -> bool:
+        """Whether the first rank ended with the ranks' one-line refusal (status 2)."""
+        return self.first is not None and self.first[1] == 2
 
     def ended(self, line: bytes) -> bool:
         m = _RANK_ENDED.search(line)
@@ -105,10 +142,14 @@ class RankFailures:
         m = _RANK_FAILED.match(line) or _RANK_STOPPED.match(line)
         if m:
             self.lines.setdefault(int(m.group(1)), m.group(2).decode(errors="replace"))
+            self.port(line)
         return bool(m)
 
     def summary(self, log: str) -> str | None:
         """The run's last line: which rank failed first, how, its line, where the full log is."""
+        if self.port_in_use is not None:
+            return (f"offloadctl: the rendezvous port {self.port_in_use} is in use on this machine (another run, or "
+                    f"another program): give a free one (--master_port); the full log is in {log}")
         if self.first is None or self.first[1] == 2:  # 2: the rank's one-line error (OffloadError) said it all
             return None
         rank, code = self.first
@@ -143,6 +184,8 @@ class OutputFilter:
         self._held = b""
         self._passing = False  # in the middle of a line already passed on
         self._block: list[bytes] | None = None  # a Python "Exception ignored" block, held whole
+        self._traceback: list[bytes] | None = None  # a traceback and those chained to it, held whole
+        self._traceback_part = "frames"  # where in it: 'frames', 'after' (its exception line), 'table'
         self.hidden_lines = 0
 
     def feed(self, data: bytes) -> None:
@@ -166,7 +209,7 @@ class OutputFilter:
                 self._passing = False
                 continue
             if nl < 0:
-                if self._undecided(buf) or self._block is not None:
+                if self._undecided(buf) or self._block is not None or self._traceback is not None:
                     self._held = buf
                 else:  # as above: the tail may be a log line's first bytes after others on its line
                     cut = self._log_start(buf)
@@ -175,7 +218,7 @@ class OutputFilter:
                     self._passing = True
                 return
             line, buf = buf[:nl + 1], buf[nl + 1:]
-            if self._in_block(line):
+            if self._in_block(line) or self._in_traceback(line):
                 continue
             inside = _DS_LOG_INSIDE.search(line, 1)
             if inside and not _DS_LOG_LINE.match(line.lstrip(b"\r")):
@@ -194,6 +237,8 @@ class OutputFilter:
                 self._show(line)
 
     def close(self) -> None:
+        if self._traceback is not None:
+            self._end_traceback()
         if self._block is not None:
             for line in self._block:
                 self._show(line)
@@ -228,9 +273,70 @@ class OutputFilter:
             self._show(b)
         return False
 
+    def _in_traceback(self, line: bytes) -> bool:
+        """Whether ``line`` is taken into the held traceback (see :meth:`_end_traceback`)."""
+        text = line.lstrip(b"\r")
+        if self._traceback is None:
+            if not text.startswith(_TRACEBACK_START):
+                return False
+            self._traceback, self._traceback_part = [line], "frames"
+            return True
+        part, bare = self._traceback_part, text.strip()
+        if len(self._traceback) >= _TRACEBACK_MAX_LINES:
+            taken = False
+        elif part == "frames":
+            taken = True
+            if text[:1] not in (b" ", b"\t"):
+                self._traceback_part = "after"  # the exception's line
+        elif part == "after":
+            taken = not bare or bare in _CHAINED or text.startswith(_TRACEBACK_START) or (
+                bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1])
+            if text.startswith(_TRACEBACK_START):
+                self._traceback_part = "frames"
+            elif bare.startswith(b"=" * 20):
+                self._traceback_part = "table"
+        else:  # torch elastic's table of failures, between two lines of '='
+            taken = True
+            if bare.startswith(b"=" * 20):
+                self._traceback.append(line)
+                self._end_traceback()
+                return True
+        if taken:
+            self._traceback.append(line)
+            return True
+        self._end_traceback()
+        return self._in_block(line) or self._in_traceback(line)
+
+    def _end_traceback(self) -> None:
+        """A launcher's traceback (a frame in torchrun, torch elastic or Accelerate's launch: the
+        ranks' failure or a stop it reports), or a rank's whose error is a rendezvous port in
+        use, goes to the log, and what it says of the failed rank to ``failures``; any other
+        is shown as it came."""
+        lines, self._traceback = self._traceback or [], None
+        launcher = any(_LAUNCHER_FRAME.search(x) for x in lines)
+        for x in lines:
+            self.failures.port(x)
+        if not (launcher or any(b"EADDRINUSE" in x for x in lines)):
+            for x in lines:
+                self._show(x)
+            return
+        rank = next((int(m.group(2)) for m in map(_ELASTIC_TABLE_RANK.match, lines) if m), None)
+        code = next((int(m.group(1)) for m in map(_ELASTIC_TABLE_EXIT.match, lines) if m), None)
+        if rank is not None and code is not None and self.failures.first is None:
+            self.failures.first = (rank, code)
+        for x in lines:
+            self.hidden_lines += 1
+            self._log(x)
+            if self.verbose:
+                self._show(x)
+
     def is_deepspeed(self, line: bytes) -> bool:
         text = line.lstrip(b"\r")
         if self.failures.ended(text) or self.failures.failed(text) or text.rstrip().endswith(_TEARDOWN):
+            return True
+        if _TORCH_LOG_LINE.match(text):  # torch's launcher and c10d: the log, as DeepSpeed's
+            self.failures.elastic(text)
+            self.failures.port(text)
             return True
         m = _DS_LOG_LINE.match(text)
         if m:
@@ -279,6 +385,9 @@ class OutputFilter:
             return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
         if (_EXIT_NOISE_START.startswith(text) or text.startswith(_EXIT_NOISE_START)) and len(text) < 500:
             return True  # may start a block held whole (_in_block)
+        if _TRACEBACK_START.startswith(text.rstrip(b"\r")) or _TORCH_LOG_START.match(text) or (
+                _TORCH_LOG_LINE.match(text) and len(text) < 4000):
+            return True  # a traceback's start (held whole), or torch's log line
         starts = _DS_PRINT_STARTS + (b"terminate called",)
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 

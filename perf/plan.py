@@ -32,9 +32,27 @@ LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"
                    "SLURM_LOCALID")
 
 
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+"""Where launchers put a process's global rank: torchrun, Accelerate and DeepSpeed's per-node
+launcher (RANK), Open MPI, MPICH and Intel MPI, PMIx, MVAPICH2, Slurm."""
+WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
 def _first_env(names, environ=None) -> str | None:
     environ = os.environ if environ is None else environ
     return next((environ[n] for n in names if environ.get(n)), None)
+
+
+def launcher_rank(environ=None) -> int | None:
+    """This process's global rank, from whichever launcher started it; None when none says."""
+    v = _first_env(RANK_VARS, environ)
+    return int(v) if v is not None and v.strip().isdigit() else None
+
+
+def launcher_world_size(environ=None) -> int:
+    """The run's ranks, from whichever launcher started it (1 when none says)."""
+    v = _first_env(WORLD_SIZE_VARS, environ)
+    return int(v) if v is not None and v.strip().isdigit() else 1
 
 
 def local_rank(environ=None) -> int:

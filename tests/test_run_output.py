@@ -197,7 +197,7 @@ def test_the_launchers_second_stop_at_exit_goes_to_the_log_cut_anywhere():
     follows: arriving while the launcher exits, it runs the launcher's handler again inside the
     interpreter's shutdown, and Python prints its sys.exit as an ignored exception (a full
     run's Ctrl-C showed it once in several). It is the launcher's, and goes to the log."""
-    end = b"offloadctl: stopped by SIGINT: the ranks were stopped and their swap files removed\n"
+    end = b"offloadctl: stopped by SIGINT: ranks stopped, their swap files removed\n"
     whole = b"step 3\n" + EXIT_NOISE + end
     assert _sorted(whole) == (b"step 3\n" + end, EXIT_NOISE)
     for cut in range(1, len(whole)):

@@ -1,9 +1,15 @@
 """Run an unmodified DeepSpeed ZeRO-3 script with its optimizer state in tiers.
 
     offloadctl train [options] SCRIPT [SCRIPT ARGS]
+    offloadctl train [options] --launcher torchrun|accelerate SCRIPT [SCRIPT ARGS]
+    offloadctl train [options] torchrun|accelerate|deepspeed|srun|mpirun|python ... (as given)
 
 The script runs as the `deepspeed` launcher would run it, with the same launcher options;
-everything after SCRIPT goes to the script untouched. The options below say where the
+everything after SCRIPT goes to the script untouched. With --launcher torchrun or accelerate,
+that launcher's command is built from the same options (--num_gpus, --num_nodes, --node_rank,
+--master_addr, --master_port, --launcher_args, in its spelling). A launch command whose
+program is torchrun, accelerate, deepspeed, srun, mpirun, mpiexec, python, llamafactory-cli or
+axolotl runs as given, with the engine in every rank it starts. The options below say where the
 optimizer state lives (they override the ds_config's offload_optimizer; its nvme_path becomes
 an NVMe tier when no --nvme is given). The terminal shows the script's output, offloadctl's
 start line and summary; DeepSpeed's own log lines go to RUN_DIR/deepspeed.log (--verbose shows
@@ -11,6 +17,8 @@ them too).
 
 examples:
   offloadctl train --nvme /local/nvme examples/train_gpt.py --steps 30
+  offloadctl train --nvme /ssd torchrun --nproc_per_node 8 train.py --deepspeed ds.json
+  offloadctl train accelerate launch --use_deepspeed --num_processes 8 train.py
   offloadctl train --num_gpus 8 --nvme /ssd0 --nvme /ssd1 --host-cache 8GB t.py
   offloadctl train --hostfile hosts --remote /lustre/me/state a.py --epochs 1
 """
@@ -20,20 +28,21 @@ import argparse
 import json
 import math
 import os
-import shlex
 import stat
 import sys
 import uuid
 from typing import TYPE_CHECKING
 
 from integrations import launcher
+from offloadctl.commands.train_text import dry_run_lines, start_line
 from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
 from report.recorder import ENGINES, RecorderConfig
 
 if TYPE_CHECKING:
     from integrations.settings import RankSettings
 
-PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]"}
+PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]\n"
+                          "       offloadctl train [options] LAUNCH PROGRAM [ITS ARGS] (torchrun, accelerate, srun, ...)"}
 
 # DeepSpeed's launcher options, as its own help puts them, shortened: (metavar, help) by first flag.
 LAUNCHER_HELP = {
@@ -45,7 +54,8 @@ LAUNCHER_HELP = {
     "--master_port": ("PORT", "rendezvous port (default 29500, or a free one where that is in use)"),
     "--master_addr": ("ADDR", "rendezvous address (default: the first host)"),
     "--node_rank": ("N", "this node's rank, with --no_ssh"),
-    "--launcher": ("NAME", "multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich"),
+    "--launcher": ("NAME", "torchrun or accelerate: build that launcher's command from these options; or "
+                   "DeepSpeed's multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich"),
     "--launcher_args": ("ARGS", "more arguments for that launcher, in one quoted string"),
     "--module": (None, "SCRIPT is a module, run as python -m"),
     "--no_python": (None, "run SCRIPT itself, not with python"),
@@ -132,9 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*flags, dest=launcher.option_dest(flags), metavar=metavar, help=text)
         else:
             g.add_argument(*flags, dest=launcher.option_dest(flags), action="store_true", help=text)
-    p.add_argument("script", metavar="SCRIPT", help="the DeepSpeed training script")
+    p.add_argument("script", metavar="SCRIPT", help="the DeepSpeed training script, or a launch program run as "
+                   "given: torchrun, accelerate, deepspeed, srun, mpirun, mpiexec, python, llamafactory-cli, axolotl")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",
-                   help="arguments for the script, untouched")
+                   help="arguments for the script (or the launch program), untouched")
     add_size_epilog(p)
 
 
@@ -150,7 +161,23 @@ def build(args: argparse.Namespace) -> launcher.Launch:
         from offloadctl.commands.plan import parse_params
 
         preview = preview_plan(settings.zero, parse_params(args.params))
-    return launcher.Launch.of(launcher.launcher_args(vars(args)), settings, args.script, args.script_args,
+    from integrations import launch_commands as lc
+
+    values = vars(args)
+    program = lc.launch_program(args.script)
+    if program is not None:  # a launch command, as given
+        command = [lc.resolve_program(program, args.script), *args.script_args]
+        return launcher.Launch.through_hook(command, settings, launcher=program, tuner=tuner,
+                                            direct=program.startswith("python"), preview=preview)
+    kind = getattr(args, launcher.option_dest(("--launcher",)), None)
+    if kind in lc.BUILT:
+        command = lc.built_command(kind, values, os.path.abspath(args.script), args.script_args)
+        return launcher.Launch.through_hook(command, settings, launcher=kind, tuner=tuner, preview=preview)
+    if values.get("ds_module") or values.get("ds_no_python"):  # the ranks run SCRIPT itself: no bootstrap there
+        command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher.launcher_args(values),
+                   args.script, *args.script_args]
+        return launcher.Launch.through_hook(command, settings, launcher="deepspeed", tuner=tuner, preview=preview)
+    return launcher.Launch.of(launcher.launcher_args(values), settings, args.script, args.script_args,
                               tuner=tuner, preview=preview)
 
 
@@ -158,16 +185,21 @@ def _check_inputs(args: argparse.Namespace) -> None:
     """The script, the launcher's values, the summary's path and the ds_config, checked before
     anything slow: a typo fails at once."""
     from engine.errors import ConfigError
+    from integrations import launch_commands as lc
 
-    if os.path.isdir(args.script):
-        raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
-    if os.path.exists(args.script) and not os.path.isfile(args.script):
-        from perf.profile_toml import file_kind
-
-        raise ConfigError(f"training script {args.script} is {file_kind(args.script)}: give the script file")
-    if not os.path.isfile(args.script):
-        raise ConfigError(f"training script {args.script} does not exist: check the path")
-    launcher.check_launcher_values(vars(args))
+    values = vars(args)
+    program = lc.launch_program(args.script)
+    kind = values.get(launcher.option_dest(("--launcher",)))
+    if program is not None:
+        lc.refuse_deepspeed_options(values, f"{program} (a launch command run as given)")
+        lc.resolve_program(program, args.script)
+    else:
+        lc.check_launcher_name(kind)
+        if kind in lc.BUILT:
+            lc.refuse_deepspeed_options(values, f"{kind} (--launcher {kind})", allowed=lc.BUILT_TAKES)
+    if program is None:
+        _check_script(args)
+    launcher.check_launcher_values(values)
     if args.json_summary:  # a path that cannot take the file: said now, not after the run
         where = os.path.dirname(os.path.abspath(args.json_summary))
         if os.path.isdir(args.json_summary) or not os.path.isdir(where) or not os.access(where, os.W_OK):
@@ -178,6 +210,37 @@ def _check_inputs(args: argparse.Namespace) -> None:
         from integrations.ds_config_check import check_ds_config
 
         check_ds_config(args.script_args, paths_given=bool(args.nvme or args.remote))
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    """The training script (a module with --module, an executable with --no_python)."""
+    from engine.errors import ConfigError
+
+    if getattr(args, "ds_module", False):
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+        if not found:
+            raise ConfigError(f"module {args.script} not found from {os.getcwd()} (--module runs python -m "
+                              f"{args.script}): check the name, or give the script's path without --module")
+        return
+    if os.path.isdir(args.script):
+        raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
+    if os.path.exists(args.script) and not os.path.isfile(args.script):
+        from perf.profile_toml import file_kind
+
+        raise ConfigError(f"training script {args.script} is {file_kind(args.script)}: give the script file")
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"training script {args.script} does not exist: check the path")
+    if getattr(args, "ds_no_python", False) and not os.access(args.script, os.X_OK):
+        raise ConfigError(f"{args.script} is not executable, and --no_python runs it as a program: chmod +x it, "
+                          f"or leave --no_python out to run it with python")
 
 
 def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "RankSettings":
@@ -294,7 +357,9 @@ def preview_plan(settings, params: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.dry_run:  # a port in use is refused, or a free one taken, before anything starts
+    from integrations.launch_commands import launch_program
+
+    if not args.dry_run and launch_program(args.script) is None:  # a port in use: refused, or a free one taken
         _check_inputs(args)
         args.ds_master_port = launcher.rendezvous_port(vars(args))
     launch = build(args)
@@ -302,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
-        resolved = launcher.resolved_launch(launch.command, launch.env)
+        resolved = (launcher.resolved_launch(launch.command, launch.env)
+                    if "deepspeed.launcher.runner" in launch.command else None)
         if args.json:
             print(json.dumps({**launch.to_json(), "launch": resolved}, indent=2))
         else:
@@ -313,71 +379,6 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, launch)
     finally:
         claimed.release()
-
-
-DRY_RUN_LABEL = 11
-"""Columns of a dry run's row labels ('launch:    ')."""
-
-
-def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: dict | None = None,
-                  width: int | None = None) -> list[str]:
-    """``train --dry-run`` for a person: one block, a row each for the launch, the ranks, where
-    the state goes, the run dir, the knobs and pins, the tuner, the recording and the
-    environment, wrapped to the terminal (``--json`` gives the exact commands and settings).
-    ``resolved``: what DeepSpeed's launcher would start (``launcher.resolved_launch``)."""
-    import shutil
-    import textwrap
-
-    from engine.text import printable
-    from engine.units import format_size
-
-    settings = launch.settings
-    zero = settings.zero
-    width = width or max(60, min(shutil.get_terminal_size().columns, 120))
-    script = [os.path.relpath(args.script) if not os.path.relpath(args.script).startswith("..") else args.script,
-              *args.script_args]
-    rows = [("launch", "deepspeed " + shlex.join(launcher.launcher_args(vars(args)) + script)
-             + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)")]
-    if "error" in (resolved or {}):
-        rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {resolved['error']}"))
-    rows.append(("ranks", ranks_text(args)))
-    if settings.engine == "stock":
-        rows.append(("state", "as the ds_config says: DeepSpeed's own optimizer and offload (--engine stock)"))
-    else:
-        paths = [f"{p} (NVMe)" for p in zero.nvme_paths] + [f"{p} (remote)" for p in zero.remote_paths]
-        cache = ("all of it in host memory" if zero.host_cache_bytes is None and not paths
-                 else "none in host memory" if zero.host_cache_bytes is None
-                 else f"{format_size(zero.host_cache_bytes)} per rank in host memory")
-        state = (f"{'; '.join(paths) or 'no storage path (a ds_config nvme_path becomes one)'}; {cache}; GPU: "
-                 + ("what it has free after the first forward/backward" if zero.device_cache_bytes is None
-                    else f"{format_size(zero.device_cache_bytes)} per rank"))
-        state += ("; host-memory budget " + (f"{format_size(zero.host_memory_bytes)} per rank" if zero.host_memory_bytes
-                                             else "half of what is available at start"))
-        rows.append(("state", state))
-    rows.append(("run dir", f"{zero.run_dir} (records, telemetry, deepspeed.log)"))
-    if settings.engine != "stock":
-        k = zero.start_knobs
-        knobs = [f"prefetch_depth {k.prefetch_depth}",
-                 "device_fraction " + ("auto" if zero.auto_device_fraction else f"{k.device_fraction:g}"),
-                 f"node_lock {'on' if k.node_lock else 'off'}", "io_concurrency and stripe weights from a probe "
-                 "of the paths"]
-        start = f"the performance model's plan for profile {zero.profile}" if zero.profile else "defaults"
-        rows.append(("knobs", f"{', '.join(knobs)} ({start}); pinned by your options, never tuned: "
-                     + (", ".join(f"{n}={json.dumps(v)}" for n, v in zero.pins.items()) or "none")))
-    rows.append(("tuner", {"auto": "auto: the running daemon, else a private one for this run; it may start from "
-                                   "the tuner's verdict in an earlier run like this one",
-                           "off": "off: the starting knobs are kept"}.get(launch.tuner, launch.tuner)))
-    rec = settings.recorder
-    rows.append(("recording", "off (--no-record)" if rec is None else
-                 f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}"))
-    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())))
-    if launch.preview is not None:
-        rows.append(("preview", launch.preview["summary"]))
-    out = ["dry run, nothing started (--json: the exact commands and settings)"]
-    for label, text in rows:
-        out += textwrap.wrap(printable(text), width, initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
-                             subsequent_indent=" " * DRY_RUN_LABEL, break_on_hyphens=False, break_long_words=True)
-    return out
 
 
 def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
@@ -407,19 +408,23 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir, run_id=launch.settings.zero.run_id)
         launch = launch.with_tuner_socket(socket_path)
     settings = launch.settings
-    print(start_line(args, settings, launch.tuner), file=sys.stderr, flush=True)  # the ranks take seconds to speak
+    print(start_line(args, settings, launch.tuner, launch), file=sys.stderr, flush=True)  # the ranks take seconds to speak
     try:
         from integrations.run_output import LauncherOutput
 
         output = LauncherOutput(run_dir, verbose=args.verbose)
+        from integrations.launch_commands import port_of
+
+        port = port_of(launch.command) if launch.hooked else args.ds_master_port
         rc, stopped_by = launcher.run_launcher(list(launch.command), dict(os.environ, **launch.env),
-                                               master_port=args.ds_master_port, output=output)
+                                               master_port=port, output=output)
         if stopped_by is not None:
-            print(f"offloadctl: stopped by {stopped_by.name}: the ranks were stopped and their swap files removed",
+            print(f"offloadctl: stopped by {stopped_by.name}: ranks stopped, their swap files removed",
                   file=sys.stderr)
         elif rc != 0 and output.failures.summary(output.path):  # which rank failed first, how, its line
             print(output.failures.summary(output.path), file=sys.stderr)
-        elif rc not in (0, 2) and output.hidden_lines and not args.verbose:  # 2: the ranks' one-line error said it all
+        elif rc not in (0, 2) and not output.failures.refused and output.hidden_lines and not args.verbose:
+            # 2 (or a launcher's 1 for a rank's 2): the ranks' one-line error said it all
             print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
                   file=sys.stderr)
         ended = rc == 0 or stopped_by is not None
@@ -441,6 +446,8 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
                 if probe(socket_path, timeout_s=1.0) is None:
                     print(f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
                           f"had; the daemon's log: {logfile_for(socket_path)}")
+        from integrations.run_dir import recorded_iterations
+
         recorded = bool(settings.recorder) and recorded_iterations(run_dir)
         if recorded:  # nothing to report: no pointer to a refusal
             print(f"recorded: offloadctl report {run_dir}")
@@ -472,52 +479,3 @@ def _write_json(path: str, obj: dict) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-
-
-def recorded_iterations(run_dir: str) -> bool:
-    """Whether a rank's record in ``run_dir`` holds an iteration (``offloadctl report`` has something to show)."""
-    import glob
-
-    for path in glob.glob(os.path.join(run_dir, "record-rank*.jsonl")):
-        try:
-            with open(path) as f:
-                if any('"type":"iteration"' in line for line in f):
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def ranks_text(args: argparse.Namespace) -> str:
-    """How many ranks the launch starts, as far as its options say without asking DeepSpeed."""
-    gpus, nodes = getattr(args, "ds_num_gpus", None), getattr(args, "ds_num_nodes", None)
-    multi = nodes or getattr(args, "ds_hostfile", None) or getattr(args, "ds_include", None)
-    if gpus and not multi:
-        return f"{gpus} rank{'s' if str(gpus) != '1' else ''}"
-    if gpus and nodes:
-        return f"{gpus} ranks per node on {nodes} nodes"
-    return "a rank per GPU slot" + (" of the hostfile" if multi else "")
-
-
-def start_line(args: argparse.Namespace, settings, tuner: str) -> str:
-    """The run's first line, printed before the launcher starts (the ranks take seconds to say
-    anything): how many ranks, the run's id, where DeepSpeed's log goes, and how to watch it.
-    Wrapped to the terminal."""
-    import shutil
-    import textwrap
-
-    from engine.text import printable
-    from integrations.run_output import log_path
-
-    run_dir = settings.run_dir
-    head = (f"offloadctl: starting {ranks_text(args)} of {os.path.basename(args.script)} (run "
-            f"{settings.zero.run_id}); DeepSpeed's log: {log_path(run_dir)}")
-    if settings.engine == "stock":
-        watch = "DeepSpeed's own optimizer and offload (--engine stock), recorded for offloadctl report"
-    elif tuner == "off":
-        watch = "tuner off (--tuner off): the knobs stay as planned"
-    else:
-        watch = f"watch it, pin a knob: offloadctl tune --run-dir {shlex.quote(run_dir)}"
-    width = max(40, min(shutil.get_terminal_size().columns, 120))
-    return "\n".join(textwrap.fill(printable(p), width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
-                                   break_on_hyphens=False, break_long_words=False) for i, p in enumerate((head, watch)))

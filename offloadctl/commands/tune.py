@@ -152,6 +152,12 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
     from tuner import service
 
     own = os.path.join(run_dir, "tuner", "tuner.sock")
+    if not os.path.lexists(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} does not exist: give the run dir an `offloadctl train` start line "
+                          "names, or leave --run-dir out to list the live runs")
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} is not a directory: give the run dir an `offloadctl train` start "
+                          "line names, or leave --run-dir out to list the live runs")
     deadline = time.monotonic() + wait_s
     while True:
         if service.probe(own) is not None:
@@ -220,13 +226,18 @@ def run(args: argparse.Namespace) -> int:
                 what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
                         "unpin": f"unpinned {fields.get('knob')}",
                         "freeze": "frozen" if fields.get("frozen") else "unfrozen"}[kind]
-                print(printable(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}"))
+                say(printable(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}"))
         if actions and not (args.once or args.json or args.live):
             return 0
         if args.once or args.json:
             snap = conn.request("snapshot", run_id=args.run, history=60)
             if args.json:
                 print(json.dumps({"runs": snap["runs"], "daemon": snap["daemon"]}, indent=2))
+            elif not snap["runs"] and target.private:  # its daemon is up, its ranks are not yet
+                where = f" in {args.run_dir}" if args.run_dir else ""
+                say(f"the run{where} is starting: its ranks are loading and have reported no iteration yet; run "
+                    f"this again in a few seconds, or watch it with `offloadctl tune"
+                    f"{' --run-dir ' + args.run_dir if args.run_dir else ''}` (it waits for them)")
             else:
                 from rich.console import Console
 
@@ -234,6 +245,18 @@ def run(args: argparse.Namespace) -> int:
                 console.print(runs_table(printable_all(snap["runs"]), width=console.width))
             return 0
         return live(conn, args, target)
+
+
+WIDTH = 80
+
+
+def say(text: str) -> None:
+    """Print ``text`` wrapped at :data:`WIDTH` columns, its later lines indented, words whole
+    (a path or a knob list is never cut)."""
+    import textwrap
+
+    print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False)) or text)
 
 
 STARTING_WAIT_S = 600.0

@@ -147,7 +147,9 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     elif not info["running"]:
-        print(f"no tuner daemon answers at {info['socket']} ({info.get('reason', '')})")
+        why = f" ({info['reason']})" if info.get("reason") else ""
+        print(f"offloadctl: no tuner daemon answers at {info['socket']}{why}: start one with `offloadctl tuner start`",
+              file=sys.stderr)
     else:
         print(f"tuner daemon at {info['socket']}: pid {info['pid']}, offloadctl {info['version']} (API "
               f"{info['api']}), up {info['uptime_s']:.0f} s, {info['connections']} connection(s)"
