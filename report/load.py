@@ -83,6 +83,9 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
     """The records of ``rank`` in run directory ``path`` (None: the lowest rank recorded there,
     which on a node of a multi-node run is not 0); :class:`ConfigError` when there is nothing
     to report."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path} does not exist: give the --run-dir of an `offloadctl train` run (its start "
+                          f"line names it)")
     if not os.path.isdir(path):
         raise ConfigError(f"{path} is not a directory: give the --run-dir of an `offloadctl train` run")
     names = os.listdir(path)

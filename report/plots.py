@@ -17,11 +17,13 @@ carry the gid ``knob-label`` so that tests can check them.
 from __future__ import annotations
 
 import io
+import statistics
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
@@ -39,10 +41,49 @@ GB = 1e9
 def figures(analysis: dict) -> dict[str, "plt.Figure"]:
     """One figure per section, in :data:`SECTIONS` order (no ``compare`` for a single run)."""
     runs = analysis["runs"]
-    out = {"breakdown": breakdown(runs), "timeline": timeline(runs), "bytes": bytes_per_param(runs),
-           "cache": cache_and_knobs(runs)}
+    out = {"breakdown": breakdown(runs), "timeline": timeline(runs)}
+    if any(_has_bytes(r) for r in runs):
+        out["bytes"] = bytes_per_param(runs)
+    if any(_has_cache(r) for r in runs):
+        out["cache"] = cache_and_knobs(runs)
     if len(runs) > 1:
-        out["compare"] = compare(runs)
+        out["compare"] = compare(runs, analysis.get("comparison"))
+    return out
+
+
+def _has_bytes(run: dict) -> bool:
+    s = run["summary"]
+    return bool(run["tiers"]) or any(s["disk_bytes_per_param"].values()) or "engine_bytes_per_param" in s
+
+
+def _has_cache(run: dict) -> bool:
+    return any("cache" in i for i in run["iterations"])
+
+
+def absent_panels(analysis: dict) -> list[str]:
+    """The panels no run could record on this machine, a line each (instead of an empty plot):
+    what is missing and why, with the runs it concerns when not all."""
+    runs = analysis["runs"]
+    out = []
+
+    def missing(test, text):
+        lacking = [r["label"] for r in runs if not test(r)]
+        if len(lacking) == len(runs):
+            out.append(text)
+        elif lacking:
+            out.append(f"{text} (in {', '.join(lacking)})")
+
+    series = lambda r: r["timeline"]["series"]  # noqa: E731
+    missing(lambda r: "gpu_allocated_bytes" in series(r), "GPU memory: not recorded (no CUDA device)")
+    missing(lambda r: "pcie_tx_bytes_per_s" in series(r), "PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU)")
+    missing(lambda r: bool(series(r).get("tier_bytes_per_s")), "tier bandwidth: not recorded (no storage tier on a "
+                                                               "block device)")
+    missing(lambda r: "rss_bytes" in series(r), "host RSS and CPU: not recorded (--record-hz 0)")
+    missing(_has_bytes, "bytes per parameter: none to count (no storage tier on a block device)")
+    missing(_has_cache, "cache hits and knobs: no engine telemetry (stock DeepSpeed keeps no state in memory "
+                        "across steps)")
+    missing(lambda r: r.get("loss_recorded"), "loss: not recorded (the run was recorded by an offloadctl before "
+                                              "losses were)")
     return out
 
 
@@ -91,8 +132,8 @@ def png_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def _segment_legend(fig, keys=SEGMENTS, ncol=5) -> None:
-    handles = [Patch(color=COLORS[k], label=SEGMENT_LABELS[k]) for k in keys]
+def _segment_legend(fig, keys=SEGMENTS, ncol=5, extra=()) -> None:
+    handles = [Patch(color=COLORS[k], label=SEGMENT_LABELS[k]) for k in keys] + list(extra)
     fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=8, frameon=False)
 
 
@@ -103,9 +144,17 @@ def _ms_or_s(seconds: float) -> str:
 # -- breakdown ---------------------------------------------------------------------------------
 
 def breakdown(runs: list[dict]):
+    """Each run's iterations as stacked bars with their rolling median, cut above a few
+    outliers (:func:`outlier_cap`), and under them every run's loss on one axes (the same
+    iterations), where a run recorded it."""
     n = len(runs)
-    fig, axes = plt.subplots(n, 1, figsize=(WIDTH_IN, 1.0 + 2.4 * n), squeeze=False, sharey=True)
-    for ax, run in zip(axes[:, 0], runs):
+    losses = any(r.get("loss_recorded") for r in runs)
+    fig, axes = plt.subplots(n + losses, 1, figsize=(WIDTH_IN, 1.0 + 2.4 * n + 2.0 * losses), squeeze=False,
+                             gridspec_kw={"height_ratios": [2.4] * n + [2.0] * losses})
+    for ax in axes[1:n, 0]:
+        ax.sharey(axes[0, 0])
+    totals = []
+    for ax, run in zip(axes[:n, 0], runs):
         its = run["iterations"]
         x = [i["iteration"] for i in its]
         bottom = [0.0] * len(its)
@@ -116,30 +165,68 @@ def breakdown(runs: list[dict]):
         for i in its:
             if i["skipped"]:
                 ax.text(i["iteration"], bottom[x.index(i["iteration"])], "skipped", ha="center", va="bottom", fontsize=7)
-        top = max(bottom) if bottom else 1.0
-        s = run["summary"]
-        ax.set_title(f"{run['label']}: median iteration {_ms_or_s(s['median_iter_s'])} "
-                     f"({run['status']})", fontsize=9, loc="left")
+        rolling = (run.get("rolling_median_iter_s") or {}).get("values")
+        if rolling:
+            ax.plot(x, rolling, color="black", lw=1.4, gid=ROLLING_MEDIAN)
         ax.set_ylabel("seconds")
         ax.set_xlim(min(x) - 0.6, max(x) + 0.6)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(0, top * 1.08)
+        totals.append((x, bottom))
+    # One scale for every run (their axes share it): as high as the highest bar, or, where a few
+    # outliers would flatten every other bar, cut at the cap and the bars above it marked.
+    top = max((min(max(b), outlier_cap(b) or max(b)) for _, b in totals if b), default=1.0)
+    for ax, run, (x, bottom) in zip(axes[:n, 0], runs, totals):
+        out = [xi for xi, b in zip(x, bottom) if b > top * 1.0001]
+        cut = ""
+        if out:
+            ax.plot(out, [1.0] * len(out), ls="none", marker="^", color="#c00", ms=4, gid=OUTLIER, clip_on=False,
+                    transform=ax.get_xaxis_transform())  # at the axes' top edge, whatever its limit becomes
+            cut = f"; {len(out)} above {_ms_or_s(top)} cut (\u25b2), the slowest {_ms_or_s(max(bottom))}"
+        s = run["summary"]
+        ax.set_title(f"{run['label']}: median iteration {_ms_or_s(s['median_iter_s'])} "
+                     f"({run['status']}){cut}", fontsize=9, loc="left")
+    axes[0, 0].set_ylim(0, top * 1.08)
+    if losses:
+        lo = min(i["iteration"] for r in runs for i in r["iterations"])
+        hi = max(i["iteration"] for r in runs for i in r["iterations"])
+        _loss_axes(axes[n, 0], runs, (lo - 0.6, hi + 0.6))
     axes[-1, 0].set_xlabel("iteration")
-    _segment_legend(fig)
+    _segment_legend(fig, extra=[Line2D([], [], color="black", lw=1.4, label="rolling median of the iteration time")])
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))
     # Labels last, once the layout is fixed: their placement measures them on the final axes.
-    for ax, run in zip(axes[:, 0], runs):
+    for ax, run in zip(axes[:n, 0], runs):
         for ch in run["knob_changes"]:
-            ax.axvline(ch["iteration"] - 0.5, color="black", ls="--", lw=1)
+            ax.axvline(ch["iteration"] - 0.5, **_change_style(ch))
         top = ax.get_ylim()[1] / 1.08
         _headroom(ax, top, place_labels(ax, [(ch["iteration"] - 0.45, _knob_change_text(ch))
                                              for ch in run["knob_changes"]]))
     return fig
 
 
+ROLLING_MEDIAN = "rolling-median"
+OUTLIER = "outlier"
+"""The gids of the breakdown's rolling median and of its marks for bars cut at the cap."""
+
+
+def outlier_cap(totals: list[float]) -> float | None:
+    """Where the breakdown's y axis stops when a few outliers would set it: 3 times the run's
+    median iteration (None when no bar goes past it)."""
+    if not totals:
+        return None
+    cap = 3 * statistics.median(totals)
+    return cap if max(totals) > cap else None
+
+
+def _change_style(ch: dict) -> dict:
+    """A knob change's line: the user's (a pin, unpin or freeze) solid blue, the tuner's dashed black."""
+    if ch.get("by") == "you":
+        return {"color": "#1f5fbf", "ls": "-", "lw": 1.4}
+    return {"color": "black", "ls": "--", "lw": 1}
+
+
 def _knob_change_text(ch: dict) -> str:
     parts = [f"{_knob_name(k)}: {_short(a)} \u2192 {_short(b)}" for k, (a, b) in ch["changed"].items()]
-    text = "; ".join(parts)
+    text = ("you: " if ch.get("by") == "you" else "") + "; ".join(parts)
     return text if len(text) < 70 else text[:67] + "..."
 
 
@@ -166,55 +253,73 @@ ROW_TITLES = {"phases": "", "gpu": "GPU memory (GB)", "pcie": "PCIe (GB/s)", "ti
               "host": "host RSS (GB)"}
 
 
+def timeline_rows(runs: list[dict]) -> list[str]:
+    """The timeline's rows that some run recorded (:data:`ROWS` order): a row no run could
+    record on this machine (GPU memory, PCIe without a GPU) is one line under the figure
+    (:func:`absent_panels`), not an empty plot."""
+    def has(r, name):
+        s = r["timeline"]["series"]
+        return {"phases": True, "gpu": "gpu_allocated_bytes" in s or "nvml_used_bytes" in s,
+                "pcie": "pcie_tx_bytes_per_s" in s, "tiers": bool(s.get("tier_bytes_per_s")),
+                "host": "rss_bytes" in s}[name]
+    return [name for name in ROWS if any(has(r, name) for r in runs)]
+
+
 def timeline(runs: list[dict]):
     n = len(runs)
-    fig, axes = plt.subplots(len(ROWS), n, figsize=(WIDTH_IN, 8.5), squeeze=False, sharex="col",
-                             gridspec_kw={"height_ratios": [0.7, 1, 1, 1.2, 1]})
+    rows = timeline_rows(runs)
+    ratios = {"phases": 0.7, "gpu": 1, "pcie": 1, "tiers": 1.2, "host": 1}
+    fig, axes = plt.subplots(len(rows), n, figsize=(WIDTH_IN, 1.2 + 1.6 * sum(ratios[r] for r in rows)), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [ratios[r] for r in rows]})
     for c, run in enumerate(runs):
         tl = run["timeline"]
-        col = axes[:, c]
-        _gantt(col[0], tl)
-        col[0].set_title(f"{run['label']}\niteration {tl['iteration']} ({_ms_or_s(tl['iter_s'])})", fontsize=9)
+        col = dict(zip(rows, axes[:, c]))
+        _gantt(col["phases"], tl)
+        col["phases"].set_title(f"{run['label']}\niteration {tl['iteration']} ({_ms_or_s(tl['iter_s'])})", fontsize=9)
         s = tl["series"]
         t = s.get("t", [])
-        _series(col[1], t, s, [("gpu_allocated_bytes", "torch allocated"), ("gpu_reserved_bytes", "torch reserved"),
-                               ("nvml_used_bytes", "NVML used")], 1 / GB,
-                   "GPU memory: not recorded\n(no CUDA device in this run)")
-        _series(col[2], t, s, [("pcie_tx_bytes_per_s", "TX (GPU\u2192host)"), ("pcie_rx_bytes_per_s", "RX (host\u2192GPU)")],
-                1 / GB, "PCIe TX/RX: not recorded\n(no NVML in this run)", steps=True)
+        if "gpu" in col:
+            _series(col["gpu"], t, s, [("gpu_allocated_bytes", "torch allocated"), ("gpu_reserved_bytes", "torch reserved"),
+                                       ("nvml_used_bytes", "NVML used")], 1 / GB,
+                    "GPU memory: not recorded\n(no CUDA device in this run)")
+        if "pcie" in col:
+            _series(col["pcie"], t, s, [("pcie_tx_bytes_per_s", "TX (GPU\u2192host)"),
+                                        ("pcie_rx_bytes_per_s", "RX (host\u2192GPU)")],
+                    1 / GB, "PCIe TX/RX: not recorded\n(no NVML in this run)", steps=True)
         tiers = s.get("tier_bytes_per_s") or {}
-        if tiers:
+        if "tiers" in col and tiers:
             for k, (lab, bw) in enumerate(tiers.items()):
                 color = f"C{k}"
                 # A rate covers the sampling interval that ends at its sample: a step drawn backwards.
-                col[3].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read",
-                            drawstyle="steps-pre")
-                col[3].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write",
-                            drawstyle="steps-pre")
-            col[3].legend(fontsize=7, loc="upper left")
-        else:
-            _absent(col[3], "tier bandwidth: no storage tier\non a block device in this run")
-        if "rss_bytes" in s:
+                col["tiers"].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read",
+                                  drawstyle="steps-pre")
+                col["tiers"].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write",
+                                  drawstyle="steps-pre")
+            col["tiers"].legend(fontsize=7, loc="upper left")
+        elif "tiers" in col:
+            _absent(col["tiers"], "tier bandwidth: no storage tier\non a block device in this run")
+        if "host" in col and "rss_bytes" in s:
             rss = _scale(s["rss_bytes"], 1 / GB)
-            col[4].plot(t, rss, color="C0", label="RSS")
-            col[4].set_ylim(0, 1.25 * max((v for v in rss if v is not None), default=1.0))
-            twin = col[4].twinx()
+            col["host"].plot(t, rss, color="C0", label="RSS")
+            col["host"].set_ylim(0, 1.25 * max((v for v in rss if v is not None), default=1.0))
+            twin = col["host"].twinx()
             twin.plot(t, s.get("cpu_percent", []), color="C3", lw=0.8, label="CPU %")
             twin.set_ylim(bottom=0)
             twin.set_ylabel("CPU % (process)", fontsize=8, color="C3")
             twin.tick_params(labelsize=7)
-            h1, l1 = col[4].get_legend_handles_labels()
+            h1, l1 = col["host"].get_legend_handles_labels()
             h2, l2 = twin.get_legend_handles_labels()
             twin.legend(h1 + h2, ["host RSS (GB)", "CPU % (process)"] if l1 + l2 == ["RSS", "CPU %"] else l1 + l2,
                         fontsize=7, loc="upper left")
-        else:
-            _absent(col[4], "host series: not recorded (--record-hz 0)")
-        for ax in col[1:]:
-            _shade(ax, tl["phase_spans"])
-            ax.tick_params(labelsize=7)
-        col[-1].set_xlabel("seconds from the iteration's start", fontsize=8)
-        col[0].set_xlim(-0.02 * tl["iter_s"], 1.02 * tl["iter_s"])
-    for r, name in enumerate(ROWS):
+        elif "host" in col:
+            _absent(col["host"], "host series: not recorded (--record-hz 0)")
+        for name, ax in col.items():
+            if name != "phases":
+                _shade(ax, tl["phase_spans"])
+                ax.tick_params(labelsize=7)
+        col[rows[-1]].set_xlabel("seconds from the iteration's start", fontsize=8)
+        col["phases"].set_xlim(-0.02 * tl["iter_s"], 1.02 * tl["iter_s"])
+    for r, name in enumerate(rows):
         if ROW_TITLES[name]:
             axes[r, 0].set_ylabel(ROW_TITLES[name], fontsize=8)
         if r:  # one scale per row, so that the runs compare at a glance
@@ -268,6 +373,29 @@ def _shade(ax, spans) -> None:
         ax.axvspan(a, b, color=COLORS.get(name, "grey"), alpha=0.12, lw=0)
 
 
+# -- loss ---------------------------------------------------------------------------------------
+
+LOSS_AXES = "loss"
+"""The gid of the breakdown's loss axes."""
+
+
+def _loss_axes(ax, runs: list[dict], xlim) -> None:
+    """Every run's loss per iteration (the mean of its micro-batches' losses, as passed to
+    ``backward``) on one axes, so that a faster run is seen to train the same."""
+    ax.set_gid(LOSS_AXES)
+    for k, run in enumerate(runs):
+        pts = [(i["iteration"], i["loss"]) for i in run["iterations"] if i.get("loss") is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{k}", lw=1.2 + 0.6 * (k == 0),
+                    ls=("-", "--", ":", "-.")[k % 4], label=run["label"], marker="o" if len(pts) < 30 else None, ms=3)
+    missing = [r["label"] for r in runs if not r.get("loss_recorded")]
+    ax.set_title("loss" + (f" (not recorded in {', '.join(missing)})" if missing else ""), fontsize=9, loc="left")
+    ax.set_ylabel("loss")
+    ax.set_xlim(*xlim)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=7, loc="upper right")
+
+
 # -- bytes per parameter -------------------------------------------------------------------------
 
 OTHERS = "other processes"
@@ -275,6 +403,7 @@ OTHERS = "other processes"
 
 
 def bytes_per_param(runs: list[dict]):
+    runs = [r for r in runs if _has_bytes(r)]  # the others: one line (absent_panels)
     n = len(runs)
     fig, axes = plt.subplots(1, n, figsize=(WIDTH_IN, 4.2), squeeze=False, sharey=True)
     tier_colors: dict[str, str] = {}
@@ -335,8 +464,10 @@ def bytes_per_param(runs: list[dict]):
 # -- cache hits and knobs ------------------------------------------------------------------------
 
 def cache_and_knobs(runs: list[dict]):
-    """Per run: the cache hits and misses per iteration, with the knob that changed on a second
-    scale, or, when several changed, one thin axes per knob below."""
+    """Per run with engine telemetry: the cache hits and misses per iteration, with the knob
+    that changed on a second scale, or, when several changed, one thin axes per knob below
+    (a stock run has none: :func:`absent_panels` says so in a line)."""
+    runs = [r for r in runs if _has_cache(r)]
     names_of = [[n for n in (run.get("knob_series") or {}) if n != "iteration"] for run in runs]
     knob_rows = [len(names) if len(names) > 1 else 0 for names in names_of]
     ratios = []
@@ -383,16 +514,25 @@ def cache_and_knobs(runs: list[dict]):
             a_.set_xlim(min(x) - 0.6, max(x) + 0.6)
             a_.tick_params(labelsize=7)
             for ch in run["knob_changes"]:
-                a_.axvline(ch["iteration"] - 0.5, color="black", ls=":", lw=1)
+                a_.axvline(ch["iteration"] - 0.5, **dict(_change_style(ch), ls="-" if ch.get("by") == "you" else ":"))
         (knob_axes[-1] if knob_axes else ax).set_xlabel("iteration", fontsize=8)
         label_axes.append((ax, run, max(h + m for h, m in zip(hits, misses))))
     fig.tight_layout()
     # Labels last, once the layout is fixed: their placement measures them on the final axes.
     for ax, run, top in label_axes:
         ax.set_ylim(0, top * 1.05)
-        _headroom(ax, top * 1.05, place_labels(ax, [(ch["iteration"] - 0.45, (ch.get("reason") or _knob_change_text(ch))[:80])
+        _headroom(ax, top * 1.05, place_labels(ax, [(ch["iteration"] - 0.45, _change_reason(ch)[:80])
                                                     for ch in run["knob_changes"]]))
     return fig
+
+
+def _change_reason(ch: dict) -> str:
+    """A knob change's label in the cache figure: the reason the daemon gave, said as the
+    user's ('you: prefetch_depth pinned to 4') where it was the user's."""
+    reason = ch.get("reason") or _knob_change_text(ch)
+    if ch.get("by") == "you":
+        return "you: " + reason.replace(" by the user", "")
+    return reason
 
 
 def _knob_axes(ax, x, values, name: str, twin: bool = False) -> None:
@@ -413,7 +553,7 @@ def _knob_axes(ax, x, values, name: str, twin: bool = False) -> None:
 
 # -- comparison ----------------------------------------------------------------------------------
 
-def compare(runs: list[dict]):
+def compare(runs: list[dict], comparison: list[dict] | None = None):
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 1.2 + 0.9 * len(runs) + 1.0))
     labels = [r["label"] for r in runs]
     for y, run in enumerate(runs):
@@ -427,6 +567,9 @@ def compare(runs: list[dict]):
         bpp = s.get("engine_bytes_per_param_total", s.get("disk_bytes_per_param_total"))
         text = f"  {_ms_or_s(s['median_iter_s'])}"
         text += "  (baseline)" if y == 0 else f"  {speed:.2f}\u00d7 the baseline's speed"
+        upd = next((c["phases"]["update"]["ratio"] for c in comparison or [] if c["run"] == run["label"]), None)
+        if upd:
+            text += f", the update {upd:.2f}\u00d7"
         if bpp:
             text += f",  {bpp:.1f} B/param"
         ax.text(left, y, text, va="center", fontsize=8)

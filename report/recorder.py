@@ -194,7 +194,8 @@ class Recorder:
                 "offload_optimizer": _offload(engine, "zero_offload_optimizer"),
                 "offload_param": _offload(engine, "zero_offload_param"),
                 "device": str(device) if device is not None else None, "tiers": tiers,
-                "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps")}
+                "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
+                "command": launch_command(), "versions": versions()}
         offload_engine = getattr(opt, "offload_engine", None)
         if offload_engine is not None:
             init["engine_plan"] = offload_engine.describe().to_dict()
@@ -236,6 +237,8 @@ class Recorder:
             return False
         if phase == "forward":
             self._count_inputs(args, kwargs)
+        elif phase == "backward" and args:
+            self._keep_loss(args[0])
         self._enter(phase)
         self._depth += 1
         return True
@@ -281,7 +284,23 @@ class Recorder:
                 self._tokens += int(tensor.numel())
         self._cost_s += time.perf_counter() - c0
 
+    def _keep_loss(self, loss) -> None:
+        """Keep a backward call's loss (a one-element tensor) for the iteration's line; read at
+        the iteration's end, after the step, so that nothing waits on the device here."""
+        if getattr(loss, "numel", None) is not None and callable(loss.numel) and loss.numel() == 1:
+            self._losses.append(loss.detach())
+
+    def _loss(self) -> float | None:
+        """The mean of the iteration's micro-batch losses; None without one (or not finite)."""
+        try:
+            values = [float(x) for x in self._losses]
+        except Exception:  # noqa: BLE001 - a loss we cannot read is no reason to stop training
+            return None
+        mean = sum(values) / len(values) if values else None
+        return round(mean, 7) if mean is not None and math.isfinite(mean) else None
+
     def _reset_iteration(self) -> None:
+        self._losses: list = []
         self._samples = 0
         self._tokens = 0
         self._spans: list[list] = []
@@ -353,7 +372,7 @@ class Recorder:
                 "sums": {k: round(v, TIME_DIGITS) for k, v in self._sums.items()}, "counts": self._counts,
                 "io": self._io, "io_self": self._io_self, "skipped": bool(getattr(opt, "overflow", False)),
                 "failed": failed,
-                "samples": self._samples, "tokens": self._tokens}
+                "samples": self._samples, "tokens": self._tokens, "loss": self._loss()}
         step = self._engine_step.take()
         if step is not None:
             line["engine"] = step.to_dict()
@@ -406,6 +425,46 @@ class Recorder:
                     self._file.close()
                 except OSError as e:
                     stop_writing(self._file, e)
+
+
+LAUNCHER_NAMES = ("offloadctl", "offloadctl.cli", "cli.py")
+"""How ``offloadctl train`` appears in its process's argv: the console script, ``python -m
+offloadctl.cli``, or the module's file."""
+
+
+def launch_command(pid: int | None = None, depth: int = 8) -> list[str] | None:
+    """The ``offloadctl train ...`` command line that started this rank, as typed after the
+    program's name (``["train", "--nvme", "/nvme", "train.py", ...]``), found among the rank's
+    ancestor processes (the launcher, DeepSpeed's runner and ``launch`` come between); None where
+    none is one (a rank started over ssh or MPI on another node, or not by ``offloadctl train``)."""
+    pid = os.getppid() if pid is None else pid
+    for _ in range(depth):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        for k, a in enumerate(argv[:4]):
+            name = os.path.basename(a)
+            if (name in LAUNCHER_NAMES and (name != "cli.py" or "offloadctl" in a)) and argv[k + 1:k + 2] == ["train"]:
+                return argv[k + 1:]
+        pid = ppid
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """The versions a run ran with: Python, torch, DeepSpeed (as imported), offloadctl."""
+    from engine.version import VERSION
+
+    def of(module: str) -> str | None:
+        return getattr(sys.modules.get(module), "__version__", None)
+
+    return {"offloadctl": VERSION, "python": sys.version.split()[0], "torch": of("torch"),
+            "deepspeed": of("deepspeed")}
 
 
 def _call(obj, name: str):

@@ -15,15 +15,20 @@ from report.analyze import PHASES, SHARE_GROUPS
 from tuner.knob_text import knobs_text
 
 SECTION_TEXT = {
-    "breakdown": ("Iteration time, per iteration",
+    "breakdown": ("Iteration time and loss, per iteration",
                   "Each bar is one iteration (one optimizer step), stacked by where its time went: forward, backward, "
-                  "the update's parts, and the script's own time between DeepSpeed calls. Dashed lines mark knob "
-                  "changes (the tuner's, with what changed)."),
+                  "the update's parts, and the script's own time between DeepSpeed calls; the black line is the "
+                  "rolling median of the iteration time, which a few slow iterations do not move. Where outliers "
+                  "would flatten the rest, the axis stops at 2.5 times the rolling median and the bars cut there "
+                  "are marked \u25b2. Dashed black lines mark the tuner's knob changes, solid blue ones yours (a "
+                  "pin, unpin or freeze from offloadctl tune, labelled 'you:'), each with what changed. Below, every "
+                  "run's loss (the mean of the iteration's micro-batches): runs that train alike lie on each other."),
     "timeline": ("One iteration on a time axis",
                  "The chosen iteration (--iteration, default the median one) of every run: the phases and the "
                  "update's parts, then GPU memory, PCIe TX/RX, each tier's read (solid) and write (dashed) bandwidth "
                  "from the kernel's disk counters, and the process's RSS and CPU use, with the phases shaded behind. "
-                 "Series that a run could not measure (no GPU, no NVML) say so instead of showing zeros."),
+                 "A row no run could record on this machine (GPU memory and PCIe without a GPU) is left out and "
+                 "named in one line under 'Not recorded on this machine'."),
     "bytes": ("Bytes per parameter, by phase and tier",
               "Bytes the run read (solid) and wrote (hatched) on its tiers' devices in each phase of an iteration, "
               "per parameter (the rank's own storage bytes, mean over the steady iterations, so that the phases add "
@@ -36,7 +41,8 @@ SECTION_TEXT = {
               "next step: at most 24."),
     "cache": ("Cache hits and knobs",
               "Swapped subgroups updated from memory kept since the previous step (the alternating order), against "
-              "those read from storage, per iteration, with the knobs in force and the tuner's changes marked."),
+              "those read from storage, per iteration, with the knobs in force; the tuner's changes are dotted "
+              "black lines with its reason, yours (pin, unpin, freeze) solid blue ones labelled 'you:'."),
     "compare": ("Runs side by side",
                 "Median iteration of every run by segment, with its speed against the first run given."),
 }
@@ -65,21 +71,32 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
              ".shares{display:flex;height:26px;margin:.4em 0 .2em;font-size:12px;color:#fff;max-width:1000px}"
              ".shares div{overflow:hidden;white-space:nowrap;padding:5px 3px;box-sizing:border-box}"
              ".key span{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}.key{font-size:12px}"
+             ".machine{border:2px solid #c33;background:#fff3f3;padding:6px 10px;margin:.5em 0}"
+             "p.limit{font-size:15px;margin:.3em 0}table.facts td{text-align:left;vertical-align:top;max-width:520px;"
+             "word-break:break-word;font-family:monospace;font-size:12px}ul.absent{color:#666;font-size:13px}"
              "</style></head><body>",
              "<h1>offloadctl report</h1>"]
+    parts += _html_comparison(analysis)
     for r in runs:
         s = r["summary"]
         status_class = "" if r["status_kind"] == "finished" else " class='note'"
         parts.append(f"<h3>{html.escape(r['label'])}: <span{status_class}>{html.escape(r['status'])}</span></h3>")
-        count = f"{s['iterations']} iterations in {fmt_s(s['total_s'])}"
+        count = extent(r) if r["status_kind"] == "finished" else extent(r).replace(f"; {r['status']}", "")
         parts.append(f"<p class='verdict'>{html.escape(headline(r))}; {html.escape(count)}<br>"
                      f"<b>{html.escape(s['verdict'])}</b></p>")
         parts.append(_html_shares(s["shares"]))
+        parts.append(f"<p class='limit' id='limit'>{html.escape(limit_text(s.get('limit')))}</p>")
         parts.append(f"<p class='how'>{html.escape(r['path'])}, engine {r['engine']}, {_rank_text(r)}, "
                      f"{r['params_total']:,} parameters</p>")
         for n in r["notes"]:
             parts.append(f"<p class='note'>{html.escape(n)}</p>")
+    parts.append("<h2 id='runs'>The runs</h2>")
+    parts.append(_html_table(fact_rows(analysis), [r["label"] for r in runs], cls="facts"))
+    parts.append("<h2 id='figures'>The median iteration</h2>")
     parts.append(_html_table(summary_rows(analysis), [r["label"] for r in runs]))
+    from report.plots import absent_panels
+
+    absent = absent_panels(analysis)
     for name, data in pngs.items():
         if len(runs) == 1 and name not in SINGLE_RUN_SECTIONS:
             continue
@@ -87,6 +104,9 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
         b64 = base64.b64encode(data).decode()
         parts.append(f"<h2 id='{name}'>{title}</h2><p class='how'>{html.escape(how)}</p>"
                      f"<img alt='{name}' src='data:image/png;base64,{b64}'>")
+    if absent:
+        parts.append("<h2 id='not-recorded'>Not recorded on this machine</h2><ul class='absent'>"
+                     + "".join(f"<li>{html.escape(a)}</li>" for a in absent) + "</ul>")
     parts.append("<p class='how'>The numbers behind every plot: <code>offloadctl report --json</code>.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -136,16 +156,93 @@ def headline(r: dict) -> str:
 
 
 def extent(r: dict) -> str:
-    """How long, and how it ended: '7 iterations in 3.83 s; interrupted by SIGINT at iteration 7'."""
-    text = f"{r['summary']['iterations']} iterations in {fmt_s(r['summary']['total_s'])}"
-    return text if r["status_kind"] == "finished" else f"{text}; {r['status']}"
+    """How long, and how it ended, and what the median of :func:`headline` is of: '7 iterations
+    in 3.83 s; interrupted by SIGINT at iteration 7; the median: all but the first'."""
+    s = r["summary"]
+    text = f"{s['iterations']} iterations in {fmt_s(s['total_s'])}"
+    text = text if r["status_kind"] == "finished" else f"{text}; {r['status']}"
+    left = s["iterations"] - len(s["steady_iterations"])
+    if s["iterations"] > 1:
+        skipped = f" and {left - 1} skipped (overflow)" if left > 1 else ""
+        text += f"; the median: all but the first (start-up){skipped}"
+    return text
 
 
-def _html_table(rows: list[tuple[str, list[str]]], labels: list[str]) -> str:
+def _html_table(rows: list[tuple[str, list[str]]], labels: list[str], cls: str = "") -> str:
     head = "<tr><th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in labels) + "</tr>"
-    body = "".join("<tr><td>" + html.escape(name) + "</td>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals)
+    body = "".join("<tr><th>" + html.escape(name) + "</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals)
                    + "</tr>" for name, vals in rows)
-    return f"<table>{head}{body}</table>"
+    return f"<table{f' class={cls!r}' if cls else ''}>{head}{body}</table>"
+
+
+def limit_text(lim: dict | None) -> str:
+    """'What limits this run: ...; next: ...' of :func:`report.analyze.limit`."""
+    if not lim:
+        return "what limits this run: not known"
+    return f"what limits this run: {lim['what']}" + (f"; next: {lim['next']}" if lim.get("next") else "")
+
+
+def comparison_lines(analysis: dict) -> list[tuple[str, str | None]]:
+    """Per run compared with the first: (the speed line, the machine warning or None). The
+    speed line gives the iteration's ratio and the update's (the phase the engine runs)."""
+    out = []
+    for c in analysis.get("comparison") or []:
+        up = c["phases"]["update"]
+        ratio = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
+        upd = (f"{up['ratio']:.2f}x ({fmt_s(up['base']['median_s'])} vs {fmt_s(up['run']['median_s'])})"
+               if up.get("ratio") else "-")
+        out.append((f"{c['run']} against {c['base']}: iteration {ratio} the speed; the update (the optimizer "
+                    f"step, the engine's phase) {upd}", c.get("machine")))
+    return out
+
+
+def _html_comparison(analysis: dict) -> list[str]:
+    out = []
+    for line, machine in comparison_lines(analysis):
+        out.append(f"<p class='verdict' id='comparison'><b>{html.escape(line)}</b></p>")
+        if machine:
+            out.append(f"<div class='machine' id='machine-warning'><b>The machine differed between the runs.</b> "
+                       f"{html.escape(machine)}.</div>")
+    return out
+
+
+NOT_RECORDED = "not recorded (by an offloadctl before it recorded this)"
+
+
+def fact_rows(analysis: dict) -> list[tuple[str, list[str]]]:
+    """What each run was: command line, options, script arguments, tier layout, knobs at start,
+    versions, date and host; a fact the run's record lacks says so."""
+    import shlex
+
+    def cell(r, key, fn=str):
+        v = (r.get("facts") or {}).get(key)
+        return NOT_RECORDED if v is None else fn(v)
+
+    def command(v):
+        return "offloadctl " + shlex.join(v)
+
+    def command_missing(r):
+        f = r.get("facts") or {}
+        if f.get("command") is None and (f.get("versions") is not None):
+            return "not recorded (a rank not started by offloadctl train on this node)"
+        return NOT_RECORDED
+
+    rows = [("command line", [cell(r, "command", command) if (r.get("facts") or {}).get("command") is not None
+                              else command_missing(r) for r in analysis["runs"]]),
+            ("options", [cell(r, "options", lambda v: shlex.join(v) or "none")
+                         if (r.get("facts") or {}).get("command") is not None else command_missing(r)
+                         for r in analysis["runs"]]),
+            ("script and its arguments", [shlex.join([(r.get("facts") or {}).get("script") or "?",
+                                                      *((r.get("facts") or {}).get("script_args") or [])])
+                                          for r in analysis["runs"]]),
+            ("optimizer state (tier layout)", [cell(r, "layout") for r in analysis["runs"]]),
+            ("knobs at start", [cell(r, "knobs_at_start", lambda v: knobs_text(v, ", ")) if r["engine"] != "stock"
+                                else "none (DeepSpeed's own optimizer)" for r in analysis["runs"]]),
+            ("versions", [cell(r, "versions", lambda v: ", ".join(f"{k} {x}" for k, x in v.items() if x))
+                          for r in analysis["runs"]]),
+            ("date", [cell(r, "date") for r in analysis["runs"]]),
+            ("host, ranks", [f"{cell(r, 'host')}, {cell(r, 'world_size')}" for r in analysis["runs"]])]
+    return rows
 
 
 def _fmt_s(x) -> str:
@@ -198,6 +295,9 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     row("median iteration", lambda r: f"{_fmt_s(r['summary']['median_iter_s'])} (#{r['summary']['median_iteration']})")
     if len(runs) > 1:
         row("speed vs the first run", lambda r: f"{r['summary']['speedup_vs_first']:.2f}x")
+        ratios = {c["run"]: c["phases"]["update"]["ratio"] for c in analysis.get("comparison") or []}
+        row("update's speed vs the first", lambda r: "1.00x" if r is runs[0] else
+            f"{ratios[r['label']]:.2f}x" if ratios.get(r["label"]) else "-")
     row("samples/s (all ranks)", lambda r: fmt_rate(r["summary"]["samples_per_s"]) if r["summary"].get("samples_per_s")
         else "-")
     row("tokens/s (all ranks)", lambda r: fmt_rate(r["summary"]["tokens_per_s"]) if r["summary"].get("tokens_per_s")
@@ -214,7 +314,8 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     row("engine's B/param", lambda r: _bpp(r["summary"].get("engine_bytes_per_param")))
     row("cache hits (of swapped)", lambda r: f"{r['summary']['median_cache_hits']:.0f} of "
         f"{r['summary']['swapped_subgroups']:.0f}" if r["summary"].get("swapped_subgroups") is not None else "-")
-    row("knob changes", lambda r: str(len(r["knob_changes"])) if any("knobs" in i for i in r["iterations"]) else "-")
+    row("knob changes", lambda r: knob_changes_text(r["knob_changes"]) if any("knobs" in i for i in r["iterations"])
+        else "-")
     row("fixed knobs (never tuned)", lambda r: fixed_knobs_text(r["summary"].get("fixed_knobs")))
     row("engine host memory, peak", lambda r: host_memory_text(r["summary"].get("host_memory"), kinds=False))
     row("  state/staging/kept/copies", lambda r: host_kinds_text(r["summary"].get("host_memory")))
@@ -222,6 +323,17 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     row("recorder: hooks; sampler CPU", lambda r: f"{100 * (r['recorder']['hooks_share'] or 0):.2f}%; "
         + (f"{r['recorder']['sampler_busy_s']:.2f} s" if r["recorder"]["sampler_busy_s"] is not None else "-"))
     return rows
+
+
+def knob_changes_text(changes: list[dict]) -> str:
+    """'3 (2 by the tuner, 1 by you)': the knob changes, by who made them."""
+    if not changes:
+        return "0"
+    by: dict[str, int] = {}
+    for ch in changes:
+        by[ch.get("by") or "unknown"] = by.get(ch.get("by") or "unknown", 0) + 1
+    return f"{len(changes)} (" + ", ".join(f"{n} by {who}" if who != "unknown" else f"{n} unattributed"
+                                           for who, n in by.items()) + ")"
 
 
 def host_kinds_text(hm: dict | None) -> str:
@@ -278,6 +390,11 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
         indent = "  " if prefix else ""
         say(indent + extent(r), "" if r["status_kind"] == "finished" else "yellow")
         say(f"{indent}bottleneck: {r['summary']['verdict']}", "bold")
+        say(indent + limit_text(r["summary"].get("limit")))
+    for line, machine in comparison_lines(analysis):
+        say(line, "bold")
+        if machine:
+            say(f"warning: {machine}", "yellow")
     t = Table("", *[r["label"] for r in analysis["runs"]],
               title="the median iteration (B/param: mean of steady iterations; disk: the run's own, others: other "
                     "processes on the same devices)")
