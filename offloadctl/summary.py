@@ -80,6 +80,9 @@ def tuner_lines(view: RunView) -> list[str]:
              "measuring": "measuring", "stopped": "policy stopped"}.get(mode, "done")
     if mode == "holding" and not why:
         why = "no move left to try"
+    from offloadctl.commands.tune_view import held_text
+
+    why = held_text(why)
     head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
     changes = [f"tuner: {adaptation_text(a)}" for a in ((view.get("policy") or {}).get("adaptations") or [])[-3:]]
     return _wrap([*changes, f"{head}; {doing}" + (f" ({why})" if why else "")])

@@ -39,7 +39,9 @@ class KnobKey:
         ConfigError naming the text otherwise."""
         name, path = split_key(text) if isinstance(text, str) else (text, None)
         if name not in Knobs.names():
-            raise ConfigError(f"unknown knob {text!r}: use one of {', '.join(Knobs.names())}, or io_concurrency[PATH]")
+            near = nearest_knob(name) if isinstance(name, str) else None
+            raise ConfigError(f"unknown knob {text!r}{f' (did you mean {near}?)' if near else ''}: use one of "
+                              f"{', '.join(Knobs.names())}, or io_concurrency[PATH]")
         if path is not None:
             if name != "io_concurrency":
                 raise ConfigError(f"knob {text!r}: only io_concurrency takes a [PATH]; give {name} as a whole")
@@ -53,6 +55,22 @@ class KnobKey:
             return knobs.concurrency_for(self.path)
         value = getattr(knobs, self.name)
         return dict(value) if isinstance(value, Mapping) else value
+
+
+def nearest_knob(name: str) -> str | None:
+    """The knob name closest to a mistyped ``name`` ('prefech_depth' -> 'prefetch_depth'), or
+    None when none is close."""
+    import difflib
+
+    near = difflib.get_close_matches(name.strip().lower(), Knobs.names(), n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def typed_knob(text: str) -> str:
+    """The knob name in what a user typed: before '=' and any '[PATH]', after the last ':'
+    (``RUN:prefech_depth=4`` -> 'prefech_depth')."""
+    head = text.split("=", 1)[0].split("[", 1)[0]
+    return head.rsplit(":", 1)[-1].strip()
 
 
 def split_key(text: str) -> tuple[str, str | None]:

@@ -54,11 +54,13 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
     range is refused here, naming what was typed."""
     from engine.config import Knobs
     from engine.errors import ConfigError
-    from tuner.knob_text import knob_pattern
+    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
 
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern() + r"=(?P<value>.*)", spec, re.S)
     if not m:
-        raise ConfigError(f"--pin {spec!r}: write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
+        near = nearest_knob(typed_knob(spec)) if "=" in spec else None
+        raise ConfigError(f"--pin {spec!r}: " + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
+                          + f"write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
                           f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)")
     try:
         value = json.loads(m["value"])
@@ -75,11 +77,13 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
 def parse_unpin(spec: str) -> tuple[str, str]:
     """``RUN:KNOB`` -> (run, knob)."""
     from engine.errors import ConfigError
-    from tuner.knob_text import knob_pattern
+    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
 
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern(), spec, re.S)
     if not m:
-        raise ConfigError(f"--unpin {spec!r}: write RUN:KNOB, e.g. myrun:prefetch_depth")
+        near = nearest_knob(typed_knob(spec))
+        raise ConfigError(f"--unpin {spec!r}: " + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
+                          + "write RUN:KNOB, e.g. myrun:prefetch_depth")
     return m["run"], m["knob"]
 
 
@@ -104,6 +108,9 @@ class Target:
     socket: str
     private: bool
     """A run's own daemon: it stops when the run ends, and so does the view."""
+    run_dir: str | None = None
+    """The run's directory, when known (a private daemon's run): its record gives the final
+    line the same median as the run's summary."""
 
 
 def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
@@ -128,7 +135,7 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     found = [(entry, runs) for entry, runs in live
              if not run_ids or entry.get("run_id") in run_ids or any(r["run_id"] in run_ids for r in runs)]
     if len(found) == 1:
-        return Target(found[0][0]["socket"], private=True)
+        return Target(found[0][0]["socket"], private=True, run_dir=found[0][0].get("run_dir"))
     if found:
         print(printable(live_runs_table(found)))
         raise ConfigError(f"{len(found)} live runs: pick one with --run-dir DIR")
@@ -161,10 +168,10 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
     deadline = time.monotonic() + wait_s
     while True:
         if service.probe(own) is not None:
-            return Target(own, private=True)
+            return Target(own, private=True, run_dir=run_dir)
         for entry in service.live_runs():  # a run dir too long for a socket path has its socket elsewhere
             if entry["run_dir"] == run_dir:
-                return Target(entry["socket"], private=True)
+                return Target(entry["socket"], private=True, run_dir=run_dir)
         if not in_use(run_dir):
             raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
                               "`offloadctl tune` without --run-dir lists the live ones")
@@ -306,6 +313,8 @@ HELP = """keys of the live view
   u  unpin a knob (the tuner may move it again): type KNOB, Enter
   f  freeze tuning (the knobs stay as they are), or resume it
   ?  this help, or back to the run
+slots (per path): the most reads and writes the engine keeps in
+  flight there at once, its io_concurrency (the tuner may move it)
 
 {knobs}
 values are JSON: 4, 0.5, true, {{"/nvme": 8}}
@@ -368,6 +377,22 @@ class Keys:
         if not ready:
             return ""
         return os.read(self.fd, 64).decode(errors="replace")
+
+
+def view_error(kind: str, text: str, error: str, run_id: str) -> str:
+    """A pin or unpin typed in the live view that was refused, in the view's own words: what was
+    typed, the nearest knob where the name is mistyped, and the form the prompt takes (KNOB=VALUE
+    or KNOB), not the command line's RUN:KNOB=VALUE."""
+    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
+
+    form = "KNOB=VALUE, e.g. prefetch_depth=4" if kind == "pin" else "KNOB, e.g. prefetch_depth"
+    shape = knob_pattern() + (r"=.*" if kind == "pin" else "")
+    if not re.fullmatch(shape, text, re.S):
+        name = typed_knob(text)
+        near = nearest_knob(name) if name else None
+        said = f"no knob {name!r} (did you mean {near}?)" if near else f"not {form.split(',')[0]}"
+        return f"{text}: {said}; type {form} (? lists the knobs)"
+    return f"{text}: " + re.sub(rf"^--(?:un)?pin '{re.escape(run_id)}:[^']*': ", "", error)
 
 
 class Controls:
@@ -443,7 +468,7 @@ class Controls:
                 _, knob = parse_unpin(f"{run['run_id']}:{text}")
                 self._request(f"unpinned {knob}: the tuner may move it", "unpin", run_id=run["run_id"], knob=knob)
         except ConfigError as e:
-            self.message = str(e).replace(f"'{run['run_id']}:", "'")
+            self.message = view_error(kind, text, str(e), run["run_id"])
 
     def _request(self, done: str, kind: str, **fields) -> None:
         from tuner.protocol import ProtocolError
@@ -542,7 +567,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     for r in final:
         console.print(run_panel(r, width=console.width))
     for r in final:
-        console.print(final_line(r), markup=False, highlight=False)  # paths and reasons may hold [brackets]
+        console.print(final_line(r, target.run_dir), markup=False, highlight=False)  # paths, reasons: [brackets]
     if not final:
         console.print("the tuner daemon stopped before any run reported")
     return 0

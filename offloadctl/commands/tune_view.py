@@ -28,16 +28,53 @@ def ended_text(r: RunView) -> str:
     return f"{r['outcome']}{by} at iteration {at_iteration(r)}"
 
 
-def final_line(r: RunView) -> str:
+def final_line(r: RunView, run_dir: str | None = None) -> str:
     """One run's outcome: how it ended, at which iteration, its iteration time and knobs, and
-    the tuner's verdict."""
+    the tuner's verdict. The iteration time is the run's summary's (the median of every
+    iteration but the first, from the run's record in ``run_dir``); without the record, the
+    median of the last 20 the tuner saw, said as such."""
     from engine.units import format_seconds
 
-    times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
-    pace = f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)})" if times else ""
+    pace = ""
+    recorded = recorded_median(run_dir) if run_dir else None
+    if recorded is not None:
+        pace = f"; {format_seconds(recorded[0])}/iteration (median of {recorded[1]}, as in the run's summary)"
+    else:
+        times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
+        if times:
+            pace = (f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)} the tuner saw; "
+                    f"the run's summary takes all but the first)")
     verdict = verdict_text(r.get("verdict"))
     return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {knobs_text(r['knobs'])}"
             + (f"\ntuner: {verdict}" if verdict else ""))
+
+
+def recorded_median(run_dir: str) -> tuple[float, int] | None:
+    """(median iteration time, iterations it is of) as the run's summary and report give them,
+    from the record in ``run_dir``; None where it holds none that reports."""
+    from engine.errors import ConfigError
+    from report.analyze import analyze_run
+    from report.load import load_run
+
+    try:
+        s = analyze_run(load_run(run_dir))["summary"]
+    except (ConfigError, OSError, ValueError, KeyError):
+        return None
+    return s["median_iter_s"], len(s["steady_iterations"])
+
+
+def held_text(reason: str) -> str:
+    """The tuner's 'holding at iteration 0.309 s' said as what it is: the median of the last
+    iterations it measured before it settled, not the run's median."""
+    import re
+
+    from engine.units import format_seconds
+    from tuner.policy_config import PolicyConfig
+
+    window = PolicyConfig().window
+    return re.sub(r"holding at (iteration|update) (\d+(?:\.\d+)?) s",
+                  lambda m: f"holding at {format_seconds(float(m[2]))}/{m[1]} (the median of the last {window} it "
+                            f"measured before it settled)", reason)
 
 
 def _median(xs: list[float]) -> float:
@@ -108,7 +145,7 @@ def verdict_text(verdict: Verdict | None) -> str:
         return f"trying {v.get('trial')}"
     if mode == "holding":
         since = f" (since iteration {v['since_iteration']})" if v.get("since_iteration") is not None else ""
-        return f"holding{since}: {reason or 'no move left to try'}"
+        return f"holding{since}: {held_text(reason) if reason else 'no move left to try'}"
     if mode == "measuring":
         return "measuring the current knobs"
     return ""
@@ -186,16 +223,14 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
         body.append(Text("no iterations reported yet", style="dim"))
 
     sensors = r.get("sensors") or {}
-    spaths = sensors.get("paths") or {}
     policy = r.get("policy") or {}
     if r["bandwidth"]:
         rates = policy.get("rates") or {}
-        paths = Table("path", "read", "write", "serves at", "others", "queue", box=None, title_justify="left")
+        paths = Table("path", "read", "write", "serves at", "others", "slots", box=None, title_justify="left")
         for p, bw in r["bandwidth"].items():
-            queue = (spaths.get(p) or {}).get("in_flight")
+            # slots: the requests in flight on the path at most (io_concurrency); ? explains it
             paths.add_row(Text(p, overflow="fold"), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]),
-                          _rate(rates.get(p)), _rate(bw["other_bytes_per_s"]),
-                          f"{queue if queue is not None else '-'} / {bw['concurrency']}")
+                          _rate(rates.get(p)), _rate(bw["other_bytes_per_s"]), str(bw["concurrency"]))
         body.append(paths)
     for a in (policy.get("adaptations") or [])[-2:]:
         body.append(Text("conditions: " + adaptation_text(a)))
