@@ -256,26 +256,32 @@ def _paths_and_weights(profile: Profile, plan: Plan, lay: _Layout) -> tuple[list
         why = "no path has a positive stripe weight" if paths else f"profile {profile.name!r} has no storage paths"
         raise ConfigError(f"plan {plan.name!r} leaves {lay.S} subgroups per rank ({gb(lay.S * lay.pay_n)}) outside host "
                           f"memory, but {why}: raise the host memory for optimizer state "
-                          f"(--host-cache, or --host-memory in plan), or give a storage path")
+                          f"(--host-memory), or give a storage path")
     return paths, weights
+
+
+def _memory_need(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[int, int]:
+    """(host bytes per node, GPU bytes per rank) that ``plan`` takes, whatever the node has."""
+    staging = lay.B * (max(lay.pay_n, lay.pay_last) + HEADER_BYTES) if lay.S else 0
+    host_state = lay.H * lay.pay_n - (lay.pay_n - lay.pay_last if lay.D + lay.H == lay.N and lay.H else 0)
+    host_node = wl.ranks * (host_state + staging)
+    # Resident state and its gradients, the lane's working buffers, and the gradients of the
+    # device-lane subgroups that stay on the GPU (as many as fit: lane_load).
+    load = lane_load(wl, lay, plan, gpu_headroom(profile, wl))
+    gpu_rank = (plan.device_cache_bytes + (load.resident_params + load.staged_params - load.upload_grad_params)
+                * wl.grad_bytes + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0))
+    return host_node, gpu_rank
 
 
 def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[int, int]:
     """(host bytes per node, GPU bytes per rank); ConfigError over the budget or the headroom."""
-    staging = lay.B * (max(lay.pay_n, lay.pay_last) + HEADER_BYTES) if lay.S else 0
-    host_state = lay.H * lay.pay_n - (lay.pay_n - lay.pay_last if lay.D + lay.H == lay.N and lay.H else 0)
-    host_node = wl.ranks * (host_state + staging)
+    host_node, gpu_rank = _memory_need(profile, wl, plan, lay)
     budget = host_budget(profile, wl)
     if host_node > budget:
         raise ConfigError(f"plan {plan.name!r} needs {gb(host_node)} of host memory per node for optimizer state and "
                           f"staging buffers, over the budget of {gb(budget)}: lower host_cache_bytes or prefetch_depth, "
                           f"or raise the host memory budget (--host-memory)")
-    # Resident state and its gradients, the lane's working buffers, and the gradients of the
-    # device-lane subgroups that stay on the GPU (as many as fit: lane_load).
     headroom = gpu_headroom(profile, wl)
-    load = lane_load(wl, lay, plan, headroom)
-    gpu_rank = (plan.device_cache_bytes + (load.resident_params + load.staged_params - load.upload_grad_params)
-                * wl.grad_bytes + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0))
     if profile.gpu is not None and gpu_rank > headroom:
         raise ConfigError(f"plan {plan.name!r} needs {gb(gpu_rank)} of GPU memory per rank (device cache, the "
                           f"gradients of GPU-updated subgroups, the device lane's buffers), over the GPU headroom of "
@@ -283,19 +289,38 @@ def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[i
     return host_node, gpu_rank
 
 
+def _swap_need(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, ranks: int) -> dict[str, float]:
+    """Bytes of swap files per node on each path that holds any."""
+    per_path_files = swap_traffic(lay.N, lay.D + lay.H, 0, lay.n, lay.n_last, wt, 0.0)[0].read  # every file, once
+    return {p.path: ranks * b for p, b in zip(paths, per_path_files) if b}
+
+
 def _swap_files(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, ranks: int) -> dict[str, float]:
     """Bytes of swap files per node on each path; ConfigError over a path's capacity."""
-    storage_node: dict[str, float] = {}
-    per_path_files = swap_traffic(lay.N, lay.D + lay.H, 0, lay.n, lay.n_last, wt, 0.0)[0].read  # every file, once
-    for p, b in zip(paths, per_path_files):
-        need = ranks * b
+    storage_node = _swap_need(paths, wt, lay, ranks)
+    for p in paths:
+        need = storage_node.get(p.path, 0)
         if need > p.capacity_bytes > 0:
             raise ConfigError(f"path {p.path} would hold {gb(need)} of swap files per node, over its capacity of "
                               f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise the host memory "
-                              f"for optimizer state (--host-cache, or --host-memory in plan)")
-        if b:
-            storage_node[p.path] = need
+                              f"for optimizer state (--host-memory)")
     return storage_node
+
+
+def plan_needs(profile: Profile, workload: Workload, plan: Plan) -> dict:
+    """What ``plan`` would take of the node, whether or not the node has it (``offloadctl plan``
+    shows it when no plan fits): ``host_per_node`` (state and staging buffers), ``gpu_per_rank``,
+    ``paths`` (bytes of swap files per node by path), and ``nowhere`` (bytes per node swapped
+    with no path to take them)."""
+    check_profile(profile)
+    lay = _layout(workload, plan)
+    host_node, gpu_rank = _memory_need(profile, workload, plan, lay)
+    paths = _plan_paths(profile, plan)
+    weights = tuple(max(0.0, float(plan.knobs.stripe_weights.get(p.path, default_weight(p)))) for p in paths)
+    swapped = workload.ranks * (lay.S * lay.pay_n - (lay.pay_n - lay.pay_last if lay.S else 0))
+    stored = _swap_need(paths, weights, lay, workload.ranks) if lay.S and sum(weights) > 0 else {}
+    return {"host_per_node": host_node, "gpu_per_rank": gpu_rank if profile.gpu else 0,
+            "paths": {k: int(v) for k, v in stored.items()}, "nowhere": 0 if stored or not lay.S else int(swapped)}
 
 
 def lane_rates(profile: Profile, wl: Workload) -> LaneRates:

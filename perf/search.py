@@ -17,6 +17,11 @@ from perf.model import Plan, Prediction, Workload, predict, read_ahead_for
 from perf.profile import PathProfile, Profile
 from perf.stock import STOCK_KINDS, stock_deepspeed
 
+
+class NoPlanFits(ConfigError):
+    """No plan fits the node's host memory and storage (:func:`perf.nofit.no_fit` says what each needs)."""
+
+
 DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 """Prefetch depths the search tries."""
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
@@ -245,16 +250,16 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
 
 
 def _no_plan(profile: Profile, wl: Workload, name: str, refusals: list[ConfigError], has_paths: bool, state_rank: int,
-             budget_rank: int, n: int, fb: int) -> ConfigError:
+             budget_rank: int, n: int, fb: int) -> NoPlanFits:
     """Why no plan fits: the last refusal, or that state fits neither host memory nor a path."""
     if refusals:
-        return ConfigError(f"no plan fits: {str(refusals[-1]).replace(f'plan {name!r} ', '', 1)}")
+        return NoPlanFits(f"no plan fits: {str(refusals[-1]).replace(f'plan {name!r} ', '', 1)}")
     if not has_paths:
-        return ConfigError(f"{gb(state_rank * wl.ranks)} of optimizer state per node does not fit the host memory budget "
+        return NoPlanFits(f"{gb(state_rank * wl.ranks)} of optimizer state per node does not fit the host memory budget "
                            f"of {gb(budget_rank * wl.ranks)} and profile {profile.name!r} has no storage paths: measure "
                            f"a profile with `offloadctl profile save --nvme PATH`, or raise --host-memory")
     staging = staging_buffers(0)
-    return ConfigError(f"the host memory budget of {gb(budget_rank * wl.ranks)} per node does not hold the {staging} "
+    return NoPlanFits(f"the host memory budget of {gb(budget_rank * wl.ranks)} per node does not hold the {staging} "
                        f"staging buffers of a {n}-element subgroup per rank ({gb(staging * fb * wl.ranks)}): raise "
                        f"--host-memory or lower the subgroup size")
 

@@ -91,8 +91,9 @@ def fill_paragraphs(text: str, width: int = HELP_WIDTH) -> str:
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
     from perf.model import Workload
+    from perf.nofit import no_fit
     from perf.profile_toml import load_profile
-    from perf.search import alternatives
+    from perf.search import NoPlanFits, alternatives
 
     if not args.profile:
         raise ConfigError(no_profile_text())
@@ -102,16 +103,99 @@ def run(args: argparse.Namespace) -> int:
     wl = Workload(params=parse_params(args.params), ranks=args.ranks, nodes=args.nodes,
                   subgroup_numel=int(args.subgroup), fwd_bwd_s=args.fwd_bwd_s,
                   host_bytes=size_bytes(args.host_memory), gpu_headroom_bytes=size_bytes(args.gpu_headroom))
-    preds = alternatives(profile, wl, args.path)
+    try:
+        preds = alternatives(profile, wl, args.path)
+    except NoPlanFits as e:
+        return _no_fit(args, profile, wl, no_fit(profile, wl, args.path, str(e)))
     if args.json:
         print(json.dumps({"profile": {"name": profile.name, "source": profile.source.kind},
                           "workload": {k: getattr(wl, k) for k in wl.__dataclass_fields__},
-                          "best": preds[0].plan.name,
+                          "fits": True, "best": preds[0].plan.name,
                           "plans": [_finite({**p.to_dict(), "label": plan_label(p.plan.name)}) for p in preds]},
                          indent=2))
         return 0
     _print(profile, wl, preds)
     return 0
+
+
+def _no_fit(args: argparse.Namespace, profile, wl, nf) -> int:
+    """No plan fits: each plan's needs per node against what the node has, what fails, and what
+    to add, as a table (or JSON); then one line on stderr, and exit status 2."""
+    import sys
+
+    if args.json:
+        print(json.dumps({"profile": {"name": profile.name, "source": profile.source.kind},
+                          "workload": {k: getattr(wl, k) for k in wl.__dataclass_fields__},
+                          "fits": False, "best": None, "plans": [], "no_fit": nf.to_dict()}, indent=2))
+    else:
+        _print_no_fit(profile, wl, nf)
+    print(f"offloadctl: {no_fit_line(nf)}", file=sys.stderr)
+    return 2
+
+
+def no_fit_line(nf) -> str:
+    """The one line of a plan that does not fit, within 80 columns with its ``offloadctl: ``."""
+    first = nf.fixes[0] if nf.fixes else None
+    if first is None:
+        return "no plan fits this node, nor 4096 of them: see the table above"
+    fix = {"--host-memory": lambda f: f"raise --host-memory to {f['text'].split()[1]}",
+           "--nodes": lambda f: f"run on --nodes {f['value']}",
+           "storage": lambda f: f"add {f['text'].split()[0]} of storage"}[first["option"]](first)
+    return f"no plan fits this node: {fix} (see above)"
+
+
+_FAILS = {"host": "host memory", "no path": "a storage path", "no GPU": "a GPU", "gpu": "GPU memory"}
+
+
+def _print_no_fit(profile, wl, nf) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = Console(highlight=False)
+    ranks = f"{wl.ranks} rank{'s' if wl.ranks != 1 else ''} per node x {wl.nodes} node{'s' if wl.nodes != 1 else ''}"
+    con.print(f"[bold]{format_count(wl.params)} params[/], {ranks}; profile {escape(profile.name)} "
+              f"({escape(profile.source.kind)})")
+    con.print("[bold red]No plan fits this node.[/] What each plan needs per node, against what the node has "
+              "(! marks what it lacks):")
+    paths = list(nf.has["paths"])
+    named = len(paths) <= 2 and all(len(p) <= 22 for p in paths)
+    heads = {p: (p if named else f"path {i + 1}") for i, p in enumerate(paths)}
+    gpu = any("gpu" in n.fails for n in nf.needs)
+    tab = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    for name in ["plan", "host memory", *heads.values(), *(["GPU"] if gpu else []), "lacks"]:
+        tab.add_column(escape(name), justify="left" if name in ("plan", "lacks") else "right", no_wrap=True)
+    has = nf.has
+    tab.add_row("this node has", format_size(has["host_per_node"]) + "  ",
+                *((format_size(has["paths"][p]) if has["paths"][p] else "?") + "  " for p in paths),
+                *([format_size(has["gpu_per_rank"]) + "  "] if gpu else []), "", style="bold")
+
+    def cell(value, failed: bool) -> str:
+        return ("-" if not value else format_size(value)) + (" !" if failed else "  ")
+
+    for n in nf.needs:
+        lacks = [_FAILS.get(f, heads.get(f, f)) for f in n.fails]
+        lacks = [x if x not in paths and x not in heads.values() else "storage" for x in lacks]
+        tab.add_row(escape(plan_label(n.name)), cell(n.host, "host" in n.fails),
+                    *(cell(n.paths.get(p), p in n.fails) for p in paths),
+                    *([cell(n.gpu, "gpu" in n.fails)] if gpu else []),
+                    escape(", ".join(dict.fromkeys(lacks))), style="dim" if n.name.startswith("stock") else None)
+    con.print(tab)
+    if not named:
+        for p, h in heads.items():
+            con.print(f"{h}: {p}", style="dim", markup=False)
+    con.print(f"host memory: optimizer state and staging buffers, per node (--host-memory; the node has "
+              f"{format_size(has['memory_per_node'])} in all). A storage path: swap files per node, against its "
+              f"capacity.{' GPU: per rank.' if gpu else ''} DS: stock DeepSpeed ZeRO-3.", style="dim", markup=False)
+    if nf.fixes:
+        con.print("[bold]To fit, any one of:[/]")
+        for f in nf.fixes:
+            # A command in backticks stays on one line, to copy whole.
+            text = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\u00a0"), f["text"])
+            con.print(textwrap.fill(text, min(con.width, HELP_WIDTH + 1) - 1, initial_indent="  ",
+                                    subsequent_indent="    ", break_on_hyphens=False,
+                                    break_long_words=False).replace("\u00a0", " "), markup=False)
 
 
 def _finite(x):
@@ -129,6 +213,7 @@ def _finite(x):
 
 _LABELS = {"best": "best", "engine defaults": "defaults", "best without device lane": "no GPU lane",
            "best with device cache": "GPU cache", "all state on storage": "all on disk",
+           "all state in host memory": "all in memory",
            "stock ZeRO-3 CPU offload": "DS CPU offload", "stock ZeRO-Infinity NVMe": "DS Infinity",
            "stock Twin-Flow": "DS Twin-Flow"}
 """Table names of the plans: short enough for an 80-column terminal. DS: stock DeepSpeed."""
