@@ -117,7 +117,8 @@ def rank_optimizer_file(folder: str, rank: int) -> str:
 
 
 def _shape(s) -> str:
-    return "[" + ", ".join(str(int(d)) for d in s) + "]"
+    """A shape as torch prints it, as in :func:`describe_failure`'s line (torch's own size mismatch)."""
+    return "torch.Size([" + ", ".join(str(int(d)) for d in s) + "])"
 
 
 def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) -> str | None:
@@ -142,7 +143,7 @@ def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) 
     fix = "load a checkpoint of this model, or check the script's model arguments"
     for (name, there), here in zip(theirs, mine):
         if there != here:
-            return (f"checkpoint file {model} holds another model: parameter {name} is {_shape(there)} there and "
+            return (f"checkpoint file {model} holds another model: {name} is {_shape(there)} there and "
                     f"{_shape(here)} here (its param_shapes); {fix}")
     if len(theirs) != len(mine):
         return (f"checkpoint file {model} holds another model: {len(theirs)} optimized parameters there and "

@@ -39,9 +39,9 @@ def test_a_checkpoint_of_another_model_names_the_parameter_and_both_shapes(ds_ru
     ckpt = ds_runs.get(SAVER).ok().copy_of("ckpt", tmp_path / "ckpt")
     p = _resume(ckpt, tmp_path, "--hidden", "48")
     model = os.path.join(ckpt, "ckpt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    assert _refused(p) == (f"offloadctl: checkpoint file {model} holds another model: parameter 0.weight is [64, 32] "
-                           f"there and [48, 32] here (its param_shapes); load a checkpoint of this model, or check "
-                           f"the script's model arguments")
+    assert _refused(p) == (f"offloadctl: checkpoint file {model} holds another model: 0.weight is "
+                           f"torch.Size([64, 32]) there and torch.Size([48, 32]) here (its param_shapes); load a "
+                           f"checkpoint of this model, or check the script's model arguments")
     assert not os.path.exists(tmp_path / "load" / "losses.jsonl")
 
 
@@ -80,8 +80,8 @@ def test_param_shapes_against_this_model(tmp_path):
     model = str(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (8, 64)]]) is None
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (64, 8)]]) == (
-        f"checkpoint file {model} holds another model: parameter 2.weight is [8, 64] there and [64, 8] here (its "
-        f"param_shapes); load a checkpoint of this model, or check the script's model arguments")
+        f"checkpoint file {model} holds another model: 2.weight is torch.Size([8, 64]) there and torch.Size([64, 8]) "
+        f"here (its param_shapes); load a checkpoint of this model, or check the script's model arguments")
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (8, 64), (8,)]]) == (
         f"checkpoint file {model} holds another model: 3 optimized parameters there and 4 here (its "
         f"param_shapes); load a checkpoint of this model, or check the script's model arguments")
