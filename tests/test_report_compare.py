@@ -179,3 +179,27 @@ def test_the_users_knob_changes_are_said_as_the_users(runs, tmp_path):
     page, stdout = _page(tmp_path, str(tuned))
     assert "2 (1 by you, 1 by the tuner)" in page and "2 (1 by you, 1 by the tuner)" in stdout
     assert "yours (a pin, unpin or freeze from offloadctl tune, labelled 'you:')" in page
+
+
+def test_one_median_with_one_definition_on_every_screen(runs):
+    """The summary's median (every iteration but the first) is the live view's last line's too,
+    read from the run's record, and says what it is of; the tuner's own figure is said as the
+    median of its last window, not the run's."""
+    from offloadctl.commands.tune_view import final_line
+    from offloadctl.summary import run_summary_lines, tuner_lines
+
+    lines = run_summary_lines(runs["ours"])
+    m = re.match(r"(\S+ m?s)/iteration \(median of (\d+)\)", lines[1])
+    assert m, lines
+    assert "the median: all but the first (start-up)" in " ".join(" ".join(lines).split())
+    view = {"run_id": "r", "status": "finished", "outcome": "finished", "stopped_by": None, "iteration": 4,
+            "history": {"iter_time_s": [9.0, 9.0]}, "knobs": {"prefetch_depth": 0}, "start_knobs": {"prefetch_depth": 0},
+            "verdict": {"mode": "holding", "since_iteration": 3,
+                        "reason": "no move left to try: none gained more than 5%; holding at iteration 0.309 s"}}
+    text = final_line(view, runs["ours"])
+    assert f"{m[1]}/iteration (median of {m[2]}, as in the run's summary)" in text, text
+    assert "holding at 309 ms/iteration (the median of the last 3 it measured before it settled)" in text, text
+    assert "9.00 s" not in text
+    assert "(median of the last 2 the tuner saw; the run's summary takes all but the first)" in final_line(view)
+    said = " ".join(" ".join(tuner_lines(view)).split())
+    assert "holding at 309 ms/iteration (the median of the last 3 it measured before it settled)" in said, said

@@ -106,6 +106,8 @@ def test_pin_replies_fit_80_columns_and_mistyped_knobs_get_the_nearest_name(priv
                   r"no knob 'prefech_depth' \(did you mean prefetch_depth\?\); write RUN:KNOB=VALUE")
         _one_line(_cli("tune", "--unpin", "a-run-with-a-rather-long-id:node_lok"), 2,
                   r"no knob 'node_lok' \(did you mean node_lock\?\)")
+        # A knob spelled right, the run left out: no suggestion, the form only.
+        _one_line(_cli("tune", "--pin", "prefetch_depth=4"), 2, r"^offloadctl: --pin 'prefetch_depth=4': write RUN:KNOB")
     finally:
         rank.close()
         stop()

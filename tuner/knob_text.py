@@ -59,9 +59,11 @@ class KnobKey:
 
 def nearest_knob(name: str) -> str | None:
     """The knob name closest to a mistyped ``name`` ('prefech_depth' -> 'prefetch_depth'), or
-    None when none is close."""
+    None when none is close (or ``name`` is one)."""
     import difflib
 
+    if name in Knobs.names():  # not mistyped: whatever is wrong is elsewhere
+        return None
     near = difflib.get_close_matches(name.strip().lower(), Knobs.names(), n=1, cutoff=0.6)
     return near[0] if near else None
 
