@@ -163,16 +163,22 @@ def built_command(kind: str, values: Mapping[str, object], script: str, script_a
 
 def hook_env(settings_json: str, *, direct: bool) -> dict[str, str]:
     """What a launch that is not DeepSpeed's runner adds to the environment: the rank hook and
-    this checkout on PYTHONPATH, the ranks' settings, whether the user set OMP_NUM_THREADS (then
-    it stands in every rank), and with ``direct`` that the launch's own interpreter is the rank."""
+    this checkout on PYTHONPATH, the ranks' settings, and whether the user set OMP_NUM_THREADS
+    (then it stands in every rank). With ``direct`` (``python script.py``: the launch's own
+    interpreter is the one rank), a world of one, as a launcher would describe it, where the
+    environment does not describe one already: DeepSpeed would otherwise look for MPI."""
     from integrations import rank_entry
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [HOOK_DIR, root, os.environ.get("PYTHONPATH")])),
            rank_entry.SETTINGS_ENV: settings_json,
            rank_entry.USER_OMP_ENV: "1" if "OMP_NUM_THREADS" in os.environ else "0"}
-    if direct:
-        env[rank_entry.DIRECT_ENV] = "1"
+    if direct and "RANK" not in os.environ:
+        from integrations.launcher import free_port
+
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   MASTER_PORT=os.environ.get("MASTER_PORT") or free_port())
     return env
 
 

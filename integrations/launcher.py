@@ -132,6 +132,11 @@ def _local_launch(values: Mapping[str, object]) -> bool:
             and addr in (None, "localhost", "127.0.0.1", "::1"))
 
 
+def free_port() -> str:
+    """A rendezvous port nothing listens on here now (:data:`DEFAULT_MASTER_PORT` where free)."""
+    return str(rendezvous_port({}) or DEFAULT_MASTER_PORT)
+
+
 def _port_in_use(port: int) -> str | None:
     """How the TCP port ``port`` cannot be listened on here ('is in use', ...), or None where it
     can: bound as torch's rendezvous store binds it (all addresses, SO_REUSEADDR: a connection of

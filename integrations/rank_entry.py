@@ -14,7 +14,7 @@ A rank is an interpreter that a launcher numbered (``perf.plan.RANK_VARS``) and 
 launcher itself (torchrun, ``accelerate launch``, DeepSpeed's runners: by the program it runs)
 nor a process a rank started (a data-loader worker, a compile worker, a probe: by
 :data:`ARMED_ENV`, which a rank sets for everything it starts). Under ``offloadctl train python
-script.py`` the one interpreter is the rank (:data:`DIRECT_ENV`).
+script.py`` the one interpreter is rank 0 of a world of one (``launch_commands.hook_env``).
 
 Threads: torchrun sets ``OMP_NUM_THREADS=1`` for every rank when it starts several on a node
 and the variable is unset; ``offloadctl train`` says in :data:`USER_OMP_ENV` whether the user
@@ -30,8 +30,6 @@ import sys
 SETTINGS_ENV = "OFFLOADCTL_RANK_SETTINGS"
 ARMED_ENV = "OFFLOADCTL_RANK_PID"
 """Set by a rank to its pid: a Python process it starts inherits it and is not a rank."""
-DIRECT_ENV = "OFFLOADCTL_DIRECT_RANK"
-"""'1' where the launch's own interpreter is the one rank (``offloadctl train python ...``)."""
 USER_OMP_ENV = "OFFLOADCTL_USER_OMP_NUM_THREADS"
 """'1' where the user's environment set OMP_NUM_THREADS before the launch (then it stands)."""
 
@@ -99,7 +97,7 @@ def is_rank(environ=None, argv=None) -> bool:
         return False
     from perf.plan import launcher_rank
 
-    return launcher_rank(environ) is not None or environ.get(DIRECT_ENV) == "1"
+    return launcher_rank(environ) is not None
 
 
 def launcher_threads(environ) -> None:

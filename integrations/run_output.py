@@ -66,7 +66,8 @@ _BLOCK_MAX_LINES = 40
 # torch's own log lines (torchrun, torch.distributed.elastic, c10d), in glog's format:
 # "W1201 19:39:24.514000 8343 .../torch/distributed/run.py:874] Setting OMP_NUM_THREADS ...".
 _TORCH_LOG_LINE = re.compile(rb"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\n]*\] ?")
-_TORCH_LOG_START = re.compile(rb"^\[?[IWEF]\d{0,4}( \d{0,2}(:\d{0,2}(:\d{0,2}(\.\d*)?)?)?)?$")
+_TORCH_LOG_TEMPLATE = b"I0000 00:00:00.000000 "
+_TORCH_LOG_REST = re.compile(rb" *\d*( [^\]\n]*)?")
 # torch elastic's report of the first rank it found ended: "... failed (exitcode: 1) local_rank: 1 (pid: ...".
 _ELASTIC_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # A traceback, held whole with the exceptions chained to it, to decide where it goes.
@@ -185,7 +186,7 @@ class OutputFilter:
         self._passing = False  # in the middle of a line already passed on
         self._block: list[bytes] | None = None  # a Python "Exception ignored" block, held whole
         self._traceback: list[bytes] | None = None  # a traceback and those chained to it, held whole
-        self._traceback_part = "frames"  # where in it: 'frames', 'after' (its exception line), 'table'
+        self._traceback_part = "frames"  # where in it: 'frames', 'after' its exception line, 'chained', 'table'
         self.hidden_lines = 0
 
     def feed(self, data: bytes) -> None:
@@ -288,10 +289,16 @@ class OutputFilter:
             taken = True
             if text[:1] not in (b" ", b"\t"):
                 self._traceback_part = "after"  # the exception's line
-        elif part == "after":
-            taken = not bare or bare in _CHAINED or text.startswith(_TRACEBACK_START) or (
+        elif part in ("after", "chained"):
+            # what follows its exception's line: blank lines, the line that chains the next
+            # traceback to it (then that traceback), or torch elastic's table of failures
+            taken = not bare or bare in _CHAINED or (part == "chained" and text.startswith(_TRACEBACK_START)) or (
                 bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1])
-            if text.startswith(_TRACEBACK_START):
+            if not taken:
+                pass
+            elif bare in _CHAINED:
+                self._traceback_part = "chained"
+            elif text.startswith(_TRACEBACK_START):
                 self._traceback_part = "frames"
             elif bare.startswith(b"=" * 20):
                 self._traceback_part = "table"
@@ -385,8 +392,7 @@ class OutputFilter:
             return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
         if (_EXIT_NOISE_START.startswith(text) or text.startswith(_EXIT_NOISE_START)) and len(text) < 500:
             return True  # may start a block held whole (_in_block)
-        if _TRACEBACK_START.startswith(text.rstrip(b"\r")) or _TORCH_LOG_START.match(text) or (
-                _TORCH_LOG_LINE.match(text) and len(text) < 4000):
+        if _TRACEBACK_START.startswith(text.rstrip(b"\r")) or _torch_log_prefix(text):
             return True  # a traceback's start (held whole), or torch's log line
         starts = _DS_PRINT_STARTS + (b"terminate called",)
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
@@ -404,6 +410,19 @@ class OutputFilter:
                 self.log.write(data.replace(b"\r\n", b"\n"))
             except (OSError, ValueError):
                 pass
+
+
+def _torch_log_prefix(text: bytes) -> bool:
+    """Whether ``text`` (a line so far) may still become one of torch's log lines."""
+    t = text[1:] if text.startswith(b"[") else text
+    if not t or t[:1] not in b"IWEF" or len(text) > 4000:
+        return False
+    if _TORCH_LOG_LINE.match(text):
+        return True
+    for h, c in zip(_TORCH_LOG_TEMPLATE[1:], t[1:]):
+        if (h == 0x30 and c not in b"0123456789") or (h != 0x30 and h != c):
+            return False
+    return len(t) <= len(_TORCH_LOG_TEMPLATE) or bool(_TORCH_LOG_REST.fullmatch(t[len(_TORCH_LOG_TEMPLATE):]))
 
 
 class LauncherOutput:

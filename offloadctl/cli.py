@@ -23,7 +23,7 @@ import textwrap
 
 from offloadctl import __version__
 
-COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune", "report")
+COMMAND_NAMES = ("info", "train", "profile", "plan", "tuner", "tune", "report", "completion")
 COMMANDS = {name: importlib.import_module(f"{__package__}.commands.{name}") for name in COMMAND_NAMES}
 
 

@@ -1,8 +1,8 @@
 """Run an unmodified DeepSpeed ZeRO-3 script with its optimizer state in tiers.
 
     offloadctl train [options] SCRIPT [SCRIPT ARGS]
-    offloadctl train [options] --launcher torchrun|accelerate SCRIPT [SCRIPT ARGS]
-    offloadctl train [options] torchrun|accelerate|deepspeed|srun|mpirun|python ... (as given)
+    offloadctl train [options] --launcher torchrun|accelerate SCRIPT [ARGS]
+    offloadctl train [options] torchrun|accelerate|srun|python ... (as given)
 
 The script runs as the `deepspeed` launcher would run it, with the same launcher options;
 everything after SCRIPT goes to the script untouched. With --launcher torchrun or accelerate,
@@ -17,8 +17,8 @@ them too).
 
 examples:
   offloadctl train --nvme /local/nvme examples/train_gpt.py --steps 30
-  offloadctl train --nvme /ssd torchrun --nproc_per_node 8 train.py --deepspeed ds.json
-  offloadctl train accelerate launch --use_deepspeed --num_processes 8 train.py
+  offloadctl train --nvme /ssd torchrun --nproc_per_node 8 train.py
+  offloadctl train accelerate launch --use_deepspeed --num_processes 8 t.py
   offloadctl train --num_gpus 8 --nvme /ssd0 --nvme /ssd1 --host-cache 8GB t.py
   offloadctl train --hostfile hosts --remote /lustre/me/state a.py --epochs 1
 """
@@ -41,8 +41,7 @@ from report.recorder import ENGINES, RecorderConfig
 if TYPE_CHECKING:
     from integrations.settings import RankSettings
 
-PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT [SCRIPT ARGS]\n"
-                          "       offloadctl train [options] LAUNCH PROGRAM [ITS ARGS] (torchrun, accelerate, srun, ...)"}
+PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT|LAUNCH-PROGRAM [ARGS]"}
 
 # DeepSpeed's launcher options, as its own help puts them, shortened: (metavar, help) by first flag.
 LAUNCHER_HELP = {
