@@ -126,6 +126,7 @@ class SubgroupEngine:
     def _allocate(self) -> StagingPool:
         """Each subgroup's home (device memory, an exactly sized host buffer whose pages are
         touched at the first step, or a swap file), and the staging pool for the swapped ones."""
+        self.swap_paths.check_room(self.subgroups)
         for sg in self.subgroups:
             if sg.tier == DEVICE:
                 sg.resident = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)

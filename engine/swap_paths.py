@@ -82,6 +82,28 @@ class SwapPaths:
         """Each path's share of the swapped bytes under ``knobs``: its weight, else its round trip rate."""
         return [knobs.stripe_weights.get(p.path, bw) for p, bw in zip(self.paths, self.round_trip_bytes_per_s)]
 
+    def check_room(self, subgroups: Sequence[Subgroup]) -> None:
+        """StoragePathError where a path has less free space than the swap files this rank is
+        about to allocate there: said before the first, with the whole size the run needs there
+        and the options that change it (rather than the one file that did not fit)."""
+        from engine.errors import StoragePathError
+        from engine.layout import HEADER_BYTES
+        from engine.units import format_size, size_at_least
+
+        need = [0] * len(self.paths)
+        for sg in subgroups:
+            if sg.tier.swapped:
+                need[sg.tier.path_index] += HEADER_BYTES + payload_bytes(sg.numel)
+        for p, n in zip(self.paths, need):
+            free = p.free_bytes()
+            if n > free:
+                cache = self.config.host_cache_bytes or 0
+                raise StoragePathError(
+                    f"storage path {p.path} is full for this run: this rank's swap files there need "
+                    f"{format_size(n)} and it has {format_size(free)} free; free space there, add another path "
+                    f"(--nvme), or keep more state in host memory: --host-cache {size_at_least(cache + n - free)} "
+                    f"or more (host_cache_bytes, now {format_size(cache)})")
+
     def create_file(self, sg: Subgroup, path_index: int) -> SwapFile:
         return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
 

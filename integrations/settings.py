@@ -142,8 +142,8 @@ class RankSettings:
         given = [flag for flag, is_given in _ENGINE_FLAGS if is_given(self.zero)]
         if self.stock and given:
             raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
-                              f"{', '.join(given)} do not apply: set offload_optimizer in the ds_config, or drop "
-                              f"--engine stock")
+                              f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply: set offload_optimizer in the "
+                              f"ds_config, or drop --engine stock")
 
     @property
     def stock(self) -> bool:

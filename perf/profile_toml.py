@@ -13,6 +13,7 @@ Files are written with tomli-w formatting every value; figures are inline tables
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -257,6 +258,9 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in v:
         if k not in fields:
+            close = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
+            if close:  # the key it is a typo of says more than the whole list
+                raise _SchemaError(join_key(key, k), f"is not a key of {_table_name(key)}", f"did you mean {close[0]}?")
             raise _SchemaError(join_key(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})",
                                "remove it, or fix its spelling")
     kwargs = {}

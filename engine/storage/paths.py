@@ -142,9 +142,13 @@ class SwapPath:
             os.close(fd)
             os.unlink(filename)
             if e.errno == errno.ENOSPC:
+                from engine.units import format_size
+
+                what = "probe file (to measure its bandwidth)" if index < 0 else "swap file"
                 raise StoragePathError(
-                    f"storage path {self.path} is full: a {HEADER_BYTES + payload_bytes} byte swap file does not fit "
-                    f"in {self.free_bytes()} free bytes; free space there, add another path, or raise host_cache_bytes") from None
+                    f"storage path {self.path} is full: a {format_size(HEADER_BYTES + payload_bytes)} {what} does "
+                    f"not fit in the {format_size(self.free_bytes())} free there (other processes write there too); "
+                    f"free space there, add another path (--nvme), or raise --host-cache (host_cache_bytes)") from None
             raise StoragePathError(f"cannot allocate swap file {filename} ({e.strerror}): choose another path") from None
         sf = SwapFile(self, filename, fd, index, numel, plan)
         self._files.append(sf)

@@ -28,6 +28,7 @@ from rich.table import Table
 from engine.errors import ConfigError
 from engine.units import format_rate, format_size
 from offloadctl.options import SizeText, add_size_epilog, add_size_option, size_bytes
+from perf.probe import ENGINE_CHUNK_BYTES
 from perf.profile import Figure, Profile
 
 
@@ -118,7 +119,9 @@ def _save(args: argparse.Namespace) -> int:
                                           backend=args.io_backend, tool=f"offloadctl {__version__}", progress=bar)
     save_profile(profile, out)
     shown = name if out == path_for_name(name) else out
-    print(f"wrote profile {name} to {out} ({time.monotonic() - t0:.0f} s); see it with `offloadctl profile show {shown}`")
+    # Two lines: each fits 80 columns where the path does, and the command is whole to copy.
+    print(f"wrote profile {name} to {out} ({time.monotonic() - t0:.0f} s)")
+    print(f"see it with `offloadctl profile show {shown}`")
     return 0
 
 
@@ -138,6 +141,14 @@ def _gb_per_s(v: float | None) -> str:
         return "-"
     g = v / 1e9
     return f"{g:,.0f}" if g >= 100 else f"{g:.3g}"
+
+
+def _rate_at(x, op: str) -> str:
+    """A path's best ``op`` rate in GB/s, with the requests in flight of the sweep point it is
+    (none for a profile without a sweep: a datasheet's figure)."""
+    fig = getattr(x, f"{op}_bytes_per_s")
+    at = next((s.concurrency for s in x.sweep if s.op == op and s.bytes_per_s.value == fig.value), None)
+    return _gb_per_s(fig.value) + (f" ({at})" if at is not None else "")
 
 
 def _table(*headers: str, **kwargs) -> Table:
@@ -175,8 +186,13 @@ def _row(t: Table, *cells: object) -> None:
 
 
 def _source_line(p: Profile) -> str:
+    """``source: measured on vm (--quick run) [offloadctl 0.1.0]``: the kind, then the
+    description, the kind said once where the description starts with it."""
     kind = p.source.kind if p.source.kind == "measured" else f"{p.source.kind} (not a measurement)"
-    return f"source: {kind}: {p.source.description}" + (f" [{p.source.tool}]" if p.source.tool else "")
+    desc = p.source.description
+    said = desc.lower().startswith(p.source.kind.lower())
+    text = desc if said and p.source.kind == "measured" else f"{kind}: {desc}" if desc else kind
+    return f"source: {text}" + (f" [{p.source.tool}]" if p.source.tool else "")
 
 
 # -- show -----------------------------------------------------------------------------------------
@@ -209,7 +225,9 @@ def _show(args: argparse.Namespace) -> int:
     con.print(t)
     if p.paths:
         con.print()
-        t = _table("storage path", "kind", "device", "capacity", "read\nGB/s", "write\nGB/s", "mixed\nGB/s",
+        swept = any(x.sweep for x in p.paths)
+        unit = "GB/s (n)" if swept else "GB/s"
+        t = _table("storage path", "kind", "device", "capacity", f"read\n{unit}", f"write\n{unit}", f"mixed\n{unit}",
                    "best\nconc.")
         t.columns[0].overflow = "fold"  # only a path too long for the terminal
         for c in t.columns[1:]:
@@ -217,10 +235,14 @@ def _show(args: argparse.Namespace) -> int:
         for c in t.columns[4:]:
             c.justify = "right"
         for x in p.paths:
-            _row(t, x.path, x.kind, x.device, format_size(x.capacity_bytes), _gb_per_s(x.read_bytes_per_s.value),
-                 _gb_per_s(x.write_bytes_per_s.value), _gb_per_s(x.mixed_bytes_per_s.value), x.best_concurrency)
+            _row(t, x.path, x.kind, x.device, format_size(x.capacity_bytes),
+                 *(_rate_at(x, op) for op in _OPS), x.best_concurrency)
         con.print(t)
-        con.print("best conc.: the fewest requests in flight within 5% of the best rate", style="dim", markup=False)
+        con.print(f"best conc.: the fewest requests in flight at which the engine's {format_size(ENGINE_CHUNK_BYTES)} "
+                  f"reads and writes both come within 5% of their best rates. read, write, mixed: each path's best "
+                  f"rate" + ("; (n): the requests in flight it was measured at, which for one direction alone may be "
+                             "fewer (the figures below give the request size)." if swept else "."),
+                  style="dim", markup=False)
         shared = {k: v for k, v in p.devices().items() if len(v) > 1}
         for dev, ps in shared.items():
             con.print(f"paths on one device ({dev}), sharing its bandwidth: {', '.join(x.path for x in ps)}", markup=False)
