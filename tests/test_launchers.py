@@ -508,3 +508,21 @@ def test_the_dry_run_says_how_many_ranks_a_launch_without_num_gpus_starts():
     r = cli("train", "--dry-run", TINY, "--losses-out", "x", timeout=120)
     assert f"ranks:     {n} rank{'s' if n != 1 else ''}\n" in r.stdout, r.stdout
     assert "GPU slot" not in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_a_stop_signal_while_a_rank_reports_its_error_is_no_traceback(launcher, tmp_path):
+    """DeepSpeed's launcher (and torchrun) stop the ranks with SIGTERM as soon as one fails; one
+    that arrives while a rank is still saying its own error unwinds that rank in one line, with
+    no traceback (it escaped the rank's error handling before: torch's excepthook printed
+    `[rank1]: Traceback ...` on the terminal)."""
+    script = [FAIL, "--rank", "1", "--at", "2", "--how", "signalled-while-said"]
+    launch = (["--num_gpus", "2", "--master_port", free_port(), *script] if launcher == "deepspeed"
+              else ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *script])
+    r = _ours(tmp_path / "run", *launch, ok=False)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    assert "failed first" in r.stderr, r.stderr[-3000:]
+    if launcher == "deepspeed":  # torch elastic may name rank 0 first: its collective failed as rank 1 stopped
+        assert "offloadctl: rank 1 failed first" in r.stderr and "stopped by SIGTERM" in r.stderr, r.stderr[-3000:]

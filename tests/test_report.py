@@ -225,7 +225,7 @@ def test_engine_stock_launch(tmp_path):
     assert plan["settings"]["recorder"] == {"run_dir": str(tmp_path / "run"), "engine": "stock", "sample_hz": 5.0,
                                             "max_rows": 360000}
     _one_line_error(cli("train", "--engine", "stock", "--nvme", str(tmp_path), script),
-                    r"--engine stock runs DeepSpeed's own optimizer .* --nvme do not apply")
+                    r"--engine stock runs DeepSpeed's own optimizer .* --nvme does not apply")
     _one_line_error(cli("train", "--record-hz", "-1", script), r"--record-hz must be")
     off = json.loads(cli("train", "--dry-run", "--json", "--no-record", script).stdout)
     assert off["settings"]["recorder"] is None and off["settings"]["engine"] == "offloadctl"

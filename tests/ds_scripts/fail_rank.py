@@ -13,8 +13,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
 ap.add_argument("--rank", type=int, default=1, help="the rank that fails")
 ap.add_argument("--at", type=int, default=2, help="after this many steps")
-ap.add_argument("--how", choices=["raise", "hang"], default="raise",
-                help="raise: a ValueError; hang: it stops stepping (a test kills it), the others go on")
+ap.add_argument("--how", choices=["raise", "hang", "signalled-while-said"], default="raise",
+                help="raise: a ValueError; hang: it stops stepping (a test kills it), the others go on; "
+                     "signalled-while-said: an error whose text sends the rank SIGTERM as it is said (the "
+                     "launcher stopping the ranks while this one reports its error)")
 ap.add_argument("--steps", type=int, default=100_000)
 args = ap.parse_args()
 torch.manual_seed(0)
@@ -26,6 +28,17 @@ for step in range(args.steps):
     if engine.global_rank == args.rank and step == args.at:
         if args.how == "raise":
             raise ValueError(f"bad batch at step {step} on rank {args.rank}")
+        if args.how == "signalled-while-said":
+            import os
+            import signal
+
+            class Signalled(ValueError):
+                def __str__(self) -> str:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.5)  # the handler runs here, inside the rank's report of this error
+                    return "bad batch"
+
+            raise Signalled()
         print(f"fail_rank: rank {args.rank} waits at step {step}", flush=True)
         time.sleep(3600)
     loss = engine(torch.randn(4, 32, device=engine.device)).pow(2).mean()
