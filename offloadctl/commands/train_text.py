@@ -68,7 +68,10 @@ def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: d
     rec = settings.recorder
     rows.append(("recording", "off (--no-record)" if rec is None else
                  f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}"))
-    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())))
+    from integrations.rank_entry import SETTINGS_ENV
+
+    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" if k != SETTINGS_ENV else f"{k}=... (the settings "
+                                 f"above, as JSON: --json shows them)" for k, v in launch.env.items())))
     if launch.preview is not None:
         rows.append(("preview", launch.preview["summary"]))
     out = ["dry run, nothing started (--json: the exact commands and settings)"]
