@@ -71,7 +71,7 @@ def absent_panels(analysis: dict) -> list[str]:
         if len(lacking) == len(runs):
             out.append(text)
         elif lacking:
-            out.append(f"{text} (in {', '.join(lacking)})")
+            out.append(f"{text}; in {', '.join(lacking)}")
 
     series = lambda r: r["timeline"]["series"]  # noqa: E731
     missing(lambda r: "gpu_allocated_bytes" in series(r), "GPU memory: not recorded (no CUDA device)")

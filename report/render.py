@@ -404,8 +404,10 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
     for r in analysis["runs"]:
         for n in r["notes"]:
             console.print(f"[yellow]{r['label']}: {n}[/yellow]")
-        for m in r["timeline"]["missing"]:
-            console.print(f"[dim]{r['label']}: {m}[/dim]")
+    from report.plots import absent_panels
+
+    for m in absent_panels(analysis):  # once for all runs, as on the page
+        say(m, "dim")
 
 
 def to_json(analysis: dict, files: dict) -> str:
