@@ -22,8 +22,9 @@ from engine.streams import Event, Stream, Streams
 
 
 class LaneSlot:
-    """One chunk-sized device buffer of the device lane (state, gradient, weights) and the
-    event that orders its reuse after its last copy out."""
+    """One chunk-sized device buffer of the device lane (state, gradient, weights) and its
+    events, each made once and recorded again for every chunk through the slot: ``loaded``
+    (its copy in), ``updated`` (its update) and ``free`` (its copy out, which orders its reuse)."""
 
     def __init__(self, device: torch.device, chunk_numel: int) -> None:
         self.chunk_numel = chunk_numel
@@ -32,6 +33,9 @@ class LaneSlot:
         self.grad = torch.empty(4 * chunk_numel, dtype=torch.uint8, device=device)
         self.weights = torch.empty(4 * chunk_numel, dtype=torch.uint8, device=device)
         self.free: Event | None = None
+        self.loaded: Event | None = None
+        self.updated: Event | None = None
+        self.busy = False  # a copy out recorded on ``free`` that the next chunk here must wait for
 
     def views(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.chunk_numel
@@ -128,7 +132,7 @@ class DeviceLane:
             m = b - a
             master, exp_avg, exp_avg_sq = slot.views(m)
             with self.streams.use(self.h2d):
-                if slot.free is not None:
+                if slot.busy:
                     self.h2d.wait_event(slot.free)  # the slot's last chunk has been copied out
                 if previous is not None:
                     self.h2d.wait_event(previous)  # the buffer holds its last copy back
@@ -137,9 +141,9 @@ class DeviceLane:
                 self.streams.copy(exp_avg, buf.exp_avg[a:b])
                 self.streams.copy(exp_avg_sq, buf.exp_avg_sq[a:b])
                 uploaded = self._upload_grads(grads, a, b, slot)
-                loaded = self.streams.record(self.h2d)
+                slot.loaded = self.streams.record(self.h2d, slot.loaded)
             with self.streams.use(self.compute):
-                self.compute.wait_event(loaded)  # the chunk's state (and gradient) has arrived
+                self.compute.wait_event(slot.loaded)  # the chunk's state (and gradient) has arrived
                 g = self._grad_chunk(grads, a, b, self._grad, uploaded)
                 adamw_update_torch_(grads.slices_for(a, b, master, g, exp_avg, exp_avg_sq, steps), hyper)
                 if weights_via_host:
@@ -147,16 +151,18 @@ class DeviceLane:
                     weights.copy_(master)  # cast here; copied out with the state
                 else:
                     self._write_weights(binding, flat, master, a)
-                updated = self.streams.record(self.compute)
+                slot.updated = self.streams.record(self.compute, slot.updated)
             with self.streams.use(self.d2h):
-                self.d2h.wait_event(updated)  # the chunk's update is done
+                self.d2h.wait_event(slot.updated)  # the chunk's update is done
                 self.streams.copy(buf.master[a:b], master)
                 self.streams.copy(buf.exp_avg[a:b], exp_avg)
                 self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
                 if weights_via_host:
                     self.streams.copy(flat[a:b], weights)
-                slot.free = self.streams.record(self.d2h)
-        buf.ready_event = slot.free  # d2h runs in order: the last chunk's copy back covers them all
+                slot.free, slot.busy = self.streams.record(self.d2h, slot.free), True
+        # d2h runs in order: one point after the last chunk's copy back covers them all. An event
+        # of its own, once per subgroup: the slots' are recorded again by later chunks.
+        buf.ready_event = self.streams.record(self.d2h)
         weights_written(binding)
         return grads.advance(steps)
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from engine.adamw import AdamWHyper, AdamWSlices, HostKernel
+from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_
 from engine.binding import SubgroupBinding, flat_weights_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
 from engine.lanes import Scratch, SubgroupGrads, step_tensor
@@ -35,7 +35,54 @@ the process's OpenMP threads): 8 MB of fp32 gradient, small enough to stay in th
 its upcast and the kernel, large enough that per-call overhead is noise (~1%)."""
 PART_CHUNK_NUMEL = 1 << 19
 """Elements per chunk when the lane's threads each update their own part (:class:`LaneThreads`):
-2 MB of fp32 gradient, a core's L2 cache."""
+2 MB of fp32 gradient, a core's L2 cache; :data:`LOCK_CHUNK_NUMEL` where the interpreter lock
+binds (:func:`part_chunk_numel`)."""
+LOCK_CHUNK_NUMEL = 1 << 21
+"""Elements per part chunk where the interpreter lock binds: 4x fewer Python-level calls a part."""
+LOCK_SHARE_LIMIT = 0.25
+"""The share of a chunk's time that the lane's threads together may spend in per-chunk Python
+overhead (which holds the interpreter lock) before the lock binds: above it, each thread waits
+for the others' overhead between its chunks, and the parts run in series for that long."""
+
+
+def part_chunk_numel(threads: int, overhead_s: float, chunk_s: float) -> int:
+    """The part chunk for ``threads`` threads, from one thread's measured per-chunk overhead
+    (``overhead_s``: the chunk's ops on a few elements) and time of a :data:`PART_CHUNK_NUMEL`
+    chunk (``chunk_s``): :data:`LOCK_CHUNK_NUMEL` where ``threads`` x overhead is more than
+    :data:`LOCK_SHARE_LIMIT` of a chunk's time (at 16 threads, about 90 us of calls against
+    2 ms of work a chunk, issue 47), else :data:`PART_CHUNK_NUMEL` (the L2-sized chunk)."""
+    if threads <= 1 or chunk_s <= 0:
+        return PART_CHUNK_NUMEL
+    return LOCK_CHUNK_NUMEL if threads * overhead_s > LOCK_SHARE_LIMIT * chunk_s else PART_CHUNK_NUMEL
+
+
+def measure_chunk_costs(numel: int = PART_CHUNK_NUMEL, reps: int = 3) -> tuple[float, float]:
+    """(overhead, chunk) seconds of one host-lane chunk's ops on the calling thread: the upcast
+    of a bf16 gradient, the unscale, torch's fused kernel (the one the lane runs in parts) and
+    the weight cast, on 16 elements (the
+    per-chunk calls alone: the best of 20) and on ``numel`` (the best of ``reps``). From
+    ``torch.empty``/``zeros`` only: no generator moves."""
+    import time
+
+    hyper = AdamWHyper(lr=1e-3)
+    state = torch.zeros(3 * numel)
+    src, weights, scratch = torch.zeros(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16), Scratch(
+        torch.device("cpu"))
+    step = torch.full((), 1.0)
+
+    def chunk(n: int) -> float:
+        t0 = time.perf_counter()
+        g = scratch.get(n)
+        g.copy_(src[:n], non_blocking=True)
+        g.mul_(0.5)
+        adamw_update_torch_(AdamWSlices([state[:n]], [g], [state[numel:numel + n]], [state[2 * numel:2 * numel + n]],
+                                        [step]), hyper)
+        weights[:n].copy_(state[:n])
+        return time.perf_counter() - t0
+
+    chunk(numel)  # first touch of the buffers
+    overhead = min(chunk(16) for _ in range(20))
+    return overhead, min(chunk(numel) for _ in range(reps))
 
 
 def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offsets: list[int], a: int, b: int) -> None:
@@ -64,6 +111,20 @@ class LaneThreads:
     def __init__(self) -> None:
         self._queues: list[queue.SimpleQueue] = []
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self.chunk_costs: tuple[float, float] | None = None  # measure_chunk_costs on a worker, once
+
+    def chunk_numel(self, parts: int) -> int:
+        """The part chunk for ``parts`` threads (:func:`part_chunk_numel`), from costs measured
+        once, on a worker (one thread, as the parts run), at the lane's first update in parts."""
+        if self.chunk_costs is None:
+            self._grow(1)
+            out = []
+            self._queues[0].put((0, lambda _k: out.append(measure_chunk_costs())))
+            err = self._done.get()
+            if err is not None:
+                raise err
+            self.chunk_costs = out[0]
+        return part_chunk_numel(parts, *self.chunk_costs)
 
     def run(self, n: int, fn) -> None:
         """``fn(k)`` for k in 0..n-1: 0 on the calling thread, the others on workers; raises the
@@ -135,7 +196,7 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
     them. Gradients on the device come down through ``reader``, a chunk ahead. With
     ``lane_threads`` (and gradients in host memory), ``torch.get_num_threads()`` threads each
-    update a contiguous part in :data:`PART_CHUNK_NUMEL` chunks, on one thread each, into their
+    update a contiguous part in chunks of :meth:`LaneThreads.chunk_numel`, on one thread each, into their
     own ``part_scratch``. Returns the slices updated."""
     buf.wait_ready()  # a device-lane copy back into this buffer (before a knob change) has landed
     grads = SubgroupGrads(binding, steps)
@@ -150,7 +211,10 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
     else:
         reader = None
     parts = torch.get_num_threads() if lane_threads is not None and reader is None else 1
-    chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL
+    if parts > 1 and sum(offsets[j] - offsets[i] for i, j in grads.runs) > PART_CHUNK_NUMEL:
+        chunk_numel = lane_threads.chunk_numel(parts)  # measured at the first update with more than one part
+    else:
+        chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL  # one part chunk at most: one part
     sink = weights.begin(binding) if weights is not None else None
     chunks = [(i, a, min(offsets[j], a + chunk_numel))
               for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
@@ -219,25 +283,30 @@ class WeightSink:
 class PinnedRing:
     """``slots`` pinned host buffers of ``slot_bytes`` each, taken in turn: taking one waits (a
     blocking event: the thread sleeps) until the copy last queued on it is done. Pinned all at
-    once, at the first use, so that no buffer grows or is pinned inside a later step."""
+    once, at the first use, so that no buffer grows or is pinned inside a later step. Each slot
+    keeps one event, recorded again for each copy (:meth:`record`): no new event per chunk."""
 
     def __init__(self, slots: int, slot_bytes: int) -> None:
         self.n, self.slot_bytes = slots, slot_bytes
         self._bufs: list[torch.Tensor] = []
-        self._done: list[Event | None] = [None] * slots
+        self._events: list[Event | None] = [None] * slots  # the slot's one event, made at its first copy
+        self._pending = [False] * slots  # a copy recorded on it that take() has not waited for
         self._next = 0
 
     def take(self) -> tuple[int, torch.Tensor]:
         if not self._bufs:
             self._bufs = [aligned_empty(self.slot_bytes, pin=True) for _ in range(self.n)]
         k, self._next = self._next, (self._next + 1) % self.n
-        if self._done[k] is not None:
-            self._done[k].synchronize()  # its last copy is done with it
-            self._done[k] = None
+        if self._pending[k]:
+            self._events[k].synchronize()  # its last copy is done with it
+            self._pending[k] = False
         return k, self._bufs[k]
 
-    def done(self, k: int, event: Event) -> None:
-        self._done[k] = event
+    def record(self, k: int, streams: Streams, stream) -> Event:
+        """Mark slot ``k``'s copy just queued on ``stream``: its event, recorded again."""
+        self._events[k] = streams.record(stream, self._events[k])
+        self._pending[k] = True
+        return self._events[k]
 
     @property
     def nbytes(self) -> int:
@@ -295,7 +364,7 @@ class WeightUploader:
             staging.copy_(master[a:b])  # the cast, on the CPU, while the last chunk crosses PCIe
             with self.streams.use(self.stream):
                 self.streams.copy(target[offset + a:offset + b], staging)
-                ring.done(k, self.streams.record(self.stream))
+                ring.record(k, self.streams, self.stream)
 
 
 READ_SLOTS = 2
@@ -338,8 +407,7 @@ class GradReader:
                 self.streams.copy(dst, grads.source(i, lo, hi))
                 views[i] = dst
                 off += (hi - lo) * size
-            event = self.streams.record(self.stream)
-        self._ring.done(k, event)
+            event = self._ring.record(k, self.streams, self.stream)
         return event, views
 
     @staticmethod
@@ -379,8 +447,11 @@ class HostLane:
     @staticmethod
     def scratch_bytes(numel: int) -> int:
         """Host memory of the gradient scratch for subgroups of up to ``numel`` elements: one
-        chunk, or one part chunk per thread."""
-        return 4 * min(numel, max(HOST_CHUNK_NUMEL, torch.get_num_threads() * PART_CHUNK_NUMEL))
+        chunk, or one part chunk per thread (the larger one where the interpreter lock binds,
+        which is measured at the first update: counted here before it)."""
+        threads = torch.get_num_threads()
+        part = LOCK_CHUNK_NUMEL if threads > 1 else PART_CHUNK_NUMEL
+        return 4 * min(numel, max(HOST_CHUNK_NUMEL, threads * part))
 
     @staticmethod
     def start_bytes(numel: int, weights_on_device: bool) -> int:

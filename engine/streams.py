@@ -65,8 +65,13 @@ class Streams(Protocol):
         """Make ``stream`` current for the work queued inside the block."""
         ...
 
-    def record(self, stream: Stream) -> Event:
-        """An event marking everything queued on ``stream`` so far."""
+    def record(self, stream: Stream, event: Event | None = None) -> Event:
+        """An event marking everything queued on ``stream`` so far. With ``event`` (one this
+        returned before), that event is recorded again and returned: no new one. A ring slot
+        keeps one (:class:`engine.host_lane.PinnedRing`, the device lane's slots), so a step
+        makes events per slot, not per chunk (thousands of chunks a step at 4B). Waits queued
+        on it before (``wait_event``) keep the point it marked then; a host wait after it
+        waits for the new point."""
         ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -105,8 +110,8 @@ class CudaStreams:
     def use(self, stream):
         return torch.cuda.stream(stream)
 
-    def record(self, stream) -> "torch.cuda.Event":
-        ev = torch.cuda.Event(blocking=True)  # a host wait on it sleeps (module docstring)
+    def record(self, stream, event=None) -> "torch.cuda.Event":
+        ev = event if event is not None else torch.cuda.Event(blocking=True)  # a host wait sleeps (docstring)
         ev.record(stream)
         return ev
 
@@ -160,8 +165,8 @@ class HostStreams:
     def use(self, stream):
         return contextlib.nullcontext()
 
-    def record(self, stream) -> _DoneEvent:
-        return _DoneEvent()
+    def record(self, stream, event=None) -> _DoneEvent:
+        return event if event is not None else _DoneEvent()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)

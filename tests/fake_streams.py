@@ -101,6 +101,9 @@ class RecordingStreams:
         self._local = threading.local()  # the stream each thread made current
         self.copies: list[Copy] = []
         self.events: list[FakeEvent] = []
+        """Every event made (one per ``record`` without an event to record again)."""
+        self.recorded = 0
+        """Every ``record`` call, new event or not."""
         self.ops: list[tuple[str, object]] = []
         """In program order: ("copy", its index in ``copies``) and ("wait", the host's clock after a host sync)."""
         self._device_storages: set[int] = set()
@@ -125,10 +128,17 @@ class RecordingStreams:
         finally:
             self._local.active = prev
 
-    def record(self, stream: FakeStream) -> FakeEvent:
+    def record(self, stream: FakeStream, event: FakeEvent | None = None) -> FakeEvent:
+        """As CUDA's: a new event, or ``event`` recorded again (waits queued on it before keep
+        the clock they merged then)."""
         with self.lock:
+            if event is not None:
+                event.clock = dict(stream.clock)
+                self.recorded += 1
+                return event
             ev = FakeEvent(self, stream.clock, blocking=True)
             self.events.append(ev)
+            self.recorded += 1
             return ev
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

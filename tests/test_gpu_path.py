@@ -724,6 +724,7 @@ def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch
     eng = SubgroupEngine([b], EngineConfig(host_cache_bytes=None, host_adam="torch"))
     one = SubgroupEngine([b1], EngineConfig(host_cache_bytes=None, host_adam="torch"))
     one.host_lane._threads = None  # driven by one thread
+    eng.host_lane._threads.chunk_costs = (0.0, 1.0)  # no lock bound: PART_CHUNK_NUMEL chunks (issue 47)
     for _ in range(2):
         ref.grad = g.float() * 0.5
         eng.step([HP])
