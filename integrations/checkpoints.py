@@ -475,3 +475,33 @@ def describe_write_failure(save_dir: str, error: BaseException) -> str | None:
     if code is not None:
         return f"{os.strerror(code)}: check the disk, or save elsewhere"
     return f"writing failed ({' '.join(text.split())[:200]}): check the disk and its free space, or save elsewhere"
+
+
+def partition_refusal(theirs: list[int] | None, mine: list[int], *, folder: str | None, rank: int,
+                      moments: dict | None) -> str | None:
+    """Why the checkpoint's optimizer state cannot load into this rank's partition (``theirs``:
+    its subgroups' sizes; ``mine``: this rank's), naming this rank's optimizer file where the
+    checkpoint's ``folder`` is known; with ``moments`` (the saved Adam states by subgroup), those
+    too. None where it fits."""
+    file = rank_optimizer_file(folder, rank) if folder is not None else None
+    if theirs != mine:
+        where = f" (in {file})" if file else ""
+        which = next((i for i, (a, b) in enumerate(zip(theirs or [], mine)) if a != b),
+                     min(len(theirs or []), len(mine)))
+        differs = (f"subgroup {which} has {theirs[which]} elements there and {mine[which]} here"
+                   if theirs and which < min(len(theirs), len(mine)) else f"{len(theirs or [])} subgroups there and "
+                   f"{len(mine)} here")
+        return (f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {_listed(theirs or [])} "
+                f"elements{where} and rank {rank}'s partition has {len(mine)} of {_listed(mine)}: {differs}; it was "
+                f"saved with another sub_group_size, model or rank count: load it with the same ones, or convert "
+                f"it with ds_to_universal")
+    for i, n in enumerate(mine if moments is not None else ()):
+        saved = moments.get(i)
+        if saved and any(int(saved[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
+            return (f"the checkpoint's moments of subgroup {i}{f' in {file}' if file else ''} do not have its {n} "
+                    f"elements: the file is damaged or from another run; resume from another checkpoint")
+    return None
+
+
+def _listed(sizes: list[int]) -> str:
+    return f"[{', '.join(map(str, sizes[:4]))}{', ...' if len(sizes) > 4 else ''}]"

@@ -523,9 +523,8 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _check_loadable(self, state_dict, load_optimizer_states: bool) -> None:
         """CheckpointError unless every subgroup of ``state_dict`` matches this run's: the check
-        comes first, so a load that fails changes nothing in the engine's tiers. The model's
-        shapes first (the checkpoint's ``param_shapes``, where the guard's preflight found its
-        folder), then this rank's partition sizes; every rank stops with the first rank's line."""
+        comes first, so a load that fails changes nothing in the engine's tiers: the model's shapes
+        (``param_shapes``, where the preflight found the folder), then this rank's partition sizes."""
         import deepspeed.comm as dist
 
         from integrations import checkpoints
@@ -535,29 +534,10 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if folder is not None:
             shapes = [[tuple(getattr(p, "ds_shape", p.shape)) for p in group] for group in self.fp16_groups]
             checkpoints.refuse_on_every_rank(checkpoints.another_model(folder, rank, shapes))
-        masters = state_dict.get(FP32_FLAT_GROUPS)
-        mine = list(self.fp16_partitioned_groups_flat_numel)
-        theirs = [int(t.numel()) for t in masters] if masters is not None else None
-        bad = None
-        if theirs != mine:
-            where = f" (in {checkpoints.rank_optimizer_file(folder, rank)})" if folder is not None else ""
-            which = next((i for i, (a, b) in enumerate(zip(theirs or [], mine)) if a != b), min(len(theirs or []), len(mine)))
-            differs = (f"subgroup {which} has {theirs[which]} elements there and {mine[which]} here"
-                       if theirs and which < min(len(theirs), len(mine)) else f"{len(theirs or [])} subgroups there and "
-                       f"{len(mine)} here")
-            bad = (f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {_listed(theirs or [])} "
-                   f"elements{where} and rank {rank}'s partition has {len(mine)} of {_listed(mine)}: {differs}; it was "
-                   f"saved with another sub_group_size, model or rank count: load it with the same ones, or convert "
-                   f"it with ds_to_universal")
-        elif load_optimizer_states:
-            states = state_dict[OPTIMIZER_STATE_DICT]["state"]
-            for i, n in enumerate(mine):
-                saved = states.get(i)
-                if saved and any(int(saved[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
-                    where = f" in {checkpoints.rank_optimizer_file(folder, rank)}" if folder is not None else ""
-                    bad = (f"the checkpoint's moments of subgroup {i}{where} do not have its {n} elements: the file is "
-                           f"damaged or from another run; resume from another checkpoint")
-                    break
+        bad = checkpoints.partition_refusal(
+            [int(t.numel()) for t in state_dict[FP32_FLAT_GROUPS]] if FP32_FLAT_GROUPS in state_dict else None,
+            list(self.fp16_partitioned_groups_flat_numel), folder=folder, rank=rank,
+            moments=state_dict[OPTIMIZER_STATE_DICT]["state"] if load_optimizer_states else None)
         if folder is not None:
             checkpoints.refuse_on_every_rank(bad)
         elif bad:
@@ -576,10 +556,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 super_destroy()
             finally:
                 self.grad_partitions_flat_buffer = buf
-
-
-def _listed(sizes: list[int]) -> str:
-    return f"[{', '.join(map(str, sizes[:4]))}{', ...' if len(sizes) > 4 else ''}]"
 
 
 def _check_supported(opt) -> None:

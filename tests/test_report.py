@@ -190,7 +190,7 @@ def test_errors_are_one_line(runs, tmp_path):
     foreign.mkdir()
     (foreign / "notes.txt").write_text("hello")
     _one_line_error(cli("report", str(foreign)), r"is not an offloadctl run directory")
-    _one_line_error(cli("report", str(tmp_path / "missing")), r"is not a directory")
+    _one_line_error(cli("report", str(tmp_path / "missing")), r"does not exist")
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "record-rank0.jsonl").write_text('{"some": "json"}\n')

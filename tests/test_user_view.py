@@ -244,7 +244,12 @@ def test_a_json_that_is_no_ds_config_is_left_alone(tmp_path):
     cfg.write_text(json.dumps({**DS_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}))
     found = check_ds_config(["--config", f"{cfg}"], paths_given=True)  # on NVMe: with --nvme given
     assert found is not None and found.how == "a JSON file among the script's arguments"
-    assert check_ds_config(["--deepspeed_config", str(tmp_path / "missing.json")]) is None
+    # A config file the script's flag names that is not there is no data file: refused before the
+    # launch (issue 42: it used to launch and end in a page of traceback in every rank).
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="missing.json does not exist .the script's --deepspeed_config."):
+        check_ds_config(["--deepspeed_config", str(tmp_path / "missing.json")])
 
 
 @pytest.mark.slow

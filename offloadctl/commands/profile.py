@@ -28,7 +28,6 @@ from rich.table import Table
 from engine.errors import ConfigError
 from engine.units import format_rate, format_size
 from offloadctl.options import SizeText, add_size_epilog, add_size_option, size_bytes
-from perf.probe import ENGINE_CHUNK_BYTES
 from perf.profile import Figure, Profile
 
 
@@ -238,7 +237,10 @@ def _show(args: argparse.Namespace) -> int:
             _row(t, x.path, x.kind, x.device, format_size(x.capacity_bytes),
                  *(_rate_at(x, op) for op in _OPS), x.best_concurrency)
         con.print(t)
-        con.print(f"best conc.: the fewest requests in flight at which the engine's {format_size(ENGINE_CHUNK_BYTES)} "
+        from engine.config import EngineConfig  # the engine's chunk, which the probe's sweep uses (perf.probe)
+
+        chunk = EngineConfig().io_chunk_bytes
+        con.print(f"best conc.: the fewest requests in flight at which the engine's {format_size(chunk)} "
                   f"reads and writes both come within 5% of their best rates. read, write, mixed: each path's best "
                   f"rate" + ("; (n): the requests in flight it was measured at, which for one direction alone may be "
                              "fewer (the figures below give the request size)." if swept else "."),
