@@ -32,6 +32,11 @@ class SubgroupBinding(Protocol):
     #   flat_weights: Tensor     the subgroup's weights as one flat tensor of any dtype and
     #                            device, written in place chunk by chunk instead of through
     #                            write_weights.
+    #   weight_views()           without flat_weights: (lo, hi, view) per range of the
+    #                            subgroup, view a flat tensor of the model's weights there
+    #                            (any dtype and device; None where there is none, written
+    #                            through write_weights): the host lane writes and uploads
+    #                            them chunk by chunk as it does flat weights.
     #   weights_written()        called after flat_weights was written.
 
     def read_weights(self, out: torch.Tensor) -> None:
@@ -51,6 +56,11 @@ def grad_scale_of(binding) -> float:
 
 def flat_weights_of(binding) -> torch.Tensor | None:
     return getattr(binding, "flat_weights", None)
+
+
+def weight_views_of(binding) -> list[tuple[int, int, torch.Tensor | None]] | None:
+    views = getattr(binding, "weight_views", None)
+    return None if views is None else views()
 
 
 def weights_written(binding) -> None:

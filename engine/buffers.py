@@ -113,6 +113,11 @@ class StateBuffer:
         """Header and payload: exactly the bytes of the swap file."""
         return self.raw[:HEADER_BYTES + self.payload.numel()]
 
+    @property
+    def pin_tried(self) -> bool:
+        """Whether :meth:`pin` ran (pinned, or refused: not tried again)."""
+        return self._pin_tried
+
     def pin(self) -> bool:
         """Page-lock this buffer in place, so device-lane copies run asynchronously. Tried once:
         where the driver refuses (``ulimit -l``), the copies run synchronously from then on."""

@@ -11,6 +11,8 @@ GPU are read where they are. The device tier's resident state is updated on a st
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.adamw import AdamWHyper, adamw_update_torch_
@@ -61,6 +63,7 @@ class DeviceLane:
         self._next = 0
         self._grad = Scratch(self.device)  # the compute stream's fp32 gradient chunk
         self._resident_grad = Scratch(self.device)  # the resident stream's
+        self._pin_next: dict[int, weakref.ref] = {}  # buffers to pin at the next step's start
 
     @property
     def weight_streams(self) -> tuple[Stream, Stream]:
@@ -72,6 +75,16 @@ class DeviceLane:
         # or the default stream, and host-lane gradients were copied out by it: let all of it land.
         # (The step's end joins the weight streams and waits for the lane: SubgroupEngine._end_streams.)
         self.streams.synchronize()  # the step's first sync: the host after backward's work on the device
+        self.pin_deferred()
+
+    def pin_deferred(self) -> None:
+        """Page-lock the buffers an update found pageable (:meth:`update_staged`), with no copy
+        of the lane in flight (after the sync at the step's start, or between steps)."""
+        refs, self._pin_next = self._pin_next, {}
+        for ref in refs.values():
+            buf = ref()
+            if buf is not None:
+                buf.pin()
 
     def release(self) -> None:
         """Free the slots and scratches (after :meth:`sync`); they are made again when needed."""
@@ -121,8 +134,12 @@ class DeviceLane:
         grads = SubgroupGrads(binding, steps)
         if not grads.runs:
             return 0
-        if self.streams.pins_host_memory:
-            buf.pin()  # page-locked in place (tried once), so the copies run asynchronously
+        if self.streams.pins_host_memory and not buf.pin_tried:
+            # Not pinned inside the step (cudaHostRegister faults in every page, about 0.1 s per
+            # GB, and may synchronize the device): a buffer the pool grew in this step (after a
+            # failed write) or between steps is copied from pageable memory this once, through
+            # the driver's bounce buffer, and pinned at the next step's start.
+            self._pin_next.setdefault(id(buf), weakref.ref(buf))
         n = binding.numel
         flat = flat_weights_of(binding)
         weights_via_host = flat is not None and not self.streams.on_device(flat)

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_
-from engine.binding import SubgroupBinding, flat_weights_of, weights_written
+from engine.binding import SubgroupBinding, flat_weights_of, weight_views_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
 from engine.lanes import Scratch, SubgroupGrads, step_tensor
 from engine.streams import Event, Streams
@@ -257,26 +257,38 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
         lane_threads.run(parts, lambda k: update(k, chunks[bounds[k]:bounds[k + 1]], part_scratch[k]))
     updated = grads.advance(steps)
     if sink is not None:
-        sink.finish()
+        sink.finish(master)
     else:
         binding.write_weights(master)
     return updated
 
 
 class WeightSink:
-    """Where one subgroup's updated weights go, chunk by chunk (see :class:`WeightUploader`)."""
+    """Where one subgroup's updated weights go, chunk by chunk (see :class:`WeightUploader`):
+    ``targets`` are (lo, hi, view) ranges of the subgroup, each a flat tensor written in place
+    (host memory) or uploaded; a view of None (a parameter that is not contiguous: its elements
+    are no flat range of its memory) is written whole through the binding at :meth:`finish`."""
 
-    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding, target: torch.Tensor) -> None:
-        self.uploader, self.binding, self.target = uploader, binding, target
-        self.in_place = uploader.streams.in_host_memory(target)
+    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding,
+                 targets: list[tuple[int, int, torch.Tensor | None]]) -> None:
+        self.uploader, self.binding = uploader, binding
+        self.targets = [(lo, hi, t, t is not None and uploader.streams.in_host_memory(t)) for lo, hi, t in targets]
 
     def write(self, a: int, b: int, master_chunk: torch.Tensor, part: int = 0) -> None:
-        if self.in_place:
-            self.target[a:b].copy_(master_chunk)
-        else:
-            self.uploader.upload(self.target, a, master_chunk, part)
+        for lo, hi, target, in_place in self.targets:
+            x, y = max(a, lo), min(b, hi)
+            if x >= y or target is None:
+                continue
+            src = master_chunk[x - a:y - a]
+            if in_place:
+                target[x - lo:y - lo].copy_(src)
+            else:
+                self.uploader.upload(target, x - lo, src, part)
 
-    def finish(self) -> None:
+    def finish(self, master: torch.Tensor) -> None:
+        for lo, hi, target, _ in self.targets:
+            if target is None:
+                self.binding.write_weights(master[lo:hi], lo)
         weights_written(self.binding)
 
 
@@ -337,8 +349,13 @@ class WeightUploader:
         self._rings: dict[int, PinnedRing] = {}  # per host-lane thread (its part number)
 
     def begin(self, binding: SubgroupBinding) -> WeightSink | None:
+        """The subgroup's sink: its flat weights, else its weight views (``OffloadAdamW``'s
+        parameters, :func:`engine.binding.weight_views_of`); None: through ``write_weights``."""
         target = flat_weights_of(binding)
-        return None if target is None else WeightSink(self, binding, target)
+        if target is not None:
+            return WeightSink(self, binding, [(0, binding.numel, target)])
+        views = weight_views_of(binding)
+        return None if views is None else WeightSink(self, binding, views)
 
     @staticmethod
     def pinned_bytes(threads: int = 1, chunk_numel: int = PART_CHUNK_NUMEL) -> int:

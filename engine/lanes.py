@@ -12,8 +12,14 @@ the state sits during the update and how it gets there. Streams and events come 
   once, beside the host lane; the device tier's resident state is updated on a stream of its own.
 
 At the end of a step every stream that wrote weights the model reads is joined to the caller's
-current stream: DeepSpeed's all-gather and the next forward are ordered after the new weights
-without a host sync (:meth:`engine.core.SubgroupEngine._end_streams`).
+current stream (``wait_stream``: an order on the device, which the host does not wait for), so
+DeepSpeed's all-gather and the next forward are ordered after the new weights whatever stream
+they run on. The step does wait on the host, twice where there is a device lane: at its start,
+for backward's work on the device (:meth:`engine.device_lane.DeviceLane.begin_step`), and at its
+end, for the upload stream and the device lane's streams, so that no copy still uses a pinned
+chunk buffer or a host buffer the lanes copy back into when ``step()`` returns (that wait is the
+record's ``device_wait_s``; :meth:`engine.core.SubgroupEngine._end_streams`). The host lane's
+gradient reads wait on their chunks' events, and ring slots on their last copies, as they go.
 
 Here: a subgroup's gradients as one update reads them (:class:`SubgroupGrads`), and the growable
 scratch each lane upcasts them into (:class:`Scratch`).

@@ -52,6 +52,19 @@ class ParamSubgroup:
             out[off:off + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.start + s.numel])
             off += s.numel
 
+    def weight_views(self) -> list[tuple[int, int, torch.Tensor | None]]:
+        """Per slice, (lo, hi, the parameter's flat view there): the host lane writes them chunk
+        by chunk, and uploads those on a GPU through its pinned ring on the upload stream, as it
+        does ZeRO-3's flat partitions (``engine.host_lane.WeightUploader``). A parameter that is
+        not contiguous has no flat view (None): it is written whole through
+        :meth:`write_weights` after the update, a synchronous copy of that parameter."""
+        out, off = [], 0
+        for s in self.slices:
+            view = s.param.detach().view(-1)[s.start:s.start + s.numel] if s.param.is_contiguous() else None
+            out.append((off, off + s.numel, view))
+            off += s.numel
+        return out
+
     def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
         end, off = offset + master.numel(), 0
         with torch.no_grad():
