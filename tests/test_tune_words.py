@@ -25,8 +25,10 @@ from tuner.protocol import Connection
 
 
 @pytest.fixture
-def private_env(tmp_path, monkeypatch):
-    """This test's own registry and history (children inherit them); no system daemon in the way."""
+def private_env(short_tmp, monkeypatch):
+    """This test's own registry and history (children inherit them); no system daemon in the way.
+    A short path: paths are printed whole, and the tests hold the lines to 80 columns."""
+    tmp_path = short_tmp
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     os.makedirs(tmp_path / "xdg")
