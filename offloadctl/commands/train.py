@@ -298,6 +298,15 @@ def storage_notes(args: argparse.Namespace) -> list[str]:
     return [n for n in notes if n]
 
 
+def _wrapped(line: str) -> str:
+    """``line`` filled to the terminal (at most 120 columns), paths kept whole."""
+    import shutil
+    import textwrap
+
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    return textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False)
+
+
 def _in_memory(flag: str, path: str) -> str | None:
     """A warning for a storage path whose file system keeps its files in RAM (tmpfs, ramfs), or None."""
     from engine.storage.blockdev import device_of
@@ -363,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         args.ds_master_port = launcher.rendezvous_port(vars(args))
     launch = build(args)
     for note in storage_notes(args):
-        print(note, file=sys.stderr)
+        print(_wrapped(note), file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
         resolved = (launcher.resolved_launch(launch.command, launch.env)
