@@ -14,7 +14,9 @@ would take 2 GiB of locked memory.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
 
 import torch
@@ -40,38 +42,105 @@ _pin_failed_once = False
 _registered: set[int] = set()
 """Start addresses pinned by :func:`pin_in_place` and not yet released. (``is_pinned()`` looks
 at a storage's base address, which an aligned view starts after, so it cannot tell.)"""
+_finalizers: dict[int, weakref.finalize] = {}
+_lock = threading.Lock()
+_defer_depth = 0
+_deferred: list[torch.Tensor] = []
+"""Pinned memory whose owner died while unpins were deferred (:func:`unpins_deferred`): kept
+alive, still registered, until :func:`release_deferred_unpins`."""
+
+
+def _cuda_pins() -> bool:
+    return torch.cuda.is_available()
+
+
+def _host_register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _unregister(ptr: int) -> None:
-    # A finalizer of the storage's Python object: its weak references are cleared (and this
-    # runs) before the storage's memory is freed.
+    # A finalizer of the storage's Python object (or of the buffer that owns the pin): its weak
+    # references are cleared (and this runs) before the storage's memory is freed.
     _registered.discard(ptr)
+    _finalizers.pop(ptr, None)
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        _host_unregister(ptr)
     except Exception:  # interpreter shutdown: the driver releases it with the process
         pass
 
 
 def pin_in_place(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory where it is (``cudaHostRegister``), exact size, until ``t``'s
-    storage is freed. False when CUDA is absent or the driver refuses (the copies then run
-    synchronously through the driver's bounce buffer: slower, still correct)."""
+    storage is freed (or its owner dies: :func:`tie_pin_to`). False when CUDA is absent or the
+    driver refuses (the copies then run synchronously through the driver's bounce buffer:
+    slower, still correct)."""
     global _pin_failed_once
-    if not torch.cuda.is_available() or t.device.type != "cpu" or t.numel() == 0:
+    if not _cuda_pins() or t.device.type != "cpu" or t.numel() == 0:
         return False
     if t.data_ptr() in _registered:
         return True
     nbytes = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
+    err = _host_register(t.data_ptr(), nbytes)
+    if err != 0:
         if not _pin_failed_once:
             log.warning("could not pin %d bytes of host memory (cudaHostRegister error %s): device-lane copies of "
                         "these buffers run synchronously; raise `ulimit -l` to fix", nbytes, err)
             _pin_failed_once = True
         return False
     _registered.add(t.data_ptr())
-    weakref.finalize(t.untyped_storage(), _unregister, t.data_ptr())
+    _finalizers[t.data_ptr()] = weakref.finalize(t.untyped_storage(), _unregister, t.data_ptr())
     return True
+
+
+def tie_pin_to(t: torch.Tensor, owner: object) -> None:
+    """``t``'s pin (:func:`pin_in_place`) ends when ``owner`` dies, not when the storage is
+    freed; ``t`` (so its memory) lives until then. An owner that dies while unpins are deferred
+    (:func:`unpins_deferred`) has its memory kept, pinned, until :func:`release_deferred_unpins`:
+    ``cudaHostUnregister`` may synchronize the device, so a buffer dropped inside a step (a spare
+    of the device tier's refit) is not unpinned there."""
+    fin = _finalizers.pop(t.data_ptr(), None)
+    if fin is None or not fin.detach():
+        return
+    weakref.finalize(owner, _owner_died, t)
+
+
+def _owner_died(t: torch.Tensor) -> None:
+    with _lock:
+        if _defer_depth:
+            _deferred.append(t)
+            return
+    _unregister(t.data_ptr())
+
+
+@contextlib.contextmanager
+def unpins_deferred():
+    """Within: buffers whose owners die keep their memory, pinned, for
+    :func:`release_deferred_unpins` (outside the step)."""
+    global _defer_depth
+    with _lock:
+        _defer_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _defer_depth -= 1
+
+
+def release_deferred_unpins() -> int:
+    """Unpin (and free) the memory :func:`unpins_deferred` kept; nothing while a deferral is open.
+    Returns the buffers released."""
+    with _lock:
+        if _defer_depth or not _deferred:
+            return 0
+        pending = list(_deferred)
+        _deferred.clear()
+    for t in pending:
+        _unregister(t.data_ptr())
+    return len(pending)
 
 
 def is_pinned_in_place(t: torch.Tensor) -> bool:
@@ -124,6 +193,8 @@ class StateBuffer:
         if not self._pin_tried:
             self._pin_tried = True
             self.pinned = pin_in_place(self.raw)
+            if self.pinned:
+                tie_pin_to(self.raw, self)  # unpinned when the buffer dies, or later (unpins_deferred)
         return self.pinned
 
     def wait_ready(self) -> None:

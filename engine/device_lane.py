@@ -17,7 +17,7 @@ import torch
 
 from engine.adamw import AdamWHyper, adamw_update_torch_
 from engine.binding import SubgroupBinding, flat_weights_of, weights_written
-from engine.buffers import StateBuffer
+from engine.buffers import StateBuffer, release_deferred_unpins
 from engine.lanes import Scratch, SubgroupGrads
 from engine.placement import DEVICE_LANE_CHUNK_NUMEL, DEVICE_LANE_SLOTS
 from engine.streams import Event, Stream, Streams
@@ -97,6 +97,9 @@ class DeviceLane:
         """Wait for everything queued on the lane's streams."""
         for s in (self.h2d, self.compute, self.d2h, self.resident):
             s.synchronize()  # the host after the stream's last copy or update
+        # The lane is idle (at the step's end, or a release): what a refit freed is unpinned now,
+        # where cudaHostUnregister has nothing of the lane's to wait for (engine.buffers.tie_pin_to).
+        release_deferred_unpins()
 
     # -- the device tier: state resident on the device ------------------------------------------
 

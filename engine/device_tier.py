@@ -23,7 +23,7 @@ import torch
 
 from engine.adamw import AdamWHyper
 from engine.binding import flat_weights_of
-from engine.buffers import StateBuffer, payload_bytes
+from engine.buffers import StateBuffer, payload_bytes, unpins_deferred
 from engine.config import EngineConfig
 from engine.device_lane import DeviceLane
 from engine.facts import DeviceFit
@@ -185,10 +185,13 @@ class DeviceTier:
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
         lane_ws = self.lane_bytes()
-        if self.config.device_cache_bytes is not None:
-            self._place(self._placed)  # the budget's placement (back after release())
-        else:
-            self._place(set(range(device_tier_prefix(cost, headroom_bytes, lane_ws))))
+        # A pinned host buffer the refit frees keeps its memory, pinned, until the lane's next
+        # sync at a step's end (DeviceLane.sync): cudaHostUnregister may synchronize the device.
+        with unpins_deferred():
+            if self.config.device_cache_bytes is not None:
+                self._place(self._placed)  # the budget's placement (back after release())
+            else:
+                self._place(set(range(device_tier_prefix(cost, headroom_bytes, lane_ws))))
         used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
         rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
         self.grad_bytes_per_element = grad_bytes_per_element

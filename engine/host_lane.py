@@ -94,6 +94,33 @@ def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offset
         out[lo - a:hi - a].copy_(g[lo - offsets[k]:hi - offsets[k]], non_blocking=True)
 
 
+_OWN_THREADS: list = []  # [omp_set_num_threads or None], found once
+
+
+def own_thread_count():
+    """The OpenMP runtime's ``omp_set_num_threads`` (torch's own libgomp, or Intel's or LLVM's
+    where torch runs on one), which sets the calling thread's count alone; None where it is not
+    found. ``torch.set_num_threads`` also sets torch's process-wide default, from which every
+    thread takes its count at its first op: a thread starting meanwhile would keep that count."""
+    if not _OWN_THREADS:
+        fn = None
+        try:
+            with open("/proc/self/maps") as f:
+                libs = {line.split()[-1] for line in f if "omp" in line and ".so" in line}
+            for path in sorted(libs):
+                if any(k in path.rsplit("/", 1)[-1] for k in ("libgomp", "libiomp", "libomp")):
+                    import ctypes
+
+                    lib = ctypes.CDLL(path)
+                    fn = lib.omp_set_num_threads
+                    fn.argtypes, fn.restype = [ctypes.c_int], None
+                    break
+        except (OSError, AttributeError):
+            fn = None
+        _OWN_THREADS.append(fn)
+    return _OWN_THREADS[0]
+
+
 class LaneThreads:
     """The host lane's threads when a subgroup is updated in parts: the caller and workers, each
     running its torch ops on its own thread alone (an OpenMP team of one) over a contiguous part
@@ -128,20 +155,26 @@ class LaneThreads:
 
     def run(self, n: int, fn) -> None:
         """``fn(k)`` for k in 0..n-1: 0 on the calling thread, the others on workers; raises the
-        first error once every part has ended."""
-        self._grow(n - 1)
-        for k in range(1, n):
-            self._queues[k - 1].put((k, fn))
+        first error once every part has ended. The caller's part runs on it alone by its own
+        OpenMP count (:func:`own_thread_count`), never by torch's process-wide default: a thread
+        whose first op came while the default was 1 would keep one thread for good. Where the
+        OpenMP runtime is not found, part 0 runs on a worker too and the caller waits."""
+        own = own_thread_count()
+        on_caller = 1 if own is not None else 0
+        self._grow(n - on_caller)
+        for k in range(on_caller, n):
+            self._queues[k - on_caller].put((k, fn))
         first = None
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the caller's part on it alone too
-        try:
-            fn(0)
-        except BaseException as e:  # the workers' parts end first: their buffers are in use
-            first = e
-        finally:
-            torch.set_num_threads(threads)
-        for _ in range(1, n):
+        if on_caller:
+            threads = torch.get_num_threads()
+            own(1)  # the caller's part on it alone too; no other thread's count changes
+            try:
+                fn(0)
+            except BaseException as e:  # the workers' parts end first: their buffers are in use
+                first = e
+            finally:
+                own(threads)
+        for _ in range(on_caller, n):
             err = self._done.get()
             if err is not None and first is None:
                 first = err
@@ -160,15 +193,23 @@ class LaneThreads:
                              daemon=True).start()
             ready.wait()
             self._queues.append(q)
-        # A worker's set_num_threads(1) also set torch's default for threads started later:
-        # put back the caller's count (its own OpenMP setting never changed).
-        torch.set_num_threads(threads)
+        if own_thread_count() is None:
+            # A worker's set_num_threads(1) also set torch's default for threads started later:
+            # put back the caller's count (its own OpenMP setting never changed).
+            torch.set_num_threads(threads)
 
     def _serve(self, q: queue.SimpleQueue, ready: threading.Event, cuda: int | None) -> None:
-        torch.set_num_threads(1)  # this thread's ops run on it alone: no team, no barrier
-        # ...from now on: torch sets a thread's count up at its first op from the process-wide
-        # one, which the caller puts back once its workers are up; asking now sets it up at 1.
-        torch.get_num_threads()
+        own = own_thread_count()
+        # torch sets a thread's count up at its first op, from the process-wide default: asking
+        # now sets this one up; then it runs on one thread (no team, no barrier), set for this
+        # thread alone where the runtime is found, else through torch's default (put back by
+        # _grow once the workers are up).
+        if own is not None:
+            torch.get_num_threads()
+            own(1)
+        else:
+            torch.set_num_threads(1)
+            torch.get_num_threads()
         if cuda is not None:
             torch.cuda.set_device(cuda)
         ready.set()

@@ -151,3 +151,47 @@ def test_offload_adamw_weights_on_the_device_go_up_a_chunk_at_a_time(monkeypatch
         exact = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(p.detach().float(), r.detach().to(dtype).float(), **exact)
     opt.close()
+
+
+def test_a_refit_inside_a_step_unpins_the_buffers_it_frees_after_the_lane_sync(monkeypatch, swap_dir):
+    """A refit inside step() (the fit after a release, or a pending one) moves pinned host
+    buffers into the device tier and drops them: cudaHostUnregister (which may synchronize the
+    device) runs at the lane's sync at the step's end, not inside the fit."""
+    from test_gpu_path import STATE, _lane_bytes
+
+    import engine.buffers
+    import engine.device_tier
+
+    events = []
+    fitting = {"on": False}
+    monkeypatch.setattr(engine.buffers, "_cuda_pins", lambda: True)
+    monkeypatch.setattr(engine.buffers, "_host_register", lambda ptr, n: 0)
+    monkeypatch.setattr(engine.buffers, "_host_unregister", lambda ptr: events.append(("unpin", fitting["on"])))
+    real_fit = engine.device_tier.DeviceTier.fit
+
+    def fit(tier, *a, **k):
+        fitting["on"] = True
+        try:
+            return real_fit(tier, *a, **k)
+        finally:
+            fitting["on"] = False
+            events.append(("fit", None))
+
+    monkeypatch.setattr(engine.device_tier.DeviceTier, "fit", fit)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=None, fraction=1.0)
+    run.engine.fit_device_tier(headroom_bytes=_lane_bytes(run.engine.device_lane) + STATE[0] + 1)
+    run.step()
+    run.step()
+    host = [sg.resident for sg in run.engine.subgroups if sg.tier.kind == "host"]
+    assert host and all(b.pinned for b in host)
+    del host
+    events.clear()
+    run.engine.device_tier.fit_pending = True  # the next step fits again: every subgroup into the tier
+    run.step()
+    assert run.engine.describe().state_bytes_by_tier == {"device": sum(STATE)}
+    unpins = [e for e in events if e[0] == "unpin"]
+    assert len(unpins) == len(NUMELS) - 1  # the host buffers the refit freed
+    assert not [e for e in unpins if e[1]], "unpinned inside the fit"
+    assert events.index(("fit", None)) < events.index(unpins[0])
+    run.check_numerics()
+    run.engine.close()
