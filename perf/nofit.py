@@ -119,9 +119,10 @@ def _check(has: dict, name: str, need: dict) -> Need:
     return Need(name, int(need["host_per_node"]), dict(need["paths"]), int(need.get("gpu_per_rank", 0)), tuple(fails))
 
 
-def _smallest(fits, lo: int, hi: int) -> int:
-    """The smallest value in (lo, hi] for which ``fits`` holds, ``fits(hi)`` being true."""
-    while hi - lo > max(1, hi // 200):
+def _smallest(fits, lo: int, hi: int, *, exact: bool = False) -> int:
+    """The smallest value in (lo, hi] for which ``fits`` holds, ``fits(hi)`` being true: to 0.5%
+    of ``hi`` (sizes), or ``exact`` (counts)."""
+    while hi - lo > (1 if exact else max(1, hi // 200)):
         mid = (lo + hi) // 2
         if fits(mid):
             hi = mid
@@ -145,7 +146,7 @@ def _fixes(profile: Profile, wl: Workload, paths: Sequence[str] | None, has: dic
     while hi < MAX_NODES and not with_nodes(hi):
         hi *= 2
     if with_nodes(hi):
-        k = _smallest_int(with_nodes, wl.nodes, hi)
+        k = _smallest(with_nodes, wl.nodes, hi, exact=True)
         fixes.append({"option": "--nodes", "value": k,
                       "text": f"--nodes {k} (the model over {k} nodes like this one)"})
     capacity = sum(has["paths"].values())
@@ -160,13 +161,3 @@ def _fixes(profile: Profile, wl: Workload, paths: Sequence[str] | None, has: dic
                       "text": f"{size_at_least(more)} more storage per node: a path measured into the profile "
                               f"with `offloadctl profile save NAME --nvme PATH`"})
     return fixes
-
-
-def _smallest_int(fits, lo: int, hi: int) -> int:
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi

@@ -94,3 +94,17 @@ def swap_dirs(tmp_path):
         (tmp_path / name).mkdir()
         out.append(str(tmp_path / name))
     return out
+
+
+@pytest.fixture
+def private_env(short_tmp, monkeypatch):
+    """A test's own tuner registry and history (children inherit them), with no system daemon in
+    the way; a short path (paths are printed whole, and tests hold lines to 80 columns)."""
+    from tuner import service
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_tmp / "xdg"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(short_tmp / "state"))
+    os.makedirs(short_tmp / "xdg")
+    if service.probe(service.default_socket_path()) is not None:
+        pytest.skip(f"a tuner daemon answers at {service.default_socket_path()}: discovery would pick it")
+    return short_tmp

@@ -24,15 +24,6 @@ from tuner.protocol import Connection
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def private_env(tmp_path, monkeypatch):
-    """This test's own registry and history (children inherit them); no system daemon in the way."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    os.makedirs(tmp_path / "xdg")
-    if service.probe(service.default_socket_path()) is not None:
-        pytest.skip(f"a tuner daemon answers at {service.default_socket_path()}: discovery would pick it")
-    return tmp_path
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

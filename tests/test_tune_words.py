@@ -24,19 +24,6 @@ from tuner.client import TunerClient
 from tuner.protocol import Connection
 
 
-@pytest.fixture
-def private_env(short_tmp, monkeypatch):
-    """This test's own registry and history (children inherit them); no system daemon in the way.
-    A short path: paths are printed whole, and the tests hold the lines to 80 columns."""
-    tmp_path = short_tmp
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    os.makedirs(tmp_path / "xdg")
-    if service.probe(service.default_socket_path()) is not None:
-        pytest.skip(f"a tuner daemon answers at {service.default_socket_path()}: discovery would pick it")
-    return tmp_path
-
-
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return cli(*args, timeout=timeout, env=env_with_root(COLUMNS="80"))
 
