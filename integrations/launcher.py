@@ -110,14 +110,8 @@ def rendezvous_port(values: Mapping[str, object]) -> object:
             raise ConfigError(f"--master_port {port} {in_use} on this machine (another run, or another program): give "
                               f"another port, or leave --master_port out and offloadctl picks a free one")
         return given
-    if not _port_in_use(int(DEFAULT_MASTER_PORT)):
-        return None  # DeepSpeed's own default, as the command line was
-    import random
-
-    for port in random.sample(range(int(DEFAULT_MASTER_PORT) + 1, 30000), 499):  # random: two launches at once differ
-        if not _port_in_use(port):
-            return str(port)
-    raise ConfigError(f"no free rendezvous port in {DEFAULT_MASTER_PORT}..29999 on this machine: give --master_port")
+    port = free_port()
+    return None if port == DEFAULT_MASTER_PORT else port  # DeepSpeed's own default: as the command line was
 
 
 def _local_launch(values: Mapping[str, object]) -> bool:
@@ -133,8 +127,18 @@ def _local_launch(values: Mapping[str, object]) -> bool:
 
 
 def free_port() -> str:
-    """A rendezvous port nothing listens on here now (:data:`DEFAULT_MASTER_PORT` where free)."""
-    return str(rendezvous_port({}) or DEFAULT_MASTER_PORT)
+    """A rendezvous port nothing listens on here now: :data:`DEFAULT_MASTER_PORT` where it is free,
+    else another, drawn at random (two launches at once differ); ConfigError where none is."""
+    from engine.errors import ConfigError
+
+    if not _port_in_use(int(DEFAULT_MASTER_PORT)):
+        return DEFAULT_MASTER_PORT
+    import random
+
+    for port in random.sample(range(int(DEFAULT_MASTER_PORT) + 1, 30000), 499):
+        if not _port_in_use(port):
+            return str(port)
+    raise ConfigError(f"no free rendezvous port in {DEFAULT_MASTER_PORT}..29999 on this machine: give --master_port")
 
 
 def _port_in_use(port: int) -> str | None:
