@@ -155,8 +155,6 @@ def built_command(kind: str, values: Mapping[str, object], script: str, script_a
             cmd.append(spelled[which])
         elif v not in (None, False) and not (flag == "--num_nodes" and kind == "torchrun" and nodes == 1):
             cmd += [spelled[which], str(v)]
-    if kind == "accelerate" and nodes > 1 and get("--num_nodes") is None:
-        cmd += ["--num_machines", str(nodes)]
     cmd += shlex.split(str(get("--launcher_args") or ""))
     return cmd + [script, *script_args]
 

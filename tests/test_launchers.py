@@ -366,6 +366,8 @@ def test_dry_runs_show_the_command_each_launcher_runs():
     assert accel["command"] == [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                                 "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
                                 "--main_process_ip", "10.0.0.1", *tail]
+    module = _dry("--launcher", "torchrun", "--num_gpus", "2", "--module", "tests.ds_scripts.train_tiny", "--x")
+    assert module["command"][-4:] == ["2", "--module", "tests.ds_scripts.train_tiny", "--x"]
     given = _dry("torchrun", "--nproc_per_node", "2", *tail)
     assert given["command"] == [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                                 *tail]

@@ -170,7 +170,8 @@ def build(args: argparse.Namespace) -> launcher.Launch:
                                             direct=program.startswith("python"), preview=preview)
     kind = getattr(args, launcher.option_dest(("--launcher",)), None)
     if kind in lc.BUILT:
-        command = lc.built_command(kind, values, os.path.abspath(args.script), args.script_args)
+        target = args.script if values.get("ds_module") else os.path.abspath(args.script)  # a module by its name
+        command = lc.built_command(kind, values, target, args.script_args)
         return launcher.Launch.through_hook(command, settings, launcher=kind, tuner=tuner, preview=preview)
     if values.get("ds_module") or values.get("ds_no_python"):  # the ranks run SCRIPT itself: no bootstrap there
         command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher.launcher_args(values),
