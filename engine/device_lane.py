@@ -37,7 +37,6 @@ class LaneSlot:
         self.free: Event | None = None
         self.loaded: Event | None = None
         self.updated: Event | None = None
-        self.busy = False  # a copy out recorded on ``free`` that the next chunk here must wait for
 
     def views(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.chunk_numel
@@ -152,7 +151,7 @@ class DeviceLane:
             m = b - a
             master, exp_avg, exp_avg_sq = slot.views(m)
             with self.streams.use(self.h2d):
-                if slot.busy:
+                if slot.free is not None:
                     self.h2d.wait_event(slot.free)  # the slot's last chunk has been copied out
                 if previous is not None:
                     self.h2d.wait_event(previous)  # the buffer holds its last copy back
@@ -179,7 +178,7 @@ class DeviceLane:
                 self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
                 if weights_via_host:
                     self.streams.copy(flat[a:b], weights)
-                slot.free, slot.busy = self.streams.record(self.d2h, slot.free), True
+                slot.free = self.streams.record(self.d2h, slot.free)
         # d2h runs in order: one point after the last chunk's copy back covers them all. An event
         # of its own, once per subgroup: the slots' are recorded again by later chunks.
         buf.ready_event = self.streams.record(self.d2h)
