@@ -529,11 +529,16 @@ class HostLane:
 @contextlib.contextmanager
 def threads_left_to_io(io_cores: int):
     """Within: ``io_cores`` fewer of this process's threads for the host lane (at least one), left
-    to the I/O threads' checksums while swapped state moves (``EngineConfig.io_cores`` says why)."""
+    to the I/O threads' checksums while swapped state moves (``EngineConfig.io_cores`` says why).
+    The calling thread's count alone (:func:`own_thread_count`; torch's process-wide default only
+    where the OpenMP runtime is not found): a thread whose first op comes within keeps its count."""
     threads = torch.get_num_threads()
-    if io_cores and threads > 1:
-        torch.set_num_threads(max(1, threads - io_cores))
+    if not io_cores or threads <= 1:
+        yield
+        return
+    set_count = own_thread_count() or torch.set_num_threads
+    set_count(max(1, threads - io_cores))
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        set_count(threads)

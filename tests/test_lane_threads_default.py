@@ -78,3 +78,16 @@ def test_without_the_runtime_every_part_runs_on_a_worker(monkeypatch):
     me = threading.get_ident()
     assert all(t != me and n == 1 for t, n in where.values()) and len(where) == 2
     assert seen == [threads] and torch.get_num_threads() == threads
+
+
+def test_leaving_a_core_to_the_io_threads_changes_the_callers_count_alone():
+    """The step with swapped state runs the lane on one thread fewer; a thread whose first op
+    comes then (an I/O or DeepSpeed thread) takes the process's count, not the lane's."""
+    from engine.host_lane import threads_left_to_io
+
+    threads = torch.get_num_threads()
+    with threads_left_to_io(1):
+        inside = torch.get_num_threads()
+        started = _first_op_count()
+    assert inside == threads - 1 and started == threads
+    assert torch.get_num_threads() == threads
