@@ -304,6 +304,11 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: floa
         os.makedirs(row_nvme)
         cmd = [row_nvme if c == NVME_DIR else c for c in cmd]
     log = os.path.join(logs or workdir, f"row-{_slug(name)}.log")
+    # Every row, stock's included, loads DeepSpeed's ops from where `make setup` built them, with
+    # the same ninja (as the tests do): stock's row used ~/.cache's, JIT-built on its first run,
+    # and hung for its whole time limit on a build lock a killed run had left there.
+    import engine.storage.native_ops  # noqa: F401 - sets TORCH_EXTENSIONS_DIR and PATH for the rows
+
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     unpin = Unpinner(run_dir, env) if name == TUNED else None
     # A session of its own, so that a row past its time is killed whole (launcher and ranks).
