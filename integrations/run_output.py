@@ -75,9 +75,12 @@ _TRACEBACK_START = b"Traceback (most recent call last):"
 _CHAINED = (b"During handling of the above exception, another exception occurred:",
             b"The above exception was the direct cause of the following exception:")
 _TRACEBACK_MAX_LINES = 1000
+_LOGGING_ERROR = b"--- Logging error ---"
+"""How Python's logging begins its report of a record a handler failed to write (a stop signal
+raised inside torch elastic's logger as it writes): a traceback, the call stack, the record."""
 # A launcher's own traceback (torchrun, torch elastic's agent, Accelerate's launch): the ranks'
 # failure or the stop it reports is the run's one line; its page goes to the log.
-_LAUNCHER_FRAME = re.compile(rb'(torch/distributed/(run|launch)\.py|torch/distributed/elastic/|accelerate/commands/'
+_LAUNCHER_FRAME = re.compile(rb'(torch/distributed/(run|launch)\.py|torch/distributed/elastic/[^"]*|accelerate/commands/'
                              rb'(launch|accelerate_cli)\.py)", line \d+')
 _ELASTIC_TABLE_RANK = re.compile(rb"^\s+rank\s+: (\d+) \(local_rank: (\d+)\)")
 _ELASTIC_TABLE_EXIT = re.compile(rb"^\s+exitcode\s+: (-?\d+)")
@@ -278,6 +281,9 @@ class OutputFilter:
         """Whether ``line`` is taken into the held traceback (see :meth:`_end_traceback`)."""
         text = line.lstrip(b"\r")
         if self._traceback is None:
+            if text.rstrip() == _LOGGING_ERROR:  # logging's own report of a record it could not write
+                self._traceback, self._traceback_part = [line], "logging"
+                return True
             if not text.startswith(_TRACEBACK_START):
                 return False
             self._traceback, self._traceback_part = [line], "frames"
@@ -285,6 +291,11 @@ class OutputFilter:
         part, bare = self._traceback_part, text.strip()
         if len(self._traceback) >= _TRACEBACK_MAX_LINES:
             taken = False
+        elif part == "logging":  # "--- Logging error ---", then its traceback
+            taken = text.startswith(_TRACEBACK_START)
+            self._traceback_part = "frames"
+        elif part == "call stack":  # after logging's traceback: the call stack, the record's message
+            taken = text[:1] in (b" ", b"\t") or text.startswith((b"Message: ", b"Arguments: "))
         elif part == "frames":
             taken = True
             if text[:1] not in (b" ", b"\t"):
@@ -293,9 +304,12 @@ class OutputFilter:
             # what follows its exception's line: blank lines, the line that chains the next
             # traceback to it (then that traceback), or torch elastic's table of failures
             taken = not bare or bare in _CHAINED or (part == "chained" and text.startswith(_TRACEBACK_START)) or (
-                bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1])
+                bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1]) or (
+                bare == b"Call stack:" and self._traceback[0].strip() == _LOGGING_ERROR)
             if not taken:
                 pass
+            elif bare == b"Call stack:":
+                self._traceback_part = "call stack"
             elif bare in _CHAINED:
                 self._traceback_part = "chained"
             elif text.startswith(_TRACEBACK_START):
@@ -392,7 +406,7 @@ class OutputFilter:
             return True  # offloadctl's own line: whole, to show it once (python -u writes its newline apart)
         if (_EXIT_NOISE_START.startswith(text) or text.startswith(_EXIT_NOISE_START)) and len(text) < 500:
             return True  # may start a block held whole (_in_block)
-        if _TRACEBACK_START.startswith(text.rstrip(b"\r")) or _torch_log_prefix(text):
+        if _TRACEBACK_START.startswith(text.rstrip(b"\r")) or _LOGGING_ERROR.startswith(text) or _torch_log_prefix(text):
             return True  # a traceback's start (held whole), or torch's log line
         starts = _DS_PRINT_STARTS + (b"terminate called",)
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200

@@ -528,3 +528,44 @@ def test_a_stop_signal_while_a_rank_reports_its_error_is_no_traceback(launcher, 
     assert "failed first" in r.stderr, r.stderr[-3000:]
     if launcher == "deepspeed":  # torch elastic may name rank 0 first: its collective failed as rank 1 stopped
         assert "offloadctl: rank 1 failed first" in r.stderr and "stopped by SIGTERM" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
+    """Ctrl-C's SIGINT can reach torch elastic's agent while its logger writes: the signal
+    handler's SignalException inside the handler's write makes Python's logging print its own
+    report ("--- Logging error ---", a traceback through torch elastic, the call stack, the
+    record). It is the launcher's: to the log, whole; the same block from the user's code is shown."""
+    import io
+
+    from integrations.run_output import OutputFilter
+
+    block = (b"--- Logging error ---\n"
+             b"Traceback (most recent call last):\n"
+             b'  File "/usr/lib/python3.11/logging/__init__.py", line 1113, in emit\n'
+             b"    stream.write(msg + self.terminator)\n"
+             b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 83, in '
+             b"_terminate_process_handler\n"
+             b"    raise SignalException(f\"Process {os.getpid()} got signal: {sigval}\", sigval=sigval)\n"
+             b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 2\n"
+             b"Call stack:\n"
+             b'  File "/v/bin/torchrun", line 8, in <module>\n'
+             b"    sys.exit(main())\n"
+             b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n'
+             b"    result = self._invoke_run(role)\n"
+             b"Message: 'Received %s death signal, shutting down workers'\n"
+             b"Arguments: (<Signals.SIGINT: 2>,)\n")
+    end = b"offloadctl: stopped by SIGINT: ranks stopped, their swap files removed\n"
+    data = b"step 3\n" + block + end
+    for cut in range(1, len(data), 7):
+        shown, log = io.BytesIO(), io.BytesIO()
+        f = OutputFilter(shown, log)
+        f.feed(data[:cut])
+        f.feed(data[cut:])
+        f.close()
+        assert (shown.getvalue(), log.getvalue()) == (b"step 3\n" + end, block), cut
+    users = block.replace(b"torch/distributed/elastic", b"home/me").replace(b"/v/bin/torchrun", b"/home/me/t.py")
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log)
+    f.feed(users + b"bye\n")
+    f.close()
+    assert shown.getvalue() == users + b"bye\n"
