@@ -289,6 +289,11 @@ class OutputFilter:
             self._traceback, self._traceback_part = [line], "frames"
             return True
         part, bare = self._traceback_part, text.strip()
+        if text.startswith(_OURS) or _TORCH_LOG_LINE.match(text) or _DS_LOG_LINE.match(text):
+            # another process's line, written into this one's traceback (every process of the
+            # run shares the stream: a rank says it stopped while torchrun prints its page):
+            # sorted as usual, and the traceback goes on after it
+            return False
         if len(self._traceback) >= _TRACEBACK_MAX_LINES:
             taken = False
         elif part == "logging":  # "--- Logging error ---", then its traceback

@@ -569,3 +569,25 @@ def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
     f.feed(users + b"bye\n")
     f.close()
     assert shown.getvalue() == users + b"bye\n"
+
+
+def test_a_ranks_line_written_into_torchruns_traceback_leaves_it_whole():
+    """Every process of the run writes to one stream: a rank's line of its stop can land between
+    the frames of torchrun's traceback (Ctrl-C, then offloadctl's SIGTERM to torchrun as it
+    shuts its workers down). The rank's line is sorted as its own; the traceback stays whole,
+    to the log."""
+    import io
+
+    from integrations.run_output import OutputFilter
+
+    head = (b"Traceback (most recent call last):\n"
+            b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n')
+    rank = b"offloadctl: rank 1 stopped by SIGINT; removing its swap files\n"
+    tail = (b"    result = self._invoke_run(role)\n"
+            b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15\n")
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log)
+    f.feed(b"step 3\n" + head + rank + tail + b"bye\n")
+    f.close()
+    assert shown.getvalue() == b"step 3\nbye\n"  # the rank's stop line is the run's, said at its end
+    assert log.getvalue() == rank + head + tail
