@@ -63,13 +63,14 @@ def main() -> None:
     caller_threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     n = args.numel
-    b = FlatSubgroup(torch.zeros(n, dtype=torch.bfloat16), torch.rand(n, generator=gen).to(torch.bfloat16))
+    # cpu ok: the host lane's buffers live in host memory on every machine; this bench times them there
+    b = FlatSubgroup(torch.zeros(n, dtype=torch.bfloat16), torch.rand(n, generator=gen).to(torch.bfloat16))  # cpu ok
     b.grad_scale = 0.5
     buf = StateBuffer(n)
-    buf.master.copy_(torch.rand(n, generator=gen))
+    buf.master.copy_(torch.rand(n, generator=gen))  # cpu ok
     buf.exp_avg.zero_()
     buf.exp_avg_sq.zero_()
-    src = torch.rand(args.copy_mib << 18, generator=gen)  # MiB of fp32
+    src = torch.rand(args.copy_mib << 18, generator=gen)  # MiB of fp32; cpu ok: host memory's bandwidth
     dst = torch.empty_like(src)
     hp = AdamWHyper(lr=1e-6)
     lane = host_lane.HostLane("torch", adamw_update_torch_, host_lane.WeightUploader(streams_for(HOST)))
