@@ -129,3 +129,31 @@ def needs_root(test, reason: str = "needs root to mount a file system"):
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def registered_run(run_dir: str, run_id: str, nvme: str, iterations: int = 4, *, with_knobs: bool = False):
+    """A private tuner daemon for ``run_dir`` and one engine-side rank of ``run_id`` that has
+    reported ``iterations`` (with its knobs in each record where ``with_knobs``): (socket, stop,
+    the rank's client)."""
+    from engine.config import Knobs
+    from engine.telemetry import StepRecord
+    from tuner import service
+    from tuner.client import TunerClient
+    from tuner.protocol import Connection
+
+    sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
+    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
+                       subgroup_bytes=12000)
+    assert rank.connected.wait(20)
+    for i in range(iterations):
+        rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05,
+                               path_bytes_read={nvme: 20_000_000}, path_bytes_written={nvme: 10_000_000},
+                               **({"knobs": Knobs().to_dict()} if with_knobs else {})), iter_time_s=0.5)
+
+    def reported() -> bool:
+        with Connection(sock) as c:
+            return any(r["iteration"] == iterations - 1 and r["run_id"] == run_id
+                       for r in c.request("snapshot", history=0)["runs"])
+
+    wait_for(reported, 20, f"{run_id}'s telemetry")
+    return sock, stop, rank

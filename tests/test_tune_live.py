@@ -12,13 +12,11 @@ import sys
 import time
 
 import pytest
-from helpers import cli, env_with_root, wait_for
+from helpers import cli, env_with_root, registered_run, wait_for
 
 from engine.config import Knobs
-from engine.telemetry import StepRecord
 from tuner import client as client_module
 from tuner import service
-from tuner.client import TunerClient
 from tuner.protocol import Connection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,17 +29,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):
-    """A private daemon for ``run_dir`` and one rank of ``run_id`` that reported ``iterations``."""
-    sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
-    assert rank.connected.wait(20)
-    for i in range(iterations):
-        rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1,
-                               write_wait_s=0.05, path_bytes_read={nvme: 20_000_000},
-                               path_bytes_written={nvme: 10_000_000}), iter_time_s=0.5)
-    wait_for(lambda: _iteration(sock, run_id) == iterations - 1, 20, f"{run_id}'s telemetry")
-    return sock, stop, rank
+    return registered_run(run_dir, run_id, nvme, iterations)
 
 
 def _iteration(sock: str, run_id: str) -> int | None:

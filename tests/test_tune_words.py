@@ -15,13 +15,10 @@ import time
 import uuid
 
 import pytest
-from helpers import ROOT, cli, env_with_root, wait_for
+from helpers import ROOT, cli, env_with_root, registered_run, wait_for
 
 from engine.config import Knobs
-from engine.telemetry import StepRecord
 from tuner import service
-from tuner.client import TunerClient
-from tuner.protocol import Connection
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -35,21 +32,7 @@ def _one_line(out: subprocess.CompletedProcess, rc: int, pattern: str) -> None:
 
 
 def _run(run_dir: str, run_id: str, nvme: str, iterations: int = 4):
-    """A private daemon for ``run_dir`` and one rank of ``run_id`` that reported ``iterations``."""
-    sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
-    assert rank.connected.wait(20)
-    for i in range(iterations):
-        rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05,
-                               path_bytes_read={nvme: 20_000_000}, path_bytes_written={nvme: 10_000_000},
-                               knobs=Knobs().to_dict()), iter_time_s=0.5)
-
-    def reported():
-        with Connection(sock) as c:
-            return any(r["iteration"] == iterations - 1 for r in c.request("snapshot", history=0)["runs"])
-    wait_for(reported, 20, f"{run_id}'s telemetry")
-    return sock, stop, rank
+    return registered_run(run_dir, run_id, nvme, iterations, with_knobs=True)
 
 
 def test_missing_directories_and_a_daemon_that_is_not_there_are_said_so(private_env):
