@@ -38,9 +38,10 @@
 # The sizes are planned for an H100 80GB (4b: the state does not fit; 2b: it fits). On a card over
 # 100 GB (an H200: about 150 GB as torch sees it) the bench rows, stock and ours, are allowed an H100
 # 80GB's 85.5 GB: a ballast process holds the rest (bench/gpu_vs_stock.py --gpu-memory-as auto).
-# offloadctl's device-tier margin is taken from those 85.5 GB (5.1 GB), not from the card's total (the
-# engine's 6% of 150 GB would be 9.0 GB: the ballast then leaves that 3.9 GB difference free). The
-# JSON and the table give the card's name and memory, and the memory the rows were allowed.
+# offloadctl's device-tier margin is taken from the memory the process may use (engine.gpumem.
+# usable_bytes: the ballast's memory is another process's), 5.1 GB of those 85.5 GB, not 6% of the
+# card's 150 GB (9.0 GB). The JSON and the table give the card's name and memory, the memory the
+# rows were allowed, and each step record the engine's own figure (device_usable_bytes).
 # Before stage 1: ../shared/tools/gpu-prep (fills .gpu/). After stage 1: cp <files_at>/ops.tgz
 # .gpu/ops.tgz (env.sh unpacks it: no op build in later stages, each then has ~2 min more for rows).
 # After stage 2: cp <files_at>/profile.toml .gpu/profile.toml (kept for later sessions; no stage
@@ -408,6 +409,7 @@ case "$stage" in
       tests/test_gpu_path.py::test_cuda_lane_memory_is_its_slots \
       tests/test_gpu_path.py::test_cuda_lane_rates_leave_the_generators_alone \
       tests/test_gpu_path.py::test_cuda_refit_after_release_measures_the_training_peak \
+      tests/test_gpu_path.py::test_cuda_an_eval_pass_into_the_margin_moves_the_tier_off \
       tests/test_numerics.py::test_cuda_layouts_match_adamw \
       tests/test_numerics.py::test_cuda_knob_switches_match_adamw \
       tests/test_numerics.py::test_flat_bf16_binding_with_grad_scale_on_cuda \

@@ -50,11 +50,11 @@ JSON is written after every row and on such a signal.
 4b state, and "offloadctl default" would no longer offload): where the GPU has more than
 ``BIG_GPU_BYTES``, a ballast process holds the difference, so every row, stock and ours, is
 allowed the memory of an H100 80GB (``H100_TOTAL_BYTES``). offloadctl's device tier keeps a
-safety margin beyond its step's peak; it is computed from the memory the rows are allowed, not
-the card's: where the engine takes it from the card's total (6% of an H200's 150 GB, 9 GB, against
-5.1 GB on the H100's 85.5 GB), the ballast holds that difference less (asked of
-``engine.gpumem.gpu_headroom_bytes``, see :func:`engine_margin_bytes`), so the tier is sized as on
-an H100; stock rows then have that much more than an H100 (never less). The JSON (``gpu_memory``;
+safety margin beyond its step's peak, taken from the memory the process may use
+(``engine.gpumem.usable_bytes``: the ballast's memory is another process's), so the tier is
+sized as on an H100. Should an engine take it from the card's total instead, the ballast holds
+that difference less (asked of ``engine.gpumem.gpu_headroom_bytes``, see
+:func:`engine_margin_bytes`; 0 with the engine of issue 47). The JSON (``gpu_memory``;
 ``device_memory_bytes`` in every row) and the table say which card the rows ran on and how much
 of its memory they had.
 

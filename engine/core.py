@@ -30,7 +30,7 @@ from engine.device_lane import DeviceLane
 from engine.device_tier import DeviceTier
 from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts, facts_of
-from engine.gpumem import gpu_headroom_bytes
+from engine.gpumem import gpu_headroom_bytes, usable_bytes
 from engine.hooks import close_hooks
 from engine.host_kernel import select_host_kernel
 from engine.host_lane import HostLane, WeightUploader, threads_left_to_io
@@ -151,6 +151,9 @@ class SubgroupEngine:
             with self._lock:
                 rec = self._step(hypers, t_call, fwd_bwd_s, excluded_s)
         except BaseException as e:
+            if isinstance(e, torch.OutOfMemoryError) and self.device is not None:
+                with self._lock:  # the next step runs with a smaller tier, if the caller goes on
+                    self.device_tier.out_of_memory(e, self.knobs.device_fraction)
             for hook in self._hooks:
                 hook.on_error(self, e)
             raise
@@ -228,6 +231,8 @@ class SubgroupEngine:
         self._apply_pending_knobs()
         if self.device_tier.fit_pending:
             self.fit_device_tier()
+        else:
+            self.device_tier.keep_margin(self.knobs.device_fraction)  # a pass since the last step (an eval) may have come into it
         if self.host_memory.low:
             self.host_memory.give_back()
         elif self.host_memory.given_back:
@@ -305,7 +310,8 @@ class SubgroupEngine:
                      fwd_bwd_s: float | None, excluded_s: float) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
         moved = self.swap_paths.moved_since(before)
-        headroom = gpu_headroom_bytes(self.device) if self.device is not None and self.device.type == "cuda" else None
+        cuda = self.device is not None and self.device.type == "cuda"
+        headroom = gpu_headroom_bytes(self.device) if cuda else None
         return StepRecord(
             iteration=self.iteration, update_s=update_s, read_wait_s=swaps.read_wait_s, kernel_s=tally.kernel_s,
             write_wait_s=write_wait_s, **moved,
@@ -314,7 +320,8 @@ class SubgroupEngine:
             cache_hits=swaps.hits, cache_misses=swaps.misses, host_lane_subgroups=tally.host_lane_subgroups,
             device_lane_subgroups=tally.device_lane_subgroups,
             device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=tally.host_lane_s,
-            fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_wait_s=device_wait_s, setup_s=setup_s,
+            fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_usable_bytes=usable_bytes(self.device) if cuda else None,
+            device_wait_s=device_wait_s, setup_s=setup_s,
             params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start - write_wait_s,
             host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_memory.budget_bytes,
             host_pressure=tally.pressure, read_ahead_bytes=self.transfers.read_ahead_bytes, excluded_s=excluded_s)

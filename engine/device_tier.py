@@ -9,6 +9,11 @@ device back between training phases. ``docs/engine.md`` says when each is decide
 - **Lanes** (:meth:`DeviceTier.assign_lanes`): a fraction of the subgroups outside the tier,
   evenly spread, is updated on the device lane (Deep Optimizer States), the rest on the host lane;
   with ``auto_device_fraction``, the fraction that makes the lanes finish together.
+- **Keeping the margin** (:meth:`DeviceTier.keep_margin`, :meth:`DeviceTier.out_of_memory`): the
+  fit sees the first step's peak only. A pass between steps that needs more (an evaluation with a
+  larger batch, a generation without ``offload_states``) that came halfway into the margin, or an
+  out-of-memory error at the step, moves the tier's last subgroups to host memory until the margin
+  is back, says so in one line, and measures the peak afresh from there.
 - **Release** (:meth:`DeviceTier.release`, DeepSpeed's ``offload_states``): the tier's state moves
   to host memory, into pinned host buffers kept from the last release where there are some, and
   the next step fits again; :meth:`DeviceTier.returned` (``reload_states``) restarts the peak.
@@ -16,6 +21,7 @@ device back between training phases. ``docs/engine.md`` says when each is decide
 from __future__ import annotations
 
 import logging
+import re
 from typing import Sequence
 
 import psutil
@@ -27,7 +33,7 @@ from engine.buffers import StateBuffer, payload_bytes, unpins_deferred
 from engine.config import EngineConfig
 from engine.device_lane import DeviceLane
 from engine.facts import DeviceFit
-from engine.gpumem import gpu_headroom_bytes, measure_lane_rates, reset_peak
+from engine.gpumem import gpu_headroom_bytes, gpu_memory_left, margin_bytes_of, measure_lane_rates, reset_peak, usable_bytes
 from engine.host_kernel import host_lane_rate, node_memory_bandwidth
 from engine.host_memory import HostBudget
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
@@ -36,8 +42,18 @@ from engine.placement import DEVICE, HOST, device_lane_working_bytes, device_tie
 from engine.staging import Subgroup
 from engine.streams import Streams
 from engine.transfers import Transfers, host_state
+from engine.units import format_size
 
 log = logging.getLogger(__name__)
+
+_TRIED_TO_ALLOCATE = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]?i?B)")
+_UNIT_BYTES = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def requested_bytes(error: BaseException) -> int:
+    """The allocation an out-of-memory error names (torch's "Tried to allocate 1.20 GiB"), or 0."""
+    m = _TRIED_TO_ALLOCATE.search(str(error))
+    return int(float(m.group(1)) * _UNIT_BYTES.get(m.group(2), 1)) if m else 0
 
 
 class DeviceTier:
@@ -180,8 +196,11 @@ class DeviceTier:
         self.fit_pending = False
         if self.device is None:
             return DeviceFit()
+        usable = margin = None
         if headroom_bytes is None:
             headroom_bytes = self._free_for_state()
+            usable = usable_bytes(self.device)
+            margin = margin_bytes_of(usable) if usable is not None else None
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
         cost = [payload_bytes(sg.numel) + grad_bytes_per_element * sg.numel for sg in self.subgroups]
         lane_ws = self.lane_bytes()
@@ -215,7 +234,7 @@ class DeviceTier:
         return DeviceFit(headroom_bytes=headroom_bytes, device_tier_subgroups=len(self.subgroups) - len(rest),
                          device_tier_bytes=used, device_fraction=fraction,
                          device_lane_grads_on_device=len(self.device_grads), device_lane_bytes=lane_ws,
-                         device_lane_off=lane_note or None)
+                         device_lane_off=lane_note or None, usable_bytes=usable, margin_bytes=margin or 0)
 
     def _free_for_state(self) -> int:
         """Device memory the state may take now, measured."""
@@ -307,6 +326,58 @@ class DeviceTier:
             self.lane.sync()  # the tier's last update on the resident stream has finished
             buf.state.copy_(sg.resident[:3 * sg.numel])
         sg.tier, sg.resident = HOST, buf
+
+    # -- keeping the margin after the fit ----------------------------------------------------------
+
+    def keep_margin(self, fraction: float) -> None:
+        """At a step's start, between fits: where the device's peak since the last step came
+        more than halfway into the margin (a pass larger than the fit saw: an evaluation with a
+        bigger batch, a generation), the tier gives back what restores the whole margin
+        (:meth:`_shrink`). Half, so that the allocator's rounding of the tier's own blocks never
+        moves a subgroup."""
+        if self.device is None or not any(sg.tier == DEVICE for sg in self.subgroups):
+            return
+        left = gpu_memory_left(self.device)
+        usable = usable_bytes(self.device)
+        if left is None or usable is None or left >= -margin_bytes_of(usable) // 2:
+            return
+        self._shrink(-left, fraction, f"GPU memory peaked within {format_size(max(0, margin_bytes_of(usable) + left))} "
+                                      f"of the {format_size(usable)} this process may use since the last step "
+                                      "(an evaluation or generation pass?)")
+
+    def out_of_memory(self, error: BaseException, fraction: float) -> None:
+        """The step raised an out-of-memory error: the tier gives back what the failed allocation
+        asked for and the margin (:meth:`_shrink`), so that a caller that goes on (skipping the
+        batch) runs its next step with room."""
+        if self.device is None or not any(sg.tier == DEVICE for sg in self.subgroups):
+            return
+        asked = requested_bytes(error)
+        usable = usable_bytes(self.device)
+        margin = margin_bytes_of(usable) if usable is not None else 0
+        self._shrink(asked + margin, fraction,
+                     "out of GPU memory at the step" + (f" (it asked for {format_size(asked)} more)" if asked else ""))
+
+    def _shrink(self, need_bytes: int, fraction: float, why: str) -> None:
+        """Move the tier's last subgroups to host memory until ``need_bytes`` are free (at least
+        one), say so in one line, lay the lanes out again at ``fraction``, and count the device's
+        peak afresh from here. A user's --device-cache placement loses them too: a later refit
+        does not put back what the device had no room for."""
+        cost = self.grad_bytes_per_element
+        moved, freed = [], 0
+        for sg in reversed(self.subgroups):
+            if freed >= need_bytes:
+                break
+            if sg.tier == DEVICE:
+                self._off_device(sg)
+                moved.append(sg.index)
+                freed += payload_bytes(sg.numel) + cost * sg.numel
+        self._placed -= set(moved)
+        left = sum(sg.tier == DEVICE for sg in self.subgroups)
+        log.warning("offloadctl: %s: %d device-tier subgroup%s (%s) moved to host memory, %d left on the GPU; "
+                    "offload_states() around such a pass keeps them (docs/engine.md)", why, len(moved),
+                    "" if len(moved) == 1 else "s", format_size(freed), left)
+        self.assign_lanes(self.usable_fraction(fraction))
+        reset_peak(self.device)
 
     def release(self) -> None:
         """Every byte on the device given back (no transfer in flight, the step's streams joined):

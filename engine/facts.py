@@ -67,6 +67,11 @@ class DeviceFit:
     """Device memory the device lane's chunk slots take when it runs."""
     device_lane_off: str | None = None
     """Why the device lane cannot run (no room for its slots); None when it can."""
+    usable_bytes: int | None = None
+    """Device memory this process may use (``engine.gpumem.usable_bytes``), measured at the fit:
+    the margin is taken from it; None where it was not measured (no CUDA device, or a headroom given)."""
+    margin_bytes: int = 0
+    """Device memory the fit kept free beyond the peak (``engine.gpumem.margin_bytes_of``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

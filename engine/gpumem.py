@@ -13,22 +13,51 @@ import torch
 
 MARGIN_MIN_BYTES = 2 << 30
 MARGIN_SHARE = 0.06
-"""Device memory kept free beyond the measured peak: the larger of 2 GiB and 6% of the GPU
-(allocator fragmentation, a longer batch later, the CUDA context growing)."""
+"""Device memory kept free beyond the measured peak: the larger of 2 GiB and 6% of the memory this
+process may use (:func:`usable_bytes`; allocator fragmentation, a longer batch later, the CUDA
+context growing). Of that memory, not of the card: on a 141 GB card held to 80 GB by another
+tenant or a per-process fraction, 6% of the card would keep 9 GB free where 5 GB is the rule."""
 
 
-def gpu_headroom_bytes(device: torch.device, margin_bytes: int | None = None) -> int | None:
-    """Bytes that state kept on ``device`` may take, so that forward/backward still reaches
-    its peak so far: ``total - (other processes) - (this process's peak reserved) - margin``.
-    None when ``device`` is not a CUDA device."""
+def usable_bytes(device: torch.device) -> int | None:
+    """Device memory this process may use: the card's total less what other processes hold (and
+    this one's CUDA context), and no more than torch's per-process memory fraction where one is
+    set (``torch.cuda.set_per_process_memory_fraction``: the allocator refuses beyond it). None
+    when ``device`` is not a CUDA device."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
-    peak = max(torch.cuda.max_memory_reserved(device), reserved)
-    others = max(0, total - free - reserved)  # other processes, and this one's CUDA context
-    margin = margin_bytes if margin_bytes is not None else max(MARGIN_MIN_BYTES, int(MARGIN_SHARE * total))
-    return max(0, total - others - peak - margin)
+    usable = total - max(0, total - free - reserved)
+    try:
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+    except (AttributeError, AssertionError, RuntimeError):  # an older torch; a build without CUDA (tests)
+        fraction = 1.0
+    return min(usable, int(fraction * total)) if 0 < fraction < 1 else usable
+
+
+def margin_bytes_of(usable: int) -> int:
+    """The margin kept beyond the peak on ``usable`` bytes of device memory (:data:`MARGIN_SHARE`)."""
+    return max(MARGIN_MIN_BYTES, int(MARGIN_SHARE * usable))
+
+
+def gpu_memory_left(device: torch.device, margin_bytes: int | None = None) -> int | None:
+    """Bytes left on ``device`` beyond this process's peak so far and the margin: ``usable -
+    peak reserved - margin`` (:func:`usable_bytes`), negative where the peak came into the margin
+    (an evaluation or generation pass larger than training's). None when not a CUDA device."""
+    usable = usable_bytes(device)
+    if usable is None:
+        return None
+    peak = max(torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device))
+    return usable - peak - (margin_bytes if margin_bytes is not None else margin_bytes_of(usable))
+
+
+def gpu_headroom_bytes(device: torch.device, margin_bytes: int | None = None) -> int | None:
+    """Bytes that state kept on ``device`` may take, so that forward/backward still reaches
+    its peak so far: :func:`gpu_memory_left`, not below 0. None when ``device`` is not a CUDA
+    device."""
+    left = gpu_memory_left(device, margin_bytes)
+    return None if left is None else max(0, left)
 
 
 def reset_peak(device: torch.device | None) -> None:

@@ -62,6 +62,9 @@ class StepRecord:
     device_headroom_bytes: int | None = None
     """Device memory still free beyond what forward/backward and the engine use, at the end of
     the step (``engine.gpumem.gpu_headroom_bytes``); None without a CUDA device."""
+    device_usable_bytes: int | None = None
+    """Device memory this process may use (``engine.gpumem.usable_bytes``: the card's less other
+    processes', within a per-process fraction): what the margin and the headroom are taken from."""
     device_wait_s: float = 0.0
     """Time waiting, at the end of the step, for device-lane work still queued (the GPU's and
     PCIe's tail past the CPU's)."""

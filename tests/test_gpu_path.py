@@ -600,6 +600,37 @@ def test_cuda_refit_after_release_measures_the_training_peak(swap_dir):
     eng.close()
 
 
+@needs_cuda
+def test_cuda_an_eval_pass_into_the_margin_moves_the_tier_off(swap_dir, caplog):
+    """On a GPU (issue 47 item 4): after the fit, a pass between steps that comes three quarters
+    into the margin (an evaluation with a bigger batch) makes the next step move the tier's
+    subgroups to host memory, said in one line, and the step after it runs. The margin is 6% of
+    the memory this process may use (item 5), and the fit says how much that was."""
+    import logging
+
+    from engine import gpumem
+
+    eng, _ = _cuda_engine(swap_dir, [1 << 22] * 8, host_cache_bytes=None, device_cache_bytes=None)
+    dev = eng.device
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # forward/backward's peak
+    del x
+    fit = eng.fit_device_tier(grad_bytes_per_element=2)
+    usable = gpumem.usable_bytes(dev)
+    assert fit.usable_bytes == usable and fit.margin_bytes == gpumem.margin_bytes_of(usable), fit
+    eng.step([HP])
+    assert fit.device_tier_subgroups > 0, fit
+    left = gpumem.gpu_memory_left(dev)
+    x = torch.empty(max(0, left) + 3 * fit.margin_bytes // 4, dtype=torch.uint8, device=dev)  # the eval
+    del x
+    caplog.set_level(logging.WARNING, logger="engine.device_tier")
+    rec = eng.step([HP])
+    assert rec.device_tier_subgroups < fit.device_tier_subgroups, rec
+    assert rec.device_usable_bytes == gpumem.usable_bytes(dev)
+    assert sum("device-tier subgroup" in r.getMessage() for r in caplog.records) == 1
+    eng.step([HP])
+    eng.close()
+
+
 def _spans(tensors) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
 

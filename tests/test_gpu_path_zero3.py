@@ -50,6 +50,10 @@ class FakeCudaMemory:
         # The engine's device is the CPU here; its memory questions go to the fake CUDA device.
         for module in (engine.core, engine.device_tier):
             monkeypatch.setattr(module, "gpu_headroom_bytes", lambda device: engine.gpumem.gpu_headroom_bytes(CUDA0))
+            monkeypatch.setattr(module, "usable_bytes", lambda device: engine.gpumem.usable_bytes(CUDA0))
+        monkeypatch.setattr(engine.device_tier, "gpu_memory_left", lambda device: engine.gpumem.gpu_memory_left(CUDA0))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: self.fraction)
+        self.fraction = 1.0
         monkeypatch.setattr(engine.device_tier, "reset_peak", lambda device: torch.cuda.reset_peak_memory_stats(CUDA0))
         monkeypatch.setattr(engine.gpumem, "MARGIN_MIN_BYTES", 0)
         monkeypatch.setattr(engine.gpumem, "MARGIN_SHARE", 0.0)
