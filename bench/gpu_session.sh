@@ -431,6 +431,11 @@ case "$stage" in
     else
       prof=none
     fi
+    # The host lane at the node's thread counts (issue 47 items 1 and 2): its rate per thread against
+    # the copy bandwidth, and each kernel's lane (torch's in per-thread parts, cpu_adam's driven by one
+    # thread: its op holds the interpreter lock) beside stock's step, quiet and with 2 busy processes.
+    run_step host-lane-threads 45 python3 bench/host_lane_threads.py --threads 1 4 8 16 --rounds 3
+    run_step host-lane-kernels 60 python3 bench/host_lane_step.py 3 --threads 8 16 --busy 0 2
     mkdir -p "$work/report"
     bench calibration "$big" --profile "$prof" --required 2 --report "$work/report" \
       --row "offloadctl default" --row "stock ZeRO-3 CPU offload, recorded" \
