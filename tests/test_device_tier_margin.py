@@ -19,6 +19,7 @@ from test_gpu_path_zero3 import CUDA0, NUMELS, FakeCudaMemory, backward, make_op
 import engine.core
 import engine.gpumem
 from engine.device_tier import requested_bytes
+from engine.layout import payload_bytes
 
 TOTAL = 1_000_000
 MARGIN_SHARE = 0.1  # of the usable memory: 100_000 here
@@ -42,10 +43,15 @@ def _tier(opt) -> list[int]:
     return [sg.index for sg in opt.offload_engine.subgroups if sg.tier.kind == "device"]
 
 
+def _tier_bytes(opt) -> int:
+    """Device bytes of the tier now: its state and, kept beside it, its gradients."""
+    per = opt.offload_engine.device_tier.grad_bytes_per_element
+    return sum(payload_bytes(sg.numel) + per * sg.numel for sg in opt.offload_engine.subgroups if sg.tier.kind == "device")
+
+
 def _train(opt, mem, gen, peak: int) -> None:
     """One iteration whose forward/backward peaks at ``peak`` (the tier's bytes on top)."""
-    tier = opt.device_fit.device_tier_bytes if opt.device_fit is not None else 0
-    mem.use(peak + tier)
+    mem.use(peak + _tier_bytes(opt))
     backward(opt, gen)
     opt.step()
 
