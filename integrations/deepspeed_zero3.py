@@ -31,7 +31,7 @@ def _keep_deepspeed_from_compiling() -> None:
 
 def install(settings: ZeroEngineSettings):
     """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
-    from integrations.ds_patches import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     ds = import_deepspeed()
     ds_compat.check_deepspeed(ds)

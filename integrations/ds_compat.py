@@ -443,7 +443,7 @@ def check_deepspeed(ds_module=None) -> None:
 
     requirement = supported_requirement()
     if ds_module is None:
-        from integrations.ds_patches import import_deepspeed
+        from engine.storage.native_ops import import_deepspeed
 
         try:
             ds_module = import_deepspeed()
@@ -494,7 +494,7 @@ def copied_source_matches(owner: str, name: str) -> bool:
 
 def integration_status() -> str:
     """``ok (DeepSpeed X)``, for ``offloadctl info``; raises what :func:`check_deepspeed` raises."""
-    from integrations.ds_patches import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     check_deepspeed()
     return f"ok (DeepSpeed {import_deepspeed().__version__})"

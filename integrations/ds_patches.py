@@ -13,7 +13,7 @@ Here:
 - ``deepspeed.ops.__compatible_ops__``: an op the engine cannot load without compiling is marked
   incompatible, so that DeepSpeed does not compile it in the rank (:func:`keep_ops_from_deepspeed`;
   which ops, ``engine.storage.native_ops.prepare_deepspeed_loads`` says).
-- DeepSpeed's logger: its stdout handler moved to stderr (:func:`import_deepspeed`), and its records
+- DeepSpeed's logger: its stdout handler moved to stderr (:func:`engine.storage.native_ops.import_deepspeed`), and its records
   below ERROR sent to the run's log (:func:`quiet_deepspeed_logger`, a filter on the logger).
 - ``warnings.showwarning``, replaced so that warnings raised inside DeepSpeed go to the run's log
   (:func:`route_deepspeed_warnings`).
@@ -58,7 +58,6 @@ compares with the installed DeepSpeed.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
@@ -69,6 +68,7 @@ import warnings
 from collections.abc import Callable, Iterable
 
 from engine.errors import CheckpointError, OffloadError
+from engine.storage.native_ops import import_deepspeed
 from integrations import checkpoints, ds_compat
 
 ENGINE_PHASES = (("forward", "forward"), ("backward", "backward"), ("step", "update"))
@@ -157,21 +157,6 @@ def answer_listed_optimizers_without_muon() -> None:
         return True
 
     setattr(ds_engine, m.name, is_zero_supported_optimizer)
-
-
-@functools.lru_cache(maxsize=None)
-def import_deepspeed():
-    """Import DeepSpeed with its log lines on stderr, so that stdout stays clean for ``--json``.
-
-    DeepSpeed's logger writes to stdout; its handler is moved, not silenced.
-    """
-    with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
-        import deepspeed
-
-    for h in logging.getLogger("DeepSpeed").handlers:
-        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
-            h.setStream(sys.stderr)
-    return deepspeed
 
 
 def keep_ops_from_deepspeed(ops: Iterable[str]) -> None:

@@ -28,7 +28,7 @@ TRAIN_PEAK = 300_000
 
 @pytest.fixture(scope="module")
 def ds():
-    from integrations.ds_patches import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     return import_deepspeed()
 

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def ds():
-    from integrations.ds_patches import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     return import_deepspeed()
 

@@ -31,7 +31,7 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def ds():
-    from integrations.ds_patches import import_deepspeed
+    from engine.storage.native_ops import import_deepspeed
 
     return import_deepspeed()
 

@@ -115,7 +115,8 @@ LISTED_OPTIMIZER = """
 import json, sys
 import torch
 from integrations import ds_patches
-ds = ds_patches.import_deepspeed()
+from engine.storage.native_ops import import_deepspeed
+ds = import_deepspeed()
 ds.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, init_method="tcp://127.0.0.1:" + sys.argv[1],
                     rank=0, world_size=1)
 from deepspeed.runtime import engine

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import shutil
@@ -41,6 +42,8 @@ import sysconfig
 import threading
 import time
 from typing import Callable
+
+from engine.storage.machine_cache import kept_fact
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +134,17 @@ def _cpu_description() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+CPU_INFO_FILE = "offloadctl-cpuinfo.json"
+"""py-cpuinfo's answer per CPU (:func:`remember_cpu_info`), beside the built ops."""
+
+
 def remember_cpu_info() -> None:
     """Keep py-cpuinfo's answer beside the built ops. Its ``get_cpu_info()`` starts a Python process
     and a fork to run CPUID (one to two seconds each time), and DeepSpeed calls it for every op it
     loads (to pick ``-march``) and in each DeepSpeedCPUAdam: seconds of every rank's start. The
-    answer is the same for the same CPU, so it is kept in the extensions dir, keyed by
-    :func:`_cpu_description`; a machine with another CPU (a venv on a shared file system) asks
-    py-cpuinfo again."""
+    answer is the same for the same CPU, so it is kept in the extensions dir (``CPU_INFO_FILE``,
+    :func:`engine.storage.machine_cache.kept_fact`), keyed by :func:`_cpu_description`; a machine
+    with another CPU (a venv on a shared file system) asks py-cpuinfo again."""
     try:
         import cpuinfo
     except ImportError:
@@ -151,18 +158,9 @@ def remember_cpu_info() -> None:
         import json
 
         if not kept:
-            path = os.path.join(extensions_dir(), ".cpuinfo", _cpu_description() + ".json")
-            try:
-                with open(path) as f:
-                    kept.append(json.dumps(json.load(f)))
-            except (OSError, ValueError):
-                kept.append(json.dumps(ask()))
-                with contextlib.suppress(OSError):
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    tmp = f"{path}.{os.getpid()}"
-                    with open(tmp, "w") as f:
-                        f.write(kept[0])
-                    os.replace(tmp, path)  # atomic: ranks starting together read whole files
+            answer = kept_fact(extensions_dir(), CPU_INFO_FILE, _cpu_description(),
+                               lambda known: known if isinstance(known, dict) else ask())
+            kept.append(json.dumps(answer))
         return json.loads(kept[0])
 
     get_cpu_info.offloadctl_kept = True
@@ -204,13 +202,18 @@ _said: set[str] = set()  # ops whose fallback this process has announced
 _mutex = threading.RLock()  # one load or build at a time per process: the ninja hook is process-wide
 
 
-def _import_deepspeed():
-    """DeepSpeed, for its op builders; what it prints as it imports goes to stderr, as what it
-    prints while its builders check and load (stdout stays clean for ``--json``). Changing
-    DeepSpeed's own objects is ``integrations.ds_patches``' (its logger's handler, for one)."""
-    with contextlib.redirect_stdout(sys.stderr):
+@functools.lru_cache(maxsize=None)
+def import_deepspeed():
+    """DeepSpeed, imported the one way offloadctl imports it (its op builders here; the checks of
+    ``integrations.ds_compat`` and the patches of ``integrations.ds_patches``): what it prints as
+    it imports goes to stderr, and its logger's stdout handler is moved to stderr, not silenced,
+    so that stdout stays clean for ``--json``."""
+    with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
         import deepspeed
 
+    for h in logging.getLogger("DeepSpeed").handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
     return deepspeed
 
 
@@ -385,7 +388,7 @@ def _load(name: str, build: bool, on_step=None, on_note=None) -> OpState:
     if name == "deepspeed_shm_comm" and torch.cuda.is_available():
         return OpState(name, "not needed", "CUDA runs all-reduce with NCCL")
     try:
-        _import_deepspeed()
+        import_deepspeed()
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its checks on stdout
             builder = _make_builder(name)
             compatible = builder is not None and builder.is_compatible(verbose=False)

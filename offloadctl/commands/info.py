@@ -30,9 +30,8 @@ def collect() -> dict:
     from engine.adamw import measure_host_kernels
     from engine.errors import ConfigError
     from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, chosen_host_kernel, host_lane_rate, node_memory_bandwidth
-    from engine.storage.native_ops import OPS, op_state
+    from engine.storage.native_ops import OPS, import_deepspeed, op_state
     from integrations import ds_compat
-    from integrations.ds_patches import import_deepspeed
     from offloadctl import __version__
 
     try:
