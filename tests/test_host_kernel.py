@@ -73,3 +73,33 @@ def test_nowhere_to_keep_it_still_chooses(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")  # a file where the directory would go
     monkeypatch.setattr(host_kernel, "measure_host_lanes", lambda: {"torch": 1.0})
     assert host_kernel.chosen_host_kernel() == "torch"
+
+
+def _spinning_children() -> list:
+    import psutil
+
+    return [c for c in psutil.Process().children() if "time.monotonic() < e" in " ".join(c.cmdline())]
+
+
+def test_each_lane_is_timed_with_a_busy_process_beside_and_the_slower_counts():
+    """Issue 47 item 1: a lane that wins quiet but loses beside other runnable work (DeepSpeed's,
+    one thread driving parallel regions) must not be chosen over one that holds there; the busy
+    process ends with the timing, and nothing outlives it."""
+    import time
+
+    seen = {"quiet": 0, "busy": 0}
+
+    def timed(quiet_s, busy_s):
+        def kernel(slices, hyper):
+            busy = bool(_spinning_children())
+            seen["busy" if busy else "quiet"] += 1
+            time.sleep(busy_s if busy else quiet_s)
+        return kernel
+
+    kernels = {"torch": timed(0.004, 0.006), "deepspeed": timed(0.002, 0.012)}  # deepspeed: faster quiet
+    rates = host_kernel.time_host_lane(kernels, numel=4096, reps=3)
+    assert seen["quiet"] and seen["busy"]
+    assert rates["torch"] > rates["deepspeed"], rates
+    assert not _spinning_children()
+    quiet = host_kernel.time_host_lane(kernels, numel=4096, reps=3, busy=False)
+    assert quiet["deepspeed"] > quiet["torch"], quiet  # quiet alone would have chosen it
