@@ -1,7 +1,8 @@
-"""What changed, and what the tuner does about it: each storage path's service rate as it is
+"""The paths' rates and what the model makes of them: each storage path's service rate as it is
 now (:class:`Conditions`), a **change of conditions** when a path's rate moves beyond its noise
 for a few iterations (:class:`RateChange`), and the stripe that balances the paths at their
-measured rates (:func:`balanced_stripe`), the move the policy makes at once on a change.
+measured rates (:func:`balanced_stripe`), the move the tuner makes at once on a change
+(:class:`tuner.guards.Adaptation` holds what changed and what the tuner did about it).
 
 The engine reports, per path and step, the bytes it read and wrote and the seconds the path was
 busy reading and writing (``StepRecord.path_*_busy_s``): bytes over busy time is the rate the

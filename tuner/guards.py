@@ -1,20 +1,27 @@
 """The tuner policy's guard rails: what the run's resources allow (:class:`Limits`: the device
 lane's fraction cap after an OOM, the prefetch depth that staging memory and the subgroup
-count allow) and whether another process contends for a path's device (:class:`Contention`).
+count allow), and what changed and what the tuner did about it (:class:`Adaptation`): another
+process contending for a path's device (:class:`Contention`) or a path's rate moving
+(:mod:`tuner.conditions`), the plan to head back to once contention is gone, the model's
+re-stripe, and the log of each change with its measured effect.
 
-These only keep state and answer questions; reacting (rolling back, measuring again, moving
-stripe weight away) is the policy's.
+These keep state and answer questions; the policy applies the answers to its loop (the trial
+it abandons, the ledger it clears, the knobs it measures again: :mod:`tuner.policy`).
 """
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from statistics import median
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import psutil
 
+from engine.config import Knobs
 from engine.layout import STATE_BYTES_PER_ELEMENT, deepest_prefetch
+from tuner.conditions import Conditions, RateChange, restripe
+from tuner.measurement import Sample
 from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
 
@@ -89,3 +96,125 @@ class Contention:
                 self.contended.discard(p)
                 changes.append((p, False, other))
         return changes
+
+
+@dataclass(frozen=True)
+class Change:
+    """What changed at one iteration: contention that appeared or vanished on a path (path,
+    appeared, others' bytes/s), and the paths whose rate moved."""
+
+    contention: list[tuple[str, bool, float]]
+    rates: list[RateChange]
+
+    def __bool__(self) -> bool:
+        return bool(self.contention or self.rates)
+
+    @property
+    def kind(self) -> str:
+        """The policy log's kind of the entry that says it."""
+        return "contention" if self.contention else "conditions"
+
+    def describe(self) -> str:
+        return "; ".join([f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
+                          for p, up, other in self.contention] + [c.describe() for c in self.rates])
+
+
+@dataclass(frozen=True)
+class ModelMove:
+    """The model's move after a change: to the stripe that balances the paths at their rates."""
+
+    knobs: Knobs
+    what: str
+    """'stripe weight /ssd1 0.5 -> 0.17'."""
+    reason: str
+    """For the log: the cause, the move, the rates and the predicted gain."""
+
+
+class Adaptation:
+    """What changed, and what the tuner did about it, for one run (see the module docstring).
+
+    ``depth_response``: how each path's probe answered more and fewer requests in flight, until
+    its rate changes."""
+
+    def __init__(self, paths: Sequence[str], cfg: PolicyConfig,
+                 depth_response: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        self.cfg = cfg
+        self.paths = list(paths)
+        self.contention = Contention(self.paths, cfg)
+        self.conditions = Conditions(self.paths, cfg)
+        self.recent: deque[Sample] = deque(maxlen=8)
+        """Every usable sample, whatever its knobs: a change's baseline."""
+        self.stripe_checked = False
+        """The stripe checked against the paths' first measured rates."""
+        self.depth_response = {p: dict(r) for p, r in (depth_response or {}).items() if p in self.paths}
+        self.log: deque[dict[str, Any]] = deque(maxlen=20)
+        """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
+        none made, and why in ``effect``), effect (its measured result once judged)."""
+        self.plan_before_contention: Knobs | None = None
+        """The good knobs when contention appeared."""
+        self.return_to: Knobs | None = None
+        """Where to head back to once it vanished."""
+        self.shares_before_contention: dict[str, float] = {}
+        """Byte shares per path then (the engine's default weights)."""
+
+    def track(self, obs: Observation, knobs: Knobs | None, sample: Sample | None) -> Change:
+        """Take one iteration (``knobs``: those in force for it; ``sample``: its figures, None when
+        unusable); return what changed."""
+        change = Change(self.contention.track(obs), self.conditions.track(obs, knobs))
+        if sample is not None:
+            self.recent.append(sample)
+        return change
+
+    def check_stripe(self) -> bool:
+        """True once, when every path's rate is first known: the stripe at start came from a
+        probe, or the user, and is checked against the rates then."""
+        if self.stripe_checked or not self.conditions.known():
+            return False
+        self.stripe_checked = True
+        return True
+
+    def respond(self, change: Change, good_knobs: Knobs, shares: Mapping[str, float]) -> None:
+        """Keep what ``change`` makes the tuner head for or forget: when contention appears, the
+        good knobs and the byte ``shares`` then (the plan to go back to; a return under way keeps
+        heading for its plan); when every path is calm again, that plan as the way back; on a
+        rate change, the stripe counts as checked and the path's probed depth response is stale."""
+        if any(up for _, up, _ in change.contention) and self.plan_before_contention is None:
+            if self.return_to is None:
+                self.plan_before_contention = good_knobs
+                self.shares_before_contention = dict(shares)
+            else:  # back before the return finished: keep heading for the same plan afterwards
+                self.plan_before_contention = self.return_to
+            self.return_to = None
+        if not self.contention.contended and self.plan_before_contention is not None:
+            self.return_to, self.plan_before_contention = self.plan_before_contention, None
+        if change.rates:
+            self.stripe_checked = True
+            for c in change.rates:
+                self.depth_response.pop(c.path, None)
+
+    def can_restripe(self, stripe_pinned: bool) -> bool:
+        """The model may move the stripe: two paths or more, not pinned, every rate known."""
+        return len(self.paths) >= 2 and not stripe_pinned and self.conditions.known()
+
+    def restripe(self, why: str, good_knobs: Knobs, shares: Mapping[str, float], iteration: int, *,
+                 quiet: bool = False) -> ModelMove | str | None:
+        """The model's move after ``why`` (the stripe in force: ``shares``), in the log; else why
+        there is none (it is already close to balance), in the log too, or None when ``quiet``."""
+        r = restripe(self.conditions.rates(), shares, self.cfg)
+        if r is None:
+            if quiet:
+                return None
+            self.log.append({"iteration": iteration, "cause": why, "move": None,
+                             "effect": "no move: the stripe is already near the balance"})
+            return (f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the paths' "
+                    "rates now")
+        self.log.append({"iteration": iteration, "cause": why, "move": r.describe(), "effect": None})
+        rates = ", ".join(f"{p} {v / 1e6:.0f} MB/s" for p, v in self.conditions.rates().items())
+        return ModelMove(good_knobs.replace(stripe_weights=r.after), r.describe(),
+                         f"{why}: {r.describe()} (balances the paths at their rates now, {rates}; predicted "
+                         f"I/O time -{100 * r.gain:.0f}%)")
+
+    def judged(self, kept: bool, effect: str) -> None:
+        """The model's move was ruled on: its measured ``effect`` in the log."""
+        if self.log:
+            self.log[-1]["effect"] = ("" if kept else "undone: ") + effect

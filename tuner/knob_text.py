@@ -229,7 +229,8 @@ class Pins:
 
 
 def adaptation_text(a: Mapping[str, Any]) -> str:
-    """One change of conditions and what the tuner did (``Policy.adaptations``), in plain words:
+    """One change of conditions and what the tuner did (an entry of :attr:`tuner.guards.Adaptation.log`,
+    ``Policy.state()["adaptations"]``), in plain words:
     'at iteration 42, path /ssd1 slowed: reads 300 -> 62 MB/s, writes 290 -> 60 MB/s: stripe weight /ssd1 0.5 -> 0.17
     (iteration 10.5 -> 3.9 s, -63%)'."""
     move = a.get("move")

@@ -1,6 +1,7 @@
-"""The tuner's ledger of trials and verdicts (:class:`Ledger`): what the search has learned under
-the current conditions, which the policy consults before every move and forgets when conditions
-change (:mod:`tuner.conditions`).
+"""The tuner's ledger of trials and rulings (:class:`Ledger`): the move on trial and the
+samples of the good knobs it is judged against, the keep-or-revert :class:`Ruling` on it, and what
+the search has learned under the current conditions, which the policy consults before every move
+and forgets when conditions change (:mod:`tuner.guards`).
 
 It holds the moves that did not help, the knob settings that caused an error, the move that just
 helped (tried again first), and the kept moves a later window must still confirm (a few samples
@@ -9,9 +10,28 @@ can mislead: a transient, the cost of a change landing before or after the windo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 from engine.config import Knobs
-from tuner.moves import Move, MoveKey, knobs_key
+from tuner.measurement import Sample
+from tuner.moves import Move, MoveKey, Trial, knobs_key
+
+
+@dataclass(frozen=True)
+class Ruling:
+    """The ledger's ruling on a trial: keep its move, or revert it, and the figures it rests on."""
+
+    keep: bool
+    base_cost: float
+    """The good knobs' median cost (their last five samples)."""
+    costs: tuple[float, ...]
+    """The trial's samples' costs, in order."""
+    threshold: float
+    """The relative noise threshold the trial was ruled with."""
+
+    @property
+    def cost(self) -> float:
+        return median(self.costs)
 
 
 @dataclass(frozen=True)
@@ -27,6 +47,10 @@ class Kept:
 
 @dataclass
 class Ledger:
+    trial: Trial | None = None
+    """The move on trial and its samples so far; None between trials."""
+    baseline: list[Sample] = field(default_factory=list)
+    """Samples of the last good knobs: what a trial is ruled against."""
     failed_moves: set[MoveKey] = field(default_factory=set)
     """Moves that did not help, since the last re-exploration or change of conditions."""
     bad_knobs: set[str] = field(default_factory=set)
@@ -41,8 +65,46 @@ class Ledger:
     reverts: int = 0
     """Moves reverted since the baseline was last measured."""
 
+    def rule(self, s: Sample, threshold: float, window: int) -> Ruling | None:
+        """Add ``s`` to the trial's samples; the ruling once they say (``threshold``: the relative
+        noise, ``window``: the samples after which the median decides), else None. A lenient
+        move is kept unless it does worse; any other must do better. Clearly worse or better
+        samples rule before the window is full."""
+        t = self.trial
+        if t is None:
+            raise ValueError("no trial to rule on")
+        t.samples.append(s)
+        xs = [x.cost for x in t.samples]
+        base = median([x.cost for x in self.baseline[-5:]])
+        thr = threshold
+        n = len(xs)
+        keep = None
+        if t.move.lenient:
+            if n >= 2 and all(x > base * (1 + 2 * thr) for x in xs):
+                keep = False
+            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
+                keep = True  # clearly better: no need to wait for the window
+            elif n >= window:
+                keep = median(xs) <= base * (1 + thr)
+        else:
+            if n == 1 and xs[0] > base * (1 + max(0.25, 3 * thr)):
+                keep = False  # clearly worse: no need to wait for the window
+            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
+                keep = True  # clearly better
+            elif n >= 2 and all(x > base * (1 + thr) for x in xs):
+                keep = False
+            elif n >= window:
+                keep = median(xs) < base * (1 - thr)
+        return None if keep is None else Ruling(keep, base, tuple(xs), thr)
+
+    def remeasure(self, keep_samples: bool = False) -> None:
+        """The good knobs are measured again (their samples dropped unless ``keep_samples``)."""
+        if not keep_samples:
+            self.baseline = []
+        self.reverts = 0
+
     def forget(self, *, errors: bool = False) -> None:
-        """Conditions changed (or a re-exploration starts): no earlier verdict blocks a move; with
+        """Conditions changed (or a re-exploration starts): no earlier ruling blocks a move; with
         ``errors``, neither do the knobs that failed (a rate change: another machine, in effect)."""
         self.failed_moves.clear()
         self.unconfirmed = []

@@ -1,23 +1,22 @@
 """The tuner's policy: the decision loop of one run's online knob search (:class:`Policy`).
 
-It owns what the loop decides and remembers: measuring, judging a trial, holding, rolling
-back after an error, the user's pins and freeze, and the log of every decision with its
+It owns what the loop decides and remembers: measuring, acting on a trial's ruling, holding,
+rolling back after an error, the user's pins and freeze, and the log of every decision with its
 reason. The search itself is :mod:`tuner.moves`; its settings :mod:`tuner.policy_config`;
-samples and noise :mod:`tuner.measurement`; limits and contention :mod:`tuner.guards`. How
-it behaves, and why: docs/tuner-policy.md. ``Observation``, ``Decision`` and ``PolicyConfig``
-are importable from here too.
+samples and noise :mod:`tuner.measurement`; the trial, the good knobs' samples and the
+keep-or-revert ruling :mod:`tuner.ledger`; limits, and what changed and what the tuner did about
+it (contention, a path's rate) :mod:`tuner.guards`. How it behaves, and why:
+docs/tuner-policy.md. ``Observation``, ``Decision`` and ``PolicyConfig`` are importable from here too.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from statistics import median as _median
 from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
-from tuner.conditions import Conditions, RateChange, restripe
-from tuner.guards import Contention, Limits
+from tuner.guards import Adaptation, Change, Limits, ModelMove
 from tuner.knob_text import KnobKey, Pins
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
@@ -63,9 +62,7 @@ class Policy:
         self._frozen = False
         self._unannounced: str | None = None  # why the knobs changed outside observe(): the next one says so
         self._iters_to_discard = self.cfg.warmup_iters
-        self._baseline_samples: list[Sample] = []  # measurements of the last good knobs
         self._samples_wanted = self.cfg.window  # samples of the good knobs wanted before the next move
-        self._trial: Trial | None = None
         self._holding_since: int | None = None  # iteration the search ran out of moves
         self._holding_cost: float | None = None  # median cost (iteration) of the hold's first window
         self._held: list[float] = []  # costs measured while holding (the first window is its level)
@@ -76,21 +73,10 @@ class Policy:
         self._noise = Noise(self.cfg)
         self._limits = Limits(self.cfg, has_device=self.has_device, params=self.params,
                               subgroup_bytes=self.subgroup_bytes, ranks=self.ranks, staging_bytes=host_staging_bytes)
-        self._contention = Contention(self.paths, self.cfg)
-        self._conditions = Conditions(self.paths, self.cfg)
-        self._recent: deque[Sample] = deque(maxlen=8)  # every usable sample, whatever its knobs: a change's baseline
-        self._stripe_checked = False  # the stripe checked against the paths' first measured rates
-        # How each path's probe answered more and fewer requests in flight: until its rate changes
-        self._depth_response = {p: dict(r) for p, r in (path_depth_response or {}).items() if p in self.paths}
-        self.adaptations: deque[dict] = deque(maxlen=20)
-        """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
-        none made, and why in ``effect``), effect (its measured result once judged)."""
-        self._plan_before_contention: Knobs | None = None  # the good knobs when contention appeared
-        self._return_to: Knobs | None = None  # where to head back to once it vanished
-        self._shares_before_contention: dict[str, float] = {}  # byte shares per path then (the engine's default weights)
+        self._adapt = Adaptation(self.paths, self.cfg, path_depth_response)  # what changed, and the response
         self._own_start: Knobs | None = None  # the run's own start, tried against the model's plan
         self._search = MoveSearch(self.cfg, paths=self.paths, has_device=self.has_device, ranks=self.ranks,
-                                  limits=self._limits, contention=self._contention, pins=self._pins)
+                                  limits=self._limits, contention=self._adapt.contention, pins=self._pins)
 
         self._knobs = self._good_knobs = start
         start, dropped = known_paths(start, self.paths, "start knobs")
@@ -142,25 +128,25 @@ class Policy:
     def state(self) -> dict:
         """What the policy is doing, for snapshots and the live view; ``holding_reason`` only
         while it holds, so that it never contradicts ``mode``."""
-        mode = ("frozen" if self._frozen else "trial" if self._trial
+        mode = ("frozen" if self._frozen else "trial" if self._ledger.trial
                 else "holding" if self._holding_since is not None else "measuring")
         return {
             "mode": mode,
             "since_iteration": self._holding_since if mode == "holding" else None,
-            "trial": self._trial.move.what if self._trial else None,
+            "trial": self._ledger.trial.move.what if self._ledger.trial else None,
             "good_knobs": self._good_knobs.to_dict(),
-            "good_update_s": _median([s.update_s for s in self._baseline_samples[-5:]]) if self._baseline_samples else None,
-            "good_iteration_s": (_median([s.iter_time_s for s in self._baseline_samples[-5:] if s.iter_time_s])
-                                 if any(s.iter_time_s for s in self._baseline_samples[-5:]) else None),
+            "good_update_s": _median([s.update_s for s in self._ledger.baseline[-5:]]) if self._ledger.baseline else None,
+            "good_iteration_s": (_median([s.iter_time_s for s in self._ledger.baseline[-5:] if s.iter_time_s])
+                                 if any(s.iter_time_s for s in self._ledger.baseline[-5:]) else None),
             "holding_reason": (self._negligible_why or self._hold_why) if mode == "holding" else None,
             "threshold": self._noise.threshold(),
-            "contended_paths": sorted(self._contended),
+            "contended_paths": sorted(self._adapt.contention.contended),
             "pins": self._pins.as_dict(),
             "user_set": self._user_set(),
             "fixed": list(self.fixed),
             "frozen": self._frozen,
-            "rates": {p: round(v) for p, v in self._conditions.rates().items()},
-            "adaptations": list(self.adaptations),
+            "rates": {p: round(v) for p, v in self._adapt.conditions.rates().items()},
+            "adaptations": list(self._adapt.log),
         }
 
     def observe(self, obs: Observation) -> Decision | None:
@@ -168,22 +154,20 @@ class Policy:
         self._iteration = obs.iteration
         if obs.device_headroom_bytes is not None:
             self._device_headroom_bytes = obs.device_headroom_bytes
-        changes = self._contention.track(obs)
-        moved = self._conditions.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None)
         usable = isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0
-        if usable:
-            self._recent.append(Sample.of(obs, self.paths))
+        s = Sample.of(obs, self.paths) if usable else None
+        change = self._adapt.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None, s)
         if self._unannounced is not None:  # user requests apply even while frozen
             reason, self._unannounced = self._unannounced, None
-            if (changes or moved) and not self._frozen:
-                self._on_conditions(changes, moved, model=False)  # no trial runs after a pin: only bookkeeping
+            if change and not self._frozen:
+                self._on_conditions(change, model=False)  # no trial runs after a pin: only bookkeeping
             return self._decide(self._knobs, reason, "user")
         if self._frozen:
             return None
         if obs.error:
             return self._on_error(obs.error)
-        if changes or moved:
-            d = self._on_conditions(changes, moved)
+        if change:
+            d = self._on_conditions(change)
             if d is not None:
                 return d
         if obs.knobs is not None and _as_knobs(obs.knobs) != self._knobs:
@@ -191,18 +175,16 @@ class Policy:
         if self._iters_to_discard > 0:
             self._iters_to_discard -= 1
             return None
-        if not usable:
+        if s is None:
             return None  # no usable figure (a rank sent garbage, or nothing was updated)
-        s = self._recent[-1]
-        if self._trial is not None:
-            return self._judge(s)
-        if not self._stripe_checked and self._conditions.known():
-            self._stripe_checked = True  # the stripe at start came from a probe, or the user: check it once
+        if self._ledger.trial is not None:
+            return self._rule_on_trial(s)
+        if self._adapt.check_stripe():
             d = self._model_move("the stripe does not match the paths' measured rates",
-                                 list(self._baseline_samples[-2:]) + [s], quiet=True)
+                                 list(self._ledger.baseline[-2:]) + [s], quiet=True)
             if d is not None:
                 return d
-        self._baseline_samples.append(s)
+        self._ledger.baseline.append(s)
         if self._knobs == self._good_knobs:
             self._fresh += 1
         d = self._confirm_kept()
@@ -210,9 +192,9 @@ class Policy:
             return d
         if self._holding_since is not None:
             return self._hold()
-        if len(self._baseline_samples) < self._samples_wanted:
+        if len(self._ledger.baseline) < self._samples_wanted:
             return None
-        self._noise.add([x.cost for x in self._baseline_samples[-self._samples_wanted:]])
+        self._noise.add([x.cost for x in self._ledger.baseline[-self._samples_wanted:]])
         idle = self._negligible()
         if idle is not None and self._knobs == self._good_knobs:
             self._holding_since, self._negligible_why = self._iteration, idle
@@ -231,7 +213,7 @@ class Policy:
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
         knob = str(key)
         self._user_values[knob] = key.value_in(new)
-        self._trial = None
+        self._ledger.trial = None
         self._ledger.unconfirmed = []  # the user's knobs now: nothing of the search's to undo
         self._good_knobs = new
         self._restart_measuring()
@@ -275,13 +257,13 @@ class Policy:
             return
         self._frozen = frozen
         if frozen:
-            if self._trial is not None and self._knobs != self._good_knobs:
-                what = self._trial.move.what
+            if self._ledger.trial is not None and self._knobs != self._good_knobs:
+                what = self._ledger.trial.move.what
                 self._knobs = self._good_knobs
                 self._unannounced = f"tuning frozen by the user: trial of {what} ended, back to the last good knobs"
             else:
                 self._note("tuning frozen by the user", "user")
-            self._trial = None
+            self._ledger.trial = None
         else:
             self._restart_measuring()
             self._note("tuning resumed by the user", "user")
@@ -306,11 +288,9 @@ class Policy:
             del self.log[:-LOG_ENTRIES]
 
     def _restart_measuring(self, keep_samples: bool = False) -> None:
-        if not keep_samples:
-            self._baseline_samples = []
+        self._ledger.remeasure(keep_samples)
         self._samples_wanted = self.cfg.window
         self._holding_since, self._negligible_why = None, None
-        self._ledger.reverts = 0
 
     # -- the search --------------------------------------------------------------------------
 
@@ -325,11 +305,11 @@ class Policy:
         if move is not None and reverting is not None and move.key.family() == reverting.key.family():
             # Going straight from one trial to the next on the same knob would be two steps in
             # one change: back to the good knobs first, then the next move after one sample.
-            self._samples_wanted = len(self._baseline_samples) + 1
+            self._samples_wanted = len(self._ledger.baseline) + 1
             return self._decide(self._good_knobs, prefix.rstrip("; "), "revert")
         if move is None:
             self._holding_since, self._held = self._iteration, []
-            recent = self._baseline_samples[-self.cfg.window:]
+            recent = self._ledger.baseline[-self.cfg.window:]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
             self._hold_why = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
                               "re-exploration" if self._ledger.last_kept == MODEL else None if self._ledger.failed_moves
@@ -342,50 +322,31 @@ class Policy:
                 return self._decide(self._good_knobs, msg, "revert")
             self._note(msg, "hold")
             return None
-        self._trial = Trial(move)
-        why = self._search.why(move, self._baseline_samples)
+        self._ledger.trial = Trial(move)
+        why = self._search.why(move, self._ledger.baseline)
         return self._decide(move.knobs, f"{prefix}trying {move.what}{why}", "trial")
 
-    def _judge(self, s: Sample) -> Decision | None:
-        t = self._trial
-        t.samples.append(s)
-        xs = [x.cost for x in t.samples]
-        base = _median([x.cost for x in self._baseline_samples[-5:]])
-        thr = self._noise.threshold()
-        n = len(xs)
-        verdict = None
-        if t.move.lenient:
-            if n >= 2 and all(x > base * (1 + 2 * thr) for x in xs):
-                verdict = False
-            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
-                verdict = True  # clearly better: no need to wait for the window
-            elif n >= self.cfg.window:
-                verdict = _median(xs) <= base * (1 + thr)
-        else:
-            if n == 1 and xs[0] > base * (1 + max(0.25, 3 * thr)):
-                verdict = False  # clearly worse: no need to wait for the window
-            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
-                verdict = True  # clearly better
-            elif n >= 2 and all(x > base * (1 + thr) for x in xs):
-                verdict = False
-            elif n >= self.cfg.window:
-                verdict = _median(xs) < base * (1 - thr)
-        if verdict is None:
+    def _rule_on_trial(self, s: Sample) -> Decision | None:
+        """The ledger's ruling on the trial, once its samples say (:meth:`tuner.ledger.Ledger.rule`):
+        keep the move or revert it, and propose the next."""
+        t = self._ledger.trial
+        ruling = self._ledger.rule(s, self._noise.threshold(), self.cfg.window)
+        if ruling is None:
             return None
-        self._noise.add(xs)
-        med = _median(xs)
+        self._noise.add(list(ruling.costs))
+        base, med, thr = ruling.base_cost, ruling.cost, ruling.threshold
         figures = f"{self._cost_name()} {base:.3f} -> {med:.3f} s, {100 * (med / base - 1):+.0f}%, threshold {100 * thr:.0f}%"
         if self._cost_name() == "iteration":  # the explanation: what the update phase did
-            figures += (f"; update {_median([x.update_s for x in self._baseline_samples[-5:]]):.3f} -> "
+            figures += (f"; update {_median([x.update_s for x in self._ledger.baseline[-5:]]):.3f} -> "
                         f"{_median([x.update_s for x in t.samples]):.3f} s")
-        self._trial = None
+        self._ledger.trial = None
         move = t.move
-        if move.key == MODEL and self.adaptations:
-            self.adaptations[-1]["effect"] = ("" if verdict else "undone: ") + figures.split(", threshold")[0]
-        if verdict:
+        if move.key == MODEL:
+            self._adapt.judged(ruling.keep, figures.split(", threshold")[0])
+        if ruling.keep:
             # The start and the way back are judged against a plan, not kept over it.
             self._ledger.kept(move, self._good_knobs, base, confirm=move.key not in (START, RETURN))
-            self._good_knobs, self._baseline_samples = move.knobs, list(t.samples)
+            self._good_knobs, self._ledger.baseline = move.knobs, list(t.samples)
             if move.key == START:
                 self._own_start = None
             if move.key == MODEL:  # the paths balanced on measured rates: a trial of an I/O knob is noisier evidence
@@ -395,7 +356,7 @@ class Policy:
         if move.key == START:
             self._own_start = None
         if move.key == RETURN:
-            self._return_to = None
+            self._adapt.return_to = None
         return self._propose(f"reverted {move.what} ({figures}); ", reverting=move)
 
     def _confirm_kept(self) -> Decision | None:
@@ -408,7 +369,7 @@ class Policy:
         w = self.cfg.window
         if not self._ledger.unconfirmed or self._fresh < w or self._knobs != self._good_knobs:
             return None
-        now = _median([x.cost for x in self._baseline_samples[-w:]])
+        now = _median([x.cost for x in self._ledger.baseline[-w:]])
         thr = self._noise.threshold()
         last = self._ledger.refuted(now, thr)
         if last is None:
@@ -421,23 +382,23 @@ class Policy:
 
     def _hold(self) -> Decision | None:
         w = self.cfg.window
-        self._baseline_samples = self._baseline_samples[-2 * w:]
-        recent = [s.cost for s in self._baseline_samples[-w:]]
+        self._ledger.baseline = self._ledger.baseline[-2 * w:]
+        recent = [s.cost for s in self._ledger.baseline[-w:]]
         if self._negligible_why is not None:
             if len(recent) >= w and self._negligible(2.0) is None:
                 self._negligible_why, self._holding_since = None, None
-                self._baseline_samples = self._baseline_samples[-w:]
+                self._ledger.baseline = self._ledger.baseline[-w:]
                 return self._propose("the update phase grew past the point where tuning pays; re-exploring; ")
             return None  # holding: nothing the knobs change is worth measuring
         # Its level: its own first window, not a trial's few samples; a rise: over two windows after
         # it (one noisy window starts no search; a path that slows is a change of conditions).
         self._held = (self._held + [recent[-1]])[:2 * w + 1]
         self._holding_cost = _median(self._held[:w])
-        risen = _median([s.cost for s in self._baseline_samples[-2 * w:]])
+        risen = _median([s.cost for s in self._ledger.baseline[-2 * w:]])
         if len(self._held) > 2 * w and risen > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             self._ledger.failed_moves.clear()
             self._holding_since = None
-            self._baseline_samples = self._baseline_samples[-w:]
+            self._ledger.baseline = self._ledger.baseline[-w:]
             return self._propose(f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while "
                                  f"holding; re-exploring; ")
         every = self.cfg.reexplore_every_iters
@@ -448,27 +409,22 @@ class Policy:
         return None
 
     def _cost_name(self) -> str:
-        recent = self._baseline_samples[-self.cfg.window:]
+        recent = self._ledger.baseline[-self.cfg.window:]
         return "iteration" if recent and all(x.iter_time_s for x in recent) else "update"
 
     def _negligible(self, factor: float = 1.0) -> str | None:
         """Why no move can pay (:func:`tuner.measurement.negligible`), or None when one can."""
-        return negligible(self._baseline_samples[-self.cfg.window:], self.cfg, has_device=self.has_device,
+        return negligible(self._ledger.baseline[-self.cfg.window:], self.cfg, has_device=self.has_device,
                           threshold=self._noise.threshold(), kept=self._ledger.kept_total, factor=factor)
 
     # -- guard rails -----------------------------------------------------------------------------
 
-    @property
-    def _contended(self) -> set[str]:
-        """Paths another process contends for now (the tracker's set, not a copy)."""
-        return self._contention.contended
-
     def _on_error(self, error: str) -> Decision | None:
-        if self._trial is not None:
-            move, self._trial = self._trial.move, None
+        if self._ledger.trial is not None:
+            move, self._ledger.trial = self._ledger.trial.move, None
             self._ledger.errored(move.knobs, move)
             # The baseline still holds: go on after settling.
-            self._samples_wanted = max(self._samples_wanted, len(self._baseline_samples))
+            self._samples_wanted = max(self._samples_wanted, len(self._ledger.baseline))
             return self._decide(self._good_knobs, f"rolled back {move.what} after an error on a rank ({error}); "
                                 f"those knobs are not tried again", "rollback")
         f = self._knobs.device_fraction
@@ -486,42 +442,28 @@ class Policy:
 
     # -- a change of conditions ---------------------------------------------------------------
 
-    def _on_conditions(self, changes: list[tuple[str, bool, float]], moved: list[RateChange], *,
-                       model: bool = True) -> Decision | None:
-        """Contention appeared or vanished (``changes``), or a path's rate moved (``moved``): what
-        was learned under the old conditions (failed moves, kept moves to confirm, the noise, and
-        on a rate change the knobs that failed) no longer blocks a move. On a rate change the
-        model's stripe is tried at once (``model``); otherwise the last good knobs are measured
-        again, a trial in flight abandoned."""
-        desc = "; ".join([f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
-                          for p, up, other in changes] + [c.describe() for c in moved])
-        if any(up for _, up, _ in changes) and self._plan_before_contention is None:
-            if self._return_to is None:
-                self._plan_before_contention = self._good_knobs
-                self._shares_before_contention = self._search.stats(self._baseline_samples).get("shares", {})
-            else:  # back before the return finished: keep heading for the same plan afterwards
-                self._plan_before_contention = self._return_to
-            self._return_to = None
-        if not self._contended and self._plan_before_contention is not None:
-            self._return_to, self._plan_before_contention = self._plan_before_contention, None
-        self._ledger.forget(errors=bool(moved))
-        if moved:
+    def _on_conditions(self, change: Change, *, model: bool = True) -> Decision | None:
+        """Contention appeared or vanished, or a path's rate moved (``change``; what the tuner heads
+        for after it: :meth:`tuner.guards.Adaptation.respond`): what was learned under the old
+        conditions (failed moves, kept moves to confirm, the noise, and on a rate change the knobs
+        that failed) no longer blocks a move. On a rate change the model's stripe is tried at once
+        (``model``); otherwise the last good knobs are measured again, a trial in flight abandoned."""
+        desc = change.describe()
+        self._adapt.respond(change, self._good_knobs, self._search.stats(self._ledger.baseline).get("shares", {}))
+        self._ledger.forget(errors=bool(change.rates))
+        if change.rates:
             self._noise = Noise(self.cfg)
-            self._stripe_checked = True
-            for c in moved:
-                self._depth_response.pop(c.path, None)
-        abandoned, self._trial = (self._trial.move.what if self._trial else None), None
-        if moved and model:
-            d = self._model_move(desc, list(self._recent)[-self.cfg.change_iters:], abandoned)
+        abandoned, self._ledger.trial = (self._ledger.trial.move.what if self._ledger.trial else None), None
+        if change.rates and model:
+            d = self._model_move(desc, list(self._adapt.recent)[-self.cfg.change_iters:], abandoned)
             if d is not None:
                 return d
         self._restart_measuring()
         self._samples_wanted = self.cfg.rebaseline_iters
-        kind = "contention" if changes else "conditions"
         if abandoned is not None:
             return self._decide(self._good_knobs, f"{desc}: trial of {abandoned} abandoned, measuring the last good "
-                                "knobs", kind)
-        self._note(f"{desc}: measuring the current knobs again", kind)
+                                "knobs", change.kind)
+        self._note(f"{desc}: measuring the current knobs again", change.kind)
         return None
 
     def _model_move(self, why: str, baseline: list[Sample], abandoned: str | None = None, *,
@@ -531,41 +473,33 @@ class Policy:
         when the stripe is pinned, a rate is unknown, or it is already close to balance (said in
         the log unless ``quiet``). Once kept, the stripe is not searched by small steps until the
         search re-explores: the rates are a direct measurement, a trial a noisier one."""
-        if len(self.paths) < 2 or self._pins.covers("stripe_weights") or not self._conditions.known() or not baseline:
+        if not baseline or not self._adapt.can_restripe(self._pins.covers("stripe_weights")):
             return None
-        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._recent)).get("shares", {}))
-        r = restripe(self._conditions.rates(), shares or {}, self.cfg)
-        if r is None:
-            if not quiet:
-                self.adaptations.append({"iteration": self._iteration, "cause": why, "move": None,
-                                         "effect": "no move: the stripe is already near the balance"})
-                self._note(f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the "
-                           "paths' rates now", "conditions")
+        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
+        m = self._adapt.restripe(why, self._good_knobs, shares or {}, self._iteration, quiet=quiet)
+        if not isinstance(m, ModelMove):
+            if m is not None:
+                self._note(m, "conditions")
             return None
-        knobs = self._good_knobs.replace(stripe_weights=r.after)
-        self.adaptations.append({"iteration": self._iteration, "cause": why, "move": r.describe(), "effect": None})
         self._restart_measuring()
-        self._baseline_samples = baseline
-        self._trial = Trial(Move(key=MODEL, knobs=knobs, lenient=True, what=r.describe()))
-        rates = ", ".join(f"{p} {v / 1e6:.0f} MB/s" for p, v in self._conditions.rates().items())
-        return self._decide(knobs, f"{why}: {r.describe()} (balances the paths at their rates now, {rates}; predicted "
-                            f"I/O time -{100 * r.gain:.0f}%)" + (f"; trial of {abandoned} abandoned" if abandoned else ""),
-                            "model")
+        self._ledger.baseline = baseline
+        self._ledger.trial = Trial(Move(key=MODEL, knobs=m.knobs, lenient=True, what=m.what))
+        return self._decide(m.knobs, m.reason + (f"; trial of {abandoned} abandoned" if abandoned else ""), "model")
 
     # -- asking the search ----------------------------------------------------------------------
 
     def _search_state(self) -> SearchState:
-        return SearchState(good_knobs=self._good_knobs, baseline=self._baseline_samples,
+        return SearchState(good_knobs=self._good_knobs, baseline=self._ledger.baseline,
                            failed_moves=self._ledger.failed_moves, bad_knobs=self._ledger.bad_knobs,
                            last_kept=self._ledger.last_kept,
-                           own_start=self._own_start, return_to=self._return_to,
-                           shares_before_contention=self._shares_before_contention,
-                           path_rates=self._conditions.rates() if self._conditions.known() else {},
-                           depth_response=self._depth_response)
+                           own_start=self._own_start, return_to=self._adapt.return_to,
+                           shares_before_contention=self._adapt.shares_before_contention,
+                           path_rates=self._adapt.conditions.rates() if self._adapt.conditions.known() else {},
+                           depth_response=self._adapt.depth_response)
 
     def _next_move(self) -> Move | None:
         move, back_done = self._search.next_move(self._search_state())
         if back_done:
-            self._return_to = None
+            self._adapt.return_to = None
         return move
 
