@@ -97,19 +97,19 @@ def test_without_a_policy_the_run_takes_pins_itself_one_path_s_concurrency_too()
     _register_paths(runs, a, ["/nvme0", "/nvme1"])
     run = runs.runs["r"]
     assert run.policy_error and not run.policy_ok()
-    reply = runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8})
+    reply = runs.controls.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8})
     assert reply["knobs"]["io_concurrency"] == {"/nvme0": 8}
     assert [m["knobs"]["io_concurrency"] for _, m in runs.take_outbox()] == [{"/nvme0": 8}]
-    runs.pin({"type": "pin", "run_id": "r", "knob": "node_lock", "value": "on"})  # text, read as the policy reads it
+    runs.controls.pin({"type": "pin", "run_id": "r", "knob": "node_lock", "value": "on"})  # text, read as the policy reads it
     assert run.knobs.node_lock is True
     assert runs.views("r", 0, 1 << 20)[0][0]["pins"] == {"io_concurrency[/nvme0]": 8, "node_lock": True}
     with pytest.raises(ProtocolError, match="names a path this run does not use") as e:
-        runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/elsewhere]", "value": 8})
+        runs.controls.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/elsewhere]", "value": 8})
     assert e.value.code == ErrorCode.BAD_VALUE
-    runs.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
+    runs.controls.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
     assert run.pins() == {"node_lock": True}
     with pytest.raises(ProtocolError, match="is not pinned"):
-        runs.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
+        runs.controls.unpin({"type": "unpin", "run_id": "r", "knob": "io_concurrency[/nvme0]"})
 
 
 class PinsThenFails:
@@ -132,12 +132,12 @@ def test_a_failed_policy_s_pins_stay_with_the_run():
     runs = Runs(ServerConfig(socket_path="unused"), policy_factory=PinsThenFails, sensors_factory=False)
     a = Peer(1)
     _register_paths(runs, a, ["/nvme0"])
-    runs.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
+    runs.controls.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
     rec = {"iteration": 0, "update_s": 0.5, "read_wait_s": 0.0, "write_wait_s": 0.0, "kernel_s": 0.5}
     runs.telemetry(a, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 0, "record": rec})
     run = runs.runs["r"]
     assert run.policy_error == "RuntimeError: lost"
-    runs.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": "2"})
+    runs.controls.pin({"type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": "2"})
     assert run.pins() == {"prefetch_depth": 5, "io_concurrency[/nvme0]": 2}
     assert run.knobs.prefetch_depth == 5 and run.knobs.io_concurrency == {"/nvme0": 2}
 
@@ -155,8 +155,8 @@ def test_a_knob_pinned_then_unpinned_and_left_there_is_still_the_users(tmp_path)
         _register(runs, a, 0, world=1)
         for i in range(3):
             _telemetry(runs, a, 0, i, 0.5)
-        runs.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
-        runs.unpin({"type": "unpin", "run_id": "r", "knob": "prefetch_depth"})
+        runs.controls.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
+        runs.controls.unpin({"type": "unpin", "run_id": "r", "knob": "prefetch_depth"})
         for i in range(3, 8):
             _telemetry(runs, a, 0, i, 0.5)
         runs.bye(a, {"type": "bye", "run_id": "r", "rank": 0})

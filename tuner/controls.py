@@ -6,13 +6,14 @@ the schema each rank checks a push against). A pin past the wire's bounds that t
 would make every later push one the ranks throw away, for the rest of the run. The controls are
 saved to the history and put back after a daemon restart, under the same checks.
 
-:class:`UserControls` is a part of :class:`tuner.runs.Runs` (its mixin): it uses the runs, the
-history and ``Runs._change``.
+:class:`UserControls` is a part of :class:`tuner.runs.Runs`, given what it uses: the runs, the
+history, and the push of new knobs to a run's ranks.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -48,7 +49,15 @@ def _pinned(run: Run, pins: dict, knobs: Knobs) -> tuple[Pins, Knobs]:
 
 
 class UserControls:
-    """The CLI's ``pin``, ``unpin`` and ``freeze`` messages of :class:`tuner.runs.Runs`."""
+    """The CLI's ``pin``, ``unpin`` and ``freeze`` messages for the runs of :class:`tuner.runs.Runs`:
+    ``runs`` (run id -> run, the daemon's own dict), ``history`` (a ``tuner.history.History``, where
+    the controls are saved, or None) and ``change(run, knobs, reason, source=)``, which pushes
+    knobs to every rank of a run (``Runs._change``)."""
+
+    def __init__(self, runs: dict[str, Run], history, change: Callable[..., None]) -> None:
+        self.runs = runs
+        self.history = history
+        self._change = change
 
     def _run_for_cli(self, msg: dict) -> Run:
         run = self.runs.get(msg["run_id"])
@@ -73,7 +82,7 @@ class UserControls:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
         check_knobs_for(knobs, run.facts.paths, run.facts.has_device)
         self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
-        self._save_controls(run)
+        self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def unpin(self, msg: dict) -> dict:
@@ -87,7 +96,7 @@ class UserControls:
         except ConfigError as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
         self._user_change(run, run.knobs, f"{knob} unpinned by the user")
-        self._save_controls(run)
+        self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def freeze(self, msg: dict) -> dict:
@@ -98,7 +107,7 @@ class UserControls:
             run.policy.freeze(run.frozen)  # freezing mid-trial goes back to the last good knobs
             knobs = run.policy.knobs
         self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
-        self._save_controls(run)
+        self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
     def _user_change(self, run: Run, knobs: Knobs, reason: str) -> None:
@@ -112,7 +121,7 @@ class UserControls:
 
     # -- kept across a daemon restart --------------------------------------------------------
 
-    def _restore_controls(self, run: Run, knobs: Knobs) -> None:
+    def restore(self, run: Run, knobs: Knobs) -> None:
         """The user's pins and freeze of this run, saved before a daemon restart: put them back
         (all of them, or none: saved pins that no longer pass the checks are left out whole)."""
         saved = None
@@ -143,7 +152,7 @@ class UserControls:
         if target != knobs:
             run.start_change = (target, "the user's pins, restored after a daemon restart", "user")
 
-    def _save_controls(self, run: Run) -> None:
+    def _save(self, run: Run) -> None:
         if self.history is not None:
             try:
                 self.history.save_controls(run.run_id, run.pins(), run.frozen)

@@ -6,7 +6,8 @@ of the ranks' bandwidths) once every rank reported it, asking the run's policy, 
 change to every rank with ``apply_at``, an iteration far enough ahead that all ranks have the
 message before they reach it, so every rank switches at the same iteration. The history
 database (best earlier knobs, summaries) and the end of a run are here too; the user's pins and
-freeze are :mod:`tuner.controls`'. One run's state, policy or client failing never touches another run.
+freeze are its :attr:`Runs.controls` (:mod:`tuner.controls`). One run's state, policy or client
+failing never touches another run.
 
 No sockets: a rank's connection is an opaque *peer* (any hashable object; its ``pid``
 attribute, if it has one, is named in logs). Messages for peers are queued in an outbox that
@@ -47,7 +48,7 @@ def _default_sensors_factory(paths):
     return Sensors(paths)
 
 
-class Runs(UserControls):
+class Runs:
     """Every run of one daemon, driven by the messages of its ranks and of the CLI.
 
     ``policy_factory(start_knobs, facts)`` makes one run's policy from its :class:`tuner.run_state.RunFacts`
@@ -69,6 +70,8 @@ class Runs(UserControls):
         self.runs: dict[str, Run] = {}
         self._peer_ranks: dict[Any, set[tuple[str, int]]] = {}  # peer -> (run_id, rank) registered on it
         self._outbox: list[tuple[Any, dict]] = []
+        self.controls = UserControls(self.runs, history, self._change)
+        """The CLI's pin, unpin and freeze."""
 
     # -- for the transport -------------------------------------------------------------------
 
@@ -76,8 +79,8 @@ class Runs(UserControls):
         """The message types this object answers, as ``handler(peer, msg)``."""
         return {"register": self.register, "telemetry": self.telemetry, "event": self.event,
                 "applied": self.applied, "bye": self.bye,
-                "pin": lambda peer, msg: self.pin(msg), "unpin": lambda peer, msg: self.unpin(msg),
-                "freeze": lambda peer, msg: self.freeze(msg)}
+                "pin": lambda peer, msg: self.controls.pin(msg), "unpin": lambda peer, msg: self.controls.unpin(msg),
+                "freeze": lambda peer, msg: self.controls.freeze(msg)}
 
     def take_outbox(self) -> list[tuple[Any, dict]]:
         """The (peer, message) pairs queued since the last call, in order: the caller sends them."""
@@ -184,7 +187,7 @@ class Runs(UserControls):
             said = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in run.start_from["knobs"].items())
             run.start_change = (from_history, f"from history: the tuner's verdict in run {run.start_from['run_id']} "
                                               f"({said})", "history")
-        self._restore_controls(run, knobs)
+        self.controls.restore(run, knobs)
         return run
 
     def _make_room(self, run_id: str) -> None:
@@ -323,10 +326,10 @@ class Runs(UserControls):
 
     @staticmethod
     def _verdict(run: Run) -> tuple[Knobs, list[str]]:
-        """(knobs, names the tuner chose) at the run's end: the policy's last good knobs less every
-        knob pinned (by the user or the run's options) and every knob the user pinned and unpinned
-        whose value the tuner never moved since; without a working policy, the knobs in force and
-        nothing learned."""
+        """The tuner's verdict on the run at its end, (knobs, names the tuner chose): the policy's
+        last good knobs less every knob pinned (by the user or the run's options) and every knob
+        the user pinned and unpinned whose value the tuner never moved since; without a working
+        policy, the knobs in force and nothing learned."""
         in_force = knobs_from_dict(run.in_force) if run.in_force else run.knobs
         state = run.policy.state() if run.policy_ok() and callable(getattr(run.policy, "state", None)) else None
         if not state or not isinstance(state.get("good_knobs"), dict):
