@@ -4,7 +4,7 @@
 when there is one (spans of every phase, samples and tokens per iteration), else the engine's
 ``telemetry-rank<R>.jsonl`` alone (``--no-record``: the update's parts and the time between
 steps, no throughput). Its lines fit 80 columns; the bottleneck sentence is the report's own
-(:func:`report.analyze.verdict`). :func:`print_summary` is the engine's per-step table of the
+(:func:`report.analyze.bottleneck`). :func:`print_summary` is the engine's per-step table of the
 update phase, for a plain PyTorch loop's telemetry (examples/offload_adamw.py).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rich.table import Table
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from engine.units import format_seconds
-from report.analyze import analyze_run, engine_segments, host_memory_summary, shares, storage_name, verdict
+from report.analyze import analyze_run, bottleneck, engine_segments, host_memory_summary, shares, storage_name
 from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
 from tuner.knob_text import knobs_text
@@ -74,9 +74,9 @@ def tuner_lines(view: RunView) -> list[str]:
         if by.get(key) == "history" and origin:
             who = f"history: the tuner's verdict in run {origin}"
         said.append(f"{key} {value_text(before)} -> {value_text(after)} ({who})")
-    verdict = view.get("verdict") or {}
-    mode, why = verdict.get("mode"), verdict.get("reason") or ""
-    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {verdict.get('trial')}",
+    activity = view.get("verdict") or {}
+    mode, why = activity.get("mode"), activity.get("reason") or ""
+    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {activity.get('trial')}",
              "measuring": "measuring", "stopped": "policy stopped"}.get(mode, "done")
     if mode == "holding" and not why:
         why = "no move left to try"
@@ -126,13 +126,13 @@ def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None 
     if tuner_view:
         by = tuner_view.get("changed_by") or {}
         start = tuner_view.get("start_knobs") or {}
-        verdict = tuner_view.get("verdict") or {}
+        activity = tuner_view.get("verdict") or {}
         out["tuner"] = {
             "run_id": tuner_view.get("run_id"), "knobs": tuner_view.get("knobs"),
             "changes": [{"knob": k, "from": a_, "to": b_, "by": by.get(k, "policy")}
                         for k, (a_, b_) in (changed_knobs(start, tuner_view.get("knobs") or {}) if start else {}).items()],
             "history_run": (tuner_view.get("start_from") or {}).get("run_id"),
-            "mode": verdict.get("mode"), "reason": verdict.get("reason"), "pins": tuner_view.get("pins") or {},
+            "mode": activity.get("mode"), "reason": activity.get("reason"), "pins": tuner_view.get("pins") or {},
         }
     return out
 
@@ -260,7 +260,7 @@ def _from_telemetry(records: list[StepRecord], run_dir: str, rank: int) -> list[
              f"{format_seconds(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in "
              f"{format_seconds(total)}",
              _share_line(shares(segments, median_s), merge_fwd_bwd=True),
-             f"bottleneck: {verdict(segments, median_s, storage)}"]
+             f"bottleneck: {bottleneck(segments, median_s, storage)}"]
     p = steady[0].params
     per_param = {k: {"read": statistics.fmean(r.bytes_read.get(k, 0) for r in steady) / p,
                      "written": statistics.fmean(r.bytes_written.get(k, 0) for r in steady) / p}

@@ -14,9 +14,9 @@ total (the engine's alternating order moves 8 B/param one way and 6 the other on
 steps: medians taken apart would not add up). The device counters count every process on the
 device: the rank's own storage bytes per phase (``run_disk_bytes``, /proc/self/io, divided by
 the rank's parameters) are the run's, and what the devices moved beyond them is other
-processes' (``other_disk_bytes``): the report and the verdict never count those as the run's.
+processes' (``other_disk_bytes``): the report and the bottleneck sentence never count those as the run's.
 
-:func:`shares` and :func:`verdict` say where the time went in words, for the report and
+:func:`shares` and :func:`bottleneck` say where the time went in words, for the report and
 ``offloadctl train``'s end-of-run summary. docs/report.md ("Reading the report") says what each
 figure shows. Times are seconds, bytes are bytes.
 """
@@ -68,7 +68,7 @@ def shares(segments: dict, iter_s: float) -> list[tuple[str, float]]:
     return [(name, max(0.0, sum(segments.get(k) or 0.0 for k in keys)) / iter_s) for name, keys in SHARE_GROUPS]
 
 
-def verdict(segments: dict, iter_s: float, storage: str, shared: tuple[float, float] | None = None) -> str:
+def bottleneck(segments: dict, iter_s: float, storage: str, shared: tuple[float, float] | None = None) -> str:
     """The bottleneck in one sentence, from an iteration's segments; ``storage`` names where the
     update's state is read from and written to ('nvme', 'nvme+remote', 'host memory').
     ``shared``: (the run's own, other processes') disk bytes per parameter on those devices:
@@ -100,7 +100,7 @@ def verdict(segments: dict, iter_s: float, storage: str, shared: tuple[float, fl
 
 
 def storage_name(run: dict) -> str:
-    """Where a run's optimizer state lives, for :func:`verdict`: its tiers' kinds, else the offload device."""
+    """Where a run's optimizer state lives, for :func:`bottleneck`: its tiers' kinds, else the offload device."""
     kinds = list(dict.fromkeys(t["kind"] for t in run.get("tiers") or []))
     if kinds:
         return "+".join(kinds)
@@ -171,7 +171,7 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
     shared = ((summary["run_disk_bytes_per_param_total"], summary["other_disk_bytes_per_param_total"])
               if "other_disk_bytes_per_param_total" in summary else None)
-    summary["verdict"] = verdict(med_seg, summary["median_iter_s"], storage_name(result), shared)
+    summary["verdict"] = bottleneck(med_seg, summary["median_iter_s"], storage_name(result), shared)
     summary["limit"] = limit(summary, run.engine)
     return result
 

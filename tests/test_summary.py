@@ -148,21 +148,21 @@ def test_summary_of_nothing_says_why(runs, short_tmp):
     assert all(len(line) <= WIDTH for line in lines)
 
 
-def test_the_verdict_names_the_bottleneck():
+def test_the_bottleneck_sentence_names_it():
     """The one sentence the report and the summary share, on iterations of known parts."""
-    from report.analyze import verdict
+    from report.analyze import bottleneck
 
     waits = {"forward": 0.1, "backward": 0.2, "read_wait": 0.6, "host_lane": 0.05, "update_other": 0.05}
-    assert verdict(waits, 1.0, "nvme") == "the update waits on reads from nvme: 60% of the iteration"
+    assert bottleneck(waits, 1.0, "nvme") == "the update waits on reads from nvme: 60% of the iteration"
     writes = {"forward": 0.1, "backward": 0.2, "write_wait": 0.5, "host_lane": 0.2}
-    assert verdict(writes, 1.0, "nvme+remote") == "the update waits on writes to nvme+remote: 50% of the iteration"
+    assert bottleneck(writes, 1.0, "nvme+remote") == "the update waits on writes to nvme+remote: 50% of the iteration"
     adam = {"forward": 0.1, "backward": 0.2, "host_lane": 0.4, "device_lane": 0.2, "read_wait": 0.1}
-    assert verdict(adam, 1.0, "host memory") == "the update is bound by AdamW's compute: 60% of the iteration"
+    assert bottleneck(adam, 1.0, "host memory") == "the update is bound by AdamW's compute: 60% of the iteration"
     compute = {"forward": 0.3, "backward": 0.5, "read_wait": 0.05, "host_lane": 0.15}
-    assert verdict(compute, 1.0, "nvme") == ("forward and backward (the model's compute) take 80% of the iteration; "
+    assert bottleneck(compute, 1.0, "nvme") == ("forward and backward (the model's compute) take 80% of the iteration; "
                                              "the update 20%, of it 5% waiting on nvme")
     script = {"forward": 0.1, "backward": 0.1, "host_lane": 0.1, "outside": 0.7}
-    assert verdict(script, 1.0, "nvme").startswith("the script's own work between DeepSpeed calls")
+    assert bottleneck(script, 1.0, "nvme").startswith("the script's own work between DeepSpeed calls")
 
 
 def test_a_version_1_record_still_reads(runs, tmp_path):

@@ -252,7 +252,7 @@ def test_the_tuner_state_line_follows_the_policys_mode():
     from offloadctl.commands.tune_view import tuner_state
     from tuner.observation import Observation
     from tuner.policy import Policy
-    from tuner.run_state import tuner_verdict
+    from tuner.run_state import tuner_activity
 
     pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
     with open(os.path.join(ROOT, "tests", "data", "demo-trace.jsonl")) as f:
@@ -261,7 +261,7 @@ def test_the_tuner_state_line_follows_the_policys_mode():
                 pol.observe(Observation(**json.loads(line), path_other_bytes_per_s={}, device_headroom_bytes=None))
     def view() -> dict:
         return {"status": "running", "frozen": False,
-                "verdict": tuner_verdict(pol.state(), frozen=False, policy_error=None, decisions=[])}
+                "verdict": tuner_activity(pol.state(), frozen=False, policy_error=None, decisions=[])}
 
     assert re.fullmatch(r"holding \(since iteration \d+\): the knobs can change only the update's I/O waits, "
                         r"[\d.]+% of the iteration: under the \d+% a gain must pass to show above this run's noise",
@@ -270,26 +270,26 @@ def test_the_tuner_state_line_follows_the_policys_mode():
     assert pol.state()["holding_reason"] is None and tuner_state(view()) == "measuring the current knobs"
 
 
-def test_the_verdict_is_the_daemons_and_its_words_the_clis():
+def test_the_activity_is_the_daemons_and_its_words_the_clis():
     """The snapshot says what the tuner does (mode, since, trial, reason) and how a run ended;
     tune's view words it, with no sentence of the policy's taken apart."""
-    from offloadctl.commands.tune_view import ended_text, verdict_text
-    from tuner.run_state import run_outcome, tuner_verdict
+    from offloadctl.commands.tune_view import activity_text, ended_text
+    from tuner.run_state import run_outcome, tuner_activity
 
     decisions = [{"source": "policy", "reason": "kept prefetch_depth 2->3"}, {"source": "user", "reason": "pinned"}]
-    trial = tuner_verdict({"mode": "trial", "trial": "prefetch_depth 3->4"}, frozen=False, policy_error=None,
+    trial = tuner_activity({"mode": "trial", "trial": "prefetch_depth 3->4"}, frozen=False, policy_error=None,
                           decisions=decisions)
     assert trial == {"mode": "trial", "since_iteration": None, "trial": "prefetch_depth 3->4",
                      "reason": "kept prefetch_depth 2->3"}
-    assert verdict_text(trial) == "trying prefetch_depth 3->4"
-    holding = tuner_verdict({"mode": "holding", "since_iteration": 7, "holding_reason": None}, frozen=False,
+    assert activity_text(trial) == "trying prefetch_depth 3->4"
+    holding = tuner_activity({"mode": "holding", "since_iteration": 7, "holding_reason": None}, frozen=False,
                             policy_error=None, decisions=decisions)
-    assert verdict_text(holding) == "holding (since iteration 7): no move left to try"
-    frozen = tuner_verdict({"mode": "holding"}, frozen=True, policy_error=None, decisions=decisions)
-    assert frozen["reason"] is None and verdict_text(frozen) == "frozen by the user: knobs held"
-    stopped = tuner_verdict(None, frozen=True, policy_error="boom", decisions=[])
-    assert verdict_text(stopped) == "policy stopped: boom"
-    assert verdict_text(tuner_verdict(None, frozen=False, policy_error=None, decisions=[])) == ""
+    assert activity_text(holding) == "holding (since iteration 7): no move left to try"
+    frozen = tuner_activity({"mode": "holding"}, frozen=True, policy_error=None, decisions=decisions)
+    assert frozen["reason"] is None and activity_text(frozen) == "frozen by the user: knobs held"
+    stopped = tuner_activity(None, frozen=True, policy_error="boom", decisions=[])
+    assert activity_text(stopped) == "policy stopped: boom"
+    assert activity_text(tuner_activity(None, frozen=False, policy_error=None, decisions=[])) == ""
     assert [run_outcome(s, by) for s, by in (("running", None), ("finished", None), ("finished", "SIGINT"),
                                               ("disconnected", None))] == ["running", "finished", "interrupted",
                                                                            "interrupted"]

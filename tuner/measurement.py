@@ -51,7 +51,7 @@ class Noise:
 
     def threshold(self) -> float:
         """The relative gain a move must show: ``noise_k`` sigma, within [min_gain, max_threshold]."""
-        # A prior of 2% keeps the first verdicts cautious until real windows have been measured.
+        # A prior of 2% keeps the first rulings cautious until real windows have been measured.
         sigma = statistics.median([*self._sigmas, 0.02])
         return min(self.cfg.max_threshold, max(self.cfg.min_gain, self.cfg.noise_k * sigma))
 

@@ -140,8 +140,9 @@ class Run:
         return dict(self.policy.pins) if self.policy_ok() else self.own_pins.as_dict()
 
 
-class Verdict(TypedDict):
-    """What the tuner does with a run, or concluded at its end (:func:`tuner_verdict`)."""
+class Activity(TypedDict):
+    """What the tuner does with a run, or concluded at its end (:func:`tuner_activity`); a view
+    carries it under the key ``verdict`` (the wire's name, kept)."""
 
     mode: str | None
     """frozen (by the user), stopped (the policy failed), trial, holding, measuring; None
@@ -165,8 +166,8 @@ class _CompactView(TypedDict):
     """running, finished, or interrupted (:func:`run_outcome`)."""
     stopped_by: str | None
     """The signal a rank's bye named: the run was interrupted by it."""
-    verdict: Verdict | None
-    """None in the compact view."""
+    verdict: Activity | None
+    """What the tuner does with the run (the key's name is the protocol's); None in the compact view."""
     ranks: int
     connected: int
     iteration: int
@@ -248,7 +249,7 @@ def run_view(run: Run, history: int = 60) -> RunView:
         "policy_error": run.policy_error, "policy": policy,
         "start_knobs": run.start_knobs, "changed_by": dict(run.changed_by), "start_from": run.start_from,
         "outcome": run_outcome(run.status, run.stopped_by),
-        "verdict": tuner_verdict(policy, frozen=run.frozen, policy_error=run.policy_error, decisions=run.decisions),
+        "verdict": tuner_activity(policy, frozen=run.frozen, policy_error=run.policy_error, decisions=run.decisions),
     }
 
 
@@ -260,7 +261,7 @@ def run_outcome(status: str, stopped_by: str | None) -> str:
     return status
 
 
-def tuner_verdict(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> Verdict:
+def tuner_activity(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> Activity:
     """What the tuner does with a run, or concluded at its end, for the CLI to word, from the
     policy's state, the run's freeze and policy error, and its decisions."""
     policy = policy or {}

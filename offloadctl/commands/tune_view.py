@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tuner.knob_text import adaptation_text, knobs_text, value_text
 
 if TYPE_CHECKING:
-    from tuner.run_state import RunView, Verdict
+    from tuner.run_state import Activity, RunView
 
 SPARK = "▁▂▃▄▅▆▇█"
 ENDED = ("finished", "disconnected")
@@ -30,7 +30,7 @@ def ended_text(r: RunView) -> str:
 
 def final_line(r: RunView, run_dir: str | None = None) -> str:
     """One run's outcome: how it ended, at which iteration, its iteration time and knobs, and
-    the tuner's verdict. The iteration time is the run's summary's (the median of every
+    what the tuner does with it. The iteration time is the run's summary's (the median of every
     iteration but the first, from the run's record in ``run_dir``); without the record, the
     median of the last 20 the tuner saw, said as such."""
     from engine.units import format_seconds
@@ -44,9 +44,9 @@ def final_line(r: RunView, run_dir: str | None = None) -> str:
         if times:
             pace = (f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)} the tuner saw; "
                     f"the run's summary takes all but the first)")
-    verdict = verdict_text(r.get("verdict"))
+    activity = activity_text(r.get("verdict"))
     return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {knobs_text(r['knobs'])}"
-            + (f"\ntuner: {verdict}" if verdict else ""))
+            + (f"\ntuner: {activity}" if activity else ""))
 
 
 def recorded_median(run_dir: str) -> tuple[float, int] | None:
@@ -127,15 +127,15 @@ def runs_table(runs: list[RunView], width: int = 80):
 
 
 def tuner_state(r: RunView) -> str:
-    """What the tuner is doing with the run (:func:`verdict_text`), or how the run ended."""
+    """What the tuner is doing with the run (:func:`activity_text`), or how the run ended."""
     if r["status"] in ENDED:
         return ended_text(r)
-    return verdict_text(r.get("verdict")) or ("tuning" if r["status"] == "running" else r["status"])
+    return activity_text(r.get("verdict")) or ("tuning" if r["status"] == "running" else r["status"])
 
 
-def verdict_text(verdict: Verdict | None) -> str:
-    """The tuner's verdict on a run (``tuner.run_state.tuner_verdict``) in words; '' without one."""
-    v = verdict or {}
+def activity_text(activity: Activity | None) -> str:
+    """What the tuner does with a run (``tuner.run_state.tuner_activity``) in words; '' without it."""
+    v = activity or {}
     mode, reason = v.get("mode"), v.get("reason")
     if mode == "stopped":
         return f"policy stopped: {reason}"
