@@ -12,6 +12,7 @@ log (:func:`tuner_changes`).
 
     python bench/_runs.py ceilings nvme=/mnt/t/nvme pfs=/mnt/t/pfs   # run under `tiers.sh run`: JSON
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +97,9 @@ def tiers(*specs: str):
 def run_under_tiers(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """``tiers.sh run CMD`` in its own process group, captured; the group is killed if this process is
     interrupted, so no rank is left holding a tier's mount."""
-    p = subprocess.Popen([TIERS, "run", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, **kw)
+    p = subprocess.Popen(
+        [TIERS, "run", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    )
     try:
         while True:
             # Short waits, so that the main thread runs its signal handlers soon even when a signal
@@ -122,8 +124,24 @@ empty: its 92M default of 9 layers of 3200 x 3200), set once by a benchmark's ``
 
 def train_cmd(d: dict, out: str, iters: str, opts: list[str], port: str) -> list[str]:
     """Python arguments of bench/ds_model.py under ``offloadctl train OPTS`` (one rank, run dir d["run"])."""
-    return ["-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", port, "--run-dir", d["run"], *opts,
-            os.path.join(HERE, "ds_model.py"), *MODEL_ARGS, "--iters", iters, "--out", out]
+    return [
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        port,
+        "--run-dir",
+        d["run"],
+        *opts,
+        os.path.join(HERE, "ds_model.py"),
+        *MODEL_ARGS,
+        "--iters",
+        iters,
+        "--out",
+        out,
+    ]
 
 
 class RunFailed(SystemExit):
@@ -191,6 +209,7 @@ def telemetry_summary(recs: list[dict], tier_dirs: dict[str, str]) -> dict:
 
 # -- whole runs under the tiers tool (bench/tuner_contention.py, bench/tuner_scenarios.py) ----------
 
+
 def default_tiers_tool() -> str:
     """``../shared/tools/tiers`` where the checkout has one, else bench/tiers.sh."""
     return SHARED_TIERS if os.path.exists(SHARED_TIERS) else TIERS
@@ -220,8 +239,7 @@ def check_can_run(who: str, tool: str) -> None:
     if not shutil.which("dd") or not shutil.which("timeout"):
         fail(who, "needs dd and timeout (coreutils)")
     if system_daemon_answers():
-        fail(who, f"a system tuner daemon answers on {SYSTEM_SOCKET}: tuned runs would use it and its history; "
-                  "stop it first")
+        fail(who, f"a system tuner daemon answers on {SYSTEM_SOCKET}: tuned runs would use it and its history; stop it first")
 
 
 class TierRuns:
@@ -282,11 +300,12 @@ class TierRuns:
         else:
             self.rates_at_start = {t: dict(v) for t, v in limits.items()}
         if not required <= set(self.mounts):
-            self.fail(f"the tiers that are up ({', '.join(self.mounts) or 'none'}) lack "
-                      f"{', '.join(sorted(required - set(self.mounts)))}; bring them down ({self.tool} down) or "
-                      f"up with them")
-        return {"tool": self.tool, "brought_up": self.tiers_brought_up, "mounts": dict(self.mounts),
-                "limits_MBps": limits}
+            self.fail(
+                f"the tiers that are up ({', '.join(self.mounts) or 'none'}) lack "
+                f"{', '.join(sorted(required - set(self.mounts)))}; bring them down ({self.tool} down) or "
+                f"up with them"
+            )
+        return {"tool": self.tool, "brought_up": self.tiers_brought_up, "mounts": dict(self.mounts), "limits_MBps": limits}
 
     def set_rates(self, tier: str, read_mbps: float, write_mbps: float) -> None:
         """The tier's throttle, mid-run: ``tool up`` again on a mounted tier rewrites only its limits."""
@@ -300,8 +319,9 @@ class TierRuns:
     def write_file(self, tier: str, mib: int, prefix: str) -> str:
         path = os.path.join(self.mounts[tier], f"{prefix}-{os.getpid()}-{len(self.paths)}.bin")
         self.paths.append(path)
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={max(1, mib // 8)}", "oflag=direct",
-                        "status=none"], check=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={max(1, mib // 8)}", "oflag=direct", "status=none"], check=True
+        )
         return path
 
     def fresh_dir(self, tier: str, prefix: str) -> str:
@@ -337,8 +357,7 @@ class TierRuns:
             self.paths.append(path)
         else:
             cmd = ["dd", f"if={path}", "iflag=direct", "bs=8M", "of=/dev/null"]
-        p = self.start(["timeout", "-s", "INT", str(seconds), *cmd], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True)
+        p = self.start(["timeout", "-s", "INT", str(seconds), *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _, err = p.communicate()
         self.procs.pop(p.pid, None)
         if write:
@@ -362,8 +381,10 @@ class TierRuns:
             return
         for tier, v in self.rates_at_start.items():
             if tier in self.mounts and os.path.ismount(self.mounts[tier]) and {"read", "write"} <= set(v):
-                subprocess.run([self.tool, "up", f"{tier}:{self.sizes.get(tier, '1')}:{round(v['read'])}:"
-                                f"{round(v['write'])}"], capture_output=True)
+                subprocess.run(
+                    [self.tool, "up", f"{tier}:{self.sizes.get(tier, '1')}:{round(v['read'])}:{round(v['write'])}"],
+                    capture_output=True,
+                )
 
 
 def alive(pgid: int, p: subprocess.Popen) -> bool:
@@ -414,9 +435,12 @@ def applied_changes(records: list[dict]) -> list[dict]:
     for rec in records:
         k = rec.get("knobs") or {}
         if prev is not None and k != prev:
-            out.append({"iteration": rec["iteration"],
-                        "changed": {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev))
-                                    if k.get(n) != prev.get(n)}})
+            out.append(
+                {
+                    "iteration": rec["iteration"],
+                    "changed": {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev)) if k.get(n) != prev.get(n)},
+                }
+            )
         prev = k
     return out
 
@@ -431,8 +455,15 @@ def tuner_changes(tuner_dir: str) -> list[dict]:
                 for line in f:
                     m = CHANGE.search(line.rstrip("\n"))
                     if m:
-                        out.append({"iteration": int(m.group(1)), "seq": int(m.group(2)), "apply_at": int(m.group(3)),
-                                    "source": m.group(4), "reason": m.group(5)})
+                        out.append(
+                            {
+                                "iteration": int(m.group(1)),
+                                "seq": int(m.group(2)),
+                                "apply_at": int(m.group(3)),
+                                "source": m.group(4),
+                                "reason": m.group(5),
+                            }
+                        )
     return out
 
 
@@ -441,14 +472,31 @@ def tuner_changes(tuner_dir: str) -> list[dict]:
 _MIXED_SPLIT = re.compile(r"read ([0-9.e+-]+) B/s \+ write ([0-9.e+-]+) B/s")
 
 
-def measure_ceilings(tier_dirs: dict[str, str], *, io_bytes: int = 1 << 30, io_seconds: float = 2.0,
-                     concurrency: int = 8, block_bytes: int = 8 << 20) -> dict[str, dict]:
+def measure_ceilings(
+    tier_dirs: dict[str, str],
+    *,
+    io_bytes: int = 1 << 30,
+    io_seconds: float = 2.0,
+    concurrency: int = 8,
+    block_bytes: int = 8 << 20,
+) -> dict[str, dict]:
     """O_DIRECT read, write and concurrent read+write ceilings (bytes/s) of each tier, measured under
     the tiers' throttles by offloadctl's own probe (perf.probe.measure_path: the engine's I/O backend,
     ``concurrency`` requests of ``block_bytes`` in flight per direction, ``io_seconds`` per point)."""
-    p = run_under_tiers([sys.executable, os.path.abspath(__file__), "ceilings", f"--io-bytes={io_bytes}",
-                         f"--io-seconds={io_seconds}", f"--concurrency={concurrency}", f"--block-bytes={block_bytes}",
-                         *(f"{k}={v}" for k, v in tier_dirs.items())], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = run_under_tiers(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "ceilings",
+            f"--io-bytes={io_bytes}",
+            f"--io-seconds={io_seconds}",
+            f"--concurrency={concurrency}",
+            f"--block-bytes={block_bytes}",
+            *(f"{k}={v}" for k, v in tier_dirs.items()),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     if p.returncode != 0:
         raise SystemExit(f"measuring the ceilings failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -471,15 +519,24 @@ def _ceilings_main(argv: list[str]) -> int:
     out = {}
     for spec in a.tiers:
         name, _, path = spec.partition("=")
-        prof = measure_path(path, "nvme", io_bytes=a.io_bytes, io_seconds=a.io_seconds, concurrencies=(a.concurrency,),
-                            block_sizes=(a.block_bytes,))
+        prof = measure_path(
+            path,
+            "nvme",
+            io_bytes=a.io_bytes,
+            io_seconds=a.io_seconds,
+            concurrencies=(a.concurrency,),
+            block_sizes=(a.block_bytes,),
+        )
         m = _MIXED_SPLIT.search(prof.mixed_bytes_per_s.how)
-        out[name] = {"read": prof.read_bytes_per_s.value, "write": prof.write_bytes_per_s.value,
-                     "mixed": prof.mixed_bytes_per_s.value,
-                     "mixed_read": float(m.group(1)) if m else None, "mixed_write": float(m.group(2)) if m else None,
-                     "backend": (re.search(r"\((\w+) backend\)", prof.read_bytes_per_s.how) or [None, None])[1],
-                     "how": {"read": prof.read_bytes_per_s.how, "write": prof.write_bytes_per_s.how,
-                             "mixed": prof.mixed_bytes_per_s.how}}
+        out[name] = {
+            "read": prof.read_bytes_per_s.value,
+            "write": prof.write_bytes_per_s.value,
+            "mixed": prof.mixed_bytes_per_s.value,
+            "mixed_read": float(m.group(1)) if m else None,
+            "mixed_write": float(m.group(2)) if m else None,
+            "backend": (re.search(r"\((\w+) backend\)", prof.read_bytes_per_s.how) or [None, None])[1],
+            "how": {"read": prof.read_bytes_per_s.how, "write": prof.write_bytes_per_s.how, "mixed": prof.mixed_bytes_per_s.how},
+        }
     print(json.dumps(out))
     return 0
 

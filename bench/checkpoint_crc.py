@@ -8,6 +8,7 @@ times with the file in the page cache (as a resume finds a checkpoint just copie
 torch.load of it (as DeepSpeed loads it: map_location cpu, weights_only False) and the CRC check
 of every record. The file is removed afterwards unless --keep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,12 @@ def main() -> None:
     per_tensor = int(args.gb * 1e9 / 4 / 12)  # 4 subgroups x (fp32, exp_avg, exp_avg_sq), fp32
     if not os.path.exists(args.file):
         state = lambda make: make(per_tensor, device="cpu")  # a checkpoint's tensors, as torch.load gives them
-        sd = {"optimizer_state_dict": {"state": {i: {"exp_avg": state(torch.randn), "exp_avg_sq": state(torch.rand)}
-                                                 for i in range(4)},
-                                       "fp32_flat_groups": [state(torch.randn) for _ in range(4)]}}
+        sd = {
+            "optimizer_state_dict": {
+                "state": {i: {"exp_avg": state(torch.randn), "exp_avg_sq": state(torch.rand)} for i in range(4)},
+                "fp32_flat_groups": [state(torch.randn) for _ in range(4)],
+            }
+        }
         torch.save(sd, args.file)
         del sd
     size = os.path.getsize(args.file)
@@ -50,8 +54,18 @@ def main() -> None:
             assert damaged_record(args.file) is None
             crc_s.append(time.perf_counter() - t)
         threads = len(os.sched_getaffinity(0))
-        print(json.dumps({"file_bytes": size, "threads": threads, "torch_load_s": min(load_s), "crc_check_s": min(crc_s),
-                          "crc_GB_per_s": size / min(crc_s) / 1e9, "check_over_load": min(crc_s) / min(load_s)}))
+        print(
+            json.dumps(
+                {
+                    "file_bytes": size,
+                    "threads": threads,
+                    "torch_load_s": min(load_s),
+                    "crc_check_s": min(crc_s),
+                    "crc_GB_per_s": size / min(crc_s) / 1e9,
+                    "check_over_load": min(crc_s) / min(load_s),
+                }
+            )
+        )
     finally:
         if not args.keep:
             os.unlink(args.file)

@@ -9,6 +9,7 @@ other sizes: ``--width 2400 --layers 9 --sub-group-size 5760000`` is the 51.8M-p
 issue 23's run, one layer per subgroup. It writes per-iteration wall time and the time of
 ``engine.step()`` (the update phase) as JSON to ``--out``.
 """
+
 import argparse
 import json
 import time
@@ -42,9 +43,13 @@ config = {
     "train_micro_batch_size_per_gpu": 8,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
     "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size, "offload_optimizer": offload},
-    "aio": {"block_size": args.aio_block_size, "queue_depth": args.aio_queue_depth,
-            "intra_op_parallelism": args.aio_intra_op, "single_submit": False,
-            "overlap_events": True},
+    "aio": {
+        "block_size": args.aio_block_size,
+        "queue_depth": args.aio_queue_depth,
+        "intra_op_parallelism": args.aio_intra_op,
+        "single_submit": False,
+        "overlap_events": True,
+    },
 }
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 device = get_accelerator().current_device_name()

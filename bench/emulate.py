@@ -4,6 +4,7 @@ Each benchmark's ``--emulate READ:WRITE`` calls :func:`run_emulated`: the tiers 
 script runs again inside their blkio cgroup with ``--nvme`` (and ``--remote``) pointing at them,
 and the tiers go down whatever happens. Needs root; without it the run says so and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ def without_option(argv: list[str], name: str) -> list[str]:
     return rest
 
 
-def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, remote: str | None = None,
-                 extra: list[str] = ()) -> int:
+def run_emulated(
+    script: str, spec: str, argv: list[str], *, size_gb: int = 8, remote: str | None = None, extra: list[str] = ()
+) -> int:
     """Run ``script`` with ``argv`` (less ``--emulate``) and ``extra`` on an "nvme" tier throttled
     to ``spec`` (READ:WRITE MB/s), plus a "pfs" tier throttled to ``remote`` when given (passed as
     --remote)."""
@@ -60,8 +62,10 @@ def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, r
             console.print(f"[red]--emulate: give READ:WRITE in MB/s for {name}, for example 400:400[/red]")
             return 2
     if os.geteuid() != 0:
-        console.print("skipping: emulated tiers need root (loop devices, mounts, blkio cgroups); "
-                      "run with --nvme PATH on a real path instead")
+        console.print(
+            "skipping: emulated tiers need root (loop devices, mounts, blkio cgroups); "
+            "run with --nvme PATH on a real path instead"
+        )
         return 0
     specs = [f"{name}:{size_gb}:{r}:{w}" for name, (r, w) in tiers.items()]
     where = ["--nvme", os.path.join(tiers_root(), "nvme")]
@@ -69,8 +73,9 @@ def run_emulated(script: str, spec: str, argv: list[str], *, size_gb: int = 8, r
         where += ["--remote", os.path.join(tiers_root(), "pfs")]
     subprocess.run([TIERS, "up", *specs], check=True)
     try:
-        return subprocess.call([TIERS, "run", sys.executable, os.path.abspath(script), *where,
-                                *extra, *without_option(argv, "--emulate")])
+        return subprocess.call(
+            [TIERS, "run", sys.executable, os.path.abspath(script), *where, *extra, *without_option(argv, "--emulate")]
+        )
     finally:
         subprocess.run([TIERS, "down"], check=False)
 
@@ -79,8 +84,11 @@ def add_engine_run_args(ap: argparse.ArgumentParser, steps_help: str) -> None:
     """Where an update-phase benchmark runs (a path, or an emulated tier) and its model size."""
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--nvme", help="directory on the storage to test (it must exist)")
-    where.add_argument("--emulate", metavar="READ:WRITE", help="set up an emulated tier throttled to READ:WRITE MB/s "
-                       "(root), run there, and take it down")
+    where.add_argument(
+        "--emulate",
+        metavar="READ:WRITE",
+        help="set up an emulated tier throttled to READ:WRITE MB/s (root), run there, and take it down",
+    )
     ap.add_argument("--params", type=float, default=100e6, help="parameters (default 1e8)")
     ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
     ap.add_argument("--steps", type=int, default=6, help=steps_help)

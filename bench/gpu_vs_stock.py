@@ -64,6 +64,7 @@ recording's overhead in this run; its record and offloadctl default's go into on
 ``offloadctl report`` (DIR/report-SIZE.html, PNGs in DIR/png-SIZE, numbers in DIR/report-SIZE.json):
 GPU memory, PCIe and the update's parts of both on one time axis.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,8 +112,6 @@ BIG_GPU_BYTES = 100e9
 H100_TOTAL_BYTES = 81559 << 20
 """An H100 80GB HBM3's memory as nvidia-smi gives it (81559 MiB): what the rows are allowed on a
 bigger card (--gpu-memory-as)."""
-
-
 
 
 class Groups:
@@ -193,13 +192,24 @@ NVME_DIR = "{nvme}"
 
 
 def _stock(size: str, *opts: str) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", PORT,
-            *_script(size), *opts]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", PORT, *_script(size), *opts]
 
 
 def _ours(size: str, *opts: str, tuner: str = "off") -> list[str]:
-    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", PORT,
-            "--tuner", tuner, *opts, *_script(size)]
+    return [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        PORT,
+        "--tuner",
+        tuner,
+        *opts,
+        *_script(size),
+    ]
 
 
 def _free_port() -> str:
@@ -214,8 +224,10 @@ def catalog(size: str, gpu: bool, profile: str | None, zi_aio: tuple[str, ...] =
     """Every row --row can name, by name. Without CUDA the rows that use the device lane or tier
     run them on the CPU (``--lane-device cpu``): the same options and code paths, not GPU figures."""
     lane = () if gpu else ("--lane-device", "cpu")
-    rows = {"offloadctl default": _ours(size, *(["--profile", profile] if profile else [])),
-            "offloadctl (host lane)": _ours(size)}
+    rows = {
+        "offloadctl default": _ours(size, *(["--profile", profile] if profile else [])),
+        "offloadctl (host lane)": _ours(size),
+    }
     for f in FORCED_FRACTIONS:
         rows[f"offloadctl fraction {f:g}"] = _ours(size, "--device-fraction", f"{f:g}", "--device-cache", "0", *lane)
     rows[TUNED] = _ours(size, "--device-fraction", "0", "--device-cache", "0", *lane, tuner="auto")
@@ -223,8 +235,21 @@ def catalog(size: str, gpu: bool, profile: str | None, zi_aio: tuple[str, ...] =
     rows["offloadctl nvme, device cache 0"] = _ours(size, "--nvme", NVME_DIR, "--host-cache", "0", "--device-cache", "0")
     rows["stock, no offload"] = _stock(size, "--offload", "none")
     rows["stock ZeRO-3 CPU offload"] = _stock(size, "--offload", "cpu")
-    rows[RECORDED_STOCK] = [sys.executable, "-m", "offloadctl.cli", "train", "--engine", "stock", "--num_gpus", "1",
-                            "--master_port", PORT, *_script(size), "--offload", "cpu"]
+    rows[RECORDED_STOCK] = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--engine",
+        "stock",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        PORT,
+        *_script(size),
+        "--offload",
+        "cpu",
+    ]
     for r in CATALOG_RATIOS:
         rows[f"stock Twin-Flow ratio {r:g}"] = _stock(size, "--offload", "twinflow", "--ratio", f"{r:g}")
     rows["stock ZeRO-Infinity"] = _stock(size, "--offload", "nvme", "--nvme-path", NVME_DIR, *zi_aio)
@@ -261,8 +286,14 @@ class Unpinner(threading.Thread):
         self.result: dict = {"unpinned": False}
 
     def _tune(self, *opts: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "offloadctl.cli", "tune", "--run-dir", self.run_dir, *opts],
-                              capture_output=True, text=True, cwd=ROOT, env=self.env, timeout=30)
+        return subprocess.run(
+            [sys.executable, "-m", "offloadctl.cli", "tune", "--run-dir", self.run_dir, *opts],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=self.env,
+            timeout=30,
+        )
 
     def run(self) -> None:
         t0 = time.monotonic()
@@ -279,14 +310,19 @@ class Unpinner(threading.Thread):
                 q = self._tune("--unpin", f"{run['run_id']}:device_fraction")
             except subprocess.TimeoutExpired:
                 continue
-            self.result = {"unpinned": q.returncode == 0, "run_id": run["run_id"],
-                           "at_iteration": run.get("iteration"), "after_s": round(time.monotonic() - t0, 1),
-                           "reply": (q.stdout + q.stderr).strip()[-300:]}
+            self.result = {
+                "unpinned": q.returncode == 0,
+                "run_id": run["run_id"],
+                "at_iteration": run.get("iteration"),
+                "after_s": round(time.monotonic() - t0, 1),
+                "reply": (q.stdout + q.stderr).strip()[-300:],
+            }
             return
 
 
-def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: float, logs: str | None = None,
-            nvme: str | None = None) -> dict:
+def run_row(
+    cmd: list[str], iters: int, workdir: str, name: str, timeout_s: float, logs: str | None = None, nvme: str | None = None
+) -> dict:
     out = os.path.join(workdir, "row.json")
     if os.path.exists(out):
         os.unlink(out)
@@ -314,9 +350,15 @@ def run_row(cmd: list[str], iters: int, workdir: str, name: str, timeout_s: floa
     # A session of its own, so that a row past its time is killed whole (launcher and ranks).
     # Iteration 1 (not in the medians) traces backward's host-device copies (issue 18 item 8).
     with open(log, "w") as logf:
-        p = subprocess.Popen([*cmd, "--iters", str(iters), "--out", out, "--trace-backward-at", "1"],
-                             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
-                             start_new_session=True, env=env)
+        p = subprocess.Popen(
+            [*cmd, "--iters", str(iters), "--out", out, "--trace-backward-at", "1"],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env=env,
+        )
     GROUPS.add(p.pid)
     if unpin:
         unpin.start()
@@ -355,11 +397,20 @@ def summarize(rec: dict) -> dict:
         return rec
     warm = slice(2, None) if len(rec["iter_s"]) > 3 else slice(1, None)
     med = lambda k: statistics.median(rec[k][warm])  # noqa: E731
-    out = {"iteration_s": med("iter_s"), "step_s": med("step_s"), "fwd_bwd_s": med("fwd_bwd_s"),
-           "first_iteration_s": rec["iter_s"][0], "losses_1_3": rec["loss"][:3], "params": rec["params"],
-           "gpu_peak_reserved_bytes": rec["gpu_peak_reserved_bytes"], "host_peak_rss_bytes": rec["host_peak_rss_bytes"],
-           "host_rss_bytes": rec["host_rss_bytes"], "init_s": rec["init_s"], "iterations": len(rec["iter_s"]),
-           "device": rec.get("gpu") or "cpu"}
+    out = {
+        "iteration_s": med("iter_s"),
+        "step_s": med("step_s"),
+        "fwd_bwd_s": med("fwd_bwd_s"),
+        "first_iteration_s": rec["iter_s"][0],
+        "losses_1_3": rec["loss"][:3],
+        "params": rec["params"],
+        "gpu_peak_reserved_bytes": rec["gpu_peak_reserved_bytes"],
+        "host_peak_rss_bytes": rec["host_peak_rss_bytes"],
+        "host_rss_bytes": rec["host_rss_bytes"],
+        "init_s": rec["init_s"],
+        "iterations": len(rec["iter_s"]),
+        "device": rec.get("gpu") or "cpu",
+    }
     for k in ("engine", "backward_memcpy_bytes", "aio", "unpin"):
         if rec.get(k) is not None:
             out[k] = rec[k]
@@ -367,8 +418,10 @@ def summarize(rec: dict) -> dict:
         out["iter_s_all"] = rec["iter_s"]
     if rec.get("telemetry"):
         t = rec["telemetry"][warm]
-        out["update_breakdown"] = {k: statistics.median(r[k] for r in t) for k in
-                                   ("update_s", "host_lane_s", "device_wait_s", "read_wait_s", "write_wait_s")}
+        out["update_breakdown"] = {
+            k: statistics.median(r[k] for r in t)
+            for k in ("update_s", "host_lane_s", "device_wait_s", "read_wait_s", "write_wait_s")
+        }
         out["device_tier_subgroups"] = t[-1]["device_tier_subgroups"]
         out["device_lane_subgroups"] = t[-1]["device_lane_subgroups"]
         out["knobs"] = t[-1]["knobs"]
@@ -389,8 +442,9 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
 
     prof = load_profile(profile_path)
     fit = (s.get("engine") or {}).get("fit") or {}
-    wl = Workload(params=s["params"], subgroup_numel=100_000_000, fwd_bwd_s=s["fwd_bwd_s"],
-                  gpu_headroom_bytes=fit.get("headroom_bytes"))
+    wl = Workload(
+        params=s["params"], subgroup_numel=100_000_000, fwd_bwd_s=s["fwd_bwd_s"], gpu_headroom_bytes=fit.get("headroom_bytes")
+    )
     try:
         if name.startswith("stock ZeRO-3"):
             it = stock_deepspeed(prof, wl, "zero3-cpu").iteration_s
@@ -400,8 +454,11 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
             return None
         else:
             knobs = s.get("knobs") or {}
-            plan = Plan(host_cache_bytes=None, device_cache_bytes=int(fit.get("device_tier_bytes", 0) or 0),
-                        knobs=Knobs(device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0))
+            plan = Plan(
+                host_cache_bytes=None,
+                device_cache_bytes=int(fit.get("device_tier_bytes", 0) or 0),
+                knobs=Knobs(device_fraction=float(knobs.get("device_fraction", 0.0)), prefetch_depth=0),
+            )
             it = model_predict(prof, wl, plan).iteration_s
         return it if math.isfinite(it) else None  # Twin-Flow without a GPU in the profile: inf
     except Exception as e:  # a plan the model refuses: say so in the row, keep the bench going
@@ -411,8 +468,12 @@ def predict(profile_path: str | None, name: str, s: dict) -> float | None:
 
 def measure_profile(workdir: str, gpu: bool) -> str | None:
     path = os.path.join(workdir, "profile.toml")
-    p = subprocess.run([sys.executable, "-m", "offloadctl.cli", "profile", "save", "bench-machine", "--quick",
-                        "--output", path, "--force"], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", "profile", "save", "bench-machine", "--quick", "--output", path, "--force"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if p.returncode != 0:
         console.print(f"[yellow]profile save failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}[/yellow]")
         return None
@@ -444,9 +505,11 @@ def engine_margin_bytes(free: int, total: int) -> int | None:
     try:
         from engine import gpumem
 
-        with mock.patch.object(torch.cuda, "mem_get_info", lambda *a, **k: (free, total)), \
-                mock.patch.object(torch.cuda, "memory_reserved", lambda *a, **k: 0), \
-                mock.patch.object(torch.cuda, "max_memory_reserved", lambda *a, **k: 0):
+        with (
+            mock.patch.object(torch.cuda, "mem_get_info", lambda *a, **k: (free, total)),
+            mock.patch.object(torch.cuda, "memory_reserved", lambda *a, **k: 0),
+            mock.patch.object(torch.cuda, "max_memory_reserved", lambda *a, **k: 0),
+        ):
             headroom = gpumem.gpu_headroom_bytes(torch.device("cuda"))
     except Exception as e:  # noqa: BLE001 - a bench that cannot ask goes on without the correction
         console.print(f"[yellow]cannot ask the engine for its device margin: {e}[/yellow]")
@@ -470,35 +533,59 @@ def start_ballast(mode: str, gpu: bool) -> tuple[subprocess.Popen | None, dict]:
     total = props.total_memory
     card = {"gpu": props.name, "gpu_total_bytes": total}
     if mode == "auto" and total <= BIG_GPU_BYTES:
-        return None, {"mode": mode, "applied": False, **card, "rows_bytes": total,
-                      "margin_bytes": engine_margin_bytes(total, total),
-                      "why": f"the GPU has {total / 1e9:.0f} GB, not more than {BIG_GPU_BYTES / 1e9:.0f} GB"}
+        return None, {
+            "mode": mode,
+            "applied": False,
+            **card,
+            "rows_bytes": total,
+            "margin_bytes": engine_margin_bytes(total, total),
+            "why": f"the GPU has {total / 1e9:.0f} GB, not more than {BIG_GPU_BYTES / 1e9:.0f} GB",
+        }
     # The engine's margin on the memory the rows are allowed, and what it would keep here: where it
     # takes it from the card's total, the ballast leaves the difference free for it.
     on_rows = engine_margin_bytes(H100_TOTAL_BYTES, H100_TOTAL_BYTES)
     on_card = engine_margin_bytes(H100_TOTAL_BYTES, total)
     adjust = max(0, on_card - on_rows) if on_card is not None and on_rows is not None else 0
     # A session of its own, as a row's; it also exits when its stdin (our pipe) closes.
-    p = subprocess.Popen([sys.executable, "-c", BALLAST, str(H100_TOTAL_BYTES + adjust)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", BALLAST, str(H100_TOTAL_BYTES + adjust)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     GROUPS.add(p.pid)
     line = p.stdout.readline()
     try:
         info = json.loads(line)
     except ValueError:
         GROUPS.kill(p.pid, p)
-        return None, {"mode": mode, "applied": False, **card,
-                      "why": f"the ballast process failed: {line.strip()[-200:]}"}
-    info.update(mode=mode, applied=True, **card, as_gpu="H100 80GB", as_total_bytes=H100_TOTAL_BYTES,
-                rows_bytes=H100_TOTAL_BYTES, margin_bytes=on_rows, engine_margin_on_card_bytes=on_card,
-                margin_adjust_bytes=adjust,
-                note=f"on an {props.name} ({total / 1e9:.1f} GB) the rows are allowed an H100 80GB's "
-                     f"{H100_TOTAL_BYTES / 1e9:.1f} GB: {info['held_bytes'] / 1e9:.1f} GB held by a ballast, "
-                     f"{info['free_after_bytes'] / 1e9:.1f} GB free; offloadctl's device-tier margin "
-                     + (f"{on_rows / 1e9:.1f} GB, taken from the rows' memory" if on_rows is not None
-                        else "not known (the engine did not answer): not corrected")
-                     + (f" (the engine takes {on_card / 1e9:.1f} GB from the card's total: the ballast leaves the "
-                        f"{adjust / 1e9:.1f} GB between them free)" if adjust else ""))
+        return None, {"mode": mode, "applied": False, **card, "why": f"the ballast process failed: {line.strip()[-200:]}"}
+    info.update(
+        mode=mode,
+        applied=True,
+        **card,
+        as_gpu="H100 80GB",
+        as_total_bytes=H100_TOTAL_BYTES,
+        rows_bytes=H100_TOTAL_BYTES,
+        margin_bytes=on_rows,
+        engine_margin_on_card_bytes=on_card,
+        margin_adjust_bytes=adjust,
+        note=f"on an {props.name} ({total / 1e9:.1f} GB) the rows are allowed an H100 80GB's "
+        f"{H100_TOTAL_BYTES / 1e9:.1f} GB: {info['held_bytes'] / 1e9:.1f} GB held by a ballast, "
+        f"{info['free_after_bytes'] / 1e9:.1f} GB free; offloadctl's device-tier margin "
+        + (
+            f"{on_rows / 1e9:.1f} GB, taken from the rows' memory"
+            if on_rows is not None
+            else "not known (the engine did not answer): not corrected"
+        )
+        + (
+            f" (the engine takes {on_card / 1e9:.1f} GB from the card's total: the ballast leaves the "
+            f"{adjust / 1e9:.1f} GB between them free)"
+            if adjust
+            else ""
+        ),
+    )
     console.print(f"[bold]gpu memory: {info['note']}[/bold]")
     return p, info
 
@@ -514,8 +601,9 @@ def row_limit(stop_by: float | None, cap: float, min_row_s: float, required_afte
     if required:
         budget = max(budget, min(left, min_row_s))  # a required row gets at least its share of what is left
     if budget < min_row_s * (0.5 if required else 1.0):
-        return 0.0, (f"{left:.0f} s left before the stage's end ({budget:.0f} s for this row), under the "
-                     f"{min_row_s:.0f} s a row needs")
+        return 0.0, (
+            f"{left:.0f} s left before the stage's end ({budget:.0f} s for this row), under the {min_row_s:.0f} s a row needs"
+        )
     return min(cap, budget), ""
 
 
@@ -527,28 +615,56 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5, help="iterations per run; medians over 3..N (default 5)")
     ap.add_argument("--row-timeout", type=float, default=300, help="seconds a row may take before it is killed")
     ap.add_argument("--rows", help="comma-separated substrings: run only rows whose name contains one")
-    ap.add_argument("--row", action="append", default=[], metavar="NAME",
-                    help="run this row of the catalog (repeatable; in the order given)")
-    ap.add_argument("--required", type=int, default=0, metavar="N",
-                    help="with --stop-by: the first N rows are required (time is kept for them)")
+    ap.add_argument(
+        "--row", action="append", default=[], metavar="NAME", help="run this row of the catalog (repeatable; in the order given)"
+    )
+    ap.add_argument(
+        "--required",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --stop-by: the first N rows are required (time is kept for them)",
+    )
     ap.add_argument("--stop-by", type=float, metavar="EPOCH", help="no row runs past this time (seconds since the epoch)")
     ap.add_argument("--min-row-s", type=float, default=60, help="with --stop-by: the least time a row needs (default 60)")
     ap.add_argument("--tuner-iters", type=int, default=35, help=f"iterations of the row '{TUNED}' (default 35)")
     ap.add_argument("--nvme", metavar="DIR", help="directory for the rows that use NVMe (a fresh one per row)")
-    ap.add_argument("--zi-aio", default="", help="stock ZeRO-Infinity's aio options for gpt_zero3.py, one string "
-                    "(e.g. '--aio-block-size 1048576 --aio-queue-depth 32 --aio-intra-op 8')")
-    ap.add_argument("--gpu-memory-as", choices=["auto", "h100", "none"], default="none",
-                    help="auto: on a GPU over 100 GB, hold what an H100 80GB lacks; h100: always; none (default)")
-    ap.add_argument("--profile", help="use this profile instead of measuring one; 'none': no profile (our rows "
-                    "run without --profile, the lanes balance from the rates measured at the first step)")
-    ap.add_argument("--logs", metavar="DIR", help="each row's output to DIR/row-NAME.log, and the rows' run directories "
-                    "removed at the end (default: both kept in a temporary directory)")
-    ap.add_argument("--after-required", metavar="CMD", help="a shell command run once, after the last required row "
-                    "(the first row when none is), so it takes none of their time (gpu_session.sh: the built ops "
-                    "archived, with the host-kernel choice our first row wrote)")
+    ap.add_argument(
+        "--zi-aio",
+        default="",
+        help="stock ZeRO-Infinity's aio options for gpt_zero3.py, one string "
+        "(e.g. '--aio-block-size 1048576 --aio-queue-depth 32 --aio-intra-op 8')",
+    )
+    ap.add_argument(
+        "--gpu-memory-as",
+        choices=["auto", "h100", "none"],
+        default="none",
+        help="auto: on a GPU over 100 GB, hold what an H100 80GB lacks; h100: always; none (default)",
+    )
+    ap.add_argument(
+        "--profile",
+        help="use this profile instead of measuring one; 'none': no profile (our rows "
+        "run without --profile, the lanes balance from the rates measured at the first step)",
+    )
+    ap.add_argument(
+        "--logs",
+        metavar="DIR",
+        help="each row's output to DIR/row-NAME.log, and the rows' run directories "
+        "removed at the end (default: both kept in a temporary directory)",
+    )
+    ap.add_argument(
+        "--after-required",
+        metavar="CMD",
+        help="a shell command run once, after the last required row "
+        "(the first row when none is), so it takes none of their time (gpu_session.sh: the built ops "
+        "archived, with the host-kernel choice our first row wrote)",
+    )
     ap.add_argument("--json", metavar="FILE", help="write every row's figures here")
-    ap.add_argument("--report", metavar="DIR", help="add a recorded stock row and write offloadctl report of it "
-                    "and offloadctl default into DIR")
+    ap.add_argument(
+        "--report",
+        metavar="DIR",
+        help="add a recorded stock row and write offloadctl report of it and offloadctl default into DIR",
+    )
     args = ap.parse_args()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
@@ -591,8 +707,9 @@ def main() -> int:
             for rnd in range(args.rounds):
                 for i, (name, cmd) in enumerate(rows):
                     required = i < args.required
-                    limit, why = row_limit(args.stop_by, args.row_timeout, args.min_row_s,
-                                           max(0, args.required - i - 1), required)
+                    limit, why = row_limit(
+                        args.stop_by, args.row_timeout, args.min_row_s, max(0, args.required - i - 1), required
+                    )
                     if why:
                         console.print(f"[yellow]{size} round {rnd + 1}: {name}: skipped: {why}[/yellow]")
                         results[name].append({"skipped": why})
@@ -637,8 +754,12 @@ def main() -> int:
     except Stop as e:
         report["interrupted"] = f"{signal.Signals(e.signum).name} during the run: the running row was killed"
         if running:
-            running[0].append({"failed": f"killed by {signal.Signals(e.signum).name} after "
-                                         f"{time.monotonic() - running[1]:.0f} s (the bench was stopped)"})
+            running[0].append(
+                {
+                    "failed": f"killed by {signal.Signals(e.signum).name} after "
+                    f"{time.monotonic() - running[1]:.0f} s (the bench was stopped)"
+                }
+            )
         console.print(f"[red]{report['interrupted']}[/red]")
         return 128 + e.signum
     finally:
@@ -685,31 +806,45 @@ def checks(table: dict) -> dict:
         if rows:
             by_ref[ref_name] = rows
     if by_ref:
-        out["losses_vs_stock"] = {"rtol": LOSS_RTOL_BF16, "steps": "1-3",
-                                  "tolerance_basis": "bf16: tests/test_ds_interop.py STOCK_RTOL", "by_reference": by_ref}
+        out["losses_vs_stock"] = {
+            "rtol": LOSS_RTOL_BF16,
+            "steps": "1-3",
+            "tolerance_basis": "bf16: tests/test_ds_interop.py STOCK_RTOL",
+            "by_reference": by_ref,
+        }
     statics = {n: r["iteration_s"] for n, r in ok.items() if n.startswith("offloadctl fraction ")}
     tuned = ok.get(TUNED)
     if tuned and statics:
         best_name = min(statics, key=statics.get)
         its = tuned.get("iter_s_all") or []
         goal = (1 + TUNER_WITHIN) * statics[best_name]
-        reached = next((i + 1 for i in range(2, len(its)) if statistics.median(its[i - 2:i + 1]) <= goal), None)
-        out["tuner"] = {"best_static": best_name, "best_static_iteration_s": statics[best_name],
-                        "within": TUNER_WITHIN, "reached_at_iteration": reached, "goal_iteration": 30,
-                        "met": reached is not None and reached <= 30, "iterations": len(its),
-                        "final_device_fraction": (tuned.get("knobs") or {}).get("device_fraction"),
-                        "unpin": tuned.get("unpin")}
+        reached = next((i + 1 for i in range(2, len(its)) if statistics.median(its[i - 2 : i + 1]) <= goal), None)
+        out["tuner"] = {
+            "best_static": best_name,
+            "best_static_iteration_s": statics[best_name],
+            "within": TUNER_WITHIN,
+            "reached_at_iteration": reached,
+            "goal_iteration": 30,
+            "met": reached is not None and reached <= 30,
+            "iterations": len(its),
+            "final_device_fraction": (tuned.get("knobs") or {}).get("device_fraction"),
+            "unpin": tuned.get("unpin"),
+        }
     elif tuned:
-        out["tuner"] = {"note": "no static 'offloadctl fraction F' row finished: nothing to compare with",
-                        "unpin": tuned.get("unpin")}
+        out["tuner"] = {
+            "note": "no static 'offloadctl fraction F' row finished: nothing to compare with",
+            "unpin": tuned.get("unpin"),
+        }
     return out
 
 
 def _brief(r: dict) -> str:
     if "failed" in r:
         return "failed: " + r["failed"][-120:]
-    return f"iteration {r['iteration_s']:.3f} s, first {r['first_iteration_s']:.1f} s, init {r['init_s']:.1f} s, " \
-           f"wall {r.get('wall_s', 0):.0f} s, on {r['device']}"
+    return (
+        f"iteration {r['iteration_s']:.3f} s, first {r['first_iteration_s']:.1f} s, init {r['init_s']:.1f} s, "
+        f"wall {r.get('wall_s', 0):.0f} s, on {r['device']}"
+    )
 
 
 def write_report(out: str, size: str, workdir: str, table: dict, gpu: bool) -> dict:
@@ -718,9 +853,22 @@ def write_report(out: str, size: str, workdir: str, table: dict, gpu: bool) -> d
     ours = "offloadctl default" if "offloadctl default" in table else REPORTED_OURS[gpu]
     names = [RECORDED_STOCK, ours]
     base = os.path.join(out, f"report-{size}")
-    cmd = [sys.executable, "-m", "offloadctl.cli", "report", *(_run_dir(workdir, n) for n in names),
-           "--label", "stock ZeRO-3 CPU offload", "--label", "offloadctl", "--output", base + ".html",
-           "--png", os.path.join(out, f"png-{size}"), "--json"]  # one pass: HTML, PNGs and the numbers
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "report",
+        *(_run_dir(workdir, n) for n in names),
+        "--label",
+        "stock ZeRO-3 CPU offload",
+        "--label",
+        "offloadctl",
+        "--output",
+        base + ".html",
+        "--png",
+        os.path.join(out, f"png-{size}"),
+        "--json",
+    ]  # one pass: HTML, PNGs and the numbers
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode == 0:
@@ -747,15 +895,31 @@ def _print(size: str, table: dict, gpu_memory: dict) -> None:
     base = table.get("stock ZeRO-3 CPU offload", {}).get("iteration_s") or table.get(RECORDED_STOCK, {}).get("iteration_s")
     title = f"size {size}: medians of iterations 3..N"
     if gpu_memory.get("rows_bytes"):
-        title += (f" on an {gpu_memory['gpu']}: rows allowed {gpu_memory['rows_bytes'] / 1e9:.1f} GB of its "
-                  f"{gpu_memory['gpu_total_bytes'] / 1e9:.1f} GB"
-                  + (f" (an {gpu_memory['as_gpu']}'s; {gpu_memory['held_bytes'] / 1e9:.1f} GB held by a ballast)"
-                     if gpu_memory.get("applied") else ""))
+        title += (
+            f" on an {gpu_memory['gpu']}: rows allowed {gpu_memory['rows_bytes'] / 1e9:.1f} GB of its "
+            f"{gpu_memory['gpu_total_bytes'] / 1e9:.1f} GB"
+            + (
+                f" (an {gpu_memory['as_gpu']}'s; {gpu_memory['held_bytes'] / 1e9:.1f} GB held by a ballast)"
+                if gpu_memory.get("applied")
+                else ""
+            )
+        )
         if gpu_memory.get("margin_bytes") is not None:
             title += f", offloadctl's device-tier margin {gpu_memory['margin_bytes'] / 1e9:.1f} GB"
     t = Table(title=title)
-    for c in ("row", "iteration s", "vs CPU offload", "step s", "fwd+bwd s", "first s", "GPU peak GB", "host RSS GB",
-              "losses 1-3", "predicted s", "device"):
+    for c in (
+        "row",
+        "iteration s",
+        "vs CPU offload",
+        "step s",
+        "fwd+bwd s",
+        "first s",
+        "GPU peak GB",
+        "host RSS GB",
+        "losses 1-3",
+        "predicted s",
+        "device",
+    ):
         t.add_column(c)
     for name, r in table.items():
         if "failed" in r or "skipped" in r:
@@ -763,10 +927,19 @@ def _print(size: str, table: dict, gpu_memory: dict) -> None:
             t.add_row(name, what, *[""] * 9)
             continue
         pred = r.get("predicted_iteration_s")
-        t.add_row(name, f"{r['iteration_s']:.3f}", f"{base / r['iteration_s']:.2f}x" if base else "-",
-                  f"{r['step_s']:.3f}", f"{r['fwd_bwd_s']:.3f}", f"{r['first_iteration_s']:.2f}",
-                  f"{r['gpu_peak_reserved_bytes'] / 1e9:.1f}", f"{r['host_peak_rss_bytes'] / 1e9:.1f}",
-                  " ".join(f"{x:.4f}" for x in r["losses_1_3"]), f"{pred:.3f}" if pred else "-", r["device"])
+        t.add_row(
+            name,
+            f"{r['iteration_s']:.3f}",
+            f"{base / r['iteration_s']:.2f}x" if base else "-",
+            f"{r['step_s']:.3f}",
+            f"{r['fwd_bwd_s']:.3f}",
+            f"{r['first_iteration_s']:.2f}",
+            f"{r['gpu_peak_reserved_bytes'] / 1e9:.1f}",
+            f"{r['host_peak_rss_bytes'] / 1e9:.1f}",
+            " ".join(f"{x:.4f}" for x in r["losses_1_3"]),
+            f"{pred:.3f}" if pred else "-",
+            r["device"],
+        )
     Console(width=200).print(t)
 
 
@@ -776,13 +949,16 @@ def _machine() -> dict:
     import psutil
     import torch
 
-    out = {"cpu": platform.processor() or platform.machine(), "cores": psutil.cpu_count(),
-           "memory_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-           "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None}
+    out = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": psutil.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None,
+    }
     try:
-        out["nvidia_smi_L"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                                             timeout=20).stdout.strip()
+        out["nvidia_smi_L"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         out["nvidia_smi_L"] = None
     return out
@@ -796,9 +972,13 @@ def _limits(profile: str | None) -> dict:
     p = load_profile(profile)
     out = {"cpu_adamw_params_per_s": p.cpu_adamw_params_per_s(), "host_memory_bytes_per_s": p.host.memory_bandwidth.value}
     if p.gpu is not None:
-        out.update(h2d=p.gpu.h2d_bytes_per_s.value, d2h=p.gpu.d2h_bytes_per_s.value,
-                   duplex_h2d=p.gpu.duplex_h2d_bytes_per_s.value, duplex_d2h=p.gpu.duplex_d2h_bytes_per_s.value,
-                   gpu_adamw_params_per_s=p.gpu.adamw_params_per_s.value)
+        out.update(
+            h2d=p.gpu.h2d_bytes_per_s.value,
+            d2h=p.gpu.d2h_bytes_per_s.value,
+            duplex_h2d=p.gpu.duplex_h2d_bytes_per_s.value,
+            duplex_d2h=p.gpu.duplex_d2h_bytes_per_s.value,
+            gpu_adamw_params_per_s=p.gpu.adamw_params_per_s.value,
+        )
     console.print("limits measured in this run: " + json.dumps({k: f"{v:.3g}" for k, v in out.items()}))
     return out
 

@@ -23,6 +23,7 @@ with K busy processes beside (each a spinning loop, as another tenant's or the l
 the rank's cores), where a lane whose every op is a parallel region waits for a descheduled thread
 at every barrier.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,13 @@ def _spin() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rounds", type=int, nargs="?", default=8, help="timed rounds, after one warm-up (default 8)")
-    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
-                    help="torch thread counts to run the rounds at (default this process's)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[torch.get_num_threads()],
+        help="torch thread counts to run the rounds at (default this process's)",
+    )
     ap.add_argument("--busy", type=int, nargs="+", default=[0], help="busy processes beside, per set of rounds (default 0)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -71,8 +77,15 @@ def main() -> None:
         buf.exp_avg.zero_()
         buf.exp_avg_sq.zero_()
         ours.append((b, buf, [0]))
-        stock.append((g16.float(), torch.rand(n, generator=gen, device=HOST), torch.zeros(n, device=HOST),
-                      torch.zeros(n, device=HOST), torch.zeros(n, dtype=torch.bfloat16, device=HOST)))
+        stock.append(
+            (
+                g16.float(),
+                torch.rand(n, generator=gen, device=HOST),
+                torch.zeros(n, device=HOST),
+                torch.zeros(n, device=HOST),
+                torch.zeros(n, dtype=torch.bfloat16, device=HOST),
+            )
+        )
     host = streams_for(HOST)
     before = HostLane("torch", adamw_update_torch_, WeightUploader(host))
     before._threads = None  # one thread drives the chunks, every op a parallel region: as before issue 35
@@ -95,11 +108,13 @@ def main() -> None:
             ds(AdamWSlices([p], [g], [m], [v], [torch.tensor(float(step[0]), device=HOST)]), hp)
             w.copy_(p)  # _reassign_or_swap_out_partitioned_parameters
 
-    variants = {"torch kernel, one driver (2^21 chunks)": lambda: lane(before),
-                "torch kernel, per-thread parts (engine)": lambda: lane(now),
-                "cpu_adam kernel, one driver (engine)": lambda: lane(ds_lane),
-                "cpu_adam kernel, forced into parts": lambda: lane(ds_parts),
-                "stock step (DeepSpeedCPUAdam)": stock_step}
+    variants = {
+        "torch kernel, one driver (2^21 chunks)": lambda: lane(before),
+        "torch kernel, per-thread parts (engine)": lambda: lane(now),
+        "cpu_adam kernel, one driver (engine)": lambda: lane(ds_lane),
+        "cpu_adam kernel, forced into parts": lambda: lane(ds_parts),
+        "stock step (DeepSpeedCPUAdam)": stock_step,
+    }
     ctx = multiprocessing.get_context("fork")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -123,9 +138,11 @@ def main() -> None:
             print(f"threads {threads}, busy processes beside {busy}:")
             for k, v in times.items():
                 med = statistics.median(v)
-                print(f"  {k:42s} median {1e3 * med:5.0f} ms  (min {1e3 * min(v):.0f}, max {1e3 * max(v):.0f}, "
-                      f"{len(v)} rounds; {SUBGROUPS * SUBGROUP_NUMEL / med / 1e6:4.0f} M params/s; "
-                      f"stock / this {stock_s / med:.2f})")
+                print(
+                    f"  {k:42s} median {1e3 * med:5.0f} ms  (min {1e3 * min(v):.0f}, max {1e3 * max(v):.0f}, "
+                    f"{len(v)} rounds; {SUBGROUPS * SUBGROUP_NUMEL / med / 1e6:4.0f} M params/s; "
+                    f"stock / this {stock_s / med:.2f})"
+                )
     for h in (now, ds_parts):
         h.close()
 

@@ -18,6 +18,7 @@ rounds, medians. For each thread count:
 
 ``--json FILE`` writes the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,32 +111,53 @@ def main() -> None:
     torch.set_num_threads(1)
     overhead_s, chunk_s = host_lane.measure_chunk_costs()
     torch.set_num_threads(caller_threads)
-    out = {"numel": n, "cpu_count": os.cpu_count(), "torch_threads": caller_threads,
-           "chunk_overhead_s": overhead_s, "part_chunk_s": chunk_s, "rows": []}
+    out = {
+        "numel": n,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": caller_threads,
+        "chunk_overhead_s": overhead_s,
+        "part_chunk_s": chunk_s,
+        "rows": [],
+    }
     load = os.getloadavg()[0]
     out["loadavg_1min"] = load
-    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, subgroup {n} elements, "
-          f"{args.rounds} rounds (medians), load average {load:.2f}")
-    print(f"per-chunk costs on one thread: {1e6 * overhead_s:.0f} us of calls (16 elements), "
-          f"{1e3 * chunk_s:.2f} ms a 2^19 chunk")
-    print(f"{'threads':>7} {'chunk':>6} {'update ms':>9} {'Melem/s':>8} {'per thread':>10} {'lane GB/s':>9} "
-          f"{'copy GB/s':>9} {'of copy':>7}")
+    print(
+        f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, subgroup {n} elements, "
+        f"{args.rounds} rounds (medians), load average {load:.2f}"
+    )
+    print(f"per-chunk costs on one thread: {1e6 * overhead_s:.0f} us of calls (16 elements), {1e3 * chunk_s:.2f} ms a 2^19 chunk")
+    print(
+        f"{'threads':>7} {'chunk':>6} {'update ms':>9} {'Melem/s':>8} {'per thread':>10} {'lane GB/s':>9} "
+        f"{'copy GB/s':>9} {'of copy':>7}"
+    )
     for (t, chunk), v in times.items():
         s = statistics.median(v)
         rate = n / s
         copy = statistics.median(copies[t])
-        row = {"threads": t, "chunk": chunk, "update_s": s, "elements_per_s": rate, "per_thread": rate / t,
-               "lane_bytes_per_s": rate * BYTES_PER_ELEMENT, "copy_bytes_per_s": copy,
-               "min_s": min(v), "max_s": max(v)}
+        row = {
+            "threads": t,
+            "chunk": chunk,
+            "update_s": s,
+            "elements_per_s": rate,
+            "per_thread": rate / t,
+            "lane_bytes_per_s": rate * BYTES_PER_ELEMENT,
+            "copy_bytes_per_s": copy,
+            "min_s": min(v),
+            "max_s": max(v),
+        }
         out["rows"].append(row)
-        print(f"{t:7d} {'2^%d' % (chunk.bit_length() - 1):>6} {1e3 * s:9.1f} {rate / 1e6:8.1f} {rate / t / 1e6:10.1f} "
-              f"{rate * BYTES_PER_ELEMENT / 1e9:9.2f} {copy / 1e9:9.2f} {rate * BYTES_PER_ELEMENT / copy:7.0%}")
+        print(
+            f"{t:7d} {'2^%d' % (chunk.bit_length() - 1):>6} {1e3 * s:9.1f} {rate / 1e6:8.1f} {rate / t / 1e6:10.1f} "
+            f"{rate * BYTES_PER_ELEMENT / 1e9:9.2f} {copy / 1e9:9.2f} {rate * BYTES_PER_ELEMENT / copy:7.0%}"
+        )
     out["lock_share"] = {}
     for t in sorted(set(args.threads) | {8, 16}):
         share = t * overhead_s / chunk_s
         out["lock_share"][t] = {"share_at_2^19": share, "chunk": host_lane.part_chunk_numel(t, overhead_s, chunk_s)}
-        print(f"lock share at {t:2d} threads, 2^19 chunks: {share:6.1%} (limit {host_lane.LOCK_SHARE_LIMIT:.0%}): "
-              f"part chunk 2^{host_lane.part_chunk_numel(t, overhead_s, chunk_s).bit_length() - 1}")
+        print(
+            f"lock share at {t:2d} threads, 2^19 chunks: {share:6.1%} (limit {host_lane.LOCK_SHARE_LIMIT:.0%}): "
+            f"part chunk 2^{host_lane.part_chunk_numel(t, overhead_s, chunk_s).bit_length() - 1}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -11,6 +11,7 @@ host lane's OpenMP threads run AdamW. This measures, in one run on this machine:
 
     .venv/bin/python bench/io_cores.py [--numel 16777216] [--reps 5] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,24 +78,38 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     threads = torch.get_num_threads()
-    out = {"cores": len(os.sched_getaffinity(0)), "threads": threads, "crc32_bytes_per_s_one_core": crc_rate(),
-           "command": " ".join(sys.argv), "rows": []}
+    out = {
+        "cores": len(os.sched_getaffinity(0)),
+        "threads": threads,
+        "crc32_bytes_per_s_one_core": crc_rate(),
+        "command": " ".join(sys.argv),
+        "rows": [],
+    }
     for t in sorted({threads, max(1, threads - 1)}, reverse=True):
         torch.set_num_threads(t)
         for with_crc in (False, True):
             rates, crc = lane_rates(args.numel, args.reps, with_crc)
-            out["rows"].append({"threads": t, "checksum_thread": with_crc, "lane_params_per_s": rates,
-                                "crc_bytes_per_s": crc})
+            out["rows"].append({"threads": t, "checksum_thread": with_crc, "lane_params_per_s": rates, "crc_bytes_per_s": crc})
     torch.set_num_threads(threads)
-    tab = Table("host lane threads", "checksum thread", *(f"{k} params/s" for k in out["rows"][0]["lane_params_per_s"]),
-                "CRC GB/s meanwhile", title=f"host lane beside checksums ({out['cores']} cores)")
+    tab = Table(
+        "host lane threads",
+        "checksum thread",
+        *(f"{k} params/s" for k in out["rows"][0]["lane_params_per_s"]),
+        "CRC GB/s meanwhile",
+        title=f"host lane beside checksums ({out['cores']} cores)",
+    )
     for r in out["rows"]:
-        tab.add_row(str(r["threads"]), "yes" if r["checksum_thread"] else "no",
-                    *(f"{v:.3g}" for v in r["lane_params_per_s"].values()),
-                    f"{r['crc_bytes_per_s'] / 1e9:.2f}" if r["checksum_thread"] else "-")
+        tab.add_row(
+            str(r["threads"]),
+            "yes" if r["checksum_thread"] else "no",
+            *(f"{v:.3g}" for v in r["lane_params_per_s"].values()),
+            f"{r['crc_bytes_per_s'] / 1e9:.2f}" if r["checksum_thread"] else "-",
+        )
     c = Console()
-    c.print(f"zlib CRC32, one core: {out['crc32_bytes_per_s_one_core'] / 1e9:.2f} GB/s "
-            f"({1e9 / out['crc32_bytes_per_s_one_core']:.2f} core-seconds per GB of swap traffic)")
+    c.print(
+        f"zlib CRC32, one core: {out['crc32_bytes_per_s_one_core'] / 1e9:.2f} GB/s "
+        f"({1e9 / out['crc32_bytes_per_s_one_core']:.2f} core-seconds per GB of swap traffic)"
+    )
     c.print(tab)
     if args.json:
         with open(args.json, "w") as f:

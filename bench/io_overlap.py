@@ -28,6 +28,7 @@ configuration without overlap), and the goals of the issue:
 2. iteration speed-up against the tuned ZeRO-Infinity >= 2.0x (no cache), 2.8x (half cached),
    3.5x (second path).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,16 @@ NO_OVERLAP = " (no overlap)"
 CONFIGS = {  # name: (offloadctl train options, goal 2's speed-up)
     "offloadctl nvme, no cache": (lambda d: ["--nvme", d["nvme"], "--host-cache", "0"], 2.0),
     "offloadctl nvme, half cached": (lambda d: ["--nvme", d["nvme"], "--host-cache", f"{HALF_GB:.4f}GB"], 2.8),
-    "offloadctl nvme+pfs, half cached": (lambda d: ["--nvme", d["nvme"], "--remote", d["pfs"],
-                                                    "--host-cache", f"{HALF_GB:.4f}GB"], 3.5),
+    "offloadctl nvme+pfs, half cached": (
+        lambda d: ["--nvme", d["nvme"], "--remote", d["pfs"], "--host-cache", f"{HALF_GB:.4f}GB"],
+        3.5,
+    ),
 }
 console = Console(stderr=True)
 
 
 # -- pure parts (tests/test_bench_io_overlap.py) --------------------------------------------------------
+
 
 def load_zi_aio(path: str | None, default: str = SWEEP_JSON) -> tuple[dict, str]:
     """ZeRO-Infinity's setting (block_size, queue_depth, intra_op_parallelism, buffer_count) from
@@ -97,9 +101,12 @@ def io_floor(bytes_read: dict[str, float], bytes_written: dict[str, float], ceil
     for t in sorted(set(bytes_read) | set(bytes_written)):
         r, w, c = bytes_read.get(t, 0), bytes_written.get(t, 0), ceilings[t]
         per[t] = {"read_s": r / c["read"], "write_s": w / c["write"], "mixed_s": (r + w) / c["mixed"]}
-    return {"floor_s": max((max(p["read_s"], p["write_s"]) for p in per.values()), default=0.0),
-            "sum_s": max((p["read_s"] + p["write_s"] for p in per.values()), default=0.0),
-            "mixed_s": max((p["mixed_s"] for p in per.values()), default=0.0), "per_tier": per}
+    return {
+        "floor_s": max((max(p["read_s"], p["write_s"]) for p in per.values()), default=0.0),
+        "sum_s": max((p["read_s"] + p["write_s"] for p in per.values()), default=0.0),
+        "mixed_s": max((p["mixed_s"] for p in per.values()), default=0.0),
+        "per_tier": per,
+    }
 
 
 def evaluate_goals(report: dict[str, dict], ceilings: dict[str, dict]) -> list[dict]:
@@ -117,20 +124,36 @@ def evaluate_goals(report: dict[str, dict], ceilings: dict[str, dict]) -> list[d
         compute, source = (twin["fwd_bwd_s"], "no-overlap run") if twin else (r["fwd_bwd_s"], "own run (no no-overlap run)")
         bound = GOAL1_SLACK * max(compute, floor["floor_s"])
         speedup = zi_iter / r["iter_s"]
-        out.append({"config": name, "iter_s": r["iter_s"], "io_floor_s": floor["floor_s"], "io_floor_sum_s": floor["sum_s"],
-                    "io_floor_mixed_s": floor["mixed_s"], "compute_s": compute, "compute_from": source,
-                    "own_fwd_bwd_s": r["fwd_bwd_s"], "goal1_bound_s": bound, "goal1": r["iter_s"] <= bound,
-                    "speedup": speedup, "goal2_target": target, "goal2": speedup >= target,
-                    "no_overlap_iter_s": twin["iter_s"] if twin else None})
+        out.append(
+            {
+                "config": name,
+                "iter_s": r["iter_s"],
+                "io_floor_s": floor["floor_s"],
+                "io_floor_sum_s": floor["sum_s"],
+                "io_floor_mixed_s": floor["mixed_s"],
+                "compute_s": compute,
+                "compute_from": source,
+                "own_fwd_bwd_s": r["fwd_bwd_s"],
+                "goal1_bound_s": bound,
+                "goal1": r["iter_s"] <= bound,
+                "speedup": speedup,
+                "goal2_target": target,
+                "goal2": speedup >= target,
+                "no_overlap_iter_s": twin["iter_s"] if twin else None,
+            }
+        )
     return out
 
 
 def summarize(runs: list[dict]) -> dict:
     """One configuration over rounds: medians over rounds of each run's median (iterations 3 on)."""
     m = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
-    out = {"iter_s": m(lambda r: med_from(r["iter_s"])), "step_s": m(lambda r: med_from(r["step_s"])),
-           "fwd_bwd_s": m(lambda r: med_from([i - s for i, s in zip(r["iter_s"], r["step_s"])])),
-           "rounds_iter_s": [med_from(r["iter_s"]) for r in runs]}
+    out = {
+        "iter_s": m(lambda r: med_from(r["iter_s"])),
+        "step_s": m(lambda r: med_from(r["step_s"])),
+        "fwd_bwd_s": m(lambda r: med_from([i - s for i, s in zip(r["iter_s"], r["step_s"])])),
+        "rounds_iter_s": [med_from(r["iter_s"]) for r in runs],
+    }
     if all("tier_bytes_read" in r for r in runs):
         for key in ("tier_bytes_read", "tier_bytes_written"):
             out[key] = {t: statistics.median(r[key].get(t, 0) for r in runs) for t in sorted({t for r in runs for t in r[key]})}
@@ -147,10 +170,16 @@ def median_ceilings(rounds: list[dict]) -> dict[str, dict]:
 
 # -- the run ----------------------------------------------------------------------------------------
 
+
 def train_flags() -> set[str]:
     """The issue's ``offloadctl train`` flags that this checkout has."""
-    p = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--help"], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"))
+    p = subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"),
+    )
     return {f for f in ("--no-io-overlap", "--read-ahead") if f in p.stdout}
 
 
@@ -164,14 +193,17 @@ def plan(flags: set[str], read_ahead: str | None, zi: dict) -> tuple[dict, list[
         else:
             notes.append(f"--read-ahead {read_ahead} ignored: offloadctl train has no --read-ahead yet")
     if "--no-io-overlap" not in flags:
-        notes.append("no-overlap runs left out: offloadctl train has no --no-io-overlap yet "
-                     "(compute time is then each overlapped run's own forward and backward)")
+        notes.append(
+            "no-overlap runs left out: offloadctl train has no --no-io-overlap yet "
+            "(compute time is then each overlapped run's own forward and backward)"
+        )
     builds = {ZI: zi_build(zi, ZI_PORT)}
     for name, (opts, _) in CONFIGS.items():
         builds[name] = lambda d, out, it, opts=opts: train_cmd(d, out, it, [*opts(d), *ra], OURS_PORT)
         if "--no-io-overlap" in flags:
-            builds[name + NO_OVERLAP] = lambda d, out, it, opts=opts: train_cmd(d, out, it, [*opts(d), "--no-io-overlap"],
-                                                                                 OURS_PORT)
+            builds[name + NO_OVERLAP] = lambda d, out, it, opts=opts: train_cmd(
+                d, out, it, [*opts(d), "--no-io-overlap"], OURS_PORT
+            )
     return builds, notes
 
 
@@ -179,13 +211,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=6, help="iterations per run; the first two are warm-up")
-    ap.add_argument("--read-ahead", metavar="SIZE", help="offloadctl train --read-ahead for the overlapped runs "
-                                                         "(e.g. 512MB, 0 = none; default: not given, auto)")
-    ap.add_argument("--zi-aio", metavar="FILE", help=f"bench/zi_aio_sweep.py's JSON (default {os.path.relpath(SWEEP_JSON, ROOT)}"
-                                                     " if present, else DeepSpeed's defaults)")
-    ap.add_argument("--model", metavar="ARGS", default="",
-                    help="bench/ds_model.py model options for every run, e.g. '--width 1600 --layers 36 "
-                    "--sub-group-size 2560000' (36 subgroups; default: its 9 layers of 3200 x 3200, 9 subgroups)")
+    ap.add_argument(
+        "--read-ahead",
+        metavar="SIZE",
+        help="offloadctl train --read-ahead for the overlapped runs (e.g. 512MB, 0 = none; default: not given, auto)",
+    )
+    ap.add_argument(
+        "--zi-aio",
+        metavar="FILE",
+        help=f"bench/zi_aio_sweep.py's JSON (default {os.path.relpath(SWEEP_JSON, ROOT)} if present, else DeepSpeed's defaults)",
+    )
+    ap.add_argument(
+        "--model",
+        metavar="ARGS",
+        default="",
+        help="bench/ds_model.py model options for every run, e.g. '--width 1600 --layers 36 "
+        "--sub-group-size 2560000' (36 subgroups; default: its 9 layers of 3200 x 3200, 9 subgroups)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     _runs.MODEL_ARGS[:] = shlex.split(args.model)
@@ -225,10 +267,24 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report, ceilings, goals, zi, zi_source, notes)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"when": started, "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-                       "flags": sorted(flags), "read_ahead": args.read_ahead, "zi_aio": zi, "zi_aio_source": zi_source,
-                       "ceilings": ceilings, "ceilings_rounds": ceil_rounds, "results": results, "report": report,
-                       "goals": goals, "notes": notes}, f, indent=2)
+            json.dump(
+                {
+                    "when": started,
+                    "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+                    "flags": sorted(flags),
+                    "read_ahead": args.read_ahead,
+                    "zi_aio": zi,
+                    "zi_aio_source": zi_source,
+                    "ceilings": ceilings,
+                    "ceilings_rounds": ceil_rounds,
+                    "results": results,
+                    "report": report,
+                    "goals": goals,
+                    "notes": notes,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -239,32 +295,69 @@ def print_report(report: dict, ceilings: dict, goals: list[dict], zi: dict, zi_s
     for t, v in ceilings.items():
         c.add_row(t, mb(v["read"]), mb(v["write"]), mb(v["mixed"]))
     out.print(c)
-    t = Table("configuration", "iteration s", "step s", "fwd+bwd s", "nvme MB/step r/w", "pfs MB/step r/w", "read-ahead MB",
-              "iteration s by round", title=f"runs (ZeRO-Infinity: {json.dumps(zi)}, {zi_source})")
+    t = Table(
+        "configuration",
+        "iteration s",
+        "step s",
+        "fwd+bwd s",
+        "nvme MB/step r/w",
+        "pfs MB/step r/w",
+        "read-ahead MB",
+        "iteration s by round",
+        title=f"runs (ZeRO-Infinity: {json.dumps(zi)}, {zi_source})",
+    )
+
     def per(r: dict, tier: str) -> str:
         rd, wr = r.get("tier_bytes_read", {}), r.get("tier_bytes_written", {})
         return f"{mb(rd.get(tier, 0))}/{mb(wr.get(tier, 0))}" if tier in rd or tier in wr else "-"
 
     for name, r in report.items():
         ra = r.get("read_ahead_bytes")
-        t.add_row(name, f"{r['iter_s']:.2f}", f"{r['step_s']:.2f}", f"{r['fwd_bwd_s']:.2f}", per(r, "nvme"), per(r, "pfs"),
-                  mb(ra) if ra is not None else "-", ", ".join(f"{x:.2f}" for x in r["rounds_iter_s"]))
+        t.add_row(
+            name,
+            f"{r['iter_s']:.2f}",
+            f"{r['step_s']:.2f}",
+            f"{r['fwd_bwd_s']:.2f}",
+            per(r, "nvme"),
+            per(r, "pfs"),
+            mb(ra) if ra is not None else "-",
+            ", ".join(f"{x:.2f}" for x in r["rounds_iter_s"]),
+        )
     out.print(t)
-    g = Table("configuration (overlapped)", "iteration s", "I/O floor s max(r/R,w/W)", "sum r/R+w/W", "(r+w)/concurrent",
-              "compute s", "own fwd+bwd s", f"goal 1: <= {GOAL1_SLACK} x max", "speed-up vs ZI", "goal 2",
-              title="goals of issue 24")
+    g = Table(
+        "configuration (overlapped)",
+        "iteration s",
+        "I/O floor s max(r/R,w/W)",
+        "sum r/R+w/W",
+        "(r+w)/concurrent",
+        "compute s",
+        "own fwd+bwd s",
+        f"goal 1: <= {GOAL1_SLACK} x max",
+        "speed-up vs ZI",
+        "goal 2",
+        title="goals of issue 24",
+    )
     yes = lambda ok: "[green]held[/]" if ok else "[red]missed[/]"  # noqa: E731
     for x in goals:
         star = "" if x["compute_from"] == "no-overlap run" else "*"
-        g.add_row(x["config"], f"{x['iter_s']:.2f}", f"{x['io_floor_s']:.2f}", f"{x['io_floor_sum_s']:.2f}",
-                  f"{x['io_floor_mixed_s']:.2f}", f"{x['compute_s']:.2f}{star}",
-                  f"{x['own_fwd_bwd_s']:.2f}", f"{x['goal1_bound_s']:.2f} {yes(x['goal1'])}",
-                  f"{x['speedup']:.2f}x", f">= {x['goal2_target']}x {yes(x['goal2'])}")
+        g.add_row(
+            x["config"],
+            f"{x['iter_s']:.2f}",
+            f"{x['io_floor_s']:.2f}",
+            f"{x['io_floor_sum_s']:.2f}",
+            f"{x['io_floor_mixed_s']:.2f}",
+            f"{x['compute_s']:.2f}{star}",
+            f"{x['own_fwd_bwd_s']:.2f}",
+            f"{x['goal1_bound_s']:.2f} {yes(x['goal1'])}",
+            f"{x['speedup']:.2f}x",
+            f">= {x['goal2_target']}x {yes(x['goal2'])}",
+        )
     out.print(g)
     if any(x["compute_from"] != "no-overlap run" for x in goals):
         out.print("* compute from the overlapped run's own forward and backward (no no-overlap run)")
-    held = [f"{x['config']}: goal 1 {'held' if x['goal1'] else 'missed'}, goal 2 {'held' if x['goal2'] else 'missed'}"
-            for x in goals]
+    held = [
+        f"{x['config']}: goal 1 {'held' if x['goal1'] else 'missed'}, goal 2 {'held' if x['goal2'] else 'missed'}" for x in goals
+    ]
     out.print("goals: " + "; ".join(held))
     for n in notes:
         out.print(f"note: {n}")

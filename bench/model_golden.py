@@ -15,6 +15,7 @@ plan's placement and knobs, the times, breakdown, memory, notes) and as ``Predic
 (what ``offloadctl plan --json`` prints). It runs with ``PYTHONHASHSEED=0`` (re-executing itself):
 the bottleneck of two chains that tie is named by set order.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,15 +51,18 @@ Plan, Workload, predict = model.Plan, model.Workload, model.predict
 
 def make_plan(*, name: str = "", host_cache_bytes=None, device_cache_bytes: int = 0, **knobs):
     if "knobs" in Plan.__dataclass_fields__:
-        return Plan(host_cache_bytes=host_cache_bytes, device_cache_bytes=device_cache_bytes, knobs=Knobs(**knobs),
-                    name=name)
+        return Plan(host_cache_bytes=host_cache_bytes, device_cache_bytes=device_cache_bytes, knobs=Knobs(**knobs), name=name)
     return Plan(host_cache_bytes=host_cache_bytes, device_cache_bytes=device_cache_bytes, name=name, **knobs)
 
 
 def flat_plan(plan) -> dict:
     k = getattr(plan, "knobs", plan)
-    return {"name": plan.name, "host_cache_bytes": plan.host_cache_bytes, "device_cache_bytes": plan.device_cache_bytes,
-            **{n: getattr(k, n) for n in KNOB_NAMES}}
+    return {
+        "name": plan.name,
+        "host_cache_bytes": plan.host_cache_bytes,
+        "device_cache_bytes": plan.device_cache_bytes,
+        **{n: getattr(k, n) for n in KNOB_NAMES},
+    }
 
 
 # -- profiles -------------------------------------------------------------------------------------
@@ -69,35 +73,74 @@ def fig(v: float) -> Figure:
 
 
 def disk(path, device, read=400e6, write=400e6, mixed=800e6, capacity=10**13, sweep=(), device_id=None) -> PathProfile:
-    return PathProfile(path=path, kind="nvme", device=device, device_id=device_id or f"id-{device}",
-                       capacity_bytes=capacity, read_bytes_per_s=fig(read), write_bytes_per_s=fig(write),
-                       mixed_bytes_per_s=fig(mixed), best_concurrency=4, sweep=tuple(sweep))
+    return PathProfile(
+        path=path,
+        kind="nvme",
+        device=device,
+        device_id=device_id or f"id-{device}",
+        capacity_bytes=capacity,
+        read_bytes_per_s=fig(read),
+        write_bytes_per_s=fig(write),
+        mixed_bytes_per_s=fig(mixed),
+        best_concurrency=4,
+        sweep=tuple(sweep),
+    )
 
 
 def gpu(h2d=10e9, duplex=8e9, adamw=1e11, memory=80 << 30) -> Gpu:
-    return Gpu(model="test GPU", memory_bytes=memory, h2d_bytes_per_s=fig(h2d), d2h_bytes_per_s=fig(h2d),
-               duplex_h2d_bytes_per_s=fig(duplex), duplex_d2h_bytes_per_s=fig(duplex), adamw_params_per_s=fig(adamw))
+    return Gpu(
+        model="test GPU",
+        memory_bytes=memory,
+        h2d_bytes_per_s=fig(h2d),
+        d2h_bytes_per_s=fig(h2d),
+        duplex_h2d_bytes_per_s=fig(duplex),
+        duplex_d2h_bytes_per_s=fig(duplex),
+        adamw_params_per_s=fig(adamw),
+    )
 
 
 def machine(name, paths=(), *, cpu=1e9, mem=10e9, cores=2, memory=24 << 30, g=None, gpus=0, lane=None) -> Profile:
     host = Host(memory_bandwidth=fig(mem), adamw=(AdamWRate(threads=cores, params_per_s=fig(cpu)),))
     if lane is not None:
         import dataclasses
+
         host = dataclasses.replace(host, host_lane_params_per_s=fig(lane))
     return Profile(
-        schema_version=SCHEMA_VERSION, name=name, source=Source(kind="estimate", description="hand-set"),
-        machine=Machine(hostname="test", cpu_model="test", cores_physical=cores, cores_logical=cores, memory_bytes=memory,
-                        numa_nodes=1, gpu_model=g.model if g else "", gpu_count=gpus),
-        host=host, paths=tuple(paths), gpu=g)
+        schema_version=SCHEMA_VERSION,
+        name=name,
+        source=Source(kind="estimate", description="hand-set"),
+        machine=Machine(
+            hostname="test",
+            cpu_model="test",
+            cores_physical=cores,
+            cores_logical=cores,
+            memory_bytes=memory,
+            numa_nodes=1,
+            gpu_model=g.model if g else "",
+            gpu_count=gpus,
+        ),
+        host=host,
+        paths=tuple(paths),
+        gpu=g,
+    )
 
 
 def profiles() -> list[Profile]:
-    out = [load_profile(os.path.join(ROOT, "profiles", f)) for f in sorted(os.listdir(os.path.join(ROOT, "profiles")))
-           if f.endswith(".toml")]
-    sweep = [SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(k * 100e6 * c))
-             for c in (1, 2, 4, 8) for op, k in (("read", 1), ("write", 1), ("mixed", 2))]
-    sweep2 = sweep + [SweepPoint(op=op, concurrency=c, block_bytes=1 << 20, bytes_per_s=fig(k * 60e6 * c))
-                      for c in (1, 4, 16) for op, k in (("read", 1), ("write", 1.5), ("mixed", 2))]
+    out = [
+        load_profile(os.path.join(ROOT, "profiles", f))
+        for f in sorted(os.listdir(os.path.join(ROOT, "profiles")))
+        if f.endswith(".toml")
+    ]
+    sweep = [
+        SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(k * 100e6 * c))
+        for c in (1, 2, 4, 8)
+        for op, k in (("read", 1), ("write", 1), ("mixed", 2))
+    ]
+    sweep2 = sweep + [
+        SweepPoint(op=op, concurrency=c, block_bytes=1 << 20, bytes_per_s=fig(k * 60e6 * c))
+        for c in (1, 4, 16)
+        for op, k in (("read", 1), ("write", 1.5), ("mixed", 2))
+    ]
     out += [
         machine("one-disk", [disk("/nvme", "nvme0n1")]),
         machine("two-disks", [disk("/nvme0", "nvme0n1"), disk("/nvme1", "nvme1n1", read=200e6, write=200e6, mixed=400e6)]),
@@ -106,8 +149,17 @@ def profiles() -> list[Profile]:
         machine("gpu-slow-cpu", [disk("/nvme", "nvme0n1")], cpu=1e8, g=gpu(h2d=25e9, duplex=20e9), gpus=1),
         machine("gpu-no-disk", cpu=1e9, g=gpu(adamw=1e10, memory=24 << 30), gpus=2),
         machine("no-gpu-no-disk", memory=1 << 30),
-        machine("big", [disk("/nvme0", "nvme0n1", capacity=10**15), disk("/nvme1", "nvme1n1", capacity=10**15)],
-                cpu=4e9, mem=200e9, cores=64, memory=2 << 40, g=gpu(), gpus=8, lane=2e9),
+        machine(
+            "big",
+            [disk("/nvme0", "nvme0n1", capacity=10**15), disk("/nvme1", "nvme1n1", capacity=10**15)],
+            cpu=4e9,
+            mem=200e9,
+            cores=64,
+            memory=2 << 40,
+            g=gpu(),
+            gpus=8,
+            lane=2e9,
+        ),
         machine("small-disk", [disk("/nvme", "nvme0n1", capacity=10**10)], memory=8 << 30, g=gpu(memory=16 << 30), gpus=8),
     ]
     return out
@@ -150,9 +202,18 @@ def jsonable(x):
 
 
 def pred_out(p) -> dict:
-    return {"plan": flat_plan(p.plan), "update_s": p.update_s, "iteration_s": p.iteration_s, "breakdown": p.breakdown,
-            "bytes_per_param": p.bytes_per_param, "bottleneck": p.bottleneck, "notes": list(p.notes),
-            "feasible": p.feasible, "memory": p.memory, "to_dict": p.to_dict()}
+    return {
+        "plan": flat_plan(p.plan),
+        "update_s": p.update_s,
+        "iteration_s": p.iteration_s,
+        "breakdown": p.breakdown,
+        "bytes_per_param": p.bytes_per_param,
+        "bottleneck": p.bottleneck,
+        "notes": list(p.notes),
+        "feasible": p.feasible,
+        "memory": p.memory,
+        "to_dict": p.to_dict(),
+    }
 
 
 def call(f, *a, **kw):
@@ -175,14 +236,19 @@ def fixed_plans(prof: Profile) -> list:
         make_plan(name="half cached", host_cache_bytes=2_000_000_000, prefetch_depth=1),
         make_plan(name="lane", host_cache_bytes=None, device_fraction=0.5),
         make_plan(name="lane swapped", host_cache_bytes=0, device_fraction=0.25, prefetch_depth=3),
-        make_plan(name="device cache", host_cache_bytes=1_000_000_000, device_cache_bytes=3_000_000_000,
-                  device_fraction=0.1),
+        make_plan(name="device cache", host_cache_bytes=1_000_000_000, device_cache_bytes=3_000_000_000, device_fraction=0.1),
         make_plan(name="unknown path", host_cache_bytes=0, stripe_weights={"/elsewhere": 1.0}),
     ]
     if names:
-        plans.append(make_plan(name="weighted", host_cache_bytes=0, prefetch_depth=2,
-                               io_concurrency={n: 1 + 3 * i for i, n in enumerate(names)},
-                               stripe_weights={n: float(i + 1) for i, n in enumerate(names)}))
+        plans.append(
+            make_plan(
+                name="weighted",
+                host_cache_bytes=0,
+                prefetch_depth=2,
+                io_concurrency={n: 1 + 3 * i for i, n in enumerate(names)},
+                stripe_weights={n: float(i + 1) for i, n in enumerate(names)},
+            )
+        )
         plans.append(make_plan(name="zero weights", host_cache_bytes=0, stripe_weights={n: 0.0 for n in names}))
     return plans
 
@@ -193,10 +259,16 @@ def grid(quick: bool = False):
         variants = [("plain", {}, None)]
         if names:
             variants.append(("first path", {}, names[:1]))
-        variants += [("host 8 GB", {"host_bytes": 8 * 10**9}, None), ("headroom 6 GB", {"gpu_headroom_bytes": 6 * 10**9}, None),
-                     ("all", {"host_bytes": 64 * 10**9, "gpu_headroom_bytes": 20 * 10**9, "fwd_bwd_s": 2.5},
-                      names[-1:] if names else None)]
-        for params in ((1e8, 1e10) if quick else (1e8, 1e9, 1e10, 1e11)):
+        variants += [
+            ("host 8 GB", {"host_bytes": 8 * 10**9}, None),
+            ("headroom 6 GB", {"gpu_headroom_bytes": 6 * 10**9}, None),
+            (
+                "all",
+                {"host_bytes": 64 * 10**9, "gpu_headroom_bytes": 20 * 10**9, "fwd_bwd_s": 2.5},
+                names[-1:] if names else None,
+            ),
+        ]
+        for params in (1e8, 1e10) if quick else (1e8, 1e9, 1e10, 1e11):
             for ranks in (1, 2, 8):
                 for nodes in (1, 2):
                     for vname, extra, paths in variants:
@@ -207,11 +279,13 @@ def run(quick: bool = False) -> dict:
     out = {}
     for prof, vname, wl, paths in grid(quick):
         key = f"{prof.name}|{wl.params:.0e}|r{wl.ranks}|n{wl.nodes}|{vname}"
-        row = {"best_plan": call(best_plan, prof, wl, paths),
-               "best_plan_no_device_cache": call(best_plan, prof, wl, paths, device_cache=False),
-               "alternatives": call(alternatives, prof, wl, paths),
-               "stock": {k: call(stock_deepspeed, prof, wl, k) for k in STOCK_KINDS},
-               "predict": {pl.name: call(predict, prof, wl, pl) for pl in fixed_plans(prof)}}
+        row = {
+            "best_plan": call(best_plan, prof, wl, paths),
+            "best_plan_no_device_cache": call(best_plan, prof, wl, paths, device_cache=False),
+            "alternatives": call(alternatives, prof, wl, paths),
+            "stock": {k: call(stock_deepspeed, prof, wl, k) for k in STOCK_KINDS},
+            "predict": {pl.name: call(predict, prof, wl, pl) for pl in fixed_plans(prof)},
+        }
         if vname == "plain":
             row["twinflow_ratios"] = {str(r): call(stock_deepspeed, prof, wl, "twinflow", ratio=r) for r in (0.0, 0.5, 1.0)}
         out[key] = row
@@ -243,8 +317,10 @@ def main() -> int:
     got = json.loads(json.dumps(data, sort_keys=True))
     bad = [k for k in want["rows"] if got["rows"].get(k) != want["rows"][k]]
     bad += [k for k in got["rows"] if k not in want["rows"]]
-    print(f"rounded (1e-9 relative): {'identical' if not bad else f'{len(bad)} grid points differ'}; "
-          f"every float to the last bit: {'identical' if exact == want['exact_sha256'] else 'differs'}")
+    print(
+        f"rounded (1e-9 relative): {'identical' if not bad else f'{len(bad)} grid points differ'}; "
+        f"every float to the last bit: {'identical' if exact == want['exact_sha256'] else 'differs'}"
+    )
     for k in bad[:5]:
         print("differs:", k)
     return 1 if bad else 0

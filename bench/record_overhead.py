@@ -14,6 +14,7 @@ iteration of each kind, the median of the paired ratios (on / off, neighbouring 
 and the recorder's own cost as it measured it (time in its hooks; its sampler thread's CPU time).
 ``--record-hz 0`` measures the phase hooks alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,29 @@ def launch(args) -> int:
     with tempfile.TemporaryDirectory(prefix="offloadctl-overhead-") as run_dir:
         out = os.path.join(run_dir, "overhead.json")
         tiers = ["--nvme", args.nvme, "--host-cache", "0"] if args.nvme else []
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", "29752",
-               "--tuner", "off", "--record-hz", str(args.record_hz), "--run-dir", os.path.join(run_dir, "run"), *tiers,
-               HERE, "--worker",
-               "--iters", str(args.iters), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            "29752",
+            "--tuner",
+            "off",
+            "--record-hz",
+            str(args.record_hz),
+            "--run-dir",
+            os.path.join(run_dir, "run"),
+            *tiers,
+            HERE,
+            "--worker",
+            "--iters",
+            str(args.iters),
+            "--out",
+            out,
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
         if p.returncode != 0:
             print(p.stderr[-3000:], file=sys.stderr)
@@ -54,11 +74,15 @@ def launch(args) -> int:
     print(f"iterations {len(res['on'])} on, {len(res['off'])} off (after 2 warm-up), alternating ABBA in one run")
     pairs = res["pair_ratios"]
     se = statistics.stdev(pairs) / len(pairs) ** 0.5
-    print(f"median iteration: recording off {off:.3f} s, on {on:.3f} s; ratio {on / off:.4f}; paired ratios "
-          f"(on / off, neighbours): mean {statistics.fmean(pairs):.4f} +- {se:.4f} (standard error), median "
-          f"{statistics.median(pairs):.4f}")
-    print(f"recorder's own cost over the recorded iterations: hooks {100 * res['hooks_share']:.3f}% of their time; "
-          f"sampler thread {100 * res['sampler_cpu_share']:.2f}% of one core ({res['sampler_rows']} samples)")
+    print(
+        f"median iteration: recording off {off:.3f} s, on {on:.3f} s; ratio {on / off:.4f}; paired ratios "
+        f"(on / off, neighbours): mean {statistics.fmean(pairs):.4f} +- {se:.4f} (standard error), median "
+        f"{statistics.median(pairs):.4f}"
+    )
+    print(
+        f"recorder's own cost over the recorded iterations: hooks {100 * res['hooks_share']:.3f}% of their time; "
+        f"sampler thread {100 * res['sampler_cpu_share']:.2f}% of one core ({res['sampler_rows']} samples)"
+    )
     if args.json:
         res.update(command=" ".join(sys.argv), median_on_s=on, median_off_s=off)
         with open(args.json, "w") as f:
@@ -76,9 +100,11 @@ def worker(args) -> int:
     torch.manual_seed(0)
     width, layers = 3200, 9
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    config = {"train_micro_batch_size_per_gpu": 8,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3, "sub_group_size": 10_000_000, "offload_optimizer": {"device": "cpu"}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 10_000_000, "offload_optimizer": {"device": "cpu"}},
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rec = recorder.current()
     if rec is None:
@@ -109,8 +135,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=40, help="measured iterations, half of each kind (default 40)")
     ap.add_argument("--nvme", help="a storage tier for the engine (default: state in host memory)")
-    ap.add_argument("--record-hz", type=float, default=100.0,
-                    help="the sampler's rate (default 100, as offloadctl train; 0: phase hooks only)")
+    ap.add_argument(
+        "--record-hz",
+        type=float,
+        default=100.0,
+        help="the sampler's rate (default 100, as offloadctl train; 0: phase hooks only)",
+    )
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

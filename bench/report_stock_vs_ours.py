@@ -15,6 +15,7 @@ device) and the median iteration of each run, from the report and from the scrip
 timing. The tiers use their own names (``OFFLOADCTL_TIERS_*``), so other emulations on the
 machine are left alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,13 @@ from integrations.launcher import remove_shm_buffers  # noqa: E402
 
 TIERS = os.path.join(HERE, "tiers.sh")
 NAME = "offloadctl-report-bench"
-ENV = dict(os.environ, PYTHONPATH=ROOT, OFFLOADCTL_TIERS_ROOT=f"/mnt/{NAME}", OFFLOADCTL_TIERS_IMG=f"/var/tmp/{NAME}",
-           OFFLOADCTL_TIERS_CGROUP=NAME)
+ENV = dict(
+    os.environ,
+    PYTHONPATH=ROOT,
+    OFFLOADCTL_TIERS_ROOT=f"/mnt/{NAME}",
+    OFFLOADCTL_TIERS_IMG=f"/var/tmp/{NAME}",
+    OFFLOADCTL_TIERS_CGROUP=NAME,
+)
 
 
 def main() -> int:
@@ -53,13 +59,32 @@ def main() -> int:
     try:
         runs = {}
         for name, engine_opts, script_opts in (
-                ("stock", ["--engine", "stock"], ["--offload", "nvme", "--nvme-path", os.path.join(mnt, "stock")]),
-                ("ours", ["--nvme", os.path.join(mnt, "ours"), "--host-cache", "0", "--tuner", "off"], [])):
+            ("stock", ["--engine", "stock"], ["--offload", "nvme", "--nvme-path", os.path.join(mnt, "stock")]),
+            ("ours", ["--nvme", os.path.join(mnt, "ours"), "--host-cache", "0", "--tuner", "off"], []),
+        ):
             os.makedirs(os.path.join(mnt, name), exist_ok=True)
             run_dir = os.path.join(out, name)
-            cmd = [TIERS, "run", sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port",
-                   "29741", "--run-dir", run_dir, *engine_opts, os.path.join(HERE, "ds_model.py"), "--iters",
-                   str(args.iters), "--out", os.path.join(out, f"{name}-times.json"), *script_opts]
+            cmd = [
+                TIERS,
+                "run",
+                sys.executable,
+                "-m",
+                "offloadctl.cli",
+                "train",
+                "--num_gpus",
+                "1",
+                "--master_port",
+                "29741",
+                "--run-dir",
+                run_dir,
+                *engine_opts,
+                os.path.join(HERE, "ds_model.py"),
+                "--iters",
+                str(args.iters),
+                "--out",
+                os.path.join(out, f"{name}-times.json"),
+                *script_opts,
+            ]
             print("+ " + " ".join(cmd[2:]), file=sys.stderr, flush=True)
             remove_shm_buffers("29741")  # a run killed on this port leaves one, and the next would wait on it
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
@@ -73,10 +98,29 @@ def main() -> int:
             shutil.rmtree(os.path.join(mnt, name), ignore_errors=True)
     finally:
         subprocess.run([TIERS, "down"], check=False, env=ENV, stdout=subprocess.DEVNULL)
-    rep = subprocess.run([sys.executable, "-m", "offloadctl.cli", "report", os.path.join(out, "stock"),
-                          os.path.join(out, "ours"), "--label", "ZeRO-Infinity (stock)", "--label", "offloadctl",
-                          "--output", os.path.join(out, "report.html"), "--png", os.path.join(out, "png"), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, env=ENV)
+    rep = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "report",
+            os.path.join(out, "stock"),
+            os.path.join(out, "ours"),
+            "--label",
+            "ZeRO-Infinity (stock)",
+            "--label",
+            "offloadctl",
+            "--output",
+            os.path.join(out, "report.html"),
+            "--png",
+            os.path.join(out, "png"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
     if rep.returncode != 0:
         print(rep.stderr, file=sys.stderr)
         return 1
@@ -86,15 +130,19 @@ def main() -> int:
     for r, name in zip(analysis["runs"], ("stock", "ours")):
         s = r["summary"]
         own = statistics.median(runs[name]["iter_s"][2:])
-        print(f"{r['label']}: median iteration {s['median_iter_s']:.2f} s (the script's own timing, iterations 3..: "
-              f"{own:.2f} s); disk B/param per iteration {s['disk_bytes_per_param_total']:.1f}")
+        print(
+            f"{r['label']}: median iteration {s['median_iter_s']:.2f} s (the script's own timing, iterations 3..: "
+            f"{own:.2f} s); disk B/param per iteration {s['disk_bytes_per_param_total']:.1f}"
+        )
         for ph, tiers in s["disk_bytes_per_param"].items():
             for tier, rw in tiers.items():
                 print(f"  {ph:9s} {tier}: read {rw['read']:.1f}, written {rw['written']:.1f} B/param")
         if "engine_bytes_per_param_total" in s:
             print(f"  engine's own count: {s['engine_bytes_per_param_total']:.1f} B/param")
-    print(f"speed-up of offloadctl: {analysis['runs'][1]['summary']['speedup_vs_first']:.2f}x; "
-          f"report: {os.path.join(out, 'report.html')}")
+    print(
+        f"speed-up of offloadctl: {analysis['runs'][1]['summary']['speedup_vs_first']:.2f}x; "
+        f"report: {os.path.join(out, 'report.html')}"
+    )
     return 0
 
 

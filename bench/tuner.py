@@ -35,6 +35,7 @@ every row of the tuned run kept them (``pins_held``).
 
 The emulated tiers come from bench/tiers.sh; OFFLOADCTL_TIERS_ROOT, _IMG and _CGROUP are honoured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,38 +82,49 @@ HYPERS = [AdamWHyper(lr=1e-4)]
 # -- engines and how their knobs are driven ------------------------------------------------------
 
 
-def build_engine(numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str,
-                 pins: dict | None = None) -> SubgroupEngine:
+def build_engine(
+    numel: int, sub: int, specs: tuple[StoragePath, ...], knobs: Knobs, backend: str, pins: dict | None = None
+) -> SubgroupEngine:
     """A SubgroupEngine over ``numel`` parameters, every subgroup swapped (no host cache);
     ``pins`` (knob -> value) as the run's options would fix them (the engine reports them to a tuner)."""
     torch.manual_seed(0)
     # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
     weight = torch.randn(numel, device="cpu")
     grad = torch.randn(numel, device="cpu") * 1e-3
-    bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
-    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs,
-                       pins=pins or {})
+    bindings = [FlatSubgroup(weight[o : o + sub], grad[o : o + sub]) for o in range(0, numel, sub)]
+    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=0, io_backend=backend, host_adam="auto", paths=specs, pins=pins or {})
     return SubgroupEngine(bindings, cfg, knobs)
 
 
 def _row(rec, decision: str | None, other: dict | None = None) -> dict:
-    return {"iteration": rec.iteration, "update_s": rec.update_s, "read_wait_s": rec.read_wait_s,
-            "write_wait_s": rec.write_wait_s, "knobs": rec.knobs, "decision": decision, "other_bytes_per_s": other or {}}
+    return {
+        "iteration": rec.iteration,
+        "update_s": rec.update_s,
+        "read_wait_s": rec.read_wait_s,
+        "write_wait_s": rec.write_wait_s,
+        "knobs": rec.knobs,
+        "decision": decision,
+        "other_bytes_per_s": other or {},
+    }
 
 
 class InProcess:
     """The policy in this process: observe each step, hand decisions to the engine."""
 
-    def __init__(self, engine: SubgroupEngine, paths: list[str], max_prefetch: int,
-                 fixed: dict | None = None) -> None:
+    def __init__(self, engine: SubgroupEngine, paths: list[str], max_prefetch: int, fixed: dict | None = None) -> None:
         self.engine = engine
         self.paths = paths
         # What a registration would carry: the knobs the run fixed, and the spare host budget.
-        self.policy = Policy(engine.knobs, paths=paths, has_device=False,
-                             subgroup_bytes=max(payload_bytes(sg.numel) for sg in engine.subgroups),
-                             params=sum(sg.numel for sg in engine.subgroups), pins=fixed,
-                             host_staging_bytes=engine.describe().host_staging_bytes,
-                             config=PolicyConfig(max_prefetch_depth=max_prefetch))
+        self.policy = Policy(
+            engine.knobs,
+            paths=paths,
+            has_device=False,
+            subgroup_bytes=max(payload_bytes(sg.numel) for sg in engine.subgroups),
+            params=sum(sg.numel for sg in engine.subgroups),
+            pins=fixed,
+            host_staging_bytes=engine.describe().host_staging_bytes,
+            config=PolicyConfig(max_prefetch_depth=max_prefetch),
+        )
         self.sensors = Sensors(paths, gpu=False)
 
     def step(self) -> dict:
@@ -210,17 +222,26 @@ class BackgroundWriter:
     def start(self) -> None:
         mib = max(8, 512 // self.jobs)
         if self.tool == "fio":
-            write = (f'exec fio --name=bg --directory="{self.dir}" --filename_format="offloadctl-bench-writer.$jobnum" '
-                     f'--rw=write --bs=8M --direct=1 --size={mib}M --numjobs={self.jobs} --time_based --runtime=86400 '
-                     f'--output=/dev/null')
+            write = (
+                f'exec fio --name=bg --directory="{self.dir}" --filename_format="offloadctl-bench-writer.$jobnum" '
+                f"--rw=write --bs=8M --direct=1 --size={mib}M --numjobs={self.jobs} --time_based --runtime=86400 "
+                f"--output=/dev/null"
+            )
         else:
-            loop = (f'while :; do dd if=/dev/zero of="{self.prefix}.$j" bs=8M count={mib // 8} oflag=direct conv=notrunc '
-                    f'status=none || exit 1; done')
-            write = f'for j in $(seq {self.jobs}); do ({loop}) & done; wait'
+            loop = (
+                f'while :; do dd if=/dev/zero of="{self.prefix}.$j" bs=8M count={mib // 8} oflag=direct conv=notrunc '
+                f"status=none || exit 1; done"
+            )
+            write = f"for j in $(seq {self.jobs}); do ({loop}) & done; wait"
         join = f'echo $$ > "{self.cgroup}/cgroup.procs" && ' if self.cgroup else ""
         # Its own process group, so that stop() ends the loops and the writers, nothing else.
-        self.proc = subprocess.Popen(["bash", "-c", join + write], start_new_session=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", join + write],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def cgroup_of(self) -> str:
         try:
@@ -251,7 +272,7 @@ class BackgroundWriter:
 
 
 def _sliding(xs: list[float], i: int) -> float:
-    return statistics.median(xs[max(0, i - WINDOW + 1):i + 1])
+    return statistics.median(xs[max(0, i - WINDOW + 1) : i + 1])
 
 
 def part1(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress: Progress) -> dict:
@@ -265,16 +286,21 @@ def part1(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
     numel, sub = int(args.params), int(args.subgroup)
     tuned = build_engine(numel, sub, specs, start, args.io_backend)
     static = build_engine(numel, sub, specs, grid[0], args.io_backend)
-    driver = (ThroughDaemon(tuned, [path], f"bench-part1-{os.getpid()}", daemon.socket) if daemon
-              else InProcess(tuned, [path], max(args.grid_prefetch)))
+    driver = (
+        ThroughDaemon(tuned, [path], f"bench-part1-{os.getpid()}", daemon.socket)
+        if daemon
+        else InProcess(tuned, [path], max(args.grid_prefetch))
+    )
     schedule = [(k, step) for k in range(len(grid)) for step in range(4)]  # step 0 settles
     # In-process, the two engines alternate so that both see the same machine. The daemon's
     # sensors would count the static engine's traffic as contention: there they run one after
     # the other.
     n = max(args.iters, len(schedule))
-    order = ([("tuned", i) for i in range(args.iters)] + [("static", i) for i in range(len(schedule))] if daemon else
-             [(who, i) for i in range(n) for who in ("tuned", "static")
-              if i < (args.iters if who == "tuned" else len(schedule))])
+    order = (
+        [("tuned", i) for i in range(args.iters)] + [("static", i) for i in range(len(schedule))]
+        if daemon
+        else [(who, i) for i in range(n) for who in ("tuned", "static") if i < (args.iters if who == "tuned" else len(schedule))]
+    )
     rows, static_times = [], [[] for _ in grid]
     task = progress.add_task("part 1: tuned run and static grid", total=len(order))
     try:
@@ -293,15 +319,25 @@ def part1(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
         driver.close()
         tuned.close()
         static.close()
-    plans = [{"io_concurrency": g.concurrency_for(path), "prefetch_depth": g.prefetch_depth,
-              "update_s": statistics.median(t)} for g, t in zip(grid, static_times)]
+    plans = [
+        {"io_concurrency": g.concurrency_for(path), "prefetch_depth": g.prefetch_depth, "update_s": statistics.median(t)}
+        for g, t in zip(grid, static_times)
+    ]
     best = min(plans, key=lambda p: p["update_s"])
     u = [r["update_s"] for r in rows]
     reached = next((i for i in range(WINDOW, len(u)) if _sliding(u, i) <= 1.1 * best["update_s"]), None)
-    return {"path": path, "start": start.to_dict(), "static_plans": plans, "best_static": best, "rows": rows,
-            "reached_within_10pct_at_iteration": reached, "goal_iteration": 30,
-            "tuned_final_update_s": _sliding(u, len(u) - 1), "tuned_final_knobs": driver.good_knobs().to_dict(),
-            "log": driver.log()}
+    return {
+        "path": path,
+        "start": start.to_dict(),
+        "static_plans": plans,
+        "best_static": best,
+        "rows": rows,
+        "reached_within_10pct_at_iteration": reached,
+        "goal_iteration": 30,
+        "tuned_final_update_s": _sliding(u, len(u) - 1),
+        "tuned_final_knobs": driver.good_knobs().to_dict(),
+        "log": driver.log(),
+    }
 
 
 def gpu_engine(numel: int, sub: int, device: str, fraction: float) -> SubgroupEngine:
@@ -312,7 +348,7 @@ def gpu_engine(numel: int, sub: int, device: str, fraction: float) -> SubgroupEn
     grad = (torch.randn(numel) * 1e-3).to(torch.bfloat16)  # cpu ok: ZeRO-3 offload keeps gradients in host memory
     bindings = []
     for o in range(0, numel, sub):
-        b = FlatSubgroup(weight[o:o + sub], grad[o:o + sub])
+        b = FlatSubgroup(weight[o : o + sub], grad[o : o + sub])
         b.grad_scale = 0.5
         bindings.append(b)
     cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=None, device=device, device_cache_bytes=0, host_adam="auto")
@@ -330,8 +366,9 @@ def part3(args, progress: Progress) -> dict:
     grid = [k / 4 for k in range(5)]
     tuned = gpu_engine(numel, sub, device, 0.0)
     static = gpu_engine(numel, sub, device, grid[0])
-    policy = Policy(tuned.knobs, paths=[], has_device=True, subgroup_bytes=payload_bytes(sub), params=numel,
-                    config=PolicyConfig())
+    policy = Policy(
+        tuned.knobs, paths=[], has_device=True, subgroup_bytes=payload_bytes(sub), params=numel, config=PolicyConfig()
+    )
     schedule = [(k, step) for k in range(len(grid)) for step in range(4)]
     rows, static_times = [], [[] for _ in grid]
     n = max(args.iters, len(schedule))
@@ -341,13 +378,21 @@ def part3(args, progress: Progress) -> dict:
             if i < args.iters:
                 rec = tuned.step(HYPERS)
                 it = rec.update_s + args.fwd_bwd_s
-                obs = Observation.from_records([rec], iter_times_s=[it], device_headroom_bytes=rec.device_headroom_bytes,
-                                               knobs=rec.knobs)
+                obs = Observation.from_records(
+                    [rec], iter_times_s=[it], device_headroom_bytes=rec.device_headroom_bytes, knobs=rec.knobs
+                )
                 d = policy.observe(obs)
                 if d is not None:
                     tuned.set_knobs(d.knobs)
-                rows.append({"iteration": rec.iteration, "iteration_s": it, "update_s": rec.update_s,
-                             "fraction": rec.knobs["device_fraction"], "decision": d.reason if d else None})
+                rows.append(
+                    {
+                        "iteration": rec.iteration,
+                        "iteration_s": it,
+                        "update_s": rec.update_s,
+                        "fraction": rec.knobs["device_fraction"],
+                        "decision": d.reason if d else None,
+                    }
+                )
             if i < len(schedule):
                 k, step = schedule[i]
                 if step == 0 and k > 0:
@@ -364,9 +409,17 @@ def part3(args, progress: Progress) -> dict:
     its = [r["iteration_s"] for r in rows]
     reached = next((i for i in range(WINDOW, len(its)) if _sliding(its, i) <= 1.05 * best["iteration_s"]), None)
     untuned = plans[0]["iteration_s"] * len(its)
-    return {"device": device, "static_plans": plans, "best_static": best, "rows": rows,
-            "reached_within_5pct_at_iteration": reached, "goal_iteration": 30,
-            "tuned_total_s": sum(its), "untuned_total_s": untuned, "final_fraction": rows[-1]["fraction"]}
+    return {
+        "device": device,
+        "static_plans": plans,
+        "best_static": best,
+        "rows": rows,
+        "reached_within_5pct_at_iteration": reached,
+        "goal_iteration": 30,
+        "tuned_total_s": sum(its),
+        "untuned_total_s": untuned,
+        "final_fraction": rows[-1]["fraction"],
+    }
 
 
 def print_part3(r: dict, c: Console) -> None:
@@ -376,10 +429,12 @@ def print_part3(r: dict, c: Console) -> None:
     for p in r["static_plans"]:
         t.add_row(f"{p['device_fraction']:g}", f"{p['iteration_s']:.3f}")
     c.print(t)
-    c.print(f"tuned from fraction 0: within 5% of the best static ({r['best_static']['device_fraction']:g}) at iteration "
-            f"{r['reached_within_5pct_at_iteration']} (goal <= {r['goal_iteration']}); final fraction "
-            f"{r['final_fraction']:g}; total over the run {r['tuned_total_s']:.1f} s against "
-            f"{r['untuned_total_s']:.1f} s untuned")
+    c.print(
+        f"tuned from fraction 0: within 5% of the best static ({r['best_static']['device_fraction']:g}) at iteration "
+        f"{r['reached_within_5pct_at_iteration']} (goal <= {r['goal_iteration']}); final fraction "
+        f"{r['final_fraction']:g}; total over the run {r['tuned_total_s']:.1f} s against "
+        f"{r['untuned_total_s']:.1f} s untuned"
+    )
     for row in r["rows"]:
         if row["decision"]:
             c.print(f"  {row['iteration']:>3}: {escape(row['decision'])}")
@@ -404,8 +459,7 @@ def read_pins(texts: list[str], paths: list[str]) -> tuple[dict, Knobs]:
 def pins_broken(rows: list[dict], fixed: dict, start: Knobs) -> list[int]:
     """Iterations of ``rows`` whose knobs differ from ``start`` in a pinned knob."""
     keys = [KnobKey.parse(k) for k in fixed]
-    return [r["iteration"] for r in rows
-            if any(k.value_in(Knobs.from_dict(r["knobs"])) != k.value_in(start) for k in keys)]
+    return [r["iteration"] for r in rows if any(k.value_in(Knobs.from_dict(r["knobs"])) != k.value_in(start) for k in keys)]
 
 
 def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress: Progress) -> dict:
@@ -415,8 +469,11 @@ def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
     tuned = build_engine(numel, sub, specs, start, args.io_backend, pins=fixed)
     # The daemon's sensors would count a reference engine's traffic as contention: none there.
     ref = build_engine(numel, sub, specs, start, args.io_backend) if args.reference and not daemon else None
-    driver = (ThroughDaemon(tuned, paths, f"bench-part2-{os.getpid()}", daemon.socket) if daemon
-              else InProcess(tuned, paths, args.max_prefetch, fixed=fixed))
+    driver = (
+        ThroughDaemon(tuned, paths, f"bench-part2-{os.getpid()}", daemon.socket)
+        if daemon
+        else InProcess(tuned, paths, args.max_prefetch, fixed=fixed)
+    )
     w0, w1 = args.writer_at, args.writer_at + args.writer_iters
     total = w1 + args.after
     writer = BackgroundWriter(paths[0], args.writer_jobs, args.writer_cgroup)
@@ -448,32 +505,55 @@ def part2(args, specs: tuple[StoragePath, ...], daemon: Daemon | None, progress:
         if ref is not None:
             ref.close()
     broken = pins_broken(rows, fixed, start)
-    return {"paths": paths, "writer": f"{writer.tool} x{writer.jobs}", "writer_cgroup": writer_cgroup, "writer_start": w0,
-            "writer_stop": w1, "start_knobs": start.to_dict(), "pins": fixed,
-            "pins_held": not broken if fixed else None, "pins_broken_at_iterations": broken,
-            "knobs_at_writer_start": frozen.to_dict() if frozen else None, "rows": rows,
-            "log": driver.log(), **_contention_metrics(rows, w0, w1)}
+    return {
+        "paths": paths,
+        "writer": f"{writer.tool} x{writer.jobs}",
+        "writer_cgroup": writer_cgroup,
+        "writer_start": w0,
+        "writer_stop": w1,
+        "start_knobs": start.to_dict(),
+        "pins": fixed,
+        "pins_held": not broken if fixed else None,
+        "pins_broken_at_iterations": broken,
+        "knobs_at_writer_start": frozen.to_dict() if frozen else None,
+        "rows": rows,
+        "log": driver.log(),
+        **_contention_metrics(rows, w0, w1),
+    }
 
 
 def _contention_metrics(rows: list[dict], w0: int, w1: int) -> dict:
     u = [r["update_s"] for r in rows]
-    pre = statistics.median(u[max(0, w0 - 5):w0])
+    pre = statistics.median(u[max(0, w0 - 5) : w0])
     half = (w0 + w1) // 2
     settled = statistics.median(u[half:w1]) if w1 > half else None
-    reacted = next((i - w0 for i in range(w0, len(rows)) if rows[i]["decision"]
-                    and ("contention" in rows[i]["decision"] or "contended" in rows[i]["decision"])), None)
+    reacted = next(
+        (
+            i - w0
+            for i in range(w0, len(rows))
+            if rows[i]["decision"] and ("contention" in rows[i]["decision"] or "contended" in rows[i]["decision"])
+        ),
+        None,
+    )
     settle = next((i - w0 for i in range(w0 + WINDOW - 1, w1) if settled and _sliding(u, i) <= 1.1 * settled), None)
     recover = next((i - w1 for i in range(w1 + WINDOW - 1, len(u)) if _sliding(u, i) <= 1.1 * pre), None)
-    out = {"pre_update_s": pre, "during_update_s": settled, "reacted_after_iterations": reacted,
-           "settled_after_iterations": settle, "recovered_after_iterations": recover, "goal_iterations": 10}
+    out = {
+        "pre_update_s": pre,
+        "during_update_s": settled,
+        "reacted_after_iterations": reacted,
+        "settled_after_iterations": settle,
+        "recovered_after_iterations": recover,
+        "goal_iterations": 10,
+    }
     ref = [r.get("reference_update_s") for r in rows]
     if ref[0] is not None and w1 > half:
         out["reference_during_update_s"] = statistics.median(ref[half:w1])
         out["reference_over_tuned_during"] = out["reference_during_update_s"] / settled
         # Adapted: the tuned run beats the reference (its knobs frozen when the writer started)
         # by 10%, both as sliding medians.
-        out["adapted_after_iterations"] = next((i - w0 for i in range(w0 + WINDOW - 1, w1)
-                                                if _sliding(u, i) <= 0.9 * _sliding(ref, i)), None)
+        out["adapted_after_iterations"] = next(
+            (i - w0 for i in range(w0 + WINDOW - 1, w1) if _sliding(u, i) <= 0.9 * _sliding(ref, i)), None
+        )
     return out
 
 
@@ -508,41 +588,60 @@ def print_part1(r: dict, c: Console) -> None:
     c.print(t)
     _print_rows(r["rows"], [r["path"]], c, reference=None)
     at = r["reached_within_10pct_at_iteration"]
-    c.print(f"best static plan {r['best_static']['update_s']:.3f} s; tuned run within 10% (median of {WINDOW}) at "
-            f"iteration {at if at is not None else 'never'} (goal: <= {r['goal_iteration']}); final "
-            f"{r['tuned_final_update_s']:.3f} s with {escape(_short(r['tuned_final_knobs'], [r['path']]))}")
+    c.print(
+        f"best static plan {r['best_static']['update_s']:.3f} s; tuned run within 10% (median of {WINDOW}) at "
+        f"iteration {at if at is not None else 'never'} (goal: <= {r['goal_iteration']}); final "
+        f"{r['tuned_final_update_s']:.3f} s with {escape(_short(r['tuned_final_knobs'], [r['path']]))}"
+    )
 
 
 def print_part2(r: dict, c: Console) -> None:
-    c.print(f"\n[bold]Part 2[/bold]: background writer ({r['writer']}, cgroup {r['writer_cgroup']}) on {escape(r['paths'][0])} "
-            f"during iterations {r['writer_start']}..{r['writer_stop'] - 1}")
+    c.print(
+        f"\n[bold]Part 2[/bold]: background writer ({r['writer']}, cgroup {r['writer_cgroup']}) on {escape(r['paths'][0])} "
+        f"during iterations {r['writer_start']}..{r['writer_stop'] - 1}"
+    )
     if r.get("pins"):
-        held = ("yes" if r["pins_held"] else
-                f"NO, moved at iterations {', '.join(map(str, r['pins_broken_at_iterations']))}")
-        c.print(f"pinned (fixed from the start, the reference starts there too): "
-                f"{escape(_names(', '.join(f'{k}={json.dumps(v)}' for k, v in r['pins'].items()), r['paths']))}; "
-                f"held in every row of the tuned run: {held}")
+        held = "yes" if r["pins_held"] else f"NO, moved at iterations {', '.join(map(str, r['pins_broken_at_iterations']))}"
+        c.print(
+            f"pinned (fixed from the start, the reference starts there too): "
+            f"{escape(_names(', '.join(f'{k}={json.dumps(v)}' for k, v in r['pins'].items()), r['paths']))}; "
+            f"held in every row of the tuned run: {held}"
+        )
     _print_rows(r["rows"], r["paths"], c, reference="reference_update_s")
     fmt = lambda v: "never" if v is None else str(v)  # noqa: E731
-    c.print(f"update before the writer {r['pre_update_s']:.3f} s, tuned while it runs {r['during_update_s']:.3f} s"
-            + (f", reference (knobs frozen at its start) {r['reference_during_update_s']:.3f} s, "
-               f"reference / tuned = {r['reference_over_tuned_during']:.2f}" if "reference_during_update_s" in r else ""))
-    adapted = (f", 10% faster than the reference after {fmt(r['adapted_after_iterations'])}"
-               if "adapted_after_iterations" in r else "")
-    c.print(f"after the writer started: reacted after {fmt(r['reacted_after_iterations'])} iterations{adapted}, at its "
-            f"level under contention after {fmt(r['settled_after_iterations'])} (goal: adapt within "
-            f"{r['goal_iterations']}); after it stopped: within 10% of the time before it after "
-            f"{fmt(r['recovered_after_iterations'])} iterations")
+    c.print(
+        f"update before the writer {r['pre_update_s']:.3f} s, tuned while it runs {r['during_update_s']:.3f} s"
+        + (
+            f", reference (knobs frozen at its start) {r['reference_during_update_s']:.3f} s, "
+            f"reference / tuned = {r['reference_over_tuned_during']:.2f}"
+            if "reference_during_update_s" in r
+            else ""
+        )
+    )
+    adapted = (
+        f", 10% faster than the reference after {fmt(r['adapted_after_iterations'])}" if "adapted_after_iterations" in r else ""
+    )
+    c.print(
+        f"after the writer started: reacted after {fmt(r['reacted_after_iterations'])} iterations{adapted}, at its "
+        f"level under contention after {fmt(r['settled_after_iterations'])} (goal: adapt within "
+        f"{r['goal_iterations']}); after it stopped: within 10% of the time before it after "
+        f"{fmt(r['recovered_after_iterations'])} iterations"
+    )
 
 
 def _print_rows(rows: list[dict], paths: list[str], c: Console, reference: str | None) -> None:
     top = max(max(r["update_s"] for r in rows), max((r.get(reference) or 0 for r in rows), default=0) if reference else 0)
     t = Table("it", "W", "update s", "", *(["ref s"] if reference else []), "knobs", "decision", show_edge=False)
     for r in rows:
-        t.add_row(str(r["iteration"]), "W" if r.get("writer") else "", f"{r['update_s']:.3f}",
-                  _bar(r["update_s"], top),
-                  *([f"{r[reference]:.3f}" if r.get(reference) is not None else ""] if reference else []),
-                  escape(_short(r["knobs"], paths)), escape(_names(r["decision"] or "", paths)[:120]))
+        t.add_row(
+            str(r["iteration"]),
+            "W" if r.get("writer") else "",
+            f"{r['update_s']:.3f}",
+            _bar(r["update_s"], top),
+            *([f"{r[reference]:.3f}" if r.get(reference) is not None else ""] if reference else []),
+            escape(_short(r["knobs"], paths)),
+            escape(_names(r["decision"] or "", paths)[:120]),
+        )
     c.print(t)
 
 
@@ -554,43 +653,74 @@ def run_emulated_tiers(args, argv: list[str]) -> int:
     nvme, _, pfs = args.emulate.partition(",")
     # Two engines' state (part 1 puts both on the NVMe tier), the writer's 512 MiB, and slack.
     size_gb = args.tier_gb or math.ceil(2 * STATE_BYTES_PER_ELEMENT * args.params * 1.3 / 1e9) + 1
-    return run_emulated(__file__, nvme, argv, size_gb=size_gb, remote=pfs or "200:200",
-                        extra=["--bandwidth", f"{nvme},{pfs or '200:200'}"])
+    return run_emulated(
+        __file__, nvme, argv, size_gb=size_gb, remote=pfs or "200:200", extra=["--bandwidth", f"{nvme},{pfs or '200:200'}"]
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--emulate", nargs="?", const="400:400,200:200", metavar="NR:NW,PR:PW",
-                    help="set up emulated NVMe and PFS tiers throttled to these MB/s (root; default 400:400,200:200), "
-                         "run there, and take them down")
+    ap.add_argument(
+        "--emulate",
+        nargs="?",
+        const="400:400,200:200",
+        metavar="NR:NW,PR:PW",
+        help="set up emulated NVMe and PFS tiers throttled to these MB/s (root; default 400:400,200:200), "
+        "run there, and take them down",
+    )
     ap.add_argument("--nvme", help="directory of the NVMe-like path (parts 1 and 2)")
     ap.add_argument("--remote", help="directory of the PFS-like path (part 2)")
     ap.add_argument("--bandwidth", metavar="NR:NW,PR:PW", help="declare the paths' MB/s instead of probing them")
-    ap.add_argument("--part", choices=["1", "2", "3", "all"], default="all",
-                    help="1: poor start on storage; 2: contention; 3: the device fraction on a GPU (not in 'all')")
+    ap.add_argument(
+        "--part",
+        choices=["1", "2", "3", "all"],
+        default="all",
+        help="1: poor start on storage; 2: contention; 3: the device fraction on a GPU (not in 'all')",
+    )
     ap.add_argument("--fwd-bwd-s", type=float, default=1.0, help="part 3: forward/backward seconds per iteration")
     ap.add_argument("--lane-device", choices=["cpu"], help="part 3 on the CPU: a smoke run of its code, not figures")
     ap.add_argument("--params", type=float, default=100e6, help="parameters per engine (default 1e8)")
     ap.add_argument("--subgroup", type=float, default=1e7, help="elements per subgroup (default 1e7)")
     ap.add_argument("--iters", type=int, default=40, help="part 1: iterations of the tuned run (default 40)")
-    ap.add_argument("--grid-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
-                    help="part 1: static plans' concurrency (default 1,4,16)")
-    ap.add_argument("--grid-prefetch", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2, 4],
-                    help="part 1: static plans' prefetch depth (default 0,2,4); the tuner's maximum too")
+    ap.add_argument(
+        "--grid-concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 4, 16],
+        help="part 1: static plans' concurrency (default 1,4,16)",
+    )
+    ap.add_argument(
+        "--grid-prefetch",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0, 2, 4],
+        help="part 1: static plans' prefetch depth (default 0,2,4); the tuner's maximum too",
+    )
     ap.add_argument("--writer-at", type=int, default=15, help="part 2: iteration the writer starts (default 15)")
     ap.add_argument("--writer-iters", type=int, default=20, help="part 2: iterations it runs (default 20)")
     ap.add_argument("--after", type=int, default=15, help="part 2: iterations after it stops (default 15)")
-    ap.add_argument("--writer-jobs", type=int, default=4, help="part 2: parallel writers, each with one 8 MiB "
-                    "request in flight (default 4)")
+    ap.add_argument(
+        "--writer-jobs", type=int, default=4, help="part 2: parallel writers, each with one 8 MiB request in flight (default 4)"
+    )
     ap.add_argument("--writer-cgroup", help="part 2: blkio cgroup directory the writer joins (default: inherit ours)")
-    ap.add_argument("--pin", action="append", default=[], metavar="KNOB=VALUE",
-                    help="part 2: fix a knob of the tuned run from the start (repeatable; VALUE as JSON; KNOB one of "
-                         f"{', '.join(Knobs.names())}, or io_concurrency[PATH]); the reference starts there too")
+    ap.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="part 2: fix a knob of the tuned run from the start (repeatable; VALUE as JSON; KNOB one of "
+        f"{', '.join(Knobs.names())}, or io_concurrency[PATH]); the reference starts there too",
+    )
     ap.add_argument("--max-prefetch", type=int, default=4, help="part 2: the tuner's maximum prefetch depth (default 4)")
-    ap.add_argument("--no-reference", dest="reference", action="store_false",
-                    help="part 2: no reference engine (halves the run time; always so with --daemon)")
-    ap.add_argument("--daemon", action="store_true", help="drive the knobs through a private tuner daemon and "
-                    "tuner.client.TunerClient instead of in-process")
+    ap.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="part 2: no reference engine (halves the run time; always so with --daemon)",
+    )
+    ap.add_argument(
+        "--daemon",
+        action="store_true",
+        help="drive the knobs through a private tuner daemon and tuner.client.TunerClient instead of in-process",
+    )
     ap.add_argument("--tier-gb", type=int, help="--emulate: size of each tier (default: from --params)")
     ap.add_argument("--io-backend", default="auto", choices=["auto", "aio", "posix"])
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
@@ -608,8 +738,9 @@ def main() -> int:
             console.print("[red]--pin: the pins apply to part 2 (contention); give --part 2[/red]", soft_wrap=True)
             return 2
         # Read them now, against the paths they will have, so that a bad one costs no tiers.
-        where = ([os.path.join(tiers_root(), "nvme"), os.path.join(tiers_root(), "pfs")] if args.emulate
-                 else [args.nvme, args.remote])
+        where = (
+            [os.path.join(tiers_root(), "nvme"), os.path.join(tiers_root(), "pfs")] if args.emulate else [args.nvme, args.remote]
+        )
         try:
             read_pins(args.pin, [p for p in where if p])
         except ConfigError as e:
@@ -627,8 +758,14 @@ def main() -> int:
     if args.bandwidth:
         declared = [tuple(float(x) * 1e6 for x in t.split(":")) for t in args.bandwidth.split(",")]
     nvme = StoragePath(path=args.nvme, kind="nvme", read_bytes_per_s=declared[0][0], write_bytes_per_s=declared[0][1])
-    out: dict = {"machine": update_phase._machine(), "params": int(args.params), "subgroup": int(args.subgroup),
-                 "command": " ".join(sys.argv), "mode": "daemon" if args.daemon else "in-process", "pins": {}}
+    out: dict = {
+        "machine": update_phase._machine(),
+        "params": int(args.params),
+        "subgroup": int(args.subgroup),
+        "command": " ".join(sys.argv),
+        "mode": "daemon" if args.daemon else "in-process",
+        "pins": {},
+    }
     daemon = None
     if args.daemon:
         if not os.path.exists(os.path.join(ROOT, "tuner", "client.py")):
@@ -640,8 +777,9 @@ def main() -> int:
             if args.part in ("1", "all"):
                 out["part1"] = part1(args, (nvme,), daemon, progress)
             if args.part in ("2", "all"):
-                pfs = StoragePath(path=args.remote, kind="remote", read_bytes_per_s=declared[1][0],
-                                  write_bytes_per_s=declared[1][1])
+                pfs = StoragePath(
+                    path=args.remote, kind="remote", read_bytes_per_s=declared[1][0], write_bytes_per_s=declared[1][1]
+                )
                 out["part2"] = part2(args, (nvme, pfs), daemon, progress)
                 out["pins"] = out["part2"]["pins"]
     finally:
@@ -651,9 +789,11 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)
     c = Console(width=180)
-    c.print(f"[bold]{out['params']:.3g} params[/bold] per engine, subgroup {out['subgroup']:.3g}, "
-            f"knobs driven {out['mode']}, pinned: "
-            + (escape(", ".join(f"{k}={json.dumps(v)}" for k, v in out["pins"].items())) if out["pins"] else "none"))
+    c.print(
+        f"[bold]{out['params']:.3g} params[/bold] per engine, subgroup {out['subgroup']:.3g}, "
+        f"knobs driven {out['mode']}, pinned: "
+        + (escape(", ".join(f"{k}={json.dumps(v)}" for k, v in out["pins"].items())) if out["pins"] else "none")
+    )
     if "part1" in out:
         print_part1(out["part1"], c)
     if "part2" in out:

@@ -38,6 +38,7 @@ and SIGKILL 10 s later, the readers are killed, the files and directories the be
 removed (``--work DIR`` keeps the run directories, for ``offloadctl report``), and the JSON holds
 what was measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,18 +97,49 @@ class Bench(TierRuns):
 
 # -- one run ---------------------------------------------------------------------------------
 
+
 def one_run(bench: Bench, work: str, name: str, tuned: bool, reader_file: str, progress: Progress, task) -> dict:
     a = bench.args
     d = os.path.join(work, name)
     os.makedirs(d)
     run_dir, out, summary = os.path.join(d, "run"), os.path.join(d, "times.json"), os.path.join(d, "summary.json")
     nvme, pfs = bench.fresh_dir("nvme"), bench.fresh_dir("pfs")
-    model = ["--width", str(a.width), "--layers", str(a.layers), "--sub-group-size", str(a.sub_group_size or a.width ** 2)]
-    cmd = ["env", f"XDG_STATE_HOME={os.path.join(d, 'state')}", f"PYTHONPATH={ROOT}", sys.executable, "-m", "offloadctl.cli",
-           "train", "--num_gpus", "1", "--master_port", str(free_port()), "--nvme", nvme, "--remote", pfs,
-           "--host-cache", "0", "--prefetch-depth", "2", "--io-backend", a.io_backend, "--tuner", "auto" if tuned else "off",
-           "--run-dir", run_dir, "--json-summary", summary, os.path.join(HERE, "ds_model.py"), *model,
-           "--iters", str(a.iters), "--out", out]
+    model = ["--width", str(a.width), "--layers", str(a.layers), "--sub-group-size", str(a.sub_group_size or a.width**2)]
+    cmd = [
+        "env",
+        f"XDG_STATE_HOME={os.path.join(d, 'state')}",
+        f"PYTHONPATH={ROOT}",
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "--nvme",
+        nvme,
+        "--remote",
+        pfs,
+        "--host-cache",
+        "0",
+        "--prefetch-depth",
+        "2",
+        "--io-backend",
+        a.io_backend,
+        "--tuner",
+        "auto" if tuned else "off",
+        "--run-dir",
+        run_dir,
+        "--json-summary",
+        summary,
+        os.path.join(HERE, "ds_model.py"),
+        *model,
+        "--iters",
+        str(a.iters),
+        "--out",
+        out,
+    ]
     readers = bench.readers(reader_file) if a.readers else None
     t0 = time.monotonic()
     with open(os.path.join(d, "train.log"), "w") as log:
@@ -136,14 +168,24 @@ def one_run(bench: Bench, work: str, name: str, tuned: bool, reader_file: str, p
     applied = applied_changes(read_records(tel))
     changes = tuner_changes(os.path.join(run_dir, "tuner"))
     t = s.get("tuner") or {}
-    r = {"name": name, "tuned": tuned, "wall_s": wall, "iter_s": iters,
-         "median_last_s": statistics.median(iters[-a.last:]), "summary_median_s": s.get("median_iteration_s"),
-         "status": s.get("status"), "applied_changes": applied, "tuner_changes": changes,
-         "undid": sum(c["reason"].startswith("undid") for c in changes),
-         "net_changes": t.get("changes", []), "final_knobs": t.get("knobs"),
-         "verdict": {"mode": t.get("mode"), "reason": t.get("reason")} if tuned else None,
-         "bottleneck": s.get("bottleneck"), "bytes_per_param": s.get("bytes_per_param_total"),
-         "other_processes_disk_bytes_per_param": s.get("other_processes_disk_bytes_per_param_total")}
+    r = {
+        "name": name,
+        "tuned": tuned,
+        "wall_s": wall,
+        "iter_s": iters,
+        "median_last_s": statistics.median(iters[-a.last :]),
+        "summary_median_s": s.get("median_iteration_s"),
+        "status": s.get("status"),
+        "applied_changes": applied,
+        "tuner_changes": changes,
+        "undid": sum(c["reason"].startswith("undid") for c in changes),
+        "net_changes": t.get("changes", []),
+        "final_knobs": t.get("knobs"),
+        "verdict": {"mode": t.get("mode"), "reason": t.get("reason")} if tuned else None,
+        "bottleneck": s.get("bottleneck"),
+        "bytes_per_param": s.get("bytes_per_param_total"),
+        "other_processes_disk_bytes_per_param": s.get("other_processes_disk_bytes_per_param_total"),
+    }
     r["verdict_agrees"] = _agrees(r) if tuned else None
     return r
 
@@ -161,6 +203,7 @@ def _agrees(r: dict) -> bool | None:
 
 
 # -- the bench -------------------------------------------------------------------------------
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,29 +250,42 @@ def main() -> int:
                     bw[tier]["beside_readers_MBps"] = bench.read_bw(f)
                 bench.kill(rd, signal.SIGKILL)
         res["read_bandwidth"] = bw
-        console.print("read bandwidth (one dd, MB/s): " + "; ".join(
-            f"{t} {v['alone_MBps']:.0f} alone" + (f", {v['beside_readers_MBps']:.0f} beside {a.readers} readers"
-                                                  if "beside_readers_MBps" in v else "") for t, v in bw.items()),
-            highlight=False)
+        console.print(
+            "read bandwidth (one dd, MB/s): "
+            + "; ".join(
+                f"{t} {v['alone_MBps']:.0f} alone"
+                + (f", {v['beside_readers_MBps']:.0f} beside {a.readers} readers" if "beside_readers_MBps" in v else "")
+                for t, v in bw.items()
+            ),
+            highlight=False,
+        )
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("runs", total=2 * a.runs)
             for i in range(a.runs):
                 pair = {}
-                for tuned in ((True, False) if i % 2 == 0 else (False, True)):
+                for tuned in (True, False) if i % 2 == 0 else (False, True):
                     name = f"{'tuned' if tuned else 'frozen'}-{i + 1}"
                     r = one_run(bench, work, name, tuned, reader_file, progress, task)
                     res["runs"].append(r)
                     pair["tuned" if tuned else "frozen"] = r
                     progress.advance(task)
                     _save(a, res)
-                res["pairs"].append({"pair": i + 1, "tuned_s": pair["tuned"]["median_last_s"],
-                                     "frozen_s": pair["frozen"]["median_last_s"],
-                                     "frozen_over_tuned": pair["frozen"]["median_last_s"] / pair["tuned"]["median_last_s"]})
+                res["pairs"].append(
+                    {
+                        "pair": i + 1,
+                        "tuned_s": pair["tuned"]["median_last_s"],
+                        "frozen_s": pair["frozen"]["median_last_s"],
+                        "frozen_over_tuned": pair["frozen"]["median_last_s"] / pair["tuned"]["median_last_s"],
+                    }
+                )
         tuned = [r["median_last_s"] for r in res["runs"] if r["tuned"]]
         frozen = [r["median_last_s"] for r in res["runs"] if not r["tuned"]]
-        res["overall"] = {"tuned_median_s": statistics.median(tuned), "frozen_median_s": statistics.median(frozen),
-                          "frozen_over_tuned": statistics.median(frozen) / statistics.median(tuned),
-                          "worst_pair": min(p["frozen_over_tuned"] for p in res["pairs"])}
+        res["overall"] = {
+            "tuned_median_s": statistics.median(tuned),
+            "frozen_median_s": statistics.median(frozen),
+            "frozen_over_tuned": statistics.median(frozen) / statistics.median(tuned),
+            "worst_pair": min(p["frozen_over_tuned"] for p in res["pairs"]),
+        }
     except Stop as e:
         console.print(f"tuner_contention: stopped by signal {e.signum}; cleaning up", highlight=False)
         res["stopped_by"] = e.signum
@@ -258,9 +314,14 @@ def _print(a, res: dict) -> None:
     for c in ("run", f"median of last {a.last}", "summary median", "knob changes", "undid", "verdict agrees"):
         t.add_column(c)
     for r in res["runs"]:
-        t.add_row(r["name"], f"{r['median_last_s']:.3f} s", f"{r['summary_median_s'] or 0:.3f} s",
-                  str(len(r["applied_changes"])), str(r["undid"]) if r["tuned"] else "",
-                  {True: "yes", False: "[red]no[/red]", None: "-"}[r["verdict_agrees"]])
+        t.add_row(
+            r["name"],
+            f"{r['median_last_s']:.3f} s",
+            f"{r['summary_median_s'] or 0:.3f} s",
+            str(len(r["applied_changes"])),
+            str(r["undid"]) if r["tuned"] else "",
+            {True: "yes", False: "[red]no[/red]", None: "-"}[r["verdict_agrees"]],
+        )
     console.print(t)
     for r in res["runs"]:
         for c in r["tuner_changes"]:
@@ -269,13 +330,18 @@ def _print(a, res: dict) -> None:
             v = r["verdict"]
             console.print(f"{r['name']} verdict: {v['mode']} ({v['reason']})", highlight=False)
     for p in res["pairs"]:
-        console.print(f"pair {p['pair']}: frozen {p['frozen_s']:.3f} s / tuned {p['tuned_s']:.3f} s = "
-                      f"{p['frozen_over_tuned']:.2f}x", highlight=False)
+        console.print(
+            f"pair {p['pair']}: frozen {p['frozen_s']:.3f} s / tuned {p['tuned_s']:.3f} s = {p['frozen_over_tuned']:.2f}x",
+            highlight=False,
+        )
     if "overall" in res:
         o = res["overall"]
-        console.print(f"overall: frozen {o['frozen_median_s']:.3f} s / tuned {o['tuned_median_s']:.3f} s = "
-                      f"[bold]{o['frozen_over_tuned']:.2f}x[/bold] (worst pair {o['worst_pair']:.2f}x; the issue's "
-                      "worst: 0.82x)", highlight=False)
+        console.print(
+            f"overall: frozen {o['frozen_median_s']:.3f} s / tuned {o['tuned_median_s']:.3f} s = "
+            f"[bold]{o['frozen_over_tuned']:.2f}x[/bold] (worst pair {o['worst_pair']:.2f}x; the issue's "
+            "worst: 0.82x)",
+            highlight=False,
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ all its ranks connected, no client disconnected or refused).
 Clients run in --procs worker processes (asyncio each), so the load generator is not one GIL.
 Prints a summary (and --json); exit status 1 when a goal is missed and --check is given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,21 +47,45 @@ def record(i: int, paths: list[str], knobs: dict, rng: random.Random) -> dict:
     """A StepRecord.to_dict() as an engine of 100M parameters on two paths would send it."""
     wall = 2.0 * (1 + 0.05 * rng.random())
     read = {p: 600_000_000 for p in paths}
-    return {"iteration": i, "order": "forward" if i % 2 == 0 else "reverse", "update_s": wall,
-            "read_wait_s": 0.4 * wall, "kernel_s": 0.5 * wall, "write_wait_s": 0.1 * wall,
-            "bytes_read": {"nvme": sum(read.values())}, "bytes_written": {"nvme": sum(read.values())},
-            "path_bytes_read": read, "path_bytes_written": dict(read), "read_bytes_per_s": 1.2e9 / wall,
-            "write_bytes_per_s": 1.2e9 / wall, "cache_hits": 2, "cache_misses": 18, "host_lane_subgroups": 20,
-            "device_lane_subgroups": 0, "params": 100_000_000, "knobs": knobs, "bytes_moved_per_param": 24.0}
+    return {
+        "iteration": i,
+        "order": "forward" if i % 2 == 0 else "reverse",
+        "update_s": wall,
+        "read_wait_s": 0.4 * wall,
+        "kernel_s": 0.5 * wall,
+        "write_wait_s": 0.1 * wall,
+        "bytes_read": {"nvme": sum(read.values())},
+        "bytes_written": {"nvme": sum(read.values())},
+        "path_bytes_read": read,
+        "path_bytes_written": dict(read),
+        "read_bytes_per_s": 1.2e9 / wall,
+        "write_bytes_per_s": 1.2e9 / wall,
+        "cache_hits": 2,
+        "cache_misses": 18,
+        "host_lane_subgroups": 20,
+        "device_lane_subgroups": 0,
+        "params": 100_000_000,
+        "knobs": knobs,
+        "bytes_moved_per_param": 24.0,
+    }
 
 
-async def one_client(sock: str, run_id: str, rank: int, world: int, paths: list[str], rate: float, duration: float,
-                     start_at: float, out: dict, release: asyncio.Event) -> None:
+async def one_client(
+    sock: str,
+    run_id: str,
+    rank: int,
+    world: int,
+    paths: list[str],
+    rate: float,
+    duration: float,
+    start_at: float,
+    out: dict,
+    release: asyncio.Event,
+) -> None:
     reader, writer = await asyncio.open_unix_connection(sock, limit=1 << 20)
     sent: dict[int, float] = {}
     lat: list[float] = out["latencies"]
-    knobs = {"device_fraction": 0.0, "prefetch_depth": 2, "io_concurrency": {}, "node_lock": False,
-             "stripe_weights": {}}
+    knobs = {"device_fraction": 0.0, "prefetch_depth": 2, "io_concurrency": {}, "node_lock": False, "stripe_weights": {}}
     pending: list[tuple[int, dict]] = []
 
     async def read_loop():
@@ -80,9 +105,23 @@ async def one_client(sock: str, run_id: str, rank: int, world: int, paths: list[
                 lat.append(now - sent.pop(msg["id"]))
 
     writer.write(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine"}))
-    writer.write(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": run_id, "rank": rank,
-                         "world_size": world, "params": 100_000_000, "paths": paths, "knobs": knobs,
-                         "has_device": False, "subgroup_bytes": 120_000_000}))
+    writer.write(
+        encode(
+            {
+                "v": API_VERSION,
+                "type": "register",
+                "id": 1,
+                "run_id": run_id,
+                "rank": rank,
+                "world_size": world,
+                "params": 100_000_000,
+                "paths": paths,
+                "knobs": knobs,
+                "has_device": False,
+                "subgroup_bytes": 120_000_000,
+            }
+        )
+    )
     task = asyncio.get_running_loop().create_task(read_loop())
     rng = random.Random(hash((run_id, rank)))
     await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -98,8 +137,20 @@ async def one_client(sock: str, run_id: str, rank: int, world: int, paths: list[
             pending[:] = [k for k in pending if k[0] > i]
         rid = i + 2
         sent[rid] = time.perf_counter()
-        writer.write(encode({"v": API_VERSION, "type": "telemetry", "id": rid, "run_id": run_id, "rank": rank,
-                             "iteration": i, "record": record(i, paths, knobs, rng), "iter_time_s": 2.5}))
+        writer.write(
+            encode(
+                {
+                    "v": API_VERSION,
+                    "type": "telemetry",
+                    "id": rid,
+                    "run_id": run_id,
+                    "rank": rank,
+                    "iteration": i,
+                    "record": record(i, paths, knobs, rng),
+                    "iter_time_s": 2.5,
+                }
+            )
+        )
         out["sent"] += 1
     await asyncio.sleep(1.0)  # replies still in flight
     out["unanswered"] += len(sent)
@@ -116,8 +167,7 @@ def worker(sock, clients, rate, duration, start_at, paths_of, results, go_on):
     """One process's clients; puts its figures on ``results``, says bye once ``go_on`` is set."""
 
     async def main():
-        out = {"latencies": [], "sent": 0, "unanswered": 0, "disconnected": 0, "knob_changes": 0, "errors": [],
-               "done": 0}
+        out = {"latencies": [], "sent": 0, "unanswered": 0, "disconnected": 0, "knob_changes": 0, "errors": [], "done": 0}
         release = asyncio.Event()
 
         async def report_then_release():
@@ -128,8 +178,13 @@ def worker(sock, clients, rate, duration, start_at, paths_of, results, go_on):
                 await asyncio.sleep(0.05)
             release.set()
 
-        await asyncio.gather(*(one_client(sock, run, rank, world, paths_of[run], rate, duration, start_at, out, release)
-                               for run, rank, world in clients), report_then_release())
+        await asyncio.gather(
+            *(
+                one_client(sock, run, rank, world, paths_of[run], rate, duration, start_at, out, release)
+                for run, rank, world in clients
+            ),
+            report_then_release(),
+        )
 
     asyncio.run(main())
 
@@ -152,8 +207,19 @@ def main(argv=None) -> int:
     sock = args.socket
     if sock is None:
         sock = os.path.join(tmp, "tuner.sock")
-        cmd = [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none",
-               "--log-level", "warning"] + (["--no-sensors"] if args.no_sensors else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "tuner",
+            "serve",
+            "--socket",
+            sock,
+            "--db",
+            "none",
+            "--log-level",
+            "warning",
+        ] + (["--no-sensors"] if args.no_sensors else [])
         daemon = subprocess.Popen(cmd, cwd=ROOT, stderr=open(os.path.join(tmp, "daemon.log"), "w"))
         deadline = time.time() + 60
         while not os.path.exists(sock):
@@ -179,9 +245,13 @@ def main(argv=None) -> int:
     ctx = mp.get_context("fork")
     results, go_on = ctx.Queue(), ctx.Event()
     start_at = time.time() + 1.0
-    procs = [ctx.Process(target=worker, args=(sock, clients[k::args.procs], args.rate, args.duration, start_at,
-                                              paths_of, results, go_on)) for k in range(args.procs)
-             if clients[k::args.procs]]
+    procs = [
+        ctx.Process(
+            target=worker, args=(sock, clients[k :: args.procs], args.rate, args.duration, start_at, paths_of, results, go_on)
+        )
+        for k in range(args.procs)
+        if clients[k :: args.procs]
+    ]
     for p in procs:
         p.start()
     parts = []
@@ -211,35 +281,63 @@ def main(argv=None) -> int:
     lat = sorted(x for part in parts for x in part["latencies"])
     sent = sum(p["sent"] for p in parts)
     expected_last = int(args.duration * args.rate) - 1
-    dropped = [r for r, world in runs.items()
-               if r not in snap or snap[r]["connected"] != world or snap[r]["status"] != "running"
-               or snap[r]["iteration"] != expected_last]
+    dropped = [
+        r
+        for r, world in runs.items()
+        if r not in snap
+        or snap[r]["connected"] != world
+        or snap[r]["status"] != "running"
+        or snap[r]["iteration"] != expected_last
+    ]
     result = {
-        "clients": args.clients, "runs": len(runs), "rate_per_client": args.rate, "duration_s": args.duration,
-        "messages_sent": sent, "replies": len(lat), "unanswered": sum(p["unanswered"] for p in parts),
-        "p50_ms": 1e3 * _pct(lat, 50), "p99_ms": 1e3 * _pct(lat, 99), "max_ms": 1e3 * lat[-1] if lat else None,
-        "runs_dropped": len(dropped), "clients_disconnected": sum(p["disconnected"] for p in parts),
-        "error_replies": sum(len(p["errors"]) for p in parts), "knob_changes_pushed": sum(p["knob_changes"] for p in parts),
-        "daemon_handle_p99_ms": handle_ms.get("p99"), "daemon_handle_max_ms": handle_ms.get("max"),
-        "daemon_cpu_s": cpu, "daemon_cpu_share": cpu / args.duration if cpu is not None else None,
+        "clients": args.clients,
+        "runs": len(runs),
+        "rate_per_client": args.rate,
+        "duration_s": args.duration,
+        "messages_sent": sent,
+        "replies": len(lat),
+        "unanswered": sum(p["unanswered"] for p in parts),
+        "p50_ms": 1e3 * _pct(lat, 50),
+        "p99_ms": 1e3 * _pct(lat, 99),
+        "max_ms": 1e3 * lat[-1] if lat else None,
+        "runs_dropped": len(dropped),
+        "clients_disconnected": sum(p["disconnected"] for p in parts),
+        "error_replies": sum(len(p["errors"]) for p in parts),
+        "knob_changes_pushed": sum(p["knob_changes"] for p in parts),
+        "daemon_handle_p99_ms": handle_ms.get("p99"),
+        "daemon_handle_max_ms": handle_ms.get("max"),
+        "daemon_cpu_s": cpu,
+        "daemon_cpu_share": cpu / args.duration if cpu is not None else None,
         "machine": f"{os.cpu_count()} CPUs",
     }
-    ok = result["p99_ms"] < P99_GOAL_S * 1e3 and not dropped and not result["clients_disconnected"] \
-        and not result["error_replies"] and not result["unanswered"]
+    ok = (
+        result["p99_ms"] < P99_GOAL_S * 1e3
+        and not dropped
+        and not result["clients_disconnected"]
+        and not result["error_replies"]
+        and not result["unanswered"]
+    )
     result["goal_met"] = ok
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.clients} clients ({len(runs)} runs) x {args.rate:g} msg/s x {args.duration:g} s: "
-              f"{sent} messages, {len(lat)} replies")
-        print(f"response p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms, max {result['max_ms']:.2f} ms "
-              f"(goal p99 < {P99_GOAL_S * 1e3:.0f} ms)")
-        print(f"runs dropped {len(dropped)}, clients disconnected {result['clients_disconnected']}, "
-              f"error replies {result['error_replies']}, unanswered {result['unanswered']}, "
-              f"knob changes pushed {result['knob_changes_pushed']}")
+        print(
+            f"{args.clients} clients ({len(runs)} runs) x {args.rate:g} msg/s x {args.duration:g} s: "
+            f"{sent} messages, {len(lat)} replies"
+        )
+        print(
+            f"response p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms, max {result['max_ms']:.2f} ms "
+            f"(goal p99 < {P99_GOAL_S * 1e3:.0f} ms)"
+        )
+        print(
+            f"runs dropped {len(dropped)}, clients disconnected {result['clients_disconnected']}, "
+            f"error replies {result['error_replies']}, unanswered {result['unanswered']}, "
+            f"knob changes pushed {result['knob_changes_pushed']}"
+        )
         if handle_ms.get("p99") is not None:
-            print(f"daemon's own handling time (last 10,000 messages): p99 {handle_ms['p99']:.2f} ms, "
-                  f"max {handle_ms['max']:.2f} ms")
+            print(
+                f"daemon's own handling time (last 10,000 messages): p99 {handle_ms['p99']:.2f} ms, max {handle_ms['max']:.2f} ms"
+            )
         if cpu is not None:
             print(f"daemon CPU {cpu:.1f} s over {args.duration:g} s ({100 * cpu / args.duration:.0f}% of one core)")
         if dropped:

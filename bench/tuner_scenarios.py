@@ -66,6 +66,7 @@ directories the bench made are removed (``--work DIR`` keeps the run directories
 ``offloadctl report``), the tiers go down if the bench brought them up, and the JSON holds what
 was measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,8 +92,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WHO = "tuner_scenarios"
 console = Console(stderr=True)
-SCENARIOS = {"a": "one path slows and stays slow", "b": "one path slows, then recovers",
-             "c": "a competing O_DIRECT job on one path", "d": "nothing changes"}
+SCENARIOS = {
+    "a": "one path slows and stays slow",
+    "b": "one path slows, then recovers",
+    "c": "a competing O_DIRECT job on one path",
+    "d": "nothing changes",
+}
 SWEPT = ("a", "c")
 """Scenarios whose best static setting is swept; for the others it is frozen's."""
 PREFETCH_DEPTH = 2
@@ -107,6 +112,7 @@ class ArgError(ValueError):
 
 
 # -- options ---------------------------------------------------------------------------------
+
 
 class Tier(NamedTuple):
     name: str
@@ -166,8 +172,11 @@ def check_args(a: argparse.Namespace) -> None:
     a.fast_tier = next(n for n in names if n != a.slow_tier)
     a.slow_rate = parse_rate(a.slow_rate) if isinstance(a.slow_rate, str) else a.slow_rate
     try:
-        w = [float(x) for x in a.static_weights.split(",") if x.strip()] if isinstance(a.static_weights, str) \
+        w = (
+            [float(x) for x in a.static_weights.split(",") if x.strip()]
+            if isinstance(a.static_weights, str)
             else list(a.static_weights)
+        )
     except ValueError:
         w = [-1.0]
     if any(not 0 < x < 1 for x in w):
@@ -176,19 +185,25 @@ def check_args(a: argparse.Namespace) -> None:
     if a.warmup < 0 or a.settle < 0:
         raise ArgError("--warmup and --settle must be >= 0")
     if a.change_at <= a.warmup:
-        raise ArgError(f"--change-at {a.change_at} leaves no steady iteration before the change "
-                       f"(--warmup {a.warmup}): give --change-at > --warmup")
+        raise ArgError(
+            f"--change-at {a.change_at} leaves no steady iteration before the change "
+            f"(--warmup {a.warmup}): give --change-at > --warmup"
+        )
     if a.iters <= a.change_at + a.settle:
-        raise ArgError(f"--iters {a.iters} leaves no steady iteration after the change: give --iters > "
-                       f"--change-at + --settle ({a.change_at + a.settle})")
+        raise ArgError(
+            f"--iters {a.iters} leaves no steady iteration after the change: give --iters > "
+            f"--change-at + --settle ({a.change_at + a.settle})"
+        )
     if "b" in a.scenarios and a.recover_at <= a.change_at + a.settle:
-        raise ArgError(f"--recover-at {a.recover_at} leaves no steady iteration between the change and the "
-                       f"recovery: give --recover-at > --change-at + --settle ({a.change_at + a.settle})")
+        raise ArgError(
+            f"--recover-at {a.recover_at} leaves no steady iteration between the change and the "
+            f"recovery: give --recover-at > --change-at + --settle ({a.change_at + a.settle})"
+        )
     if a.readers < 0 or a.writers < 0 or ("c" in a.scenarios and a.readers + a.writers == 0):
         raise ArgError("--readers and --writers must be >= 0, and scenario c needs at least one of them")
     if a.width < 1 or a.layers < 1:
         raise ArgError("--width and --layers must be >= 1")
-    a.sub_group_size = a.sub_group_size or a.width ** 2
+    a.sub_group_size = a.sub_group_size or a.width**2
     if a.host_memory is None:
         a.host_memory = f"{host_memory_default(a.sub_group_size, a.width) // 1_000_000}MB"
 
@@ -196,7 +211,7 @@ def check_args(a: argparse.Namespace) -> None:
 def host_memory_default(sub_group_size: int, width: int) -> int:
     """Eight subgroups' state (the staging and kept buffers of prefetch depth 2 are seven), plus 16 MB
     of copies: the update waits on I/O, and the pinned depth fits."""
-    numel = (sub_group_size // width ** 2 or 1) * width ** 2
+    numel = (sub_group_size // width**2 or 1) * width**2
     return 8 * (STATE_BYTES_PER_PARAM * numel + (1 << 13)) + 16_000_000
 
 
@@ -208,8 +223,7 @@ def windows(scenario: str, a) -> dict[str, tuple[int, int]]:
     """The steady windows of a scenario's runs, ``[lo, hi)`` in iterations: before the change,
     after it (less ``--settle``), after the recovery (b), and the whole run after the warm-up."""
     n = iters_of(scenario, a)
-    w = {"before": (a.warmup, a.change_at),
-         "after": (a.change_at + a.settle, a.recover_at if scenario == "b" else n)}
+    w = {"before": (a.warmup, a.change_at), "after": (a.change_at + a.settle, a.recover_at if scenario == "b" else n)}
     if scenario == "b":
         w["recovered"] = (a.recover_at + a.settle, n)
     w["whole"] = (a.warmup, n)
@@ -217,6 +231,7 @@ def windows(scenario: str, a) -> dict[str, tuple[int, int]]:
 
 
 # -- what a run's records say (pure: tests/test_bench_tuner_scenarios.py) ---------------------
+
 
 def iteration_times(records: list[dict], iter_s: list[float] | None) -> dict[int, float]:
     """Iteration -> seconds: the script's own wall times where it wrote them, else the
@@ -260,8 +275,11 @@ def tier_bytes(records: list[dict], lo: int, hi: int, tier_of) -> dict[str, dict
 
 def io_share(records: list[dict], times: dict[int, float], lo: int, hi: int) -> float | None:
     """Median over ``[lo, hi)`` of the update's waits on reads and writes over the iteration."""
-    v = [(r.get("read_wait_s", 0.0) + r.get("write_wait_s", 0.0)) / times[r["iteration"]]
-         for r in records if lo <= r["iteration"] < hi and times.get(r["iteration"])]
+    v = [
+        (r.get("read_wait_s", 0.0) + r.get("write_wait_s", 0.0)) / times[r["iteration"]]
+        for r in records
+        if lo <= r["iteration"] < hi and times.get(r["iteration"])
+    ]
     return statistics.median(v) if v else None
 
 
@@ -269,18 +287,28 @@ def checks(records: list[dict], prefetch_depth: int, pinned_weights: dict | None
     """Whether the pinned prefetch depth held in every record, the engine stayed within its
     host-memory budget, and (a static run) the pinned stripe weights held from when they took hold."""
     depths = sorted({(r.get("knobs") or {}).get("prefetch_depth") for r in records}, key=str)
-    over = [r["iteration"] for r in records
-            if r.get("host_budget_bytes") and sum((r.get("host_bytes") or {}).values()) > r["host_budget_bytes"]]
+    over = [
+        r["iteration"]
+        for r in records
+        if r.get("host_budget_bytes") and sum((r.get("host_bytes") or {}).values()) > r["host_budget_bytes"]
+    ]
     peak = max((sum((r.get("host_bytes") or {}).values()) for r in records), default=0)
-    out = {"prefetch_depths": depths, "prefetch_depth_held": depths == [prefetch_depth],
-           "host_peak_bytes": peak, "host_budget_bytes": max((r.get("host_budget_bytes") or 0 for r in records), default=0),
-           "host_over_budget_at": over, "host_budget_held": not over}
+    out = {
+        "prefetch_depths": depths,
+        "prefetch_depth_held": depths == [prefetch_depth],
+        "host_peak_bytes": peak,
+        "host_budget_bytes": max((r.get("host_budget_bytes") or 0 for r in records), default=0),
+        "host_over_budget_at": over,
+        "host_budget_held": not over,
+    }
     out["held"] = out["prefetch_depth_held"] and out["host_budget_held"]
     if pinned_weights is not None:
-        at = next((r["iteration"] for r in records if _same_weights((r.get("knobs") or {}).get("stripe_weights"),
-                                                                     pinned_weights)), None)
-        kept = at is not None and all(_same_weights((r.get("knobs") or {}).get("stripe_weights"), pinned_weights)
-                                      for r in records if r["iteration"] >= at)
+        at = next(
+            (r["iteration"] for r in records if _same_weights((r.get("knobs") or {}).get("stripe_weights"), pinned_weights)), None
+        )
+        kept = at is not None and all(
+            _same_weights((r.get("knobs") or {}).get("stripe_weights"), pinned_weights) for r in records if r["iteration"] >= at
+        )
         out.update(pin_took_hold_at=at, pinned_weights_held=kept)
         out["held"] = out["held"] and kept
     return out
@@ -303,18 +331,29 @@ def _same_weights(a: dict | None, b: dict) -> bool:
     return all(abs(a[k] / sa - b[k] / sb) < 1e-6 for k in b)
 
 
-def analyze(records: list[dict], iter_s: list[float] | None, wins: dict[str, tuple[int, int]], tier_of,
-            slow_tier: str, prefetch_depth: int = PREFETCH_DEPTH, pinned_weights: dict | None = None) -> dict:
+def analyze(
+    records: list[dict],
+    iter_s: list[float] | None,
+    wins: dict[str, tuple[int, int]],
+    tier_of,
+    slow_tier: str,
+    prefetch_depth: int = PREFETCH_DEPTH,
+    pinned_weights: dict | None = None,
+) -> dict:
     """Everything reported for one run, from its telemetry records and the script's times."""
     times = iteration_times(records, iter_s)
     changes = applied_changes(records)
-    out: dict = {"median_s": {k: median_in(times, lo, hi) for k, (lo, hi) in wins.items()},
-                 "io_share": {k: io_share(records, times, lo, hi) for k, (lo, hi) in wins.items()},
-                 "tier_bytes": {k: tier_bytes(records, lo, hi, tier_of) for k, (lo, hi) in wins.items()},
-                 "applied_changes": changes, "checks": checks(records, prefetch_depth, pinned_weights),
-                 # forward and backward, which no knob touches: a pair whose figures differ is of a busier machine
-                 "fwd_bwd_median_s": median_in({r["iteration"]: r["fwd_bwd_s"] for r in records
-                                                if r.get("fwd_bwd_s") is not None}, 0, 1 << 30)}
+    out: dict = {
+        "median_s": {k: median_in(times, lo, hi) for k, (lo, hi) in wins.items()},
+        "io_share": {k: io_share(records, times, lo, hi) for k, (lo, hi) in wins.items()},
+        "tier_bytes": {k: tier_bytes(records, lo, hi, tier_of) for k, (lo, hi) in wins.items()},
+        "applied_changes": changes,
+        "checks": checks(records, prefetch_depth, pinned_weights),
+        # forward and backward, which no knob touches: a pair whose figures differ is of a busier machine
+        "fwd_bwd_median_s": median_in(
+            {r["iteration"]: r["fwd_bwd_s"] for r in records if r.get("fwd_bwd_s") is not None}, 0, 1 << 30
+        ),
+    }
     change_at = wins["before"][1]
     out["settle_iters"] = settle_iters(changes, change_at, wins["after"][1])
     if "recovered" in wins:
@@ -330,6 +369,7 @@ def analyze(records: list[dict], iter_s: list[float] | None, wins: dict[str, tup
 
 
 # -- the bench's processes -------------------------------------------------------------------
+
 
 class Bench(TierRuns):
     """What the bench started and made (:class:`_runs.TierRuns`): the tiers, the competing job."""
@@ -359,8 +399,9 @@ class Bench(TierRuns):
         for k in range(a.writers):
             path = os.path.join(self.mounts[a.slow_tier], f"tuner-scenarios-writer-{os.getpid()}-{k}.bin")
             self.paths.append(path)
-            loops.append(f'while :; do dd if=/dev/zero of="{path}" oflag=direct bs=8M count=32 conv=notrunc '
-                         f'status=none || exit 1; done')
+            loops.append(
+                f'while :; do dd if=/dev/zero of="{path}" oflag=direct bs=8M count=32 conv=notrunc status=none || exit 1; done'
+            )
         script = " & ".join(f"( {lp} )" for lp in loops) + " & wait"
         return self.start(["bash", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -376,9 +417,15 @@ class Pinner:
         self.sent_at_iteration: int | None = None
 
     def _tune(self, *args: str) -> subprocess.Popen:
-        return self.bench.start([sys.executable, "-m", "offloadctl.cli", "tune", "--run-dir", self.run_dir, *args],
-                                under_tiers=False, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return self.bench.start(
+            [sys.executable, "-m", "offloadctl.cli", "tune", "--run-dir", self.run_dir, *args],
+            under_tiers=False,
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def poll(self, iteration: int) -> None:
         if self.done or time.monotonic() < self.next_try or not os.path.isdir(os.path.join(self.run_dir, "tuner")):
@@ -387,8 +434,9 @@ class Pinner:
             if self.step == "find":
                 self.proc = self._tune("--once", "--json")
             else:
-                self.proc = self._tune("--pin", f"{self.run_id}:stripe_weights={json.dumps(self.weights)}",
-                                       "--freeze", self.run_id)
+                self.proc = self._tune(
+                    "--pin", f"{self.run_id}:stripe_weights={json.dumps(self.weights)}", "--freeze", self.run_id
+                )
             return
         if self.proc.poll() is None:
             return
@@ -414,8 +462,10 @@ class Pinner:
 
 # -- one run ---------------------------------------------------------------------------------
 
-def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight: float | None,
-            files: dict, progress: Progress, task) -> dict:
+
+def one_run(
+    bench: Bench, work: str, scenario: str, rep: int, kind: str, weight: float | None, files: dict, progress: Progress, task
+) -> dict:
     a = bench.args
     name = f"{scenario}{rep + 1}-{kind}" + (f"-{weight:g}" if weight is not None else "")
     d = os.path.join(work, name)
@@ -425,11 +475,43 @@ def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight:
     n = iters_of(scenario, a)
     model = ["--width", str(a.width), "--layers", str(a.layers), "--sub-group-size", str(a.sub_group_size)]
     env = dict(os.environ, XDG_STATE_HOME=os.path.join(d, "state"), PYTHONPATH=ROOT)
-    cmd = ["env", f"XDG_STATE_HOME={env['XDG_STATE_HOME']}", f"PYTHONPATH={ROOT}", sys.executable, "-m",
-           "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", str(free_port()), "--nvme", fast, "--nvme", slow,
-           "--host-cache", "0", "--prefetch-depth", str(PREFETCH_DEPTH), "--host-memory", a.host_memory,
-           "--io-backend", a.io_backend, "--tuner", "off" if kind == "frozen" else "auto", "--run-dir", run_dir,
-           "--json-summary", summary, os.path.join(HERE, "ds_model.py"), *model, "--iters", str(n), "--out", out]
+    cmd = [
+        "env",
+        f"XDG_STATE_HOME={env['XDG_STATE_HOME']}",
+        f"PYTHONPATH={ROOT}",
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "--nvme",
+        fast,
+        "--nvme",
+        slow,
+        "--host-cache",
+        "0",
+        "--prefetch-depth",
+        str(PREFETCH_DEPTH),
+        "--host-memory",
+        a.host_memory,
+        "--io-backend",
+        a.io_backend,
+        "--tuner",
+        "off" if kind == "frozen" else "auto",
+        "--run-dir",
+        run_dir,
+        "--json-summary",
+        summary,
+        os.path.join(HERE, "ds_model.py"),
+        *model,
+        "--iters",
+        str(n),
+        "--out",
+        out,
+    ]
     pinned = {fast: round(1 - weight, 6), slow: weight} if weight is not None else None
     pinner = Pinner(bench, run_dir, pinned, env) if pinned else None
     plan = [(a.change_at, "change")] if scenario != "d" else []
@@ -455,8 +537,7 @@ def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight:
                         bench.slow()
                     else:
                         bench.restore()
-                    events.append({"event": what, "planned_at": at, "at_iteration": done,
-                                   "t_s": round(time.monotonic() - t0, 2)})
+                    events.append({"event": what, "planned_at": at, "at_iteration": done, "t_s": round(time.monotonic() - t0, 2)})
                 if pinner:
                     pinner.poll(done)
                 state = "" if not events else f" ({events[-1]['event']} at {events[-1]['at_iteration']})"
@@ -485,15 +566,40 @@ def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight:
     def tier_of(path: str) -> str:
         return next((t for root, t in roots.items() if path == root or path.startswith(root + os.sep)), path)
 
-    r = {"name": name, "scenario": scenario, "rep": rep + 1, "kind": kind, "slow_weight": weight, "iters": n,
-         "wall_s": round(wall, 2), "loadavg_start": load0, "loadavg_end": os.getloadavg(), "events": events,
-         "paths": {a.fast_tier: fast, a.slow_tier: slow}, "iter_s": iter_s,
-         "run_dir": run_dir if a.work else None}
-    r.update(analyze(records, iter_s, windows(scenario, a), tier_of, a.slow_tier, PREFETCH_DEPTH,
-                     {fast: 1 - weight, slow: weight} if weight is not None else None))
+    r = {
+        "name": name,
+        "scenario": scenario,
+        "rep": rep + 1,
+        "kind": kind,
+        "slow_weight": weight,
+        "iters": n,
+        "wall_s": round(wall, 2),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "events": events,
+        "paths": {a.fast_tier: fast, a.slow_tier: slow},
+        "iter_s": iter_s,
+        "run_dir": run_dir if a.work else None,
+    }
+    r.update(
+        analyze(
+            records,
+            iter_s,
+            windows(scenario, a),
+            tier_of,
+            a.slow_tier,
+            PREFETCH_DEPTH,
+            {fast: 1 - weight, slow: weight} if weight is not None else None,
+        )
+    )
     if pinner:
-        r["pin"] = {"run_id": pinner.run_id, "sent": pinner.done, "sent_at_iteration": pinner.sent_at_iteration,
-                    "took_hold_at": r["checks"].get("pin_took_hold_at"), "errors": pinner.errors[-3:]}
+        r["pin"] = {
+            "run_id": pinner.run_id,
+            "sent": pinner.done,
+            "sent_at_iteration": pinner.sent_at_iteration,
+            "took_hold_at": r["checks"].get("pin_took_hold_at"),
+            "errors": pinner.errors[-3:],
+        }
     t = s.get("tuner") or {}
     r["tuner_changes"] = tuner_changes(os.path.join(run_dir, "tuner"))
     r["tuner_at_change"] = at_change(r["tuner_changes"], a.change_at) if scenario != "d" else None
@@ -505,6 +611,7 @@ def one_run(bench: Bench, work: str, scenario: str, rep: int, kind: str, weight:
 
 
 # -- ratios and goals ------------------------------------------------------------------------
+
 
 def _ratio(x, y):
     return x / y if x is not None and y else None
@@ -534,15 +641,20 @@ def rep_ratios(scenario: str, runs: list[dict]) -> dict:
         return {}
     statics = [fz] + [r for r in runs if r["kind"] == "static"]
     best = min(statics, key=lambda r: r["median_s"]["after"] or float("inf"))
-    out = {"frozen_after_s": fz["median_s"]["after"], "tuned_after_s": tu["median_s"]["after"],
-           "best_static": best["name"], "best_static_weight": best["slow_weight"],
-           "best_static_after_s": best["median_s"]["after"],
-           "frozen_over_tuned_after": _ratio(fz["median_s"]["after"], tu["median_s"]["after"]),
-           "tuned_over_best_static_after": _ratio(tu["median_s"]["after"], best["median_s"]["after"]),
-           "settle_iters": tu["settle_iters"], "tuned_knob_changes": len(tu["applied_changes"]),
-           "frozen_io_share_after": fz["io_share"]["after"],
-           "untouched_ratio": _untouched_ratio(fz, tu),
-           "held": all(r["checks"]["held"] for r in runs)}
+    out = {
+        "frozen_after_s": fz["median_s"]["after"],
+        "tuned_after_s": tu["median_s"]["after"],
+        "best_static": best["name"],
+        "best_static_weight": best["slow_weight"],
+        "best_static_after_s": best["median_s"]["after"],
+        "frozen_over_tuned_after": _ratio(fz["median_s"]["after"], tu["median_s"]["after"]),
+        "tuned_over_best_static_after": _ratio(tu["median_s"]["after"], best["median_s"]["after"]),
+        "settle_iters": tu["settle_iters"],
+        "tuned_knob_changes": len(tu["applied_changes"]),
+        "frozen_io_share_after": fz["io_share"]["after"],
+        "untouched_ratio": _untouched_ratio(fz, tu),
+        "held": all(r["checks"]["held"] for r in runs),
+    }
     if scenario == "b":
         out["tuned_recovered_over_frozen_before"] = _ratio(tu["median_s"]["recovered"], fz["median_s"]["before"])
         out["recovery_settle_iters"] = tu.get("recovery_settle_iters")
@@ -561,11 +673,20 @@ def goals(res: dict, settle_limit: int = GOAL_SETTLE) -> list[dict]:
         if not per_rep:
             return
         if xs is not None:  # a pair of a busier machine is no evidence either way
-            per_rep = [(None, f"{w}, not judged: forward/backward {x['untouched_ratio']:.2f}x apart") if _busy(x)
-                       else (ok, w) for (ok, w), x in zip(per_rep, xs)]
+            per_rep = [
+                (None, f"{w}, not judged: forward/backward {x['untouched_ratio']:.2f}x apart") if _busy(x) else (ok, w)
+                for (ok, w), x in zip(per_rep, xs)
+            ]
         oks = [ok for ok, _ in per_rep]
-        status = "FAIL" if False in oks else "n/a" if True not in oks else "PASS" if None not in oks or xs is None \
+        status = (
+            "FAIL"
+            if False in oks
+            else "n/a"
+            if True not in oks
+            else "PASS"
+            if None not in oks or xs is None
             else f"PASS in {oks.count(True)} of {len(oks)}"
+        )
         rows.append({"scenario": scenario, "goal": goal, "status": status, "per_rep": [w for _, w in per_rep]})
 
     sc = res.get("scenarios", {})
@@ -575,32 +696,68 @@ def goals(res: dict, settle_limit: int = GOAL_SETTLE) -> list[dict]:
         return "-" if x is None else fmt.format(x)
 
     if reps.get("a"):
-        judge("tuned >= 1.5x frozen after the change", "a",
-              [(_ge(x["frozen_over_tuned_after"], 1.5), f(x["frozen_over_tuned_after"])) for x in reps["a"]], reps["a"])
-        judge("tuned within 1.25x of the best static after the change", "a",
-              [(_le(x["tuned_over_best_static_after"], 1.25), f(x["tuned_over_best_static_after"])) for x in reps["a"]],
-              reps["a"])
-        judge(f"settled within {settle_limit} iterations of the change", "a",
-              [(x["settle_iters"] is not None and x["settle_iters"] <= settle_limit,
-                "no knob change" if x["settle_iters"] is None else f"{x['settle_iters']} iterations") for x in reps["a"]])
+        judge(
+            "tuned >= 1.5x frozen after the change",
+            "a",
+            [(_ge(x["frozen_over_tuned_after"], 1.5), f(x["frozen_over_tuned_after"])) for x in reps["a"]],
+            reps["a"],
+        )
+        judge(
+            "tuned within 1.25x of the best static after the change",
+            "a",
+            [(_le(x["tuned_over_best_static_after"], 1.25), f(x["tuned_over_best_static_after"])) for x in reps["a"]],
+            reps["a"],
+        )
+        judge(
+            f"settled within {settle_limit} iterations of the change",
+            "a",
+            [
+                (
+                    x["settle_iters"] is not None and x["settle_iters"] <= settle_limit,
+                    "no knob change" if x["settle_iters"] is None else f"{x['settle_iters']} iterations",
+                )
+                for x in reps["a"]
+            ],
+        )
     if reps.get("b"):
-        judge("after the recovery within 5% of frozen before the change", "b",
-              [(_le(x["tuned_recovered_over_frozen_before"], 1.05), f(x["tuned_recovered_over_frozen_before"]))
-               for x in reps["b"]], reps["b"])
-        judge(f"moves after the recovery end within {settle_limit} iterations", "b",
-              [((x["recovery_settle_iters"] or 0) <= settle_limit,
-                "no move" if x["recovery_settle_iters"] is None else f"{x['recovery_settle_iters']} iterations")
-               for x in reps["b"]])
+        judge(
+            "after the recovery within 5% of frozen before the change",
+            "b",
+            [(_le(x["tuned_recovered_over_frozen_before"], 1.05), f(x["tuned_recovered_over_frozen_before"])) for x in reps["b"]],
+            reps["b"],
+        )
+        judge(
+            f"moves after the recovery end within {settle_limit} iterations",
+            "b",
+            [
+                (
+                    (x["recovery_settle_iters"] or 0) <= settle_limit,
+                    "no move" if x["recovery_settle_iters"] is None else f"{x['recovery_settle_iters']} iterations",
+                )
+                for x in reps["b"]
+            ],
+        )
     if reps.get("c"):
-        judge("tuned >= 1.3x frozen where I/O is at least half the iteration", "c",
-              [(None if (x["frozen_io_share_after"] or 0) < 0.5 else _ge(x["frozen_over_tuned_after"], 1.3),
-                f"{f(x['frozen_over_tuned_after'])} (I/O {f(x['frozen_io_share_after'], '{:.0%}')} of frozen's "
-                f"iteration)") for x in reps["c"]], reps["c"])
+        judge(
+            "tuned >= 1.3x frozen where I/O is at least half the iteration",
+            "c",
+            [
+                (
+                    None if (x["frozen_io_share_after"] or 0) < 0.5 else _ge(x["frozen_over_tuned_after"], 1.3),
+                    f"{f(x['frozen_over_tuned_after'])} (I/O {f(x['frozen_io_share_after'], '{:.0%}')} of frozen's iteration)",
+                )
+                for x in reps["c"]
+            ],
+            reps["c"],
+        )
     if reps.get("d"):
-        judge("no knob change", "d", [(x["tuned_knob_changes"] == 0, f"{x['tuned_knob_changes']} changes")
-                                       for x in reps["d"]])
-        judge("tuned >= 0.97x frozen", "d",
-              [(_ge(x["frozen_over_tuned_whole"], 0.97), f(x["frozen_over_tuned_whole"])) for x in reps["d"]], reps["d"])
+        judge("no knob change", "d", [(x["tuned_knob_changes"] == 0, f"{x['tuned_knob_changes']} changes") for x in reps["d"]])
+        judge(
+            "tuned >= 0.97x frozen",
+            "d",
+            [(_ge(x["frozen_over_tuned_whole"], 0.97), f(x["frozen_over_tuned_whole"])) for x in reps["d"]],
+            reps["d"],
+        )
     held = [(x["held"], f"{s}{i + 1}") for s, v in reps.items() for i, x in enumerate(v)]
     judge("the pins and the host-memory budget hold in every run", ",".join(sorted(reps)), held)
     return rows
@@ -616,25 +773,38 @@ def _le(x, limit) -> bool:
 
 # -- the bench -------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(__doc__.split("\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--scenarios", default="a,b,c,d", help="comma-separated subset of a,b,c,d (default all)")
-    ap.add_argument("--reps", default="1", help="repetitions: N for each scenario, or SCENARIO=N,... (the others "
-                                                "once), e.g. a=3,d=3 (default 1)")
+    ap.add_argument(
+        "--reps",
+        default="1",
+        help="repetitions: N for each scenario, or SCENARIO=N,... (the others once), e.g. a=3,d=3 (default 1)",
+    )
     ap.add_argument("--iters", type=int, default=50, help="iterations per run (b: more, see above; default 50)")
     ap.add_argument("--change-at", type=int, default=20, help="first iteration under the change (default 20)")
     ap.add_argument("--recover-at", type=int, default=40, help="(b) first iteration after the recovery (default 40)")
-    ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the window before the "
-                                                          "change (default 5)")
-    ap.add_argument("--settle", type=int, default=10, help="iterations after a change left out of the steady "
-                                                           "window after it (default 10)")
-    ap.add_argument("--tier-spec", default="nvme0:4:300:300 nvme1:4:300:300",
-                    help="the two paths, NAME:SIZE_GB:READ_MBps:WRITE_MBps each (default two at 300:300)")
+    ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the window before the change (default 5)")
+    ap.add_argument(
+        "--settle", type=int, default=10, help="iterations after a change left out of the steady window after it (default 10)"
+    )
+    ap.add_argument(
+        "--tier-spec",
+        default="nvme0:4:300:300 nvme1:4:300:300",
+        help="the two paths, NAME:SIZE_GB:READ_MBps:WRITE_MBps each (default two at 300:300)",
+    )
     ap.add_argument("--slow-tier", help="the tier that slows or is contended (default the spec's last)")
     ap.add_argument("--slow-rate", default="60:60", help="its READ:WRITE MB/s after the change (default 60:60)")
-    ap.add_argument("--static-weights", default="0.3,0.17,0.1",
-                    help="the slow path's stripe weights of the static sweep in a and c (default 0.3,0.17,0.1)")
+    ap.add_argument(
+        "--static-weights",
+        default="0.3,0.17,0.1",
+        help="the slow path's stripe weights of the static sweep in a and c (default 0.3,0.17,0.1)",
+    )
     ap.add_argument("--readers", type=int, default=4, help="(c) dd readers of the competing job (default 4)")
     ap.add_argument("--writers", type=int, default=4, help="(c) dd writers of the competing job (default 4)")
     ap.add_argument("--layers", type=int, default=18, help="bench/ds_model.py layers (default 18)")
@@ -664,14 +834,25 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(work, exist_ok=True)
     args = {k: v for k, v in vars(a).items() if k != "tiers"}
     args["tiers"] = [t._asdict() for t in a.tiers]
-    res: dict = {"args": args, "work": work if a.work else None, "machine": machine(),
-                 "model": {"width": a.width, "layers": a.layers, "sub_group_size": a.sub_group_size,
-                           "params": a.width ** 2 * a.layers, "host_memory": a.host_memory},
-                 "windows": {s: windows(s, a) for s in a.scenarios}, "scenarios": {}}
+    res: dict = {
+        "args": args,
+        "work": work if a.work else None,
+        "machine": machine(),
+        "model": {
+            "width": a.width,
+            "layers": a.layers,
+            "sub_group_size": a.sub_group_size,
+            "params": a.width**2 * a.layers,
+            "host_memory": a.host_memory,
+        },
+        "windows": {s: windows(s, a) for s in a.scenarios},
+        "scenarios": {},
+    }
     code = 0
     try:
-        res["tiers"] = bench.tiers([f"{t.name}:{t.size_gb}:{t.read:.0f}:{t.write:.0f}" for t in a.tiers],
-                                   {t.name for t in a.tiers})
+        res["tiers"] = bench.tiers(
+            [f"{t.name}:{t.size_gb}:{t.read:.0f}:{t.write:.0f}" for t in a.tiers], {t.name for t in a.tiers}
+        )
         bench.changed = {t.name for t in a.tiers}  # the spec's rates, also on tiers that were up
         bench.restore()
         files = {t.name: bench.write_file(t.name, 512, "tuner-scenarios") for t in a.tiers}
@@ -681,8 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_ceilings(a, res["ceilings_MBps"])
         _save(a, res)
         plan = [(s, rep) for rep in range(max(a.reps.values())) for s in a.scenarios if rep < a.reps[s]]
-        total = sum(2 + (len(a.static_weights) if s in SWEPT and rep == 0 else 1 if s in SWEPT else 0)
-                    for s, rep in plan)
+        total = sum(2 + (len(a.static_weights) if s in SWEPT and rep == 0 else 1 if s in SWEPT else 0) for s, rep in plan)
         best_weight: dict[str, float | None] = {}
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("runs", total=total)
@@ -727,9 +907,13 @@ def machine() -> dict:
         r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
 
-    return {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "commit": git("rev-parse", "HEAD"),
-            "modified": (git("status", "--porcelain", "--untracked-files=no") or "").splitlines()}
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": git("rev-parse", "HEAD"),
+        "modified": (git("status", "--porcelain", "--untracked-files=no") or "").splitlines(),
+    }
 
 
 def ceilings(bench: Bench, files: dict) -> dict:
@@ -738,8 +922,11 @@ def ceilings(bench: Bench, files: dict) -> dict:
     a = bench.args
     out = {}
     for t in a.tiers:
-        out[t.name] = {"limit": [t.read, t.write], "read": bench.dd_rate(files[t.name], a.bw_seconds),
-                       "write": bench.dd_rate(files[t.name] + ".w", a.bw_seconds, write=True)}
+        out[t.name] = {
+            "limit": [t.read, t.write],
+            "read": bench.dd_rate(files[t.name], a.bw_seconds),
+            "write": bench.dd_rate(files[t.name] + ".w", a.bw_seconds, write=True),
+        }
     slow = out[a.slow_tier]
     try:
         bench.slow()
@@ -784,13 +971,23 @@ def _short(text: str, r: dict) -> str:
 
 def _print_ceilings(a, c: dict) -> None:
     t = Table(title="physical limit: one O_DIRECT dd, MB/s (limit -> measured)")
-    for col in ("tier", "read", "write", f"read at {a.slow_rate[0]:g}", f"write at {a.slow_rate[1]:g}",
-                "read beside the job", "write beside the job"):
+    for col in (
+        "tier",
+        "read",
+        "write",
+        f"read at {a.slow_rate[0]:g}",
+        f"write at {a.slow_rate[1]:g}",
+        "read beside the job",
+        "write beside the job",
+    ):
         t.add_column(col)
     for name, v in c.items():
-        t.add_row(name, f"{v['limit'][0]:g} -> {v['read']:.0f}", f"{v['limit'][1]:g} -> {v['write']:.0f}",
-                  *(f"{v[k]:.0f}" if k in v else "" for k in ("slow_read", "slow_write", "beside_job_read",
-                                                               "beside_job_write")))
+        t.add_row(
+            name,
+            f"{v['limit'][0]:g} -> {v['read']:.0f}",
+            f"{v['limit'][1]:g} -> {v['write']:.0f}",
+            *(f"{v[k]:.0f}" if k in v else "" for k in ("slow_read", "slow_write", "beside_job_read", "beside_job_write")),
+        )
     console.print(t)
 
 
@@ -799,11 +996,16 @@ def _print(a, res: dict) -> None:
         if not any(rep["runs"] for rep in sc["reps"]):
             continue
         w = res["windows"][s]
-        t = Table(title=f"({s}) {sc['what']}: {a.slow_tier} " + {
-            "a": f"at {a.slow_rate[0]:g}:{a.slow_rate[1]:g} MB/s from iteration {a.change_at}",
-            "b": f"at {a.slow_rate[0]:g}:{a.slow_rate[1]:g} MB/s for iterations {a.change_at}-{a.recover_at - 1}",
-            "c": f"beside {a.readers} dd readers and {a.writers} writers from iteration {a.change_at}",
-            "d": "unchanged"}[s], title_justify="left")
+        t = Table(
+            title=f"({s}) {sc['what']}: {a.slow_tier} "
+            + {
+                "a": f"at {a.slow_rate[0]:g}:{a.slow_rate[1]:g} MB/s from iteration {a.change_at}",
+                "b": f"at {a.slow_rate[0]:g}:{a.slow_rate[1]:g} MB/s for iterations {a.change_at}-{a.recover_at - 1}",
+                "c": f"beside {a.readers} dd readers and {a.writers} writers from iteration {a.change_at}",
+                "d": "unchanged",
+            }[s],
+            title_justify="left",
+        )
         cols = ["run", f"before [{w['before'][0]},{w['before'][1]})", f"after [{w['after'][0]},{w['after'][1]})"]
         if s == "b":
             cols.append(f"recovered [{w['recovered'][0]},{w['recovered'][1]})")
@@ -817,11 +1019,14 @@ def _print(a, res: dict) -> None:
                 row = [label, _s(r["median_s"]["before"]), _s(r["median_s"]["after"])]
                 if s == "b":
                     row.append(_s(r["median_s"]["recovered"]))
-                row += [_s(r["median_s"]["whole"]),
-                        "-" if r["kind"] != "tuned" else "no move" if r["settle_iters"] is None else str(r["settle_iters"]),
-                        str(len(r["applied_changes"])), "-" if share is None else f"{share:.0%}",
-                        "-" if r["io_share"]["after"] is None else f"{r['io_share']['after']:.0%}",
-                        "yes" if r["checks"]["held"] else "[red]no[/red]"]
+                row += [
+                    _s(r["median_s"]["whole"]),
+                    "-" if r["kind"] != "tuned" else "no move" if r["settle_iters"] is None else str(r["settle_iters"]),
+                    str(len(r["applied_changes"])),
+                    "-" if share is None else f"{share:.0%}",
+                    "-" if r["io_share"]["after"] is None else f"{r['io_share']['after']:.0%}",
+                    "yes" if r["checks"]["held"] else "[red]no[/red]",
+                ]
                 t.add_row(*row)
         console.print(t)
         for rep in sc["reps"]:
@@ -834,29 +1039,42 @@ def _print(a, res: dict) -> None:
             if s == "b":
                 line += f"; tuned recovered / frozen before {_x(x['tuned_recovered_over_frozen_before'])}"
             if s == "d":
-                line += (f"; frozen/tuned whole run {_x(x['frozen_over_tuned_whole'])}, "
-                         f"{x['tuned_knob_changes']} knob changes")
+                line += f"; frozen/tuned whole run {_x(x['frozen_over_tuned_whole'])}, {x['tuned_knob_changes']} knob changes"
             if x.get("untouched_ratio"):
                 line += f"; forward/backward {x['untouched_ratio']:.2f}x apart" + (
-                    " (a busier machine in one run: not judged, re-run)" if _busy(x) else "")
+                    " (a busier machine in one run: not judged, re-run)" if _busy(x) else ""
+                )
             console.print(line, highlight=False)
             for r in rep["runs"]:
                 if r["kind"] != "tuned":
                     continue
                 for c in r["tuner_changes"]:
-                    console.print(f"  {r['name']} it {c['iteration']} (applied at {c['apply_at']}): "
-                                  f"{_short(c['reason'], r)}", highlight=False, markup=False)
+                    console.print(
+                        f"  {r['name']} it {c['iteration']} (applied at {c['apply_at']}): {_short(c['reason'], r)}",
+                        highlight=False,
+                        markup=False,
+                    )
                 if r.get("tuner_at_change"):
                     c = r["tuner_at_change"]
-                    console.print(f"  {r['name']} at the change: " + (
-                        f"a trial decided at iteration {c['iteration']} was in flight" if c["trial_in_flight"]
-                        else f"no trial in flight (last decision at iteration {c['iteration']})"), highlight=False)
+                    console.print(
+                        f"  {r['name']} at the change: "
+                        + (
+                            f"a trial decided at iteration {c['iteration']} was in flight"
+                            if c["trial_in_flight"]
+                            else f"no trial in flight (last decision at iteration {c['iteration']})"
+                        ),
+                        highlight=False,
+                    )
                 v = r["verdict"] or {}
-                console.print(f"  {r['name']} verdict: {v.get('mode')} ({_short(v.get('reason') or '', r)})",
-                              highlight=False, markup=False)
+                console.print(
+                    f"  {r['name']} verdict: {v.get('mode')} ({_short(v.get('reason') or '', r)})", highlight=False, markup=False
+                )
         if s in ("b", "d"):
-            console.print(f"({s}) the best static setting is frozen's: the conditions after the "
-                          f"{'recovery' if s == 'b' else 'start'} are the start's", highlight=False)
+            console.print(
+                f"({s}) the best static setting is frozen's: the conditions after the "
+                f"{'recovery' if s == 'b' else 'start'} are the start's",
+                highlight=False,
+            )
     if res.get("goals"):
         t = Table(title="issue 41 Goals (every repetition must pass)", title_justify="left")
         for c in ("scenario", "goal", "status", "per repetition"):

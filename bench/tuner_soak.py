@@ -20,6 +20,7 @@ the daemon's RSS after the first minute and at the end (goal: growth < 20 MB), i
 descriptors before the load and after every client left (goal: back to the start), and the
 tracebacks in its log (goal: none).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,13 @@ async def _hostile(sock: str, stop: threading.Event, counts: dict) -> None:
             w.close()
 
     async def garbage():
-        for payload in (os.urandom(rng.randint(1, 512)), struct.pack(">I", 1 << 31), _frame([1, 2, 3]),
-                        _frame({"v": API_VERSION, "type": "nonsense", "id": 1}), b"\x00\x00\x00\x00"):
+        for payload in (
+            os.urandom(rng.randint(1, 512)),
+            struct.pack(">I", 1 << 31),
+            _frame([1, 2, 3]),
+            _frame({"v": API_VERSION, "type": "nonsense", "id": 1}),
+            b"\x00\x00\x00\x00",
+        ):
             try:
                 r, w = await asyncio.open_unix_connection(sock)
                 w.write(payload)
@@ -95,15 +101,38 @@ async def _hostile(sock: str, stop: threading.Event, counts: dict) -> None:
         try:
             r, w = await asyncio.open_unix_connection(sock)
             w.write(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine"}))
-            w.write(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": run, "rank": 0, "world_size": 1,
-                            "params": 1000, "paths": ["/x"], "knobs": {}, "has_device": False, "subgroup_bytes": 12288}))
-            rec = {"iteration": 1, "update_s": 5e-324, "read_wait_s": 0.0, "kernel_s": 0.0, "write_wait_s": 0.0,
-                   "path_bytes_read": {"/x": 1 << 60}}
-            w.write(encode({"v": API_VERSION, "type": "telemetry", "id": 2, "run_id": run, "rank": 0, "iteration": 1,
-                            "record": rec}))
-            bad = dict(rec, iteration=2, path_bytes_read={"/x": 10 ** 300})
-            w.write(_frame({"v": API_VERSION, "type": "telemetry", "id": 3, "run_id": run, "rank": 0,
-                            "iteration": 2, "record": bad}))
+            w.write(
+                encode(
+                    {
+                        "v": API_VERSION,
+                        "type": "register",
+                        "id": 1,
+                        "run_id": run,
+                        "rank": 0,
+                        "world_size": 1,
+                        "params": 1000,
+                        "paths": ["/x"],
+                        "knobs": {},
+                        "has_device": False,
+                        "subgroup_bytes": 12288,
+                    }
+                )
+            )
+            rec = {
+                "iteration": 1,
+                "update_s": 5e-324,
+                "read_wait_s": 0.0,
+                "kernel_s": 0.0,
+                "write_wait_s": 0.0,
+                "path_bytes_read": {"/x": 1 << 60},
+            }
+            w.write(
+                encode({"v": API_VERSION, "type": "telemetry", "id": 2, "run_id": run, "rank": 0, "iteration": 1, "record": rec})
+            )
+            bad = dict(rec, iteration=2, path_bytes_read={"/x": 10**300})
+            w.write(
+                _frame({"v": API_VERSION, "type": "telemetry", "id": 3, "run_id": run, "rank": 0, "iteration": 2, "record": bad})
+            )
             await w.drain()
             await asyncio.sleep(0.5)
             w.write(encode({"v": API_VERSION, "type": "bye", "run_id": run, "rank": 0}))
@@ -116,9 +145,23 @@ async def _hostile(sock: str, stop: threading.Event, counts: dict) -> None:
         try:
             r, w = await asyncio.open_unix_connection(sock)
             w.write(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine"}))
-            w.write(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": f"hostile-huge-{k}", "rank": 0,
-                            "world_size": 1, "params": 1000, "paths": [f"/{i:02d}" + "p" * 3990 for i in range(64)],
-                            "knobs": {}, "has_device": False, "subgroup_bytes": 12288}))
+            w.write(
+                encode(
+                    {
+                        "v": API_VERSION,
+                        "type": "register",
+                        "id": 1,
+                        "run_id": f"hostile-huge-{k}",
+                        "rank": 0,
+                        "world_size": 1,
+                        "params": 1000,
+                        "paths": [f"/{i:02d}" + "p" * 3990 for i in range(64)],
+                        "knobs": {},
+                        "has_device": False,
+                        "subgroup_bytes": 12288,
+                    }
+                )
+            )
             await w.drain()
             await asyncio.sleep(1.0)
             w.close()  # gone without bye: the daemon keeps it a while for a reconnect
@@ -180,9 +223,24 @@ def main(argv=None) -> int:
     sock = os.path.join(tmp, "d", "tuner.sock")
     os.makedirs(os.path.dirname(sock), mode=0o700)
     log_path = os.path.join(tmp, "daemon.log")
-    daemon = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db",
-                               "none", "--no-sensors", "--log-level", "warning"], cwd=ROOT,
-                              stderr=open(log_path, "w"))
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "tuner",
+            "serve",
+            "--socket",
+            sock,
+            "--db",
+            "none",
+            "--no-sensors",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        stderr=open(log_path, "w"),
+    )
     deadline = time.time() + 60
     while not os.path.exists(sock):
         if daemon.poll() is not None or time.time() > deadline:
@@ -201,8 +259,12 @@ def main(argv=None) -> int:
     ctx = mp.get_context("fork")
     results, go_on = ctx.Queue(), ctx.Event()
     start_at = time.time() + 1.0
-    procs = [ctx.Process(target=worker, args=(sock, clients[k::args.procs], args.rate, args.duration, start_at,
-                                              paths_of, results, go_on)) for k in range(args.procs)]
+    procs = [
+        ctx.Process(
+            target=worker, args=(sock, clients[k :: args.procs], args.rate, args.duration, start_at, paths_of, results, go_on)
+        )
+        for k in range(args.procs)
+    ]
     for p in procs:
         p.start()
     stop, counts = threading.Event(), {"rounds": 0, "huge": 0}
@@ -241,20 +303,35 @@ def main(argv=None) -> int:
     good = {r["run_id"]: r for r in snap["runs"] if r["run_id"].startswith("soak-")}
     dropped = [r for r in paths_of if r not in good or good[r]["connected"] != 4]
     result = {
-        "clients": args.clients, "rate_per_client": args.rate, "duration_s": args.duration,
-        "hostile_rounds": counts["rounds"], "hostile_huge_runs": counts["huge"],
-        "replies": len(lat), "p50_ms": 1e3 * _pct(lat, 50), "p99_ms": 1e3 * _pct(lat, 99),
-        "max_ms": 1e3 * lat[-1] if lat else None, "unanswered": sum(p["unanswered"] for p in parts),
+        "clients": args.clients,
+        "rate_per_client": args.rate,
+        "duration_s": args.duration,
+        "hostile_rounds": counts["rounds"],
+        "hostile_huge_runs": counts["huge"],
+        "replies": len(lat),
+        "p50_ms": 1e3 * _pct(lat, 50),
+        "p99_ms": 1e3 * _pct(lat, 99),
+        "max_ms": 1e3 * lat[-1] if lat else None,
+        "unanswered": sum(p["unanswered"] for p in parts),
         "good_runs_dropped": len(dropped) + (len(procs) - len(parts)),
         "good_clients_disconnected": sum(p["disconnected"] for p in parts),
-        "rss_start_mb": rss_start / 2**20, "rss_after_1min_mb": (rss_warm or rss_start) / 2**20,
-        "rss_end_mb": rss_end / 2**20, "rss_growth_mb": (rss_end - (rss_warm or rss_start)) / 2**20,
-        "fds_start": fds_start, "fds_end": fds_end,
-        "tracebacks_in_log": log_text.count("Traceback"), "log_bytes": len(log_text),
+        "rss_start_mb": rss_start / 2**20,
+        "rss_after_1min_mb": (rss_warm or rss_start) / 2**20,
+        "rss_end_mb": rss_end / 2**20,
+        "rss_growth_mb": (rss_end - (rss_warm or rss_start)) / 2**20,
+        "fds_start": fds_start,
+        "fds_end": fds_end,
+        "tracebacks_in_log": log_text.count("Traceback"),
+        "log_bytes": len(log_text),
     }
-    ok = (result["p99_ms"] < P99_GOAL_S * 1e3 and not result["good_runs_dropped"] and not
-          result["good_clients_disconnected"] and rss_end - (rss_warm or rss_start) < RSS_GROWTH_GOAL_BYTES and
-          fds_end == fds_start and result["tracebacks_in_log"] == 0)
+    ok = (
+        result["p99_ms"] < P99_GOAL_S * 1e3
+        and not result["good_runs_dropped"]
+        and not result["good_clients_disconnected"]
+        and rss_end - (rss_warm or rss_start) < RSS_GROWTH_GOAL_BYTES
+        and fds_end == fds_start
+        and result["tracebacks_in_log"] == 0
+    )
     result["goal_met"] = ok
     if args.json:
         print(json.dumps(result, indent=2))

@@ -22,6 +22,7 @@ which is the same as doing it by hand with bench/tiers.sh:
     bench/tiers.sh run .venv/bin/python bench/update_phase.py --nvme /mnt/offloadctl-tiers/nvme
     bench/tiers.sh down
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,7 @@ console = Console(stderr=True)
 
 def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> dict[str, float]:
     """O_DIRECT bandwidth of ``path`` alone for reads, for writes, and for both at once (bytes/s)."""
-    sp = SwapPath(StoragePath(path=path), open_backend(backend), concurrency=concurrency, node_lock=False,
-                  verify_checksums=False)
+    sp = SwapPath(StoragePath(path=path), open_backend(backend), concurrency=concurrency, node_lock=False, verify_checksums=False)
     numel = nbytes // STATE_BYTES_PER_ELEMENT
     bufs = [StateBuffer(numel, pin=False) for _ in range(2)]
     for b in bufs:
@@ -75,16 +75,30 @@ def measure_ceiling(path: str, nbytes: int, concurrency: int, backend: str) -> d
     return {"read": moved / read_s, "write": moved / write_s, "mixed": 2 * moved / mixed_s}
 
 
-def run_layout(name: str, numel: int, sub: int, host_cache: int | None, path: str | None, steps: int,
-               backend: str, progress: Progress, io_cores: int = 1) -> dict:
+def run_layout(
+    name: str,
+    numel: int,
+    sub: int,
+    host_cache: int | None,
+    path: str | None,
+    steps: int,
+    backend: str,
+    progress: Progress,
+    io_cores: int = 1,
+) -> dict:
     torch.manual_seed(0)
     # Host tensors on purpose: flat weights and gradients of an engine with no model on a device.
     weight = torch.randn(numel, device="cpu")
     grad = torch.randn(numel, device="cpu") * 1e-3
-    bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
-    cfg = EngineConfig(subgroup_numel=sub, host_cache_bytes=host_cache, io_backend=backend, host_adam="auto",
-                       paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else (),
-                       io_cores=io_cores)
+    bindings = [FlatSubgroup(weight[o : o + sub], grad[o : o + sub]) for o in range(0, numel, sub)]
+    cfg = EngineConfig(
+        subgroup_numel=sub,
+        host_cache_bytes=host_cache,
+        io_backend=backend,
+        host_adam="auto",
+        paths=(StoragePath(path=path, read_bytes_per_s=1e9, write_bytes_per_s=1e9),) if path else (),
+        io_cores=io_cores,
+    )
     eng = SubgroupEngine(bindings, cfg, Knobs(prefetch_depth=2, io_concurrency={path: 8} if path else {}))
     task = progress.add_task(f"{name}", total=steps)
     try:
@@ -123,12 +137,12 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
     grad = torch.randn(numel, device="cpu") * 1e-3
     weight = torch.randn(numel, device="cpu")
     ds_weight = weight.clone()
-    bindings = [FlatSubgroup(weight[o:o + sub], grad[o:o + sub]) for o in range(0, numel, sub)]
+    bindings = [FlatSubgroup(weight[o : o + sub], grad[o : o + sub]) for o in range(0, numel, sub)]
     eng = SubgroupEngine(bindings, EngineConfig(subgroup_numel=sub, host_adam="auto"))
     params = []
     for o in range(0, numel, sub):
-        p = torch.nn.Parameter(ds_weight[o:o + sub].clone())
-        p.grad = grad[o:o + sub]
+        p = torch.nn.Parameter(ds_weight[o : o + sub].clone())
+        p.grad = grad[o : o + sub]
         params.append(p)
     ds = DeepSpeedCPUAdam(params, lr=1e-4, adamw_mode=True)
     task = progress.add_task("host-only vs DeepSpeedCPUAdam", total=steps)
@@ -138,13 +152,19 @@ def compare_cpu_update(numel: int, sub: int, steps: int, progress: Progress) -> 
         t0 = time.perf_counter()
         ds.step()
         for k, p in enumerate(params):
-            ds_weight[k * sub:k * sub + p.numel()].copy_(p.data)
+            ds_weight[k * sub : k * sub + p.numel()].copy_(p.data)
         theirs.append(time.perf_counter() - t0)
         progress.advance(task)
     eng.close()
     o, t = statistics.median(ours[1:]), statistics.median(theirs[1:])
-    return {"engine_update_s": o, "deepspeed_cpu_adam_update_s": t, "engine_params_per_s": numel / o,
-            "deepspeed_cpu_adam_params_per_s": numel / t, "ratio": t / o, "host_kernel": eng.host_kernel_name}
+    return {
+        "engine_update_s": o,
+        "deepspeed_cpu_adam_update_s": t,
+        "engine_params_per_s": numel / o,
+        "deepspeed_cpu_adam_params_per_s": numel / t,
+        "ratio": t / o,
+        "host_kernel": eng.host_kernel_name,
+    }
 
 
 def main() -> int:
@@ -160,8 +180,7 @@ def main() -> int:
     state_bytes = STATE_BYTES_PER_ELEMENT * numel
     n_sub = -(-numel // sub)
     half_cache = (n_sub // 2) * payload_bytes(sub)  # half the subgroups, as the engine counts bytes
-    out: dict = {"machine": _machine(), "params": numel, "subgroup": sub, "path": args.nvme,
-                 "command": " ".join(sys.argv)}
+    out: dict = {"machine": _machine(), "params": numel, "subgroup": sub, "path": args.nvme, "command": " ".join(sys.argv)}
     with Progress(console=console, transient=True) as progress:
         t = progress.add_task("storage ceiling", total=None)
         out["ceiling_bytes_per_s"] = measure_ceiling(args.nvme, min(state_bytes // 2, 1 << 30), 8, args.io_backend)
@@ -177,8 +196,7 @@ def main() -> int:
             # EngineConfig.io_cores=0: the host lane's threads share every core with the I/O
             # threads' checksums (before issue 18); the rows above leave them one core.
             run_layout("all-nvme, io_cores=0", numel, sub, 0, args.nvme, args.steps, args.io_backend, progress, 0),
-            run_layout("half-cache, io_cores=0", numel, sub, half_cache, args.nvme, args.steps, args.io_backend,
-                       progress, 0),
+            run_layout("half-cache, io_cores=0", numel, sub, half_cache, args.nvme, args.steps, args.io_backend, progress, 0),
         ]
     ceil = out["ceiling_bytes_per_s"]
     for lay in out["layouts"]:
@@ -199,32 +217,52 @@ def _machine() -> dict:
 
     from perf.probe import cpu_model
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "torch": torch.__version__,
-            "cuda": torch.cuda.is_available()}
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
 
 
 def _print(out: dict) -> None:
     c = Console(width=150)
     ceil = out["ceiling_bytes_per_s"]
     c.print(f"[bold]{out['params']:.3g} params[/bold], subgroup {out['subgroup']:.3g}, path {out['path']}")
-    c.print(f"ceiling (O_DIRECT, same run): read {ceil['read'] / 1e6:.0f} MB/s, write {ceil['write'] / 1e6:.0f} MB/s, "
-            f"mixed {ceil['mixed'] / 1e6:.0f} MB/s")
-    tab = Table("layout", "update s", "read wait s", "write wait s", "B/param", "read MB/s", "write MB/s", "hits", "floor s",
-                "time/floor")
+    c.print(
+        f"ceiling (O_DIRECT, same run): read {ceil['read'] / 1e6:.0f} MB/s, write {ceil['write'] / 1e6:.0f} MB/s, "
+        f"mixed {ceil['mixed'] / 1e6:.0f} MB/s"
+    )
+    tab = Table(
+        "layout", "update s", "read wait s", "write wait s", "B/param", "read MB/s", "write MB/s", "hits", "floor s", "time/floor"
+    )
     for lay in out["layouts"]:
-        tab.add_row(lay["layout"], f"{lay['update_s']:.3f}", f"{lay['read_wait_s']:.3f}", f"{lay['write_wait_s']:.3f}",
-                    f"{lay['bytes_per_param']:.2f}", f"{lay['read_bytes_per_s'] / 1e6:.0f}",
-                    f"{lay['write_bytes_per_s'] / 1e6:.0f}", f"{lay['cache_hits']:.0f}", f"{lay['floor_s']:.3f}",
-                    f"{lay['time_over_floor']:.2f}" if lay["time_over_floor"] else "-")
+        tab.add_row(
+            lay["layout"],
+            f"{lay['update_s']:.3f}",
+            f"{lay['read_wait_s']:.3f}",
+            f"{lay['write_wait_s']:.3f}",
+            f"{lay['bytes_per_param']:.2f}",
+            f"{lay['read_bytes_per_s'] / 1e6:.0f}",
+            f"{lay['write_bytes_per_s'] / 1e6:.0f}",
+            f"{lay['cache_hits']:.0f}",
+            f"{lay['floor_s']:.3f}",
+            f"{lay['time_over_floor']:.2f}" if lay["time_over_floor"] else "-",
+        )
     c.print(tab)
     k = out["host_kernel_params_per_s"]
-    c.print("host AdamW kernels (params/s): " + ", ".join(f"{n} {v:.3g}" for n, v in k.items())
-            + (f"; torch/deepspeed {out['host_kernel_vs_deepspeed']:.2f}" if out["host_kernel_vs_deepspeed"] else ""))
+    c.print(
+        "host AdamW kernels (params/s): "
+        + ", ".join(f"{n} {v:.3g}" for n, v in k.items())
+        + (f"; torch/deepspeed {out['host_kernel_vs_deepspeed']:.2f}" if out["host_kernel_vs_deepspeed"] else "")
+    )
     cu = out["cpu_update"]
-    c.print(f"CPU update, alternating steps: engine host-only {cu['engine_params_per_s']:.3g} params/s "
-            f"(kernel {cu['host_kernel']}), DeepSpeedCPUAdam {cu['deepspeed_cpu_adam_params_per_s']:.3g} params/s; "
-            f"engine speed / DeepSpeed speed = {cu['ratio']:.2f}")
+    c.print(
+        f"CPU update, alternating steps: engine host-only {cu['engine_params_per_s']:.3g} params/s "
+        f"(kernel {cu['host_kernel']}), DeepSpeedCPUAdam {cu['deepspeed_cpu_adam_params_per_s']:.3g} params/s; "
+        f"engine speed / DeepSpeed speed = {cu['ratio']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ with half cached. "nvme" is throttled to 400/400 MB/s and "pfs" to 200/200 MB/s.
 median iteration and step (update phase) times, ratios against ZeRO-Infinity, and the floor
 of the update phase that the throttles imply for the bytes each run moved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +38,43 @@ HALF_GB = STATE_BYTES_PER_ELEMENT * PARAMS / 2 / 1e9
 console = Console(stderr=True)
 
 CONFIGS = {
-    "zero-infinity": lambda d, out, it: ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29731",
-                                         os.path.join(HERE, "ds_model.py"), "--offload", "nvme", "--nvme-path", d["nvme"],
-                                         "--iters", it, "--out", out],
-    "zero-offload-cpu": lambda d, out, it: ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29732",
-                                            os.path.join(HERE, "ds_model.py"), "--iters", it, "--out", out],
+    "zero-infinity": lambda d, out, it: [
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        "29731",
+        os.path.join(HERE, "ds_model.py"),
+        "--offload",
+        "nvme",
+        "--nvme-path",
+        d["nvme"],
+        "--iters",
+        it,
+        "--out",
+        out,
+    ],
+    "zero-offload-cpu": lambda d, out, it: [
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        "29732",
+        os.path.join(HERE, "ds_model.py"),
+        "--iters",
+        it,
+        "--out",
+        out,
+    ],
     "offloadctl nvme": lambda d, out, it: _ours(d, out, it, ["--nvme", d["nvme"], "--host-cache", "0"]),
-    "offloadctl nvme, half cached": lambda d, out, it: _ours(d, out, it,
-                                                           ["--nvme", d["nvme"], "--host-cache", f"{HALF_GB:.4f}GB"]),
-    "offloadctl nvme+pfs, half cached": lambda d, out, it: _ours(d, out, it, ["--nvme", d["nvme"], "--remote", d["pfs"],
-                                                                              "--host-cache", f"{HALF_GB:.4f}GB"]),
+    "offloadctl nvme, half cached": lambda d, out, it: _ours(
+        d, out, it, ["--nvme", d["nvme"], "--host-cache", f"{HALF_GB:.4f}GB"]
+    ),
+    "offloadctl nvme+pfs, half cached": lambda d, out, it: _ours(
+        d, out, it, ["--nvme", d["nvme"], "--remote", d["pfs"], "--host-cache", f"{HALF_GB:.4f}GB"]
+    ),
 }
 
 
@@ -63,8 +91,9 @@ def main() -> int:
     if os.geteuid() != 0:
         console.print("skipping: emulated tiers need root (loop devices, mounts, blkio cgroups)")
         return 0
-    subprocess.run([TIERS, "up", f"nvme:6:{NVME_MBPS}:{NVME_MBPS}", f"pfs:6:{PFS_MBPS}:{PFS_MBPS}"], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [TIERS, "up", f"nvme:6:{NVME_MBPS}:{NVME_MBPS}", f"pfs:6:{PFS_MBPS}:{PFS_MBPS}"], check=True, stdout=subprocess.DEVNULL
+    )
     results: dict[str, list[dict]] = {k: [] for k in CONFIGS}
     try:
         with Progress(console=console) as progress:
@@ -105,8 +134,13 @@ def _report(results: dict[str, list[dict]]) -> dict:
         it, st = med(runs, "iter_s"), med(runs, "step_s")
         floors = [f for f in (_floor_s(r) for r in runs) if f is not None]
         floor = statistics.median(floors) if floors else (zi_floor if name == "zero-infinity" else None)
-        report[name] = {"iter_s": it, "step_s": st, "speedup_iter": zi_iter / it, "speedup_step": zi_step / st,
-                        "step_floor_s": floor}
+        report[name] = {
+            "iter_s": it,
+            "step_s": st,
+            "speedup_iter": zi_iter / it,
+            "speedup_step": zi_step / st,
+            "step_floor_s": floor,
+        }
         table.add_row(name, f"{it:.2f}", f"{st:.2f}", f"{zi_iter / it:.2f}x", f"{floor:.2f}" if floor else "-")
     Console(width=150).print(table)
     return report

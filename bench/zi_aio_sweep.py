@@ -21,6 +21,7 @@ If DeepSpeed's async_io op does not load here, step 1 falls back to ``ds_io --en
 (writes only; DeepSpeed has no read path without async_io) and step 2 is skipped: ZeRO-Infinity's
 nvme offload needs async_io. The JSON says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,10 @@ def log_name(op: str, block: str, depth: int, par: int) -> str:
     return f"{op}_block_overlap_ftd1_d{depth}_bs{block}_p{par}.txt"
 
 
-_SPEED = {"read": re.compile(r"^E2E Read Speed = ([0-9.e+-]+) GB/sec", re.M),
-          "write": re.compile(r"^E2E Write Speed = ([0-9.e+-]+) GB/sec", re.M)}
+_SPEED = {
+    "read": re.compile(r"^E2E Read Speed = ([0-9.e+-]+) GB/sec", re.M),
+    "write": re.compile(r"^E2E Write Speed = ([0-9.e+-]+) GB/sec", re.M),
+}
 
 
 def parse_log(text: str, op: str) -> float | None:
@@ -97,8 +100,16 @@ def pick_aio(points: list[dict], tie: float) -> dict:
     best = max(both.values())
     ties = [k for k, s in both.items() if s >= (1 - tie) * best]
     k = min(ties, key=lambda k: (k[0], -both[k]))
-    return {"block_size": k[0], "queue_depth": k[1], "intra_op_parallelism": k[2], "read_MBps": sums[k]["read"],
-            "write_MBps": sums[k]["write"], "sum_MBps": both[k], "best_sum_MBps": best, "ties": len(ties)}
+    return {
+        "block_size": k[0],
+        "queue_depth": k[1],
+        "intra_op_parallelism": k[2],
+        "read_MBps": sums[k]["read"],
+        "write_MBps": sums[k]["write"],
+        "sum_MBps": both[k],
+        "best_sum_MBps": best,
+        "ties": len(ties),
+    }
 
 
 def async_io_state() -> tuple[bool, str]:
@@ -137,15 +148,31 @@ def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Pro
         t = threading.Thread(target=watch, daemon=True)
         t.start()
         try:
-            p = run_under_tiers([os.path.join(BIN, "ds_nvme_tune"), "--nvme_dir", folder, "--sweep_config", cfg,
-                                 "--io_size", args.io_size, "--loops", str(args.loops), "--log_dir", log_dir], cwd=log_dir)
+            p = run_under_tiers(
+                [
+                    os.path.join(BIN, "ds_nvme_tune"),
+                    "--nvme_dir",
+                    folder,
+                    "--sweep_config",
+                    cfg,
+                    "--io_size",
+                    args.io_size,
+                    "--loops",
+                    str(args.loops),
+                    "--log_dir",
+                    log_dir,
+                ],
+                cwd=log_dir,
+            )
         finally:
             done_flag.set()
             t.join()
         ds_pick["ds_nvme_tune_output_tail"] = [ln for ln in p.stdout.splitlines() if not ln.startswith("tid ")][-12:]
         if p.returncode != 0:
-            notes.append(f"ds_nvme_tune exited {p.returncode} (last stderr: {p.stderr.strip().splitlines()[-1:]}); "
-                         "missing points run with ds_io directly")
+            notes.append(
+                f"ds_nvme_tune exited {p.returncode} (last stderr: {p.stderr.strip().splitlines()[-1:]}); "
+                "missing points run with ds_io directly"
+            )
     else:
         notes.append("async_io unavailable: ds_io --engine torch_io, writes only")
     for op, b, d, par in grid:
@@ -154,9 +181,24 @@ def run_ds_sweep(args, folder: str, log_dir: str, engine_ok: bool, progress: Pro
             continue
         progress.update(task, description=f"ds_io {op} {b} qd{d} p{par}")
         os.makedirs(logs[op], exist_ok=True)
-        cmd = [os.path.join(BIN, "ds_io"), "--folder", folder, "--io_size", args.io_size, "--loops", str(args.loops),
-               "--block_size", b, "--queue_depth", str(d), "--io_parallel", str(par),
-               "--engine", "aio_handle" if engine_ok else "torch_io", *(["--read"] if op == "read" else [])]
+        cmd = [
+            os.path.join(BIN, "ds_io"),
+            "--folder",
+            folder,
+            "--io_size",
+            args.io_size,
+            "--loops",
+            str(args.loops),
+            "--block_size",
+            b,
+            "--queue_depth",
+            str(d),
+            "--io_parallel",
+            str(par),
+            "--engine",
+            "aio_handle" if engine_ok else "torch_io",
+            *(["--read"] if op == "read" else []),
+        ]
         p = run_under_tiers(cmd, cwd=log_dir)
         with open(path, "w") as f:
             f.write(p.stdout + p.stderr)
@@ -195,22 +237,47 @@ def collect(args, log_dir: str) -> list[dict]:
                 for par in args.parallel:
                     path = os.path.join(log_dir, f"_aio_bench_{op}_logs", log_name(op, b, d, par))
                     mbps = parse_log(open(path).read(), op) if os.path.exists(path) else None
-                    points.append({"op": op, "block": b, "block_size": size_bytes(b), "queue_depth": d, "io_parallel": par,
-                                   "MBps": mbps})
+                    points.append(
+                        {"op": op, "block": b, "block_size": size_bytes(b), "queue_depth": d, "io_parallel": par, "MBps": mbps}
+                    )
     return points
 
 
 def zi_build(aio: dict, port: str = MASTER_PORT):
     """bench/ds_model.py as stock ZeRO-Infinity on the "nvme" tier with ``aio`` (block_size,
     queue_depth, intra_op_parallelism, buffer_count)."""
-    return lambda d, out, it: ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", port,
-                               os.path.join(HERE, "ds_model.py"), "--offload", "nvme", "--nvme-path", d["nvme"],
-                               *zi_model_args(aio), *_runs.MODEL_ARGS, "--iters", it, "--out", out]
+    return lambda d, out, it: [
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        port,
+        os.path.join(HERE, "ds_model.py"),
+        "--offload",
+        "nvme",
+        "--nvme-path",
+        d["nvme"],
+        *zi_model_args(aio),
+        *_runs.MODEL_ARGS,
+        "--iters",
+        it,
+        "--out",
+        out,
+    ]
 
 
 def zi_model_args(aio: dict) -> list[str]:
-    return ["--aio-block-size", str(aio["block_size"]), "--aio-queue-depth", str(aio["queue_depth"]),
-            "--aio-intra-op", str(aio["intra_op_parallelism"]), "--buffer-count", str(aio["buffer_count"])]
+    return [
+        "--aio-block-size",
+        str(aio["block_size"]),
+        "--aio-queue-depth",
+        str(aio["queue_depth"]),
+        "--aio-intra-op",
+        str(aio["intra_op_parallelism"]),
+        "--buffer-count",
+        str(aio["buffer_count"]),
+    ]
 
 
 def _last_error(text: str) -> str:
@@ -252,10 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     log_dir = args.logs or tempfile.mkdtemp(prefix="zi-aio-sweep-")
     os.makedirs(log_dir, exist_ok=True)
-    result = {"when": started, "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-              "tier": {"name": "nvme", "read_MBps": NVME_MBPS, "write_MBps": NVME_MBPS, "emulation": "bench/tiers.sh"},
-              "engine": "aio_handle" if engine_ok else "torch_io", "async_io": engine_ok, "async_io_note": engine_note,
-              "io_size": args.io_size, "loops": args.loops, "tie": args.tie, "grid_iters": args.iters}
+    result = {
+        "when": started,
+        "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+        "tier": {"name": "nvme", "read_MBps": NVME_MBPS, "write_MBps": NVME_MBPS, "emulation": "bench/tiers.sh"},
+        "engine": "aio_handle" if engine_ok else "torch_io",
+        "async_io": engine_ok,
+        "async_io_note": engine_note,
+        "io_size": args.io_size,
+        "loops": args.loops,
+        "tie": args.tie,
+        "grid_iters": args.iters,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     def save(**more) -> None:
@@ -274,9 +349,15 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
         points = collect(args, log_dir)
         aio = pick_aio(points, args.tie) if engine_ok else None
-        save(sweep_seconds=round(sweep_s, 1), points=points, aio_choice=aio, deepspeed_pick=ds_pick,
-             strict_best=pick_aio(points, 0.0) if engine_ok else None, notes=notes,
-             partial="ds_io sweep only; the buffer_count grid did not finish")
+        save(
+            sweep_seconds=round(sweep_s, 1),
+            points=points,
+            aio_choice=aio,
+            deepspeed_pick=ds_pick,
+            strict_best=pick_aio(points, 0.0) if engine_ok else None,
+            notes=notes,
+            partial="ds_io sweep only; the buffer_count grid did not finish",
+        )
         if engine_ok:
             rows = [{**aio, "buffer_count": bc} for bc in args.buffer_counts]
             if not any(all(r[k] == DS_DEFAULT[k] for k in DS_DEFAULT) for r in rows):
@@ -316,9 +397,16 @@ def print_tables(result: dict) -> None:
     by = {}
     for p in result["points"]:
         by.setdefault((p["block_size"], p["block"], p["queue_depth"], p["io_parallel"]), {})[p["op"]] = p["MBps"]
-    t = Table("block", "queue depth", "io_parallel", "read MB/s", "write MB/s", "read+write MB/s",
-              title=f"ds_io on the emulated nvme tier ({result['tier']['read_MBps']}/{result['tier']['write_MBps']} MB/s), "
-                    f"{result['io_size']} x {result['loops']}, engine {result['engine']}")
+    t = Table(
+        "block",
+        "queue depth",
+        "io_parallel",
+        "read MB/s",
+        "write MB/s",
+        "read+write MB/s",
+        title=f"ds_io on the emulated nvme tier ({result['tier']['read_MBps']}/{result['tier']['write_MBps']} MB/s), "
+        f"{result['io_size']} x {result['loops']}, engine {result['engine']}",
+    )
     aio = result["aio_choice"] or {}
     fmt = lambda v: f"{v:.0f}" if v is not None else "-"
     for (bs, b, d, par), v in sorted(by.items()):
@@ -327,14 +415,28 @@ def print_tables(result: dict) -> None:
         t.add_row(b, str(d), str(par), fmt(v.get("read")), fmt(v.get("write")), f"{s:.0f}{mark}")
     out.print(t)
     if result["buffer_grid"]:
-        g = Table("block", "queue depth", "intra_op", "buffer_count", "step s (median)", "iteration s (median)", "",
-                  title=f"ZeRO-Infinity, bench/ds_model.py --offload nvme, {result['grid_iters']} iterations")
+        g = Table(
+            "block",
+            "queue depth",
+            "intra_op",
+            "buffer_count",
+            "step s (median)",
+            "iteration s (median)",
+            "",
+            title=f"ZeRO-Infinity, bench/ds_model.py --offload nvme, {result['grid_iters']} iterations",
+        )
         for r in result["buffer_grid"]:
             chosen = all(r[k] == result["choice"][k] for k in DS_DEFAULT)
             ok = r["step_s"] is not None
-            g.add_row(str(r["block_size"]), str(r["queue_depth"]), str(r["intra_op_parallelism"]), str(r["buffer_count"]),
-                      f"{r['step_s']:.2f}" if ok else "failed", f"{r['iter_s']:.2f}" if ok else r["error"][:60],
-                      ("chosen " if chosen and ok else "") + ("(reference)" if "reference" in r else ""))
+            g.add_row(
+                str(r["block_size"]),
+                str(r["queue_depth"]),
+                str(r["intra_op_parallelism"]),
+                str(r["buffer_count"]),
+                f"{r['step_s']:.2f}" if ok else "failed",
+                f"{r['iter_s']:.2f}" if ok else r["error"][:60],
+                ("chosen " if chosen and ok else "") + ("(reference)" if "reference" in r else ""),
+            )
         out.print(g)
     out.print(f"choice: {json.dumps(result['choice'])}")
     pick = {k: v for k, v in result["deepspeed_pick"].items() if k != "ds_nvme_tune_output_tail"}

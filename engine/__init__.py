@@ -6,15 +6,26 @@ integration and the tuner drive the same :class:`SubgroupEngine` through :class:
 Names are imported on first use, so that torch-free parts (the performance model, profiles,
 ``offloadctl plan``) start without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib
 
 _EXPORTS = {
-    "AdamWHyper": "adamw", "FlatSubgroup": "binding", "SubgroupBinding": "binding", "EngineConfig": "config",
-    "Knobs": "config", "StoragePath": "config", "SubgroupEngine": "core", "ConfigError": "errors",
-    "CorruptSwapFileError": "errors", "OffloadError": "errors", "StorageIOError": "errors",
-    "StoragePathError": "errors", "OffloadAdamW": "optimizer", "StepRecord": "telemetry",
+    "AdamWHyper": "adamw",
+    "FlatSubgroup": "binding",
+    "SubgroupBinding": "binding",
+    "EngineConfig": "config",
+    "Knobs": "config",
+    "StoragePath": "config",
+    "SubgroupEngine": "core",
+    "ConfigError": "errors",
+    "CorruptSwapFileError": "errors",
+    "OffloadError": "errors",
+    "StorageIOError": "errors",
+    "StoragePathError": "errors",
+    "OffloadAdamW": "optimizer",
+    "StepRecord": "telemetry",
 }
 __all__ = sorted(_EXPORTS)
 

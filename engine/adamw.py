@@ -8,6 +8,7 @@ device lane with device tensors. It applies decoupled weight decay exactly as
 The host lane may instead use DeepSpeed's AVX ``DeepSpeedCPUAdam`` kernel (``DeepSpeedCpuAdam``);
 which of the two it runs is :mod:`engine.host_kernel`'s choice.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,9 @@ class AdamWHyper:
 def hyper_from_group(g: dict) -> AdamWHyper:
     """The hyper-parameters of a ``torch.optim`` param group (lr, betas, eps, weight_decay)."""
     b1, b2 = g["betas"]
-    return AdamWHyper(lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]),
-                      weight_decay=float(g.get("weight_decay", 0.0)))
+    return AdamWHyper(
+        lr=float(g["lr"]), beta1=float(b1), beta2=float(b2), eps=float(g["eps"]), weight_decay=float(g.get("weight_decay", 0.0))
+    )
 
 
 @dataclass
@@ -61,9 +63,19 @@ def adamw_update_torch_(s: AdamWSlices, hyper: AdamWHyper) -> None:
     if not s.params:
         return
     torch._fused_adamw_(
-        s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, [], s.steps,
-        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
-        amsgrad=False, maximize=False,
+        s.params,
+        s.grads,
+        s.exp_avgs,
+        s.exp_avg_sqs,
+        [],
+        s.steps,
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
     )
 
 
@@ -80,8 +92,20 @@ class DeepSpeedCpuAdam:
 
     def __call__(self, s: AdamWSlices, hyper: AdamWHyper) -> None:
         for p, g, m, v, step in zip(s.params, s.grads, s.exp_avgs, s.exp_avg_sqs, s.steps):
-            self._op.adam_update(self._opt_id, int(step.item()), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                                 hyper.weight_decay, True, p, g, m, v)
+            self._op.adam_update(
+                self._opt_id,
+                int(step.item()),
+                hyper.lr,
+                hyper.beta1,
+                hyper.beta2,
+                hyper.eps,
+                hyper.weight_decay,
+                True,
+                p,
+                g,
+                m,
+                v,
+            )
 
 
 HostKernel = Callable[[AdamWSlices, AdamWHyper], None]

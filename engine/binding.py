@@ -4,6 +4,7 @@ The core updates flat fp32 state. An adapter (``OffloadAdamW`` over ``nn.Paramet
 DeepSpeed ZeRO-3 integration over its flat partitions) describes each subgroup with a
 :class:`SubgroupBinding`: where its gradient comes from and where its updated weights go.
 """
+
 from __future__ import annotations
 
 from typing import Protocol, Sequence
@@ -89,4 +90,4 @@ class FlatSubgroup:
         out.copy_(self.weight)
 
     def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
-        self.weight[offset:offset + master.numel()].copy_(master)
+        self.weight[offset : offset + master.numel()].copy_(master)

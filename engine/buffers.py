@@ -12,6 +12,7 @@ Host memory is allocated at its exact size and pinned in place, on demand (:func
 pinned allocator rounds every block up to a power of two and keeps it cached: a 1.2 GB subgroup
 would take 2 GiB of locked memory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +33,7 @@ def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     4096-aligned; pinned in place when ``pin`` and CUDA is present."""
     raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
     off = (-raw.data_ptr()) % ALIGN_BYTES
-    t = raw[off:off + nbytes]
+    t = raw[off : off + nbytes]
     if pin:
         pin_in_place(t)
     return t
@@ -87,8 +88,12 @@ def pin_in_place(t: torch.Tensor) -> bool:
     err = _host_register(t.data_ptr(), nbytes)
     if err != 0:
         if not _pin_failed_once:
-            log.warning("could not pin %d bytes of host memory (cudaHostRegister error %s): device-lane copies of "
-                        "these buffers run synchronously; raise `ulimit -l` to fix", nbytes, err)
+            log.warning(
+                "could not pin %d bytes of host memory (cudaHostRegister error %s): device-lane copies of "
+                "these buffers run synchronously; raise `ulimit -l` to fix",
+                nbytes,
+                err,
+            )
             _pin_failed_once = True
         return False
     _registered.add(t.data_ptr())
@@ -172,15 +177,15 @@ class StateBuffer:
         if numel > self.capacity_numel:
             raise ValueError(f"subgroup of {numel} elements does not fit a buffer of {self.capacity_numel}")
         self.numel = numel
-        self.payload = self.raw[HEADER_BYTES:HEADER_BYTES + payload_bytes(numel)]
-        state = self.raw[HEADER_BYTES:HEADER_BYTES + STATE_BYTES_PER_ELEMENT * numel].view(torch.float32)
+        self.payload = self.raw[HEADER_BYTES : HEADER_BYTES + payload_bytes(numel)]
+        state = self.raw[HEADER_BYTES : HEADER_BYTES + STATE_BYTES_PER_ELEMENT * numel].view(torch.float32)
         self.state = state  # master, exp_avg and exp_avg_sq back to back: one H2D/D2H copy
         self.master, self.exp_avg, self.exp_avg_sq = state.split(numel)
 
     @property
     def file_image(self) -> torch.Tensor:
         """Header and payload: exactly the bytes of the swap file."""
-        return self.raw[:HEADER_BYTES + self.payload.numel()]
+        return self.raw[: HEADER_BYTES + self.payload.numel()]
 
     @property
     def pin_tried(self) -> bool:

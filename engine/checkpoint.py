@@ -1,4 +1,5 @@
 """Saving state to disk so that a crash never leaves a half-written file under the final name."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Each dataclass validates itself at construction and raises :class:`ConfigError` naming the
 field. Units are in the field names.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ class StoragePath:
         return cls(path=os.fspath(value), kind=kind)
 
 
-def storage_paths(nvme: Iterable[str | os.PathLike | StoragePath] = (),
-                  remote: Iterable[str | os.PathLike | StoragePath] = ()) -> tuple[StoragePath, ...]:
+def storage_paths(
+    nvme: Iterable[str | os.PathLike | StoragePath] = (), remote: Iterable[str | os.PathLike | StoragePath] = ()
+) -> tuple[StoragePath, ...]:
     """The storage tiers' paths, node-local (``nvme``) first, then ``remote``: the one rule for
     ``OffloadAdamW``, the DeepSpeed integration and ``offloadctl train``. A :class:`StoragePath`
     given keeps its declared figures and takes its tier's kind."""
@@ -237,14 +239,19 @@ class Knobs:
         for name in self.PER_PATH:
             unknown = set(getattr(self, name)) - known
             if unknown:
-                raise ConfigError(f"Knobs.{name} names {sorted(unknown)}, which are not storage paths of this run "
-                                  f"(paths: {sorted(known) or 'none'})")
+                raise ConfigError(
+                    f"Knobs.{name} names {sorted(unknown)}, which are not storage paths of this run "
+                    f"(paths: {sorted(known) or 'none'})"
+                )
         if self.device_fraction > 0 and not has_device:
-            raise ConfigError("Knobs.device_fraction > 0 needs a device lane (CUDA, or device='cpu' in tests), "
-                              "and this run has none")
+            raise ConfigError(
+                "Knobs.device_fraction > 0 needs a device lane (CUDA, or device='cpu' in tests), and this run has none"
+            )
         if known and all(self.stripe_weights.get(p, 1.0) == 0 for p in known):
-            raise ConfigError("Knobs.stripe_weights gives every storage path weight 0, so swapped state would have "
-                              "nowhere to go: give at least one path a weight > 0")
+            raise ConfigError(
+                "Knobs.stripe_weights gives every storage path weight 0, so swapped state would have "
+                "nowhere to go: give at least one path a weight > 0"
+            )
 
     def replace(self, **changes) -> "Knobs":
         return replace(self, **changes)

@@ -11,6 +11,7 @@ paths, the knobs and the state's access. The parts, in ``docs/engine.md``'s read
 :mod:`engine.device_tier`, :mod:`engine.swap_paths`, :mod:`engine.lanes`. An adapter supplies
 one :class:`SubgroupBinding` per subgroup (``OffloadAdamW``; the DeepSpeed ZeRO-3 integration).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,24 +86,35 @@ class SubgroupEngine:
         self._lock = threading.RLock()
         self.swap_paths = SwapPaths(config, self.knobs)
         if (config.device_cache_bytes is None or config.device_cache_bytes > 0) and self.device is None:
-            raise ConfigError("device_cache_bytes needs a device: set device='cuda' (or 'cpu' in tests), or "
-                              "device_cache_bytes=0")
+            raise ConfigError("device_cache_bytes needs a device: set device='cuda' (or 'cpu' in tests), or device_cache_bytes=0")
         # The device tier is fitted at the first step, once forward/backward has shown what
         # device memory it needs; until then it is what the budget places there.
-        placement = place([payload_bytes(b.numel) for b in bindings], device_budget=config.device_cache_bytes or 0,
-                          host_budget=config.host_cache_bytes, path_weights=self.swap_paths.stripe_weights(self.knobs))
+        placement = place(
+            [payload_bytes(b.numel) for b in bindings],
+            device_budget=config.device_cache_bytes or 0,
+            host_budget=config.host_cache_bytes,
+            path_weights=self.swap_paths.stripe_weights(self.knobs),
+        )
         placed = list(zip(bindings, placement.tiers))
         self.subgroups = [Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)]
         try:
             weights_on_device = any(w is not None and w.device.type != "cpu" for w in map(flat_weights_of, bindings))
             self.host_memory = HostBudget.for_start(  # before allocating: a refusal costs nothing
-                config.host_memory_bytes, usage=self.host_usage, local_ranks=config.local_ranks,
-                prefetch_depth=self.knobs.prefetch_depth, state_numels=[b.numel for b, t in placed if t == HOST],
+                config.host_memory_bytes,
+                usage=self.host_usage,
+                local_ranks=config.local_ranks,
+                prefetch_depth=self.knobs.prefetch_depth,
+                state_numels=[b.numel for b, t in placed if t == HOST],
                 swapped_numels=[b.numel for b, t in placed if t.swapped],
-                copies_bytes=HostLane.start_bytes(max((b.numel for b in bindings), default=0), weights_on_device))
-            self.transfers = Transfers(self.subgroups, self._allocate(), room_bytes=self.host_memory.staging_room,
-                                       on_write_landed=self.read_ahead if config.overlap_io else None,
-                                       auto_read_ahead=config.read_ahead_bytes is None and config.overlap_io)
+                copies_bytes=HostLane.start_bytes(max((b.numel for b in bindings), default=0), weights_on_device),
+            )
+            self.transfers = Transfers(
+                self.subgroups,
+                self._allocate(),
+                room_bytes=self.host_memory.staging_room,
+                on_write_landed=self.read_ahead if config.overlap_io else None,
+                auto_read_ahead=config.read_ahead_bytes is None and config.overlap_io,
+            )
         except BaseException:
             self.close()
             raise
@@ -113,15 +125,24 @@ class SubgroupEngine:
         # Host-lane weight uploads on a stream of their own: on the device lane's H2D stream they
         # would queue behind its waits for copies back, and the CPU with them.
         self.host_lane = HostLane(self.host_kernel_name, kernel, WeightUploader(self.streams))
-        self.device_tier = DeviceTier(self.subgroups, config, self.device, self.device_lane, self.streams,
-                                      self.transfers, self.host_memory, host_kernel_name=self.host_kernel_name)
+        self.device_tier = DeviceTier(
+            self.subgroups,
+            config,
+            self.device,
+            self.device_lane,
+            self.streams,
+            self.transfers,
+            self.host_memory,
+            host_kernel_name=self.host_kernel_name,
+        )
         self.device_tier.assign_lanes(self.knobs.device_fraction)
         if config.overlap_io and config.read_ahead_bytes:
             self.transfers.size_read_ahead(config.read_ahead_bytes)  # pinned, if the lane needs it, after the fit
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
         if self.transfers.swaps:
-            self.host_memory.watch(config.host_memory_floor_bytes, self._lock, transfers=self.transfers,
-                                   device_tier=self.device_tier)
+            self.host_memory.watch(
+                config.host_memory_floor_bytes, self._lock, transfers=self.transfers, device_tier=self.device_tier
+            )
 
     def _allocate(self) -> StagingPool:
         """Each subgroup's home (device memory, an exactly sized host buffer whose pages are
@@ -161,8 +182,7 @@ class SubgroupEngine:
             hook.after_step(self, rec)
         return rec
 
-    def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None,
-              excluded_s: float) -> StepRecord:
+    def _step(self, hypers: Sequence[AdamWHyper], t_call: float, fwd_bwd_s: float | None, excluded_s: float) -> StepRecord:
         write_wait_s = self._between_steps(fwd_bwd_s)  # knobs, the device fit, host memory: the step's setup
         t_start = time.perf_counter()
         setup_s, self._setup_s = t_start - t_call - write_wait_s + self._setup_s, 0.0
@@ -196,9 +216,18 @@ class SubgroupEngine:
         t0 = time.perf_counter()
         self._end_streams()
         device_wait_s = time.perf_counter() - t0
-        rec = self._step_record(tally, swaps, before, t_start=t_start, write_wait_s=write_wait_s,
-                                update_s=time.perf_counter() - t_start + write_wait_s, device_wait_s=device_wait_s,
-                                setup_s=setup_s, fwd_bwd_s=fwd_bwd_s, excluded_s=excluded_s)
+        rec = self._step_record(
+            tally,
+            swaps,
+            before,
+            t_start=t_start,
+            write_wait_s=write_wait_s,
+            update_s=time.perf_counter() - t_start + write_wait_s,
+            device_wait_s=device_wait_s,
+            setup_s=setup_s,
+            fwd_bwd_s=fwd_bwd_s,
+            excluded_s=excluded_s,
+        )
         self.iteration += 1
         self.telemetry.append(rec)
         self._counters_at = self.swap_paths.counters()
@@ -305,26 +334,53 @@ class SubgroupEngine:
         """The swapped subgroups of the next (or current) step, in its order."""
         return [i for i in step_order(len(self.subgroups), self.iteration) if self.subgroups[i].tier.swapped]
 
-    def _step_record(self, tally: _StepTally, swaps: SwapPass, before: list[PathCounters], *, t_start: float,
-                     update_s: float, write_wait_s: float, device_wait_s: float, setup_s: float,
-                     fwd_bwd_s: float | None, excluded_s: float) -> StepRecord:
+    def _step_record(
+        self,
+        tally: _StepTally,
+        swaps: SwapPass,
+        before: list[PathCounters],
+        *,
+        t_start: float,
+        update_s: float,
+        write_wait_s: float,
+        device_wait_s: float,
+        setup_s: float,
+        fwd_bwd_s: float | None,
+        excluded_s: float,
+    ) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
         moved = self.swap_paths.moved_since(before)
         cuda = self.device is not None and self.device.type == "cuda"
         headroom = gpu_headroom_bytes(self.device) if cuda else None
         return StepRecord(
-            iteration=self.iteration, update_s=update_s, read_wait_s=swaps.read_wait_s, kernel_s=tally.kernel_s,
-            write_wait_s=write_wait_s, **moved,
+            iteration=self.iteration,
+            update_s=update_s,
+            read_wait_s=swaps.read_wait_s,
+            kernel_s=tally.kernel_s,
+            write_wait_s=write_wait_s,
+            **moved,
             read_bytes_per_s=sum(moved["bytes_read"].values()) / update_s if update_s else 0.0,
             write_bytes_per_s=sum(moved["bytes_written"].values()) / update_s if update_s else 0.0,
-            cache_hits=swaps.hits, cache_misses=swaps.misses, host_lane_subgroups=tally.host_lane_subgroups,
+            cache_hits=swaps.hits,
+            cache_misses=swaps.misses,
+            host_lane_subgroups=tally.host_lane_subgroups,
             device_lane_subgroups=tally.device_lane_subgroups,
-            device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups), host_lane_s=tally.host_lane_s,
-            fwd_bwd_s=fwd_bwd_s, device_headroom_bytes=headroom, device_usable_bytes=usable_bytes(self.device) if cuda else None,
-            device_wait_s=device_wait_s, setup_s=setup_s,
-            params=sum(sg.numel for sg in self.subgroups), knobs=self.knobs.to_dict(), start_s=t_start - write_wait_s,
-            host_bytes=self.host_usage().to_dict(), host_budget_bytes=self.host_memory.budget_bytes,
-            host_pressure=tally.pressure, read_ahead_bytes=self.transfers.read_ahead_bytes, excluded_s=excluded_s)
+            device_tier_subgroups=sum(sg.tier == DEVICE for sg in self.subgroups),
+            host_lane_s=tally.host_lane_s,
+            fwd_bwd_s=fwd_bwd_s,
+            device_headroom_bytes=headroom,
+            device_usable_bytes=usable_bytes(self.device) if cuda else None,
+            device_wait_s=device_wait_s,
+            setup_s=setup_s,
+            params=sum(sg.numel for sg in self.subgroups),
+            knobs=self.knobs.to_dict(),
+            start_s=t_start - write_wait_s,
+            host_bytes=self.host_usage().to_dict(),
+            host_budget_bytes=self.host_memory.budget_bytes,
+            host_pressure=tally.pressure,
+            read_ahead_bytes=self.transfers.read_ahead_bytes,
+            excluded_s=excluded_s,
+        )
 
     @contextlib.contextmanager
     def setup_time(self):
@@ -405,10 +461,14 @@ class SubgroupEngine:
     def host_usage(self) -> HostUsage:
         """What the engine holds in host memory now, by kind (``engine.host_memory``)."""
         staging, kept = self.transfers.host_bytes()
-        state = sum(host_buffer_bytes(sg.resident.capacity_numel) for sg in self.subgroups
-                    if sg.tier == HOST and isinstance(sg.resident, StateBuffer))
-        return HostUsage(state=state, staging=staging, kept=kept,
-                         copies=self.host_lane.host_bytes() + self.device_tier.host_copy_bytes())
+        state = sum(
+            host_buffer_bytes(sg.resident.capacity_numel)
+            for sg in self.subgroups
+            if sg.tier == HOST and isinstance(sg.resident, StateBuffer)
+        )
+        return HostUsage(
+            state=state, staging=staging, kept=kept, copies=self.host_lane.host_bytes() + self.device_tier.host_copy_bytes()
+        )
 
     # -- knobs -------------------------------------------------------------------------------------
 
@@ -437,9 +497,12 @@ class SubgroupEngine:
             return
         refused = self._knobs_refusal(knobs)
         if refused:  # checked before anything moves: the step runs with the knobs it had
-            log.warning("offloadctl: knobs %s refused at iteration %d, the old ones kept: %s",
-                        {n: v for n, v in knobs.to_dict().items() if v != getattr(self.knobs, n)}, self.iteration,
-                        refused)
+            log.warning(
+                "offloadctl: knobs %s refused at iteration %d, the old ones kept: %s",
+                {n: v for n, v in knobs.to_dict().items() if v != getattr(self.knobs, n)},
+                self.iteration,
+                refused,
+            )
             return
         fraction = self.device_tier.usable_fraction(knobs.device_fraction)
         if fraction != knobs.device_fraction:
@@ -447,8 +510,12 @@ class SubgroupEngine:
         depth = self.host_memory.affordable_depth(knobs.prefetch_depth, self.transfers.buffer_bytes)
         if depth != knobs.prefetch_depth:
             if self._too_deep_warned != knobs.prefetch_depth:
-                log.warning("offloadctl: prefetch_depth=%d lowered to %d: deeper staging does not fit the host memory "
-                            "budget (%s)", knobs.prefetch_depth, depth, format_size(self.host_memory.budget_bytes))
+                log.warning(
+                    "offloadctl: prefetch_depth=%d lowered to %d: deeper staging does not fit the host memory budget (%s)",
+                    knobs.prefetch_depth,
+                    depth,
+                    format_size(self.host_memory.budget_bytes),
+                )
                 self._too_deep_warned = knobs.prefetch_depth
             knobs = knobs.replace(prefetch_depth=depth)
         old, self.knobs = self.knobs, knobs
@@ -469,8 +536,9 @@ class SubgroupEngine:
 
     # -- the device ----------------------------------------------------------------------------------
 
-    def fit_device_tier(self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
-                        reserve_bytes: int = 0) -> DeviceFit:
+    def fit_device_tier(
+        self, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None, reserve_bytes: int = 0
+    ) -> DeviceFit:
         """Fit the device tier and the device lane to the device memory free now: at the first
         step, or by an adapter before it (:meth:`engine.device_tier.DeviceTier.fit` says what the
         arguments mean). The fit may set the device fraction. Returns the decision, for logs."""
@@ -494,8 +562,9 @@ class SubgroupEngine:
         """Subgroups whose gradients are best produced on the device for the next step: a device
         fraction set and not yet applied counts (an adapter places gradients between steps)."""
         pending = self._pending_knobs
-        return self.device_tier.grad_subgroups(None if pending is None else pending.device_fraction,
-                                               in_force=self.knobs.device_fraction)
+        return self.device_tier.grad_subgroups(
+            None if pending is None else pending.device_fraction, in_force=self.knobs.device_fraction
+        )
 
     # -- state access (checkpoints) ----------------------------------------------------------
 
@@ -510,8 +579,9 @@ class SubgroupEngine:
             buf.wait_ready()  # a device-lane copy back into it has landed
             return buf.master.clone(), buf.exp_avg.clone(), buf.exp_avg_sq.clone(), list(sg.steps)
 
-    def write_state(self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    steps: Sequence[int]) -> None:
+    def write_state(
+        self, index: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: Sequence[int]
+    ) -> None:
         """Replace subgroup ``index``'s state (flat tensors of its numel, any device). The
         sources are read as data: a checkpoint's tensors may require grad, and the state is
         never part of a graph."""

@@ -9,6 +9,7 @@ GPU are read where they are. The device tier's resident state is updated on a st
 (``resident``), so it never queues behind the lane's copies. The lanes together:
 :mod:`engine.lanes` and ``docs/engine.md``.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -40,7 +41,7 @@ class LaneSlot:
 
     def views(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.chunk_numel
-        return self.state[:m], self.state[c:c + m], self.state[2 * c:2 * c + m]
+        return self.state[:m], self.state[c : c + m], self.state[2 * c : 2 * c + m]
 
     @staticmethod
     def typed(raw: torch.Tensor, dtype: torch.dtype, m: int) -> torch.Tensor:
@@ -50,8 +51,9 @@ class LaneSlot:
 class DeviceLane:
     """Updates subgroups on ``device``: staged from host buffers through chunk slots, or resident there."""
 
-    def __init__(self, streams: Streams, capacity_numel: int, slots: int = DEVICE_LANE_SLOTS,
-                 chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> None:
+    def __init__(
+        self, streams: Streams, capacity_numel: int, slots: int = DEVICE_LANE_SLOTS, chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL
+    ) -> None:
         self.streams, self.device = streams, streams.device
         self.capacity_numel = capacity_numel
         self.chunk_numel = max(1, min(chunk_numel, capacity_numel))
@@ -108,7 +110,7 @@ class DeviceLane:
         with self.streams.use(self.resident):
             n = binding.numel
             binding.read_weights(state[:n])
-            state[n:3 * n].zero_()
+            state[n : 3 * n].zero_()
 
     def update_resident(self, state: torch.Tensor, binding: SubgroupBinding, steps: list[int], hyper: AdamWHyper) -> int:
         """Update state that lives on the device (the device tier), chunk by chunk through the
@@ -117,7 +119,7 @@ class DeviceLane:
         if not grads.runs:
             return 0
         n = binding.numel
-        master, exp_avg, exp_avg_sq = state[:3 * n].split(n)
+        master, exp_avg, exp_avg_sq = state[: 3 * n].split(n)
         flat = flat_weights_of(binding)
         with self.streams.use(self.resident):
             for a in range(0, n, self.chunk_numel):
@@ -203,32 +205,38 @@ class DeviceLane:
         staged = LaneSlot.typed(slot.grad, dtype, b - a)
         out = {}
         for k, lo, hi in host:
-            dst = staged[lo - a:hi - a]
+            dst = staged[lo - a : hi - a]
             self.streams.copy(dst, grads.source(k, lo, hi))
             out[k] = dst
         return out
 
-    def _grad_chunk(self, grads: SubgroupGrads, a: int, b: int, scratch: Scratch,
-                    uploaded: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    def _grad_chunk(
+        self, grads: SubgroupGrads, a: int, b: int, scratch: Scratch, uploaded: dict[int, torch.Tensor] | None
+    ) -> torch.Tensor:
         """The fp32, unscaled gradient of elements [a, b) on the device, on the current stream:
         read in place when it is one fp32 slice here already, else upcast into ``scratch``."""
         one = grads.per_slice[0] if len(grads.per_slice) == 1 else None
-        if (one is not None and grads.scale == 1.0 and one.dtype == torch.float32 and not uploaded
-                and self.streams.on_device(one) and one.is_contiguous()):
+        if (
+            one is not None
+            and grads.scale == 1.0
+            and one.dtype == torch.float32
+            and not uploaded
+            and self.streams.on_device(one)
+            and one.is_contiguous()
+        ):
             return one[a:b]
         out = scratch.get(b - a)
         for k, lo, hi in grads.slices_in(a, b):
             src = uploaded[k] if uploaded and k in uploaded else grads.source(k, lo, hi)
-            out[lo - a:hi - a].copy_(src, non_blocking=True)
+            out[lo - a : hi - a].copy_(src, non_blocking=True)
         if grads.scale != 1.0:
             out.mul_(grads.scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
         return out
 
-    def _write_weights(self, binding: SubgroupBinding, flat: torch.Tensor | None, master: torch.Tensor,
-                       offset: int) -> None:
+    def _write_weights(self, binding: SubgroupBinding, flat: torch.Tensor | None, master: torch.Tensor, offset: int) -> None:
         """The chunk's new weights, on the current stream: cast into flat weights on this device,
         else through the binding."""
         if flat is not None and self.streams.on_device(flat):
-            self.streams.copy(flat[offset:offset + master.numel()], master)  # cast on the device, no transfer
+            self.streams.copy(flat[offset : offset + master.numel()], master)  # cast on the device, no transfer
         else:
             binding.write_weights(master, offset)

@@ -18,6 +18,7 @@ device back between training phases. ``docs/engine.md`` says when each is decide
   to host memory, into pinned host buffers kept from the last release where there are some, and
   the next step fits again; :meth:`DeviceTier.returned` (``reload_states``) restarts the peak.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,9 +60,18 @@ def requested_bytes(error: BaseException) -> int:
 class DeviceTier:
     """The device tier and the device lane's share of ``subgroups`` (``lane`` None: no device)."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], config: EngineConfig, device: torch.device | None,
-                 lane: DeviceLane | None, streams: Streams, transfers: Transfers, host_memory: HostBudget, *,
-                 host_kernel_name: str) -> None:
+    def __init__(
+        self,
+        subgroups: Sequence[Subgroup],
+        config: EngineConfig,
+        device: torch.device | None,
+        lane: DeviceLane | None,
+        streams: Streams,
+        transfers: Transfers,
+        host_memory: HostBudget,
+        *,
+        host_kernel_name: str,
+    ) -> None:
         self.subgroups, self.config, self.device, self.lane = subgroups, config, device, lane
         self.streams, self.transfers, self.host_memory = streams, transfers, host_memory
         self.host_kernel_name = host_kernel_name
@@ -106,8 +116,12 @@ class DeviceTier:
         """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread.
         Their gradients live on the device, in order, as far as what the fit left for them holds."""
         self._on_device_lane, self.device_grads = lane_assignment(
-            [sg.numel for sg in self.subgroups], [sg.tier == DEVICE for sg in self.subgroups], fraction,
-            grad_budget_bytes=self.lane_grad_budget_bytes, grad_bytes=self.grad_bytes_per_element)
+            [sg.numel for sg in self.subgroups],
+            [sg.tier == DEVICE for sg in self.subgroups],
+            fraction,
+            grad_budget_bytes=self.lane_grad_budget_bytes,
+            grad_bytes=self.grad_bytes_per_element,
+        )
         lane = [i for i, on in enumerate(self._on_device_lane) if on]
         if self.streams.pins_host_memory and lane and not self.fit_pending:
             # Page-lock what the device lane copies from now, between steps (the step's setup),
@@ -125,8 +139,11 @@ class DeviceTier:
         """``fraction``, or 0 when the fit found no room for the lane (said once)."""
         if fraction > 0 and not self.lane_has_room:
             if not self._lane_off_said:
-                log.warning("offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
-                            "(see the device fit at the first step)", fraction)
+                log.warning(
+                    "offloadctl: device_fraction=%g ignored: the device lane has no room on the device "
+                    "(see the device fit at the first step)",
+                    fraction,
+                )
                 self._lane_off_said = True
             return 0.0
         return fraction
@@ -142,8 +159,12 @@ class DeviceTier:
         fraction = next_fraction if self.lane_has_room else 0.0  # as usable_fraction() will
         if fraction != in_force:
             _, grads = lane_assignment(
-                [sg.numel for sg in self.subgroups], [sg.tier == DEVICE for sg in self.subgroups], fraction,
-                grad_budget_bytes=self.lane_grad_budget_bytes, grad_bytes=self.grad_bytes_per_element)
+                [sg.numel for sg in self.subgroups],
+                [sg.tier == DEVICE for sg in self.subgroups],
+                fraction,
+                grad_budget_bytes=self.lane_grad_budget_bytes,
+                grad_bytes=self.grad_bytes_per_element,
+            )
         return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in grads]
 
     # -- the tier's update ------------------------------------------------------------------------
@@ -170,8 +191,9 @@ class DeviceTier:
 
     # -- the fit -----------------------------------------------------------------------------------
 
-    def fit(self, fraction: float, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None,
-            reserve_bytes: int = 0) -> DeviceFit:
+    def fit(
+        self, fraction: float, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None, reserve_bytes: int = 0
+    ) -> DeviceFit:
         """Fit the tier and the lane to the device memory free now, at a step boundary (no
         transfer in flight); the lane at ``fraction`` unless the fit decides it.
 
@@ -220,9 +242,11 @@ class DeviceTier:
         self.lane_grad_budget_bytes = max(0, headroom_bytes - used - lane_ws)
         lane_note = ""
         if rest and not self.lane_has_room:
-            lane_note = (f"device lane off: its buffers need {lane_ws / 1e9:.2f} GB of GPU memory and "
-                         f"{max(0, headroom_bytes - used) / 1e9:.2f} GB is free after forward/backward "
-                         f"(and the device tier); lower the micro-batch or --device-cache to use it")
+            lane_note = (
+                f"device lane off: its buffers need {lane_ws / 1e9:.2f} GB of GPU memory and "
+                f"{max(0, headroom_bytes - used) / 1e9:.2f} GB is free after forward/backward "
+                f"(and the device tier); lower the micro-batch or --device-cache to use it"
+            )
             log.warning("offloadctl: %s", lane_note)
             self._lane_off_said = True  # a later knob push asking for the lane is not said again
             fraction = 0.0
@@ -231,10 +255,17 @@ class DeviceTier:
             if balanced is not None:
                 fraction = balanced
         self.assign_lanes(fraction)
-        return DeviceFit(headroom_bytes=headroom_bytes, device_tier_subgroups=len(self.subgroups) - len(rest),
-                         device_tier_bytes=used, device_fraction=fraction,
-                         device_lane_grads_on_device=len(self.device_grads), device_lane_bytes=lane_ws,
-                         device_lane_off=lane_note or None, usable_bytes=usable, margin_bytes=margin or 0)
+        return DeviceFit(
+            headroom_bytes=headroom_bytes,
+            device_tier_subgroups=len(self.subgroups) - len(rest),
+            device_tier_bytes=used,
+            device_fraction=fraction,
+            device_lane_grads_on_device=len(self.device_grads),
+            device_lane_bytes=lane_ws,
+            device_lane_off=lane_note or None,
+            usable_bytes=usable,
+            margin_bytes=margin or 0,
+        )
 
     def _free_for_state(self) -> int:
         """Device memory the state may take now, measured."""
@@ -257,9 +288,13 @@ class DeviceTier:
             if measured is not None:
                 h2d, d2h, gpu_rate, own = measured
                 memory = memory_share(own, node_memory_bandwidth(), self.config.local_ranks)
-                self._lane_rates = LaneRates(host_lane_params_per_s=host_lane_rate(self.host_kernel_name),
-                                             h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, gpu_adamw_params_per_s=gpu_rate,
-                                             memory_bytes_per_s=memory)
+                self._lane_rates = LaneRates(
+                    host_lane_params_per_s=host_lane_rate(self.host_kernel_name),
+                    h2d_bytes_per_s=h2d,
+                    d2h_bytes_per_s=d2h,
+                    gpu_adamw_params_per_s=gpu_rate,
+                    memory_bytes_per_s=memory,
+                )
         return self._lane_rates
 
     def _balanced_fraction(self, rest: list[Subgroup]) -> float | None:
@@ -272,9 +307,15 @@ class DeviceTier:
         weights = [flat_weights_of(sg.binding) for sg in rest]
         on_device = all(w is None or not self.streams.in_host_memory(w) for w in weights)
         weight_bytes = next((w.element_size() for w in weights if w is not None), 4)
-        f, _ = balanced_fraction([sg.numel for sg in rest], rates, resident_params=resident,
-                                 grad_budget_bytes=self.lane_grad_budget_bytes, grad_bytes=self.grad_bytes_per_element or 4,
-                                 weight_bytes=weight_bytes, weights_on_device=on_device)
+        f, _ = balanced_fraction(
+            [sg.numel for sg in rest],
+            rates,
+            resident_params=resident,
+            grad_budget_bytes=self.lane_grad_budget_bytes,
+            grad_bytes=self.grad_bytes_per_element or 4,
+            weight_bytes=weight_bytes,
+            weights_on_device=on_device,
+        )
         return f
 
     # -- moving state on and off the device ----------------------------------------------------------
@@ -324,7 +365,7 @@ class DeviceTier:
             buf.pin()  # once per buffer (about 0.1 s per GB), not once per cycle
         if not sg.fresh:
             self.lane.sync()  # the tier's last update on the resident stream has finished
-            buf.state.copy_(sg.resident[:3 * sg.numel])
+            buf.state.copy_(sg.resident[: 3 * sg.numel])
         sg.tier, sg.resident = HOST, buf
 
     # -- keeping the margin after the fit ----------------------------------------------------------
@@ -341,9 +382,13 @@ class DeviceTier:
         usable = usable_bytes(self.device)
         if left is None or usable is None or left >= -margin_bytes_of(usable) // 2:
             return
-        self._shrink(-left, fraction, f"GPU memory peaked within {format_size(max(0, margin_bytes_of(usable) + left))} "
-                                      f"of the {format_size(usable)} this process may use since the last step "
-                                      "(an evaluation or generation pass?)")
+        self._shrink(
+            -left,
+            fraction,
+            f"GPU memory peaked within {format_size(max(0, margin_bytes_of(usable) + left))} "
+            f"of the {format_size(usable)} this process may use since the last step "
+            "(an evaluation or generation pass?)",
+        )
 
     def out_of_memory(self, error: BaseException, fraction: float) -> None:
         """The step raised an out-of-memory error: the tier gives back what the failed allocation
@@ -354,8 +399,11 @@ class DeviceTier:
         asked = requested_bytes(error)
         usable = usable_bytes(self.device)
         margin = margin_bytes_of(usable) if usable is not None else 0
-        self._shrink(asked + margin, fraction,
-                     "out of GPU memory at the step" + (f" (it asked for {format_size(asked)} more)" if asked else ""))
+        self._shrink(
+            asked + margin,
+            fraction,
+            "out of GPU memory at the step" + (f" (it asked for {format_size(asked)} more)" if asked else ""),
+        )
 
     def _shrink(self, need_bytes: int, fraction: float, why: str) -> None:
         """Move the tier's last subgroups to host memory until ``need_bytes`` are free (at least
@@ -373,9 +421,15 @@ class DeviceTier:
                 freed += payload_bytes(sg.numel) + cost * sg.numel
         self._placed -= set(moved)
         left = sum(sg.tier == DEVICE for sg in self.subgroups)
-        log.warning("offloadctl: %s: %d device-tier subgroup%s (%s) moved to host memory, %d left on the GPU; "
-                    "offload_states() around such a pass keeps them (docs/engine.md)", why, len(moved),
-                    "" if len(moved) == 1 else "s", format_size(freed), left)
+        log.warning(
+            "offloadctl: %s: %d device-tier subgroup%s (%s) moved to host memory, %d left on the GPU; "
+            "offload_states() around such a pass keeps them (docs/engine.md)",
+            why,
+            len(moved),
+            "" if len(moved) == 1 else "s",
+            format_size(freed),
+            left,
+        )
         self.assign_lanes(self.usable_fraction(fraction))
         reset_peak(self.device)
 

@@ -3,6 +3,7 @@
 Every message names the thing at fault and the fix. The CLI prints ``str(err)`` as one line
 and exits non-zero, without a traceback, for any :class:`OffloadError`.
 """
+
 from __future__ import annotations
 
 

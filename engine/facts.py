@@ -3,6 +3,7 @@ force, from :meth:`engine.core.SubgroupEngine.describe`, gathered from its parts
 :func:`facts_of`) and :class:`DeviceFit` (what :meth:`engine.device_tier.DeviceTier.fit`
 decided). Frozen: they travel as they are, and ``to_dict`` is their one JSON form (logs,
 ``--dry-run``, the run record). ``docs/engine.md`` names the parts."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -85,18 +86,27 @@ def facts_of(engine) -> EngineFacts:
         tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
     has_device = engine.device is not None
     return EngineFacts(
-        subgroups=len(engine.subgroups), params=sum(sg.numel for sg in engine.subgroups),
-        state_bytes_by_tier=tiers, staging_buffers=engine.transfers.pool_size, io_backend=engine.swap_paths.io_backend,
-        host_kernel=engine.host_kernel_name, device=str(engine.device) if has_device else None,
+        subgroups=len(engine.subgroups),
+        params=sum(sg.numel for sg in engine.subgroups),
+        state_bytes_by_tier=tiers,
+        staging_buffers=engine.transfers.pool_size,
+        io_backend=engine.swap_paths.io_backend,
+        host_kernel=engine.host_kernel_name,
+        device=str(engine.device) if has_device else None,
         path_bandwidth_bytes_per_s=dict(zip((p.path for p in engine.swap_paths.paths), engine.swap_paths.round_trip_bytes_per_s)),
         path_depth_response=dict(engine.swap_paths.depth_response),
-        knobs=engine.knobs, paths=[p.path for p in engine.config.paths], has_device=has_device,
+        knobs=engine.knobs,
+        paths=[p.path for p in engine.config.paths],
+        has_device=has_device,
         subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
         device_headroom_bytes=engine.device_tier.headroom_bytes() if has_device else None,
         device_lane_bytes=engine.device_tier.lane_bytes(),
         device_lane_available=engine.device_lane is not None and engine.device_tier.lane_has_room,
-        host_memory_budget_bytes=engine.host_memory.budget_bytes, host_bytes=engine.host_usage().to_dict(),
-        host_staging_bytes=engine.host_memory.staging_room(), pins=pins_in_force(engine.config.pins, engine.knobs))
+        host_memory_budget_bytes=engine.host_memory.budget_bytes,
+        host_bytes=engine.host_usage().to_dict(),
+        host_staging_bytes=engine.host_memory.staging_room(),
+        pins=pins_in_force(engine.config.pins, engine.knobs),
+    )
 
 
 def pins_in_force(pins: Mapping[str, Any], knobs: Knobs) -> dict[str, Any]:

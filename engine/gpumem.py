@@ -5,6 +5,7 @@ All are measured in the training process itself, at the first step: the headroom
 first forward/backward left (its peak as the caching allocator saw it), the PCIe rates are
 those of this process's pinned copies, both directions at once, as the device lane runs them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -117,8 +118,21 @@ def measure_gpu_adamw(device: torch.device, numel: int = 1 << 24, reps: int = 3)
     for _ in range(reps + 1):  # the first round warms up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch._fused_adamw_([t[0]], [t[1]], [t[2]], [t[3]], [], [step], lr=1e-6, beta1=0.9, beta2=0.999,
-                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        torch._fused_adamw_(
+            [t[0]],
+            [t[1]],
+            [t[2]],
+            [t[3]],
+            [],
+            [step],
+            lr=1e-6,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            amsgrad=False,
+            maximize=False,
+        )
         end.record()
         end.synchronize()
         best = max(best, numel / (start.elapsed_time(end) / 1e3))

@@ -14,6 +14,7 @@ register it the same way. A hook that raises in ``before_step``/``after_step`` f
 hooks are part of training, not observers of it; one that must never fail training catches its
 own errors (the tuner client does).
 """
+
 from __future__ import annotations
 
 

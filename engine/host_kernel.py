@@ -19,6 +19,7 @@ The two kernels round differently in the last bit, so the choice is measured onc
 and environment and kept in a file (``KERNEL_CHOICE_FILE``, beside the built ops): every rank,
 every run and every resume then takes the same kernel, and the same seed gives the same losses.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,10 +59,17 @@ def busy_beside():
     runs: the other runnable work beside a rank's update (its recorder's and communication
     threads, the launcher, another tenant of a shared node). Killed at the block's end, and
     ending itself after :data:`SPIN_S` seconds whatever happens to us."""
-    spin = f"import sys, time\nsys.stdout.write('.'); sys.stdout.flush()\ne = time.monotonic() + {SPIN_S}\n" \
-           "while time.monotonic() < e: pass\n"
-    p = subprocess.Popen([sys.executable, "-S", "-c", spin], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, close_fds=True)
+    spin = (
+        f"import sys, time\nsys.stdout.write('.'); sys.stdout.flush()\ne = time.monotonic() + {SPIN_S}\n"
+        "while time.monotonic() < e: pass\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-S", "-c", spin],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
     try:
         p.stdout.read(1)  # it spins from here
         yield
@@ -71,8 +79,9 @@ def busy_beside():
         p.stdout.close()
 
 
-def time_host_lane(kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: int = 5,
-                   streams: Streams | None = None, busy: bool = True) -> dict[str, float]:
+def time_host_lane(
+    kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: int = 5, streams: Streams | None = None, busy: bool = True
+) -> dict[str, float]:
     """Params/s of the host lane's loop with each kernel: ``LANE_SUBGROUPS`` subgroups of
     ``numel / LANE_SUBGROUPS`` fp32 state with a bf16 gradient in host memory unscaled by 0.5
     (clipping engaged) and bf16 flat weights (on ``streams``' device when it is a GPU, uploaded
@@ -87,8 +96,9 @@ def time_host_lane(kernels: dict[str, HostKernel], numel: int = 1 << 24, reps: i
     weights_device = streams.device if streams.device.type == "cuda" else torch.device("cpu")
     work = []
     for _ in range(LANE_SUBGROUPS):
-        b = FlatSubgroup(torch.zeros(part, dtype=torch.bfloat16, device=weights_device),
-                         torch.rand(part, generator=gen).to(torch.bfloat16))  # host: where ZeRO-3 offload keeps them
+        b = FlatSubgroup(
+            torch.zeros(part, dtype=torch.bfloat16, device=weights_device), torch.rand(part, generator=gen).to(torch.bfloat16)
+        )  # host: where ZeRO-3 offload keeps them
         b.grad_scale = 0.5
         buf = StateBuffer(part)
         buf.master.copy_(torch.rand(part, generator=gen))
@@ -155,6 +165,7 @@ def _machine_key() -> str:
     model = _cpu_model()
     try:
         import deepspeed
+
         ds = deepspeed.__version__
     except Exception:
         ds = "none"
@@ -249,9 +260,11 @@ def _copy_bandwidth_on(cpus: set[int]) -> tuple[float, int]:
         torch.set_num_threads(threads)
 
 
-_CHILD = ("import sys\n"
-          "from engine.host_kernel import _copy_bandwidth_on\n"
-          "print(*_copy_bandwidth_on({int(c) for c in sys.argv[1].split(',')}))\n")
+_CHILD = (
+    "import sys\n"
+    "from engine.host_kernel import _copy_bandwidth_on\n"
+    "print(*_copy_bandwidth_on({int(c) for c in sys.argv[1].split(',')}))\n"
+)
 
 
 def _measure_node_bandwidth() -> float | None:
@@ -272,11 +285,20 @@ def _measure_node_bandwidth() -> float | None:
         log.info("node memory bandwidth: %.3g bytes/s on %d CPUs (this process)", bytes_per_s, measured_on)
         return bytes_per_s
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus)),
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
     try:
-        out = subprocess.run([sys.executable, "-c", _CHILD, ",".join(map(str, sorted(cpus)))], env=env,
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=NODE_PROBE_TIMEOUT_S)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, ",".join(map(str, sorted(cpus)))],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=NODE_PROBE_TIMEOUT_S,
+        )
         if out.returncode != 0:
             raise RuntimeError((out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1])
         printed = out.stdout.split()
@@ -308,8 +330,7 @@ def node_memory_bandwidth(measure: bool = True) -> float | None:
     per machine (under a lock, so that ranks starting together measure it once) when ``measure``.
     The host lane is bound by it, not only by its cores: at 28 bytes a parameter, a node's ranks
     together run out of memory bandwidth before they run out of cores."""
-    return _update_bandwidth_file(lambda known: known if known is not None else
-                                  (_measure_node_bandwidth() if measure else None))
+    return _update_bandwidth_file(lambda known: known if known is not None else (_measure_node_bandwidth() if measure else None))
 
 
 def _update_bandwidth_file(decide) -> float | None:

@@ -14,6 +14,7 @@ Gradients on a GPU (``OffloadAdamW`` with the model there) come down the same wa
 (:class:`GradReader`): the next chunk's copy runs while the CPU updates this one. The lanes
 together: :mod:`engine.lanes` and ``docs/engine.md``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,11 @@ def measure_chunk_costs(numel: int = PART_CHUNK_NUMEL, reps: int = 3) -> tuple[f
 
     hyper = AdamWHyper(lr=1e-3)
     state = torch.zeros(3 * numel)
-    src, weights, scratch = torch.zeros(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16), Scratch(
-        torch.device("cpu"))
+    src, weights, scratch = (
+        torch.zeros(numel, dtype=torch.bfloat16),
+        torch.empty(numel, dtype=torch.bfloat16),
+        Scratch(torch.device("cpu")),
+    )
     step = torch.full((), 1.0)
 
     def chunk(n: int) -> float:
@@ -75,8 +79,9 @@ def measure_chunk_costs(numel: int = PART_CHUNK_NUMEL, reps: int = 3) -> tuple[f
         g = scratch.get(n)
         g.copy_(src[:n], non_blocking=True)
         g.mul_(0.5)
-        adamw_update_torch_(AdamWSlices([state[:n]], [g], [state[numel:numel + n]], [state[2 * numel:2 * numel + n]],
-                                        [step]), hyper)
+        adamw_update_torch_(
+            AdamWSlices([state[:n]], [g], [state[numel : numel + n]], [state[2 * numel : 2 * numel + n]], [step]), hyper
+        )
         weights[:n].copy_(state[:n])
         return time.perf_counter() - t0
 
@@ -91,7 +96,7 @@ def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offset
         lo, hi = max(a, offsets[k]), min(b, offsets[k + 1])
         if g is None or lo >= hi:
             continue
-        out[lo - a:hi - a].copy_(g[lo - offsets[k]:hi - offsets[k]], non_blocking=True)
+        out[lo - a : hi - a].copy_(g[lo - offsets[k] : hi - offsets[k]], non_blocking=True)
 
 
 _OWN_THREADS: list = []  # [omp_set_num_threads or None], found once
@@ -189,8 +194,7 @@ class LaneThreads:
         cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         for i in range(len(self._queues), workers):
             q, ready = queue.SimpleQueue(), threading.Event()
-            threading.Thread(target=self._serve, args=(q, ready, cuda), name=f"offloadctl-host-lane-{i + 1}",
-                             daemon=True).start()
+            threading.Thread(target=self._serve, args=(q, ready, cuda), name=f"offloadctl-host-lane-{i + 1}", daemon=True).start()
             ready.wait()
             self._queues.append(q)
         if own_thread_count() is None:
@@ -230,9 +234,18 @@ class LaneThreads:
         self._queues = []
 
 
-def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hyper: AdamWHyper, kernel: HostKernel,
-                scratch: Scratch, weights: "WeightUploader | None" = None, reader: "GradReader | None" = None,
-                lane_threads: "LaneThreads | None" = None, part_scratch: "list[Scratch] | None" = None) -> int:
+def host_update(
+    buf: StateBuffer,
+    binding: SubgroupBinding,
+    steps: list[int],
+    hyper: AdamWHyper,
+    kernel: HostKernel,
+    scratch: Scratch,
+    weights: "WeightUploader | None" = None,
+    reader: "GradReader | None" = None,
+    lane_threads: "LaneThreads | None" = None,
+    part_scratch: "list[Scratch] | None" = None,
+) -> int:
     """One AdamW step of a subgroup whose state is in host memory, chunk by chunk (module
     docstring). Slices without a gradient keep their state and step, as torch AdamW skips
     them. Gradients on the device come down through ``reader``, a chunk ahead. With
@@ -245,8 +258,13 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
         return 0
     per_slice, offsets, scale = grads.per_slice, grads.offsets, grads.scale
     master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
-    direct = (len(per_slice) == 1 and scale == 1.0 and per_slice[0].dtype == torch.float32
-              and per_slice[0].device.type == "cpu" and per_slice[0].is_contiguous())
+    direct = (
+        len(per_slice) == 1
+        and scale == 1.0
+        and per_slice[0].dtype == torch.float32
+        and per_slice[0].device.type == "cpu"
+        and per_slice[0].is_contiguous()
+    )
     if reader is not None and not direct and reader.on_device(grads):
         reader.begin()
     else:
@@ -257,17 +275,16 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
     else:
         chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL  # one part chunk at most: one part
     sink = weights.begin(binding) if weights is not None else None
-    chunks = [(i, a, min(offsets[j], a + chunk_numel))
-              for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
+    chunks = [(i, a, min(offsets[j], a + chunk_numel)) for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
     step_of = {i: step_tensor(steps[i] + 1, master.device) for i, _ in grads.runs}
     if sink is not None:  # slices not updated: their weights as they are
         covered = 0
         for i, j in grads.runs:
             if offsets[i] > covered:
-                sink.write(covered, offsets[i], master[covered:offsets[i]])
+                sink.write(covered, offsets[i], master[covered : offsets[i]])
             covered = offsets[j]
         if covered < binding.numel:
-            sink.write(covered, binding.numel, master[covered:binding.numel])
+            sink.write(covered, binding.numel, master[covered : binding.numel])
 
     def update(part: int, mine: list[tuple[int, int, int]], scratch: Scratch) -> None:
         ahead = reader.fetch(grads, mine[0][1], mine[0][2]) if reader is not None and mine else None
@@ -277,8 +294,10 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
             else:
                 g = scratch.get(b - a)
                 if reader is not None:
-                    handle, ahead = ahead, (reader.fetch(grads, mine[n + 1][1], mine[n + 1][2])
-                                            if n + 1 < len(mine) else None)  # the next chunk's copy runs meanwhile
+                    handle, ahead = (
+                        ahead,
+                        (reader.fetch(grads, mine[n + 1][1], mine[n + 1][2]) if n + 1 < len(mine) else None),
+                    )  # the next chunk's copy runs meanwhile
                     reader.gather(handle, g, grads, a, b)
                 else:
                     gather_grads(g, per_slice, offsets, a, b)
@@ -295,7 +314,7 @@ def host_update(buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hy
         while len(part_scratch) < parts:
             part_scratch.append(Scratch(torch.device("cpu")))
         bounds = [len(chunks) * k // parts for k in range(parts + 1)]
-        lane_threads.run(parts, lambda k: update(k, chunks[bounds[k]:bounds[k + 1]], part_scratch[k]))
+        lane_threads.run(parts, lambda k: update(k, chunks[bounds[k] : bounds[k + 1]], part_scratch[k]))
     updated = grads.advance(steps)
     if sink is not None:
         sink.finish(master)
@@ -310,8 +329,9 @@ class WeightSink:
     (host memory) or uploaded; a view of None (a parameter that is not contiguous: its elements
     are no flat range of its memory) is written whole through the binding at :meth:`finish`."""
 
-    def __init__(self, uploader: "WeightUploader", binding: SubgroupBinding,
-                 targets: list[tuple[int, int, torch.Tensor | None]]) -> None:
+    def __init__(
+        self, uploader: "WeightUploader", binding: SubgroupBinding, targets: list[tuple[int, int, torch.Tensor | None]]
+    ) -> None:
         self.uploader, self.binding = uploader, binding
         self.targets = [(lo, hi, t, t is not None and uploader.streams.in_host_memory(t)) for lo, hi, t in targets]
 
@@ -320,9 +340,9 @@ class WeightSink:
             x, y = max(a, lo), min(b, hi)
             if x >= y or target is None:
                 continue
-            src = master_chunk[x - a:y - a]
+            src = master_chunk[x - a : y - a]
             if in_place:
-                target[x - lo:y - lo].copy_(src)
+                target[x - lo : y - lo].copy_(src)
             else:
                 self.uploader.upload(target, x - lo, src, part)
 
@@ -418,10 +438,10 @@ class WeightUploader:
         for a in range(0, n, self.chunk_numel):
             b = min(n, a + self.chunk_numel)
             k, raw = ring.take()
-            staging = raw[:(b - a) * size].view(target.dtype)
+            staging = raw[: (b - a) * size].view(target.dtype)
             staging.copy_(master[a:b])  # the cast, on the CPU, while the last chunk crosses PCIe
             with self.streams.use(self.stream):
-                self.streams.copy(target[offset + a:offset + b], staging)
+                self.streams.copy(target[offset + a : offset + b], staging)
                 ring.record(k, self.streams, self.stream)
 
 
@@ -461,7 +481,7 @@ class GradReader:
                     continue
                 size = g.element_size()
                 off = -(-off // size) * size
-                dst = raw[off:off + (hi - lo) * size].view(g.dtype)
+                dst = raw[off : off + (hi - lo) * size].view(g.dtype)
                 self.streams.copy(dst, grads.source(i, lo, hi))
                 views[i] = dst
                 off += (hi - lo) * size
@@ -476,7 +496,7 @@ class GradReader:
         if views:
             event.synchronize()  # this chunk's copy down (a blocking event: the thread sleeps)
         for i, lo, hi in grads.slices_in(a, b):
-            out[lo - a:hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi))
+            out[lo - a : hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi))
 
 
 class HostLane:
@@ -484,8 +504,9 @@ class HostLane:
     and more than one thread, the lane's threads update each subgroup in parts
     (:class:`LaneThreads`); DeepSpeed's kernel runs its own OpenMP threads and is driven by one."""
 
-    def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None,
-                 grads: GradReader | None = None) -> None:
+    def __init__(
+        self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None, grads: GradReader | None = None
+    ) -> None:
         self.kernel_name, self.kernel = kernel_name, kernel
         self.weights = weights
         self.grads = grads if grads is not None else (GradReader(weights.streams) if weights is not None else None)
@@ -494,8 +515,9 @@ class HostLane:
         self._threads = LaneThreads() if kernel_name == "torch" else None
 
     def update(self, buf: StateBuffer, binding: SubgroupBinding, steps: list[int], hyper: AdamWHyper) -> int:
-        return host_update(buf, binding, steps, hyper, self.kernel, self._grad, self.weights, self.grads,
-                           self._threads, self._parts)
+        return host_update(
+            buf, binding, steps, hyper, self.kernel, self._grad, self.weights, self.grads, self._threads, self._parts
+        )
 
     def close(self) -> None:
         """Stop the lane's worker threads (they are made again if the lane runs once more)."""
@@ -521,9 +543,12 @@ class HostLane:
     def host_bytes(self) -> int:
         """Host memory the lane holds besides the state: its gradient scratch, the pinned chunk
         buffers of the weight uploads and the gradient reads."""
-        return (self._grad.nbytes + sum(s.nbytes for s in self._parts)
-                + (self.weights.host_bytes() if self.weights is not None else 0)
-                + (self.grads.host_bytes() if self.grads is not None else 0))
+        return (
+            self._grad.nbytes
+            + sum(s.nbytes for s in self._parts)
+            + (self.weights.host_bytes() if self.weights is not None else 0)
+            + (self.grads.host_bytes() if self.grads is not None else 0)
+        )
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ choose a process. :class:`HostBudget` is the engine's side: the budget, what the
 against it, and what it gives back and takes again. Torch-free: ``offloadctl`` reads these
 numbers without importing torch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -153,9 +154,17 @@ class HostBudget:
         self._closed = False
 
     @classmethod
-    def for_start(cls, given_bytes: int | None, *, usage: Callable[[], HostUsage], local_ranks: int,
-                  prefetch_depth: int, state_numels: Sequence[int], swapped_numels: Sequence[int],
-                  copies_bytes: int) -> HostBudget:
+    def for_start(
+        cls,
+        given_bytes: int | None,
+        *,
+        usage: Callable[[], HostUsage],
+        local_ranks: int,
+        prefetch_depth: int,
+        state_numels: Sequence[int],
+        swapped_numels: Sequence[int],
+        copies_bytes: int,
+    ) -> HostBudget:
         """The budget given (``--host-memory``), or :func:`default_budget` raised to what the start
         needs: the host tier's state (``state_numels``), the staging buffers of the swapped
         subgroups at ``prefetch_depth``, and the copies (the host lane's). A budget given that the
@@ -164,7 +173,8 @@ class HostBudget:
         need = HostUsage(
             state=sum(host_buffer_bytes(n) for n in state_numels),
             staging=staging_buffers(prefetch_depth) * host_buffer_bytes(max(swapped_numels)) if swapped_numels else 0,
-            copies=copies_bytes)
+            copies=copies_bytes,
+        )
         if given_bytes is None:
             return cls(max(default_budget(local_ranks), need.total), usage)
         if need.total > given_bytes:
@@ -172,7 +182,8 @@ class HostBudget:
             raise ConfigError(
                 f"host memory budget {format_size(given_bytes)} (--host-memory) is below what this rank needs to start: "
                 f"{format_size(need.total)} ({parts}, prefetch depth {prefetch_depth}); give --host-memory "
-                f"{size_at_least(need.total)} or more, or lower --host-cache or --prefetch-depth")
+                f"{size_at_least(need.total)} or more, or lower --host-cache or --prefetch-depth"
+            )
         return cls(given_bytes, usage)
 
     def watch(self, floor_bytes: int | None, lock, *, transfers, device_tier) -> None:
@@ -212,18 +223,22 @@ class HostBudget:
         self._device_tier.drop_host_copies()  # made again at the next release
         if not self.given_back:
             self.given_back = True
-            log.warning("offloadctl: host memory low (%s available, floor %s): gave back %s of kept and read-ahead "
-                        "staging buffers; reading ahead again when memory recovers",
-                        format_size(self._watch.available_bytes), format_size(self._watch.floor_bytes),
-                        format_size(before - self.usage().total))
+            log.warning(
+                "offloadctl: host memory low (%s available, floor %s): gave back %s of kept and read-ahead "
+                "staging buffers; reading ahead again when memory recovers",
+                format_size(self._watch.available_bytes),
+                format_size(self._watch.floor_bytes),
+                format_size(before - self.usage().total),
+            )
 
     def take_back(self, prefetch_depth: int) -> None:
         """Memory is back above the floor: the staging pool for ``prefetch_depth`` again, as deep as
         the budget holds."""
         self.given_back = False
         self._transfers.take_back(self.affordable_depth(prefetch_depth, self._transfers.buffer_bytes))
-        log.warning("offloadctl: host memory recovered (%s available): reading ahead again",
-                    format_size(self._watch.available_bytes))
+        log.warning(
+            "offloadctl: host memory recovered (%s available): reading ahead again", format_size(self._watch.available_bytes)
+        )
 
     def _on_low(self) -> None:
         """The watch's thread: memory just ran low. Give back now if the engine is idle."""

@@ -12,6 +12,7 @@ plus the device lane's fill and drain when it has work. The H2D and D2H rates ar
 (both directions at once), each rank's share of its link. ``docs/perfmodel.md`` ("Resources")
 gives each formula.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,8 +109,9 @@ def grads_on_device(lane_numels: Sequence[int], budget_bytes: int, grad_bytes: i
     return out
 
 
-def lane_assignment(numels: Sequence[int], in_device_tier: Sequence[bool], fraction: float, *,
-                    grad_budget_bytes: int, grad_bytes: int) -> tuple[list[bool], set[int]]:
+def lane_assignment(
+    numels: Sequence[int], in_device_tier: Sequence[bool], fraction: float, *, grad_budget_bytes: int, grad_bytes: int
+) -> tuple[list[bool], set[int]]:
     """Which subgroups take the device lane (``fraction`` of those outside the device tier,
     evenly spread), and which of those keep their gradients on the device (in order, as far as
     ``grad_budget_bytes`` holds; none when ``grad_bytes`` is 0, gradients not kept there)."""
@@ -122,9 +124,17 @@ def lane_assignment(numels: Sequence[int], in_device_tier: Sequence[bool], fract
     return mask, {i for i, k in zip(lane, kept) if k and grad_bytes}
 
 
-def load_for(numels: Sequence[int], fraction: float, *, resident_params: int, grad_budget_bytes: int,
-             grad_bytes: int, weight_bytes: int, weights_on_device: bool = True,
-             chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> LaneLoad:
+def load_for(
+    numels: Sequence[int],
+    fraction: float,
+    *,
+    resident_params: int,
+    grad_budget_bytes: int,
+    grad_bytes: int,
+    weight_bytes: int,
+    weights_on_device: bool = True,
+    chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL,
+) -> LaneLoad:
     """The load of the subgroups ``numels`` (those outside the device tier, in order) when a
     ``fraction`` of them, evenly spread (:func:`engine.placement.device_lane_mask`), take the
     device lane, their gradients on the GPU within ``grad_budget_bytes``."""
@@ -132,10 +142,16 @@ def load_for(numels: Sequence[int], fraction: float, *, resident_params: int, gr
     lane = [n for n, m in zip(numels, mask) if m]
     kept = grads_on_device(lane, grad_budget_bytes, grad_bytes)
     staged = sum(lane)
-    return LaneLoad(host_params=sum(numels) - staged, staged_params=staged,
-                    upload_grad_params=sum(n for n, k in zip(lane, kept) if not k), resident_params=resident_params,
-                    grad_bytes=grad_bytes, weight_bytes=weight_bytes, weights_on_device=weights_on_device,
-                    chunk_numel=chunk_numel)
+    return LaneLoad(
+        host_params=sum(numels) - staged,
+        staged_params=staged,
+        upload_grad_params=sum(n for n, k in zip(lane, kept) if not k),
+        resident_params=resident_params,
+        grad_bytes=grad_bytes,
+        weight_bytes=weight_bytes,
+        weights_on_device=weights_on_device,
+        chunk_numel=chunk_numel,
+    )
 
 
 def balanced_fraction(numels: Sequence[int], rates: LaneRates, **load_kw) -> tuple[float, float]:

@@ -24,6 +24,7 @@ gradient reads wait on their chunks' events, and ring slots on their last copies
 Here: a subgroup's gradients as one update reads them (:class:`SubgroupGrads`), and the growable
 scratch each lane upcasts them into (:class:`Scratch`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,10 +75,18 @@ class SubgroupGrads:
 
     def source(self, k: int, lo: int, hi: int) -> torch.Tensor:
         off = self.offsets[k]
-        return self.per_slice[k][lo - off:hi - off]
+        return self.per_slice[k][lo - off : hi - off]
 
-    def slices_for(self, a: int, b: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                   exp_avg_sq: torch.Tensor, steps: list[int]) -> AdamWSlices:
+    def slices_for(
+        self,
+        a: int,
+        b: int,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        steps: list[int],
+    ) -> AdamWSlices:
         """The fused call for elements [a, b): views (chunk-local) of each run that overlaps them."""
         s = AdamWSlices([], [], [], [], [])
         for i, j in self.runs:

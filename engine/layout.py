@@ -8,6 +8,7 @@ I/O chunk. With swapped state a rank keeps ``2 d + 3`` staging buffers for a pre
 performance model (``perf.layout``, ``perf.model``, ``perf.search``) imports them without
 importing torch, so ``offloadctl plan`` starts at once.
 """
+
 from __future__ import annotations
 
 import struct

@@ -4,6 +4,7 @@ A thin adapter: it flattens each param group's parameters into subgroups of abou
 ``subgroup_numel`` elements (:class:`ParamSubgroup`) and hands them to
 :class:`engine.core.SubgroupEngine`, which owns all update and I/O logic.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,12 +45,12 @@ class ParamSubgroup:
         return [s.numel for s in self.slices]
 
     def grads(self) -> list[torch.Tensor | None]:
-        return [None if s.param.grad is None else s.param.grad.reshape(-1)[s.start:s.start + s.numel] for s in self.slices]
+        return [None if s.param.grad is None else s.param.grad.reshape(-1)[s.start : s.start + s.numel] for s in self.slices]
 
     def read_weights(self, out: torch.Tensor) -> None:
         off = 0
         for s in self.slices:
-            out[off:off + s.numel].copy_(s.param.detach().reshape(-1)[s.start:s.start + s.numel])
+            out[off : off + s.numel].copy_(s.param.detach().reshape(-1)[s.start : s.start + s.numel])
             off += s.numel
 
     def weight_views(self) -> list[tuple[int, int, torch.Tensor | None]]:
@@ -60,7 +61,7 @@ class ParamSubgroup:
         :meth:`write_weights` after the update, a synchronous copy of that parameter."""
         out, off = [], 0
         for s in self.slices:
-            view = s.param.detach().view(-1)[s.start:s.start + s.numel] if s.param.is_contiguous() else None
+            view = s.param.detach().view(-1)[s.start : s.start + s.numel] if s.param.is_contiguous() else None
             out.append((off, off + s.numel, view))
             off += s.numel
         return out
@@ -71,15 +72,15 @@ class ParamSubgroup:
             for s in self.slices:
                 lo, hi = max(off, offset), min(off + s.numel, end)
                 if lo < hi:
-                    src = master[lo - offset:hi - offset]
+                    src = master[lo - offset : hi - offset]
                     if s.param.is_contiguous():
                         start = s.start + lo - off
-                        s.param.view(-1)[start:start + hi - lo].copy_(src)
+                        s.param.view(-1)[start : start + hi - lo].copy_(src)
                     elif hi - lo == s.numel:  # never split across subgroups (see flatten_params)
                         s.param.copy_(src.view(s.param.shape))
                     else:  # a device-lane chunk ends inside it: read, modify, write the whole
                         whole = s.param.detach().reshape(-1).clone()
-                        whole[lo - off:hi - off] = src.to(whole.device)
+                        whole[lo - off : hi - off] = src.to(whole.device)
                         s.param.copy_(whole.view(s.param.shape))
                 off += s.numel
 
@@ -146,29 +147,63 @@ class OffloadAdamW(torch.optim.Optimizer):
     ``load_state_dict`` for fp32 parameters), so load model weights before optimizer state.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, *, host_cache_bytes: int | None = None, nvme_paths: Sequence[PathLike] = (),
-                 remote_paths: Sequence[PathLike] = (), subgroup_numel: int = 10_000_000, device_cache_bytes: int = 0,
-                 device: str | None = None, prefetch_depth: int | None = None, device_fraction: float | None = None,
-                 node_lock: bool | None = None, io_concurrency: Mapping[str, int] | None = None,
-                 host_memory_bytes: int | None = None, host_memory_floor_bytes: int | None = None,
-                 read_ahead_bytes: int | None = None, overlap_io: bool = True, io_backend: str = "auto", host_adam: str = "auto",
-                 verify_checksums: bool = True, run_dir: str | None = None, rank: int = 0) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        host_cache_bytes: int | None = None,
+        nvme_paths: Sequence[PathLike] = (),
+        remote_paths: Sequence[PathLike] = (),
+        subgroup_numel: int = 10_000_000,
+        device_cache_bytes: int = 0,
+        device: str | None = None,
+        prefetch_depth: int | None = None,
+        device_fraction: float | None = None,
+        node_lock: bool | None = None,
+        io_concurrency: Mapping[str, int] | None = None,
+        host_memory_bytes: int | None = None,
+        host_memory_floor_bytes: int | None = None,
+        read_ahead_bytes: int | None = None,
+        overlap_io: bool = True,
+        io_backend: str = "auto",
+        host_adam: str = "auto",
+        verify_checksums: bool = True,
+        run_dir: str | None = None,
+        rank: int = 0,
+    ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         paths = storage_paths(nvme_paths, remote_paths)
-        given = {k: v for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction),
-                                   ("node_lock", node_lock)) if v is not None}
+        given = {
+            k: v
+            for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction), ("node_lock", node_lock))
+            if v is not None
+        }
         concurrency = {StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()}
         knobs = Knobs(**given, io_concurrency=concurrency)
-        config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=resolve_host_cache(host_cache_bytes, paths),
-                              device_cache_bytes=device_cache_bytes, paths=paths, device=device, io_backend=io_backend,
-                              host_adam=host_adam, verify_checksums=verify_checksums, run_dir=run_dir, rank=rank,
-                              host_memory_bytes=host_memory_bytes, host_memory_floor_bytes=host_memory_floor_bytes,
-                              read_ahead_bytes=read_ahead_bytes, overlap_io=overlap_io,
-                              pins={**given, **{f"io_concurrency[{p}]": n for p, n in concurrency.items()}})
+        config = EngineConfig(
+            subgroup_numel=subgroup_numel,
+            host_cache_bytes=resolve_host_cache(host_cache_bytes, paths),
+            device_cache_bytes=device_cache_bytes,
+            paths=paths,
+            device=device,
+            io_backend=io_backend,
+            host_adam=host_adam,
+            verify_checksums=verify_checksums,
+            run_dir=run_dir,
+            rank=rank,
+            host_memory_bytes=host_memory_bytes,
+            host_memory_floor_bytes=host_memory_floor_bytes,
+            read_ahead_bytes=read_ahead_bytes,
+            overlap_io=overlap_io,
+            pins={**given, **{f"io_concurrency[{p}]": n for p, n in concurrency.items()}},
+        )
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)
         # Read ahead during backward: the first gradient accumulated after a step starts the
@@ -183,8 +218,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "engine"):
-            raise ConfigError("OffloadAdamW places its state at construction and cannot add param groups later; "
-                              "pass every group to the constructor")
+            raise ConfigError(
+                "OffloadAdamW places its state at construction and cannot add param groups later; "
+                "pass every group to the constructor"
+            )
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -266,7 +303,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     param_state = per_param.setdefault(index[id(s.param)], _empty_state(s.param, step))
                     for key, src in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
                         if key in param_state:
-                            param_state[key].view(-1)[s.start:s.start + s.numel].copy_(src[off:off + s.numel])
+                            param_state[key].view(-1)[s.start : s.start + s.numel].copy_(src[off : off + s.numel])
                 off += s.numel
         groups = []
         for g in self.param_groups:
@@ -278,12 +315,16 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
-            raise ConfigError(f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
-                              f"this optimizer has {len(self.param_groups)}: load the state of the same model and groups")
+            raise ConfigError(
+                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                f"this optimizer has {len(self.param_groups)}: load the state of the same model and groups"
+            )
         for saved, g in zip(groups, self.param_groups):
             if len(saved["params"]) != len(g["params"]):
-                raise ConfigError(f"a saved param group has {len(saved['params'])} params, this one {len(g['params'])}: "
-                                  f"load the state of the same model and groups")
+                raise ConfigError(
+                    f"a saved param group has {len(saved['params'])} params, this one {len(g['params'])}: "
+                    f"load the state of the same model and groups"
+                )
         saved_index = [i for s in groups for i in s["params"]]
         mine = self._param_index()
         state = state_dict.get("state", {})
@@ -299,12 +340,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 saved = by_param[id(s.param)]
                 if saved:
                     if tuple(saved["exp_avg"].shape) != tuple(s.param.shape):
-                        raise ConfigError(f"saved optimizer state has shape {tuple(saved['exp_avg'].shape)} for a parameter "
-                                          f"of shape {tuple(s.param.shape)}: load the state of the same model")
-                    m[off:off + s.numel].copy_(saved["exp_avg"].reshape(-1)[s.start:s.start + s.numel])
-                    v[off:off + s.numel].copy_(saved["exp_avg_sq"].reshape(-1)[s.start:s.start + s.numel])
+                        raise ConfigError(
+                            f"saved optimizer state has shape {tuple(saved['exp_avg'].shape)} for a parameter "
+                            f"of shape {tuple(s.param.shape)}: load the state of the same model"
+                        )
+                    m[off : off + s.numel].copy_(saved["exp_avg"].reshape(-1)[s.start : s.start + s.numel])
+                    v[off : off + s.numel].copy_(saved["exp_avg_sq"].reshape(-1)[s.start : s.start + s.numel])
                     if "master" in saved:
-                        master[off:off + s.numel].copy_(saved["master"].reshape(-1)[s.start:s.start + s.numel])
+                        master[off : off + s.numel].copy_(saved["master"].reshape(-1)[s.start : s.start + s.numel])
                     steps.append(int(float(saved["step"])))
                 else:
                     steps.append(0)
@@ -337,14 +380,14 @@ def _backward_began(ref) -> None:
 
 
 def _empty_state(p: torch.Tensor, step: int) -> dict:
-    state = {"step": torch.tensor(float(step)),
-          "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-          "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+    state = {
+        "step": torch.tensor(float(step)),
+        "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+        "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32),
+    }
     if p.dtype != torch.float32:
         state["master"] = torch.zeros(p.shape, dtype=torch.float32)
     return state
-
-
 
 
 def _check_hyper(lr, betas, eps, weight_decay) -> None:

@@ -6,6 +6,7 @@ is proportional to its weight (its bandwidth unless the knobs say otherwise). Gr
 least-finish-time assignment keeps consecutive subgroups on different paths, so prefetches
 of neighbours run on several devices at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ def swap_tier(path_index: int) -> Tier:
     """The tier of a subgroup swapped to storage path ``path_index``."""
     return Tier("swap", path_index)
 
+
 DEVICE_LANE_SLOTS = 3
 """Device buffers of the device lane: one copying in, one updating, one copying back."""
 DEVICE_LANE_CHUNK_NUMEL = 1 << 23
@@ -48,8 +50,9 @@ chunks of this size, so the lane's device memory does not grow with ``sub_group_
 keeps pinned PCIe copies at their full rate."""
 
 
-def device_lane_working_bytes(capacity_numel: int, slots: int = DEVICE_LANE_SLOTS,
-                              chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL) -> int:
+def device_lane_working_bytes(
+    capacity_numel: int, slots: int = DEVICE_LANE_SLOTS, chunk_numel: int = DEVICE_LANE_CHUNK_NUMEL
+) -> int:
     """Device memory a device lane over subgroups of at most ``capacity_numel`` elements uses:
     per slot, a chunk of fp32 state (12 B/element), of gradient and of 16- or 32-bit weights
     (4 B each at most); and two fp32 gradient scratches (the lane's and the device tier's
@@ -103,15 +106,15 @@ def stripe(sizes_bytes: Sequence[int], weights: Sequence[float]) -> list[int]:
     return out
 
 
-def place(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | None,
-          path_weights: Sequence[float]) -> Placement:
+def place(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | None, path_weights: Sequence[float]) -> Placement:
     resident = place_resident(sizes_bytes, device_budget=device_budget, host_budget=host_budget)
     swapped = [i for i, r in enumerate(resident) if r is None]
     if swapped and not path_weights:
         need = sum(sizes_bytes[i] for i in swapped)
         raise ConfigError(
             f"host_cache_bytes={host_budget} leaves {len(swapped)} subgroups ({need} bytes of optimizer state) "
-            f"with nowhere to go: give nvme_paths or remote_paths, or raise host_cache_bytes (None keeps all in memory)")
+            f"with nowhere to go: give nvme_paths or remote_paths, or raise host_cache_bytes (None keeps all in memory)"
+        )
     paths = stripe([sizes_bytes[i] for i in swapped], path_weights) if swapped else []
     tiers: list[Tier | None] = list(resident)
     for i, p in zip(swapped, paths):

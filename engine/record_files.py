@@ -10,6 +10,7 @@ made 0600 before anything is written to it.
 A full disk stops every one of a rank's streams at about the same time: the first to stop says
 so in one line for all of them, and the others stop quietly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,5 +47,9 @@ def say_records_stopped(path: str, e: OSError) -> None:
         log.info("%s no longer written (%s)", path, e.strerror or e)
         return
     _stopped.add(run_dir)
-    log.warning("offloadctl: this rank's records are no longer written to %s (%s): the run goes on (telemetry kept "
-                "in memory); offloadctl report shows what was written before", run_dir, e.strerror or e)
+    log.warning(
+        "offloadctl: this rank's records are no longer written to %s (%s): the run goes on (telemetry kept "
+        "in memory); offloadctl report shows what was written before",
+        run_dir,
+        e.strerror or e,
+    )

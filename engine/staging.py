@@ -4,6 +4,7 @@ in flight. Reading into a buffer, and when, is :mod:`engine.transfers`'; writing
 taking it back when the write lands (or keeping the state in memory when it fails), and finding a
 free one are here. How the two overlap training: ``docs/io-overlap.md``.
 """
+
 from __future__ import annotations
 
 from collections import deque

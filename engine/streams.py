@@ -15,6 +15,7 @@ uploads). They reach them only through a :class:`Streams`, so one code path runs
 ``streams_for(device)`` is the one place the engine picks its implementation, and
 ``resolve_lane_device`` the one place a device setting becomes the lane's device.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,7 @@ class Event(Protocol):
         """Block the calling CPU thread until the work recorded before this event is done."""
         ...
 
-    def query(self) -> bool:
-        ...
+    def query(self) -> bool: ...
 
 
 class Stream(Protocol):
@@ -43,8 +43,7 @@ class Stream(Protocol):
         """Work queued on this stream from now on starts after everything queued on ``stream`` so far."""
         ...
 
-    def synchronize(self) -> None:
-        ...
+    def synchronize(self) -> None: ...
 
 
 class Streams(Protocol):
@@ -54,8 +53,7 @@ class Streams(Protocol):
     pins_host_memory: bool
     """Host memory a copy reads or writes must be page-locked for the copy to be asynchronous."""
 
-    def new_stream(self) -> Stream:
-        ...
+    def new_stream(self) -> Stream: ...
 
     def current(self) -> Stream:
         """The stream the caller's own work (DeepSpeed's, the next forward) runs on."""

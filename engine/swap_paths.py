@@ -6,6 +6,7 @@ A path itself (its files, its parallel O_DIRECT transfers, its limits) is
 ``docs/engine.md`` places it among the engine's parts; the knobs that move subgroups between
 paths and change a path's limits are ``docs/tuner.md``'s.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -55,9 +56,16 @@ class SwapPaths:
             backend = open_backend(config.io_backend)
             self.io_backend = backend.name
             for spec in config.paths:
-                self.paths.append(SwapPath(spec, backend, concurrency=knobs.concurrency_for(spec.path),
-                                           node_lock=knobs.node_lock, verify_checksums=config.verify_checksums,
-                                           rank=config.rank))
+                self.paths.append(
+                    SwapPath(
+                        spec,
+                        backend,
+                        concurrency=knobs.concurrency_for(spec.path),
+                        node_lock=knobs.node_lock,
+                        verify_checksums=config.verify_checksums,
+                        rank=config.rank,
+                    )
+                )
             rates = [self._rates_of(p, knobs) for p in self.paths]
             self.read_bytes_per_s = [r for r, _ in rates]
             self.round_trip_bytes_per_s = [round_trip_rate(r, w) for r, w in rates]
@@ -102,7 +110,8 @@ class SwapPaths:
                     f"storage path {p.path} is full for this run: this rank's swap files there need "
                     f"{format_size(n)} and it has {format_size(free)} free; free space there, add another path "
                     f"(--nvme), or keep more state in host memory: --host-cache {size_at_least(cache + n - free)} "
-                    f"or more (host_cache_bytes, now {format_size(cache)})")
+                    f"or more (host_cache_bytes, now {format_size(cache)})"
+                )
 
     def create_file(self, sg: Subgroup, path_index: int) -> SwapFile:
         return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
@@ -151,9 +160,18 @@ class SwapPaths:
         ``path_bytes_written``), and per path the seconds it was busy reading and writing and its
         requests waited for a slot (``path_read_busy_s``, ``path_write_busy_s``,
         ``path_queue_wait_s``), as :class:`engine.telemetry.StepRecord` names them."""
-        moved: dict[str, dict] = {name: {} for name in (
-            "bytes_read", "bytes_written", "path_bytes_read", "path_bytes_written", "path_read_busy_s",
-            "path_write_busy_s", "path_queue_wait_s")}
+        moved: dict[str, dict] = {
+            name: {}
+            for name in (
+                "bytes_read",
+                "bytes_written",
+                "path_bytes_read",
+                "path_bytes_written",
+                "path_read_busy_s",
+                "path_write_busy_s",
+                "path_queue_wait_s",
+            )
+        }
         for p, b in zip(self.paths, before):
             c = p.snapshot()
             read, written = c.bytes_read - b.bytes_read, c.bytes_written - b.bytes_written

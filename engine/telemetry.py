@@ -1,4 +1,5 @@
 """One plain record per ``step()``, kept in memory and optionally appended to a JSONL file."""
+
 from __future__ import annotations
 
 import json

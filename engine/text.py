@@ -2,6 +2,7 @@
 sequence in a profile's name, a path or an error's message) that a terminal would act on, and
 without the bidirectional controls that make a terminal show text in another order than it is
 (U+202E turns ``evil\u202etxt.py`` into what reads as ``evilyp.txt``)."""
+
 from __future__ import annotations
 
 import re

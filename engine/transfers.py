@@ -20,6 +20,7 @@ decides what is read into them, and when. What overlaps what, and why the result
 - **Failures.** A write that fails keeps its state in memory (the pool makes it host-resident);
   the next step or :meth:`Transfers.flush` raises it.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,8 +71,15 @@ class Transfers:
     staging buffers now. ``auto_read_ahead``: the read-ahead budget is sized once from the run
     (:meth:`size_read_ahead_once`)."""
 
-    def __init__(self, subgroups: Sequence[Subgroup], staging: StagingPool, *, room_bytes: Callable[[], int],
-                 on_write_landed: Callable[[], object] | None, auto_read_ahead: bool = False) -> None:
+    def __init__(
+        self,
+        subgroups: Sequence[Subgroup],
+        staging: StagingPool,
+        *,
+        room_bytes: Callable[[], int],
+        on_write_landed: Callable[[], object] | None,
+        auto_read_ahead: bool = False,
+    ) -> None:
         self.subgroups = subgroups
         self.staging = staging
         self._room_bytes = room_bytes
@@ -174,8 +182,7 @@ class Transfers:
 
     def host_bytes(self) -> tuple[int, int]:
         """Host memory of the pool: (buffers not holding a kept copy, buffers holding one)."""
-        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups
-                   if sg.staged is not None and sg.kept)
+        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups if sg.staged is not None and sg.kept)
         return max(0, self.staging.size * self.staging.buffer_bytes - kept), kept
 
     def buffers(self) -> list[StateBuffer]:
@@ -261,8 +268,10 @@ class Transfers:
         def need(sg: Subgroup) -> int:
             k = swaps.position[sg.index]
             return k if k >= swaps.current else 2 * n - 1 - k
-        cands = [sg for sg in self.subgroups
-                 if sg.staged is not None and sg.kept and sg is not exclude and sg.index in swaps.position]
+
+        cands = [
+            sg for sg in self.subgroups if sg.staged is not None and sg.kept and sg is not exclude and sg.index in swaps.position
+        ]
         return sorted((sg for sg in cands if need(sg) > after), key=need, reverse=True)
 
     def _load(self, sg: Subgroup, buf: StateBuffer, swaps: SwapPass) -> None:

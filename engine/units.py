@@ -10,6 +10,7 @@ One rule for every size flag (``offloadctl train --host-cache``, ``plan --host-m
 
 This module imports nothing of the engine's but its errors, so that every layer can use it.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,15 +19,30 @@ from decimal import Decimal
 
 from engine.errors import ConfigError
 
-UNITS = {"B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-         "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS = {
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 MAX_BYTES = 10**18
 """Larger is a typo (1 EB), and would overflow the int64 byte counts downstream."""
 
-SIZE_HELP = ("SIZE is a number and a unit: K/M/G/T or KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers "
-             "of 1024, B bytes (case-insensitive), e.g. 512MB, 1.5TB, 60GiB; a bare number other than 0 is "
-             "refused, so that 64 is never read as 64 bytes.")
+SIZE_HELP = (
+    "SIZE is a number and a unit: K/M/G/T or KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers "
+    "of 1024, B bytes (case-insensitive), e.g. 512MB, 1.5TB, 60GiB; a bare number other than 0 is "
+    "refused, so that 64 is never read as 64 bytes."
+)
 """The rule in one paragraph, for the epilog of every command with a size flag."""
 
 _EXAMPLES = "e.g. 512MB, 64GB, 1.5TB or 60GiB"
@@ -51,8 +67,9 @@ def parse_size(text: str, *, flag: str, bare_unit: str | None = None) -> int:
         raise ConfigError(f"{flag} {shown} is negative: give {examples}")
     unit = m.group(2).upper() if m else ""
     if not m or (unit and unit not in UNITS):
-        raise ConfigError(f"{flag} {shown} is not a size: give {examples} "
-                          f"(K/M/G/T: powers of 1000; KiB/MiB/GiB/TiB: powers of 1024)")
+        raise ConfigError(
+            f"{flag} {shown} is not a size: give {examples} (K/M/G/T: powers of 1000; KiB/MiB/GiB/TiB: powers of 1024)"
+        )
     number = Decimal(m.group(1))  # exact: 0.3GB is 300000000 bytes, where float gives 299999999
     if number.adjusted() > 18:  # before any arithmetic: 1e999999999 would overflow Decimal's context
         raise ConfigError(f"{flag} {shown} is over {format_size(MAX_BYTES)}: give {examples}")
@@ -60,8 +77,9 @@ def parse_size(text: str, *, flag: str, bare_unit: str | None = None) -> int:
         if bare_unit is not None:
             unit = bare_unit.upper()
         elif number != 0:
-            raise ConfigError(f"{flag} {shown} has no unit: write {m.group(1)}GB or {m.group(1)}GiB "
-                              f"({m.group(1)}B if you mean bytes)")
+            raise ConfigError(
+                f"{flag} {shown} has no unit: write {m.group(1)}GB or {m.group(1)}GiB ({m.group(1)}B if you mean bytes)"
+            )
     value = number * UNITS.get(unit, 1)
     if value > MAX_BYTES:
         raise ConfigError(f"{flag} {shown} is over {format_size(MAX_BYTES)}: give {examples}")

@@ -6,6 +6,7 @@ It comes from the installed package's metadata, so it is the version pyproject.t
 a source tree used without being installed has no metadata and says so ("0+unknown", a
 valid PEP 440 local version that sorts below every release).
 """
+
 from __future__ import annotations
 
 from importlib import metadata

@@ -3,6 +3,7 @@
 The text comes from a tiny grammar generated at run time, so nothing is downloaded and the
 loss visibly falls within a few dozen steps.
 """
+
 from __future__ import annotations
 
 import random
@@ -57,5 +58,5 @@ def make_batches(text: str, chars: list[str], ctx: int, batch: int, n: int, seed
     out = []
     for _ in range(n):
         ix = torch.randint(len(data) - ctx - 1, (batch,), generator=gen)  # cpu ok: indices into CPU data
-        out.append((torch.stack([data[i:i + ctx] for i in ix]), torch.stack([data[i + 1:i + ctx + 1] for i in ix])))
+        out.append((torch.stack([data[i : i + ctx] for i in ix]), torch.stack([data[i + 1 : i + ctx + 1] for i in ix])))
     return out

@@ -6,6 +6,7 @@ The text is generated at run time (no downloads): sentences from a tiny grammar,
 visibly falls. All optimizer state goes to swap files under a temporary directory (no host
 cache), and a per-step telemetry summary is printed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,21 +45,29 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
 
     with tempfile.TemporaryDirectory(prefix="offloadctl-demo-", dir=args.nvme or "/var/tmp") as nvme:
-        opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, host_cache_bytes=0, nvme_paths=[nvme],
-                           subgroup_numel=args.subgroup)
+        opt = OffloadAdamW(
+            model.parameters(), lr=3e-3, weight_decay=0.01, host_cache_bytes=0, nvme_paths=[nvme], subgroup_numel=args.subgroup
+        )
         plan = opt.engine.describe()
-        console.print(f"[bold]offloadctl demo[/bold]: GPT with {n_params / 1e6:.2f}M params, {plan.subgroups} subgroups, "
-                      f"optimizer state {12 * n_params / 1e6:.0f} MB on {nvme} (no host cache), "
-                      f"I/O backend {plan.io_backend}, host kernel {plan.host_kernel}")
+        console.print(
+            f"[bold]offloadctl demo[/bold]: GPT with {n_params / 1e6:.2f}M params, {plan.subgroups} subgroups, "
+            f"optimizer state {12 * n_params / 1e6:.0f} MB on {nvme} (no host cache), "
+            f"I/O backend {plan.io_backend}, host kernel {plan.host_kernel}"
+        )
         losses = []
-        cols = [TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]
+        cols = [
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*cols, console=console) as progress:
             task = progress.add_task("training", total=args.steps, loss="-")
             for _ in range(args.steps):
                 ix = torch.randint(len(data) - args.ctx - 1, (args.batch,))  # cpu ok: indices into CPU data
-                x = torch.stack([data[i:i + args.ctx] for i in ix]).to(device)
-                y = torch.stack([data[i + 1:i + args.ctx + 1] for i in ix]).to(device)
+                x = torch.stack([data[i : i + args.ctx] for i in ix]).to(device)
+                y = torch.stack([data[i + 1 : i + args.ctx + 1] for i in ix]).to(device)
                 loss = nn.functional.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

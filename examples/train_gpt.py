@@ -5,6 +5,7 @@ Run it as DeepSpeed would, or under offloadctl, which moves its optimizer state 
     deepspeed --num_gpus 1 examples/train_gpt.py --steps 30
     offloadctl train --num_gpus 1 --nvme /path/on/ssd examples/train_gpt.py --steps 30
 """
+
 import argparse
 import os
 import sys
@@ -37,8 +38,13 @@ config = {
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 batches = make_batches(text, chars, args.ctx, args.batch, args.steps, seed=engine.global_rank)
 first = None
-cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn()]
+cols = [
+    TextColumn("{task.description}"),
+    BarColumn(),
+    TextColumn("{task.completed}/{task.total}"),
+    TextColumn("loss {task.fields[loss]}"),
+    TimeElapsedColumn(),
+]
 with Progress(*cols, disable=engine.global_rank != 0) as progress:
     task = progress.add_task("training", total=args.steps, loss="-")
     device = get_accelerator().current_device_name()  # this rank's GPU, or the CPU

@@ -7,6 +7,7 @@ to DeepSpeed), then runs SCRIPT with ``sys.argv = [SCRIPT, --local_rank=N, ARGS.
 as the launcher would have. It checks that ``deepspeed.initialize`` engaged the engine (ZeRO
 stage 3 with optimizer offload), and says so if the script never called it.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def split_argv(argv: list[str]):
             settings = RankSettings.from_json(json.loads(argv[i + 1]))
             i += 2
             script = argv[i]
-            return settings, script, rest + argv[i + 1:]
+            return settings, script, rest + argv[i + 1 :]
         rest.append(argv[i])
         i += 1
     raise SystemExit(f"offloadctl bootstrap: missing {CONFIG_FLAG}; start runs with `offloadctl train`")
@@ -135,9 +136,11 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
     socket = opt.tuner_client.socket_path if opt.tuner_client else None
     own = socket and run_dir and os.path.abspath(socket).startswith(os.path.abspath(run_dir) + os.sep)
     tuner = "tuner off" if not socket else "tuner: this run's own" if own else f"tuner {socket}"
-    parts = [f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
-             f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
-             f"{start}; {tuner}"]
+    parts = [
+        f"offloadctl: engine active, {plan['subgroups']} subgroups per rank",
+        f"state: {tiers}; I/O {plan['io_backend'] or 'none'}; host kernel {plan['host_kernel']}, {cores}",
+        f"{start}; {tuner}",
+    ]
     history = _history_start(opt.tuner_client)
     if history:
         parts.append(history)
@@ -145,8 +148,17 @@ def _banner(opt, cores: str, run_dir: str | None) -> str:
 
     parts = [printable(p) for p in parts]  # paths and a profile's name are the user's text
     width = max(40, min(shutil.get_terminal_size().columns, 120))
-    return "\n".join(textwrap.fill(p, width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
-                                   break_on_hyphens=False, break_long_words=False) for i, p in enumerate(parts))
+    return "\n".join(
+        textwrap.fill(
+            p,
+            width,
+            initial_indent="" if i == 0 else "  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        for i, p in enumerate(parts)
+    )
 
 
 def _history_start(client, timeout_s: float = 2.0) -> str | None:
@@ -157,8 +169,10 @@ def _history_start(client, timeout_s: float = 2.0) -> str | None:
     import json
 
     knobs = ", ".join(f"{k}={json.dumps(v)}" for k, v in client.start_from["knobs"].items())
-    return (f"history: {knobs}, from the tuner's verdict in run {client.start_from['run_id']} (at the first knob "
-            f"change; a knob you give is never taken from history)")
+    return (
+        f"history: {knobs}, from the tuner's verdict in run {client.start_from['run_id']} (at the first knob "
+        f"change; a knob you give is never taken from history)"
+    )
 
 
 def main() -> int:
@@ -191,8 +205,11 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
         rec = recorder.current()
         if rec is not None:  # the record's end line, written at exit, says the same
             rec.stopped_by = signal.Signals(signum).name
-        print(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
-              file=sys.stderr, flush=True)
+        print(
+            f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + signum
 
 
@@ -218,11 +235,15 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
                 return
             stage = engine.zero_optimization_stage()
             if stage != 3:
-                raise OffloadError(f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
-                                   f"set zero_optimization.stage to 3, or use engine.OffloadAdamW in a plain PyTorch loop")
+                raise OffloadError(
+                    f"offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage {stage}: "
+                    f"set zero_optimization.stage to 3, or use engine.OffloadAdamW in a plain PyTorch loop"
+                )
             if not isinstance(engine.optimizer, cls):
-                raise OffloadError("the offloadctl engine did not engage (DeepSpeed built "
-                                   f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer")
+                raise OffloadError(
+                    "the offloadctl engine did not engage (DeepSpeed built "
+                    f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer"
+                )
             state["engaged"] += 1
             if _rank() == 0:
                 print(_banner(engine.optimizer, describe_cores(cores), settings.run_dir), file=sys.stderr, flush=True)
@@ -250,8 +271,11 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
         _failed(settings, e)
         return 1
     if not state["engaged"]:
-        print(f"offloadctl: {program} finished without calling deepspeed.initialize, so the engine never ran: "
-              f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)", file=sys.stderr)
+        print(
+            f"offloadctl: {program} finished without calling deepspeed.initialize, so the engine never ran: "
+            f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

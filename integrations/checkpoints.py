@@ -20,6 +20,7 @@ names. The CRC check of the checkpoint's files is shared out: each rank reads th
 about to load (which leaves them in the page cache for the load) and the ranks tell each other
 what they found.
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,8 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import CheckpointError
 
-_SHAPE = re.compile(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\([^)]*\)) from checkpoint, "
-                    r"the shape in current model is (torch\.Size\([^)]*\))")
+_SHAPE = re.compile(
+    r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\([^)]*\)) from checkpoint, "
+    r"the shape in current model is (torch\.Size\([^)]*\))"
+)
 _KEYS = re.compile(r"(Missing key\(s\)|Unexpected key\(s\)) in state_dict: ([^.]+)\.")
 
 
@@ -57,17 +60,19 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     named_by_latest = tag is None
     tag = _tag(load_dir, tag)
     if tag is None:
-        raise _every_rank(f"checkpoint {load_dir} has no 'latest' file naming a tag: pass the tag to "
-                          f"load_checkpoint, or check the directory")
+        raise _every_rank(
+            f"checkpoint {load_dir} has no 'latest' file naming a tag: pass the tag to load_checkpoint, or check the directory"
+        )
     folder = os.path.join(load_dir, tag)
     if not os.path.isdir(folder):
         tags = _tags_in(load_dir)
         if named_by_latest:
-            raise _every_rank(f"checkpoint {load_dir}'s 'latest' file names tag {tag!r}, which is not there (tags "
-                              f"there: {tags or 'none'}): write the tag to resume from into "
-                              f"{os.path.join(load_dir, 'latest')}, or pass it to load_checkpoint")
-        raise _every_rank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: "
-                          f"{tags or 'none'})")
+            raise _every_rank(
+                f"checkpoint {load_dir}'s 'latest' file names tag {tag!r}, which is not there (tags "
+                f"there: {tags or 'none'}): write the tag to resume from into "
+                f"{os.path.join(load_dir, 'latest')}, or pass it to load_checkpoint"
+            )
+        raise _every_rank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: {tags or 'none'})")
     if universal:  # another layout (zero/<param>/...), loaded at any rank count: DeepSpeed checks it
         bad = _agreed(_damaged_records(folder, recursive=True))
         if bad:
@@ -79,23 +84,32 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     _LOADING["folder"] = folder
     model_files = sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))
     if not model_files:
-        raise _every_rank(f"checkpoint {folder} has no model states file (*mp_rank_00_model_states.pt): it is not a "
-                          f"DeepSpeed checkpoint, or it was not saved completely")
+        raise _every_rank(
+            f"checkpoint {folder} has no model states file (*mp_rank_00_model_states.pt): it is not a "
+            f"DeepSpeed checkpoint, or it was not saved completely"
+        )
     import torch
 
     saved = int(torch.load(model_files[0], map_location="cpu", weights_only=False).get("dp_world_size") or 1)
     for kind in ("model_states", "optim_states"):
-        present = {int(m.group(1)) for f in glob.glob(os.path.join(folder, f"*zero_pp_rank_*_mp_rank_00_{kind}.pt"))
-                   if (m := re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)))}
+        present = {
+            int(m.group(1))
+            for f in glob.glob(os.path.join(folder, f"*zero_pp_rank_*_mp_rank_00_{kind}.pt"))
+            if (m := re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)))
+        }
         gone = sorted(set(range(saved)) - present)
         if gone and (present or kind == "optim_states"):
-            raise _every_rank(f"checkpoint {folder} was saved by {saved} ranks and lacks the {kind} file of rank(s) "
-                              f"{gone}: copy the missing files from where it was saved, or resume from another "
-                              f"checkpoint")
+            raise _every_rank(
+                f"checkpoint {folder} was saved by {saved} ranks and lacks the {kind} file of rank(s) "
+                f"{gone}: copy the missing files from where it was saved, or resume from another "
+                f"checkpoint"
+            )
     if optimizer_states and saved != world_size:
-        raise _every_rank(f"checkpoint {folder} was saved by {saved} ranks and this run has {world_size}: run with "
-                          f"{saved} ranks, or convert it with `python -m deepspeed.checkpoint.ds_to_universal` and "
-                          f"set \"checkpoint\": {{\"load_universal\": true}} in the ds_config")
+        raise _every_rank(
+            f"checkpoint {folder} was saved by {saved} ranks and this run has {world_size}: run with "
+            f"{saved} ranks, or convert it with `python -m deepspeed.checkpoint.ds_to_universal` and "
+            f'set "checkpoint": {{"load_universal": true}} in the ds_config'
+        )
     bad = _agreed(_mixed_saves(folder, optimizer_states=optimizer_states))
     if bad:
         raise _every_rank(bad)
@@ -131,7 +145,8 @@ def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) 
     import torch
 
     model = _rank_file(folder, rank, "model_states") or next(
-        iter(sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))), None)
+        iter(sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))), None
+    )
     if model is None:
         return None
     try:
@@ -143,11 +158,15 @@ def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) 
     fix = "load a checkpoint of this model, or check the script's model arguments"
     for (name, there), here in zip(theirs, mine):
         if there != here:
-            return (f"checkpoint file {model} holds another model: {name} is {_shape(there)} there and "
-                    f"{_shape(here)} here (its param_shapes); {fix}")
+            return (
+                f"checkpoint file {model} holds another model: {name} is {_shape(there)} there and "
+                f"{_shape(here)} here (its param_shapes); {fix}"
+            )
     if len(theirs) != len(mine):
-        return (f"checkpoint file {model} holds another model: {len(theirs)} optimized parameters there and "
-                f"{len(mine)} here (its param_shapes); {fix}")
+        return (
+            f"checkpoint file {model} holds another model: {len(theirs)} optimized parameters there and "
+            f"{len(mine)} here (its param_shapes); {fix}"
+        )
     return None
 
 
@@ -166,8 +185,7 @@ def refuse_on_every_rank(mine: str | None) -> None:
 
 
 def _tags_in(load_dir: str) -> list[str]:
-    return sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) \
-        if os.path.isdir(load_dir) else []
+    return sorted(d for d in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, d))) if os.path.isdir(load_dir) else []
 
 
 def _tag(load_dir: str, tag) -> str | None:
@@ -183,24 +201,29 @@ def _tag(load_dir: str, tag) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file cannot be read ({e.strerror}): fix it, or pass the "
-                          f"tag to load_checkpoint") from None
-    fix = (f"write the tag to resume from into {latest} (tags there: {_tags_in(load_dir) or 'none'}), or pass it to "
-           f"load_checkpoint")
+        raise _every_rank(
+            f"checkpoint {load_dir}'s 'latest' file cannot be read ({e.strerror}): fix it, or pass the tag to load_checkpoint"
+        ) from None
+    fix = (
+        f"write the tag to resume from into {latest} (tags there: {_tags_in(load_dir) or 'none'}), or pass it to load_checkpoint"
+    )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is not text ({len(raw)} bytes, not UTF-8): {fix}") \
-            from None
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is not text ({len(raw)} bytes, not UTF-8): {fix}") from None
     text = text.strip()  # DeepSpeed strips it too: a trailing newline is fine
     if not text:
         raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is empty: it names no tag; {fix}")
     bad = next((c for c in text if not c.isprintable() or c in "/\\"), None)
     if bad is not None or len(raw) > 4096 or text in (".", ".."):
-        what = ("is too long to be a tag" if len(raw) > 4096 else f"has {bad!r} in it" if bad is not None
-                else "names the directory itself")
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file holds {text[:80]!r}, which is not a tag (it {what}): "
-                          f"{fix}")
+        what = (
+            "is too long to be a tag"
+            if len(raw) > 4096
+            else f"has {bad!r} in it"
+            if bad is not None
+            else "names the directory itself"
+        )
+        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file holds {text[:80]!r}, which is not a tag (it {what}): {fix}")
     return text
 
 
@@ -214,24 +237,29 @@ def describe_failure(load_dir: str, tag, error: BaseException) -> str:
     text = " ".join(str(error).split())
     gone = getattr(error, "filename", None)
     if isinstance(error, FileNotFoundError) and gone:
-        return (f"checkpoint {folder} lacks {gone}: copy it from where the checkpoint was saved, or resume from "
-                f"another checkpoint")
+        return f"checkpoint {folder} lacks {gone}: copy it from where the checkpoint was saved, or resume from another checkpoint"
     m = _SHAPE.search(text)
     if m:
-        return (f"checkpoint {folder} holds another model: {m.group(1)} is {m.group(2)} there and {m.group(3)} "
-                f"here; load a checkpoint of this model")
+        return (
+            f"checkpoint {folder} holds another model: {m.group(1)} is {m.group(2)} there and {m.group(3)} "
+            f"here; load a checkpoint of this model"
+        )
     m = _KEYS.search(text)
     if m:
-        return (f"checkpoint {folder} holds another model: {m.group(1).lower()} {m.group(2)[:200]}; load a "
-                f"checkpoint of this model (or pass load_module_strict=False)")
+        return (
+            f"checkpoint {folder} holds another model: {m.group(1).lower()} {m.group(2)[:200]}; load a "
+            f"checkpoint of this model (or pass load_module_strict=False)"
+        )
     return f"checkpoint {folder} did not load ({type(error).__name__}: {text[:300]})"
 
 
 def _damaged_file(folder: str) -> str | None:
     for path in sorted(glob.glob(os.path.join(folder, "*.pt"))):
         if not zipfile.is_zipfile(path):
-            return (f"checkpoint file {path} is truncated or damaged ({os.path.getsize(path)} bytes, not a complete "
-                    f"torch.save archive): restore it, or resume from another checkpoint")
+            return (
+                f"checkpoint file {path} is truncated or damaged ({os.path.getsize(path)} bytes, not a complete "
+                f"torch.save archive): restore it, or resume from another checkpoint"
+            )
     return None
 
 
@@ -319,10 +347,12 @@ def damaged_record(path: str, threads: int | None = None) -> str | None:
                 mm.madvise(mmap.MADV_SEQUENTIAL)
             view = memoryview(mm)
             try:
-                pieces = [(i, start, min(CRC_CHUNK_BYTES, length - (start - offset)))
-                          for i, (_, offset, length, _) in enumerate(records)
-                          for start in range(offset, offset + length, CRC_CHUNK_BYTES)]
-                crc_of = lambda piece: _crc32(view[piece[1]:piece[1] + piece[2]])  # noqa: E731
+                pieces = [
+                    (i, start, min(CRC_CHUNK_BYTES, length - (start - offset)))
+                    for i, (_, offset, length, _) in enumerate(records)
+                    for start in range(offset, offset + length, CRC_CHUNK_BYTES)
+                ]
+                crc_of = lambda piece: _crc32(view[piece[1] : piece[1] + piece[2]])  # noqa: E731
                 if threads > 1 and len(pieces) > 1:
                     with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="offloadctl-crc") as pool:
                         crcs = list(pool.map(crc_of, pieces))
@@ -356,11 +386,11 @@ def _damaged_records(folder: str, *, recursive: bool) -> str | None:
                 return bad
             bad = damaged_record(path)
         except (zipfile.BadZipFile, OSError, ValueError) as e:
-            return (f"checkpoint file {path} is truncated or damaged ({e}): restore it, or resume from another "
-                    f"checkpoint")
+            return f"checkpoint file {path} is truncated or damaged ({e}): restore it, or resume from another checkpoint"
         if bad:
-            return (f"checkpoint file {path} is damaged: {bad}; restore it from where it was saved, or resume from "
-                    f"another checkpoint")
+            return (
+                f"checkpoint file {path} is damaged: {bad}; restore it from where it was saved, or resume from another checkpoint"
+            )
     return None
 
 
@@ -384,9 +414,11 @@ def _saved_as_another(path: str) -> str | None:
     saved_as, stem = first.split("/", 1)[0], os.path.basename(path).removesuffix(".pt")
     if "/" not in first or saved_as == stem or not _DS_FILE.fullmatch(saved_as):
         return None  # the same name, or one that is not a DeepSpeed file's (saved through a stream: 'archive')
-    return (f"checkpoint file {path} was saved as {saved_as}.pt (the name its records carry), not as "
-            f"{os.path.basename(path)}: another file was copied over it; copy this one from where the checkpoint was "
-            f"saved, or resume from another checkpoint")
+    return (
+        f"checkpoint file {path} was saved as {saved_as}.pt (the name its records carry), not as "
+        f"{os.path.basename(path)}: another file was copied over it; copy this one from where the checkpoint was "
+        f"saved, or resume from another checkpoint"
+    )
 
 
 def _rank_file(folder: str, rank: int, kind: str) -> str | None:
@@ -414,24 +446,32 @@ def _mixed_saves(folder: str, *, optimizer_states: bool) -> str | None:
     fix = "copy the whole folder of one save, or resume from another checkpoint"
     step, skipped = steps[model]
     if first and steps[first][0] != step:
-        return (f"checkpoint file {model} was saved at step {step} and {first} at step {steps[first][0]}: the folder "
-                f"mixes files of two saves; {fix}")
+        return (
+            f"checkpoint file {model} was saved at step {step} and {first} at step {steps[first][0]}: the folder "
+            f"mixes files of two saves; {fix}"
+        )
     optim = _rank_file(folder, rank, "optim_states")
     if not optimizer_states or optim is None:
         return None
     try:
         osd = torch.load(optim, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
         saved_at = osd.get(SAVED_AT_STEP)
-        updates = max((int(s["step"]) for s in osd["optimizer_state_dict"]["state"].values()
-                       if isinstance(s, dict) and "step" in s), default=None)
+        updates = max(
+            (int(s["step"]) for s in osd["optimizer_state_dict"]["state"].values() if isinstance(s, dict) and "step" in s),
+            default=None,
+        )
     except Exception:  # noqa: BLE001
         return None
     if saved_at is not None and int(saved_at) != step:
-        return (f"checkpoint file {optim} was saved at step {int(saved_at)} and {model} at step {step}: the folder "
-                f"mixes files of two saves; {fix}")
+        return (
+            f"checkpoint file {optim} was saved at step {int(saved_at)} and {model} at step {step}: the folder "
+            f"mixes files of two saves; {fix}"
+        )
     if saved_at is None and updates is not None and updates > step - skipped:
-        return (f"checkpoint file {optim} holds the optimizer state after {updates} updates and {model} was saved at "
-                f"step {step}: the folder mixes files of two saves; {fix}")
+        return (
+            f"checkpoint file {optim} holds the optimizer state after {updates} updates and {model} was saved at "
+            f"step {step}: the folder mixes files of two saves; {fix}"
+        )
     return None
 
 
@@ -456,6 +496,7 @@ def _agreed(mine: str | None) -> str | None:
 
 # -- saving ----------------------------------------------------------------------------------------
 
+
 def describe_write_failure(save_dir: str, error: BaseException) -> str | None:
     """What a failed save says of the disk (``integrations.ds_patches.guard_save_checkpoint`` says
     it in one line), or None when it is not a write failure."""
@@ -477,8 +518,9 @@ def describe_write_failure(save_dir: str, error: BaseException) -> str | None:
     return f"writing failed ({' '.join(text.split())[:200]}): check the disk and its free space, or save elsewhere"
 
 
-def partition_refusal(theirs: list[int] | None, mine: list[int], *, folder: str | None, rank: int,
-                      moments: dict | None) -> str | None:
+def partition_refusal(
+    theirs: list[int] | None, mine: list[int], *, folder: str | None, rank: int, moments: dict | None
+) -> str | None:
     """Why the checkpoint's optimizer state cannot load into this rank's partition (``theirs``:
     its subgroups' sizes; ``mine``: this rank's), naming this rank's optimizer file where the
     checkpoint's ``folder`` is known; with ``moments`` (the saved Adam states by subgroup), those
@@ -486,20 +528,25 @@ def partition_refusal(theirs: list[int] | None, mine: list[int], *, folder: str 
     file = rank_optimizer_file(folder, rank) if folder is not None else None
     if theirs != mine:
         where = f" (in {file})" if file else ""
-        which = next((i for i, (a, b) in enumerate(zip(theirs or [], mine)) if a != b),
-                     min(len(theirs or []), len(mine)))
-        differs = (f"subgroup {which} has {theirs[which]} elements there and {mine[which]} here"
-                   if theirs and which < min(len(theirs), len(mine)) else f"{len(theirs or [])} subgroups there and "
-                   f"{len(mine)} here")
-        return (f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {_listed(theirs or [])} "
-                f"elements{where} and rank {rank}'s partition has {len(mine)} of {_listed(mine)}: {differs}; it was "
-                f"saved with another sub_group_size, model or rank count: load it with the same ones, or convert "
-                f"it with ds_to_universal")
+        which = next((i for i, (a, b) in enumerate(zip(theirs or [], mine)) if a != b), min(len(theirs or []), len(mine)))
+        differs = (
+            f"subgroup {which} has {theirs[which]} elements there and {mine[which]} here"
+            if theirs and which < min(len(theirs), len(mine))
+            else f"{len(theirs or [])} subgroups there and {len(mine)} here"
+        )
+        return (
+            f"the checkpoint's optimizer state has {len(theirs or [])} subgroups of {_listed(theirs or [])} "
+            f"elements{where} and rank {rank}'s partition has {len(mine)} of {_listed(mine)}: {differs}; it was "
+            f"saved with another sub_group_size, model or rank count: load it with the same ones, or convert "
+            f"it with ds_to_universal"
+        )
     for i, n in enumerate(mine if moments is not None else ()):
         saved = moments.get(i)
         if saved and any(int(saved[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
-            return (f"the checkpoint's moments of subgroup {i}{f' in {file}' if file else ''} do not have its {n} "
-                    f"elements: the file is damaged or from another run; resume from another checkpoint")
+            return (
+                f"the checkpoint's moments of subgroup {i}{f' in {file}' if file else ''} do not have its {n} "
+                f"elements: the file is damaged or from another run; resume from another checkpoint"
+            )
     return None
 
 

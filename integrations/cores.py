@@ -19,6 +19,7 @@ thread per core), and its cores come from its GPU's NUMA node
 ``--bind-cores auto`` (the default) binds when more than one rank shares the node and the user
 did not ask DeepSpeed's launcher to bind; ``on`` always binds; ``off`` leaves the threads alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,9 @@ def read_topology(sysfs: str = SYSFS) -> dict[int, CpuPlace]:
         package = _read(os.path.join(topo, "physical_package_id"))
         if siblings is None:
             continue  # offline
-        out[cpu] = CpuPlace(node=node_of.get(cpu, 0), package=int(package) if package else 0,
-                            core=min(parse_cpu_list(siblings) or [cpu]))
+        out[cpu] = CpuPlace(
+            node=node_of.get(cpu, 0), package=int(package) if package else 0, core=min(parse_cpu_list(siblings) or [cpu])
+        )
     return out
 
 
@@ -115,8 +117,9 @@ def local_gpu_bus_ids(local_size: int, environ: Mapping[str, str] = os.environ) 
     nvml, handles = opened
     try:
         visible = environ.get("CUDA_VISIBLE_DEVICES")
-        entries = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else \
-            [str(i) for i in range(len(handles))]
+        entries = (
+            [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else [str(i) for i in range(len(handles))]
+        )
         out: list[str | None] = []
         for r in range(local_size):
             bus = None
@@ -134,9 +137,13 @@ def local_gpu_bus_ids(local_size: int, environ: Mapping[str, str] = os.environ) 
         nvml.nvmlShutdown()
 
 
-def rank_cores(available: Sequence[int], local_rank: int, local_size: int,
-               topology: Mapping[int, CpuPlace] | None = None,
-               gpu_nodes: Sequence[int | None] | None = None) -> list[int]:
+def rank_cores(
+    available: Sequence[int],
+    local_rank: int,
+    local_size: int,
+    topology: Mapping[int, CpuPlace] | None = None,
+    gpu_nodes: Sequence[int | None] | None = None,
+) -> list[int]:
     """This rank's CPUs (the affinity mask): whole physical cores of ``available``, split in
     contiguous blocks among the ranks that share a NUMA node, the first blocks one core larger
     where they do not divide evenly. ``topology`` (:func:`read_topology`): without it, or for a
@@ -166,7 +173,7 @@ def rank_cores(available: Sequence[int], local_rank: int, local_size: int,
     base, extra = divmod(len(mine), len(peers))
     k = peers.index(local_rank)
     start = k * base + min(k, extra)
-    block = mine[start:start + base + (1 if k < extra else 0)]
+    block = mine[start : start + base + (1 if k < extra else 0)]
     return sorted(c for p in block for c in cores[p])
 
 

@@ -6,6 +6,7 @@ without compiling them in the rank, and has ``ds_patches`` put the subclass
 DeepSpeed) in place of DeepSpeed's ZeRO-3 optimizer before ``deepspeed.initialize``, given the
 rank's :class:`ZeroEngineSettings` (``integrations.settings``) by ``optimizer_class``.
 """
+
 from __future__ import annotations
 
 from integrations import ds_compat

@@ -22,6 +22,7 @@ The supported range is owned by ``pyproject.toml`` (the ``deepspeed`` dependency
 from the installed package's metadata, and :data:`DEEPSPEED_REQUIREMENT` is only the fallback
 where that is missing (a test keeps the two equal).
 """
+
 from __future__ import annotations
 
 import ast
@@ -77,8 +78,9 @@ class Attribute:
 
 
 # What integrations/ds_patches.py wraps (besides DeepSpeed's public API), named here once.
-GET_OPTIMIZER_CONFIGURATION = Method(ENGINE, "get_optimizer_configuration",
-                                     ("optimizer_parameters", "adam_w_mode", "allow_legacy_fallback"), "wrap")
+GET_OPTIMIZER_CONFIGURATION = Method(
+    ENGINE, "get_optimizer_configuration", ("optimizer_parameters", "adam_w_mode", "allow_legacy_fallback"), "wrap"
+)
 """Wrapped on the class so that DeepSpeed builds torch's AdamW when cpu_adam is not built; the
 wrapper sets a key in the first argument and forwards the rest."""
 PREPARE_SUB_GROUP = Method(STAGE3, "_prepare_sub_group", ("sub_group_id", "timer_names"), "wrap")
@@ -95,8 +97,12 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_configure_offloading", ("offload_optimizer_config", "offload_param_config"), "override"),
     Method(STAGE3, "_create_fp32_partitions", (), "override"),
     Method(STAGE3, "initialize_optimizer_states", (), "override"),
-    Method(STAGE3, "_offload_grad_partition_at_boundary",
-           ("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets"), "override"),
+    Method(
+        STAGE3,
+        "_offload_grad_partition_at_boundary",
+        ("param", "grad_buffer", "offload_fp32_gradients", "offload_fp32_offsets"),
+        "override",
+    ),
     Method(STAGE3, "_setup_for_real_optimizer", (), "override"),
     Method(STAGE3, "step", ("closure",), "override"),
     Method(STAGE3, "state_dict", (), "override"),
@@ -113,8 +119,9 @@ METHODS: tuple[Method, ...] = (
     Method(STAGE3, "_restore_from_bit16_weights", (), "override"),
     Method(STAGE3, "offload_states", ("include", "device", "pin_memory", "non_blocking"), "override"),
     Method(STAGE3, "reload_states", ("non_blocking",), "override"),
-    Method(STAGE3, "_load_universal_checkpoint", ("checkpoint_folder", "load_optimizer_states",
-                                                  "load_from_fp32_weights"), "override"),
+    Method(
+        STAGE3, "_load_universal_checkpoint", ("checkpoint_folder", "load_optimizer_states", "load_from_fp32_weights"), "override"
+    ),
     # Called by the overrides (step() is rebuilt from DeepSpeed's own helpers).
     Method(STAGE3, "_pre_step", (), "call"),
     Method(STAGE3, "_partition_all_parameters", (), "call"),
@@ -131,23 +138,53 @@ METHODS: tuple[Method, ...] = (
     Method(UTILS, "combine_grad_norm_groups", ("norm_groups", "norm_type"), "call"),
     Method(UTILS, "is_invalid_grad_norm", ("norm",), "call"),
     # Patched by integrations/ds_patches.py, which takes these names from the entries above.
-    GET_OPTIMIZER_CONFIGURATION, PREPARE_SUB_GROUP, OPTIMIZER_STEP, RELEASE_SUB_GROUP, IS_ZERO_SUPPORTED_OPTIMIZER,
+    GET_OPTIMIZER_CONFIGURATION,
+    PREPARE_SUB_GROUP,
+    OPTIMIZER_STEP,
+    RELEASE_SUB_GROUP,
+    IS_ZERO_SUPPORTED_OPTIMIZER,
     # install() replaces the class in the stage3 module; this must import it from there at call time.
     Method(ENGINE, "_configure_zero_optimizer", ("optimizer",), "call"),
 )
 
 ATTRIBUTES: tuple[Attribute, ...] = (
-    *(Attribute(STAGE3, name) for name in (
-        "optimizer", "offload_optimizer", "swap_optimizer", "offload_optimizer_pin_memory",
-        "fp16_groups", "fp16_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel",
-        "fp16_partitioned_groups_flat_id", "fp32_partitioned_groups_flat", "sub_group_to_group_id",
-        "subgroup_to_device", "grad_partitions_flat_buffer",
-        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
-        "parameter_offload", "prefetch_elements", "overflow", "clip_grad", "_global_grad_norm",
-        "partition_count", "_offload_boundary_param_ids", "gradient_accumulation_dtype")),
-    *(Attribute(STAGE3, name, live=False) for name in (
-        "norm_for_param_grads", "loss_scaler", "dynamic_loss_scale", "loss_scale", "micro_step_id",
-        "offloaded_states")),
+    *(
+        Attribute(STAGE3, name)
+        for name in (
+            "optimizer",
+            "offload_optimizer",
+            "swap_optimizer",
+            "offload_optimizer_pin_memory",
+            "fp16_groups",
+            "fp16_partitioned_groups_flat",
+            "fp16_partitioned_groups_flat_numel",
+            "fp16_partitioned_groups_flat_id",
+            "fp32_partitioned_groups_flat",
+            "sub_group_to_group_id",
+            "subgroup_to_device",
+            "grad_partitions_flat_buffer",
+            "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+            "parameter_offload",
+            "prefetch_elements",
+            "overflow",
+            "clip_grad",
+            "_global_grad_norm",
+            "partition_count",
+            "_offload_boundary_param_ids",
+            "gradient_accumulation_dtype",
+        )
+    ),
+    *(
+        Attribute(STAGE3, name, live=False)
+        for name in (
+            "norm_for_param_grads",
+            "loss_scaler",
+            "dynamic_loss_scale",
+            "loss_scale",
+            "micro_step_id",
+            "offloaded_states",
+        )
+    ),
     Attribute(PARAM_OFFLOAD, "_max_available_parameters_in_numel"),
     *(Attribute(PARTITION_PARAMETERS, name) for name in ("ds_id", "ds_numel", "partition_numel")),
 )
@@ -165,23 +202,28 @@ MIRRORED: dict[tuple[str, str], tuple[str, str]] = {
     (STAGE3, "step"): (
         "588aaf2c337d5634769f9afa53f7952af4f3efbba5089826a9bf86263afa60c5",
         "offloadctl's step() rebuilds it around the engine: the overflow check, the norms, then the loss-scale "
-        "update (0.19.6's order), and no gradient zeroed per subgroup (0.19.6 stopped it)"),
+        "update (0.19.6's order), and no gradient zeroed per subgroup (0.19.6 stopped it)",
+    ),
     (STAGE3, "offload_states"): (
         "3275adee1e1fb87f34ea0f2c038089e82bb67b4d014d4089ca35ce0d5873f291",
         "offloadctl's override hands it only the states DeepSpeed still owns (what offloaded_states holds is "
-        "skipped: the engine's states and gradient buffer)"),
+        "skipped: the engine's states and gradient buffer)",
+    ),
     (STAGE3, "reload_states"): (
         "51220c8de9390b1d96defdfc94f88a8fa14a5d05997b9a27d439400c3a3166a8",
         "offloadctl's override takes the engine's states out of offloaded_states first, so that it moves neither "
-        "them nor the gradient buffer to the GPU"),
+        "them nor the gradient buffer to the GPU",
+    ),
     (STAGE3, "_unpin_offload_buffers"): (
         "91b0b0d0ba0d41a6603d898af4161c4b5f4be581ccdb439a8d7729b6d9ca73fe",
         "destroy() unpins these buffers (since 0.19.7); offloadctl's destroy() hides the gradient buffer, which the "
-        "engine pinned in place itself, and owns no other of them"),
+        "engine pinned in place itself, and owns no other of them",
+    ),
     (STAGE3, "_release_sub_group"): (
         "ebde3fca8c27c118378a585c7745f542d367bfee12bfe93ab4ce1549e80af307",
         "with offload_optimizer it releases nothing itself and swaps the subgroup out (since 0.19.7 the fp32 "
-        "gradient is dropped here only without it): the engine's check-in drops the gradient it lent"),
+        "gradient is dropped here only without it): the engine's check-in drops the gradient it lent",
+    ),
 }
 """DeepSpeed methods whose behaviour, not only whose signature, the integration relies on (sha256
 of the body as :func:`copied_source_matches` reads it, in release ``CHECKED_AGAINST``), and what
@@ -192,19 +234,32 @@ with timers on, is inside ``_optimizer_states_and_gradient_swap_in``, which the 
 overrides and which reads no next subgroup: nothing relies on it.)"""
 
 OWN_ATTRIBUTES: tuple[str, ...] = (
-    "_ds_nvme_path", "offload_grad_scale", "_bindings", "offload_engine", "device_fit", "tuner_client",
-    "plan_summary", "settings", "_checked_out")
+    "_ds_nvme_path",
+    "offload_grad_scale",
+    "_bindings",
+    "offload_engine",
+    "device_fit",
+    "tuner_client",
+    "plan_summary",
+    "settings",
+    "_checked_out",
+)
 """What OffloadZero3Optimizer sets on itself: a DeepSpeed that sets one of these too would
 have the subclass overwrite its state (or the reverse)."""
 
 NAMES: tuple[tuple[str, str], ...] = (
-    ("deepspeed.checkpoint.constants", "FP32_FLAT_GROUPS"), ("deepspeed.checkpoint.constants", "LOSS_SCALER"),
-    ("deepspeed.checkpoint.constants", "OPTIMIZER_STATE_DICT"), ("deepspeed.checkpoint.constants", "PARTITION_COUNT"),
-    ("deepspeed.checkpoint.constants", "ZERO_STAGE"), ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.checkpoint.constants", "FP32_FLAT_GROUPS"),
+    ("deepspeed.checkpoint.constants", "LOSS_SCALER"),
+    ("deepspeed.checkpoint.constants", "OPTIMIZER_STATE_DICT"),
+    ("deepspeed.checkpoint.constants", "PARTITION_COUNT"),
+    ("deepspeed.checkpoint.constants", "ZERO_STAGE"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
     ("deepspeed.runtime.config", "TORCH_ADAM_PARAM"),
     ("deepspeed.runtime.zero.offload_config", "OffloadDeviceEnum"),
     ("deepspeed.runtime.zero.offload_config", "OffloadStateTypeEnum"),
-    (ZERO_UTILS, "ZERO_SUPPORTED_OPTIMIZERS"), ("deepspeed.runtime.engine", "is_zero_supported_optimizer"))
+    (ZERO_UTILS, "ZERO_SUPPORTED_OPTIMIZERS"),
+    ("deepspeed.runtime.engine", "is_zero_supported_optimizer"),
+)
 """Module-level names the integration imports."""
 
 
@@ -231,8 +286,10 @@ def _fix(version: str, requirement: str) -> str:
     from packaging.requirements import Requirement
 
     if _in_range(version, Requirement(requirement)):
-        return (f"install the release the integration was checked against "
-                f"(pip install 'deepspeed=={CHECKED_AGAINST}' --no-build-isolation)")
+        return (
+            f"install the release the integration was checked against "
+            f"(pip install 'deepspeed=={CHECKED_AGAINST}' --no-build-isolation)"
+        )
     return f"install a DeepSpeed version in the supported range (pip install '{requirement}' --no-build-isolation)"
 
 
@@ -244,13 +301,14 @@ def _in_range(version: str, requirement) -> bool:
 
 def _fail(version: str, requirement: str, faults: list[str]) -> ConfigError:
     more = f" (and {len(faults) - 1} more: {'; '.join(faults[1:])})" if len(faults) > 1 else ""
-    return ConfigError(f"DeepSpeed {version} does not match offloadctl's ZeRO-3 integration: {faults[0]}{more}: "
-                       f"{_fix(version, requirement)}")
+    return ConfigError(
+        f"DeepSpeed {version} does not match offloadctl's ZeRO-3 integration: {faults[0]}{more}: {_fix(version, requirement)}"
+    )
 
 
 def _resolve(path: str, ds_name: str):
     """The class or module at ``path`` (a path under ``deepspeed``), or None."""
-    path = ds_name + path[len("deepspeed"):]
+    path = ds_name + path[len("deepspeed") :]
     try:
         return importlib.import_module(path)
     except ImportError:
@@ -340,8 +398,9 @@ def _assigned_names(owner, receiver: str) -> set[str] | None:
     """Attribute names ``owner``'s source assigns on ``receiver`` (``self.x = ...``), name-mangled
     as Python does; for a class, over its bases from the same package too. None without source."""
     package = owner.__name__ if inspect.ismodule(owner) else owner.__module__
-    classes = [c for c in owner.__mro__ if c.__module__.split(".")[0] == package.split(".")[0]] \
-        if inspect.isclass(owner) else [owner]
+    classes = (
+        [c for c in owner.__mro__ if c.__module__.split(".")[0] == package.split(".")[0]] if inspect.isclass(owner) else [owner]
+    )
     names: set[str] = set()
     for c in classes:
         tree = _module_tree(c if inspect.ismodule(c) else importlib.import_module(c.__module__))
@@ -351,8 +410,13 @@ def _assigned_names(owner, receiver: str) -> set[str] | None:
             return None
         mangle = f"_{c.__name__.lstrip('_')}" if inspect.isclass(c) else ""
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             stack = list(targets)
             while stack:
                 t = stack.pop()
@@ -379,8 +443,7 @@ def _attribute_faults(ds_name: str) -> list[str]:
     stage3 = cache.get(STAGE3)
     for name in OWN_ATTRIBUTES:
         if stage3 is not None and name in stage3:
-            faults.append(f"DeepSpeedZeroOptimizer_Stage3.{name} expected to be offloadctl's own, "
-                          f"found DeepSpeed setting it too")
+            faults.append(f"DeepSpeedZeroOptimizer_Stage3.{name} expected to be offloadctl's own, found DeepSpeed setting it too")
     return faults
 
 
@@ -393,8 +456,10 @@ def _call_time_import_fault(ds_name: str) -> str | None:
     except (AttributeError, OSError, TypeError):
         return None  # no source: the method check above already covers a missing method
     if "import DeepSpeedZeroOptimizer_Stage3" not in src:
-        return ("DeepSpeedEngine._configure_zero_optimizer expected to import DeepSpeedZeroOptimizer_Stage3 "
-                "when it runs, found no such import")
+        return (
+            "DeepSpeedEngine._configure_zero_optimizer expected to import DeepSpeedZeroOptimizer_Stage3 "
+            "when it runs, found no such import"
+        )
     return None
 
 
@@ -402,7 +467,7 @@ def _name_faults(ds_name: str) -> list[str]:
     faults = []
     for module, name in NAMES:
         try:
-            present = hasattr(importlib.import_module(ds_name + module[len("deepspeed"):]), name)
+            present = hasattr(importlib.import_module(ds_name + module[len("deepspeed") :]), name)
         except ImportError:
             present = False
         if not present:
@@ -448,13 +513,17 @@ def check_deepspeed(ds_module=None) -> None:
         try:
             ds_module = import_deepspeed()
         except Exception as e:  # noqa: BLE001 - any import failure reads the same to the user
-            raise ConfigError(f"DeepSpeed does not import ({type(e).__name__}: {e}): install a DeepSpeed version "
-                              f"in the supported range (pip install '{requirement}' --no-build-isolation)") from e
+            raise ConfigError(
+                f"DeepSpeed does not import ({type(e).__name__}: {e}): install a DeepSpeed version "
+                f"in the supported range (pip install '{requirement}' --no-build-isolation)"
+            ) from e
     version = str(ds_module.__version__)
     if not _in_range(version, Requirement(requirement)):
-        raise ConfigError(f"DeepSpeed {version} is outside offloadctl's supported range {requirement} "
-                          f"(the ZeRO-3 integration overrides internals of those versions): install a DeepSpeed "
-                          f"version in the supported range (pip install '{requirement}' --no-build-isolation)")
+        raise ConfigError(
+            f"DeepSpeed {version} is outside offloadctl's supported range {requirement} "
+            f"(the ZeRO-3 integration overrides internals of those versions): install a DeepSpeed "
+            f"version in the supported range (pip install '{requirement}' --no-build-isolation)"
+        )
     ds_name = getattr(ds_module, "__name__", "deepspeed")
     faults = [f for f in (_method_fault(m, ds_name) for m in METHODS) if f]
     faults += _name_faults(ds_name)
@@ -473,10 +542,12 @@ def check_optimizer_instance(opt) -> None:
     Call it once DeepSpeed's ``_setup_for_real_optimizer`` has run."""
     import deepspeed
 
-    objects = {STAGE3: opt, PARAM_OFFLOAD: getattr(opt, "parameter_offload", None),
-               PARTITION_PARAMETERS: next((p for g in getattr(opt, "fp16_groups", ()) for p in g), None)}
-    what = {STAGE3: "the optimizer", PARAM_OFFLOAD: "its parameter_offload",
-            PARTITION_PARAMETERS: "its ZeRO-3 parameters"}
+    objects = {
+        STAGE3: opt,
+        PARAM_OFFLOAD: getattr(opt, "parameter_offload", None),
+        PARTITION_PARAMETERS: next((p for g in getattr(opt, "fp16_groups", ()) for p in g), None),
+    }
+    what = {STAGE3: "the optimizer", PARAM_OFFLOAD: "its parameter_offload", PARTITION_PARAMETERS: "its ZeRO-3 parameters"}
     faults = []
     for a in ATTRIBUTES:
         obj = objects[a.owner]

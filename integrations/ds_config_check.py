@@ -12,6 +12,7 @@ Where it is looked for, in order: the value of ``--deepspeed_config`` (DeepSpeed
 argument naming a ``.json`` file whose top level has DeepSpeed's keys. A config built inside
 the script, or not readable as JSON here, is left to the ranks, which refuse it in one line.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,18 @@ from typing import Sequence
 from engine.errors import ConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed", "--ds_config", "--ds-config", "--deepspeed-config")
-DS_KEYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                     "zero_optimization", "optimizer", "fp16", "bf16", "gradient_clipping"})
+DS_KEYS = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "optimizer",
+        "fp16",
+        "bf16",
+        "gradient_clipping",
+    }
+)
 """Top-level keys that make a JSON file a DeepSpeed config."""
 MAX_CONFIG_BYTES = 1 << 20
 """A larger JSON file is not read: a ds_config is a few hundred bytes (a data file may be gigabytes)."""
@@ -75,8 +86,9 @@ def _check_named(flag: str, path: str) -> None:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not text (the script's {flag}): give a DeepSpeed JSON config") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} line {e.lineno} column {e.colno}: not valid JSON ({e.msg}; the script's "
-                          f"{flag}): fix the file") from None
+        raise ConfigError(
+            f"{path} line {e.lineno} column {e.colno}: not valid JSON ({e.msg}; the script's {flag}): fix the file"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{path} cannot be read ({e.strerror}; the script's {flag})") from None
 
@@ -96,9 +108,11 @@ def nvme_without_path(where: str) -> str:
     """The refusal of an ``offload_optimizer`` on NVMe that names no directory, with no ``--nvme``
     or ``--remote`` given: the state would stay in host memory, which the user asked to spare
     (stock DeepSpeed fails there with a traceback)."""
-    return (f"{where} puts the optimizer state on NVMe (offload_optimizer.device \"nvme\") but names no nvme_path, "
-            f"and no --nvme was given: add \"nvme_path\": DIR to its offload_optimizer, or give --nvme DIR (device "
-            f"\"cpu\" keeps the state in host memory)")
+    return (
+        f'{where} puts the optimizer state on NVMe (offload_optimizer.device "nvme") but names no nvme_path, '
+        f'and no --nvme was given: add "nvme_path": DIR to its offload_optimizer, or give --nvme DIR (device '
+        f'"cpu" keeps the state in host memory)'
+    )
 
 
 def refuse_nvme_without_path(on_nvme: bool, nvme_path, settings) -> None:
@@ -123,16 +137,20 @@ def check_ds_config(script_args: Sequence[str], *, paths_given: bool = False) ->
     stage = zero.get("stage", 0)
     where = f"{found.path} (the script's {found.how})" if found.how.startswith("--") else found.path
     if isinstance(stage, int) and not isinstance(stage, bool) and stage != 3:
-        raise ConfigError(f"offloadctl's engine needs ZeRO stage 3, but {where} uses stage {stage}: set "
-                          f"zero_optimization.stage to 3 there, or run it with --engine stock (DeepSpeed's own "
-                          f"optimizer, recorded for offloadctl report)")
+        raise ConfigError(
+            f"offloadctl's engine needs ZeRO stage 3, but {where} uses stage {stage}: set "
+            f"zero_optimization.stage to 3 there, or run it with --engine stock (DeepSpeed's own "
+            f"optimizer, recorded for offloadctl report)"
+        )
     off = zero.get("offload_optimizer")
     device = off.get("device") if isinstance(off, dict) else None
     if stage == 3 and (not isinstance(off, dict) or device in (None, "none")):
-        raise ConfigError(f"offloadctl needs `offload_optimizer` in the ZeRO-3 config, but {where} has "
-                          f"{'none' if not isinstance(off, dict) else 'device ' + json.dumps(device)}: add "
-                          f"\"offload_optimizer\": {{\"device\": \"cpu\"}} to its zero_optimization (the engine takes "
-                          f"over an offloaded optimizer), or run it with --engine stock")
+        raise ConfigError(
+            f"offloadctl needs `offload_optimizer` in the ZeRO-3 config, but {where} has "
+            f"{'none' if not isinstance(off, dict) else 'device ' + json.dumps(device)}: add "
+            f'"offload_optimizer": {{"device": "cpu"}} to its zero_optimization (the engine takes '
+            f"over an offloaded optimizer), or run it with --engine stock"
+        )
     if stage == 3 and device == "nvme" and not off.get("nvme_path") and not paths_given:
         raise ConfigError(nvme_without_path(where))
     return found

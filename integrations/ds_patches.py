@@ -56,6 +56,7 @@ sent to stderr (a handler DeepSpeed's logger makes during that import writes to 
 The private names come from :mod:`integrations.ds_compat`'s table, which ``check_deepspeed``
 compares with the installed DeepSpeed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +76,11 @@ ENGINE_PHASES = (("forward", "forward"), ("backward", "backward"), ("step", "upd
 """DeepSpeedEngine's public methods the recorder times, with the phase each is: Hugging Face
 Trainer and Accelerate call these, so their phases are recorded too."""
 
-STOCK_UPDATE_PARTS = ((ds_compat.PREPARE_SUB_GROUP, "read_wait"), (ds_compat.OPTIMIZER_STEP, "host_lane"),
-                      (ds_compat.RELEASE_SUB_GROUP, "write_wait"))
+STOCK_UPDATE_PARTS = (
+    (ds_compat.PREPARE_SUB_GROUP, "read_wait"),
+    (ds_compat.OPTIMIZER_STEP, "host_lane"),
+    (ds_compat.RELEASE_SUB_GROUP, "write_wait"),
+)
 """Stock ZeRO-3's per-subgroup update, with the part of the update each call is: swap-in (state
 and gradients read), the optimizer step (CPU Adam or the GPU's), swap-out (state written)."""
 
@@ -152,8 +156,7 @@ def answer_listed_optimizers_without_muon() -> None:
         if type(optimizer) not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
             return original(optimizer)
         if zero_utils.dist.get_rank() == 0:
-            zero_utils.logger.info(f"Checking ZeRO support for optimizer={optimizer.__class__.__name__} "
-                                   f"type={type(optimizer)}")
+            zero_utils.logger.info(f"Checking ZeRO support for optimizer={optimizer.__class__.__name__} type={type(optimizer)}")
         return True
 
     setattr(ds_engine, m.name, is_zero_supported_optimizer)
@@ -173,8 +176,7 @@ class _ToLog(logging.Filter):
     def __init__(self, log) -> None:
         super().__init__()
         self.log = log
-        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
-                                           "%(message)s")
+        self.formatter = logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR:
@@ -249,9 +251,13 @@ def guard_load_checkpoint(engine) -> None:
         bound = signature.bind(load_dir, tag, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        checkpoints.preflight(str(load_dir), tag, world_size=checkpoints.dp_world_size(engine),
-                              universal=bool(getattr(engine, "load_universal_checkpoint", lambda: False)()),
-                              optimizer_states=a.get("load_optimizer_states", True) and not a.get("load_module_only", False))
+        checkpoints.preflight(
+            str(load_dir),
+            tag,
+            world_size=checkpoints.dp_world_size(engine),
+            universal=bool(getattr(engine, "load_universal_checkpoint", lambda: False)()),
+            optimizer_states=a.get("load_optimizer_states", True) and not a.get("load_module_only", False),
+        )
         try:
             return original(load_dir, tag, *args, **kwargs)
         except OffloadError:
@@ -288,8 +294,9 @@ def guard_save_checkpoint(engine) -> None:
                 raise
             if fresh and os.path.isdir(folder):
                 shutil.rmtree(folder, ignore_errors=True)
-            raise CheckpointError(f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints "
-                                  f"are as they were") from e
+            raise CheckpointError(
+                f"checkpoint {folder or save_dir} not saved: {why}; the run's earlier checkpoints are as they were"
+            ) from e
         finally:
             if opt is not None:
                 opt.checkpoint_global_steps = None

@@ -9,6 +9,7 @@ whatever the launcher starts, re-executes or hands on (``accelerate launch`` run
 ``srun`` starts torchrun on each node), each rank's interpreter installs the engine before the
 script runs (``integrations.rank_entry``).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,18 @@ from collections.abc import Mapping, Sequence
 
 from engine.errors import ConfigError
 
-PROGRAMS = ("torchrun", "accelerate", "deepspeed", "srun", "mpirun", "mpiexec", "python", "python3",
-            "llamafactory-cli", "axolotl")
+PROGRAMS = (
+    "torchrun",
+    "accelerate",
+    "deepspeed",
+    "srun",
+    "mpirun",
+    "mpiexec",
+    "python",
+    "python3",
+    "llamafactory-cli",
+    "axolotl",
+)
 """Launch programs ``offloadctl train PROGRAM ...`` runs as given (``python3.N`` too)."""
 BUILT = ("torchrun", "accelerate")
 """``--launcher`` values whose command offloadctl builds."""
@@ -30,9 +41,12 @@ DEEPSPEED_LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
 
 # DeepSpeed's options that a built launcher takes, in its own spelling: (torchrun's, accelerate's).
 BUILT_SPELLING = {
-    "--num_nodes": ("--nnodes", "--num_machines"), "--node_rank": ("--node_rank", "--machine_rank"),
-    "--master_addr": ("--master_addr", "--main_process_ip"), "--master_port": ("--master_port", "--main_process_port"),
-    "--module": ("--module", "--module"), "--no_python": ("--no-python", "--no_python"),
+    "--num_nodes": ("--nnodes", "--num_machines"),
+    "--node_rank": ("--node_rank", "--machine_rank"),
+    "--master_addr": ("--master_addr", "--main_process_ip"),
+    "--master_port": ("--master_port", "--main_process_port"),
+    "--module": ("--module", "--module"),
+    "--no_python": ("--no-python", "--no_python"),
 }
 BUILT_TAKES = ("--num_gpus", "--launcher", "--launcher_args", *BUILT_SPELLING)
 """DeepSpeed's launcher options a built launcher takes; the others are refused beside it."""
@@ -62,16 +76,20 @@ def resolve_program(program: str, given: str) -> str:
     here = os.path.dirname(sys.executable)
     found = shutil.which(given, path=here) or shutil.which(given)
     if not found:
-        raise ConfigError(f"{given} is not installed here (not beside {sys.executable}, nor on PATH): install it "
-                          f"in offloadctl's environment, or give its path")
+        raise ConfigError(
+            f"{given} is not installed here (not beside {sys.executable}, nor on PATH): install it "
+            f"in offloadctl's environment, or give its path"
+        )
     return found
 
 
 def check_launcher_name(name: str | None) -> None:
     if name is not None and name not in BUILT + DEEPSPEED_LAUNCHERS:
-        raise ConfigError(f"--launcher {name}: offloadctl knows {', '.join(BUILT)} (it builds their command) and "
-                          f"DeepSpeed's {', '.join(DEEPSPEED_LAUNCHERS)}; or run any launch command as given: "
-                          f"offloadctl train [options] torchrun|accelerate|srun|mpirun ...")
+        raise ConfigError(
+            f"--launcher {name}: offloadctl knows {', '.join(BUILT)} (it builds their command) and "
+            f"DeepSpeed's {', '.join(DEEPSPEED_LAUNCHERS)}; or run any launch command as given: "
+            f"offloadctl train [options] torchrun|accelerate|srun|mpirun ..."
+        )
 
 
 def refuse_deepspeed_options(values: Mapping[str, object], beside: str, allowed: Sequence[str] = ()) -> None:
@@ -82,8 +100,10 @@ def refuse_deepspeed_options(values: Mapping[str, object], beside: str, allowed:
 
     for flags, _ in LAUNCHER_OPTIONS:
         if values.get(option_dest(flags)) not in (None, False) and flags[0] not in allowed:
-            raise ConfigError(f"{flags[0]} is an option of DeepSpeed's launcher, which {beside} does not use: give "
-                              f"{beside.split()[0]}'s own option in its command instead")
+            raise ConfigError(
+                f"{flags[0]} is an option of DeepSpeed's launcher, which {beside} does not use: give "
+                f"{beside.split()[0]}'s own option in its command instead"
+            )
 
 
 def local_slots(sysfs: str = "/sys") -> int:
@@ -101,18 +121,23 @@ def local_slots(sysfs: str = "/sys") -> int:
         finally:
             nvml.nvmlShutdown()
     try:
-        nodes = [d for d in os.listdir(os.path.join(sysfs, "devices", "system", "node"))
-                 if d.startswith("node") and d[4:].isdigit()]
+        nodes = [
+            d for d in os.listdir(os.path.join(sysfs, "devices", "system", "node")) if d.startswith("node") and d[4:].isdigit()
+        ]
     except OSError:
         nodes = []
     return max(1, len(nodes))
 
 
 # How a launch command says its ranks per node (or all its ranks): (flags, per node).
-_RANK_COUNT_FLAGS = {"torchrun": (("--nproc_per_node", "--nproc-per-node"), True),
-                     "accelerate": (("--num_processes",), False), "deepspeed": (("--num_gpus", "--num_accelerators"), True),
-                     "srun": (("-n", "--ntasks"), False), "mpirun": (("-n", "-np"), False),
-                     "mpiexec": (("-n", "-np"), False)}
+_RANK_COUNT_FLAGS = {
+    "torchrun": (("--nproc_per_node", "--nproc-per-node"), True),
+    "accelerate": (("--num_processes",), False),
+    "deepspeed": (("--num_gpus", "--num_accelerators"), True),
+    "srun": (("-n", "--ntasks"), False),
+    "mpirun": (("-n", "-np"), False),
+    "mpiexec": (("-n", "-np"), False),
+}
 
 
 def ranks_of(launcher: str, command: Sequence[str]) -> str:
@@ -147,8 +172,7 @@ def built_command(kind: str, values: Mapping[str, object], script: str, script_a
     if kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(per_node)]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
-               "--num_processes", str(per_node * nodes)]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(per_node * nodes)]
     for flag, spelled in BUILT_SPELLING.items():
         v = get(flag)
         if v is True:
@@ -168,15 +192,22 @@ def hook_env(settings_json: str, *, direct: bool) -> dict[str, str]:
     from integrations import rank_entry
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [HOOK_DIR, root, os.environ.get("PYTHONPATH")])),
-           rank_entry.SETTINGS_ENV: settings_json,
-           rank_entry.USER_OMP_ENV: "1" if "OMP_NUM_THREADS" in os.environ else "0"}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [HOOK_DIR, root, os.environ.get("PYTHONPATH")])),
+        rank_entry.SETTINGS_ENV: settings_json,
+        rank_entry.USER_OMP_ENV: "1" if "OMP_NUM_THREADS" in os.environ else "0",
+    }
     if direct and "RANK" not in os.environ:
         from integrations.launcher import free_port
 
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   MASTER_PORT=os.environ.get("MASTER_PORT") or free_port())
+        env.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            MASTER_PORT=os.environ.get("MASTER_PORT") or free_port(),
+        )
     return env
 
 

@@ -10,6 +10,7 @@ Every rank runs the bootstrap (integrations/bootstrap.py), which installs the en
 rank's settings (``integrations.settings.RankSettings``, as JSON) and then runs the script with
 the argv the launcher would have given it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,13 +32,31 @@ from integrations.settings import RankSettings
 # own parser (deepspeed.launcher.runner.parse_args), no more: tests/test_launcher_options.py builds
 # that parser and fails when the two differ, so a DeepSpeed release that adds one cannot go unseen.
 LAUNCHER_OPTIONS = [
-    (("--hostfile", "-H"), True), (("--include", "-i"), True), (("--exclude", "-e"), True), (("--num_nodes",), True),
-    (("--num_gpus", "--num_accelerators"), True), (("--master_port",), True), (("--master_addr",), True),
-    (("--node_rank",), True), (("--launcher",), True), (("--launcher_args",), True), (("--module",), False),
-    (("--no_python",), False), (("--no_local_rank",), False), (("--no_ssh",), False), (("--no_ssh_check",), False),
-    (("--force_multi",), False), (("--save_pid",), False), (("--enable_each_rank_log",), True),
-    (("--autotuning",), True), (("--bind_cores_to_rank",), False), (("--bind_core_list",), True),
-    (("--ssh_port",), True), (("--venv_script",), True), (("--log_level",), True), (("--quiet", "-q"), False),
+    (("--hostfile", "-H"), True),
+    (("--include", "-i"), True),
+    (("--exclude", "-e"), True),
+    (("--num_nodes",), True),
+    (("--num_gpus", "--num_accelerators"), True),
+    (("--master_port",), True),
+    (("--master_addr",), True),
+    (("--node_rank",), True),
+    (("--launcher",), True),
+    (("--launcher_args",), True),
+    (("--module",), False),
+    (("--no_python",), False),
+    (("--no_local_rank",), False),
+    (("--no_ssh",), False),
+    (("--no_ssh_check",), False),
+    (("--force_multi",), False),
+    (("--save_pid",), False),
+    (("--enable_each_rank_log",), True),
+    (("--autotuning",), True),
+    (("--bind_cores_to_rank",), False),
+    (("--bind_core_list",), True),
+    (("--ssh_port",), True),
+    (("--venv_script",), True),
+    (("--log_level",), True),
+    (("--quiet", "-q"), False),
 ]
 
 DEFAULT_MASTER_PORT = "29500"
@@ -107,8 +126,10 @@ def rendezvous_port(values: Mapping[str, object]) -> object:
             return given  # check_launcher_values says what is wrong with it
         in_use = _port_in_use(port)
         if in_use:
-            raise ConfigError(f"--master_port {port} {in_use} on this machine (another run, or another program): give "
-                              f"another port, or leave --master_port out and offloadctl picks a free one")
+            raise ConfigError(
+                f"--master_port {port} {in_use} on this machine (another run, or another program): give "
+                f"another port, or leave --master_port out and offloadctl picks a free one"
+            )
         return given
     port = free_port()
     return None if port == DEFAULT_MASTER_PORT else port  # DeepSpeed's own default: as the command line was
@@ -120,10 +141,15 @@ def _local_launch(values: Mapping[str, object]) -> bool:
     no master address other than this machine's."""
     get = lambda flag: values.get(option_dest((flag,)))  # noqa: E731
     addr = get("--master_addr")
-    return (get("--hostfile") is None and not os.path.isfile("/job/hostfile") and not get("--force_multi")
-            and not get("--no_ssh") and get("--launcher") in (None, "pdsh", "torchrun", "accelerate")
-            and (get("--launcher") in (None, "pdsh") or str(get("--num_nodes") or 1) == "1")
-            and addr in (None, "localhost", "127.0.0.1", "::1"))
+    return (
+        get("--hostfile") is None
+        and not os.path.isfile("/job/hostfile")
+        and not get("--force_multi")
+        and not get("--no_ssh")
+        and get("--launcher") in (None, "pdsh", "torchrun", "accelerate")
+        and (get("--launcher") in (None, "pdsh") or str(get("--num_nodes") or 1) == "1")
+        and addr in (None, "localhost", "127.0.0.1", "::1")
+    )
 
 
 def free_port() -> str:
@@ -157,11 +183,20 @@ def _port_in_use(port: int) -> str | None:
     return None
 
 
-def launch_command(launcher: Sequence[str], rank_settings: RankSettings, script: str,
-                   script_args: Sequence[str]) -> list[str]:
+def launch_command(launcher: Sequence[str], rank_settings: RankSettings, script: str, script_args: Sequence[str]) -> list[str]:
     """The command that starts DeepSpeed's launcher with the bootstrap in place of ``script``."""
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher, os.path.abspath(bootstrap.__file__),
-            bootstrap.CONFIG_FLAG, json.dumps(rank_settings.to_json()), os.path.abspath(script), *script_args]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        *launcher,
+        os.path.abspath(bootstrap.__file__),
+        bootstrap.CONFIG_FLAG,
+        json.dumps(rank_settings.to_json()),
+        os.path.abspath(script),
+        *script_args,
+    ]
 
 
 def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
@@ -195,8 +230,13 @@ def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
             pass
 
     class NothingRuns:  # the runner's subprocess module: nothing starts, probes succeed
-        Popen, PIPE, DEVNULL, STDOUT, CalledProcessError = Started, subprocess.PIPE, subprocess.DEVNULL, \
-            subprocess.STDOUT, subprocess.CalledProcessError
+        Popen, PIPE, DEVNULL, STDOUT, CalledProcessError = (
+            Started,
+            subprocess.PIPE,
+            subprocess.DEVNULL,
+            subprocess.STDOUT,
+            subprocess.CalledProcessError,
+        )
 
         @staticmethod
         def check_call(*a, **kw) -> int:
@@ -206,12 +246,15 @@ def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
         def check_output(*a, **kw) -> bytes:
             return b"127.0.0.1"
 
-    argv = list(command)[list(command).index("deepspeed.launcher.runner") + 1:]
+    argv = list(command)[list(command).index("deepspeed.launcher.runner") + 1 :]
     # MVAPICH's runner writes a hostfile as it builds its command: a dry run leaves none behind.
     scratch = getattr(multinode, "MVAPICH_TMP_HOSTFILE", None)
     scratch = scratch if scratch and not os.path.exists(scratch) else None
-    runners = [c for c in vars(multinode).values()
-               if isinstance(c, type) and issubclass(c, multinode.MultiNodeRunner) and "backend_exists" in vars(c)]
+    runners = [
+        c
+        for c in vars(multinode).values()
+        if isinstance(c, type) and issubclass(c, multinode.MultiNodeRunner) and "backend_exists" in vars(c)
+    ]
     saved = (runner.subprocess, {c: c.backend_exists for c in runners}, os.environ.copy())
     try:
         runner.subprocess = NothingRuns
@@ -239,9 +282,11 @@ def launch_env() -> dict[str, str]:
     """What the launch adds to the environment: this checkout on PYTHONPATH, so that every rank
     (on any node the launcher reaches) imports the same engine and bootstrap."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(bootstrap.__file__)))
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-            # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
-            "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true")}
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        # Accelerate scripts take their DeepSpeed path only with this set, as `accelerate launch` does.
+        "ACCELERATE_USE_DEEPSPEED": os.environ.get("ACCELERATE_USE_DEEPSPEED", "true"),
+    }
 
 
 def with_rank_settings(command: Sequence[str], rank_settings: RankSettings) -> list[str]:
@@ -276,21 +321,43 @@ class Launch:
     """Which launcher starts the ranks: 'deepspeed' (its runner), or the launch program."""
 
     @classmethod
-    def of(cls, launcher_args: Sequence[str], settings: RankSettings, script: str, script_args: Sequence[str], *,
-           tuner: str, preview: Mapping | None = None) -> "Launch":
-        return cls(command=tuple(launch_command(launcher_args, settings, script, script_args)), env=launch_env(),
-                   settings=settings, tuner=tuner, preview=preview)
+    def of(
+        cls,
+        launcher_args: Sequence[str],
+        settings: RankSettings,
+        script: str,
+        script_args: Sequence[str],
+        *,
+        tuner: str,
+        preview: Mapping | None = None,
+    ) -> "Launch":
+        return cls(
+            command=tuple(launch_command(launcher_args, settings, script, script_args)),
+            env=launch_env(),
+            settings=settings,
+            tuner=tuner,
+            preview=preview,
+        )
 
     @classmethod
-    def through_hook(cls, command: Sequence[str], settings: RankSettings, *, launcher: str, tuner: str,
-                     direct: bool = False, preview: Mapping | None = None) -> "Launch":
+    def through_hook(
+        cls,
+        command: Sequence[str],
+        settings: RankSettings,
+        *,
+        launcher: str,
+        tuner: str,
+        direct: bool = False,
+        preview: Mapping | None = None,
+    ) -> "Launch":
         """``command`` run as it is, with the engine carried to its ranks by the environment;
         ``direct``: the command's own interpreter is the one rank (``python script.py``)."""
         from integrations.launch_commands import hook_env
 
         env = hook_env(json.dumps(settings.to_json()), direct=direct)
-        return cls(command=tuple(command), env=env, settings=settings, tuner=tuner, preview=preview, hooked=True,
-                   launcher=launcher)
+        return cls(
+            command=tuple(command), env=env, settings=settings, tuner=tuner, preview=preview, hooked=True, launcher=launcher
+        )
 
     def with_tuner_socket(self, socket_path: str) -> "Launch":
         """The launch with the ranks pointed at ``socket_path``."""
@@ -302,14 +369,20 @@ class Launch:
         return replace(self, command=tuple(with_rank_settings(self.command, settings)), settings=settings)
 
     def to_json(self) -> dict:
-        out = {"command": list(self.command), "env": dict(self.env), "settings": self.settings.to_json(),
-               "tuner": self.tuner, "launcher": self.launcher}
+        out = {
+            "command": list(self.command),
+            "env": dict(self.env),
+            "settings": self.settings.to_json(),
+            "tuner": self.tuner,
+            "launcher": self.launcher,
+        }
         if self.preview is not None:
             out["plan_preview"] = dict(self.preview)  # the key --json always had
         return out
 
 
 # -- running it ---------------------------------------------------------------------------------
+
 
 class _Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
@@ -321,8 +394,9 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port: str | None,
-                 output: LauncherOutput | None = None) -> tuple[int, signal.Signals | None]:
+def run_launcher(
+    command: Sequence[str], env: Mapping[str, str], *, master_port: str | None, output: LauncherOutput | None = None
+) -> tuple[int, signal.Signals | None]:
     """Run the launch to its end: (exit status, None), or (128 + signal, the signal) when SIGINT,
     SIGTERM or SIGHUP stopped it, after every rank has unwound (or been killed). Either way this
     run's /dev/shm buffers are removed. With ``output``, the launcher's stdout and stderr go
@@ -334,8 +408,7 @@ def run_launcher(command: Sequence[str], env: Mapping[str, str], *, master_port:
     # and the per-node launcher's SIGTERM that follows finds it unwinding already.
     streams = output.child_fds() if output is not None else (None, None)
     try:
-        proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint,
-                                stdout=streams[0], stderr=streams[1])
+        proc = subprocess.Popen(list(command), env=dict(env), preexec_fn=_ignore_sigint, stdout=streams[0], stderr=streams[1])
     finally:
         if output is not None:
             output.started()
@@ -412,6 +485,7 @@ def _is_rank(p) -> bool:
 
 # -- DeepSpeed's shared memory ------------------------------------------------------------------
 
+
 def remove_shm_buffers(master_port: str | None) -> int:
     """Remove the shared-memory allreduce buffers that DeepSpeed's CPU comm op leaves in /dev/shm
     (64 MiB per rank, never unlinked by DeepSpeed 0.19), for this run's port. Returns the count."""
@@ -432,8 +506,11 @@ def remove_stale_shm_buffers() -> int:
     a buffer removed in between leaves its peer rank waiting on it for ever. So each process's
     open files are read before its maps (a creator closes its descriptor only after mapping)."""
     now = time.time()
-    mine = [f for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*") if _owned(f)
-            and not _younger_than(f, now - SHM_STALE_AFTER_S)]
+    mine = [
+        f
+        for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*")
+        if _owned(f) and not _younger_than(f, now - SHM_STALE_AFTER_S)
+    ]
     if not mine:
         return 0
     in_use: set[str] = set()

@@ -21,6 +21,7 @@ and the variable is unset; ``offloadctl train`` says in :data:`USER_OMP_ENV` whe
 set it. Where the user did not, the rank's thread count is its core budget
 (``integrations.cores``), whatever the launcher set.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,18 @@ USER_OMP_ENV = "OFFLOADCTL_USER_OMP_NUM_THREADS"
 
 LAUNCHER_PROGRAMS = frozenset({"torchrun", "accelerate", "deepspeed", "ds", "llamafactory-cli", "lmf", "axolotl"})
 """Entry points that start ranks (or re-execute under a launcher that does), by file name."""
-LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
-                              "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
-                              "deepspeed.launcher.launch", "llamafactory.cli", "axolotl.cli.main"})
+LAUNCHER_MODULES = frozenset(
+    {
+        "torch.distributed.run",
+        "torch.distributed.launch",
+        "accelerate.commands.launch",
+        "accelerate.commands.accelerate_cli",
+        "deepspeed.launcher.runner",
+        "deepspeed.launcher.launch",
+        "llamafactory.cli",
+        "axolotl.cli.main",
+    }
+)
 """The same, started as ``python -m``."""
 
 # Interpreter options that take a value (``python -X dev -W error script.py``).
@@ -55,7 +65,7 @@ def main_program(argv) -> tuple[str, str, list[str]] | None:
                 i += 1
             if i >= len(argv) or argv[i] == "-":
                 return None
-            return "script", argv[i], list(argv[i + 1:])
+            return "script", argv[i], list(argv[i + 1 :])
         if a in _OPTIONS_WITH_VALUE:
             i += 2
             continue
@@ -65,13 +75,13 @@ def main_program(argv) -> tuple[str, str, list[str]] | None:
         # a cluster of one-letter options: -uB, -m mod, -mmod, -c cmd, -Xfoo, -Werror
         for j, ch in enumerate(a[1:], start=1):
             if ch in "mc":
-                value = a[j + 1:] or (argv[i + 1] if i + 1 < len(argv) else None)
-                rest = argv[i + 1:] if a[j + 1:] else argv[i + 2:]
+                value = a[j + 1 :] or (argv[i + 1] if i + 1 < len(argv) else None)
+                rest = argv[i + 1 :] if a[j + 1 :] else argv[i + 2 :]
                 if ch == "c" or value is None:
                     return None
                 return "module", value, list(rest)
             if ch in "XW":
-                i += 0 if a[j + 1:] else 1  # the value is the next argument
+                i += 0 if a[j + 1 :] else 1  # the value is the next argument
                 break
         i += 1
     return None

@@ -14,6 +14,7 @@
 
 Imports neither torch nor DeepSpeed.
 """
+
 from __future__ import annotations
 
 import errno
@@ -90,15 +91,18 @@ def claim(run_dir: str, *, flag: str, force: bool = False, default: bool = False
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             os.close(fd)
-            raise ConfigError(f"{flag} {run_dir} is in use by a running `offloadctl train`: give another {flag}, or wait "
-                              f"for that run to end") from None
+            raise ConfigError(
+                f"{flag} {run_dir} is in use by a running `offloadctl train`: give another {flag}, or wait for that run to end"
+            ) from None
         # A file system without flock (some network ones): no lock, the other checks stand.
     earlier = earlier_run(run_dir)
     if earlier and not force and ran_iterations(run_dir):
         os.close(fd)
-        raise ConfigError(f"{flag} {run_dir} holds an earlier run ({', '.join(earlier[:4])}"
-                          f"{', ...' if len(earlier) > 4 else ''}): give another {flag}, or add --force to replace its "
-                          f"records")
+        raise ConfigError(
+            f"{flag} {run_dir} holds an earlier run ({', '.join(earlier[:4])}"
+            f"{', ...' if len(earlier) > 4 else ''}): give another {flag}, or add --force to replace its "
+            f"records"
+        )
     for name in earlier:
         path = os.path.join(run_dir, name)
         try:
@@ -137,8 +141,10 @@ def _open_to_others(run_dir: str, fd: int, flag: str) -> str | None:
     mode = stat.S_IMODE(os.fstat(fd).st_mode)
     if not mode & 0o077:
         return None
-    return (f"offloadctl: {flag} {run_dir} is open to other users (mode {mode:04o}): the run's records there are "
-            f"created private (0600); chmod 700 {run_dir} to hide their names too")
+    return (
+        f"offloadctl: {flag} {run_dir} is open to other users (mode {mode:04o}): the run's records there are "
+        f"created private (0600); chmod 700 {run_dir} to hide their names too"
+    )
 
 
 def in_use(run_dir: str) -> bool:
@@ -164,10 +170,12 @@ def _owned_and_empty(path: str) -> bool:
 
 
 def _why(e: OSError) -> str:
-    return {errno.EROFS: "the file system is read-only: give a writable directory",
-            errno.EACCES: "permission denied: give a directory you can write",
-            errno.ELOOP: "a symbolic link loop: give a real directory",
-            errno.ENOSPC: "the disk is full: free space, or give a directory on another disk",
-            errno.ENOTDIR: "a part of the path is a file: give a directory",
-            errno.EEXIST: "exists and is not a directory: give a directory",
-            errno.ENOENT: "a symbolic link to nothing: give a real directory"}.get(e.errno, e.strerror or str(e))
+    return {
+        errno.EROFS: "the file system is read-only: give a writable directory",
+        errno.EACCES: "permission denied: give a directory you can write",
+        errno.ELOOP: "a symbolic link loop: give a real directory",
+        errno.ENOSPC: "the disk is full: free space, or give a directory on another disk",
+        errno.ENOTDIR: "a part of the path is a file: give a directory",
+        errno.EEXIST: "exists and is not a directory: give a directory",
+        errno.ENOENT: "a symbolic link to nothing: give a real directory",
+    }.get(e.errno, e.strerror or str(e))

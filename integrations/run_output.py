@@ -16,6 +16,7 @@ Three places do the sorting, because DeepSpeed speaks from three kinds of proces
 - :class:`OutputFilter` in ``offloadctl train`` on the launcher's stdout and stderr, for the
   processes we do not start ourselves (DeepSpeed's runner and per-node launcher).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,19 @@ _DS_PRINTS = re.compile(
     rb"^(DeepSpeed deepspeed\.ops\.\S+ built successfully|Using \S+ as PyTorch extensions root|"
     rb"Emitting ninja build file |Building extension module |Loading extension module |"
     rb"Time to load \S+ op: |ninja: no work to do|Detected CUDA files, patching ldflags|"
-    rb"Allowing ninja to set a default number of workers)")
-_DS_PRINT_STARTS = (b"DeepSpeed ", b"Using ", b"Emitting ", b"Building ", b"Loading ", b"Time to ", b"ninja:",
-                    b"Detected ", b"Allowing ")
+    rb"Allowing ninja to set a default number of workers)"
+)
+_DS_PRINT_STARTS = (
+    b"DeepSpeed ",
+    b"Using ",
+    b"Emitting ",
+    b"Building ",
+    b"Loading ",
+    b"Time to ",
+    b"ninja:",
+    b"Detected ",
+    b"Allowing ",
+)
 _SHOWN_LEVELS = (b"ERROR", b"CRITICAL")
 # DeepSpeed's per-node launcher, on the first rank it finds ended with an error (it then stops
 # the others): "[...] [ERROR] [launch.py:259:sigkill_handler] [cmd] exits with return code = -9".
@@ -72,16 +83,20 @@ _TORCH_LOG_REST = re.compile(rb" *\d*( [^\]\n]*)?")
 _ELASTIC_FAILED = re.compile(rb"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # A traceback, held whole with the exceptions chained to it, to decide where it goes.
 _TRACEBACK_START = b"Traceback (most recent call last):"
-_CHAINED = (b"During handling of the above exception, another exception occurred:",
-            b"The above exception was the direct cause of the following exception:")
+_CHAINED = (
+    b"During handling of the above exception, another exception occurred:",
+    b"The above exception was the direct cause of the following exception:",
+)
 _TRACEBACK_MAX_LINES = 1000
 _LOGGING_ERROR = b"--- Logging error ---"
 """How Python's logging begins its report of a record a handler failed to write (a stop signal
 raised inside torch elastic's logger as it writes): a traceback, the call stack, the record."""
 # A launcher's own traceback (torchrun, torch elastic's agent, Accelerate's launch): the ranks'
 # failure or the stop it reports is the run's one line; its page goes to the log.
-_LAUNCHER_FRAME = re.compile(rb'(torch/distributed/(run|launch)\.py|torch/distributed/elastic/[^"]*|accelerate/commands/'
-                             rb'(launch|accelerate_cli)\.py)", line \d+')
+_LAUNCHER_FRAME = re.compile(
+    rb'(torch/distributed/(run|launch)\.py|torch/distributed/elastic/[^"]*|accelerate/commands/'
+    rb'(launch|accelerate_cli)\.py)", line \d+'
+)
 _ELASTIC_TABLE_RANK = re.compile(rb"^\s+rank\s+: (\d+) \(local_rank: (\d+)\)")
 _ELASTIC_TABLE_EXIT = re.compile(rb"^\s+exitcode\s+: (-?\d+)")
 # The rendezvous store's bind failing: a port another run (or program) holds.
@@ -103,6 +118,7 @@ def open_log(run_dir: str):
 
 
 # -- on the launcher's output -----------------------------------------------------------------
+
 
 class RankFailures:
     """What the launcher's output says of ranks that failed: the first rank DeepSpeed's launcher
@@ -152,8 +168,10 @@ class RankFailures:
     def summary(self, log: str) -> str | None:
         """The run's last line: which rank failed first, how, its line, where the full log is."""
         if self.port_in_use is not None:
-            return (f"offloadctl: the rendezvous port {self.port_in_use} is in use on this machine (another run, or "
-                    f"another program): give a free one (--master_port); the full log is in {log}")
+            return (
+                f"offloadctl: the rendezvous port {self.port_in_use} is in use on this machine (another run, or "
+                f"another program): give a free one (--master_port); the full log is in {log}"
+            )
         if self.first is None or self.first[1] == 2:  # 2: the rank's one-line error (OffloadError) said it all
             return None
         rank, code = self.first
@@ -178,8 +196,9 @@ class OutputFilter:
     A failed rank's lines (its one line, DeepSpeed's launcher's report of it, gloo's teardown)
     go to the log and into ``failures``: the run ends with one line for them."""
 
-    def __init__(self, shown, log, *, verbose: bool = False, failures: RankFailures | None = None,
-                 said: set | None = None) -> None:
+    def __init__(
+        self, shown, log, *, verbose: bool = False, failures: RankFailures | None = None, said: set | None = None
+    ) -> None:
         self.shown, self.log, self.verbose = shown, log, verbose
         self.failures = failures if failures is not None else RankFailures()
         self.said = said if said is not None else set()
@@ -200,15 +219,15 @@ class OutputFilter:
             if self._passing:
                 inside = _DS_LOG_INSIDE.search(buf, 0, len(buf) if nl < 0 else nl + 1)
                 if inside:  # the line shown so far stays as it is; the log line starts here
-                    self._show(buf[:inside.start()])
-                    buf, self._passing = buf[inside.start():], False
+                    self._show(buf[: inside.start()])
+                    buf, self._passing = buf[inside.start() :], False
                     continue
                 if nl < 0:  # the tail may be a log line's first bytes (a pty can hand a write over in pieces)
                     cut = self._log_start(buf)
                     self._show(buf[:cut])
                     self._held = buf[cut:]
                     return
-                part, buf = buf[:nl + 1], buf[nl + 1:]
+                part, buf = buf[: nl + 1], buf[nl + 1 :]
                 self._show(part)
                 self._passing = False
                 continue
@@ -221,15 +240,15 @@ class OutputFilter:
                     self._held = buf[cut:]
                     self._passing = True
                 return
-            line, buf = buf[:nl + 1], buf[nl + 1:]
+            line, buf = buf[: nl + 1], buf[nl + 1 :]
             if self._in_block(line) or self._in_traceback(line):
                 continue
             inside = _DS_LOG_INSIDE.search(line, 1)
             if inside and not _DS_LOG_LINE.match(line.lstrip(b"\r")):
                 # bytes before a log line on its line (a stopped progress bar's last escape codes,
                 # written by a rank in the same read as the launcher's line): shown; the rest logged
-                self._show(line[:inside.start()])
-                line = line[inside.start():]
+                self._show(line[: inside.start()])
+                line = line[inside.start() :]
             if self.is_deepspeed(line):
                 self.hidden_lines += 1
                 self._log(line)
@@ -261,8 +280,9 @@ class OutputFilter:
                 return False
             self._block = [line]
             return True
-        if (text[:1] in (b" ", b"\t") or text.startswith(b"Traceback (most recent call last):")) \
-                and len(self._block) < _BLOCK_MAX_LINES:
+        if (text[:1] in (b" ", b"\t") or text.startswith(b"Traceback (most recent call last):")) and len(
+            self._block
+        ) < _BLOCK_MAX_LINES:
             self._block.append(line)
             return True
         block, self._block = self._block, None
@@ -308,9 +328,13 @@ class OutputFilter:
         elif part in ("after", "chained"):
             # what follows its exception's line: blank lines, the line that chains the next
             # traceback to it (then that traceback), or torch elastic's table of failures
-            taken = not bare or bare in _CHAINED or (part == "chained" and text.startswith(_TRACEBACK_START)) or (
-                bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1]) or (
-                bare == b"Call stack:" and self._traceback[0].strip() == _LOGGING_ERROR)
+            taken = (
+                not bare
+                or bare in _CHAINED
+                or (part == "chained" and text.startswith(_TRACEBACK_START))
+                or (bare.startswith(b"=" * 20) and b"ChildFailedError" in self._traceback[-1])
+                or (bare == b"Call stack:" and self._traceback[0].strip() == _LOGGING_ERROR)
+            )
             if not taken:
                 pass
             elif bare == b"Call stack:":
@@ -381,11 +405,11 @@ class OutputFilter:
         n = len(_DS_LOG_TEMPLATE) + 12
         start = max(0, len(buf) - n)
         for i in range(start, len(buf)):
-            if buf[i:i + 1] != b"[":
+            if buf[i : i + 1] != b"[":
                 continue
             rest = buf[i:]
             if all((t == 0x30 and c in b"0123456789") or t == c for t, c in zip(_DS_LOG_TEMPLATE, rest)):
-                tail = rest[len(_DS_LOG_TEMPLATE):]
+                tail = rest[len(_DS_LOG_TEMPLATE) :]
                 if len(rest) <= len(_DS_LOG_TEMPLATE) or any((lv + b"] ").startswith(tail) for lv in _LEVELS):
                     return i
         return len(buf)
@@ -441,7 +465,7 @@ def _torch_log_prefix(text: bytes) -> bool:
     for h, c in zip(_TORCH_LOG_TEMPLATE[1:], t[1:]):
         if (h == 0x30 and c not in b"0123456789") or (h != 0x30 and h != c):
             return False
-    return len(t) <= len(_TORCH_LOG_TEMPLATE) or bool(_TORCH_LOG_REST.fullmatch(t[len(_TORCH_LOG_TEMPLATE):]))
+    return len(t) <= len(_TORCH_LOG_TEMPLATE) or bool(_TORCH_LOG_REST.fullmatch(t[len(_TORCH_LOG_TEMPLATE) :]))
 
 
 class LauncherOutput:
@@ -467,8 +491,9 @@ class LauncherOutput:
             r, w = _terminal_pair(ours) if _isatty(ours) else os.pipe()
             self._pairs.append((r, w))
             ends.append(w)
-            self.filters.append(OutputFilter(_binary(ours), self.log, verbose=self.verbose, failures=self.failures,
-                                             said=self._said))
+            self.filters.append(
+                OutputFilter(_binary(ours), self.log, verbose=self.verbose, failures=self.failures, said=self._said)
+            )
         return ends[0], ends[1]
 
     def started(self) -> None:

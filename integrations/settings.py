@@ -7,6 +7,7 @@ Each class reads its own JSON back (``from_json``): the field types JSON does no
 the recorder's config) are made there, and a key no field has is an error naming it.
 Imports neither torch nor DeepSpeed: ``offloadctl train`` builds these without them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,9 @@ def _fields_json(obj) -> dict:
 def _known_keys(cls, d: Mapping, where: str) -> None:
     unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; offloadctl train and the rank's bootstrap "
-                          f"must be the same offloadctl")
+        raise ConfigError(
+            f"{where}: unknown key(s) {sorted(unknown)}; offloadctl train and the rank's bootstrap must be the same offloadctl"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,12 +111,19 @@ class ZeroEngineSettings:
 
 
 _ENGINE_FLAGS = (
-    ("--nvme", lambda z: z.nvme_paths), ("--remote", lambda z: z.remote_paths),
-    ("--host-cache", lambda z: z.host_cache_bytes), ("--host-memory", lambda z: z.host_memory_bytes),
-    ("--read-ahead", lambda z: z.read_ahead_bytes), ("--no-io-overlap", lambda z: not z.overlap_io),
-    ("--device-cache", lambda z: z.device_cache_bytes), ("--device-fraction", lambda z: z.pins.get("device_fraction")),
-    ("--profile", lambda z: z.profile), ("--prefetch-depth", lambda z: z.pins.get("prefetch_depth")),
-    ("--node-lock", lambda z: z.pins.get("node_lock")), ("--lane-device", lambda z: z.lane_device))
+    ("--nvme", lambda z: z.nvme_paths),
+    ("--remote", lambda z: z.remote_paths),
+    ("--host-cache", lambda z: z.host_cache_bytes),
+    ("--host-memory", lambda z: z.host_memory_bytes),
+    ("--read-ahead", lambda z: z.read_ahead_bytes),
+    ("--no-io-overlap", lambda z: not z.overlap_io),
+    ("--device-cache", lambda z: z.device_cache_bytes),
+    ("--device-fraction", lambda z: z.pins.get("device_fraction")),
+    ("--profile", lambda z: z.profile),
+    ("--prefetch-depth", lambda z: z.pins.get("prefetch_depth")),
+    ("--node-lock", lambda z: z.pins.get("node_lock")),
+    ("--lane-device", lambda z: z.lane_device),
+)
 """The options of ``train`` that set the engine's settings, in the order its help gives them, each
 with whether a :class:`ZeroEngineSettings` has it given (a zero, as none, is not): ``--engine
 stock`` takes none of them."""
@@ -141,9 +150,11 @@ class RankSettings:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         given = [flag for flag, is_given in _ENGINE_FLAGS if is_given(self.zero)]
         if self.stock and given:
-            raise ConfigError(f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
-                              f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply: set offload_optimizer in the "
-                              f"ds_config, or drop --engine stock")
+            raise ConfigError(
+                f"--engine stock runs DeepSpeed's own optimizer as its ds_config says, so "
+                f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply: set offload_optimizer in the "
+                f"ds_config, or drop --engine stock"
+            )
 
     @property
     def stock(self) -> bool:

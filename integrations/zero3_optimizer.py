@@ -22,6 +22,7 @@ ZeRO-3 already keeps each rank's parameters as flat partitions split into subgro
 Imported only by :func:`integrations.deepspeed_zero3.install`, after DeepSpeed was imported
 the way that keeps it from compiling native ops in a rank.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -78,12 +79,11 @@ class ZeroPartitionSubgroup:
         out.copy_(self.flat_weights)
 
     def write_weights(self, master: torch.Tensor, offset: int = 0) -> None:
-        self.flat_weights.data[offset:offset + master.numel()].copy_(master)
+        self.flat_weights.data[offset : offset + master.numel()].copy_(master)
         self.weights_written()
 
     def params(self):
         return self.opt.fp16_groups[self.index]
-
 
 
 class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -100,8 +100,10 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def _configure_offloading(self, offload_optimizer_config, offload_param_config):
         super()._configure_offloading(offload_optimizer_config, offload_param_config)
         if not self.offload_optimizer:
-            raise ConfigError("offloadctl needs `offload_optimizer` (device cpu or nvme) in the ZeRO-3 config: "
-                              "add it, or use engine.OffloadAdamW without DeepSpeed")
+            raise ConfigError(
+                "offloadctl needs `offload_optimizer` (device cpu or nvme) in the ZeRO-3 config: "
+                "add it, or use engine.OffloadAdamW without DeepSpeed"
+            )
         nvme = getattr(offload_optimizer_config, "nvme_path", None) if self.swap_optimizer else None
         refuse_nvme_without_path(self.swap_optimizer, nvme, self.settings)  # a config built in the script
         self._ds_nvme_path = str(nvme) if nvme else None
@@ -148,8 +150,9 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 grad_buffer.copy_(grad_partition, non_blocking=True)
                 if not accel.on_accelerator(grad_buffer):
                     # Ours: the norm below reads the partition on the GPU, not a copy of the buffer.
-                    grad_buffer = (grad_partition if grad_partition.dtype == grad_buffer.dtype
-                                   else grad_partition.to(grad_buffer.dtype))
+                    grad_buffer = (
+                        grad_partition if grad_partition.dtype == grad_buffer.dtype else grad_partition.to(grad_buffer.dtype)
+                    )
             elif accel.on_accelerator(grad_buffer):
                 grad_buffer.add_(grad_partition.to(self.gradient_accumulation_dtype).view(grad_buffer.shape))
             else:
@@ -159,8 +162,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 grad_buffer.copy_(cuda_grad_buffer, non_blocking=True)
                 grad_buffer = cuda_grad_buffer
             if self.offload_optimizer and self.is_gradient_accumulation_boundary():
-                self._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,
-                                                         offload_fp32_offsets)
+                self._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets)
             if not accel.is_synchronized_device() and param.grad is not None:
                 param.grad.record_stream(accel.current_stream())
             param.grad = None
@@ -213,13 +215,22 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             host_cache, knobs, paths, self.plan_summary = plan.host_cache_bytes, plan.knobs, plan.paths, plan.summary
         lane_device = resolve_lane_device(self.settings.lane_device or None)
         device = str(lane_device) if lane_device is not None else None
-        config = EngineConfig(subgroup_numel=subgroup_numel, host_cache_bytes=host_cache, paths=paths, device=device,
-                              device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
-                              auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
-                              io_backend=self.settings.io_backend, run_dir=self.settings.run_dir, rank=rank,
-                              local_ranks=local_ranks, host_memory_bytes=self.settings.host_memory_bytes,
-                              read_ahead_bytes=self.settings.read_ahead_bytes, overlap_io=self.settings.overlap_io,
-                              pins=self.settings.pins)
+        config = EngineConfig(
+            subgroup_numel=subgroup_numel,
+            host_cache_bytes=host_cache,
+            paths=paths,
+            device=device,
+            device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
+            auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
+            io_backend=self.settings.io_backend,
+            run_dir=self.settings.run_dir,
+            rank=rank,
+            local_ranks=local_ranks,
+            host_memory_bytes=self.settings.host_memory_bytes,
+            read_ahead_bytes=self.settings.read_ahead_bytes,
+            overlap_io=self.settings.overlap_io,
+            pins=self.settings.pins,
+        )
         return config, knobs
 
     def _rank_plan(self, paths, **measured):
@@ -229,11 +240,17 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         from perf.plan import plan_for_rank
 
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return plan_for_rank(self.settings.profile, params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
-                             world_size=world, subgroup_numel=max(self.fp16_partitioned_groups_flat_numel),
-                             paths=paths, weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
-                             host_cache_bytes=self.settings.host_cache_bytes, pins=self.settings.pins,
-                             **measured)
+        return plan_for_rank(
+            self.settings.profile,
+            params_total=sum(self.fp16_partitioned_groups_flat_numel) * world,
+            world_size=world,
+            subgroup_numel=max(self.fp16_partitioned_groups_flat_numel),
+            paths=paths,
+            weight_bytes=self.fp16_partitioned_groups_flat[0].element_size(),
+            host_cache_bytes=self.settings.host_cache_bytes,
+            pins=self.settings.pins,
+            **measured,
+        )
 
     def _fit_to_gpu(self) -> None:
         """At the first step, after the first forward/backward: keep on the GPU what its peak
@@ -250,10 +267,12 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.device_fit = engine.fit_device_tier(grad_bytes_per_element=grad_bytes, reserve_bytes=reserve)
         if self.settings.profile:
             try:
-                plan = self._rank_plan(tuple(p.spec for p in engine.swap_paths.paths) or tuple(engine.config.paths),
-                                       gpu_headroom_bytes=self.device_fit.headroom_bytes,
-                                       device_cache_bytes=self.device_fit.device_tier_bytes,
-                                       device_fraction=self.device_fit.device_fraction)
+                plan = self._rank_plan(
+                    tuple(p.spec for p in engine.swap_paths.paths) or tuple(engine.config.paths),
+                    gpu_headroom_bytes=self.device_fit.headroom_bytes,
+                    device_cache_bytes=self.device_fit.device_tier_bytes,
+                    device_fraction=self.device_fit.device_fraction,
+                )
                 self.plan_summary = plan.summary
             except ConfigError as e:  # the prediction is for the record; the run goes on as fitted
                 self.plan_summary = f"profile: no prediction for the fitted plan ({e})"
@@ -298,9 +317,14 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
         world = dist.get_world_size() if dist.is_initialized() else 1
         local_size, _ = node_layout(world)
-        client = TunerClient.for_engine(self.settings.tuner_socket, self.offload_engine,
-                                        run_id=self.settings.run_id or "run", rank=local_rank(),
-                                        world_size=local_size, profile=self.settings.profile)
+        client = TunerClient.for_engine(
+            self.settings.tuner_socket,
+            self.offload_engine,
+            run_id=self.settings.run_id or "run",
+            rank=local_rank(),
+            world_size=local_size,
+            profile=self.settings.profile,
+        )
         atexit.register(client.close)  # scripts rarely call destroy(): say bye at exit all the same
         return client
 
@@ -399,8 +423,9 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         adam = self.optimizer.state.pop(master, {})
         if write_state:
             step = adam.get("step", 0)
-            self.offload_engine.write_state(i, master, adam["exp_avg"], adam["exp_avg_sq"],
-                                            [int(step.item() if torch.is_tensor(step) else step)])
+            self.offload_engine.write_state(
+                i, master, adam["exp_avg"], adam["exp_avg_sq"], [int(step.item() if torch.is_tensor(step) else step)]
+            )
         if write_grads and master.grad is not None:
             self._bindings[i].grads()[0].copy_(master.grad)
         master.grad = None
@@ -497,11 +522,16 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             d = {k: v for k, v in g.items() if k != "params"}
             d["params"] = [i for i in range(n) if self.sub_group_to_group_id[i] == gid]
             groups.append(d)
-        return {ZERO_STAGE: ZeroStageEnum.weights, LOSS_SCALER: self.loss_scaler,
-                "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
-                PARTITION_COUNT: self.partition_count,
-                OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups}, FP32_FLAT_GROUPS: masters,
-                SAVED_AT_STEP: getattr(self, "checkpoint_global_steps", None)}  # which model states it goes with
+        return {
+            ZERO_STAGE: ZeroStageEnum.weights,
+            LOSS_SCALER: self.loss_scaler,
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            PARTITION_COUNT: self.partition_count,
+            OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups},
+            FP32_FLAT_GROUPS: masters,
+            SAVED_AT_STEP: getattr(self, "checkpoint_global_steps", None),
+        }  # which model states it goes with
 
     def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
         self._check_loadable(state_dict, load_optimizer_states)  # before anything is written
@@ -536,8 +566,11 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             checkpoints.refuse_on_every_rank(checkpoints.another_model(folder, rank, shapes))
         bad = checkpoints.partition_refusal(
             [int(t.numel()) for t in state_dict[FP32_FLAT_GROUPS]] if FP32_FLAT_GROUPS in state_dict else None,
-            list(self.fp16_partitioned_groups_flat_numel), folder=folder, rank=rank,
-            moments=state_dict[OPTIMIZER_STATE_DICT]["state"] if load_optimizer_states else None)
+            list(self.fp16_partitioned_groups_flat_numel),
+            folder=folder,
+            rank=rank,
+            moments=state_dict[OPTIMIZER_STATE_DICT]["state"] if load_optimizer_states else None,
+        )
         if folder is not None:
             checkpoints.refuse_on_every_rank(bad)
         elif bad:
@@ -562,28 +595,41 @@ def _check_supported(opt) -> None:
     """DeepSpeed options whose work happens inside the per-subgroup step the engine replaces:
     refused with the fix rather than run wrongly (checked against DeepSpeed 0.19.8's ``step``)."""
     if getattr(opt, "use_muon", False):
-        raise ConfigError("offloadctl's engine runs AdamW, and the ds_config asks for Muon (MuonWithAuxAdam): "
-                          "use \"optimizer\": {\"type\": \"AdamW\"}, or run Muon with stock DeepSpeed")
+        raise ConfigError(
+            "offloadctl's engine runs AdamW, and the ds_config asks for Muon (MuonWithAuxAdam): "
+            'use "optimizer": {"type": "AdamW"}, or run Muon with stock DeepSpeed'
+        )
     if getattr(opt, "torch_autocast_gradscaler", None) is not None:
-        raise ConfigError("torch_autocast with fp16 scales the loss with torch's GradScaler, which offloadctl's engine "
-                          "does not unscale: use bf16 in torch_autocast, or DeepSpeed's \"fp16\" section")
+        raise ConfigError(
+            "torch_autocast with fp16 scales the loss with torch's GradScaler, which offloadctl's engine "
+            'does not unscale: use bf16 in torch_autocast, or DeepSpeed\'s "fp16" section'
+        )
     if getattr(opt, "zenflow", False):
-        raise ConfigError("ZenFlow's selective updates replace the optimizer step that offloadctl's engine owns: "
-                          "remove \"zenflow\" from zero_optimization, or run it with stock DeepSpeed")
+        raise ConfigError(
+            "ZenFlow's selective updates replace the optimizer step that offloadctl's engine owns: "
+            'remove "zenflow" from zero_optimization, or run it with stock DeepSpeed'
+        )
     if any(flat is None for flat in opt.fp16_partitioned_groups_flat):
-        raise ConfigError("offload_param to nvme with more parameters than offload_param.max_in_cpu leaves subgroups "
-                          "without a host buffer, which offloadctl's engine needs: raise max_in_cpu above the "
-                          "model's size, or offload parameters to cpu")
+        raise ConfigError(
+            "offload_param to nvme with more parameters than offload_param.max_in_cpu leaves subgroups "
+            "without a host buffer, which offloadctl's engine needs: raise max_in_cpu above the "
+            "model's size, or offload parameters to cpu"
+        )
 
 
 def _check_adamw(optimizer) -> None:
     """The engine implements AdamW with bias correction; refuse anything else clearly."""
     name = type(optimizer).__name__
-    adamw = (isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "adam_w_mode", False)
-             or getattr(optimizer, "adamw_mode", False))
+    adamw = (
+        isinstance(optimizer, torch.optim.AdamW)
+        or getattr(optimizer, "adam_w_mode", False)
+        or getattr(optimizer, "adamw_mode", False)
+    )
     if not adamw or getattr(optimizer, "bias_correction", True) is False:
-        raise ConfigError(f"offloadctl's engine runs AdamW (decoupled weight decay, bias correction); the ds_config "
-                          f"asks for {name} without them: set \"optimizer\": {{\"type\": \"AdamW\"}}")
+        raise ConfigError(
+            f"offloadctl's engine runs AdamW (decoupled weight decay, bias correction); the ds_config "
+            f'asks for {name} without them: set "optimizer": {{"type": "AdamW"}}'
+        )
 
 
 def optimizer_class(settings: ZeroEngineSettings) -> type["OffloadZero3Optimizer"]:

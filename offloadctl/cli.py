@@ -9,6 +9,7 @@ busy while it trains. Start with:
 then `offloadctl report RUN_DIR` for where the time went. `offloadctl COMMAND --help` tells
 more about each command.
 """
+
 # How the CLI is laid out: each subcommand is one module under offloadctl/commands with
 # add_arguments(parser) and run(args) -> int. A user error (engine.errors.OffloadError) is
 # printed as one line naming the fault and the fix, exit status 2, no traceback.
@@ -37,8 +38,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
         def flush():
             if prose:
-                out.append(textwrap.fill(" ".join(prose), width, initial_indent=indent, subsequent_indent=indent,
-                                         break_on_hyphens=False))
+                out.append(
+                    textwrap.fill(" ".join(prose), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+                )
                 prose.clear()
 
         for line in text.splitlines():
@@ -68,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"offloadctl {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, mod in COMMANDS.items():
-        p = sub.add_parser(name, help=mod.__doc__.splitlines()[0].rstrip("."), description=mod.__doc__,
-                           **getattr(mod, "PARSER_OPTIONS", {}))
+        p = sub.add_parser(
+            name, help=mod.__doc__.splitlines()[0].rstrip("."), description=mod.__doc__, **getattr(mod, "PARSER_OPTIONS", {})
+        )
         mod.add_arguments(p)
     return ap
 

@@ -6,6 +6,7 @@ into bytes by the command (:func:`size_bytes`), not by argparse: a bad size is t
 :class:`engine.errors.ConfigError` naming the flag as typed, exit status 2, like every other
 bad value, rather than argparse's usage block.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,20 @@ def _tagged(flag: str, bare_unit: str | None):
     return parse
 
 
-def add_size_option(group, flag: str, *, dest: str, help: str, deprecated: str | None = None,
-                    auto: bool = False) -> None:
+def add_size_option(group, flag: str, *, dest: str, help: str, deprecated: str | None = None, auto: bool = False) -> None:
     """``flag SIZE`` (``SIZE|auto`` with ``auto``) into ``dest``; ``deprecated``, for one release, the
     old spelling into the same ``dest`` with its old meaning: a bare number of GB (1e9 bytes). Of
     both, the last one given wins."""
     group.add_argument(flag, dest=dest, type=_tagged(flag, None), metavar="SIZE|auto" if auto else "SIZE", help=help)
     if deprecated:
-        group.add_argument(deprecated, dest=dest, type=_tagged(deprecated, "GB"),
-                           default=argparse.SUPPRESS, metavar="GB|auto" if auto else "GB",
-                           help=argparse.SUPPRESS)  # still taken, for one more release; not offered
+        group.add_argument(
+            deprecated,
+            dest=dest,
+            type=_tagged(deprecated, "GB"),
+            default=argparse.SUPPRESS,
+            metavar="GB|auto" if auto else "GB",
+            help=argparse.SUPPRESS,
+        )  # still taken, for one more release; not offered
 
 
 def size_bytes(value: SizeText | None, *, auto: bool = False) -> int | None:

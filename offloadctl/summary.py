@@ -7,6 +7,7 @@ steps, no throughput). Its lines fit 80 columns; the bottleneck sentence is the 
 (:func:`report.analyze.bottleneck`). :func:`print_summary` is the engine's per-step table of the
 update phase, for a plain PyTorch loop's telemetry (examples/offload_adamw.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,13 @@ def tuner_lines(view: RunView) -> list[str]:
         said.append(f"{key} {value_text(before)} -> {value_text(after)} ({who})")
     activity = view.get("verdict") or {}
     mode, why = activity.get("mode"), activity.get("reason") or ""
-    doing = {"holding": "holding", "frozen": "frozen by you", "trial": f"trying {activity.get('trial')}",
-             "measuring": "measuring", "stopped": "policy stopped"}.get(mode, "done")
+    doing = {
+        "holding": "holding",
+        "frozen": "frozen by you",
+        "trial": f"trying {activity.get('trial')}",
+        "measuring": "measuring",
+        "stopped": "policy stopped",
+    }.get(mode, "done")
     if mode == "holding" and not why:
         why = "no move left to try"
     from offloadctl.commands.tune_view import held_text
@@ -92,8 +98,14 @@ SUMMARY_FORMAT = "offloadctl-run-summary"
 SUMMARY_VERSION = 1
 
 
-def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None = None, stopped_by: str | None = None,
-                        tuner_view: RunView | None = None) -> dict:
+def run_summary_figures(
+    run_dir: str,
+    *,
+    rank: int = 0,
+    exit_status: int | None = None,
+    stopped_by: str | None = None,
+    tuner_view: RunView | None = None,
+) -> dict:
     """The end-of-run summary's figures, for ``offloadctl train --json-summary FILE``: how the
     run ended and, when it recorded iterations, how fast (median iteration, throughput), where
     the time went (shares of the median iteration), why (the bottleneck sentence), the bytes it
@@ -101,9 +113,15 @@ def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None 
     None where a figure is unknown."""
     from tuner.knob_text import changed_knobs
 
-    out: dict = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION, "run_dir": os.path.abspath(run_dir),
-                 "rank": rank, "exit_status": exit_status, "stopped_by": stopped_by,
-                 "status": "interrupted" if stopped_by else "finished" if exit_status == 0 else "failed"}
+    out: dict = {
+        "format": SUMMARY_FORMAT,
+        "version": SUMMARY_VERSION,
+        "run_dir": os.path.abspath(run_dir),
+        "rank": rank,
+        "exit_status": exit_status,
+        "stopped_by": stopped_by,
+        "status": "interrupted" if stopped_by else "finished" if exit_status == 0 else "failed",
+    }
     try:
         a = analyze_run(load_run(run_dir, rank=rank))
     except ConfigError as e:
@@ -111,28 +129,42 @@ def run_summary_figures(run_dir: str, *, rank: int = 0, exit_status: int | None 
         a = None
     if a is not None:
         s = a["summary"]
-        out.update({
-            "status": a["status_kind"] if a["status_kind"] in ("finished", "interrupted", "error") else out["status"],
-            "status_text": a["status"], "iterations": s["iterations"], "total_s": s["total_s"],
-            "steady_iterations": len(s["steady_iterations"]), "median_iteration_s": s["median_iter_s"],
-            "samples_per_s": s.get("samples_per_s"), "tokens_per_s": s.get("tokens_per_s"),
-            "world_size": s.get("world_size", 1), "shares": dict(s["shares"]), "bottleneck": s["verdict"],
-            "bytes_per_param": s.get("engine_bytes_per_param"),
-            "bytes_per_param_total": s.get("engine_bytes_per_param_total"),
-            "disk_bytes_per_param_total": s.get("disk_bytes_per_param_total"),
-            "other_processes_disk_bytes_per_param_total": s.get("other_disk_bytes_per_param_total"),
-            "host_memory": s.get("host_memory"), "fixed_knobs": s.get("fixed_knobs"),
-        })
+        out.update(
+            {
+                "status": a["status_kind"] if a["status_kind"] in ("finished", "interrupted", "error") else out["status"],
+                "status_text": a["status"],
+                "iterations": s["iterations"],
+                "total_s": s["total_s"],
+                "steady_iterations": len(s["steady_iterations"]),
+                "median_iteration_s": s["median_iter_s"],
+                "samples_per_s": s.get("samples_per_s"),
+                "tokens_per_s": s.get("tokens_per_s"),
+                "world_size": s.get("world_size", 1),
+                "shares": dict(s["shares"]),
+                "bottleneck": s["verdict"],
+                "bytes_per_param": s.get("engine_bytes_per_param"),
+                "bytes_per_param_total": s.get("engine_bytes_per_param_total"),
+                "disk_bytes_per_param_total": s.get("disk_bytes_per_param_total"),
+                "other_processes_disk_bytes_per_param_total": s.get("other_disk_bytes_per_param_total"),
+                "host_memory": s.get("host_memory"),
+                "fixed_knobs": s.get("fixed_knobs"),
+            }
+        )
     if tuner_view:
         by = tuner_view.get("changed_by") or {}
         start = tuner_view.get("start_knobs") or {}
         activity = tuner_view.get("verdict") or {}
         out["tuner"] = {
-            "run_id": tuner_view.get("run_id"), "knobs": tuner_view.get("knobs"),
-            "changes": [{"knob": k, "from": a_, "to": b_, "by": by.get(k, "policy")}
-                        for k, (a_, b_) in (changed_knobs(start, tuner_view.get("knobs") or {}) if start else {}).items()],
+            "run_id": tuner_view.get("run_id"),
+            "knobs": tuner_view.get("knobs"),
+            "changes": [
+                {"knob": k, "from": a_, "to": b_, "by": by.get(k, "policy")}
+                for k, (a_, b_) in (changed_knobs(start, tuner_view.get("knobs") or {}) if start else {}).items()
+            ],
             "history_run": (tuner_view.get("start_from") or {}).get("run_id"),
-            "mode": activity.get("mode"), "reason": activity.get("reason"), "pins": tuner_view.get("pins") or {},
+            "mode": activity.get("mode"),
+            "reason": activity.get("reason"),
+            "pins": tuner_view.get("pins") or {},
         }
     return out
 
@@ -157,10 +189,13 @@ def _pct(x: float) -> str:
 
 def _share_line(shares: list[tuple[str, float]], merge_fwd_bwd: bool = False) -> str:
     sh = dict(shares)
-    head = ([("forward+backward", sh["forward"] + sh["backward"])] if merge_fwd_bwd
-            else [("forward", sh["forward"]), ("backward", sh["backward"])])
+    head = (
+        [("forward+backward", sh["forward"] + sh["backward"])]
+        if merge_fwd_bwd
+        else [("forward", sh["forward"]), ("backward", sh["backward"])]
+    )
     update = sum(v for k, v in sh.items() if k.startswith("update"))
-    parts = ", ".join(f"{k[len('update: '):]} {_pct(v)}" for k, v in shares if k.startswith("update"))
+    parts = ", ".join(f"{k[len('update: ') :]} {_pct(v)}" for k, v in shares if k.startswith("update"))
     line = "time per iteration: " + ", ".join(f"{k} {_pct(v)}" for k, v in head) + f", update {_pct(update)} ({parts})"
     if sh.get("outside DeepSpeed", 0) >= 0.005:
         line += f", the script between calls {_pct(sh['outside DeepSpeed'])}"
@@ -170,10 +205,10 @@ def _share_line(shares: list[tuple[str, float]], merge_fwd_bwd: bool = False) ->
 def _bytes_line(per_param: dict | None, total: float | None, hits, swapped, state_by_tier: dict | None) -> str:
     parts = []
     if per_param and total is not None:
-        tiers = "; ".join(f"{k} {rw.get('read', 0):.1f} read, {rw.get('written', 0):.1f} written"
-                          for k, rw in sorted(per_param.items()))
-        parts.append(f"moved per param and iteration: {total:.1f} B ({tiers}; stock ZeRO-Infinity: "
-                     f"~{STOCK_BYTES_PER_PARAM})")
+        tiers = "; ".join(
+            f"{k} {rw.get('read', 0):.1f} read, {rw.get('written', 0):.1f} written" for k, rw in sorted(per_param.items())
+        )
+        parts.append(f"moved per param and iteration: {total:.1f} B ({tiers}; stock ZeRO-Infinity: ~{STOCK_BYTES_PER_PARAM})")
     if swapped:
         parts.append(f"kept in memory between steps: {hits:.0f} of {swapped:.0f} swapped subgroups")
     if state_by_tier:
@@ -194,8 +229,7 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
     total = s.get("engine_bytes_per_param_total")
     if per_param is None and s.get("run_disk_bytes_per_param_total") is not None:  # stock: the rank's own bytes
         label = "+".join(dict.fromkeys(t["kind"] for t in a["tiers"] if t.get("device"))) or "disk"
-        per_param = {label: {d: sum(rw[d] for rw in s["run_disk_bytes_per_param"].values())
-                             for d in ("read", "written")}}
+        per_param = {label: {d: sum(rw[d] for rw in s["run_disk_bytes_per_param"].values()) for d in ("read", "written")}}
         total = s["run_disk_bytes_per_param_total"]
     elif per_param is None and s.get("disk_bytes_per_param_total") is not None:
         per_param = {}
@@ -212,8 +246,7 @@ def _from_record(run_dir: str, rank: int) -> list[str]:
         lines.append(line)
     others, own = s.get("other_disk_bytes_per_param_total"), s.get("run_disk_bytes_per_param_total") or 0.0
     if others is not None and others >= max(0.5, 0.25 * own):
-        lines.append(f"other processes moved {others:.1f} B/param an iteration on the same device (not counted as "
-                     f"this run's)")
+        lines.append(f"other processes moved {others:.1f} B/param an iteration on the same device (not counted as this run's)")
     elif not a["tiers"]:
         lines.append(f"optimizer state kept in {storage_name(a)}: no storage tier, no bytes moved to disk")
     lines += _host_lines(s.get("host_memory"), s.get("fixed_knobs"), rank, a["engine"] != "stock")
@@ -246,25 +279,34 @@ def _from_telemetry(records: list[StepRecord], run_dir: str, rank: int) -> list[
     """The summary from the engine's StepRecords alone: the update's parts, and the time between
     updates (forward, backward and the loop's own work) as ``fwd_bwd_s``."""
     steady = [r for r in records[1:] if r.fwd_bwd_s is not None] or records
-    seg = [({"forward": r.fwd_bwd_s or 0.0, **engine_segments(r, r.update_s + r.setup_s)}, _iteration_s(r))
-           for r in steady]
+    seg = [({"forward": r.fwd_bwd_s or 0.0, **engine_segments(r, r.update_s + r.setup_s)}, _iteration_s(r)) for r in steady]
     ordered = sorted(seg, key=lambda x: x[1])
     segments, median_s = ordered[(len(ordered) - 1) // 2]
-    kinds = sorted({k for r in records for k, v in {**r.bytes_read, **r.bytes_written}.items() if v}) \
-        or sorted({k for r in records for k in r.bytes_read})
+    kinds = sorted({k for r in records for k, v in {**r.bytes_read, **r.bytes_written}.items() if v}) or sorted(
+        {k for r in records for k in r.bytes_read}
+    )
     storage = storage_name({"tiers": [{"kind": k} for k in kinds]}) if kinds else "host memory"
     total = sum(_iteration_s(r) for r in records)
     who = f" of rank {rank}" if rank else ""
-    lines = [f"run summary{who}: {run_dir}",
-             "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
-             f"{format_seconds(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in "
-             f"{format_seconds(total)}",
-             _share_line(shares(segments, median_s), merge_fwd_bwd=True),
-             f"bottleneck: {bottleneck(segments, median_s, storage)}"]
+    lines = [
+        f"run summary{who}: {run_dir}",
+        "engine telemetry only (the run was not recorded): no samples/s or tokens/s, no end status",
+        f"{format_seconds(median_s)}/iteration (median of {len(steady)}), {len(records)} iterations in {format_seconds(total)}",
+        _share_line(shares(segments, median_s), merge_fwd_bwd=True),
+        f"bottleneck: {bottleneck(segments, median_s, storage)}",
+    ]
     p = steady[0].params
-    per_param = {k: {"read": statistics.fmean(r.bytes_read.get(k, 0) for r in steady) / p,
-                     "written": statistics.fmean(r.bytes_written.get(k, 0) for r in steady) / p}
-                 for k in kinds} if p else None
+    per_param = (
+        {
+            k: {
+                "read": statistics.fmean(r.bytes_read.get(k, 0) for r in steady) / p,
+                "written": statistics.fmean(r.bytes_written.get(k, 0) for r in steady) / p,
+            }
+            for k in kinds
+        }
+        if p
+        else None
+    )
     total_pp = sum(v for rw in per_param.values() for v in rw.values()) if per_param else None
     swapped = statistics.median(r.cache_hits + r.cache_misses for r in steady)
     line = _bytes_line(per_param, total_pp, statistics.median(r.cache_hits for r in steady), swapped, None)
@@ -274,6 +316,7 @@ def _from_telemetry(records: list[StepRecord], run_dir: str, rank: int) -> list[
 
 
 # -- the engine's per-step table (a plain PyTorch loop's telemetry) ------------------------------
+
 
 def summary_table(records: list[StepRecord], title: str = "update phase") -> Table:
     """Medians over steps 2..N (step 1 materialises the state)."""
@@ -290,8 +333,10 @@ def summary_table(records: list[StepRecord], title: str = "update phase") -> Tab
     t.add_row("swapped subgroups kept in memory (alternating order)", f"{med('cache_hits'):.0f} of {swapped}")
     t.add_row("subgroups on host / device lane", f"{med('host_lane_subgroups'):.0f} / {med('device_lane_subgroups'):.0f}")
     changes = [r for prev, r in zip(records, records[1:]) if r.knobs != prev.knobs]
-    t.add_row("knob changes (tuner)", f"{len(changes)}" + (f", last at step {changes[-1].iteration}: "
-                                                          f"{knobs_text(changes[-1].knobs, ', ')}" if changes else ""))
+    t.add_row(
+        "knob changes (tuner)",
+        f"{len(changes)}" + (f", last at step {changes[-1].iteration}: {knobs_text(changes[-1].knobs, ', ')}" if changes else ""),
+    )
     return t
 
 

@@ -3,6 +3,7 @@ concurrency, the storage devices behind the paths (paths on one device share its
 the host lane's seconds per parameter, and the memory budgets a workload leaves for optimizer
 state. Pure functions over :class:`~perf.profile.Profile`; no I/O, no torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ def gb(b: float) -> str:
     return format_size(b)
 
 
-def bandwidth(path: PathProfile, op: Literal["read", "write", "mixed"], concurrency: float,
-              block_bytes: int = CHUNK_BYTES) -> float:
+def bandwidth(
+    path: PathProfile, op: Literal["read", "write", "mixed"], concurrency: float, block_bytes: int = CHUNK_BYTES
+) -> float:
     """Bytes/s of ``op`` on ``path`` at ``concurrency`` requests in flight (per direction).
 
     :meth:`PathProfile.bytes_per_s` (best sweep point at or below the concurrency), restricted to

@@ -8,6 +8,7 @@ and staging buffers; ``engine.config``: I/O request size, default concurrency;
 ``engine.placement``: the stripe rule), so ``offloadctl plan`` starts without torch and the
 model cannot drift from the engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ SUBGROUP_NUMEL = _ENGINE_DEFAULTS.subgroup_numel
 EXACT_SUBGROUPS = 512
 """Up to this many swapped subgroups the model stripes them one by one as the engine does;
 above, by proportion (the difference is under one subgroup per path)."""
-
 
 
 def chunks(numel: int) -> int:
@@ -72,8 +72,9 @@ class Traffic:
 
 
 @lru_cache(maxsize=4096)
-def swap_traffic(N: int, first: int, K: int, n: int, n_last: int, weights: tuple[float, ...],
-                 f: float, held: int | None = None) -> tuple[Traffic, Traffic]:
+def swap_traffic(
+    N: int, first: int, K: int, n: int, n_last: int, weights: tuple[float, ...], f: float, held: int | None = None
+) -> tuple[Traffic, Traffic]:
     """Forward- and reverse-order traffic of swapped subgroups ``first..N-1`` over weighted paths.
     ``K`` subgroups are kept unwritten across the step boundary; ``held`` (at least ``K``; default
     ``K``) are in staging buffers then and read nothing: the kept ones, and those whose writes
@@ -87,8 +88,7 @@ def swap_traffic(N: int, first: int, K: int, n: int, n_last: int, weights: tuple
         total = sum(weights)
         share = [w / total for w in weights]
         host_m = R * (1 - lane_count(first, N, f) / S)
-        t = Traffic(tuple(R * fb_n * s for s in share), tuple(M * fb_n * s for s in share),
-                    tuple(R * s for s in share), host_m)
+        t = Traffic(tuple(R * fb_n * s for s in share), tuple(M * fb_n * s for s in share), tuple(R * s for s in share), host_m)
         return t, t
     idx = list(range(first, N))
     sizes = [n_last if i == N - 1 else n for i in idx]

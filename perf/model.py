@@ -12,6 +12,7 @@ chains, each with its fill and drain; ``update_s`` is the mean of a forward and 
 is :mod:`perf.layout`'s, the hardware figures :mod:`perf.hardware`'s; :mod:`perf.search`
 searches over plans with it and :mod:`perf.stock` models stock DeepSpeed beside it.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ from perf.profile import PathProfile, Profile
 
 CRC_BYTES_PER_S_PER_CORE = 4e9
 """zlib CRC32 of every chunk read and written, on the I/O threads (engine.storage.swapfile)."""
-MAX_PARAMS = 10 ** 15
+MAX_PARAMS = 10**15
 """Largest model the model plans for (a thousand times today's largest): beyond it the byte
 counts stop being numbers a float holds exactly."""
 
@@ -74,8 +75,10 @@ class Workload:
             object.__setattr__(self, "params", int(p))
         _int_at_least("Workload.params", self.params, 1, "give the model's parameter count, e.g. 7e9")
         if self.params > MAX_PARAMS:
-            raise ConfigError(f"Workload.params is {self.params:.3g}, over {MAX_PARAMS:.0e}: no model is that large; "
-                              f"give the model's parameter count, e.g. 7e9")
+            raise ConfigError(
+                f"Workload.params is {self.params:.3g}, over {MAX_PARAMS:.0e}: no model is that large; "
+                f"give the model's parameter count, e.g. 7e9"
+            )
         _int_at_least("Workload.ranks", self.ranks, 1, "give the ranks (GPUs) per node")
         _int_at_least("Workload.nodes", self.nodes, 1, "give the number of nodes")
         _int_at_least("Workload.subgroup_numel", self.subgroup_numel, 1, "use e.g. 10_000_000")
@@ -136,15 +139,21 @@ class Plan:
 
     def to_dict(self) -> dict:
         """Flat: ``host_cache_bytes``, ``device_cache_bytes``, ``read_ahead_bytes``, each knob by name, ``name``."""
-        return {"host_cache_bytes": self.host_cache_bytes, "device_cache_bytes": self.device_cache_bytes,
-                "read_ahead_bytes": self.read_ahead_bytes, **self.knobs.to_dict(), "name": self.name}
+        return {
+            "host_cache_bytes": self.host_cache_bytes,
+            "device_cache_bytes": self.device_cache_bytes,
+            "read_ahead_bytes": self.read_ahead_bytes,
+            **self.knobs.to_dict(),
+            "name": self.name,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
         """A plan from :meth:`to_dict`'s flat form; knob names go to :meth:`Knobs.from_dict`."""
         own = {f.name for f in fields(cls)} - {"knobs"}
-        return cls(**{k: v for k, v in d.items() if k in own},
-                   knobs=Knobs.from_dict({k: v for k, v in d.items() if k not in own}))
+        return cls(
+            **{k: v for k, v in d.items() if k in own}, knobs=Knobs.from_dict({k: v for k, v in d.items() if k not in own})
+        )
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,25 @@ def _layout(wl: Workload, plan: Plan) -> _Layout:
     K = min(S, kept_subgroups(d))
     fb = pay_n + HEADER_BYTES
     B = staging_buffers(d) + -(-plan.read_ahead_bytes // fb) if S else 0
-    return _Layout(P=P, n=n, N=N, n_last=n_last, pay_n=pay_n, pay_last=pay_last, fb=fb, d=d, f=f,
-                   D=D, H=H, S=S, K=K, M=S - K, B=B, G_host=lane_count(D, D + H, f), G_swap=lane_count(D + H, N, f))
+    return _Layout(
+        P=P,
+        n=n,
+        N=N,
+        n_last=n_last,
+        pay_n=pay_n,
+        pay_last=pay_last,
+        fb=fb,
+        d=d,
+        f=f,
+        D=D,
+        H=H,
+        S=S,
+        K=K,
+        M=S - K,
+        B=B,
+        G_host=lane_count(D, D + H, f),
+        G_swap=lane_count(D + H, N, f),
+    )
 
 
 def _plan_paths(profile: Profile, plan: Plan) -> list[PathProfile]:
@@ -240,23 +266,29 @@ def _plan_paths(profile: Profile, plan: Plan) -> list[PathProfile]:
     known = {p.path for p in profile.paths}
     unknown = sorted(named - known)
     if unknown:
-        raise ConfigError(f"plan {plan.name or ''!s} names {unknown}, which are not paths of profile {profile.name!r} "
-                          f"(its paths: {sorted(known) or 'none'}): measure them with `offloadctl profile save --nvme PATH`")
+        raise ConfigError(
+            f"plan {plan.name or ''!s} names {unknown}, which are not paths of profile {profile.name!r} "
+            f"(its paths: {sorted(known) or 'none'}): measure them with `offloadctl profile save --nvme PATH`"
+        )
     return [p for p in profile.paths if p.path in named] if named else list(profile.paths)
 
 
 def _paths_and_weights(profile: Profile, plan: Plan, lay: _Layout) -> tuple[list[PathProfile], tuple[float, ...]]:
     """The plan's paths and their stripe weights; ConfigError when swapped state has nowhere to go."""
     if (lay.f > 0 or plan.device_cache_bytes > 0) and profile.gpu is None:
-        raise ConfigError(f"plan {plan.name!r} uses the device lane (device_fraction={lay.f}, device_cache_bytes="
-                          f"{plan.device_cache_bytes}) but profile {profile.name!r} has no GPU: set both to 0")
+        raise ConfigError(
+            f"plan {plan.name!r} uses the device lane (device_fraction={lay.f}, device_cache_bytes="
+            f"{plan.device_cache_bytes}) but profile {profile.name!r} has no GPU: set both to 0"
+        )
     paths = _plan_paths(profile, plan)
     weights = tuple(float(plan.knobs.stripe_weights.get(p.path, default_weight(p))) for p in paths)
     if lay.S and (not paths or sum(weights) <= 0):
         why = "no path has a positive stripe weight" if paths else f"profile {profile.name!r} has no storage paths"
-        raise ConfigError(f"plan {plan.name!r} leaves {lay.S} subgroups per rank ({gb(lay.S * lay.pay_n)}) outside host "
-                          f"memory, but {why}: raise the host memory for optimizer state "
-                          f"(--host-memory), or give a storage path")
+        raise ConfigError(
+            f"plan {plan.name!r} leaves {lay.S} subgroups per rank ({gb(lay.S * lay.pay_n)}) outside host "
+            f"memory, but {why}: raise the host memory for optimizer state "
+            f"(--host-memory), or give a storage path"
+        )
     return paths, weights
 
 
@@ -268,8 +300,11 @@ def _memory_need(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tu
     # Resident state and its gradients, the lane's working buffers, and the gradients of the
     # device-lane subgroups that stay on the GPU (as many as fit: lane_load).
     load = lane_load(wl, lay, plan, gpu_headroom(profile, wl))
-    gpu_rank = (plan.device_cache_bytes + (load.resident_params + load.staged_params - load.upload_grad_params)
-                * wl.grad_bytes + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0))
+    gpu_rank = (
+        plan.device_cache_bytes
+        + (load.resident_params + load.staged_params - load.upload_grad_params) * wl.grad_bytes
+        + (device_lane_working_bytes(lay.n) if lay.G > 0 else 0)
+    )
     return host_node, gpu_rank
 
 
@@ -278,14 +313,18 @@ def _memory(profile: Profile, wl: Workload, plan: Plan, lay: _Layout) -> tuple[i
     host_node, gpu_rank = _memory_need(profile, wl, plan, lay)
     budget = host_budget(profile, wl)
     if host_node > budget:
-        raise ConfigError(f"plan {plan.name!r} needs {gb(host_node)} of host memory per node for optimizer state and "
-                          f"staging buffers, over the budget of {gb(budget)}: lower host_cache_bytes or prefetch_depth, "
-                          f"or raise the host memory budget (--host-memory)")
+        raise ConfigError(
+            f"plan {plan.name!r} needs {gb(host_node)} of host memory per node for optimizer state and "
+            f"staging buffers, over the budget of {gb(budget)}: lower host_cache_bytes or prefetch_depth, "
+            f"or raise the host memory budget (--host-memory)"
+        )
     headroom = gpu_headroom(profile, wl)
     if profile.gpu is not None and gpu_rank > headroom:
-        raise ConfigError(f"plan {plan.name!r} needs {gb(gpu_rank)} of GPU memory per rank (device cache, the "
-                          f"gradients of GPU-updated subgroups, the device lane's buffers), over the GPU headroom of "
-                          f"{gb(headroom)}: lower device_fraction to 0, device_cache_bytes, or subgroup_numel")
+        raise ConfigError(
+            f"plan {plan.name!r} needs {gb(gpu_rank)} of GPU memory per rank (device cache, the "
+            f"gradients of GPU-updated subgroups, the device lane's buffers), over the GPU headroom of "
+            f"{gb(headroom)}: lower device_fraction to 0, device_cache_bytes, or subgroup_numel"
+        )
     return host_node, gpu_rank
 
 
@@ -301,9 +340,11 @@ def _swap_files(paths: list[PathProfile], wt: tuple[float, ...], lay: _Layout, r
     for p in paths:
         need = storage_node.get(p.path, 0)
         if need > p.capacity_bytes > 0:
-            raise ConfigError(f"path {p.path} would hold {gb(need)} of swap files per node, over its capacity of "
-                              f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise the host memory "
-                              f"for optimizer state (--host-memory)")
+            raise ConfigError(
+                f"path {p.path} would hold {gb(need)} of swap files per node, over its capacity of "
+                f"{gb(p.capacity_bytes)}: add a path, lower its stripe weight, or raise the host memory "
+                f"for optimizer state (--host-memory)"
+            )
     return storage_node
 
 
@@ -319,8 +360,12 @@ def plan_needs(profile: Profile, workload: Workload, plan: Plan) -> dict:
     weights = tuple(max(0.0, float(plan.knobs.stripe_weights.get(p.path, default_weight(p)))) for p in paths)
     swapped = workload.ranks * (lay.S * lay.pay_n - (lay.pay_n - lay.pay_last if lay.S else 0))
     stored = _swap_need(paths, weights, lay, workload.ranks) if lay.S and sum(weights) > 0 else {}
-    return {"host_per_node": host_node, "gpu_per_rank": gpu_rank if profile.gpu else 0,
-            "paths": {k: int(v) for k, v in stored.items()}, "nowhere": 0 if stored or not lay.S else int(swapped)}
+    return {
+        "host_per_node": host_node,
+        "gpu_per_rank": gpu_rank if profile.gpu else 0,
+        "paths": {k: int(v) for k, v in stored.items()},
+        "nowhere": 0 if stored or not lay.S else int(swapped),
+    }
 
 
 def lane_rates(profile: Profile, wl: Workload) -> LaneRates:
@@ -329,12 +374,14 @@ def lane_rates(profile: Profile, wl: Workload) -> LaneRates:
     gpu, ranks = profile.gpu, wl.ranks
     gpus = max(1, profile.machine.gpu_count)
     links = min(ranks, gpus)
-    return LaneRates(host_lane_params_per_s=1.0 / host_lane_seconds_per_param(profile, wl),
-                     h2d_bytes_per_s=gpu.duplex_h2d_bytes_per_s.value * links / ranks,
-                     d2h_bytes_per_s=gpu.duplex_d2h_bytes_per_s.value * links / ranks,
-                     gpu_adamw_params_per_s=gpu.adamw_params_per_s.value / -(-ranks // gpus),
-                     # The profile's figure is bytes copied per second: twice that crosses memory.
-                     memory_bytes_per_s=2 * profile.host.memory_bandwidth.value / ranks)
+    return LaneRates(
+        host_lane_params_per_s=1.0 / host_lane_seconds_per_param(profile, wl),
+        h2d_bytes_per_s=gpu.duplex_h2d_bytes_per_s.value * links / ranks,
+        d2h_bytes_per_s=gpu.duplex_d2h_bytes_per_s.value * links / ranks,
+        gpu_adamw_params_per_s=gpu.adamw_params_per_s.value / -(-ranks // gpus),
+        # The profile's figure is bytes copied per second: twice that crosses memory.
+        memory_bytes_per_s=2 * profile.host.memory_bandwidth.value / ranks,
+    )
 
 
 def lane_load(wl: Workload, lay: _Layout, plan: Plan, headroom: int) -> LaneLoad:
@@ -345,9 +392,15 @@ def lane_load(wl: Workload, lay: _Layout, plan: Plan, headroom: int) -> LaneLoad
     staged = min(lay.P - resident, lay.G * lay.n)
     left = headroom - plan.device_cache_bytes - resident * wl.grad_bytes - device_lane_working_bytes(lay.n)
     kept = min(lay.G, max(0, int(left // (lay.n * wl.grad_bytes)))) if lay.G else 0
-    return LaneLoad(host_params=lay.P - resident - staged, staged_params=staged,
-                    upload_grad_params=max(0, staged - kept * lay.n), resident_params=resident,
-                    grad_bytes=wl.grad_bytes, weight_bytes=wl.weight_bytes, weights_on_device=True)
+    return LaneLoad(
+        host_params=lay.P - resident - staged,
+        staged_params=staged,
+        upload_grad_params=max(0, staged - kept * lay.n),
+        resident_params=resident,
+        grad_bytes=wl.grad_bytes,
+        weight_bytes=wl.weight_bytes,
+        weights_on_device=True,
+    )
 
 
 def _gpu_and_pcie(profile: Profile, wl: Workload, lay: _Layout, plan: Plan, notes: list[str]) -> tuple[float, float]:
@@ -393,9 +446,23 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
     T_gpu, T_pcie = _gpu_and_pcie(profile, wl, lay, plan, notes)
 
     devices = group_devices(paths, [w > 0 for w in wt]) if lay.S else []
-    ctx = _StepInputs(paths=paths, devices=devices, knobs=plan.knobs, ranks=wl.ranks, fb=lay.fb, chunks=chunks(lay.n),
-                      d=lay.d, K=lay.K, M=lay.M, u=u, A=A, T_adam=host_params * per_param_host, T_gpu=T_gpu,
-                      T_pcie=T_pcie, crc_bytes_per_s=CRC_BYTES_PER_S_PER_CORE * cores / wl.ranks)
+    ctx = _StepInputs(
+        paths=paths,
+        devices=devices,
+        knobs=plan.knobs,
+        ranks=wl.ranks,
+        fb=lay.fb,
+        chunks=chunks(lay.n),
+        d=lay.d,
+        K=lay.K,
+        M=lay.M,
+        u=u,
+        A=A,
+        T_adam=host_params * per_param_host,
+        T_gpu=T_gpu,
+        T_pcie=T_pcie,
+        crc_bytes_per_s=CRC_BYTES_PER_S_PER_CORE * cores / wl.ranks,
+    )
     fwd = _step(ctx, traffic[0] if traffic else None, forward=True)
     rev = _step(ctx, traffic[1] if traffic else None, forward=False)
     update_s = (fwd.total + rev.total) / 2
@@ -408,15 +475,26 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
     hidden = _hidden_io(fwd, rev, lay, fwd_bwd) if plan.overlap_io else 0.0
     breakdown["io_in_fwd_bwd"] = hidden
     if lay.D:
-        notes.append(f"keeps {gb(lay.D * lay.pay_n)} of state on each GPU through forward and backward too: the GPU "
-                     f"must have it free then, not only during the update")
+        notes.append(
+            f"keeps {gb(lay.D * lay.pay_n)} of state on each GPU through forward and backward too: the GPU "
+            f"must have it free then, not only during the update"
+        )
     if lay.S and lay.K:
         notes.append(f"{lay.K} of {lay.S} swapped subgroups per rank stay in memory across steps (alternating order)")
     return Prediction(
-        plan=plan, update_s=update_s, iteration_s=max(fwd_bwd, fwd_bwd + update_s - hidden), breakdown=breakdown,
-        bytes_per_param=_mean(fwd.bytes_moved, rev.bytes_moved) / lay.P, bottleneck=bottleneck, notes=tuple(notes),
-        memory={"host_per_node": host_node, "gpu_per_rank": gpu_rank if profile.gpu else 0,
-                "storage_per_node": int(sum(storage_node.values()))})
+        plan=plan,
+        update_s=update_s,
+        iteration_s=max(fwd_bwd, fwd_bwd + update_s - hidden),
+        breakdown=breakdown,
+        bytes_per_param=_mean(fwd.bytes_moved, rev.bytes_moved) / lay.P,
+        bottleneck=bottleneck,
+        notes=tuple(notes),
+        memory={
+            "host_per_node": host_node,
+            "gpu_per_rank": gpu_rank if profile.gpu else 0,
+            "storage_per_node": int(sum(storage_node.values())),
+        },
+    )
 
 
 def _hidden_io(fwd: "_StepTime", rev: "_StepTime", lay: _Layout, fwd_bwd: float) -> float:
@@ -547,8 +625,9 @@ def _step(c: _StepInputs, tr: Traffic | None, *, forward: bool) -> _StepTime:
     return _StepTime(max(chains.values()), chains, io.T_io, c.T_adam + crc, io.T_lat, io.per_device, io.parts, io.moved)
 
 
-def _breakdown(fwd: _StepTime, rev: _StepTime, update_s: float, T_gpu: float, T_pcie: float,
-               A: float) -> tuple[dict[str, float], str]:
+def _breakdown(
+    fwd: _StepTime, rev: _StepTime, update_s: float, T_gpu: float, T_pcie: float, A: float
+) -> tuple[dict[str, float], str]:
     """Seconds per resource and chain (mean of the two orders), and the bottleneck: the longest chain."""
     chain_avg = {k: _mean(fwd.chains.get(k, 0.0), rev.chains.get(k, 0.0)) for k in fwd.chains.keys() | rev.chains.keys()}
     which = max(chain_avg, key=chain_avg.get)

@@ -7,6 +7,7 @@ DeepSpeed's) the host memory and the bytes on each storage path they would take 
 of those is over what the node has, and the smallest change in ``plan``'s own options that fits:
 ``--host-memory``, ``--nodes``, or more storage (a path measured with ``offloadctl profile save``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,13 @@ class Need:
     """``host``, a path, ``gpu``, ``no path`` (state swapped with no path to take it), ``no GPU``."""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "host_per_node": self.host, "paths": dict(self.paths), "gpu_per_rank": self.gpu,
-                "fails": list(self.fails)}
+        return {
+            "name": self.name,
+            "host_per_node": self.host,
+            "paths": dict(self.paths),
+            "gpu_per_rank": self.gpu,
+            "fails": list(self.fails),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,19 +82,26 @@ def no_fit(profile: Profile, wl: Workload, paths: Sequence[str] | None, why: str
 
     cands = _candidate_paths(profile, paths)
     budget = host_budget(profile, wl)
-    has = {"host_per_node": budget, "memory_per_node": profile.machine.memory_bytes,
-           "paths": {p.path: p.capacity_bytes for p in cands},
-           "gpu_per_rank": gpu_headroom(profile, wl) if profile.gpu is not None else 0}
+    has = {
+        "host_per_node": budget,
+        "memory_per_node": profile.machine.memory_bytes,
+        "paths": {p.path: p.capacity_bytes for p in cands},
+        "gpu_per_rank": gpu_headroom(profile, wl) if profile.gpu is not None else 0,
+    }
     n = min(wl.subgroup_numel, wl.params_per_rank)
     fb = payload_bytes(n) + HEADER_BYTES
     weights = {p.path: default_weight(p) for p in cands}
     ours = []
     if cands:
         d = Knobs().prefetch_depth
-        ours.append(Plan(host_cache_bytes=max(0, budget // wl.ranks - staging_buffers(d) * fb),
-                         knobs=Knobs(stripe_weights=weights), name="engine defaults"))
-        ours.append(Plan(host_cache_bytes=0, knobs=Knobs(prefetch_depth=0, stripe_weights=weights),
-                         name="all state on storage"))
+        ours.append(
+            Plan(
+                host_cache_bytes=max(0, budget // wl.ranks - staging_buffers(d) * fb),
+                knobs=Knobs(stripe_weights=weights),
+                name="engine defaults",
+            )
+        )
+        ours.append(Plan(host_cache_bytes=0, knobs=Knobs(prefetch_depth=0, stripe_weights=weights), name="all state on storage"))
     ours.append(Plan(host_cache_bytes=None, knobs=Knobs(prefetch_depth=0), name="all state in host memory"))
     needs = [_check(has, plan.name, plan_needs(profile, wl, plan)) for plan in ours]
     for kind in STOCK_KINDS:
@@ -99,9 +112,18 @@ def no_fit(profile: Profile, wl: Workload, paths: Sequence[str] | None, why: str
         m = pr.memory
         path = next(iter(pr.plan.knobs.stripe_weights), None)  # ZeRO-Infinity's one nvme_path
         stored = {path: int(m["storage_per_node"])} if m.get("storage_per_node") and path else {}
-        needs.append(_check(has, pr.plan.name, {"host_per_node": m.get("host_per_node", 0), "paths": stored,
-                                                 "gpu_per_rank": m.get("gpu_per_rank", 0),
-                                                 "nowhere": 0 if profile.paths else 1}))
+        needs.append(
+            _check(
+                has,
+                pr.plan.name,
+                {
+                    "host_per_node": m.get("host_per_node", 0),
+                    "paths": stored,
+                    "gpu_per_rank": m.get("gpu_per_rank", 0),
+                    "nowhere": 0 if profile.paths else 1,
+                },
+            )
+        )
     return NoFit(has=has, needs=needs, fixes=_fixes(profile, wl, paths, has, needs), why=why)
 
 
@@ -139,16 +161,20 @@ def _fixes(profile: Profile, wl: Workload, paths: Sequence[str] | None, has: dic
     with_host = lambda b: _fits(profile, dataclasses.replace(wl, host_bytes=b), paths)  # noqa: E731
     if memory > has["host_per_node"] and with_host(memory):
         b = _smallest(with_host, has["host_per_node"], memory)
-        fixes.append({"option": "--host-memory", "value": b, "text": f"--host-memory {size_at_least(b)} (of the "
-                      f"node's {format_size(memory)})"})
+        fixes.append(
+            {
+                "option": "--host-memory",
+                "value": b,
+                "text": f"--host-memory {size_at_least(b)} (of the node's {format_size(memory)})",
+            }
+        )
     with_nodes = lambda k: _fits(profile, dataclasses.replace(wl, nodes=k), paths)  # noqa: E731
     hi = max(2, wl.nodes * 2)
     while hi < MAX_NODES and not with_nodes(hi):
         hi *= 2
     if with_nodes(hi):
         k = _smallest(with_nodes, wl.nodes, hi, exact=True)
-        fixes.append({"option": "--nodes", "value": k,
-                      "text": f"--nodes {k} (the model over {k} nodes like this one)"})
+        fixes.append({"option": "--nodes", "value": k, "text": f"--nodes {k} (the model over {k} nodes like this one)"})
     capacity = sum(has["paths"].values())
     if has["paths"] and any(f in has["paths"] for f in needs[0].fails):
         more = sum(needs[0].paths.values()) - capacity  # the engine's defaults: the rest of the budget on storage
@@ -157,7 +183,12 @@ def _fixes(profile: Profile, wl: Workload, paths: Sequence[str] | None, has: dic
     else:
         more = 0
     if more > 0:
-        fixes.append({"option": "storage", "value": int(more),
-                      "text": f"{size_at_least(more)} more storage per node: a path measured into the profile "
-                              f"with `offloadctl profile save NAME --nvme PATH`"})
+        fixes.append(
+            {
+                "option": "storage",
+                "value": int(more),
+                "text": f"{size_at_least(more)} more storage per node: a path measured into the profile "
+                f"with `offloadctl profile save NAME --nvme PATH`",
+            }
+        )
     return fixes

@@ -1,4 +1,5 @@
 """NVIDIA GPUs through NVML (pynvml): one way to open it, for the profiler and the tuner's sensors."""
+
 from __future__ import annotations
 
 

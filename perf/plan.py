@@ -4,6 +4,7 @@
 :func:`plan_for_rank` once it knows its partition, so the plan is for the real model size. The
 knobs the user set on the command line win over the plan's.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,12 +25,17 @@ class RankPlan:
     """One line for the run log."""
 
 
-LOCAL_SIZE_VARS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                   "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+LOCAL_SIZE_VARS = (
+    "LOCAL_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+)
 """Where launchers put the ranks on this node: DeepSpeed's own, torchrun, Open MPI, MPICH and
 Intel MPI, MVAPICH2, Slurm (DeepSpeed's --launcher options start ranks through each)."""
-LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
-                   "SLURM_LOCALID")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
 RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -73,10 +79,20 @@ def node_layout(world_size: int) -> tuple[int, int]:
     return local, max(1, world_size // local)
 
 
-def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subgroup_numel: int,
-                  paths: tuple[StoragePath, ...], weight_bytes: int, host_cache_bytes: int | None,
-                  pins: dict, gpu_headroom_bytes: int | None = None,
-                  device_cache_bytes: int | None = None, device_fraction: float | None = None) -> RankPlan:
+def plan_for_rank(
+    profile_path: str,
+    *,
+    params_total: int,
+    world_size: int,
+    subgroup_numel: int,
+    paths: tuple[StoragePath, ...],
+    weight_bytes: int,
+    host_cache_bytes: int | None,
+    pins: dict,
+    gpu_headroom_bytes: int | None = None,
+    device_cache_bytes: int | None = None,
+    device_fraction: float | None = None,
+) -> RankPlan:
     """The model's best plan for this run, with ``host_cache_bytes`` (when not None) and
     ``pins`` (knob name -> value the user's options fixed) taking precedence.
 
@@ -91,14 +107,22 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
 
     profile = load_profile(profile_path)
     ranks, nodes = node_layout(world_size)
-    workload = Workload(params=max(1, params_total), ranks=ranks, nodes=nodes, subgroup_numel=max(1, subgroup_numel),
-                        weight_bytes=weight_bytes if weight_bytes in (2, 4) else 4,
-                        grad_bytes=weight_bytes if weight_bytes in (2, 4) else 4, gpu_headroom_bytes=gpu_headroom_bytes)
+    workload = Workload(
+        params=max(1, params_total),
+        ranks=ranks,
+        nodes=nodes,
+        subgroup_numel=max(1, subgroup_numel),
+        weight_bytes=weight_bytes if weight_bytes in (2, 4) else 4,
+        grad_bytes=weight_bytes if weight_bytes in (2, 4) else 4,
+        gpu_headroom_bytes=gpu_headroom_bytes,
+    )
     names = [p.path for p in paths]
     for p in names:
         if profile.path(p) is None:
-            raise ConfigError(f"storage path {p} is not in profile {profile.name!r} ({profile_path}): measure it with "
-                              f"`offloadctl profile save NAME --nvme {p}`, or run without --profile")
+            raise ConfigError(
+                f"storage path {p} is not in profile {profile.name!r} ({profile_path}): measure it with "
+                f"`offloadctl profile save NAME --nvme {p}`, or run without --profile"
+            )
     best = best_plan(profile, workload, paths=names)
     plan = best.plan
     if device_cache_bytes is not None:
@@ -115,16 +139,23 @@ def plan_for_rank(profile_path: str, *, params_total: int, world_size: int, subg
     if pins:
         plan = plan.with_knobs(**pins)
     pred = best if plan == best.plan else predict(profile, workload, plan)
-    declared = tuple(replace(sp, read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
-                             write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value)
-                     for sp in paths)
+    declared = tuple(
+        replace(
+            sp,
+            read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
+            write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value,
+        )
+        for sp in paths
+    )
     # Without storage paths everything stays in host memory, whatever the plan says; with paths,
     # the plan's None is all of it in memory (EngineConfig's None, not a user's).
     host = plan.host_cache_bytes if paths else None
-    summary = (f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
-               f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, "
-               f"device cache {plan.device_cache_bytes / 1e9:.3g} GB, device fraction {plan.knobs.device_fraction:g}, "
-               f"prefetch {plan.knobs.prefetch_depth}, concurrency {dict(plan.knobs.io_concurrency) or 'default'}")
+    summary = (
+        f"profile {profile.name}: predicted update {pred.update_s:.3g} s, bottleneck {pred.bottleneck}; "
+        f"host cache {'all' if host is None else f'{host / 1e9:.3g} GB'}, "
+        f"device cache {plan.device_cache_bytes / 1e9:.3g} GB, device fraction {plan.knobs.device_fraction:g}, "
+        f"prefetch {plan.knobs.prefetch_depth}, concurrency {dict(plan.knobs.io_concurrency) or 'default'}"
+    )
     return RankPlan(host, plan.knobs, declared, pred.update_s, summary)
 
 

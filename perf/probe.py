@@ -12,6 +12,7 @@ reports progress through a callback ``progress(what, done, total)`` or a ``rich`
 - CUDA (when present): pinned H2D and D2H alone and at once, fused AdamW on the GPU, memory.
 - identity: CPU model, cores, memory, NUMA nodes, GPUs (pynvml), the device behind each path.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,10 +64,24 @@ class ProbeSizes:
     gpu_adamw_numel: int
 
 
-FULL = ProbeSizes(io_bytes=8 << 30, io_seconds=3.0, memcpy_bytes=1 << 30, adamw_numel=1 << 24, reps=7,
-                  gpu_bytes=1 << 30, gpu_adamw_numel=1 << 26)
-QUICK = ProbeSizes(io_bytes=1 << 30, io_seconds=0.5, memcpy_bytes=256 << 20, adamw_numel=1 << 24, reps=5,
-                   gpu_bytes=256 << 20, gpu_adamw_numel=1 << 24)
+FULL = ProbeSizes(
+    io_bytes=8 << 30,
+    io_seconds=3.0,
+    memcpy_bytes=1 << 30,
+    adamw_numel=1 << 24,
+    reps=7,
+    gpu_bytes=1 << 30,
+    gpu_adamw_numel=1 << 26,
+)
+QUICK = ProbeSizes(
+    io_bytes=1 << 30,
+    io_seconds=0.5,
+    memcpy_bytes=256 << 20,
+    adamw_numel=1 << 24,
+    reps=5,
+    gpu_bytes=256 << 20,
+    gpu_adamw_numel=1 << 24,
+)
 
 
 def now_iso() -> str:
@@ -104,6 +119,7 @@ def as_progress(progress: "ProgressFn | object | None") -> ProgressFn:
 
 # -- identity -------------------------------------------------------------------------------------
 
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -118,8 +134,7 @@ def cpu_model() -> str:
 
 def numa_nodes() -> int:
     try:
-        return max(1, sum(1 for e in os.listdir("/sys/devices/system/node")
-                          if e.startswith("node") and e[4:].isdigit()))
+        return max(1, sum(1 for e in os.listdir("/sys/devices/system/node") if e.startswith("node") and e[4:].isdigit()))
     except OSError:
         return 1
 
@@ -157,6 +172,7 @@ def probe_machine() -> Machine:
 
 # -- storage paths --------------------------------------------------------------------------------
 
+
 class _Cursor:
     """Next request offset of one stream of sequential requests, wrapping at the file's end."""
 
@@ -192,8 +208,7 @@ class _Stream:
                 return
 
 
-def _run_streams(pool: ThreadPoolExecutor, backend, fd: int, filename: str, streams: list[_Stream],
-                 seconds: float) -> float:
+def _run_streams(pool: ThreadPoolExecutor, backend, fd: int, filename: str, streams: list[_Stream], seconds: float) -> float:
     """Run ``streams`` at once for ``seconds``; the elapsed time until the last request is done."""
     stop = threading.Event()
     t0 = time.perf_counter()
@@ -212,17 +227,26 @@ def _group_key(path: str) -> str:
     return info.name if info.is_block else info.device_id
 
 
-def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_bytes: int = FULL.io_bytes,
-                 io_seconds: float = FULL.io_seconds, concurrencies: Sequence[int] = SWEEP_CONCURRENCY,
-                 block_sizes: Sequence[int] = SWEEP_BLOCKS, backend: str = "auto",
-                 progress: "ProgressFn | object | None" = None) -> PathProfile:
+def measure_path(
+    path: str,
+    kind: Literal["nvme", "remote"] = "nvme",
+    *,
+    io_bytes: int = FULL.io_bytes,
+    io_seconds: float = FULL.io_seconds,
+    concurrencies: Sequence[int] = SWEEP_CONCURRENCY,
+    block_sizes: Sequence[int] = SWEEP_BLOCKS,
+    backend: str = "auto",
+    progress: "ProgressFn | object | None" = None,
+) -> PathProfile:
     """Sweep O_DIRECT reads, writes and mixed traffic on ``path`` over ``concurrencies`` x
     ``block_sizes``; each point runs ``io_seconds`` over a data file of ``io_bytes`` (at most an
     eighth of the free space). Usable alone, e.g. by benchmarks."""
     report = as_progress(progress)
     if not concurrencies or not block_sizes or any(not (isinstance(c, int) and c >= 1) for c in concurrencies):
-        raise ConfigError(f"measure_path needs concurrencies of 1 or more and at least one block size, got "
-                          f"{list(concurrencies)} and {list(block_sizes)}")
+        raise ConfigError(
+            f"measure_path needs concurrencies of 1 or more and at least one block size, got "
+            f"{list(concurrencies)} and {list(block_sizes)}"
+        )
     for b in block_sizes:
         if b <= 0 or b % ALIGN_BYTES:
             raise ConfigError(f"block size {b} must be a positive multiple of {ALIGN_BYTES} (O_DIRECT)")
@@ -233,12 +257,16 @@ def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_byte
     free = fs.f_bavail * fs.f_frsize
     unit = 2 * max(block_sizes)  # mixed traffic starts its reads and writes half a file apart
     if io_bytes < unit:
-        raise ConfigError(f"the probe file ({io_bytes} bytes) must hold at least two of the largest requests "
-                          f"({_size(max(block_sizes))}): give at least {_size(unit)}")
+        raise ConfigError(
+            f"the probe file ({io_bytes} bytes) must hold at least two of the largest requests "
+            f"({_size(max(block_sizes))}): give at least {_size(unit)}"
+        )
     size = min(io_bytes, free // 8) // unit * unit
     if size < unit:
-        raise StoragePathError(f"storage path {path} has {free} bytes free, too little to measure it with "
-                               f"{_size(max(block_sizes))} requests (an eighth of the free space is used): free space there")
+        raise StoragePathError(
+            f"storage path {path} has {free} bytes free, too little to measure it with "
+            f"{_size(max(block_sizes))} requests (an eighth of the free space is used): free space there"
+        )
     io = open_backend(backend)
     what = f"I/O sweep {path}"
     steps = 1 + 3 * len(block_sizes) * len(concurrencies)
@@ -269,24 +297,34 @@ def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_byte
                 for op in ("write", "read", "mixed"):
                     b = bufs[block]
                     if op == "mixed":
-                        r, w = _Stream("read", rc, b[:c]), _Stream("write", wc, b[c:2 * c])
+                        r, w = _Stream("read", rc, b[:c]), _Stream("write", wc, b[c : 2 * c])
                         streams = [r, w]
                     else:
                         streams = [_Stream(op, rc if op == "read" else wc, b[:c])]
                     elapsed = _run_streams(pool, io, fd, filename, streams, io_seconds)
                     moved = sum(s.bytes for s in streams)
-                    how = (f"O_DIRECT {'reads and writes at once' if op == 'mixed' else op + 's'} ({backend_name} backend), "
-                           f"{_size(block)} requests, {c} in flight{' each' if op == 'mixed' else ''}, "
-                           f"{_size(moved)} in {elapsed:.2f} s over a {_size(size)} file")
+                    how = (
+                        f"O_DIRECT {'reads and writes at once' if op == 'mixed' else op + 's'} ({backend_name} backend), "
+                        f"{_size(block)} requests, {c} in flight{' each' if op == 'mixed' else ''}, "
+                        f"{_size(moved)} in {elapsed:.2f} s over a {_size(size)} file"
+                    )
                     if op == "mixed":
                         how += f" (read {streams[0].bytes / elapsed:.3g} B/s + write {streams[1].bytes / elapsed:.3g} B/s)"
-                    sweep.append(SweepPoint(op=op, concurrency=c, block_bytes=block,
-                                            bytes_per_s=Figure(value=_sig(moved / elapsed), how=how, when=now_iso())))
+                    sweep.append(
+                        SweepPoint(
+                            op=op,
+                            concurrency=c,
+                            block_bytes=block,
+                            bytes_per_s=Figure(value=_sig(moved / elapsed), how=how, when=now_iso()),
+                        )
+                    )
                     done += 1
                     report(what, done, steps)
     except OSError as e:
-        raise StoragePathError(f"measuring storage path {path} failed ({e.strerror or e}) with a {size} byte probe "
-                               f"file: free space there, or check the device behind it (dmesg)") from None
+        raise StoragePathError(
+            f"measuring storage path {path} failed ({e.strerror or e}) with a {size} byte probe "
+            f"file: free space there, or check the device behind it (dmesg)"
+        ) from None
     finally:
         pool.shutdown(wait=True)
         if fd is not None:
@@ -298,10 +336,18 @@ def measure_path(path: str, kind: Literal["nvme", "remote"] = "nvme", *, io_byte
         s = best[op]
         return replace(s.bytes_per_s, how=f"best point of the sweep: {s.bytes_per_s.how}")
 
-    return PathProfile(path=path, kind=kind, device=info.name, device_id=info.device_id, capacity_bytes=free,
-                       read_bytes_per_s=summary("read"), write_bytes_per_s=summary("write"),
-                       mixed_bytes_per_s=summary("mixed"), best_concurrency=best_concurrency(sweep),
-                       sweep=tuple(sweep))
+    return PathProfile(
+        path=path,
+        kind=kind,
+        device=info.name,
+        device_id=info.device_id,
+        capacity_bytes=free,
+        read_bytes_per_s=summary("read"),
+        write_bytes_per_s=summary("write"),
+        mixed_bytes_per_s=summary("mixed"),
+        best_concurrency=best_concurrency(sweep),
+        sweep=tuple(sweep),
+    )
 
 
 def best_concurrency(sweep: Iterable[SweepPoint], block_bytes: int | None = None) -> int:
@@ -335,11 +381,18 @@ def measure_paths(paths: Sequence[tuple[str, Literal["nvme", "remote"]]], *, pro
             info = device_of(p)
             fs = os.statvfs(p)
             note = f"same device as {first.path} ({first.device}), measured there once: "
-            out.append(replace(
-                first, path=os.path.abspath(p), kind=kind, device_id=info.device_id, capacity_bytes=fs.f_bavail * fs.f_frsize,
-                read_bytes_per_s=replace(first.read_bytes_per_s, how=note + first.read_bytes_per_s.how),
-                write_bytes_per_s=replace(first.write_bytes_per_s, how=note + first.write_bytes_per_s.how),
-                mixed_bytes_per_s=replace(first.mixed_bytes_per_s, how=note + first.mixed_bytes_per_s.how)))
+            out.append(
+                replace(
+                    first,
+                    path=os.path.abspath(p),
+                    kind=kind,
+                    device_id=info.device_id,
+                    capacity_bytes=fs.f_bavail * fs.f_frsize,
+                    read_bytes_per_s=replace(first.read_bytes_per_s, how=note + first.read_bytes_per_s.how),
+                    write_bytes_per_s=replace(first.write_bytes_per_s, how=note + first.write_bytes_per_s.how),
+                    mixed_bytes_per_s=replace(first.mixed_bytes_per_s, how=note + first.mixed_bytes_per_s.how),
+                )
+            )
             continue
         done[key] = measure_path(p, kind, progress=progress, **kw)
         out.append(done[key])
@@ -348,8 +401,10 @@ def measure_paths(paths: Sequence[tuple[str, Literal["nvme", "remote"]]], *, pro
 
 # -- host -----------------------------------------------------------------------------------------
 
-def measure_memory_bandwidth(nbytes: int = FULL.memcpy_bytes, reps: int = FULL.reps, *,
-                             progress: "ProgressFn | object | None" = None) -> Figure:
+
+def measure_memory_bandwidth(
+    nbytes: int = FULL.memcpy_bytes, reps: int = FULL.reps, *, progress: "ProgressFn | object | None" = None
+) -> Figure:
     """Host memory copy bandwidth (bytes copied per second) of a large torch copy."""
     report = as_progress(progress)
     what = "host memory bandwidth"
@@ -364,14 +419,18 @@ def measure_memory_bandwidth(nbytes: int = FULL.memcpy_bytes, reps: int = FULL.r
         times.append(time.perf_counter() - t0)
     report(what, reps, reps)
     value = _sig(nbytes / statistics.median(times))
-    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= (os.cpu_count() or 1) \
-            and torch.get_num_threads() >= (os.cpu_count() or 1):
+    if (
+        hasattr(os, "sched_getaffinity")
+        and len(os.sched_getaffinity(0)) >= (os.cpu_count() or 1)
+        and torch.get_num_threads() >= (os.cpu_count() or 1)
+    ):
         # Every core copied: the node's figure, kept for the runs' lane balance (read plus written).
         from engine.host_kernel import keep_node_memory_bandwidth
 
         keep_node_memory_bandwidth(2 * value)
-    return Figure(value=value, when=now_iso(),
-                  how=f"torch copy_ of {_size(nbytes)}, {torch.get_num_threads()} threads, median of {reps}")
+    return Figure(
+        value=value, when=now_iso(), how=f"torch copy_ of {_size(nbytes)}, {torch.get_num_threads()} threads, median of {reps}"
+    )
 
 
 def thread_counts(max_threads: int) -> list[int]:
@@ -390,8 +449,13 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_cpu_adamw(threads: Sequence[int] | None = None, numel: int = FULL.adamw_numel, reps: int = FULL.reps, *,
-                      progress: "ProgressFn | object | None" = None) -> tuple[AdamWRate, ...]:
+def measure_cpu_adamw(
+    threads: Sequence[int] | None = None,
+    numel: int = FULL.adamw_numel,
+    reps: int = FULL.reps,
+    *,
+    progress: "ProgressFn | object | None" = None,
+) -> tuple[AdamWRate, ...]:
     """Fused CPU AdamW params/s at each thread count (default: powers of two up to the cores
     this process may use), the faster of the engine's kernels at each. Restores the thread count."""
     report = as_progress(progress)
@@ -406,18 +470,26 @@ def measure_cpu_adamw(threads: Sequence[int] | None = None, numel: int = FULL.ad
             rates = measure_host_kernels(numel, reps)
             best = max(rates, key=rates.get)
             kernels = ", ".join(f"{k} {v:.3g}" for k, v in rates.items())
-            out.append(AdamWRate(threads=t, params_per_s=Figure(
-                value=_sig(rates[best]), when=now_iso(),
-                how=f"fused AdamW on {numel} fp32 params, {t} thread{'s' if t > 1 else ''}, median of {reps}; "
-                    f"best kernel: {best} ({kernels})")))
+            out.append(
+                AdamWRate(
+                    threads=t,
+                    params_per_s=Figure(
+                        value=_sig(rates[best]),
+                        when=now_iso(),
+                        how=f"fused AdamW on {numel} fp32 params, {t} thread{'s' if t > 1 else ''}, median of {reps}; "
+                        f"best kernel: {best} ({kernels})",
+                    ),
+                )
+            )
     finally:
         torch.set_num_threads(before)
     report(what, len(threads), len(threads))
     return tuple(out)
 
 
-def measure_host_lane(numel: int = FULL.adamw_numel, reps: int = FULL.reps, *,
-                      progress: "ProgressFn | object | None" = None) -> Figure:
+def measure_host_lane(
+    numel: int = FULL.adamw_numel, reps: int = FULL.reps, *, progress: "ProgressFn | object | None" = None
+) -> Figure:
     """The engine's host lane as a ZeRO-3 step runs it, all threads, with the kernel the engine
     takes (:func:`engine.host_kernel.time_host_lane`: bf16 gradients unscaled, fused AdamW, bf16
     weights uploaded to the GPU asynchronously, or in host memory without one). Median of ``reps``."""
@@ -433,15 +505,24 @@ def measure_host_lane(numel: int = FULL.adamw_numel, reps: int = FULL.reps, *,
     report(what, 1, 1)
     where = "uploaded to the GPU" if dev.type == "cuda" else "in host memory"
     part = max(1, numel // LANE_SUBGROUPS)
-    return Figure(value=_sig(rate), when=now_iso(),
-                  how=f"engine host lane ({name} kernel, {torch.get_num_threads()} threads) on {LANE_SUBGROUPS} x {part} params: "
-                      f"bf16 gradient upcast and unscaled, fused AdamW, bf16 weights {where}; median of {reps}")
+    return Figure(
+        value=_sig(rate),
+        when=now_iso(),
+        how=f"engine host lane ({name} kernel, {torch.get_num_threads()} threads) on {LANE_SUBGROUPS} x {part} params: "
+        f"bf16 gradient upcast and unscaled, fused AdamW, bf16 weights {where}; median of {reps}",
+    )
 
 
 # -- CUDA -----------------------------------------------------------------------------------------
 
-def measure_gpu(nbytes: int = FULL.gpu_bytes, adamw_numel: int = FULL.gpu_adamw_numel, reps: int = FULL.reps, *,
-                progress: "ProgressFn | object | None" = None) -> Gpu | None:
+
+def measure_gpu(
+    nbytes: int = FULL.gpu_bytes,
+    adamw_numel: int = FULL.gpu_adamw_numel,
+    reps: int = FULL.reps,
+    *,
+    progress: "ProgressFn | object | None" = None,
+) -> Gpu | None:
     """Pinned H2D and D2H bandwidth, alone and at once (two streams), and fused AdamW on the
     current CUDA device; None without CUDA."""
     if not torch.cuda.is_available():
@@ -499,21 +580,40 @@ def measure_gpu(nbytes: int = FULL.gpu_bytes, adamw_numel: int = FULL.gpu_adamw_
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    adamw = Figure(value=_sig(adamw_numel / statistics.median(times)), when=now_iso(),
-                   how=f"torch._fused_adamw_ on {adamw_numel} fp32 params resident on the GPU, median of {reps}")
+    adamw = Figure(
+        value=_sig(adamw_numel / statistics.median(times)),
+        when=now_iso(),
+        how=f"torch._fused_adamw_ on {adamw_numel} fp32 params resident on the GPU, median of {reps}",
+    )
     del t, s
     torch.cuda.empty_cache()
     report(what, 4, 4)
     props = torch.cuda.get_device_properties(dev)
-    return Gpu(model=props.name, memory_bytes=int(props.total_memory), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-               duplex_h2d_bytes_per_s=duplex_h2d, duplex_d2h_bytes_per_s=duplex_d2h, adamw_params_per_s=adamw)
+    return Gpu(
+        model=props.name,
+        memory_bytes=int(props.total_memory),
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        duplex_h2d_bytes_per_s=duplex_h2d,
+        duplex_d2h_bytes_per_s=duplex_d2h,
+        adamw_params_per_s=adamw,
+    )
 
 
 # -- all of it ------------------------------------------------------------------------------------
 
-def measure_profile(name: str, *, nvme: Sequence[str] = (), remote: Sequence[str] = (), quick: bool = False,
-                    sizes: ProbeSizes | None = None, backend: str = "auto", tool: str = "",
-                    progress: "ProgressFn | object | None" = None) -> Profile:
+
+def measure_profile(
+    name: str,
+    *,
+    nvme: Sequence[str] = (),
+    remote: Sequence[str] = (),
+    quick: bool = False,
+    sizes: ProbeSizes | None = None,
+    backend: str = "auto",
+    tool: str = "",
+    progress: "ProgressFn | object | None" = None,
+) -> Profile:
     """Measure everything into a profile named ``name`` (``source.kind = "measured"``)."""
     sizes = sizes or (QUICK if quick else FULL)
     paths = [(p, "nvme") for p in nvme] + [(p, "remote") for p in remote]
@@ -524,13 +624,21 @@ def measure_profile(name: str, *, nvme: Sequence[str] = (), remote: Sequence[str
             raise ConfigError(f"storage path {ap} is given twice; give each directory once")
         seen.add(ap)
     machine = probe_machine()
-    path_profiles = measure_paths(paths, io_bytes=sizes.io_bytes, io_seconds=sizes.io_seconds, backend=backend,
-                                  progress=progress)
-    host = Host(memory_bandwidth=measure_memory_bandwidth(sizes.memcpy_bytes, sizes.reps, progress=progress),
-                adamw=measure_cpu_adamw(numel=sizes.adamw_numel, reps=sizes.reps, progress=progress),
-                host_lane_params_per_s=measure_host_lane(sizes.adamw_numel, sizes.reps, progress=progress))
+    path_profiles = measure_paths(paths, io_bytes=sizes.io_bytes, io_seconds=sizes.io_seconds, backend=backend, progress=progress)
+    host = Host(
+        memory_bandwidth=measure_memory_bandwidth(sizes.memcpy_bytes, sizes.reps, progress=progress),
+        adamw=measure_cpu_adamw(numel=sizes.adamw_numel, reps=sizes.reps, progress=progress),
+        host_lane_params_per_s=measure_host_lane(sizes.adamw_numel, sizes.reps, progress=progress),
+    )
     gpu = measure_gpu(sizes.gpu_bytes, sizes.gpu_adamw_numel, sizes.reps, progress=progress)
     mode = "--quick" if quick else "full"
-    return Profile(schema_version=SCHEMA_VERSION, name=name,
-                   source=Source(kind="measured", description=f"measured on {machine.hostname} ({mode} run)", tool=tool),
-                   machine=machine, host=host, paths=path_profiles, gpu=gpu, created=now_iso())
+    return Profile(
+        schema_version=SCHEMA_VERSION,
+        name=name,
+        source=Source(kind="measured", description=f"measured on {machine.hostname} ({mode} run)", tool=tool),
+        machine=machine,
+        host=host,
+        paths=path_profiles,
+        gpu=gpu,
+        created=now_iso(),
+    )

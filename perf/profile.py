@@ -7,6 +7,7 @@ per second, sizes are bytes.
 
 Bump :data:`SCHEMA_VERSION` on any incompatible change; readers refuse other versions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,6 +10,7 @@ keys, so :func:`perf.toml_lines.key_lines` finds them in the source text.
 Files are written with tomli-w formatting every value; figures are inline tables
 (``{ value = ..., how = "...", when = "..." }``) so that a profile reads as one line per figure.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 # -- where profiles live -------------------------------------------------------------------------
 
+
 def profile_dir() -> str:
     """``$OFFLOADCTL_PROFILE_DIR``, else ``$XDG_CONFIG_HOME/offloadctl/profiles`` (default
     ``~/.config/offloadctl/profiles``). Not created here."""
@@ -56,8 +58,10 @@ def profile_dir() -> str:
 def check_name(name: str) -> str:
     """``name`` if it can be a profile's file name, else a :class:`ConfigError`."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or name.endswith(SUFFIX):
-        raise ConfigError(f"profile name {name!r} is not usable as a file name: use letters, digits, '.', '_' and '-' "
-                          f"(no '/', no {SUFFIX} suffix), e.g. 'h100-node'")
+        raise ConfigError(
+            f"profile name {name!r} is not usable as a file name: use letters, digits, '.', '_' and '-' "
+            f"(no '/', no {SUFFIX} suffix), e.g. 'h100-node'"
+        )
     return name
 
 
@@ -71,7 +75,7 @@ def list_profiles(directory: str | None = None) -> list[str]:
         entries = os.listdir(directory or profile_dir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(e[:-len(SUFFIX)] for e in entries if e.endswith(SUFFIX) and not e.startswith("."))
+    return sorted(e[: -len(SUFFIX)] for e in entries if e.endswith(SUFFIX) and not e.startswith("."))
 
 
 def file_kind(path: str) -> str:
@@ -79,8 +83,13 @@ def file_kind(path: str) -> str:
     import stat
 
     mode = os.stat(path).st_mode
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"
@@ -94,19 +103,23 @@ def resolve_profile(name_or_path: str) -> str:
     if os.path.exists(s):  # a directory, a FIFO, a device: not a file to read a profile from
         raise ConfigError(f"profile {s} is {file_kind(s)}, not a profile file: give a profile's .toml file or its name")
     if os.sep in s or s.endswith(SUFFIX):
-        raise ConfigError(f"profile file {s} does not exist: check the path, or give a profile name from "
-                          f"`offloadctl profile list`")
+        raise ConfigError(
+            f"profile file {s} does not exist: check the path, or give a profile name from `offloadctl profile list`"
+        )
     d = profile_dir()
     candidate = os.path.join(d, s + SUFFIX)
     if _NAME_RE.match(s) and os.path.isfile(candidate):
         return candidate
     names = list_profiles(d)
     have = f"available: {', '.join(names)}" if names else "there are none yet"
-    raise ConfigError(f"no profile named {s!r} in {d} ({have}): measure one with `offloadctl profile save {s}`, "
-                      f"or give the path of a profile file")
+    raise ConfigError(
+        f"no profile named {s!r} in {d} ({have}): measure one with `offloadctl profile save {s}`, "
+        f"or give the path of a profile file"
+    )
 
 
 # -- reading -------------------------------------------------------------------------------------
+
 
 def load_profile(name_or_path: str) -> Profile:
     """Read and strictly check a profile given by file path or by name."""
@@ -130,11 +143,15 @@ def loads_profile(text: str | bytes, *, file: str = "<profile>") -> Profile:
         data = tomllib.loads(text)
         return profile_from_dict(data, key_lines(text), file=file)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"profile {file} is not valid TOML: {e}; fix the syntax there, or re-create the profile "
-                          f"with `offloadctl profile save`") from None
+        raise ConfigError(
+            f"profile {file} is not valid TOML: {e}; fix the syntax there, or re-create the profile "
+            f"with `offloadctl profile save`"
+        ) from None
     except RecursionError:  # arrays or tables nested thousands deep: no profile looks like that
-        raise ConfigError(f"profile {file} nests arrays or tables too deeply to read: it is not a profile; re-create "
-                          f"it with `offloadctl profile save`") from None
+        raise ConfigError(
+            f"profile {file} nests arrays or tables too deeply to read: it is not a profile; re-create "
+            f"it with `offloadctl profile save`"
+        ) from None
 
 
 class _SchemaError(Exception):
@@ -165,15 +182,23 @@ def profile_from_dict(d: Mapping[str, Any], lines: Mapping[str, int] | None = No
 
 def _check_version(d: Mapping[str, Any]) -> None:
     if "schema_version" not in d:
-        raise _SchemaError("schema_version", "is missing", f"add `schema_version = {SCHEMA_VERSION}` at the top "
-                           f"(the schema this offloadctl reads)", at_parent=True)
+        raise _SchemaError(
+            "schema_version",
+            "is missing",
+            f"add `schema_version = {SCHEMA_VERSION}` at the top (the schema this offloadctl reads)",
+            at_parent=True,
+        )
     v = d["schema_version"]
     if type(v) is not int:
-        raise _SchemaError("schema_version", f"must be an integer, got {_kind(v)} {v!r}",
-                           f"write `schema_version = {SCHEMA_VERSION}`")
+        raise _SchemaError(
+            "schema_version", f"must be an integer, got {_kind(v)} {v!r}", f"write `schema_version = {SCHEMA_VERSION}`"
+        )
     if v != SCHEMA_VERSION:
-        raise _SchemaError("schema_version", f"is {v}, but this offloadctl reads schema version {SCHEMA_VERSION} only",
-                           "re-measure with `offloadctl profile save`, or use the offloadctl version that wrote it")
+        raise _SchemaError(
+            "schema_version",
+            f"is {v}, but this offloadctl reads schema version {SCHEMA_VERSION} only",
+            "re-measure with `offloadctl profile save`, or use the offloadctl version that wrote it",
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,8 +229,11 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
         out = _convert_dataclass(v, tp, key)
         if tp is Figure and out.value <= 0 and re.search(r"(_per_s|bandwidth)$", key):
             # A rate of 0 is no measurement: the plan divides by it (what show accepts, plan uses).
-            raise _SchemaError(f"{key}.value", f"is a rate and must be above 0, got {out.value!r}",
-                               "write the measured rate, or measure again with `offloadctl profile save`")
+            raise _SchemaError(
+                f"{key}.value",
+                f"is a rate and must be above 0, got {out.value!r}",
+                "write the measured rate, or measure again with `offloadctl profile save`",
+            )
         return out
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -231,8 +259,9 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
         return v
     if tp is int:
         if type(v) is not int:
-            raise _SchemaError(key, f"must be an integer, got {_kind(v)} {v!r}",
-                               "write a whole number without quotes or a decimal point")
+            raise _SchemaError(
+                key, f"must be an integer, got {_kind(v)} {v!r}", "write a whole number without quotes or a decimal point"
+            )
         if v < 0:
             raise _SchemaError(key, f"must not be negative, got {v}", "write a count or size of 0 or more")
         return v
@@ -240,8 +269,9 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
         if type(v) not in (int, float):  # an integer is a fine float; a boolean is not a number
             raise _SchemaError(key, f"must be a number, got {_kind(v)} {v!r}", "write a number without quotes, e.g. 1.5e9")
         if not math.isfinite(v) or v < 0:
-            raise _SchemaError(key, f"must be a finite number of 0 or more, got {v!r}",
-                               "write a measured or declared value, e.g. 1.5e9")
+            raise _SchemaError(
+                key, f"must be a finite number of 0 or more, got {v!r}", "write a measured or declared value, e.g. 1.5e9"
+            )
         return float(v)
     if tp is str:
         if type(v) is not str:
@@ -252,8 +282,9 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
 
 def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     if not isinstance(v, Mapping):
-        raise _SchemaError(key, f"must be a table, got {_kind(v)} {v!r}",
-                           f"write a table with keys {', '.join(_field_names(cls))}")
+        raise _SchemaError(
+            key, f"must be a table, got {_kind(v)} {v!r}", f"write a table with keys {', '.join(_field_names(cls))}"
+        )
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in v:
@@ -261,8 +292,9 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
             close = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
             if close:  # the key it is a typo of says more than the whole list
                 raise _SchemaError(join_key(key, k), f"is not a key of {_table_name(key)}", f"did you mean {close[0]}?")
-            raise _SchemaError(join_key(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})",
-                               "remove it, or fix its spelling")
+            raise _SchemaError(
+                join_key(key, k), f"is not a key of {_table_name(key)} ({', '.join(fields)})", "remove it, or fix its spelling"
+            )
     kwargs = {}
     for name, f in fields.items():
         sub = join_key(key, name)
@@ -270,8 +302,12 @@ def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required:
                 table = dataclasses.is_dataclass(hints[name]) and not key
-                raise _SchemaError(sub, f"is missing ({_table_name(key)} needs {', '.join(_required(cls))})",
-                                   f"add a [{name}] table" if table else f"add `{name} = ...`", at_parent=True)
+                raise _SchemaError(
+                    sub,
+                    f"is missing ({_table_name(key)} needs {', '.join(_required(cls))})",
+                    f"add a [{name}] table" if table else f"add `{name} = ...`",
+                    at_parent=True,
+                )
             continue
         kwargs[name] = _convert(v[name], hints[name], sub)
     _check_values(cls, kwargs, key)
@@ -293,8 +329,9 @@ def _check_values(cls: type, kw: dict, key: str) -> None:
     """Checks beyond types: provenance of every figure, and ISO 8601 times."""
     if cls is Figure:
         if not kw["how"].strip():
-            raise _SchemaError(join_key(key, "how"), "is empty",
-                               "say how the figure was measured, or which document it comes from")
+            raise _SchemaError(
+                join_key(key, "how"), "is empty", "say how the figure was measured, or which document it comes from"
+            )
         _check_time(kw["when"], join_key(key, "when"), required=True)
     if cls is Profile:
         _check_time(kw.get("created", ""), "created", required=False)
@@ -306,8 +343,9 @@ def _check_time(s: str, key: str, *, required: bool) -> None:
     try:
         datetime.fromisoformat(s.replace("Z", "+00:00"))
     except ValueError:
-        raise _SchemaError(key, f"is {s!r}, not an ISO 8601 date or time",
-                           'write e.g. "2025-01-31" or "2025-01-31T12:00:00+00:00"') from None
+        raise _SchemaError(
+            key, f"is {s!r}, not an ISO 8601 date or time", 'write e.g. "2025-01-31" or "2025-01-31T12:00:00+00:00"'
+        ) from None
 
 
 def _field_names(cls: type) -> list[str]:
@@ -315,11 +353,13 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _required(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return [
+        f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 # -- writing -------------------------------------------------------------------------------------
+
 
 def profile_to_dict(p: Any) -> Any:
     """Plain TOML-ready data of a profile (or any part of it): dataclasses become dicts in field
@@ -370,8 +410,9 @@ def save_profile(p: Profile, path: str) -> str:
         finally:
             os.close(fd)
     except OSError as e:
-        raise ConfigError(f"cannot write profile {path} ({e.strerror}): choose a writable directory with --output "
-                          f"or ${PROFILE_DIR_ENV}") from None
+        raise ConfigError(
+            f"cannot write profile {path} ({e.strerror}): choose a writable directory with --output or ${PROFILE_DIR_ENV}"
+        ) from None
     return path
 
 
@@ -393,7 +434,7 @@ def _literal(v: Any) -> str:
         return "[" + ", ".join(_literal(x) for x in v) + "]"
     if type(v) is float and math.isfinite(v) and v and not 1e-3 <= abs(v) < 1e6:
         return _short_float(v)
-    return tomli_w.dumps({"v": v})[len("v = "):].rstrip("\n")
+    return tomli_w.dumps({"v": v})[len("v = ") :].rstrip("\n")
 
 
 def _short_float(v: float) -> str:
@@ -407,7 +448,7 @@ def _short_float(v: float) -> str:
 
 
 def _key(k: str) -> str:
-    return tomli_w.dumps({k: 0})[:-len(" = 0\n")]
+    return tomli_w.dumps({k: 0})[: -len(" = 0\n")]
 
 
 def _emit_table(d: dict, name: str, out: list[str], *, top: bool = False, element: bool = False) -> None:

@@ -3,6 +3,7 @@ and :func:`alternatives` (the best, a few of ours under restrictions, and stock 
 ``offloadctl plan``). Each candidate is scored by :func:`perf.model.predict`; stock rows come
 from :func:`perf.stock.stock_deepspeed`.
 """
+
 from __future__ import annotations
 
 from typing import Literal, Sequence
@@ -30,8 +31,9 @@ FRACTIONS = tuple(i / 20 for i in range(21))
 """Device fractions the search tries when the GPU holds the device lane."""
 
 
-def best_plan(profile: Profile, workload: Workload, paths: Sequence[str] | None = None, *,
-              device_cache: bool = True) -> Prediction:
+def best_plan(
+    profile: Profile, workload: Workload, paths: Sequence[str] | None = None, *, device_cache: bool = True
+) -> Prediction:
     """The plan with the shortest predicted update phase, over the storage ``paths`` of the
     profile (default: all of them).
 
@@ -114,8 +116,9 @@ def alternatives(profile: Profile, workload: Workload, paths: Sequence[str] | No
             out.append(pr)
 
     knobs = Knobs(stripe_weights={p.path: default_weight(p) for p in cands})
-    defaults = Plan(host_cache_bytes=max(0, budget_rank - staging_buffers(knobs.prefetch_depth) * fb), knobs=knobs,
-                    name="engine defaults")
+    defaults = Plan(
+        host_cache_bytes=max(0, budget_rank - staging_buffers(knobs.prefetch_depth) * fb), knobs=knobs, name="engine defaults"
+    )
     if cands:
         add(lambda: predict(profile, wl, defaults))
     if best.plan.knobs.device_fraction > 0:
@@ -136,8 +139,15 @@ def _placement_and_knobs(plan: Plan, wl: Workload) -> tuple:
     N = -(-P // n)
     host = prefix_fit(plan.host_cache_bytes, 0, N, payload_bytes(n), payload_bytes(P - (N - 1) * n))
     k = plan.knobs
-    return (host, plan.device_cache_bytes, k.device_fraction, k.prefetch_depth, sorted(k.io_concurrency.items()),
-            sorted(k.stripe_weights.items()), k.node_lock)
+    return (
+        host,
+        plan.device_cache_bytes,
+        k.device_fraction,
+        k.prefetch_depth,
+        sorted(k.io_concurrency.items()),
+        sorted(k.stripe_weights.items()),
+        k.node_lock,
+    )
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -150,9 +160,11 @@ def _candidate_paths(profile: Profile, paths: Sequence[str] | None) -> list[Path
     for name in paths:
         p = profile.path(name)
         if p is None:
-            raise ConfigError(f"path {name} is not in profile {profile.name!r} (its paths: "
-                              f"{sorted(q.path for q in profile.paths) or 'none'}): measure it with "
-                              f"`offloadctl profile save --nvme {name}`")
+            raise ConfigError(
+                f"path {name} is not in profile {profile.name!r} (its paths: "
+                f"{sorted(q.path for q in profile.paths) or 'none'}): measure it with "
+                f"`offloadctl profile save --nvme {name}`"
+            )
         out.append(p)
     return out
 
@@ -171,8 +183,10 @@ def _tune_paths(paths: Sequence[PathProfile], ranks: int, lock: bool) -> tuple[d
         cs = sorted(set(CONCURRENCIES) | {s.concurrency for s in p.sweep if 1 <= s.concurrency <= 64})
 
         # Seconds to read and write one byte at c requests per rank (all ranks, or one with the lock).
-        unit = {c: device_time(dev, 1.0, 1.0, c if lock else ranks * c, c if lock else ranks * c, CHUNK_BYTES)[0]
-                for c in set(cs) | {Knobs.DEFAULT_IO_CONCURRENCY}}
+        unit = {
+            c: device_time(dev, 1.0, 1.0, c if lock else ranks * c, c if lock else ranks * c, CHUNK_BYTES)[0]
+            for c in set(cs) | {Knobs.DEFAULT_IO_CONCURRENCY}
+        }
         best = min(unit[c] for c in cs)
         c = next(c for c in cs if unit[c] <= best * 1.02) if p.sweep else Knobs.DEFAULT_IO_CONCURRENCY
         conc[p.path] = c
@@ -197,8 +211,16 @@ def _device_caches(profile: Profile, wl: Workload, n: int, state_rank: int, devi
     return dev_caches
 
 
-def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name: str, device_lane: bool = True,
-            device_cache: bool = False, host: Literal["budget", "none"] = "budget") -> Prediction:
+def _search(
+    profile: Profile,
+    wl: Workload,
+    paths: Sequence[str] | None,
+    *,
+    name: str,
+    device_lane: bool = True,
+    device_cache: bool = False,
+    host: Literal["budget", "none"] = "budget",
+) -> Prediction:
     """:func:`best_plan`'s search; ``device_lane=False`` keeps the fraction at 0, ``host="none"``
     keeps every subgroup on storage."""
     check_profile(profile)
@@ -207,8 +229,7 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     n = min(wl.subgroup_numel, P)
     budget_rank = host_budget(profile, wl) // wl.ranks
     fb = payload_bytes(n) + HEADER_BYTES
-    lane_ok = (device_lane and profile.gpu is not None
-               and gpu_headroom(profile, wl) >= device_lane_working_bytes(n))
+    lane_ok = device_lane and profile.gpu is not None and gpu_headroom(profile, wl) >= device_lane_working_bytes(n)
     fractions = FRACTIONS if lane_ok else (0.0,)
     state_rank = payload_bytes(n) * (-(-P // n))
     dev_caches = _device_caches(profile, wl, n, state_rank, device_cache)
@@ -227,10 +248,13 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     if host == "budget" and state_rank <= budget_rank:
         for dc in dev_caches:
             for f in fractions:
-                consider(Plan(host_cache_bytes=None, device_cache_bytes=dc,
-                              knobs=Knobs(device_fraction=f, prefetch_depth=0), name=name))
+                consider(
+                    Plan(
+                        host_cache_bytes=None, device_cache_bytes=dc, knobs=Knobs(device_fraction=f, prefetch_depth=0), name=name
+                    )
+                )
     if cands:
-        for lock in ((False, True) if wl.ranks > 1 else (False,)):
+        for lock in (False, True) if wl.ranks > 1 else (False,):
             conc, weights = _tune_paths(cands, wl.ranks, lock)
             for d in DEPTHS:
                 cache = budget_rank - staging_buffers(d) * fb
@@ -238,10 +262,12 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
                     continue
                 for dc in dev_caches:
                     for f in fractions:
-                        knobs = Knobs(device_fraction=f, prefetch_depth=d, io_concurrency=conc, stripe_weights=weights,
-                                      node_lock=lock)
-                        consider(Plan(host_cache_bytes=cache if host == "budget" else 0, device_cache_bytes=dc,
-                                      knobs=knobs, name=name))
+                        knobs = Knobs(
+                            device_fraction=f, prefetch_depth=d, io_concurrency=conc, stripe_weights=weights, node_lock=lock
+                        )
+                        consider(
+                            Plan(host_cache_bytes=cache if host == "budget" else 0, device_cache_bytes=dc, knobs=knobs, name=name)
+                        )
     if preds:
         # Within 1% of the fastest, the simplest plan: less prefetch memory, no device lane, no lock.
         fastest = min(k[0] for k, _ in preds)
@@ -249,17 +275,29 @@ def _search(profile: Profile, wl: Workload, paths: Sequence[str] | None, *, name
     raise _no_plan(profile, wl, name, refusals, bool(cands), state_rank, budget_rank, n, fb)
 
 
-def _no_plan(profile: Profile, wl: Workload, name: str, refusals: list[ConfigError], has_paths: bool, state_rank: int,
-             budget_rank: int, n: int, fb: int) -> NoPlanFits:
+def _no_plan(
+    profile: Profile,
+    wl: Workload,
+    name: str,
+    refusals: list[ConfigError],
+    has_paths: bool,
+    state_rank: int,
+    budget_rank: int,
+    n: int,
+    fb: int,
+) -> NoPlanFits:
     """Why no plan fits: the last refusal, or that state fits neither host memory nor a path."""
     if refusals:
         return NoPlanFits(f"no plan fits: {str(refusals[-1]).replace(f'plan {name!r} ', '', 1)}")
     if not has_paths:
-        return NoPlanFits(f"{gb(state_rank * wl.ranks)} of optimizer state per node does not fit the host memory budget "
-                           f"of {gb(budget_rank * wl.ranks)} and profile {profile.name!r} has no storage paths: measure "
-                           f"a profile with `offloadctl profile save --nvme PATH`, or raise --host-memory")
+        return NoPlanFits(
+            f"{gb(state_rank * wl.ranks)} of optimizer state per node does not fit the host memory budget "
+            f"of {gb(budget_rank * wl.ranks)} and profile {profile.name!r} has no storage paths: measure "
+            f"a profile with `offloadctl profile save --nvme PATH`, or raise --host-memory"
+        )
     staging = staging_buffers(0)
-    return NoPlanFits(f"the host memory budget of {gb(budget_rank * wl.ranks)} per node does not hold the {staging} "
-                       f"staging buffers of a {n}-element subgroup per rank ({gb(staging * fb * wl.ranks)}): raise "
-                       f"--host-memory or lower the subgroup size")
-
+    return NoPlanFits(
+        f"the host memory budget of {gb(budget_rank * wl.ranks)} per node does not hold the {staging} "
+        f"staging buffers of a {n}-element subgroup per rank ({gb(staging * fb * wl.ranks)}): raise "
+        f"--host-memory or lower the subgroup size"
+    )

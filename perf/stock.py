@@ -4,6 +4,7 @@ same profile and workload as :func:`perf.model.predict`; a configuration that do
 comes back marked ``feasible=False`` rather than raising. ``docs/perfmodel.md`` (Stock
 DeepSpeed) derives each formula.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,28 +86,59 @@ class _Stock:
         # DeepSpeed's CPU path does at least what the engine's host lane does (and more: a separate
         # unscale pass, pageable weight copies), so it is never modelled faster than it.
         per_param = max(per_param, host_lane_seconds_per_param(profile, wl))
-        s = cls(profile=profile, wl=wl, P=P, n=n, N=-(-P // n), per_param=per_param, budget=host_budget(profile, wl),
-                fwd_bwd=wl.fwd_bwd_s if wl.fwd_bwd_s is not None else 0.0)
+        s = cls(
+            profile=profile,
+            wl=wl,
+            P=P,
+            n=n,
+            N=-(-P // n),
+            per_param=per_param,
+            budget=host_budget(profile, wl),
+            fwd_bwd=wl.fwd_bwd_s if wl.fwd_bwd_s is not None else 0.0,
+        )
         if wl.fwd_bwd_s is None:
             s.notes.append("no forward/backward time given (--fwd-bwd-s): the iteration counts the update phase only")
         return s
 
-    def result(self, name: str, plan: Plan, update: float, breakdown: dict, bpp: float, bottleneck: str,
-               extra_iter: float = 0.0, memory: dict | None = None) -> Prediction:
+    def result(
+        self,
+        name: str,
+        plan: Plan,
+        update: float,
+        breakdown: dict,
+        bpp: float,
+        bottleneck: str,
+        extra_iter: float = 0.0,
+        memory: dict | None = None,
+    ) -> Prediction:
         breakdown = {**breakdown, "fwd_bwd": self.fwd_bwd}
-        return Prediction(plan=plan.replace(name=name), update_s=update, iteration_s=self.fwd_bwd + extra_iter + update,
-                          breakdown=breakdown, bytes_per_param=bpp, bottleneck=bottleneck,
-                          notes=tuple(self.infeasible + self.notes), feasible=not self.infeasible, memory=memory or {})
+        return Prediction(
+            plan=plan.replace(name=name),
+            update_s=update,
+            iteration_s=self.fwd_bwd + extra_iter + update,
+            breakdown=breakdown,
+            bytes_per_param=bpp,
+            bottleneck=bottleneck,
+            notes=tuple(self.infeasible + self.notes),
+            feasible=not self.infeasible,
+            memory=memory or {},
+        )
 
 
 def _zero3_cpu(s: _Stock) -> Prediction:
     need = s.wl.ranks * s.P * int(DS_STATE_BYTES)
     if need > s.budget:
-        s.infeasible.append(f"needs {gb(need)} of host memory per node for optimizer state, over the budget of "
-                            f"{gb(s.budget)}")
+        s.infeasible.append(f"needs {gb(need)} of host memory per node for optimizer state, over the budget of {gb(s.budget)}")
     t = s.P * s.per_param
-    return s.result("stock ZeRO-3 CPU offload", Plan(host_cache_bytes=None, knobs=Knobs(prefetch_depth=0)), t,
-                    {"cpu_update": t}, 0.0, "cpu", memory={"host_per_node": need})
+    return s.result(
+        "stock ZeRO-3 CPU offload",
+        Plan(host_cache_bytes=None, knobs=Knobs(prefetch_depth=0)),
+        t,
+        {"cpu_update": t},
+        0.0,
+        "cpu",
+        memory={"host_per_node": need},
+    )
 
 
 def _twinflow(s: _Stock, ratio: float | None) -> Prediction:
@@ -133,10 +165,18 @@ def _twinflow(s: _Stock, ratio: float | None) -> Prediction:
     t_gpu = on_gpu / gpu.adamw_params_per_s.value * -(-ranks // max(1, profile.machine.gpu_count))
     t = max(t_cpu, t_gpu)
     # The engine runs it as a device tier of the GPU part, the rest in host memory.
-    plan = Plan(host_cache_bytes=None, device_cache_bytes=payload_bytes(on_gpu),
-                knobs=Knobs(device_fraction=0.0, prefetch_depth=0))
-    return s.result(f"stock Twin-Flow (ratio {ratio:g})", plan, t, {"cpu_update": t_cpu, "gpu_update": t_gpu}, 0.0,
-                    "cpu" if t_cpu >= t_gpu else "gpu", memory={"host_per_node": host_need, "gpu_per_rank": gpu_need})
+    plan = Plan(
+        host_cache_bytes=None, device_cache_bytes=payload_bytes(on_gpu), knobs=Knobs(device_fraction=0.0, prefetch_depth=0)
+    )
+    return s.result(
+        f"stock Twin-Flow (ratio {ratio:g})",
+        plan,
+        t,
+        {"cpu_update": t_cpu, "gpu_update": t_gpu},
+        0.0,
+        "cpu" if t_cpu >= t_gpu else "gpu",
+        memory={"host_per_node": host_need, "gpu_per_rank": gpu_need},
+    )
 
 
 def _zero_infinity_nvme(s: _Stock) -> Prediction:
@@ -171,11 +211,26 @@ def _zero_infinity_nvme(s: _Stock) -> Prediction:
         s.infeasible.append(f"needs {gb(files)} on {best.path}, over its capacity of {gb(best.capacity_bytes)}")
     which = max(chains, key=chains.get)
     s.notes.append(f"one nvme_path ({best.path}), order 0..N-1 with no cache, aio queue depth {DS_QUEUE_DEPTH}")
-    plan = Plan(host_cache_bytes=0, knobs=Knobs(prefetch_depth=1, io_concurrency={best.path: DS_QUEUE_DEPTH},
-                                                stripe_weights={best.path: 1.0}))
-    return s.result("stock ZeRO-Infinity NVMe", plan, update,
-                    {"storage": T_io, "read": t_r, "write": t_w, "mixed": t_m, "cpu_update": T_cpu,
-                     "gradient_flush": grad_flush, "gradient_flush_exposed": extra, f"storage:{dev.name}": T_io},
-                    (read_b + write_b + DS_GRAD_BYTES) * ranks * P / (ranks * P),
-                    f"storage ({dev.name})" if which != "cpu" else "cpu", extra_iter=extra,
-                    memory={"storage_per_node": int(R)})
+    plan = Plan(
+        host_cache_bytes=0,
+        knobs=Knobs(prefetch_depth=1, io_concurrency={best.path: DS_QUEUE_DEPTH}, stripe_weights={best.path: 1.0}),
+    )
+    return s.result(
+        "stock ZeRO-Infinity NVMe",
+        plan,
+        update,
+        {
+            "storage": T_io,
+            "read": t_r,
+            "write": t_w,
+            "mixed": t_m,
+            "cpu_update": T_cpu,
+            "gradient_flush": grad_flush,
+            "gradient_flush_exposed": extra,
+            f"storage:{dev.name}": T_io,
+        },
+        (read_b + write_b + DS_GRAD_BYTES) * ranks * P / (ranks * P),
+        f"storage ({dev.name})" if which != "cpu" else "cpu",
+        extra_iter=extra,
+        memory={"storage_per_node": int(R)},
+    )

@@ -1,5 +1,6 @@
 """Line numbers of the keys of a TOML text: tomllib gives none, and an error in a profile names
 the line of the key at fault (:func:`key_lines`, :func:`line_for`)."""
+
 from __future__ import annotations
 
 import re
@@ -81,14 +82,14 @@ class _KeyScanner:
                 end = self.s.index(q, self.i + 3)
                 while self.s.startswith(q[0], end + 3):  # up to two quotes may end the content
                     end += 1
-                raw = self.s[self.i + 3:end]
+                raw = self.s[self.i + 3 : end]
                 self._adv(end + 3 - self.i)
                 return raw
         q = self.s[self.i]
         j = self.i + 1
         while self.s[j] != q:
             j += 2 if (q == '"' and self.s[j] == "\\") else 1
-        raw = self.s[self.i + 1:j]
+        raw = self.s[self.i + 1 : j]
         self._adv(j + 1 - self.i)
         return raw
 

@@ -20,6 +20,7 @@ processes' (``other_disk_bytes``): the report and the bottleneck sentence never 
 ``offloadctl train``'s end-of-run summary. docs/report.md ("Reading the report") says what each
 figure shows. Times are seconds, bytes are bytes.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -31,20 +32,41 @@ from report.compare import compare_runs, limit, rolling_median, rolling_window, 
 from report.load import Run
 from tuner.knob_text import flat_knobs
 
-SEGMENTS = ("forward", "backward", "read_wait", "host_lane", "device_lane", "write_wait", "device_wait",
-            "update_other", "outside")
+SEGMENTS = (
+    "forward",
+    "backward",
+    "read_wait",
+    "host_lane",
+    "device_lane",
+    "write_wait",
+    "device_wait",
+    "update_other",
+    "outside",
+)
 UPDATE_PARTS = ("read_wait", "host_lane", "device_lane", "write_wait", "device_wait", "update_other")
 PHASES = ("forward", "backward", "update", "outside")
 SEGMENT_LABELS = {
-    "forward": "forward", "backward": "backward", "read_wait": "update: waiting for reads",
-    "host_lane": "update: host lane (CPU Adam)", "device_lane": "update: device lane (queueing)",
-    "write_wait": "update: waiting for writes", "device_wait": "update: waiting for the device",
-    "update_other": "update: other (norm, clip, bookkeeping)", "outside": "outside DeepSpeed (the script)"}
+    "forward": "forward",
+    "backward": "backward",
+    "read_wait": "update: waiting for reads",
+    "host_lane": "update: host lane (CPU Adam)",
+    "device_lane": "update: device lane (queueing)",
+    "write_wait": "update: waiting for writes",
+    "device_wait": "update: waiting for the device",
+    "update_other": "update: other (norm, clip, bookkeeping)",
+    "outside": "outside DeepSpeed (the script)",
+}
 
 
-SHARE_GROUPS = (("forward", ("forward",)), ("backward", ("backward",)), ("update: read waits", ("read_wait",)),
-                ("update: AdamW", ("host_lane", "device_lane")), ("update: write waits", ("write_wait",)),
-                ("update: other", ("device_wait", "update_other")), ("outside DeepSpeed", ("outside",)))
+SHARE_GROUPS = (
+    ("forward", ("forward",)),
+    ("backward", ("backward",)),
+    ("update: read waits", ("read_wait",)),
+    ("update: AdamW", ("host_lane", "device_lane")),
+    ("update: write waits", ("write_wait",)),
+    ("update: other", ("device_wait", "update_other")),
+    ("outside DeepSpeed", ("outside",)),
+)
 """How an iteration's segments are told in shares: the update's parts in what they wait on."""
 
 
@@ -54,9 +76,13 @@ def engine_segments(step: StepRecord, update_s: float) -> dict[str, float]:
     engine's update and its setup): the parts the engine timed, the device lane's queueing
     apart from the host lane's AdamW, and the rest ``update_other``. The report and the
     end-of-run summary both split a step by it."""
-    parts = {"read_wait": step.read_wait_s, "host_lane": step.host_lane_s,
-             "device_lane": max(0.0, step.kernel_s - step.host_lane_s), "write_wait": step.write_wait_s,
-             "device_wait": step.device_wait_s}
+    parts = {
+        "read_wait": step.read_wait_s,
+        "host_lane": step.host_lane_s,
+        "device_lane": max(0.0, step.kernel_s - step.host_lane_s),
+        "write_wait": step.write_wait_s,
+        "device_wait": step.device_wait_s,
+    }
     parts["update_other"] = update_s - sum(parts.values())
     return parts
 
@@ -82,21 +108,27 @@ def bottleneck(segments: dict, iter_s: float, storage: str, shared: tuple[float,
     top = max(("update: read waits", "update: AdamW", "update: write waits", "update: other"), key=lambda k: sh[k])
     compute = sh["forward"] + sh["backward"]
     if sh["outside DeepSpeed"] > max(compute, update):
-        return (f"the script's own work between DeepSpeed calls (data loading, logging) takes "
-                f"{pct(sh['outside DeepSpeed'])} of the iteration")
+        return (
+            f"the script's own work between DeepSpeed calls (data loading, logging) takes "
+            f"{pct(sh['outside DeepSpeed'])} of the iteration"
+        )
     others = ""
     if shared is not None and shared[1] >= max(0.5, 0.25 * shared[0]):
-        others = (f", a device other processes used as well (theirs {shared[1]:.1f} B/param an iteration, the "
-                  f"run's {shared[0]:.1f})")
+        others = (
+            f", a device other processes used as well (theirs {shared[1]:.1f} B/param an iteration, the run's {shared[0]:.1f})"
+        )
     if update > compute and sh[top] >= 0.1:
-        what = {"update: read waits": f"the update waits on reads from {storage}",
-                "update: AdamW": "the update is bound by AdamW's compute",
-                "update: write waits": f"the update waits on writes to {storage}",
-                "update: other": "the update's bookkeeping (gradient norm, clipping, partitioning)"}[top]
+        what = {
+            "update: read waits": f"the update waits on reads from {storage}",
+            "update: AdamW": "the update is bound by AdamW's compute",
+            "update: write waits": f"the update waits on writes to {storage}",
+            "update: other": "the update's bookkeeping (gradient norm, clipping, partitioning)",
+        }[top]
         return f"{what}: {pct(sh[top])} of the iteration" + (others if "waits on" in what else "")
     waits = sh["update: read waits"] + sh["update: write waits"]
-    return (f"forward and backward (the model's compute) take {pct(compute)} of the iteration; the update "
-            f"{pct(update)}" + (f", of it {pct(waits)} waiting on {storage}{others}" if waits >= 0.01 else ""))
+    return f"forward and backward (the model's compute) take {pct(compute)} of the iteration; the update {pct(update)}" + (
+        f", of it {pct(waits)} waiting on {storage}{others}" if waits >= 0.01 else ""
+    )
 
 
 def storage_name(run: dict) -> str:
@@ -122,9 +154,6 @@ def analyze(runs: list[Run], iteration: int | None = None) -> dict:
     return result
 
 
-
-
-
 def analyze_run(run: Run, iteration: int | None = None) -> dict:
     rec = run.record
     init = rec.init
@@ -140,21 +169,40 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         # fp32 master, exp_avg, exp_avg_sq each way); what its tier moves beyond that is its fp32
         # gradients, written out (in backward, and flushed at the update's first swap-in) and read back.
         summary["gradient_round_trip_bytes_per_param"] = {
-            d: max(0.0, _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values())
-                                for i in steady) - STATE_BYTES_PER_ELEMENT) for d in ("read", "written")}
+            d: max(
+                0.0,
+                _median(sum(rw[d] for ph in i["disk_bytes_per_param"].values() for rw in ph.values()) for i in steady)
+                - STATE_BYTES_PER_ELEMENT,
+            )
+            for d in ("read", "written")
+        }
     world = int(rec.header.get("world_size") or 1)
     summary["world_size"] = world
     summary.update(_throughput(steady, iters, summary["median_iter_s"], world))
     med_seg = summary["median_segments_s"]
     result = {
-        "label": run.label, "path": run.path, "engine": run.engine, "status": run.status,
-        "status_kind": run.status_kind, "stopped_at": run.stopped_at, "rank": rec.rank,
-        "ranks": run.ranks, "notes": list(rec.notes),
-        "params_total": init.get("params_total"), "params_rank": init.get("params_rank"),
-        "local_world_size": init.get("local_world_size", 1), "zero_stage": init.get("zero_stage"),
-        "offload_optimizer": init.get("offload_optimizer"), "offload_param": init.get("offload_param"),
-        "device": init.get("device"), "tiers": tiers, "argv": init.get("argv"), "script": rec.header.get("script"),
-        "iterations": iters, "summary": summary, "knob_changes": _knob_changes(iters),
+        "label": run.label,
+        "path": run.path,
+        "engine": run.engine,
+        "status": run.status,
+        "status_kind": run.status_kind,
+        "stopped_at": run.stopped_at,
+        "rank": rec.rank,
+        "ranks": run.ranks,
+        "notes": list(rec.notes),
+        "params_total": init.get("params_total"),
+        "params_rank": init.get("params_rank"),
+        "local_world_size": init.get("local_world_size", 1),
+        "zero_stage": init.get("zero_stage"),
+        "offload_optimizer": init.get("offload_optimizer"),
+        "offload_param": init.get("offload_param"),
+        "device": init.get("device"),
+        "tiers": tiers,
+        "argv": init.get("argv"),
+        "script": rec.header.get("script"),
+        "iterations": iters,
+        "summary": summary,
+        "knob_changes": _knob_changes(iters),
         "timeline": _timeline(run, chosen, tiers),
         "recorder": _recorder_cost(rec, iters),
     }
@@ -163,14 +211,21 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     result["loss_recorded"] = any(i.get("loss") is not None for i in iters)
     window = rolling_window(len(iters))
     result["rolling_median_iter_s"] = {"window": window, "values": rolling_median([i["iter_s"] for i in iters], window)}
-    summary["host_memory"] = host_memory_summary([(i["iteration"], it["engine"]) for i, it in zip(iters, rec.iterations)
-                                                  if it.get("engine") is not None])
+    summary["host_memory"] = host_memory_summary(
+        [(i["iteration"], it["engine"]) for i, it in zip(iters, rec.iterations) if it.get("engine") is not None]
+    )
     plan = init.get("engine_plan") or {}
-    summary["fixed_knobs"] = (dict(plan["pins"]) if "pins" in plan  # an earlier version's record names them only
-                              else fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {}))
+    summary["fixed_knobs"] = (
+        dict(plan["pins"])
+        if "pins" in plan  # an earlier version's record names them only
+        else fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
+    )
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
-    shared = ((summary["run_disk_bytes_per_param_total"], summary["other_disk_bytes_per_param_total"])
-              if "other_disk_bytes_per_param_total" in summary else None)
+    shared = (
+        (summary["run_disk_bytes_per_param_total"], summary["other_disk_bytes_per_param_total"])
+        if "other_disk_bytes_per_param_total" in summary
+        else None
+    )
     summary["verdict"] = bottleneck(med_seg, summary["median_iter_s"], storage_name(result), shared)
     summary["limit"] = limit(summary, run.engine)
     return result
@@ -191,13 +246,14 @@ def _throughput(steady: list[dict], iters: list[dict], median_iter_s: float, wor
 
 # -- per iteration ---------------------------------------------------------------------------
 
+
 def _tiers(init: dict) -> list[dict]:
     """Tier devices with a label each: 'nvme', 'remote', numbered when a kind repeats."""
     tiers = init.get("tiers") or []
     kinds = [t["kind"] for t in tiers]
     out = []
     for i, t in enumerate(tiers):
-        n = kinds[:i + 1].count(t["kind"])
+        n = kinds[: i + 1].count(t["kind"])
         label = t["kind"] if kinds.count(t["kind"]) == 1 else f"{t['kind']}{n - 1}"
         out.append({"label": label, "kind": t["kind"], "path": t["path"], "device": t.get("device")})
     return out
@@ -232,18 +288,35 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         parts["update_other"] = phases["update"] - sum(v for k, v in parts.items() if k != "update_other")
     segments = {"forward": phases["forward"], "backward": phases["backward"], **parts, "outside": phases["outside"]}
     out = {
-        "iteration": it["iteration"], "t_start": t_start, "t_end": it["t_end"], "iter_s": iter_s,
-        "phases": phases, "segments": segments, "measured_share": measured / iter_s,
-        "skipped": bool(it.get("skipped")), "failed": bool(it.get("failed")),
+        "iteration": it["iteration"],
+        "t_start": t_start,
+        "t_end": it["t_end"],
+        "iter_s": iter_s,
+        "phases": phases,
+        "segments": segments,
+        "measured_share": measured / iter_s,
+        "skipped": bool(it.get("skipped")),
+        "failed": bool(it.get("failed")),
         "disk_bytes": _disk_bytes(it.get("io") or {}, tiers),
-        "disk_bytes_update_parts": {k: v for k, v in _disk_bytes(it.get("io") or {}, tiers, parts=True).items()
-                                    if k.startswith("update")} if any("." in k for k in it.get("io") or {}) else None,
-        "recorder_s": it.get("recorder_s", 0.0), "samples": it.get("samples"), "tokens": it.get("tokens"),
+        "disk_bytes_update_parts": {
+            k: v for k, v in _disk_bytes(it.get("io") or {}, tiers, parts=True).items() if k.startswith("update")
+        }
+        if any("." in k for k in it.get("io") or {})
+        else None,
+        "recorder_s": it.get("recorder_s", 0.0),
+        "samples": it.get("samples"),
+        "tokens": it.get("tokens"),
         "loss": it.get("loss"),
     }
     params_node = (run.record.init.get("params_rank") or 0) * (run.record.init.get("local_world_size") or 1)
-    per_param = lambda db: {ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}  # noqa: E731
-                            for ph, d in db.items()} if params_node else {}
+    per_param = lambda db: (
+        {
+            ph: {t: {k: v / params_node for k, v in rw.items()} for t, rw in d.items()}  # noqa: E731
+            for ph, d in db.items()
+        }
+        if params_node
+        else {}
+    )
     out["disk_bytes_per_param"] = per_param(out["disk_bytes"])
     if out["disk_bytes_update_parts"]:
         out["disk_bytes_per_param_update_parts"] = per_param(out["disk_bytes_update_parts"])
@@ -252,18 +325,24 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         out.update(_run_and_others(it["io_self"], out["disk_bytes_per_param"], params_rank))
     if eng is not None:
         kinds = sorted(set(eng.bytes_read) | set(eng.bytes_written))
-        out["engine_bytes"] = {k: {"read": eng.bytes_read.get(k, 0), "written": eng.bytes_written.get(k, 0)}
-                               for k in kinds}
+        out["engine_bytes"] = {k: {"read": eng.bytes_read.get(k, 0), "written": eng.bytes_written.get(k, 0)} for k in kinds}
         p = eng.params
-        out["engine_bytes_per_param"] = ({k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()}
-                                         if p else {})
+        out["engine_bytes_per_param"] = (
+            {k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()} if p else {}
+        )
         out["engine_iteration"] = eng.iteration
         out["cache"] = {"hits": eng.cache_hits, "misses": eng.cache_misses}
-        out["lanes"] = {"host": eng.host_lane_subgroups, "device": eng.device_lane_subgroups,
-                        "device_tier": eng.device_tier_subgroups}
+        out["lanes"] = {
+            "host": eng.host_lane_subgroups,
+            "device": eng.device_lane_subgroups,
+            "device_tier": eng.device_tier_subgroups,
+        }
         out["knobs"] = eng.knobs
-        out["host_bytes"], out["host_budget_bytes"], out["host_pressure"] = \
-            eng.host_bytes, eng.host_budget_bytes, eng.host_pressure
+        out["host_bytes"], out["host_budget_bytes"], out["host_pressure"] = (
+            eng.host_bytes,
+            eng.host_budget_bytes,
+            eng.host_pressure,
+        )
         out["engine_start_s"] = eng.start_s
         out["engine_update_s"] = eng.update_s
         if it.get("tuner"):
@@ -310,14 +389,17 @@ def _disk_bytes(io: dict, tiers: list[dict], parts: bool = False) -> dict:
 
 # -- across iterations -----------------------------------------------------------------------
 
+
 def _choose(iters: list[dict], iteration: int, run: Run) -> dict:
     from engine.errors import ConfigError
 
     for i in iters:
         if i["iteration"] == iteration:
             return i
-    raise ConfigError(f"{run.path} recorded iterations {iters[0]['iteration']}..{iters[-1]['iteration']}: "
-                      f"--iteration {iteration} is not among them")
+    raise ConfigError(
+        f"{run.path} recorded iterations {iters[0]['iteration']}..{iters[-1]['iteration']}: "
+        f"--iteration {iteration} is not among them"
+    )
 
 
 def _median_iteration(steady: list[dict]) -> dict:
@@ -338,43 +420,56 @@ def _mean(xs):
 
 
 def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: bool) -> dict:
-    s = {"iterations": len(iters), "steady_iterations": [i["iteration"] for i in steady],
-         "median_iteration": median["iteration"], "median_iter_s": median["iter_s"],
-         "median_segments_s": dict(median["segments"]), "median_phases_s": dict(median["phases"]),
-         "mean_iter_s": statistics.fmean(i["iter_s"] for i in steady),
-         "median_measured_share": _median(i["measured_share"] for i in steady)}
+    s = {
+        "iterations": len(iters),
+        "steady_iterations": [i["iteration"] for i in steady],
+        "median_iteration": median["iteration"],
+        "median_iter_s": median["iter_s"],
+        "median_segments_s": dict(median["segments"]),
+        "median_phases_s": dict(median["phases"]),
+        "mean_iter_s": statistics.fmean(i["iter_s"] for i in steady),
+        "median_measured_share": _median(i["measured_share"] for i in steady),
+    }
     # Disk bytes/param per phase and tier, mean over steady iterations (absent counts as 0).
     keys = {(ph, t) for i in steady for ph, d in i["disk_bytes_per_param"].items() for t in d}
     disk: dict = {}
     for ph, t in sorted(keys):
-        disk.setdefault(ph, {})[t] = {d: _mean(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0)
-                                               for i in steady) for d in ("read", "written")}
+        disk.setdefault(ph, {})[t] = {
+            d: _mean(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")
+        }
     s["disk_bytes_per_param"] = disk
     if any(i.get("disk_bytes_per_param_update_parts") for i in steady):
         # The update's bytes by part (stock ZeRO-3): where in the step the gradients' round trip falls.
         keys = {(ph, t) for i in steady for ph, d in (i.get("disk_bytes_per_param_update_parts") or {}).items() for t in d}
         parts: dict = {}
         for ph, t in sorted(keys):
-            parts.setdefault(ph, {})[t] = {d: _mean((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {})
-                                                      .get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
+            parts.setdefault(ph, {})[t] = {
+                d: _mean((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {}).get(t, {}).get(d, 0.0) for i in steady)
+                for d in ("read", "written")
+            }
         s["disk_bytes_per_param_update_parts"] = parts
-    s["disk_bytes_per_param_total"] = sum(v for d in disk.values() for rw in d.values() for v in rw.values()
-                                          ) if has_devices else None
+    s["disk_bytes_per_param_total"] = (
+        sum(v for d in disk.values() for rw in d.values() for v in rw.values()) if has_devices else None
+    )
     if has_devices and any("run_disk_bytes_per_param" in i for i in steady):
         # The run's own and other processes', per phase (means, as above), and over the iteration:
         # others' total is what the devices moved beyond the run's, direction by direction, so that
         # the run's bytes counted a phase later by the device never show as another's.
         for key in ("run_disk_bytes_per_param", "other_disk_bytes_per_param"):
-            s[key] = {ph: {d: _mean((i.get(key) or {}).get(ph, {}).get(d, 0.0) for i in steady)
-                           for d in ("read", "written")} for ph in PHASES}
+            s[key] = {
+                ph: {d: _mean((i.get(key) or {}).get(ph, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
+                for ph in PHASES
+            }
         device = {d: sum(rw[d] for ph in disk.values() for rw in ph.values()) for d in ("read", "written")}
         run = {d: sum(rw[d] for rw in s["run_disk_bytes_per_param"].values()) for d in ("read", "written")}
         s["run_disk_bytes_per_param_total"] = sum(run.values())
         s["other_disk_bytes_per_param_total"] = sum(max(0.0, device[d] - run[d]) for d in ("read", "written"))
     if any("engine_bytes_per_param" in i for i in steady):
         kinds = sorted({k for i in steady for k in i.get("engine_bytes_per_param", {})})
-        s["engine_bytes_per_param"] = {k: {d: _mean(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0)
-                                                     for i in steady) for d in ("read", "written")} for k in kinds}
+        s["engine_bytes_per_param"] = {
+            k: {d: _mean(i.get("engine_bytes_per_param", {}).get(k, {}).get(d, 0.0) for i in steady) for d in ("read", "written")}
+            for k in kinds
+        }
         s["engine_bytes_per_param_total"] = sum(v for rw in s["engine_bytes_per_param"].values() for v in rw.values())
         s["median_cache_hits"] = _median(i["cache"]["hits"] for i in steady if "cache" in i)
         s["swapped_subgroups"] = _median(i["cache"]["hits"] + i["cache"]["misses"] for i in steady if "cache" in i)
@@ -388,9 +483,13 @@ def host_memory_summary(steps: list[tuple[int, StepRecord]]) -> dict | None:
     if not held:
         return None
     peak_iteration, peak = max(held, key=lambda ir: sum(ir[1].host_bytes.values()))
-    return {"budget_bytes": peak.host_budget_bytes or 0, "peak_bytes": sum(peak.host_bytes.values()),
-            "peak_iteration": peak_iteration, "by_kind": dict(peak.host_bytes),
-            "pressure_iterations": sum(bool(r.host_pressure) for _, r in held)}
+    return {
+        "budget_bytes": peak.host_budget_bytes or 0,
+        "peak_bytes": sum(peak.host_bytes.values()),
+        "peak_iteration": peak_iteration,
+        "by_kind": dict(peak.host_bytes),
+        "pressure_iterations": sum(bool(r.host_pressure) for _, r in held),
+    }
 
 
 def fixed_knob_values(fixed, knobs: dict) -> dict:
@@ -431,8 +530,15 @@ def _knob_changes(iters: list[dict]) -> list[dict]:
         if prev is not None and k != prev:
             changed = {n: [prev.get(n), k.get(n)] for n in sorted(set(k) | set(prev)) if k.get(n) != prev.get(n)}
             reason = (i.get("tuner") or {}).get("reason")
-            out.append({"iteration": i["iteration"], "engine_iteration": i.get("engine_iteration"), "changed": changed,
-                        "reason": reason, "by": changed_by(i.get("tuner"))})
+            out.append(
+                {
+                    "iteration": i["iteration"],
+                    "engine_iteration": i.get("engine_iteration"),
+                    "changed": changed,
+                    "reason": reason,
+                    "by": changed_by(i.get("tuner")),
+                }
+            )
         prev = k
     return out
 
@@ -457,12 +563,17 @@ def _recorder_cost(rec, iters: list[dict]) -> dict:
     total_s = sum(i["iter_s"] for i in iters)
     hooks = sum(i["recorder_s"] for i in iters)
     busy = end.get("sampler_busy_s")
-    return {"hooks_s": hooks, "hooks_share": hooks / total_s if total_s else None,
-            "sampler_rows": end.get("sampler_rows", len(rec.samples)), "sampler_busy_s": busy,
-            "sampler_hz": (rec.samples_header or {}).get("hz")}
+    return {
+        "hooks_s": hooks,
+        "hooks_share": hooks / total_s if total_s else None,
+        "sampler_rows": end.get("sampler_rows", len(rec.samples)),
+        "sampler_busy_s": busy,
+        "sampler_hz": (rec.samples_header or {}).get("hz"),
+    }
 
 
 # -- the chosen iteration on a time axis ------------------------------------------------------
+
 
 def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     rec = run.record
@@ -477,11 +588,19 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
         start = it["engine_start_s"] - t0
         wait_s = it["segments"]["write_wait"]
         loop_s = it["engine_update_s"] - wait_s - it["segments"]["device_wait"]
-        update_spans = [["write_wait", start, start + wait_s],
-                        ["update_loop", start + wait_s, start + wait_s + loop_s],
-                        ["device_wait", start + wait_s + loop_s, start + it["engine_update_s"]]]
-    out = {"iteration": it["iteration"], "iter_s": it["iter_s"], "phase_spans": phase_spans,
-           "update_spans": update_spans, "series": {}, "missing": []}
+        update_spans = [
+            ["write_wait", start, start + wait_s],
+            ["update_loop", start + wait_s, start + wait_s + loop_s],
+            ["device_wait", start + wait_s + loop_s, start + it["engine_update_s"]],
+        ]
+    out = {
+        "iteration": it["iteration"],
+        "iter_s": it["iter_s"],
+        "phase_spans": phase_spans,
+        "update_spans": update_spans,
+        "series": {},
+        "missing": [],
+    }
     header = rec.samples_header
     if not header or not rec.samples:
         out["missing"].append("no sampled series in this run (--record-hz 0, or the samples file is missing)")
@@ -491,15 +610,23 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     rows = rec.samples
     lo = next((k for k, r in enumerate(rows) if r[0] >= t0 - pad), len(rows))
     hi = next((k for k, r in enumerate(rows) if r[0] > t1 + pad), len(rows))
-    window = rows[max(0, lo - 1):hi]  # one row before, for the first rate
+    window = rows[max(0, lo - 1) : hi]  # one row before, for the first rate
     if len(window) < 2:
-        out["missing"].append("fewer than two samples fell within this iteration (a faster iteration than the "
-                              "sampling interval: raise --record-hz)")
+        out["missing"].append(
+            "fewer than two samples fell within this iteration (a faster iteration than the sampling interval: raise --record-hz)"
+        )
     t = [r[0] - t0 for r in window]
     series = out["series"]
     series["t"] = t
-    for name in ("rss_bytes", "cpu_percent", "gpu_allocated_bytes", "gpu_reserved_bytes", "nvml_used_bytes",
-                 "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"):
+    for name in (
+        "rss_bytes",
+        "cpu_percent",
+        "gpu_allocated_bytes",
+        "gpu_reserved_bytes",
+        "nvml_used_bytes",
+        "pcie_tx_bytes_per_s",
+        "pcie_rx_bytes_per_s",
+    ):
         if name in cols:
             series[name] = [r[cols[name]] for r in window]
     if "gpu_allocated_bytes" not in cols:
@@ -524,9 +651,16 @@ def _timeline(run: Run, it: dict, tiers: list[dict]) -> dict:
     for name in ("gpu_reserved_bytes", "nvml_used_bytes"):
         if name in series:
             out.setdefault("gpu_peak_by_phase", {})[name] = {
-                ph: max((v for tt, v in zip(t, series[name]) if v is not None and
-                         any(s[0] == ph and s[1] <= tt <= s[2] for s in phase_spans)), default=None)
-                for ph in PHASES[:3]}
+                ph: max(
+                    (
+                        v
+                        for tt, v in zip(t, series[name])
+                        if v is not None and any(s[0] == ph and s[1] <= tt <= s[2] for s in phase_spans)
+                    ),
+                    default=None,
+                )
+                for ph in PHASES[:3]
+            }
     return out
 
 

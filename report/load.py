@@ -10,6 +10,7 @@ What cannot report is an error naming the directory and what to do: an empty or 
 directory, a record damaged before its last line, a run that stopped before its first complete
 iteration.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,26 +85,31 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
     which on a node of a multi-node run is not 0); :class:`ConfigError` when there is nothing
     to report."""
     if not os.path.lexists(path):
-        raise ConfigError(f"{path} does not exist: give the --run-dir of an `offloadctl train` run (its start "
-                          f"line names it)")
+        raise ConfigError(f"{path} does not exist: give the --run-dir of an `offloadctl train` run (its start line names it)")
     if not os.path.isdir(path):
         raise ConfigError(f"{path} is not a directory: give the --run-dir of an `offloadctl train` run")
     names = os.listdir(path)
     if not names:
-        raise ConfigError(f"{path} is empty: no run recorded there (offloadctl train writes record-rank<R>.jsonl "
-                          f"into its --run-dir)")
+        raise ConfigError(
+            f"{path} is empty: no run recorded there (offloadctl train writes record-rank<R>.jsonl into its --run-dir)"
+        )
     ranks = sorted(int(m.group(1)) for m in (re.fullmatch(r"record-rank(\d+)\.jsonl", n) for n in names) if m)
     if not ranks:
         if any(re.fullmatch(r"telemetry-rank\d+\.jsonl", n) for n in names):
-            raise ConfigError(f"{path} has the engine's telemetry but no record-rank<R>.jsonl: the run was made with "
-                              f"--no-record or by an older offloadctl; run it again to report it")
-        raise ConfigError(f"{path} is not an offloadctl run directory (no record-rank<R>.jsonl among its "
-                          f"{len(names)} entries): give the --run-dir of an `offloadctl train` run")
+            raise ConfigError(
+                f"{path} has the engine's telemetry but no record-rank<R>.jsonl: the run was made with "
+                f"--no-record or by an older offloadctl; run it again to report it"
+            )
+        raise ConfigError(
+            f"{path} is not an offloadctl run directory (no record-rank<R>.jsonl among its "
+            f"{len(names)} entries): give the --run-dir of an `offloadctl train` run"
+        )
     if rank is None:
         rank = ranks[0]
     if rank not in ranks:
-        raise ConfigError(f"{path} has no record of rank {rank} (ranks recorded: {', '.join(map(str, ranks))}): "
-                          f"choose one with --rank")
+        raise ConfigError(
+            f"{path} has no record of rank {rank} (ranks recorded: {', '.join(map(str, ranks))}): choose one with --rank"
+        )
     rec = _load_record(os.path.join(path, f"record-rank{rank}.jsonl"), rank)
     _load_samples(os.path.join(path, f"samples-rank{rank}.jsonl"), rec)
     tel = os.path.join(path, f"telemetry-rank{rank}.jsonl")
@@ -134,8 +140,10 @@ def step_record(d, where: str) -> StepRecord:
     try:
         return StepRecord.from_dict(d)
     except TypeError:  # a required field missing
-        raise ConfigError(f"{where}: a step record without its times (iteration, update_s, read_wait_s, kernel_s, "
-                          f"write_wait_s): the record is damaged") from None
+        raise ConfigError(
+            f"{where}: a step record without its times (iteration, update_s, read_wait_s, kernel_s, "
+            f"write_wait_s): the record is damaged"
+        ) from None
 
 
 class _NotFinite(ValueError):
@@ -163,15 +171,21 @@ def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
         try:
             out.append(json.loads(raw, parse_constant=_not_finite))
         except _NotFinite as e:
-            raise ConfigError(f"{path}:{i}: holds {e.args[0]}, not a number: the record is damaged (offloadctl writes "
-                              f"finite numbers only); fix or remove that line") from None
+            raise ConfigError(
+                f"{path}:{i}: holds {e.args[0]}, not a number: the record is damaged (offloadctl writes "
+                f"finite numbers only); fix or remove that line"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             if i == len(lines) and not complete:
-                notes.append(f"{os.path.basename(path)}: its last line was cut short (the run stopped while writing "
-                             f"it); reported up to the line before")
+                notes.append(
+                    f"{os.path.basename(path)}: its last line was cut short (the run stopped while writing "
+                    f"it); reported up to the line before"
+                )
                 break
-            raise ConfigError(f"{path}:{i}: not a JSON line: the record is damaged (or not offloadctl's); "
-                              f"nothing after a damaged line can be trusted") from None
+            raise ConfigError(
+                f"{path}:{i}: not a JSON line: the record is damaged (or not offloadctl's); "
+                f"nothing after a damaged line can be trusted"
+            ) from None
     return out, len(lines)
 
 
@@ -189,8 +203,10 @@ def _load_record(path: str, rank: int) -> RankRecord:
         raise ConfigError(f"{path} is not an offloadctl record (its first line is not a {RECORD_FORMAT} header)")
     header = values[0]
     if int(header.get("version", 0)) > FORMAT_VERSION:
-        raise ConfigError(f"{path} is record format version {header.get('version')}, newer than this offloadctl "
-                          f"reads ({FORMAT_VERSION}): upgrade offloadctl")
+        raise ConfigError(
+            f"{path} is record format version {header.get('version')}, newer than this offloadctl "
+            f"reads ({FORMAT_VERSION}): upgrade offloadctl"
+        )
     init, iterations, end = None, [], None
     for v in values[1:]:
         kind = v.get("type") if isinstance(v, dict) else None
@@ -203,11 +219,14 @@ def _load_record(path: str, rank: int) -> RankRecord:
         elif kind == "end":
             end = v
     if init is None:
-        raise ConfigError(f"{path}: the run stopped before deepspeed.initialize returned (or never called it): "
-                          f"no iteration to report")
+        raise ConfigError(
+            f"{path}: the run stopped before deepspeed.initialize returned (or never called it): no iteration to report"
+        )
     if not iterations:
-        raise ConfigError(f"{path}: the run recorded no complete iteration (it stopped before its first optimizer "
-                          f"step ended): nothing to report")
+        raise ConfigError(
+            f"{path}: the run recorded no complete iteration (it stopped before its first optimizer "
+            f"step ended): nothing to report"
+        )
     return RankRecord(rank=rank, header=header, init=init, iterations=iterations, end=end, notes=notes)
 
 
@@ -227,4 +246,3 @@ def _load_samples(path: str, rec: RankRecord) -> None:
     width = len(values[0]["columns"])
     rec.samples_header = values[0]
     rec.samples = [r for r in values[1:] if isinstance(r, list) and len(r) == width]
-

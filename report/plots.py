@@ -14,6 +14,7 @@ Labels of knob changes are placed in rows at the top of their axes, each in the 
 it overlaps no other label (measured with the renderer), and the axes grow to make room; they
 carry the gid ``knob-label`` so that tests can check them.
 """
+
 from __future__ import annotations
 
 import io
@@ -30,9 +31,19 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from report.analyze import PHASES, SEGMENT_LABELS, SEGMENTS  # noqa: E402
 
 SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")
-COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "read_wait": "#e15759", "host_lane": "#59a14f",
-          "device_lane": "#76b7b2", "write_wait": "#edc948", "device_wait": "#b07aa1", "update_other": "#9c755f",
-          "outside": "#d3cfcc", "update": "#59a14f", "update_loop": "#8cd17d"}
+COLORS = {
+    "forward": "#4e79a7",
+    "backward": "#f28e2b",
+    "read_wait": "#e15759",
+    "host_lane": "#59a14f",
+    "device_lane": "#76b7b2",
+    "write_wait": "#edc948",
+    "device_wait": "#b07aa1",
+    "update_other": "#9c755f",
+    "outside": "#d3cfcc",
+    "update": "#59a14f",
+    "update_loop": "#8cd17d",
+}
 WIDTH_IN = 11.0
 DPI = 100
 GB = 1e9
@@ -76,14 +87,11 @@ def absent_panels(analysis: dict) -> list[str]:
     series = lambda r: r["timeline"]["series"]  # noqa: E731
     missing(lambda r: "gpu_allocated_bytes" in series(r), "GPU memory: not recorded (no CUDA device)")
     missing(lambda r: "pcie_tx_bytes_per_s" in series(r), "PCIe TX/RX: not recorded (no NVML: no NVIDIA driver or GPU)")
-    missing(lambda r: bool(series(r).get("tier_bytes_per_s")), "tier bandwidth: not recorded (no storage tier on a "
-                                                               "block device)")
+    missing(lambda r: bool(series(r).get("tier_bytes_per_s")), "tier bandwidth: not recorded (no storage tier on a block device)")
     missing(lambda r: "rss_bytes" in series(r), "host RSS and CPU: not recorded (--record-hz 0)")
     missing(_has_bytes, "bytes per parameter: none to count (no storage tier on a block device)")
-    missing(_has_cache, "cache hits and knobs: no engine telemetry (stock DeepSpeed keeps no state in memory "
-                        "across steps)")
-    missing(lambda r: r.get("loss_recorded"), "loss: not recorded (the run was recorded by an offloadctl before "
-                                              "losses were)")
+    missing(_has_cache, "cache hits and knobs: no engine telemetry (stock DeepSpeed keeps no state in memory across steps)")
+    missing(lambda r: r.get("loss_recorded"), "loss: not recorded (the run was recorded by an offloadctl before losses were)")
     return out
 
 
@@ -105,8 +113,17 @@ def place_labels(ax, items: list[tuple[float, str]], *, fontsize: float = 7) -> 
     for x, text in items:
         for row in range(20):
             y = 0.97 - row * LABEL_ROW
-            t = ax.text(x, y, text, transform=trans, fontsize=fontsize, va="top", ha="left", gid=KNOB_LABEL,
-                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+            t = ax.text(
+                x,
+                y,
+                text,
+                transform=trans,
+                fontsize=fontsize,
+                va="top",
+                ha="left",
+                gid=KNOB_LABEL,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
+            )
             box = t.get_window_extent(renderer)
             if box.x1 > ax_box.x1:
                 t.set_ha("right")
@@ -143,14 +160,20 @@ def _ms_or_s(seconds: float) -> str:
 
 # -- breakdown ---------------------------------------------------------------------------------
 
+
 def breakdown(runs: list[dict]):
     """Each run's iterations as stacked bars with their rolling median, cut above a few
     outliers (:func:`outlier_cap`), and under them every run's loss on one axes (the same
     iterations), where a run recorded it."""
     n = len(runs)
     losses = any(r.get("loss_recorded") for r in runs)
-    fig, axes = plt.subplots(n + losses, 1, figsize=(WIDTH_IN, 1.0 + 2.4 * n + 2.0 * losses), squeeze=False,
-                             gridspec_kw={"height_ratios": [2.4] * n + [2.0] * losses})
+    fig, axes = plt.subplots(
+        n + losses,
+        1,
+        figsize=(WIDTH_IN, 1.0 + 2.4 * n + 2.0 * losses),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [2.4] * n + [2.0] * losses},
+    )
     for ax in axes[1:n, 0]:
         ax.sharey(axes[0, 0])
     totals = []
@@ -179,12 +202,22 @@ def breakdown(runs: list[dict]):
         out = [xi for xi, b in zip(x, bottom) if b > top * 1.0001]
         cut = ""
         if out:
-            ax.plot(out, [1.0] * len(out), ls="none", marker="^", color="#c00", ms=4, gid=OUTLIER, clip_on=False,
-                    transform=ax.get_xaxis_transform())  # at the axes' top edge, whatever its limit becomes
+            ax.plot(
+                out,
+                [1.0] * len(out),
+                ls="none",
+                marker="^",
+                color="#c00",
+                ms=4,
+                gid=OUTLIER,
+                clip_on=False,
+                transform=ax.get_xaxis_transform(),
+            )  # at the axes' top edge, whatever its limit becomes
             cut = f"; {len(out)} above {_ms_or_s(top)} cut (\u25b2), the slowest {_ms_or_s(max(bottom))}"
         s = run["summary"]
-        ax.set_title(f"{run['label']}: median iteration {_ms_or_s(s['median_iter_s'])} "
-                     f"({run['status']}){cut}", fontsize=9, loc="left")
+        ax.set_title(
+            f"{run['label']}: median iteration {_ms_or_s(s['median_iter_s'])} ({run['status']}){cut}", fontsize=9, loc="left"
+        )
     axes[0, 0].set_ylim(0, top * 1.08)
     if losses:
         lo = min(i["iteration"] for r in runs for i in r["iterations"])
@@ -198,8 +231,7 @@ def breakdown(runs: list[dict]):
         for ch in run["knob_changes"]:
             ax.axvline(ch["iteration"] - 0.5, **_change_style(ch))
         top = ax.get_ylim()[1] / 1.08
-        _headroom(ax, top, place_labels(ax, [(ch["iteration"] - 0.45, _knob_change_text(ch))
-                                             for ch in run["knob_changes"]]))
+        _headroom(ax, top, place_labels(ax, [(ch["iteration"] - 0.45, _knob_change_text(ch)) for ch in run["knob_changes"]]))
     return fig
 
 
@@ -249,19 +281,30 @@ def _short(v) -> str:
 # -- timeline ----------------------------------------------------------------------------------
 
 ROWS = ("phases", "gpu", "pcie", "tiers", "host")
-ROW_TITLES = {"phases": "", "gpu": "GPU memory (GB)", "pcie": "PCIe (GB/s)", "tiers": "tier bandwidth (MB/s)",
-              "host": "host RSS (GB)"}
+ROW_TITLES = {
+    "phases": "",
+    "gpu": "GPU memory (GB)",
+    "pcie": "PCIe (GB/s)",
+    "tiers": "tier bandwidth (MB/s)",
+    "host": "host RSS (GB)",
+}
 
 
 def timeline_rows(runs: list[dict]) -> list[str]:
     """The timeline's rows that some run recorded (:data:`ROWS` order): a row no run could
     record on this machine (GPU memory, PCIe without a GPU) is one line under the figure
     (:func:`absent_panels`), not an empty plot."""
+
     def has(r, name):
         s = r["timeline"]["series"]
-        return {"phases": True, "gpu": "gpu_allocated_bytes" in s or "nvml_used_bytes" in s,
-                "pcie": "pcie_tx_bytes_per_s" in s, "tiers": bool(s.get("tier_bytes_per_s")),
-                "host": "rss_bytes" in s}[name]
+        return {
+            "phases": True,
+            "gpu": "gpu_allocated_bytes" in s or "nvml_used_bytes" in s,
+            "pcie": "pcie_tx_bytes_per_s" in s,
+            "tiers": bool(s.get("tier_bytes_per_s")),
+            "host": "rss_bytes" in s,
+        }[name]
+
     return [name for name in ROWS if any(has(r, name) for r in runs)]
 
 
@@ -269,8 +312,14 @@ def timeline(runs: list[dict]):
     n = len(runs)
     rows = timeline_rows(runs)
     ratios = {"phases": 0.7, "gpu": 1, "pcie": 1, "tiers": 1.2, "host": 1}
-    fig, axes = plt.subplots(len(rows), n, figsize=(WIDTH_IN, 1.2 + 1.6 * sum(ratios[r] for r in rows)), squeeze=False,
-                             sharex="col", gridspec_kw={"height_ratios": [ratios[r] for r in rows]})
+    fig, axes = plt.subplots(
+        len(rows),
+        n,
+        figsize=(WIDTH_IN, 1.2 + 1.6 * sum(ratios[r] for r in rows)),
+        squeeze=False,
+        sharex="col",
+        gridspec_kw={"height_ratios": [ratios[r] for r in rows]},
+    )
     for c, run in enumerate(runs):
         tl = run["timeline"]
         col = dict(zip(rows, axes[:, c]))
@@ -279,22 +328,39 @@ def timeline(runs: list[dict]):
         s = tl["series"]
         t = s.get("t", [])
         if "gpu" in col:
-            _series(col["gpu"], t, s, [("gpu_allocated_bytes", "torch allocated"), ("gpu_reserved_bytes", "torch reserved"),
-                                       ("nvml_used_bytes", "NVML used")], 1 / GB,
-                    "GPU memory: not recorded\n(no CUDA device in this run)")
+            _series(
+                col["gpu"],
+                t,
+                s,
+                [
+                    ("gpu_allocated_bytes", "torch allocated"),
+                    ("gpu_reserved_bytes", "torch reserved"),
+                    ("nvml_used_bytes", "NVML used"),
+                ],
+                1 / GB,
+                "GPU memory: not recorded\n(no CUDA device in this run)",
+            )
         if "pcie" in col:
-            _series(col["pcie"], t, s, [("pcie_tx_bytes_per_s", "TX (GPU\u2192host)"),
-                                        ("pcie_rx_bytes_per_s", "RX (host\u2192GPU)")],
-                    1 / GB, "PCIe TX/RX: not recorded\n(no NVML in this run)", steps=True)
+            _series(
+                col["pcie"],
+                t,
+                s,
+                [("pcie_tx_bytes_per_s", "TX (GPU\u2192host)"), ("pcie_rx_bytes_per_s", "RX (host\u2192GPU)")],
+                1 / GB,
+                "PCIe TX/RX: not recorded\n(no NVML in this run)",
+                steps=True,
+            )
         tiers = s.get("tier_bytes_per_s") or {}
         if "tiers" in col and tiers:
             for k, (lab, bw) in enumerate(tiers.items()):
                 color = f"C{k}"
                 # A rate covers the sampling interval that ends at its sample: a step drawn backwards.
-                col["tiers"].plot(t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read",
-                                  drawstyle="steps-pre")
-                col["tiers"].plot(t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write",
-                                  drawstyle="steps-pre")
+                col["tiers"].plot(
+                    t, _scale(bw["read_bytes_per_s"], 1e-6), color=color, label=f"{lab} read", drawstyle="steps-pre"
+                )
+                col["tiers"].plot(
+                    t, _scale(bw["write_bytes_per_s"], 1e-6), color=color, ls="--", label=f"{lab} write", drawstyle="steps-pre"
+                )
             col["tiers"].legend(fontsize=7, loc="upper left")
         elif "tiers" in col:
             _absent(col["tiers"], "tier bandwidth: no storage tier\non a block device in this run")
@@ -309,8 +375,12 @@ def timeline(runs: list[dict]):
             twin.tick_params(labelsize=7)
             h1, l1 = col["host"].get_legend_handles_labels()
             h2, l2 = twin.get_legend_handles_labels()
-            twin.legend(h1 + h2, ["host RSS (GB)", "CPU % (process)"] if l1 + l2 == ["RSS", "CPU %"] else l1 + l2,
-                        fontsize=7, loc="upper left")
+            twin.legend(
+                h1 + h2,
+                ["host RSS (GB)", "CPU % (process)"] if l1 + l2 == ["RSS", "CPU %"] else l1 + l2,
+                fontsize=7,
+                loc="upper left",
+            )
         elif "host" in col:
             _absent(col["host"], "host series: not recorded (--record-hz 0)")
         for name, ax in col.items():
@@ -328,8 +398,10 @@ def timeline(runs: list[dict]):
             for ax in drawn:
                 ax.set_ylim(0, top)
     handles = [Patch(color=COLORS[k], alpha=0.35, label=k) for k in PHASES[:3]]
-    handles += [Patch(color=COLORS[k], label=SEGMENT_LABELS.get(k, "update loop (reads, lanes)"))
-                for k in ("update_loop", "read_wait", "host_lane", "write_wait", "device_wait")]
+    handles += [
+        Patch(color=COLORS[k], label=SEGMENT_LABELS.get(k, "update loop (reads, lanes)"))
+        for k in ("update_loop", "read_wait", "host_lane", "write_wait", "device_wait")
+    ]
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     return fig
@@ -386,8 +458,16 @@ def _loss_axes(ax, runs: list[dict], xlim) -> None:
     for k, run in enumerate(runs):
         pts = [(i["iteration"], i["loss"]) for i in run["iterations"] if i.get("loss") is not None]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{k}", lw=1.2 + 0.6 * (k == 0),
-                    ls=("-", "--", ":", "-.")[k % 4], label=run["label"], marker="o" if len(pts) < 30 else None, ms=3)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color=f"C{k}",
+                lw=1.2 + 0.6 * (k == 0),
+                ls=("-", "--", ":", "-.")[k % 4],
+                label=run["label"],
+                marker="o" if len(pts) < 30 else None,
+                ms=3,
+            )
     missing = [r["label"] for r in runs if not r.get("loss_recorded")]
     ax.set_title("loss" + (f" (not recorded in {', '.join(missing)})" if missing else ""), fontsize=9, loc="left")
     ax.set_ylabel("loss")
@@ -448,20 +528,26 @@ def bytes_per_param(runs: list[dict]):
             _absent(ax, "no storage tier on a block device:\nno bytes to count")
         trip = s.get("gradient_round_trip_bytes_per_param")
         if trip:
-            ax.text(0.02, 0.97, f"beyond Adam's 12 B/param of state each way:\n{trip['written']:.1f} written, "
-                    f"{trip['read']:.1f} read back: the fp32\ngradients' round trip through the tier",
-                    transform=ax.transAxes, va="top", fontsize=8,
-                    bbox={"facecolor": "white", "edgecolor": "#bbb", "boxstyle": "round"})
+            ax.text(
+                0.02,
+                0.97,
+                f"beyond Adam's 12 B/param of state each way:\n{trip['written']:.1f} written, "
+                f"{trip['read']:.1f} read back: the fp32\ngradients' round trip through the tier",
+                transform=ax.transAxes,
+                va="top",
+                fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "#bbb", "boxstyle": "round"},
+            )
     axes[0, 0].set_ylabel("bytes/param per iteration")
     handles = [Patch(facecolor=c, label=t) for t, c in tier_colors.items()]
-    handles += [Patch(facecolor="grey", label="read"), Patch(facecolor="grey", hatch="//", edgecolor="white",
-                                                             label="written")]
+    handles += [Patch(facecolor="grey", label="read"), Patch(facecolor="grey", hatch="//", edgecolor="white", label="written")]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     return fig
 
 
 # -- cache hits and knobs ------------------------------------------------------------------------
+
 
 def cache_and_knobs(runs: list[dict]):
     """Per run with engine telemetry: the cache hits and misses per iteration, with the knob
@@ -473,18 +559,22 @@ def cache_and_knobs(runs: list[dict]):
     ratios = []
     for k in knob_rows:
         ratios += [2.2] + [0.8] * k
-    fig, axes = plt.subplots(len(ratios), 1, figsize=(WIDTH_IN, 1.0 + sum(ratios)), squeeze=False,
-                             gridspec_kw={"height_ratios": ratios})
+    fig, axes = plt.subplots(
+        len(ratios), 1, figsize=(WIDTH_IN, 1.0 + sum(ratios)), squeeze=False, gridspec_kw={"height_ratios": ratios}
+    )
     axes = list(axes[:, 0])
     label_axes = []
     for run, k, names in zip(runs, knob_rows, names_of):
-        ax, knob_axes = axes[0], axes[1:1 + k]
-        del axes[:1 + k]
+        ax, knob_axes = axes[0], axes[1 : 1 + k]
+        del axes[: 1 + k]
         its = [i for i in run["iterations"] if "cache" in i]
         if not its:
             ax.set_title(run["label"], fontsize=9, loc="left")
-            _absent(ax, "no engine telemetry in this run (stock DeepSpeed): it keeps no state in memory across steps;\n"
-                        "with NVMe offload (ZeRO-Infinity) every subgroup is swapped in and out at every step")
+            _absent(
+                ax,
+                "no engine telemetry in this run (stock DeepSpeed): it keeps no state in memory across steps;\n"
+                "with NVMe offload (ZeRO-Infinity) every subgroup is swapped in and out at every step",
+            )
             ax.set_xticks([])
             continue
         x = [i["iteration"] for i in its]
@@ -498,8 +588,12 @@ def cache_and_knobs(runs: list[dict]):
             ax.set_title(f"{run['label']}: cache hits, and the knobs that changed", fontsize=9, loc="left")
         else:
             knobs = its[-1].get("knobs") or {}
-            ax.set_title(f"{run['label']}: cache hits; knobs unchanged: " + ", ".join(
-                f"{n} {_short(v)}" for n, v in knobs.items() if v not in ({}, None)), fontsize=9, loc="left")
+            ax.set_title(
+                f"{run['label']}: cache hits; knobs unchanged: "
+                + ", ".join(f"{n} {_short(v)}" for n, v in knobs.items() if v not in ({}, None)),
+                fontsize=9,
+                loc="left",
+            )
         handles, labels = ax.get_legend_handles_labels()
         if len(names) == 1:
             twin = ax.twinx()
@@ -521,8 +615,9 @@ def cache_and_knobs(runs: list[dict]):
     # Labels last, once the layout is fixed: their placement measures them on the final axes.
     for ax, run, top in label_axes:
         ax.set_ylim(0, top * 1.05)
-        _headroom(ax, top * 1.05, place_labels(ax, [(ch["iteration"] - 0.45, _change_reason(ch)[:80])
-                                                    for ch in run["knob_changes"]]))
+        _headroom(
+            ax, top * 1.05, place_labels(ax, [(ch["iteration"] - 0.45, _change_reason(ch)[:80]) for ch in run["knob_changes"]])
+        )
     return fig
 
 
@@ -552,6 +647,7 @@ def _knob_axes(ax, x, values, name: str, twin: bool = False) -> None:
 
 
 # -- comparison ----------------------------------------------------------------------------------
+
 
 def compare(runs: list[dict], comparison: list[dict] | None = None):
     fig, ax = plt.subplots(figsize=(WIDTH_IN, 1.2 + 0.9 * len(runs) + 1.0))

@@ -16,6 +16,7 @@ Per rank, ``record-rank<R>.jsonl`` and ``samples-rank<R>.jsonl`` in the run dire
 written as they happen, so a crashed run keeps everything up to its last full line.
 docs/report.md ("What is recorded") describes every line and field, and what recording costs.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -88,6 +89,7 @@ class RecorderConfig:
 
 # -- each rank's side --------------------------------------------------------------------------
 
+
 def start(config: RecorderConfig, *, script: str, rank: int) -> "Recorder":
     """This rank's recorder, current from now on: its record file opened, its end line written at
     exit with the signal or exception that ended the rank (the bootstrap, which catches the
@@ -140,11 +142,23 @@ class Recorder:
         self._lock = threading.Lock()
         path = os.path.join(config.run_dir, f"record-rank{rank}.jsonl")  # 0600: it holds the script's argv
         self._file = open(path, "w", buffering=1, opener=private_opener)
-        self._write({"type": "header", "format": RECORD_FORMAT, "version": FORMAT_VERSION, "rank": rank,
-                     "world_size": int(os.environ.get("WORLD_SIZE", "1")), "engine": config.engine,
-                     "script": script, "host": socket.gethostname(), "pid": os.getpid(),
-                     "unix_time": time.time(), "clock": "perf_counter", "t0": time.perf_counter(),
-                     "sample_hz": config.sample_hz})
+        self._write(
+            {
+                "type": "header",
+                "format": RECORD_FORMAT,
+                "version": FORMAT_VERSION,
+                "rank": rank,
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "engine": config.engine,
+                "script": script,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "unix_time": time.time(),
+                "clock": "perf_counter",
+                "t0": time.perf_counter(),
+                "sample_hz": config.sample_hz,
+            }
+        )
         self._engine = None
         self._cuda = None
         self._sampler: Sampler | None = None
@@ -188,14 +202,23 @@ class Recorder:
         flat = getattr(opt, "fp16_partitioned_groups_flat_numel", None)
         params_rank = int(sum(flat)) if flat else -(-params_total // world)
         device = getattr(engine, "device", None)
-        init = {"type": "init", "t": round(time.perf_counter(), TIME_DIGITS), "argv": sys.argv[1:], "params_total": params_total,
-                "params_rank": params_rank, "local_world_size": node_layout(world)[0],
-                "zero_stage": _call(engine, "zero_optimization_stage"), "optimizer": type(opt).__name__,
-                "offload_optimizer": _offload(engine, "zero_offload_optimizer"),
-                "offload_param": _offload(engine, "zero_offload_param"),
-                "device": str(device) if device is not None else None, "tiers": tiers,
-                "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
-                "command": launch_command(), "versions": versions()}
+        init = {
+            "type": "init",
+            "t": round(time.perf_counter(), TIME_DIGITS),
+            "argv": sys.argv[1:],
+            "params_total": params_total,
+            "params_rank": params_rank,
+            "local_world_size": node_layout(world)[0],
+            "zero_stage": _call(engine, "zero_optimization_stage"),
+            "optimizer": type(opt).__name__,
+            "offload_optimizer": _offload(engine, "zero_offload_optimizer"),
+            "offload_param": _offload(engine, "zero_offload_param"),
+            "device": str(device) if device is not None else None,
+            "tiers": tiers,
+            "gradient_accumulation_steps": _call(engine, "gradient_accumulation_steps"),
+            "command": launch_command(),
+            "versions": versions(),
+        }
         offload_engine = getattr(opt, "offload_engine", None)
         if offload_engine is not None:
             init["engine_plan"] = offload_engine.describe().to_dict()
@@ -210,9 +233,15 @@ class Recorder:
     def start_sampler(self) -> None:
         """Start the sampler thread (none at ``sample_hz`` 0), once the engine is attached."""
         if self.config.sample_hz > 0 and self._sampler is None:
-            self._sampler = Sampler(os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
-                                    self.config.sample_hz, self._devices, self._cuda, self.config.max_rows,
-                                    fmt=SAMPLES_FORMAT, version=FORMAT_VERSION)
+            self._sampler = Sampler(
+                os.path.join(self.config.run_dir, f"samples-rank{self.rank}.jsonl"),
+                self.config.sample_hz,
+                self._devices,
+                self._cuda,
+                self.config.max_rows,
+                fmt=SAMPLES_FORMAT,
+                version=FORMAT_VERSION,
+            )
             self._sampler.start()
 
     @staticmethod
@@ -367,12 +396,22 @@ class Recorder:
 
     def _close_iteration(self, t_end: float, failed: bool) -> None:
         opt = getattr(self._engine, "optimizer", None)
-        line = {"type": "iteration", "iteration": self._iteration, "t_end": round(t_end, TIME_DIGITS),
-                "spans": self._spans, "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
-                "sums": {k: round(v, TIME_DIGITS) for k, v in self._sums.items()}, "counts": self._counts,
-                "io": self._io, "io_self": self._io_self, "skipped": bool(getattr(opt, "overflow", False)),
-                "failed": failed,
-                "samples": self._samples, "tokens": self._tokens, "loss": self._loss()}
+        line = {
+            "type": "iteration",
+            "iteration": self._iteration,
+            "t_end": round(t_end, TIME_DIGITS),
+            "spans": self._spans,
+            "spans_dropped": max(0, sum(self._counts.values()) - len(self._spans)),
+            "sums": {k: round(v, TIME_DIGITS) for k, v in self._sums.items()},
+            "counts": self._counts,
+            "io": self._io,
+            "io_self": self._io_self,
+            "skipped": bool(getattr(opt, "overflow", False)),
+            "failed": failed,
+            "samples": self._samples,
+            "tokens": self._tokens,
+            "loss": self._loss(),
+        }
         step = self._engine_step.take()
         if step is not None:
             line["engine"] = step.to_dict()
@@ -413,11 +452,21 @@ class Recorder:
         if sampler is not None:
             sampler.stop()
         status = "error" if self.error else "interrupted" if self.stopped_by else "finished"
-        end = {"type": "end", "t": round(time.perf_counter(), TIME_DIGITS), "status": status, "signal": self.stopped_by,
-               "error": self.error, "iterations": self._iteration, "open_spans": len(self._spans)}
+        end = {
+            "type": "end",
+            "t": round(time.perf_counter(), TIME_DIGITS),
+            "status": status,
+            "signal": self.stopped_by,
+            "error": self.error,
+            "iterations": self._iteration,
+            "open_spans": len(self._spans),
+        }
         if sampler is not None:
-            end.update(sampler_rows=sampler.rows, sampler_busy_s=round(sampler.busy_s, TIME_DIGITS),
-                       sampler_interval_s=round(sampler.interval_s, TIME_DIGITS))
+            end.update(
+                sampler_rows=sampler.rows,
+                sampler_busy_s=round(sampler.busy_s, TIME_DIGITS),
+                sampler_interval_s=round(sampler.interval_s, TIME_DIGITS),
+            )
         self._write(end)
         with self._lock:
             if not self._file.closed:
@@ -450,8 +499,8 @@ def launch_command(pid: int | None = None, depth: int = 8) -> list[str] | None:
             return None
         for k, a in enumerate(argv[:4]):
             name = os.path.basename(a)
-            if (name in LAUNCHER_NAMES and (name != "cli.py" or "offloadctl" in a)) and argv[k + 1:k + 2] == ["train"]:
-                return argv[k + 1:]
+            if (name in LAUNCHER_NAMES and (name != "cli.py" or "offloadctl" in a)) and argv[k + 1 : k + 2] == ["train"]:
+                return argv[k + 1 :]
         pid = ppid
     return None
 
@@ -463,8 +512,7 @@ def versions() -> dict[str, str | None]:
     def of(module: str) -> str | None:
         return getattr(sys.modules.get(module), "__version__", None)
 
-    return {"offloadctl": VERSION, "python": sys.version.split()[0], "torch": of("torch"),
-            "deepspeed": of("deepspeed")}
+    return {"offloadctl": VERSION, "python": sys.version.split()[0], "torch": of("torch"), "deepspeed": of("deepspeed")}
 
 
 def _call(obj, name: str):

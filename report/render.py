@@ -1,4 +1,5 @@
 """The report's outputs: PNG files, a self-contained HTML page, a terminal summary, JSON."""
+
 from __future__ import annotations
 
 import base64
@@ -15,36 +16,43 @@ from report.analyze import PHASES, SHARE_GROUPS
 from tuner.knob_text import knobs_text
 
 SECTION_TEXT = {
-    "breakdown": ("Iteration time and loss, per iteration",
-                  "Each bar is one iteration (one optimizer step), stacked by where its time went: forward, backward, "
-                  "the update's parts, and the script's own time between DeepSpeed calls; the black line is the "
-                  "rolling median of the iteration time, which a few slow iterations do not move. Where outliers "
-                  "would flatten the rest, the axis stops at 2.5 times the rolling median and the bars cut there "
-                  "are marked \u25b2. Dashed black lines mark the tuner's knob changes, solid blue ones yours (a "
-                  "pin, unpin or freeze from offloadctl tune, labelled 'you:'), each with what changed. Below, every "
-                  "run's loss (the mean of the iteration's micro-batches): runs that train alike lie on each other."),
-    "timeline": ("One iteration on a time axis",
-                 "The chosen iteration (--iteration, default the median one) of every run: the phases and the "
-                 "update's parts, then GPU memory, PCIe TX/RX, each tier's read (solid) and write (dashed) bandwidth "
-                 "from the kernel's disk counters, and the process's RSS and CPU use, with the phases shaded behind. "
-                 "A row no run could record on this machine (GPU memory and PCIe without a GPU) is left out and "
-                 "named in one line under 'Not recorded on this machine'."),
-    "bytes": ("Bytes per parameter, by phase and tier",
-              "Bytes the run read (solid) and wrote (hatched) on its tiers' devices in each phase of an iteration, "
-              "per parameter (the rank's own storage bytes, mean over the steady iterations, so that the phases add "
-              "up to the total), with what other processes moved on the same devices in grey above them (the "
-              "kernel's device counters less the run's own), and the engine's own count for its "
-              "update. Stock ZeRO-Infinity writes the fp32 "
-              "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
-              "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
-              "offloadctl keeps gradients in memory and leaves the subgroups it updates last in memory for the "
-              "next step: at most 24."),
-    "cache": ("Cache hits and knobs",
-              "Swapped subgroups updated from memory kept since the previous step (the alternating order), against "
-              "those read from storage, per iteration, with the knobs in force; the tuner's changes are dotted "
-              "black lines with its reason, yours (pin, unpin, freeze) solid blue ones labelled 'you:'."),
-    "compare": ("Runs side by side",
-                "Median iteration of every run by segment, with its speed against the first run given."),
+    "breakdown": (
+        "Iteration time and loss, per iteration",
+        "Each bar is one iteration (one optimizer step), stacked by where its time went: forward, backward, "
+        "the update's parts, and the script's own time between DeepSpeed calls; the black line is the "
+        "rolling median of the iteration time, which a few slow iterations do not move. Where outliers "
+        "would flatten the rest, the axis stops at 2.5 times the rolling median and the bars cut there "
+        "are marked \u25b2. Dashed black lines mark the tuner's knob changes, solid blue ones yours (a "
+        "pin, unpin or freeze from offloadctl tune, labelled 'you:'), each with what changed. Below, every "
+        "run's loss (the mean of the iteration's micro-batches): runs that train alike lie on each other.",
+    ),
+    "timeline": (
+        "One iteration on a time axis",
+        "The chosen iteration (--iteration, default the median one) of every run: the phases and the "
+        "update's parts, then GPU memory, PCIe TX/RX, each tier's read (solid) and write (dashed) bandwidth "
+        "from the kernel's disk counters, and the process's RSS and CPU use, with the phases shaded behind. "
+        "A row no run could record on this machine (GPU memory and PCIe without a GPU) is left out and "
+        "named in one line under 'Not recorded on this machine'.",
+    ),
+    "bytes": (
+        "Bytes per parameter, by phase and tier",
+        "Bytes the run read (solid) and wrote (hatched) on its tiers' devices in each phase of an iteration, "
+        "per parameter (the rank's own storage bytes, mean over the steady iterations, so that the phases add "
+        "up to the total), with what other processes moved on the same devices in grey above them (the "
+        "kernel's device counters less the run's own), and the engine's own count for its "
+        "update. Stock ZeRO-Infinity writes the fp32 "
+        "gradients out (4 B/param: DeepSpeed 0.19 buffers them in backward and flushes most at the update's "
+        "first swap-in) and reads them back with the state (16 read, 12 written): about 32 B/param. "
+        "offloadctl keeps gradients in memory and leaves the subgroups it updates last in memory for the "
+        "next step: at most 24.",
+    ),
+    "cache": (
+        "Cache hits and knobs",
+        "Swapped subgroups updated from memory kept since the previous step (the alternating order), against "
+        "those read from storage, per iteration, with the knobs in force; the tuner's changes are dotted "
+        "black lines with its reason, yours (pin, unpin, freeze) solid blue ones labelled 'you:'.",
+    ),
+    "compare": ("Runs side by side", "Median iteration of every run by segment, with its speed against the first run given."),
 }
 SINGLE_RUN_SECTIONS = ("breakdown", "timeline", "bytes", "cache")
 """A one-run report has nothing to put side by side: no compare section."""
@@ -63,31 +71,36 @@ def write_pngs(pngs: dict[str, bytes], directory: str) -> dict[str, str]:
 
 def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
     runs = analysis["runs"]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>offloadctl report</title><style>",
-             "body{font-family:sans-serif;max-width:1150px;margin:1em auto;color:#222}"
-             "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-             "th:first-child,td:first-child{text-align:left}img{max-width:100%}.note{color:#a33}"
-             "p.how{color:#444;font-size:14px}p.verdict{font-size:17px;margin:.3em 0}"
-             ".shares{display:flex;height:26px;margin:.4em 0 .2em;font-size:12px;color:#fff;max-width:1000px}"
-             ".shares div{overflow:hidden;white-space:nowrap;padding:5px 3px;box-sizing:border-box}"
-             ".key span{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}.key{font-size:12px}"
-             ".machine{border:2px solid #c33;background:#fff3f3;padding:6px 10px;margin:.5em 0}"
-             "p.limit{font-size:15px;margin:.3em 0}table.facts td{text-align:left;vertical-align:top;max-width:520px;"
-             "word-break:break-word;font-family:monospace;font-size:12px}ul.absent{color:#666;font-size:13px}"
-             "</style></head><body>",
-             "<h1>offloadctl report</h1>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>offloadctl report</title><style>",
+        "body{font-family:sans-serif;max-width:1150px;margin:1em auto;color:#222}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+        "th:first-child,td:first-child{text-align:left}img{max-width:100%}.note{color:#a33}"
+        "p.how{color:#444;font-size:14px}p.verdict{font-size:17px;margin:.3em 0}"
+        ".shares{display:flex;height:26px;margin:.4em 0 .2em;font-size:12px;color:#fff;max-width:1000px}"
+        ".shares div{overflow:hidden;white-space:nowrap;padding:5px 3px;box-sizing:border-box}"
+        ".key span{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px}.key{font-size:12px}"
+        ".machine{border:2px solid #c33;background:#fff3f3;padding:6px 10px;margin:.5em 0}"
+        "p.limit{font-size:15px;margin:.3em 0}table.facts td{text-align:left;vertical-align:top;max-width:520px;"
+        "word-break:break-word;font-family:monospace;font-size:12px}ul.absent{color:#666;font-size:13px}"
+        "</style></head><body>",
+        "<h1>offloadctl report</h1>",
+    ]
     parts += _html_comparison(analysis)
     for r in runs:
         s = r["summary"]
         status_class = "" if r["status_kind"] == "finished" else " class='note'"
         parts.append(f"<h3>{html.escape(r['label'])}: <span{status_class}>{html.escape(r['status'])}</span></h3>")
         count = extent(r) if r["status_kind"] == "finished" else extent(r).replace(f"; {r['status']}", "")
-        parts.append(f"<p class='verdict'>{html.escape(headline(r))}; {html.escape(count)}<br>"
-                     f"<b>{html.escape(s['verdict'])}</b></p>")
+        parts.append(
+            f"<p class='verdict'>{html.escape(headline(r))}; {html.escape(count)}<br><b>{html.escape(s['verdict'])}</b></p>"
+        )
         parts.append(_html_shares(s["shares"]))
         parts.append(f"<p class='limit' id='limit'>{html.escape(limit_text(s.get('limit')))}</p>")
-        parts.append(f"<p class='how'>{html.escape(r['path'])}, engine {r['engine']}, {_rank_text(r)}, "
-                     f"{r['params_total']:,} parameters</p>")
+        parts.append(
+            f"<p class='how'>{html.escape(r['path'])}, engine {r['engine']}, {_rank_text(r)}, "
+            f"{r['params_total']:,} parameters</p>"
+        )
         for n in r["notes"]:
             parts.append(f"<p class='note'>{html.escape(n)}</p>")
     parts.append("<h2 id='runs'>The runs</h2>")
@@ -102,27 +115,41 @@ def html_page(analysis: dict, pngs: dict[str, bytes]) -> str:
             continue
         title, how = SECTION_TEXT[name]
         b64 = base64.b64encode(data).decode()
-        parts.append(f"<h2 id='{name}'>{title}</h2><p class='how'>{html.escape(how)}</p>"
-                     f"<img alt='{name}' src='data:image/png;base64,{b64}'>")
+        parts.append(
+            f"<h2 id='{name}'>{title}</h2><p class='how'>{html.escape(how)}</p>"
+            f"<img alt='{name}' src='data:image/png;base64,{b64}'>"
+        )
     if absent:
-        parts.append("<h2 id='not-recorded'>Not recorded on this machine</h2><ul class='absent'>"
-                     + "".join(f"<li>{html.escape(a)}</li>" for a in absent) + "</ul>")
+        parts.append(
+            "<h2 id='not-recorded'>Not recorded on this machine</h2><ul class='absent'>"
+            + "".join(f"<li>{html.escape(a)}</li>" for a in absent)
+            + "</ul>"
+        )
     parts.append("<p class='how'>The numbers behind every plot: <code>offloadctl report --json</code>.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-SHARE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "update: read waits": "#e15759",
-                "update: AdamW": "#59a14f", "update: write waits": "#edc948", "update: other": "#9c755f",
-                "outside DeepSpeed": "#bab0ac"}
+SHARE_COLORS = {
+    "forward": "#4e79a7",
+    "backward": "#f28e2b",
+    "update: read waits": "#e15759",
+    "update: AdamW": "#59a14f",
+    "update: write waits": "#edc948",
+    "update: other": "#9c755f",
+    "outside DeepSpeed": "#bab0ac",
+}
 
 
 def _html_shares(shares: list) -> str:
     """The median iteration as one bar of its shares, with a key."""
-    bar = "".join(f"<div style='width:{100 * v:.2f}%;background:{SHARE_COLORS[k]}' title='{html.escape(k)} "
-                  f"{100 * v:.0f}%'>{f'{100 * v:.0f}%' if v >= 0.04 else ''}</div>" for k, v in shares if v > 0)
-    key = "".join(f"<span style='background:{SHARE_COLORS[k]}'></span>{html.escape(k)} {100 * v:.0f}%"
-                  for k, v in shares)
+    bar = "".join(
+        f"<div style='width:{100 * v:.2f}%;background:{SHARE_COLORS[k]}' title='{html.escape(k)} "
+        f"{100 * v:.0f}%'>{f'{100 * v:.0f}%' if v >= 0.04 else ''}</div>"
+        for k, v in shares
+        if v > 0
+    )
+    key = "".join(f"<span style='background:{SHARE_COLORS[k]}'></span>{html.escape(k)} {100 * v:.0f}%" for k, v in shares)
     return f"<div class='shares'>{bar}</div><div class='key'>{key}</div>"
 
 
@@ -170,8 +197,10 @@ def extent(r: dict) -> str:
 
 def _html_table(rows: list[tuple[str, list[str]]], labels: list[str], cls: str = "") -> str:
     head = "<tr><th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in labels) + "</tr>"
-    body = "".join("<tr><th>" + html.escape(name) + "</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals)
-                   + "</tr>" for name, vals in rows)
+    body = "".join(
+        "<tr><th>" + html.escape(name) + "</th>" + "".join(f"<td>{html.escape(v)}</td>" for v in vals) + "</tr>"
+        for name, vals in rows
+    )
     return f"<table{f' class={cls!r}' if cls else ''}>{head}{body}</table>"
 
 
@@ -189,10 +218,16 @@ def comparison_lines(analysis: dict) -> list[tuple[str, str | None]]:
     for c in analysis.get("comparison") or []:
         up = c["phases"]["update"]
         ratio = f"{c['speedup']:.2f}x" if c.get("speedup") else "-"
-        upd = (f"{up['ratio']:.2f}x ({fmt_s(up['base']['median_s'])} vs {fmt_s(up['run']['median_s'])})"
-               if up.get("ratio") else "-")
-        out.append((f"{c['run']} against {c['base']}: iteration {ratio} the speed; the update (the optimizer "
-                    f"step, the engine's phase) {upd}", c.get("machine")))
+        upd = (
+            f"{up['ratio']:.2f}x ({fmt_s(up['base']['median_s'])} vs {fmt_s(up['run']['median_s'])})" if up.get("ratio") else "-"
+        )
+        out.append(
+            (
+                f"{c['run']} against {c['base']}: iteration {ratio} the speed; the update (the optimizer "
+                f"step, the engine's phase) {upd}",
+                c.get("machine"),
+            )
+        )
     return out
 
 
@@ -201,8 +236,10 @@ def _html_comparison(analysis: dict) -> list[str]:
     for line, machine in comparison_lines(analysis):
         out.append(f"<p class='verdict' id='comparison'><b>{html.escape(line)}</b></p>")
         if machine:
-            out.append(f"<div class='machine' id='machine-warning'><b>The machine differed between the runs.</b> "
-                       f"{html.escape(machine)}.</div>")
+            out.append(
+                f"<div class='machine' id='machine-warning'><b>The machine differed between the runs.</b> "
+                f"{html.escape(machine)}.</div>"
+            )
     return out
 
 
@@ -227,21 +264,44 @@ def fact_rows(analysis: dict) -> list[tuple[str, list[str]]]:
             return "not recorded (a rank not started by offloadctl train on this node)"
         return NOT_RECORDED
 
-    rows = [("command line", [cell(r, "command", command) if (r.get("facts") or {}).get("command") is not None
-                              else command_missing(r) for r in analysis["runs"]]),
-            ("options", [cell(r, "options", lambda v: shlex.join(v) or "none")
-                         if (r.get("facts") or {}).get("command") is not None else command_missing(r)
-                         for r in analysis["runs"]]),
-            ("script and its arguments", [shlex.join([(r.get("facts") or {}).get("script") or "?",
-                                                      *((r.get("facts") or {}).get("script_args") or [])])
-                                          for r in analysis["runs"]]),
-            ("optimizer state (tier layout)", [cell(r, "layout") for r in analysis["runs"]]),
-            ("knobs at start", [cell(r, "knobs_at_start", lambda v: knobs_text(v, ", ")) if r["engine"] != "stock"
-                                else "none (DeepSpeed's own optimizer)" for r in analysis["runs"]]),
-            ("versions", [cell(r, "versions", lambda v: ", ".join(f"{k} {x}" for k, x in v.items() if x))
-                          for r in analysis["runs"]]),
-            ("date", [cell(r, "date") for r in analysis["runs"]]),
-            ("host, ranks", [f"{cell(r, 'host')}, {cell(r, 'world_size')}" for r in analysis["runs"]])]
+    rows = [
+        (
+            "command line",
+            [
+                cell(r, "command", command) if (r.get("facts") or {}).get("command") is not None else command_missing(r)
+                for r in analysis["runs"]
+            ],
+        ),
+        (
+            "options",
+            [
+                cell(r, "options", lambda v: shlex.join(v) or "none")
+                if (r.get("facts") or {}).get("command") is not None
+                else command_missing(r)
+                for r in analysis["runs"]
+            ],
+        ),
+        (
+            "script and its arguments",
+            [
+                shlex.join([(r.get("facts") or {}).get("script") or "?", *((r.get("facts") or {}).get("script_args") or [])])
+                for r in analysis["runs"]
+            ],
+        ),
+        ("optimizer state (tier layout)", [cell(r, "layout") for r in analysis["runs"]]),
+        (
+            "knobs at start",
+            [
+                cell(r, "knobs_at_start", lambda v: knobs_text(v, ", "))
+                if r["engine"] != "stock"
+                else "none (DeepSpeed's own optimizer)"
+                for r in analysis["runs"]
+            ],
+        ),
+        ("versions", [cell(r, "versions", lambda v: ", ".join(f"{k} {x}" for k, x in v.items() if x)) for r in analysis["runs"]]),
+        ("date", [cell(r, "date") for r in analysis["runs"]]),
+        ("host, ranks", [f"{cell(r, 'host')}, {cell(r, 'world_size')}" for r in analysis["runs"]]),
+    ]
     return rows
 
 
@@ -296,32 +356,47 @@ def summary_rows(analysis: dict) -> list[tuple[str, list[str]]]:
     if len(runs) > 1:
         row("speed vs the first run", lambda r: f"{r['summary']['speedup_vs_first']:.2f}x")
         ratios = {c["run"]: c["phases"]["update"]["ratio"] for c in analysis.get("comparison") or []}
-        row("update's speed vs the first", lambda r: "1.00x" if r is runs[0] else
-            f"{ratios[r['label']]:.2f}x" if ratios.get(r["label"]) else "-")
-    row("samples/s (all ranks)", lambda r: fmt_rate(r["summary"]["samples_per_s"]) if r["summary"].get("samples_per_s")
-        else "-")
-    row("tokens/s (all ranks)", lambda r: fmt_rate(r["summary"]["tokens_per_s"]) if r["summary"].get("tokens_per_s")
-        else "-")
+        row(
+            "update's speed vs the first",
+            lambda r: "1.00x" if r is runs[0] else f"{ratios[r['label']]:.2f}x" if ratios.get(r["label"]) else "-",
+        )
+    row("samples/s (all ranks)", lambda r: fmt_rate(r["summary"]["samples_per_s"]) if r["summary"].get("samples_per_s") else "-")
+    row("tokens/s (all ranks)", lambda r: fmt_rate(r["summary"]["tokens_per_s"]) if r["summary"].get("tokens_per_s") else "-")
     for name, _ in SHARE_GROUPS:
         row(f"  {name}", lambda r, name=name: _share_cell(r, name))
     row("phases recorded / iteration", lambda r: f"{100 * r['summary']['median_measured_share']:.1f}%")
     for ph in PHASES:
         row(f"disk B/param, {ph}", lambda r, ph=ph: _disk_cell(r["summary"], ph))
     row("disk B/param, iteration", lambda r: _disk_total_cell(r["summary"]))
-    row("gradients' round trip B/param", lambda r: "{written:.1f}w {read:.1f}r".format(
-        **r["summary"]["gradient_round_trip_bytes_per_param"]) if "gradient_round_trip_bytes_per_param" in r["summary"]
-        else "-")
+    row(
+        "gradients' round trip B/param",
+        lambda r: (
+            "{written:.1f}w {read:.1f}r".format(**r["summary"]["gradient_round_trip_bytes_per_param"])
+            if "gradient_round_trip_bytes_per_param" in r["summary"]
+            else "-"
+        ),
+    )
     row("engine's B/param", lambda r: _bpp(r["summary"].get("engine_bytes_per_param")))
-    row("cache hits (of swapped)", lambda r: f"{r['summary']['median_cache_hits']:.0f} of "
-        f"{r['summary']['swapped_subgroups']:.0f}" if r["summary"].get("swapped_subgroups") is not None else "-")
-    row("knob changes", lambda r: knob_changes_text(r["knob_changes"]) if any("knobs" in i for i in r["iterations"])
-        else "-")
+    row(
+        "cache hits (of swapped)",
+        lambda r: (
+            f"{r['summary']['median_cache_hits']:.0f} of {r['summary']['swapped_subgroups']:.0f}"
+            if r["summary"].get("swapped_subgroups") is not None
+            else "-"
+        ),
+    )
+    row("knob changes", lambda r: knob_changes_text(r["knob_changes"]) if any("knobs" in i for i in r["iterations"]) else "-")
     row("fixed knobs (never tuned)", lambda r: fixed_knobs_text(r["summary"].get("fixed_knobs")))
     row("engine host memory, peak", lambda r: host_memory_text(r["summary"].get("host_memory"), kinds=False))
     row("  state/staging/kept/copies", lambda r: host_kinds_text(r["summary"].get("host_memory")))
     row("GPU peak fwd/bwd/update", _gpu_peaks)
-    row("recorder: hooks; sampler CPU", lambda r: f"{100 * (r['recorder']['hooks_share'] or 0):.2f}%; "
-        + (f"{r['recorder']['sampler_busy_s']:.2f} s" if r["recorder"]["sampler_busy_s"] is not None else "-"))
+    row(
+        "recorder: hooks; sampler CPU",
+        lambda r: (
+            f"{100 * (r['recorder']['hooks_share'] or 0):.2f}%; "
+            + (f"{r['recorder']['sampler_busy_s']:.2f} s" if r["recorder"]["sampler_busy_s"] is not None else "-")
+        ),
+    )
     return rows
 
 
@@ -332,8 +407,11 @@ def knob_changes_text(changes: list[dict]) -> str:
     by: dict[str, int] = {}
     for ch in changes:
         by[ch.get("by") or "unknown"] = by.get(ch.get("by") or "unknown", 0) + 1
-    return f"{len(changes)} (" + ", ".join(f"{n} by {who}" if who != "unknown" else f"{n} unattributed"
-                                           for who, n in by.items()) + ")"
+    return (
+        f"{len(changes)} ("
+        + ", ".join(f"{n} by {who}" if who != "unknown" else f"{n} unattributed" for who, n in by.items())
+        + ")"
+    )
 
 
 def host_kinds_text(hm: dict | None) -> str:
@@ -380,7 +458,7 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
     width = min(console.width, 100)
 
     def say(text: str, style: str = "") -> None:
-        lead = text[:len(text) - len(text.lstrip())]
+        lead = text[: len(text) - len(text.lstrip())]
         for line in textwrap.wrap(text, width, initial_indent="", subsequent_indent=lead + "  ", break_on_hyphens=False):
             console.print(line, style=style, markup=False, highlight=False, soft_wrap=True)
 
@@ -395,9 +473,12 @@ def print_summary(analysis: dict, console: Console | None = None) -> None:
         say(line, "bold")
         if machine:
             say(f"warning: {machine}", "yellow")
-    t = Table("", *[r["label"] for r in analysis["runs"]],
-              title="the median iteration (B/param: mean of steady iterations; disk: the run's own, others: other "
-                    "processes on the same devices)")
+    t = Table(
+        "",
+        *[r["label"] for r in analysis["runs"]],
+        title="the median iteration (B/param: mean of steady iterations; disk: the run's own, others: other "
+        "processes on the same devices)",
+    )
     for name, vals in summary_rows(analysis):
         t.add_row(name, *vals)
     console.print(t)

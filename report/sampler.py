@@ -4,6 +4,7 @@ fixed rate into ``samples-rank<R>.jsonl`` (the format is :mod:`report.recorder`'
 Series that cannot be measured are left out of the header's columns, not written as zeros; past
 ``max_rows`` rows the interval doubles, so a long run's file grows with the logarithm of its length.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ class Sampler(threading.Thread):
 
     FLUSH_S = 1.0
 
-    def __init__(self, path: str, hz: float, devices: list[str], cuda_device, max_rows: int, *, fmt: str,
-                 version: int) -> None:
+    def __init__(self, path: str, hz: float, devices: list[str], cuda_device, max_rows: int, *, fmt: str, version: int) -> None:
         """``fmt`` and ``version``: the header's, owned by the recorder that reads them back."""
         super().__init__(name="offloadctl-recorder", daemon=True)
         self.interval_s = 1.0 / hz
@@ -46,10 +46,23 @@ class Sampler(threading.Thread):
             columns += ["nvml_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"]
         self.columns = columns
         self._file = open(path, "w", opener=private_opener)  # 0600, whatever the run dir's mode
-        self._file.write(json.dumps({"type": "header", "format": fmt, "version": version,
-                                     "columns": columns, "hz": hz, "max_rows": max_rows,
-                                     "clock": "perf_counter", "t0": time.perf_counter(),
-                                     "gpu": cuda_device is not None, "nvml": self._nvml is not None}) + "\n")
+        self._file.write(
+            json.dumps(
+                {
+                    "type": "header",
+                    "format": fmt,
+                    "version": version,
+                    "columns": columns,
+                    "hz": hz,
+                    "max_rows": max_rows,
+                    "clock": "perf_counter",
+                    "t0": time.perf_counter(),
+                    "gpu": cuda_device is not None,
+                    "nvml": self._nvml is not None,
+                }
+            )
+            + "\n"
+        )
         self._file.flush()
         self._cpu = (time.perf_counter(), _cpu_s())
 
@@ -129,9 +142,11 @@ class Sampler(threading.Thread):
             n, h = self._nvml
             try:
                 # NVML reports PCIe throughput in KB/s, over its last 20 ms.
-                row += [int(n.nvmlDeviceGetMemoryInfo(h).used),
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024,
-                        n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024]
+                row += [
+                    int(n.nvmlDeviceGetMemoryInfo(h).used),
+                    n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024,
+                    n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024,
+                ]
             except Exception:
                 row += [None, None, None]
         return row

@@ -4,6 +4,7 @@ Tests never touch the user's state: before any test module is imported, this pro
 process it starts) gets its own state, config and runtime directories, so no test reads or writes
 the user's tuner history, profiles, daemon registry or default socket.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -15,9 +16,12 @@ from pathlib import Path
 import pytest
 
 _STATE = tempfile.mkdtemp(prefix="offloadctl-tests-")
-ISOLATED_ENV = {"XDG_STATE_HOME": os.path.join(_STATE, "state"), "XDG_CONFIG_HOME": os.path.join(_STATE, "config"),
-                "XDG_RUNTIME_DIR": os.path.join(_STATE, "runtime"),
-                "OFFLOADCTL_PROFILE_DIR": os.path.join(_STATE, "config", "offloadctl", "profiles")}
+ISOLATED_ENV = {
+    "XDG_STATE_HOME": os.path.join(_STATE, "state"),
+    "XDG_CONFIG_HOME": os.path.join(_STATE, "config"),
+    "XDG_RUNTIME_DIR": os.path.join(_STATE, "runtime"),
+    "OFFLOADCTL_PROFILE_DIR": os.path.join(_STATE, "config", "offloadctl", "profiles"),
+}
 for _d in ISOLATED_ENV.values():
     os.makedirs(_d, mode=0o700, exist_ok=True)
 os.environ.update(ISOLATED_ENV)

@@ -19,6 +19,7 @@ curves) and read from there by :meth:`DSRuns.reference` where it was made with w
 has; elsewhere that stock run is launched live. The stock runs of every dtype and rank count
 (:func:`baseline`) always run live.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,14 +50,39 @@ SAVE = ("--save-at", "3", "--ckpt-dir", "{dir}/ckpt")
 # what does not fit); the device lane takes one of the other two, swapped, one of them read each
 # step. With two ranks each holds half of every parameter: a 20 kB tier holds the first two, the
 # lane the rest.
-LANE_ON_CPU = ("--lane-device", "cpu", "--device-cache", "30kB", "--device-fraction", "0.5", "--prefetch-depth", "0",
-               "--tuner", "off")
-LANE_ON_CPU_2 = ("--lane-device", "cpu", "--device-cache", "20kB", "--device-fraction", "1.0", "--prefetch-depth", "0",
-                 "--tuner", "off")
+LANE_ON_CPU = (
+    "--lane-device",
+    "cpu",
+    "--device-cache",
+    "30kB",
+    "--device-fraction",
+    "0.5",
+    "--prefetch-depth",
+    "0",
+    "--tuner",
+    "off",
+)
+LANE_ON_CPU_2 = (
+    "--lane-device",
+    "cpu",
+    "--device-cache",
+    "20kB",
+    "--device-fraction",
+    "1.0",
+    "--prefetch-depth",
+    "0",
+    "--tuner",
+    "off",
+)
 TWO_PATHS = ("--nvme", "{dir}/nvme1", "--host-cache", "0")
 """State split over two paths, none in host memory."""
-LAYOUTS = {"nvme-and-host": (), "all-nvme": ("--host-cache", "0"), "lane-on-cpu": LANE_ON_CPU,
-           "all-host": ("--host-cache", "1GB"), "two-paths": TWO_PATHS}
+LAYOUTS = {
+    "nvme-and-host": (),
+    "all-nvme": ("--host-cache", "0"),
+    "lane-on-cpu": LANE_ON_CPU,
+    "all-host": ("--host-cache", "1GB"),
+    "two-paths": TWO_PATHS,
+}
 """Where the state lives in :func:`ours` runs, by name (``opts``)."""
 
 
@@ -95,8 +121,7 @@ class Launch:
     def argv(self, run_dir: str, port: str, ckpt_dir: str = "{ckpt}") -> list[str]:
         fill = lambda args: [a.replace("{dir}", run_dir).replace("{ckpt}", ckpt_dir) for a in args]  # noqa: E731
         launcher = ["--num_gpus", str(self.ranks), "--master_port", port]
-        tail = [self.script, *(["--losses-out", f"{run_dir}/losses.jsonl"] if self.losses_out else []),
-                *fill(self.script_args)]
+        tail = [self.script, *(["--losses-out", f"{run_dir}/losses.jsonl"] if self.losses_out else []), *fill(self.script_args)]
         if self.who == "stock":
             return [sys.executable, "-m", "deepspeed.launcher.runner", *launcher, *tail]
         return [sys.executable, "-m", "offloadctl.cli", "train", *launcher, *fill(self.opts), *tail]
@@ -131,8 +156,13 @@ class Launch:
         return given.replace("{dir}", run_dir)
 
 
-GPT_RECORDED = Launch("ours", 1, ("--steps", "5", "--batch", "8"), script=GPT, opts=(
-    "--nvme", "{dir}/nvme", "--tuner", "off", "--read-ahead", "0", "--prefetch-depth", "0", "--run-dir", "{dir}/ours"))
+GPT_RECORDED = Launch(
+    "ours",
+    1,
+    ("--steps", "5", "--batch", "8"),
+    script=GPT,
+    opts=("--nvme", "{dir}/nvme", "--tuner", "off", "--read-ahead", "0", "--prefetch-depth", "0", "--run-dir", "{dir}/ours"),
+)
 """The example GPT script under ``offloadctl train``, all state on an NVMe path, recorded: the run
 the report and the end-of-run summary are read from. No read-ahead budget and prefetch 0: the 3
 staging buffers hold fewer subgroups than the model has, so each step reads state back from the
@@ -142,8 +172,7 @@ path (the report's read rows are then not empty)."""
 def stock(ranks: int = 1, *script_args: str, script: str = TINY, ckpt: Checkpoint | None = None) -> Launch:
     """Stock DeepSpeed on a test script, as ``accelerate launch --use_deepspeed`` would set it up
     (plain DeepSpeed scripts ignore the variable)."""
-    return Launch("stock", ranks, tuple(script_args), script=script, env=(("ACCELERATE_USE_DEEPSPEED", "true"),),
-                  ckpt=ckpt)
+    return Launch("stock", ranks, tuple(script_args), script=script, env=(("ACCELERATE_USE_DEEPSPEED", "true"),), ckpt=ckpt)
 
 
 def baseline(ranks: int, dtype: str) -> Launch:
@@ -152,8 +181,9 @@ def baseline(ranks: int, dtype: str) -> Launch:
     return stock(ranks, "--dtype", dtype, *SAVE)
 
 
-def ours(ranks: int = 1, *script_args: str, opts: tuple[str, ...] = (), script: str = TINY,
-         ckpt: Checkpoint | None = None) -> Launch:
+def ours(
+    ranks: int = 1, *script_args: str, opts: tuple[str, ...] = (), script: str = TINY, ckpt: Checkpoint | None = None
+) -> Launch:
     """``offloadctl train`` with the state on ``{dir}/nvme`` past a 2 kB host cache (``opts`` come
     after, so they can override it), recording into ``{dir}/run``."""
     base = ("--nvme", "{dir}/nvme", "--host-cache", TINY_CACHE, "--run-dir", "{dir}/run")
@@ -168,15 +198,36 @@ def resumed_stock(ranks: int, dtype: str, saved_ranks: int, *extra: str, univers
     """Stock DeepSpeed resuming from the checkpoint of stock's :func:`baseline` of ``saved_ranks``
     (converted to a universal checkpoint first where ``universal``): a reference that is a fixed
     function of the script and seed, kept golden."""
-    return stock(ranks, "--dtype", dtype, "--resume", "{ckpt}", *(UNIVERSAL if universal else ()), *extra,
-                 ckpt=Checkpoint(baseline(saved_ranks, dtype), universal))
+    return stock(
+        ranks,
+        "--dtype",
+        dtype,
+        "--resume",
+        "{ckpt}",
+        *(UNIVERSAL if universal else ()),
+        *extra,
+        ckpt=Checkpoint(baseline(saved_ranks, dtype), universal),
+    )
 
 
 def to_universal(ckpt_dir: str) -> None:
     """DeepSpeed's ds_to_universal on ``ckpt_dir``'s tag ``ckpt``, into its tag ``universal``."""
-    p = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        f"{ckpt_dir}/ckpt", "--output_folder", f"{ckpt_dir}/universal"], capture_output=True,
-                       text=True, timeout=300, env=env_with_root(), cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            f"{ckpt_dir}/ckpt",
+            "--output_folder",
+            f"{ckpt_dir}/universal",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env_with_root(),
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
 
@@ -200,8 +251,11 @@ class Finished:
         if self.returncode == EXIT_ABORT_RC and self.launch.who == "stock" and EXIT_ABORT in self.stdout + self.stderr:
             finished = self.stdout.count("train_tiny: rank ") if self.launch.script == TINY else 0
             if finished == self.launch.ranks:
-                warnings.warn(f"{self.dir.name}: stock DeepSpeed aborted at exit after every rank finished "
-                              f"({EXIT_ABORT!r}); its results are complete and used", stacklevel=2)
+                warnings.warn(
+                    f"{self.dir.name}: stock DeepSpeed aborted at exit after every rank finished "
+                    f"({EXIT_ABORT!r}); its results are complete and used",
+                    stacklevel=2,
+                )
                 return self
         assert self.returncode == 0, f"{self.launch}:\n{self.stderr[-3000:]}"
         return self
@@ -243,8 +297,15 @@ def launch(spec: Launch, run_dir: Path, *, timeout: float = LAUNCH_TIMEOUT_S, ck
     env = dict(env_with_root(), **dict(spec.env))
     # A session of its own: a run past its time is killed whole (launcher, per-node launcher and
     # ranks), not only the process started here, which would leave the ranks on their port.
-    p = subprocess.Popen(spec.argv(str(run_dir), port, ckpt_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env, cwd=ROOT, start_new_session=True)
+    p = subprocess.Popen(
+        spec.argv(str(run_dir), port, ckpt_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -290,11 +351,15 @@ def made_with(spec: Launch) -> dict:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     with open(spec.script, "rb") as f:
         script = hashlib.sha256(f.read()).hexdigest()[:16]
-    return {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_flags": sorted(set(flags) & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16",
-                                              "amx_bf16", "amx_tile"}),
-            "script": f"{os.path.relpath(spec.script, ROOT)} {script}"}
+    return {
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": sorted(
+            set(flags) & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}
+        ),
+        "script": f"{os.path.relpath(spec.script, ROOT)} {script}",
+    }
 
 
 def golden(spec: Launch) -> tuple[Finished | None, str]:
@@ -335,9 +400,17 @@ class DSRuns:
                 if run_dir.exists():  # a worker that died mid-run left it: start over
                     shutil.rmtree(run_dir)
                 done = launch(spec, run_dir, ckpt_dir=ckpt_dir)
-                result.write_text(json.dumps({"returncode": done.returncode, "stdout": done.stdout,
-                                              "stderr": done.stderr, "port": done.port,
-                                              "argv": spec.argv(str(run_dir), done.port, ckpt_dir)}))
+                result.write_text(
+                    json.dumps(
+                        {
+                            "returncode": done.returncode,
+                            "stdout": done.stdout,
+                            "stderr": done.stderr,
+                            "port": done.port,
+                            "argv": spec.argv(str(run_dir), done.port, ckpt_dir),
+                        }
+                    )
+                )
         self._done[spec] = done
         return done
 

@@ -14,6 +14,7 @@ the engine runs its CUDA code path (uploads through staging, gradients copied in
 state) and the test checks what each wait orders. Safe to use from several threads (the host
 lane's): the stream a thread made current is its own, and every operation holds one lock.
 """
+
 from __future__ import annotations
 
 import contextlib

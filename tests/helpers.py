@@ -1,6 +1,7 @@
 """Helpers the tests share (conftest.py keeps the fixtures): reference runs against
 torch.optim.AdamW fed the same gradients, the ``offloadctl`` command in a child process, free
 ports, mounts, polling, and skip marks. Training runs of the test scripts are in ``ds_runs.py``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -52,15 +53,23 @@ def env_with_root(**extra: str) -> dict:
 
 def cli(*args: str, timeout: float = 600, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     """``offloadctl ARGS`` in a child process from the checkout's root, output captured."""
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or env_with_root(), cwd=ROOT, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or env_with_root(),
+        cwd=ROOT,
+        **kw,
+    )
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     """Layers of poor arithmetic density and odd sizes, so subgroup edges cut through params."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.Linear(53, 29, bias=False),
-                               torch.nn.Linear(29, 11))
+    return torch.nn.Sequential(
+        torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.Linear(53, 29, bias=False), torch.nn.Linear(29, 11)
+    )
 
 
 def feed_same_grads(models_opts, steps: int, seed: int = 1, skip=None, scale: float = 1.0, grad_dtype=None):
@@ -85,8 +94,9 @@ def feed_same_grads(models_opts, steps: int, seed: int = 1, skip=None, scale: fl
 
 def assert_params_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.detach().float(), pb.detach().float(), rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            pa.detach().float(), pb.detach().float(), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def reference_pair(opt_factory, steps: int = 4, *, model_fn=make_model, ref_kwargs=None, **feed):
@@ -142,18 +152,28 @@ def registered_run(run_dir: str, run_id: str, nvme: str, iterations: int = 4, *,
     from tuner.protocol import Connection
 
     sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
+    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
     assert rank.connected.wait(20)
     for i in range(iterations):
-        rank.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05,
-                               path_bytes_read={nvme: 20_000_000}, path_bytes_written={nvme: 10_000_000},
-                               **({"knobs": Knobs().to_dict()} if with_knobs else {})), iter_time_s=0.5)
+        rank.report(
+            StepRecord(
+                iteration=i,
+                update_s=0.2,
+                read_wait_s=0.05,
+                kernel_s=0.1,
+                write_wait_s=0.05,
+                path_bytes_read={nvme: 20_000_000},
+                path_bytes_written={nvme: 10_000_000},
+                **({"knobs": Knobs().to_dict()} if with_knobs else {}),
+            ),
+            iter_time_s=0.5,
+        )
 
     def reported() -> bool:
         with Connection(sock) as c:
-            return any(r["iteration"] == iterations - 1 and r["run_id"] == run_id
-                       for r in c.request("snapshot", history=0)["runs"])
+            return any(
+                r["iteration"] == iterations - 1 and r["run_id"] == run_id for r in c.request("snapshot", history=0)["runs"]
+            )
 
     wait_for(reported, 20, f"{run_id}'s telemetry")
     return sock, stop, rank

@@ -9,6 +9,7 @@ A copy (``tests/data/golden/NAME``: the files of ``ds_runs.GOLDEN_FILES`` the ru
 tests find DeepSpeed, torch, the CPU's instruction set and the script as they were (ds_runs.golden);
 elsewhere the tests run that stock run live. Make them again after changing any of those.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def main() -> int:
             name = spec.golden_name()
             if args.missing and golden(spec)[0] is not None:
                 continue
-            print(f"[{i + 1}/{len(GOLDEN)}] {name}: {' '.join(spec.script_args)} ({os.path.basename(spec.script)}, "
-                  f"{spec.ranks} rank{'s' * (spec.ranks > 1)})", flush=True)
+            print(
+                f"[{i + 1}/{len(GOLDEN)}] {name}: {' '.join(spec.script_args)} ({os.path.basename(spec.script)}, "
+                f"{spec.ranks} rank{'s' * (spec.ranks > 1)})",
+                flush=True,
+            )
             run = runs.get(spec).ok()
             if args.check:
                 kept, why = golden(spec)
@@ -67,11 +71,21 @@ def main() -> int:
             for f in GOLDEN_FILES:
                 if (run.dir / f).exists():
                     shutil.copy(run.dir / f, out / f)
-            (out / "golden.json").write_text(json.dumps({
-                "command": spec.argv("{dir}", "{port}"), "made_with": made_with(spec),
-                "ckpt": None if spec.ckpt is None else {"saver": spec.ckpt.saver.golden_name(),
-                                                        "universal": spec.ckpt.universal},
-                "made_by": "tests/make_golden.py", "stdout": run.stdout[-2000:]}, indent=1) + "\n")
+            (out / "golden.json").write_text(
+                json.dumps(
+                    {
+                        "command": spec.argv("{dir}", "{port}"),
+                        "made_with": made_with(spec),
+                        "ckpt": None
+                        if spec.ckpt is None
+                        else {"saver": spec.ckpt.saver.golden_name(), "universal": spec.ckpt.universal},
+                        "made_by": "tests/make_golden.py",
+                        "stdout": run.stdout[-2000:],
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
     return 1 if failed else 0
 
 

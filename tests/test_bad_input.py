@@ -1,4 +1,5 @@
 """Bad paths, full disks, corrupt files and bad values: clear errors, no lost state."""
+
 from __future__ import annotations
 
 import ctypes
@@ -113,8 +114,9 @@ def test_disk_filling_mid_run_keeps_state():
 def test_corrupt_swap_file_is_an_error(damage, backend, swap_dir):
     # Three staging buffers for six subgroups: after flush() the writes behind the last step have
     # landed, nothing more is read ahead, and three subgroups are on disk only.
-    model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, swap_dir, io_backend=backend, prefetch_depth=0,
-                                                             read_ahead_bytes=0), 2)
+    model, opt, ref, ref_opt = reference_pair(
+        lambda m: _opt(m, swap_dir, io_backend=backend, prefetch_depth=0, read_ahead_bytes=0), 2
+    )
     opt.flush()
     sg = next(s for s in opt.engine.subgroups if s.staged is None and not s.fresh)
     with open(sg.file.filename, "r+b") as f:
@@ -173,6 +175,7 @@ def test_load_state_of_another_model(swap_dir):
 
 # -- lifecycle: swap files never outlive their run ----------------------------------------------
 
+
 def _swap_files(d):
     return glob.glob(os.path.join(d, "offloadctl-swap-*", "*", "*.swp"))
 
@@ -200,8 +203,11 @@ print("stepped", flush=True)
 """
 
 
-@pytest.mark.parametrize("end,left_behind", [("", False), ("raise SystemExit(3)", False),
-                                             ("os.kill(os.getpid(), 9)", True)], ids=["exit", "error-exit", "sigkill"])
+@pytest.mark.parametrize(
+    "end,left_behind",
+    [("", False), ("raise SystemExit(3)", False), ("os.kill(os.getpid(), 9)", True)],
+    ids=["exit", "error-exit", "sigkill"],
+)
 @pytest.mark.slow
 def test_swap_files_removed_at_exit_or_next_start(end, left_behind, swap_dir):
     code = _CHILD.format(tests=os.path.dirname(__file__), d=swap_dir, end=end)
@@ -240,8 +246,32 @@ def test_save_is_atomic(swap_dir, tmp_path):
 
 # -- sizes on the command line: one line naming the flag, exit 2, no traceback -----------------
 
-@pytest.mark.parametrize("text", ["", " ", "-1GB", "-0.5", "nan", "NaN GB", "inf", "infGB", "4X", "4GBs", "4 G B",
-                                  "GB", "1..2GB", "0x10GB", "1,5GB", "64", "1.5", "1e400GB", "2000000TB", "9" * 400])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        " ",
+        "-1GB",
+        "-0.5",
+        "nan",
+        "NaN GB",
+        "inf",
+        "infGB",
+        "4X",
+        "4GBs",
+        "4 G B",
+        "GB",
+        "1..2GB",
+        "0x10GB",
+        "1,5GB",
+        "64",
+        "1.5",
+        "1e400GB",
+        "2000000TB",
+        "9" * 400,
+    ],
+)
 def test_bad_sizes_are_one_line_config_errors(text):
     from engine.units import parse_size
 
@@ -260,23 +290,38 @@ def test_bad_deprecated_sizes_name_the_old_flag(text):
         parse_size(text, flag="--host-cache-gb", bare_unit="GB")
 
 
-@pytest.mark.parametrize("args,expect", [
-    (["train", "--host-cache", "64", "SCRIPT"], "--host-cache '64' has no unit"),
-    (["train", "--host-cache=-1GB", "SCRIPT"], "--host-cache '-1GB' is negative"),
-    (["train", "--device-cache", "8XB", "SCRIPT"], "--device-cache '8XB' is not a size"),
-    (["train", "--host-cache-gb", "nan", "SCRIPT"], "--host-cache-gb 'nan' is not a size"),
-    (["plan", "--profile", "PROFILE", "--params", "7B", "--host-memory", "1.5"], "--host-memory '1.5' has no unit"),
-    (["plan", "--profile", "PROFILE", "--params", "7B", "--gpu-headroom", "nan"], "--gpu-headroom 'nan' is not"),
-    (["profile", "save", "x", "--output", "OUT", "--io-size", "16"], "--io-size '16' has no unit"),
-    (["profile", "save", "x", "--output", "OUT", "--io-bytes", "16Q"], "--io-bytes '16Q' is not a size"),
-], ids=["train-bare", "train-negative", "train-unit", "train-old-nan", "plan-bare", "plan-nan", "profile-bare",
-        "profile-old-unit"])
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["train", "--host-cache", "64", "SCRIPT"], "--host-cache '64' has no unit"),
+        (["train", "--host-cache=-1GB", "SCRIPT"], "--host-cache '-1GB' is negative"),
+        (["train", "--device-cache", "8XB", "SCRIPT"], "--device-cache '8XB' is not a size"),
+        (["train", "--host-cache-gb", "nan", "SCRIPT"], "--host-cache-gb 'nan' is not a size"),
+        (["plan", "--profile", "PROFILE", "--params", "7B", "--host-memory", "1.5"], "--host-memory '1.5' has no unit"),
+        (["plan", "--profile", "PROFILE", "--params", "7B", "--gpu-headroom", "nan"], "--gpu-headroom 'nan' is not"),
+        (["profile", "save", "x", "--output", "OUT", "--io-size", "16"], "--io-size '16' has no unit"),
+        (["profile", "save", "x", "--output", "OUT", "--io-bytes", "16Q"], "--io-bytes '16Q' is not a size"),
+    ],
+    ids=[
+        "train-bare",
+        "train-negative",
+        "train-unit",
+        "train-old-nan",
+        "plan-bare",
+        "plan-nan",
+        "profile-bare",
+        "profile-old-unit",
+    ],
+)
 def test_bad_size_on_the_command_line_is_one_line_exit_2(args, expect, tmp_path):
     script = tmp_path / "script.py"
     script.write_text("pass\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subst = {"SCRIPT": str(script), "PROFILE": os.path.join(root, "profiles", "example-cpu-vm.toml"),
-             "OUT": str(tmp_path / "p.toml")}
+    subst = {
+        "SCRIPT": str(script),
+        "PROFILE": os.path.join(root, "profiles", "example-cpu-vm.toml"),
+        "OUT": str(tmp_path / "p.toml"),
+    }
     r = cli(*(subst.get(a, a) for a in args), timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()

@@ -1,5 +1,6 @@
 """bench/io_overlap.py and bench/zi_aio_sweep.py: the floor and the goals from hand-made figures, the
 sweep's choice read back (or refused), the sweep's pick and log parsing, and no root: a skip, exit 0."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -76,10 +77,22 @@ def test_goals_use_the_no_overlap_compute_and_the_tuned_anchor(bench):
 
 
 def test_summary_takes_iterations_three_on_and_the_median_over_rounds(bench):
-    runs = [{"iter_s": [9.0, 9.0, 3.0, 3.2, 3.1], "step_s": [5.0, 5.0, 1.0, 1.1, 1.2],
-             "tier_bytes_read": {"nvme": 100}, "tier_bytes_written": {"nvme": 50}, "read_ahead_bytes": None},
-            {"iter_s": [9.0, 9.0, 2.0, 2.0, 2.0], "step_s": [5.0, 5.0, 0.5, 0.5, 0.5],
-             "tier_bytes_read": {"nvme": 300, "pfs": 10}, "tier_bytes_written": {"nvme": 70}, "read_ahead_bytes": 64}]
+    runs = [
+        {
+            "iter_s": [9.0, 9.0, 3.0, 3.2, 3.1],
+            "step_s": [5.0, 5.0, 1.0, 1.1, 1.2],
+            "tier_bytes_read": {"nvme": 100},
+            "tier_bytes_written": {"nvme": 50},
+            "read_ahead_bytes": None,
+        },
+        {
+            "iter_s": [9.0, 9.0, 2.0, 2.0, 2.0],
+            "step_s": [5.0, 5.0, 0.5, 0.5, 0.5],
+            "tier_bytes_read": {"nvme": 300, "pfs": 10},
+            "tier_bytes_written": {"nvme": 70},
+            "read_ahead_bytes": 64,
+        },
+    ]
     s = bench.summarize(runs)
     assert s["rounds_iter_s"] == [3.1, 2.0]
     assert s["iter_s"] == pytest.approx(2.55) and s["step_s"] == pytest.approx((1.1 + 0.5) / 2)
@@ -90,8 +103,20 @@ def test_summary_takes_iterations_three_on_and_the_median_over_rounds(bench):
 
 def test_the_sweep_choice_is_read_back_and_a_bad_one_refused(bench, tmp_path):
     good = tmp_path / "sweep.json"
-    good.write_text(json.dumps({"choice": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2,
-                                           "buffer_count": 8, "single_submit": False}, "points": []}))
+    good.write_text(
+        json.dumps(
+            {
+                "choice": {
+                    "block_size": 262144,
+                    "queue_depth": 16,
+                    "intra_op_parallelism": 2,
+                    "buffer_count": 8,
+                    "single_submit": False,
+                },
+                "points": [],
+            }
+        )
+    )
     setting, source = bench.load_zi_aio(str(good))
     assert setting == {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2, "buffer_count": 8}
     assert source.startswith("tuned")
@@ -101,9 +126,13 @@ def test_the_sweep_choice_is_read_back_and_a_bad_one_refused(bench, tmp_path):
     assert setting == {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "buffer_count": 16}
     assert "defaults" in source and "untuned" in source
     bad = tmp_path / "bad.json"
-    for text in ("{", json.dumps({"points": []}), json.dumps({"choice": {"block_size": 4096, "queue_depth": 8}}),
-                 json.dumps({"choice": {"block_size": 0, "queue_depth": 8, "intra_op_parallelism": 1, "buffer_count": 4}}),
-                 json.dumps({"choice": {"block_size": 4096, "queue_depth": True, "intra_op_parallelism": 1, "buffer_count": 4}})):
+    for text in (
+        "{",
+        json.dumps({"points": []}),
+        json.dumps({"choice": {"block_size": 4096, "queue_depth": 8}}),
+        json.dumps({"choice": {"block_size": 0, "queue_depth": 8, "intra_op_parallelism": 1, "buffer_count": 4}}),
+        json.dumps({"choice": {"block_size": 4096, "queue_depth": True, "intra_op_parallelism": 1, "buffer_count": 4}}),
+    ):
         bad.write_text(text)
         with pytest.raises(ValueError, match="--zi-aio"):
             bench.load_zi_aio(str(bad))
@@ -113,8 +142,10 @@ def test_the_sweep_choice_is_read_back_and_a_bad_one_refused(bench, tmp_path):
 
 def test_the_sweep_picks_the_best_sum_and_the_smaller_block_on_a_tie(sweep):
     def pts(block, depth, par, r, w):
-        return [{"op": "read", "block_size": block, "queue_depth": depth, "io_parallel": par, "MBps": r},
-                {"op": "write", "block_size": block, "queue_depth": depth, "io_parallel": par, "MBps": w}]
+        return [
+            {"op": "read", "block_size": block, "queue_depth": depth, "io_parallel": par, "MBps": r},
+            {"op": "write", "block_size": block, "queue_depth": depth, "io_parallel": par, "MBps": w},
+        ]
 
     points = pts(1 << 20, 8, 1, 420, 418) + pts(8 << 20, 32, 2, 425, 421) + pts(128 << 10, 4, 1, 300, 390)
     points += [{"op": "read", "block_size": 256 << 10, "queue_depth": 8, "io_parallel": 1, "MBps": 900}]  # no write: out

@@ -1,5 +1,6 @@
 """bench/tuner.py --pin: read as the tuner reads a pin, a bad one refused in one line, and the
 check that a tuned run kept it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,9 +51,11 @@ def test_a_bad_pin_is_one_line_and_exit_2(tmp_path):
     pfs.mkdir()
     env = dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200")
     base = [sys.executable, SCRIPT, "--nvme", str(nvme), "--remote", str(pfs), "--io-backend", "posix"]
-    for extra, words in ((["--part", "2", "--pin", "prefetch_depth=deep"], "prefetch_depth=deep"),
-                         (["--part", "2", "--pin", "foo=1"], "unknown knob 'foo'"),
-                         (["--pin", "prefetch_depth=2"], "give --part 2")):
+    for extra, words in (
+        (["--part", "2", "--pin", "prefetch_depth=deep"], "prefetch_depth=deep"),
+        (["--part", "2", "--pin", "foo=1"], "unknown knob 'foo'"),
+        (["--pin", "prefetch_depth=2"], "give --part 2"),
+    ):
         r = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=120)
         assert r.returncode == 2, (extra, r.stdout, r.stderr)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "[WARNING]" not in ln]

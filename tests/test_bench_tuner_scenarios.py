@@ -1,5 +1,6 @@
 """bench/tuner_scenarios.py without root or tiers: its options refused in one line, and the steady
 windows, settle, bytes per path, checks and Goals computed from synthetic records."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,20 +34,23 @@ def args(ts, *argv):
     return a
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--scenarios", "a,e"], "--scenarios: e"),
-    (["--reps", "0"], "--reps must be >= 1"),
-    (["--scenarios", "a", "--reps", "d=3"], "scenario d is not in --scenarios a"),
-    (["--change-at", "5"], "--change-at 5 leaves no steady iteration before the change"),
-    (["--iters", "30", "--change-at", "20"], "--iters 30 leaves no steady iteration after the change"),
-    (["--recover-at", "25"], "--recover-at 25 leaves no steady iteration between"),
-    (["--tier-spec", "nvme0:4:300:300"], "give two tiers"),
-    (["--tier-spec", "nvme0:4:300 nvme1:4:300:300"], "bad tier 'nvme0:4:300'"),
-    (["--slow-tier", "pfs"], "--slow-tier 'pfs' is not one of"),
-    (["--slow-rate", "60"], "--slow-rate '60'"),
-    (["--static-weights", "0.2,1.5"], "--static-weights"),
-    (["--scenarios", "c", "--readers", "0", "--writers", "0"], "scenario c needs"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--scenarios", "a,e"], "--scenarios: e"),
+        (["--reps", "0"], "--reps must be >= 1"),
+        (["--scenarios", "a", "--reps", "d=3"], "scenario d is not in --scenarios a"),
+        (["--change-at", "5"], "--change-at 5 leaves no steady iteration before the change"),
+        (["--iters", "30", "--change-at", "20"], "--iters 30 leaves no steady iteration after the change"),
+        (["--recover-at", "25"], "--recover-at 25 leaves no steady iteration between"),
+        (["--tier-spec", "nvme0:4:300:300"], "give two tiers"),
+        (["--tier-spec", "nvme0:4:300 nvme1:4:300:300"], "bad tier 'nvme0:4:300'"),
+        (["--slow-tier", "pfs"], "--slow-tier 'pfs' is not one of"),
+        (["--slow-rate", "60"], "--slow-rate '60'"),
+        (["--static-weights", "0.2,1.5"], "--static-weights"),
+        (["--scenarios", "c", "--readers", "0", "--writers", "0"], "scenario c needs"),
+    ],
+)
 def test_bad_options_are_one_line(ts, argv, words):
     with pytest.raises(ts.ArgError) as e:
         args(ts, *argv)
@@ -57,7 +61,7 @@ def test_options_are_read_with_their_defaults(ts):
     a = args(ts, "--scenarios", "d,a,b", "--reps", "a=3,d=3")
     assert a.scenarios == ["a", "b", "d"] and a.reps == {"a": 3, "b": 1, "d": 3}
     assert (a.fast_tier, a.slow_tier, a.slow_rate) == ("nvme0", "nvme1", (60.0, 60.0))
-    assert a.static_weights == [0.3, 0.17, 0.1] and a.sub_group_size == 1700 ** 2
+    assert a.static_weights == [0.3, 0.17, 0.1] and a.sub_group_size == 1700**2
     assert a.host_memory == "293MB"  # eight subgroups of 34.7 MB and the copies: prefetch depth 2 fits
     assert ts.windows("a", a) == {"before": (5, 20), "after": (30, 50), "whole": (5, 50)}
     assert ts.iters_of("b", a) == 70
@@ -72,12 +76,21 @@ def records(n, slow_from=None, moves=(), depth=2, over_budget_at=()):
         if i in moves:
             weights = {"/f": 0.83, "/s": 0.17} if not weights else {}
         slow = slow_from is not None and i >= slow_from
-        out.append({"iteration": i, "fwd_bwd_s": 0.2 if i else None, "update_s": 2.7 if slow else 0.7, "setup_s": 0.1,
-                    "read_wait_s": 2.0 if slow else 0.3, "write_wait_s": 0.1,
-                    "path_bytes_read": {"/f/x": 100, "/s/y": 20 if weights else 100},
-                    "path_bytes_written": {"/f/x": 100, "/s/y": 20 if weights else 100},
-                    "knobs": {"prefetch_depth": depth, "stripe_weights": dict(weights)},
-                    "host_bytes": {"staging": 900 if i in over_budget_at else 500}, "host_budget_bytes": 800})
+        out.append(
+            {
+                "iteration": i,
+                "fwd_bwd_s": 0.2 if i else None,
+                "update_s": 2.7 if slow else 0.7,
+                "setup_s": 0.1,
+                "read_wait_s": 2.0 if slow else 0.3,
+                "write_wait_s": 0.1,
+                "path_bytes_read": {"/f/x": 100, "/s/y": 20 if weights else 100},
+                "path_bytes_written": {"/f/x": 100, "/s/y": 20 if weights else 100},
+                "knobs": {"prefetch_depth": depth, "stripe_weights": dict(weights)},
+                "host_bytes": {"staging": 900 if i in over_budget_at else 500},
+                "host_budget_bytes": 800,
+            }
+        )
     return out
 
 
@@ -120,15 +133,26 @@ def test_checks_catch_a_moved_pin_an_overrun_budget_and_a_static_pin_that_did_no
 
 
 def run(kind, before, after, weight=None, moves=(), recovered=None, whole=None, held=True, io=0.6):
-    return {"name": f"a1-{kind}", "kind": kind, "slow_weight": weight, "applied_changes": [{"iteration": m} for m in moves],
-            "median_s": {"before": before, "after": after, "recovered": recovered, "whole": whole or after},
-            "settle_iters": (max(moves) - 20) if moves else None, "recovery_settle_iters": None,
-            "io_share": {"after": io}, "checks": {"held": held}}
+    return {
+        "name": f"a1-{kind}",
+        "kind": kind,
+        "slow_weight": weight,
+        "applied_changes": [{"iteration": m} for m in moves],
+        "median_s": {"before": before, "after": after, "recovered": recovered, "whole": whole or after},
+        "settle_iters": (max(moves) - 20) if moves else None,
+        "recovery_settle_iters": None,
+        "io_share": {"after": io},
+        "checks": {"held": held},
+    }
 
 
 def test_ratios_and_goals(ts):
-    a_runs = [run("frozen", 1.0, 4.0), run("tuned", 1.0, 2.0, moves=(22,)), run("static", 1.3, 1.8, 0.17),
-              run("static", 1.1, 2.5, 0.3)]
+    a_runs = [
+        run("frozen", 1.0, 4.0),
+        run("tuned", 1.0, 2.0, moves=(22,)),
+        run("static", 1.3, 1.8, 0.17),
+        run("static", 1.1, 2.5, 0.3),
+    ]
     x = ts.rep_ratios("a", a_runs)
     assert x["frozen_over_tuned_after"] == 2.0 and x["best_static_weight"] == 0.17
     assert x["tuned_over_best_static_after"] == pytest.approx(2.0 / 1.8) and x["settle_iters"] == 2
@@ -153,16 +177,24 @@ def test_ratios_and_goals(ts):
 
 
 def test_a_bad_option_exits_2_with_one_line_before_anything_else(tmp_path):
-    r = subprocess.run([sys.executable, SCRIPT, "--scenarios", "a,z"], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"), timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--scenarios", "a,z"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"),
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and r.stdout == ""
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == ["tuner_scenarios: --scenarios: z: use a comma-separated subset of a,b,c,d"]
 
 
 def test_what_the_tuner_was_doing_when_the_change_came(ts):
-    log = [{"iteration": 9, "reason": "reverted x; trying stripe weight of /s 0.46->0.345"},
-           {"iteration": 17, "reason": "reverted y; measuring the last good knobs again before further moves"},
-           {"iteration": 22, "reason": "trying z"}]
+    log = [
+        {"iteration": 9, "reason": "reverted x; trying stripe weight of /s 0.46->0.345"},
+        {"iteration": 17, "reason": "reverted y; measuring the last good knobs again before further moves"},
+        {"iteration": 22, "reason": "trying z"},
+    ]
     assert ts.at_change(log, 20) == {"iteration": 17, "trial_in_flight": False, "reason": log[1]["reason"]}
     assert ts.at_change(log, 12)["trial_in_flight"] and ts.at_change(log, 5) is None

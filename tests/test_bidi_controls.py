@@ -2,6 +2,7 @@
 a file name shows ``evil\u202etxt.py`` as ``evilyp.txt``, and its kin reorder or hide the text
 after them. Wherever user text is shown (a profile's name, an error line naming a path, the tuner
 view of a run's id and paths, a run's start line), they are left out, as control characters are."""
+
 from __future__ import annotations
 
 import os
@@ -46,14 +47,14 @@ def test_the_tuner_view_shows_no_bidirectional_control(tmp_path):
     os.makedirs(run_dir)
     run_id = f"run{BIDI}1"
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
+    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
     try:
         assert rank.connected.wait(20)
 
         def registered():
             with Connection(sock) as c:
                 return c.request("snapshot", history=0)["runs"]
+
         wait_for(registered, 20, "the run to register")
         shown = cli("tune", "--socket", sock, "--once", timeout=60)
         pinned = cli("tune", "--socket", sock, "--pin", f"{run_id}:prefetch_depth=2", timeout=60)  # says the paths too

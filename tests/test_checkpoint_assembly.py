@@ -5,6 +5,7 @@ losses. And a ``latest`` file that names no tag says what is wrong with it.
 
 Real DeepSpeed checkpoints of two ranks (gloo on the CPU), saved by offloadctl at steps 4 and 8
 of one 8-step run, and by stock DeepSpeed."""
+
 from __future__ import annotations
 
 import glob
@@ -42,8 +43,9 @@ def test_a_sound_checkpoint_resumes_to_the_same_losses(ds_runs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["optim-of-a-later-save", "model-of-a-later-save", "rank-0-optim-over-rank-1",
-                                  "stock-rank-0-optim-over-rank-1"])
+@pytest.mark.parametrize(
+    "kind", ["optim-of-a-later-save", "model-of-a-later-save", "rank-0-optim-over-rank-1", "stock-rank-0-optim-over-rank-1"]
+)
 def test_files_put_together_wrong_are_one_line(kind, ds_runs, tmp_path):
     """Step 8's optimizer states in step 4's folder, step 8's model states in step 4's, rank 0's
     optimizer file copied over rank 1's (offloadctl's checkpoint and stock's): exit 2, one line
@@ -58,13 +60,15 @@ def test_files_put_together_wrong_are_one_line(kind, ds_runs, tmp_path):
             shutil.copy(f, os.path.join(ckpt, "ckpt"))
         optim, model = _files(ckpt, "optim_states")[0], _files(ckpt, "model_states")[0]
         saved = (8, 4) if what == "optim_states" else (4, 8)
-        want = (f"checkpoint file {optim} was saved at step {saved[0]} and {model} at step {saved[1]}: {fix}")
+        want = f"checkpoint file {optim} was saved at step {saved[0]} and {model} at step {saved[1]}: {fix}"
     else:
         rank0, rank1 = _files(ckpt, "optim_states")
         shutil.copy(rank0, rank1)
-        want = (f"checkpoint file {rank1} was saved as {os.path.basename(rank0)} (the name its records carry), not as "
-                f"{os.path.basename(rank1)}: another file was copied over it; copy this one from where the checkpoint "
-                f"was saved, or resume from another checkpoint")
+        want = (
+            f"checkpoint file {rank1} was saved as {os.path.basename(rank0)} (the name its records carry), not as "
+            f"{os.path.basename(rank1)}: another file was copied over it; copy this one from where the checkpoint "
+            f"was saved, or resume from another checkpoint"
+        )
     p = _resume(ckpt, tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.stderr.strip().splitlines()[-1] == f"offloadctl: {want}", p.stderr[-3000:]
@@ -84,24 +88,28 @@ def test_a_stock_optimizer_file_of_a_later_save_is_refused(tmp_path):
     state = {"optimizer_state_dict": {"state": {0: {"step": 4, "exp_avg": torch.zeros(2)}}}}
     torch.save({"optimizer_state_dict": state}, optim)
     with pytest.raises(CheckpointError) as e:
-        checkpoints.preflight(str(tmp_path / "ckpt"), "global_step4", world_size=1, universal=False,
-                              optimizer_states=True)
-    assert str(e.value) == (f"checkpoint file {optim} holds the optimizer state after 4 updates and {model} was saved "
-                            f"at step 4: the folder mixes files of two saves; copy the whole folder of one save, or "
-                            f"resume from another checkpoint")
+        checkpoints.preflight(str(tmp_path / "ckpt"), "global_step4", world_size=1, universal=False, optimizer_states=True)
+    assert str(e.value) == (
+        f"checkpoint file {optim} holds the optimizer state after 4 updates and {model} was saved "
+        f"at step 4: the folder mixes files of two saves; copy the whole folder of one save, or "
+        f"resume from another checkpoint"
+    )
     state["optimizer_state_dict"]["state"][0]["step"] = 3  # one of the 4 steps skipped: sound
     torch.save({"optimizer_state_dict": state}, optim)
     checkpoints.preflight(str(tmp_path / "ckpt"), "global_step4", world_size=1, universal=False, optimizer_states=True)
 
 
-@pytest.mark.parametrize("latest,want", [
-    (b"", "is empty: it names no tag"),
-    (b"\n", "is empty: it names no tag"),
-    (b"s4\0", "holds 's4\\x00', which is not a tag (it has '\\x00' in it)"),
-    (b"global\xff", "is not text (7 bytes, not UTF-8)"),
-    (b"../etc", "holds '../etc', which is not a tag (it has '/' in it)"),
-    (b"global_step9\n", "names tag 'global_step9', which is not there (tags there: ['global_step4'])"),
-])
+@pytest.mark.parametrize(
+    "latest,want",
+    [
+        (b"", "is empty: it names no tag"),
+        (b"\n", "is empty: it names no tag"),
+        (b"s4\0", "holds 's4\\x00', which is not a tag (it has '\\x00' in it)"),
+        (b"global\xff", "is not text (7 bytes, not UTF-8)"),
+        (b"../etc", "holds '../etc', which is not a tag (it has '/' in it)"),
+        (b"global_step9\n", "names tag 'global_step9', which is not there (tags there: ['global_step4'])"),
+    ],
+)
 def test_a_latest_file_naming_no_tag_says_what_is_wrong_with_it(latest, want, tmp_path):
     """DeepSpeed reads the tag from ``latest`` when none is given: an empty one, one holding a NUL
     or a path, or naming a tag that is not there, is one line about ``latest``, with the tags there."""
@@ -113,5 +121,7 @@ def test_a_latest_file_naming_no_tag_says_what_is_wrong_with_it(latest, want, tm
     with pytest.raises(CheckpointError) as e:
         checkpoints.preflight(str(ckpt), None, world_size=1, universal=False, optimizer_states=True)
     tags = "" if "not there" in want else " (tags there: ['global_step4'])"
-    assert str(e.value) == (f"checkpoint {ckpt}'s 'latest' file {want}{';' if 'empty' in want else ':'} write the tag "
-                            f"to resume from into {ckpt / 'latest'}{tags}, or pass it to load_checkpoint")
+    assert str(e.value) == (
+        f"checkpoint {ckpt}'s 'latest' file {want}{';' if 'empty' in want else ':'} write the tag "
+        f"to resume from into {ckpt / 'latest'}{tags}, or pass it to load_checkpoint"
+    )

@@ -5,6 +5,7 @@ its module state says nothing); the partition sizes from this rank's optimizer f
 
 Real DeepSpeed checkpoints of two ranks (gloo on the CPU), saved by offloadctl at step 4: the
 same run as tests/test_checkpoint_assembly.py's, so a session launches it once."""
+
 from __future__ import annotations
 
 import os
@@ -39,9 +40,11 @@ def test_a_checkpoint_of_another_model_names_the_parameter_and_both_shapes(ds_ru
     ckpt = ds_runs.get(SAVER).ok().copy_of("ckpt", tmp_path / "ckpt")
     p = _resume(ckpt, tmp_path, "--hidden", "48")
     model = os.path.join(ckpt, "ckpt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-    assert _refused(p) == (f"offloadctl: checkpoint file {model} holds another model: 0.weight is "
-                           f"torch.Size([64, 32]) there and torch.Size([48, 32]) here (its param_shapes); load a "
-                           f"checkpoint of this model, or check the script's model arguments")
+    assert _refused(p) == (
+        f"offloadctl: checkpoint file {model} holds another model: 0.weight is "
+        f"torch.Size([64, 32]) there and torch.Size([48, 32]) here (its param_shapes); load a "
+        f"checkpoint of this model, or check the script's model arguments"
+    )
     assert not os.path.exists(tmp_path / "load" / "losses.jsonl")
 
 
@@ -56,18 +59,22 @@ def test_partition_sizes_that_differ_name_this_ranks_optimizer_file(ds_runs, tmp
     sizes = [int(t.numel()) for t in saved]
     assert len(sizes) == 4
     here = sum(sizes)  # one subgroup holds the rank's whole partition
-    assert _refused(p) == (f"offloadctl: the checkpoint's optimizer state has 4 subgroups of "
-                           f"[{', '.join(map(str, sizes))}] elements (in {optim}) and rank 0's partition has 1 of "
-                           f"[{here}]: subgroup 0 has {sizes[0]} elements there and {here} here; it was saved with "
-                           f"another sub_group_size, model or rank count: load it with the same ones, or convert it "
-                           f"with ds_to_universal")
+    assert _refused(p) == (
+        f"offloadctl: the checkpoint's optimizer state has 4 subgroups of "
+        f"[{', '.join(map(str, sizes))}] elements (in {optim}) and rank 0's partition has 1 of "
+        f"[{here}]: subgroup 0 has {sizes[0]} elements there and {here} here; it was saved with "
+        f"another sub_group_size, model or rank count: load it with the same ones, or convert it "
+        f"with ds_to_universal"
+    )
     assert not os.path.exists(tmp_path / "load" / "losses.jsonl")
 
 
 def _model_states(folder, shapes) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g) for g in shapes], "dp_world_size": 1},
-               str(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    torch.save(
+        {"param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in g) for g in shapes], "dp_world_size": 1},
+        str(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    )
 
 
 def test_param_shapes_against_this_model(tmp_path):
@@ -81,9 +88,11 @@ def test_param_shapes_against_this_model(tmp_path):
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (8, 64)]]) is None
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (64, 8)]]) == (
         f"checkpoint file {model} holds another model: 2.weight is torch.Size([8, 64]) there and torch.Size([64, 8]) "
-        f"here (its param_shapes); load a checkpoint of this model, or check the script's model arguments")
+        f"here (its param_shapes); load a checkpoint of this model, or check the script's model arguments"
+    )
     assert another_model(str(folder), 0, [[(64, 32)], [(64,), (8, 64), (8,)]]) == (
         f"checkpoint file {model} holds another model: 3 optimized parameters there and 4 here (its "
-        f"param_shapes); load a checkpoint of this model, or check the script's model arguments")
+        f"param_shapes); load a checkpoint of this model, or check the script's model arguments"
+    )
     torch.save({"dp_world_size": 1}, model)  # an older save with no shapes: the sizes are checked next
     assert another_model(str(folder), 0, [[(1,)]]) is None

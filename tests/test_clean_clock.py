@@ -9,6 +9,7 @@ and ``tests/test_ds_interop.py``.
 Sleeps stand in for each part's time, in units of ``U``; a bound holds unless the machine stalls
 the test for a whole ``U``.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,10 @@ U = 0.3
 
 def _engine(n: int = 300) -> SubgroupEngine:
     w, g = torch.zeros(n), torch.ones(n)
-    return SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, n, 100)],
-                          EngineConfig(subgroup_numel=100, host_adam="torch"))
+    return SubgroupEngine(
+        [FlatSubgroup(w[o : o + 100], g[o : o + 100]) for o in range(0, n, 100)],
+        EngineConfig(subgroup_numel=100, host_adam="torch"),
+    )
 
 
 def _step(eng: SubgroupEngine):

@@ -1,4 +1,5 @@
 """The command line and the demo, as real processes."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ from engine.units import format_size, parse_size
 
 def _run(*args, timeout=300, env=None):
     """A Python program (a path or -m module) of the checkout, run as a user runs it."""
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env_with_root(**(env or {})))
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env_with_root(**(env or {}))
+    )
 
 
 @pytest.mark.slow
@@ -59,9 +61,23 @@ def test_demo_under_offloadctl_train(tmp_path):
     ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
     before = _builds(ext_dir)
     # A port of its own (make demo takes DeepSpeed's default, 29500): other tests run beside this one.
-    out = _run("-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme", str(tmp_path),
-               "--run-dir", str(tmp_path / "run"), "examples/train_gpt.py", "--steps", "4",
-               env={"VIRTUAL_ENV": os.path.dirname(scripts), "PATH": scripts + os.pathsep + os.environ["PATH"]})
+    out = _run(
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(tmp_path),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "examples/train_gpt.py",
+        "--steps",
+        "4",
+        env={"VIRTUAL_ENV": os.path.dirname(scripts), "PATH": scripts + os.pathsep + os.environ["PATH"]},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "offloadctl: engine active" in out.stderr and str(tmp_path) in out.stderr
     assert "/iteration (median of" in out.stdout and "bottleneck: " in out.stdout and "loss" in out.stdout
@@ -73,13 +89,34 @@ def test_demo_under_offloadctl_train(tmp_path):
 GB, GIB = 10**9, 2**30
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("512M", 512 * 10**6), ("512MB", 512 * 10**6), ("512mb", 512 * 10**6), ("4G", 4 * GB), ("4GB", 4 * GB),
-    ("4GiB", 4 * GIB), ("4gib", 4 * GIB), ("4 GiB", 4 * GIB), (" 64GB ", 64 * GB), ("1.5GB", 1_500_000_000),
-    ("1.5T", 1_500_000_000_000), ("1.5TiB", 3 * 2**39), ("2K", 2000), ("2KiB", 2048), ("3MiB", 3 << 20),
-    ("4096B", 4096), ("0", 0), ("0GB", 0), ("0.3GB", 300_000_000), (".5GB", 500_000_000), ("1e3GB", 1000 * GB),
-    ("1000000TB", 10**18), ("1e18B", 10**18),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("512M", 512 * 10**6),
+        ("512MB", 512 * 10**6),
+        ("512mb", 512 * 10**6),
+        ("4G", 4 * GB),
+        ("4GB", 4 * GB),
+        ("4GiB", 4 * GIB),
+        ("4gib", 4 * GIB),
+        ("4 GiB", 4 * GIB),
+        (" 64GB ", 64 * GB),
+        ("1.5GB", 1_500_000_000),
+        ("1.5T", 1_500_000_000_000),
+        ("1.5TiB", 3 * 2**39),
+        ("2K", 2000),
+        ("2KiB", 2048),
+        ("3MiB", 3 << 20),
+        ("4096B", 4096),
+        ("0", 0),
+        ("0GB", 0),
+        ("0.3GB", 300_000_000),
+        (".5GB", 500_000_000),
+        ("1e3GB", 1000 * GB),
+        ("1000000TB", 10**18),
+        ("1e18B", 10**18),
+    ],
+)
 def test_parse_size_accepts(text, expect):
     assert parse_size(text, flag="--x") == expect
 
@@ -91,8 +128,16 @@ def test_parse_size_bare_number_needs_a_unit_except_in_deprecated_flags():
     assert parse_size("0", flag="--host-cache") == 0
 
 
-@pytest.mark.parametrize("n,binary,expect", [(64 * GB, False, "64 GB"), (1_500_000_000_000, False, "1.5 TB"),
-                                             (512, False, "512 B"), (60 * GIB, True, "60 GiB"), (0, False, "0 B")])
+@pytest.mark.parametrize(
+    "n,binary,expect",
+    [
+        (64 * GB, False, "64 GB"),
+        (1_500_000_000_000, False, "1.5 TB"),
+        (512, False, "512 B"),
+        (60 * GIB, True, "60 GiB"),
+        (0, False, "0 B"),
+    ],
+)
 def test_format_size(n, binary, expect):
     assert format_size(n, binary=binary) == expect
     assert parse_size(expect.replace(" ", ""), flag="--x") == n
@@ -105,21 +150,26 @@ def _train_launch(tmp_path, *flags):
 
     script = tmp_path / "script.py"
     script.write_text("pass\n")
-    args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), *flags,
-                                      str(script), "--lr", "1"])
+    args = build_parser().parse_args(
+        ["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), *flags, str(script), "--lr", "1"]
+    )
     launch = train.build(args)
     settings = dict(launch.settings.to_json(), run_id=None)  # random per launch
     cmd = launch.command
     i = cmd.index("--offloadctl-config")
-    return settings, cmd[:i + 1] + cmd[i + 2:], launch.env
+    return settings, cmd[: i + 1] + cmd[i + 2 :], launch.env
 
 
-@pytest.mark.parametrize("old,new", [
-    (["--host-cache-gb", "64", "--device-cache-gb", "1.5"], ["--host-cache", "64GB", "--device-cache", "1.5GB"]),
-    (["--host-cache-gb", "0.00003", "--device-cache-gb", "auto"], ["--host-cache", "30KB"]),
-    (["--host-cache-gb", "0", "--device-cache-gb", "0"], ["--host-cache", "0", "--device-cache", "0B"]),
-    (["--host-cache-gb", "1.073741824"], ["--host-cache", "1GiB", "--device-cache", "AUTO"]),
-], ids=["64GB", "30KB-auto", "zero", "1GiB"])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (["--host-cache-gb", "64", "--device-cache-gb", "1.5"], ["--host-cache", "64GB", "--device-cache", "1.5GB"]),
+        (["--host-cache-gb", "0.00003", "--device-cache-gb", "auto"], ["--host-cache", "30KB"]),
+        (["--host-cache-gb", "0", "--device-cache-gb", "0"], ["--host-cache", "0", "--device-cache", "0B"]),
+        (["--host-cache-gb", "1.073741824"], ["--host-cache", "1GiB", "--device-cache", "AUTO"]),
+    ],
+    ids=["64GB", "30KB-auto", "zero", "1GiB"],
+)
 def test_train_old_and_new_size_flags_give_the_same_launch(old, new, tmp_path):
     a, b = _train_launch(tmp_path, *old), _train_launch(tmp_path, *new)
     assert a == b
@@ -128,8 +178,9 @@ def test_train_old_and_new_size_flags_give_the_same_launch(old, new, tmp_path):
 
 
 def test_train_sizes_reach_the_ranks_in_bytes(tmp_path):
-    settings, cmd, env = _train_launch(tmp_path, "--host-cache", "64GB", "--device-cache", "8GiB", "--num_gpus", "2",
-                                       "--master_port", "29999")
+    settings, cmd, env = _train_launch(
+        tmp_path, "--host-cache", "64GB", "--device-cache", "8GiB", "--num_gpus", "2", "--master_port", "29999"
+    )
     assert settings["host_cache_bytes"] == 64 * GB and settings["device_cache_bytes"] == 8 * GIB
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and cmd[cmd.index("--master_port") + 1] == "29999"
     assert cmd[-2:] == ("--lr", "1") and cmd[-3].endswith("script.py")
@@ -139,8 +190,21 @@ def test_train_sizes_reach_the_ranks_in_bytes(tmp_path):
 def test_train_dry_run_process_takes_the_new_flags(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("pass\n")
-    out = cli("train", "--dry-run", "--json", "--tuner", "off", "--run-dir", str(tmp_path / "run"), "--host-cache",
-              "2GiB", "--device-cache-gb", "3", str(script), timeout=300)
+    out = cli(
+        "train",
+        "--dry-run",
+        "--json",
+        "--tuner",
+        "off",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--host-cache",
+        "2GiB",
+        "--device-cache-gb",
+        "3",
+        str(script),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     settings = json.loads(out.stdout)["settings"]
     assert settings["host_cache_bytes"] == 2 * GIB and settings["device_cache_bytes"] == 3 * GB
@@ -158,11 +222,15 @@ def test_plan_old_and_new_size_flags_give_the_same_plan(capsys):
     assert outs[0]["workload"]["host_bytes"] == 12 * GB and outs[0]["workload"]["gpu_headroom_bytes"] == 4 * GB
 
 
-@pytest.mark.parametrize("old,new", [
-    (["--backend", "posix", "--io-bytes", "16M"], ["--io-backend", "posix", "--io-size", "16MiB"]),
-    (["--io-bytes", "1048576"], ["--io-size", "1MiB"]),
-    (["--io-bytes", "1.5G"], ["--io-size", "1.5GiB"]),
-], ids=["backend-16M", "bare-bytes", "1.5G"])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        (["--backend", "posix", "--io-bytes", "16M"], ["--io-backend", "posix", "--io-size", "16MiB"]),
+        (["--io-bytes", "1048576"], ["--io-size", "1MiB"]),
+        (["--io-bytes", "1.5G"], ["--io-size", "1.5GiB"]),
+    ],
+    ids=["backend-16M", "bare-bytes", "1.5G"],
+)
 def test_profile_save_old_and_new_spellings_parse_alike(old, new):
     """--backend and --io-bytes keep their old meaning (K/M/G/T were powers of 1024, a bare number
     bytes); the measurement itself is test_profiles' (with the old spelling)."""
@@ -192,7 +260,12 @@ def test_help_states_units_and_scope(capsys):
     assert "--host-memory SIZE host memory for optimizer state, per node" in plan
     assert "--gpu-headroom SIZE GPU memory free during the update phase, per GPU" in plan
     # Deprecated spellings still work (tests below) but are not offered.
-    for old, text in (("--host-cache-gb", train), ("--host-gb", plan), ("--device-cache-gb", train),
-                      ("--gpu-headroom-gb", plan), ("--io-bytes", save)):
+    for old, text in (
+        ("--host-cache-gb", train),
+        ("--host-gb", plan),
+        ("--device-cache-gb", train),
+        ("--gpu-headroom-gb", plan),
+        ("--io-bytes", save),
+    ):
         assert old not in text, old
     assert "--io-backend {auto,aio,posix}" in save and "--backend" not in save  # the old name works, hidden

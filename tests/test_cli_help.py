@@ -1,4 +1,5 @@
 """Help that fits an 80-column terminal and speaks to users; options spelled out, mistakes pointed out."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,10 @@ from offloadctl import cli
 from offloadctl.commands import train
 
 EXAMPLE = "examples/train_gpt.py"
-MODULE_NAME = re.compile(r"\b(engine|perf|tuner|report|integrations|offloadctl)\.(?!(sock|html|toml|jsonl?|png|log|db|md)\b)"
-                         r"[a-z_]+\b|\b[a-z_]+\.py's\b")
+MODULE_NAME = re.compile(
+    r"\b(engine|perf|tuner|report|integrations|offloadctl)\.(?!(sock|html|toml|jsonl?|png|log|db|md)\b)"
+    r"[a-z_]+\b|\b[a-z_]+\.py's\b"
+)
 
 
 def _all_parsers(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
@@ -60,8 +63,10 @@ def test_train_help_describes_every_launcher_option_and_hides_deprecated_flags(m
         assert deprecated not in text
 
 
-@pytest.mark.parametrize("typed,meant", [("--nvm", "--nvme"), ("--nmve", "--nvme"), ("--num_gpu", "--num_gpus"),
-                                         ("--prefetch-dept", "--prefetch-depth")])
+@pytest.mark.parametrize(
+    "typed,meant",
+    [("--nvm", "--nvme"), ("--nmve", "--nvme"), ("--num_gpu", "--num_gpus"), ("--prefetch-dept", "--prefetch-depth")],
+)
 def test_abbreviated_or_misspelled_flags_are_refused_with_the_nearest(typed, meant, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", typed, "1", "--dry-run", "--nvme", str(tmp_path), EXAMPLE])
@@ -82,11 +87,19 @@ def test_info_reads_as_a_user_would(monkeypatch, capsys):
     from offloadctl.commands import info
 
     monkeypatch.setenv("COLUMNS", "80")
-    data = {"offloadctl": "0.1.0", "torch": "2.13.0+cpu", "deepspeed": "0.19.8",
-            "deepspeed_integration": "ok (DeepSpeed 0.19.8)", "cuda": False, "gpus": [],
-            "native_ops": {"async_io": {"state": "built", "detail": "", "fallback": ""}},
-            "io_backends": ["aio", "posix"], "host_adamw_params_per_s": {"torch": 3.04e8, "deepspeed": 3.5e8},
-            "host_adamw_kernel": "torch", "host_lane_params_per_s": 1.65e8}
+    data = {
+        "offloadctl": "0.1.0",
+        "torch": "2.13.0+cpu",
+        "deepspeed": "0.19.8",
+        "deepspeed_integration": "ok (DeepSpeed 0.19.8)",
+        "cuda": False,
+        "gpus": [],
+        "native_ops": {"async_io": {"state": "built", "detail": "", "fallback": ""}},
+        "io_backends": ["aio", "posix"],
+        "host_adamw_params_per_s": {"torch": 3.04e8, "deepspeed": 3.5e8},
+        "host_adamw_kernel": "torch",
+        "host_lane_params_per_s": 1.65e8,
+    }
     from rich.console import Console
 
     console = Console(width=80, record=True)

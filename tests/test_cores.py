@@ -1,5 +1,6 @@
 """Each rank's share of the cores (integrations/cores.py): real node topologies from fake sysfs
 trees, and a real 2-rank run bound to it."""
+
 from __future__ import annotations
 
 import os
@@ -11,13 +12,16 @@ import pytest
 from integrations.cores import CpuPlace, bind_rank_cores, gpu_numa_node, physical_cores, rank_cores, read_topology
 
 
-@pytest.mark.parametrize("n,size,expect", [
-    (16, 8, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]),
-    (10, 4, [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]),  # the first blocks one larger
-    (2, 2, [[0], [1]]),
-    (2, 4, [[0], [1], [0], [1]]),  # fewer cores than ranks: one each, shared
-    (8, 1, [list(range(8))]),
-])
+@pytest.mark.parametrize(
+    "n,size,expect",
+    [
+        (16, 8, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]),
+        (10, 4, [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]),  # the first blocks one larger
+        (2, 2, [[0], [1]]),
+        (2, 4, [[0], [1], [0], [1]]),  # fewer cores than ranks: one each, shared
+        (8, 1, [list(range(8))]),
+    ],
+)
 def test_without_topology_blocks_cover_the_cpus_once(n, size, expect):
     """Where /sys says nothing, each CPU counts as a core of its own."""
     got = [rank_cores(range(n), r, size) for r in range(size)]
@@ -31,11 +35,12 @@ def test_blocks_follow_the_affinity_mask():
 
 
 def _in_child(mode: str, env: dict) -> str:
-    code = ("import os, sys, torch; sys.path.insert(0, %r); from integrations.cores import bind_rank_cores; "
-            "c = bind_rank_cores(%r); print(c, sorted(os.sched_getaffinity(0)), torch.get_num_threads(), "
-            "os.environ.get('OMP_NUM_THREADS'))" % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), mode))
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import os, sys, torch; sys.path.insert(0, %r); from integrations.cores import bind_rank_cores; "
+        "c = bind_rank_cores(%r); print(c, sorted(os.sched_getaffinity(0)), torch.get_num_threads(), "
+        "os.environ.get('OMP_NUM_THREADS'))" % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), mode)
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -60,6 +65,7 @@ def test_bind_off_leaves_the_process_alone():
 
 
 # -- real topologies, from fake sysfs trees ------------------------------------------------------
+
 
 def _sysfs(root, *, packages: int, cores_per_package: int, smt: bool, gpu_nodes: list[int]) -> tuple[str, list[str]]:
     """A sysfs tree of a node as Linux numbers it: the physical cores first (package by package),
@@ -169,7 +175,9 @@ def test_each_rank_finds_its_gpu_through_nvml(monkeypatch):
     handles = ["h0", "h1", "h2"]
     nvml = types.SimpleNamespace(
         nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"00000000:{10 + handles.index(h)}:00.0".encode()),
-        nvmlDeviceGetHandleByUUID=lambda u: {"GPU-b": "h1"}[u], nvmlShutdown=lambda: None)
+        nvmlDeviceGetHandleByUUID=lambda u: {"GPU-b": "h1"}[u],
+        nvmlShutdown=lambda: None,
+    )
     monkeypatch.setattr(perf.nvml, "open_nvml", lambda: (nvml, handles))
     assert local_gpu_bus_ids(2, {}) == ["00000000:10:00.0", "00000000:11:00.0"]
     assert local_gpu_bus_ids(3, {"CUDA_VISIBLE_DEVICES": "2,GPU-b"}) == ["00000000:12:00.0", "00000000:11:00.0", None]

@@ -7,6 +7,7 @@ Each test here runs a real process in a real restricted affinity, on an empty ca
 extensions and XDG directories, so nothing was measured before), and checks that it finishes
 quickly and leaves no process behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,17 +23,23 @@ from helpers import IS_ROOT, ROOT, env_with_root
 pytestmark = pytest.mark.slow  # processes that import torch and measure for seconds
 
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-PROBE = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='%(message)s')\n"
-         "from engine.host_kernel import node_memory_bandwidth\n"
-         "print('figure', node_memory_bandwidth())\n")
+PROBE = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr, format='%(message)s')\n"
+    "from engine.host_kernel import node_memory_bandwidth\n"
+    "print('figure', node_memory_bandwidth())\n"
+)
 QUICK_S = 90  # imports and a 256 MB copy take seconds; the endless respawn never ends
 
 
 @pytest.fixture
 def empty_cache(tmp_path):
     """An environment where nothing was measured yet: the state ``make setup`` leaves on a fresh node."""
-    env = env_with_root(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), XDG_STATE_HOME=str(tmp_path / "state"),
-                        XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_RUNTIME_DIR=str(tmp_path / "run"))
+    env = env_with_root(
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        XDG_CONFIG_HOME=str(tmp_path / "config"),
+        XDG_RUNTIME_DIR=str(tmp_path / "run"),
+    )
     for k in ("TORCH_EXTENSIONS_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR"):
         os.makedirs(env[k], mode=0o700)
     env.pop("OFFLOADCTL_NODE_CPUS", None)
@@ -60,8 +67,9 @@ def _run_to_the_end(argv: list[str], env: dict) -> tuple[subprocess.CompletedPro
     left once it ended). Past ``QUICK_S`` it and every process of its session are killed (each
     by its id: all are this test's), and the test fails."""
     t0 = time.monotonic()
-    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=QUICK_S)
     except subprocess.TimeoutExpired:
@@ -108,7 +116,7 @@ def test_a_bound_rank_measures_the_node_in_one_child_that_starts_nothing(empty_c
 def test_a_child_that_fails_leaves_the_rank_its_own_figure_in_one_line(empty_cache, tmp_path):
     """The child cannot start (its interpreter is gone, as after an upgrade of the environment
     under a running rank): one line, no figure kept, the rank goes on."""
-    probe = ("import sys; sys.executable = '/nonexistent/python'\n" + PROBE)
+    probe = "import sys; sys.executable = '/nonexistent/python'\n" + PROBE
     env = dict(empty_cache, OFFLOADCTL_NODE_CPUS="0,1")
     result, _, left = _run_to_the_end(["taskset", "-c", "0", sys.executable, "-c", probe], env)
     assert result.returncode == 0 and "Traceback" not in result.stderr and left == [], result.stderr[-3000:]
@@ -119,6 +127,7 @@ def test_a_child_that_fails_leaves_the_rank_its_own_figure_in_one_line(empty_cac
 
 
 # -- a real cpuset ---------------------------------------------------------------------------------
+
 
 def _cpuset_root() -> str | None:
     """Where this machine's cgroup cpuset controller is mounted, as a cgroup v1 hierarchy (v2
@@ -182,8 +191,7 @@ def test_in_a_one_cpu_cpuset_a_bound_rank_measures_what_the_cpuset_allows(one_cp
 @TWO_CPUS
 def test_offloadctl_info_in_a_one_cpu_cpuset_on_a_fresh_node(one_cpu_cpuset, empty_cache):
     """As the user ran it: ``offloadctl info`` in the cpuset, on a node that has measured nothing."""
-    result, _, left = _run_to_the_end([*one_cpu_cpuset, sys.executable, "-m", "offloadctl.cli", "info", "--json"],
-                                      empty_cache)
+    result, _, left = _run_to_the_end([*one_cpu_cpuset, sys.executable, "-m", "offloadctl.cli", "info", "--json"], empty_cache)
     assert result.returncode == 0 and "Traceback" not in result.stderr and left == [], result.stderr[-3000:]
     import json
 

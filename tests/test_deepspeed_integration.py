@@ -2,6 +2,7 @@
 
 The runs come from the session's cache (ds_runs.py): a stock reference or a saved checkpoint
 that several tests compare with is launched once."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,17 +22,33 @@ pytestmark = pytest.mark.slow
 SCRIPT = TINY
 
 
-@pytest.mark.parametrize("ranks,dtype,opts,script_opts", [
-    (1, "fp32", (), ()), (2, "fp32", ("--node-lock",), ()), (1, "bf16", (), ()), (1, "fp32", (), ("--groups",)),
-    # Dynamic loss scaling; step 3's gradients overflow, so DeepSpeed skips it and halves the scale.
-    (1, "fp16", (), ("--overflow-at", "3")),
-    # The GPU path's bookkeeping, run on the CPU: a device tier and the device lane for half the
-    # rest, their gradients written by DeepSpeed's backward into the engine's own buffers
-    # (accumulated over 2 micro-steps), unscaled as they are read, overflow seen there.
-    (1, "bf16", LANE_ON_CPU, ()), (2, "fp32", LANE_ON_CPU_2, ()),
-    (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first"))],
-    ids=["1rank-fp32", "2ranks-fp32-nodelock", "1rank-bf16", "1rank-param-groups", "1rank-fp16-overflow-skip",
-         "lane-on-cpu-bf16", "lane-on-cpu-2ranks", "lane-on-cpu-fp16-overflow-skip"])
+@pytest.mark.parametrize(
+    "ranks,dtype,opts,script_opts",
+    [
+        (1, "fp32", (), ()),
+        (2, "fp32", ("--node-lock",), ()),
+        (1, "bf16", (), ()),
+        (1, "fp32", (), ("--groups",)),
+        # Dynamic loss scaling; step 3's gradients overflow, so DeepSpeed skips it and halves the scale.
+        (1, "fp16", (), ("--overflow-at", "3")),
+        # The GPU path's bookkeeping, run on the CPU: a device tier and the device lane for half the
+        # rest, their gradients written by DeepSpeed's backward into the engine's own buffers
+        # (accumulated over 2 micro-steps), unscaled as they are read, overflow seen there.
+        (1, "bf16", LANE_ON_CPU, ()),
+        (2, "fp32", LANE_ON_CPU_2, ()),
+        (1, "fp16", LANE_ON_CPU, ("--overflow-at", "3", "--overflow-in", "first")),
+    ],
+    ids=[
+        "1rank-fp32",
+        "2ranks-fp32-nodelock",
+        "1rank-bf16",
+        "1rank-param-groups",
+        "1rank-fp16-overflow-skip",
+        "lane-on-cpu-bf16",
+        "lane-on-cpu-2ranks",
+        "lane-on-cpu-fp16-overflow-skip",
+    ],
+)
 def test_losses_match_stock_deepspeed(ranks, dtype, opts, script_opts, ds_runs):
     if torch.cuda.is_available() and opts not in (LANE_ON_CPU, LANE_ON_CPU_2):
         # On a GPU the default keeps this tiny model's whole state in the device tier (see
@@ -69,18 +86,24 @@ def test_gpu_default_keeps_a_small_state_on_the_device(ds_runs):
     after forward/backward stays there: every subgroup in the device tier, nothing read from
     NVMe; losses as stock DeepSpeed's (its CPU Adam against our GPU fused AdamW: rounding only)."""
     ref = ds_runs.get(baseline(1, "fp32")).ok()
-    b = ds_runs.get(Launch("ours", 1, ("--dtype", "fp32"),
-                           opts=("--nvme", "{dir}/nvme", "--run-dir", "{dir}/run", "--tuner", "off"))).ok()
+    b = ds_runs.get(
+        Launch("ours", 1, ("--dtype", "fp32"), opts=("--nvme", "{dir}/nvme", "--run-dir", "{dir}/run", "--tuner", "off"))
+    ).ok()
     torch.testing.assert_close(torch.tensor(b.losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
     recs = b.telemetry()
     assert recs[-1]["device_tier_subgroups"] == 4 and recs[-1]["device_lane_subgroups"] == 0
     assert sum(r["bytes_read"].get("nvme", 0) for r in recs) == 0
 
 
-@pytest.mark.parametrize("script,ranks,extra,opts", [
-    (HF_TRAINER, 1, ("--output-dir", "{dir}/out"), ()),
-    # Few subgroups per rank: without prefetch only one is kept across steps, so the rest are read.
-    (ACCELERATE, 2, (), ("--prefetch-depth", "0"))], ids=["hf-trainer-1rank", "accelerate-2ranks"])
+@pytest.mark.parametrize(
+    "script,ranks,extra,opts",
+    [
+        (HF_TRAINER, 1, ("--output-dir", "{dir}/out"), ()),
+        # Few subgroups per rank: without prefetch only one is kept across steps, so the rest are read.
+        (ACCELERATE, 2, (), ("--prefetch-depth", "0")),
+    ],
+    ids=["hf-trainer-1rank", "accelerate-2ranks"],
+)
 def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, ds_runs):
     """Trainer and Accelerate reach deepspeed.initialize themselves; the engine must engage there too,
     leave the user's RNG alone (GPT-2 has dropout) and keep their LR scheduler stepping."""
@@ -99,8 +122,7 @@ def test_hugging_face_paths_match_stock_deepspeed(script, ranks, extra, opts, ds
 
 def test_checkpoint_resume_matches_uninterrupted_run(ds_runs, tmp_path):
     full = ds_runs.get(ours(1, "--dtype", "fp32", *SAVE)).ok()
-    resumed = launch(ours(1, "--dtype", "fp32", "--resume", full.copy_of("ckpt", tmp_path / "ckpt")),
-                     tmp_path / "resumed").ok()
+    resumed = launch(ours(1, "--dtype", "fp32", "--resume", full.copy_of("ckpt", tmp_path / "ckpt")), tmp_path / "resumed").ok()
     assert len(resumed.losses) == 3
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(full.losses[3:]), rtol=1e-5, atol=0)
 
@@ -131,8 +153,7 @@ def test_stage_2_is_refused(tmp_path):
 def test_fp16_torch_autocast_is_refused(tmp_path):
     """torch_autocast with fp16 scales the loss with torch's GradScaler inside DeepSpeed's
     per-subgroup step, which the engine replaces: refused with the fix, not run unscaled."""
-    out = launch(ours(1, "--ds-extra", json.dumps({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}})),
-                 tmp_path)
+    out = launch(ours(1, "--ds-extra", json.dumps({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}})), tmp_path)
     _one_line_error(out, r"offloadctl: torch_autocast with fp16 .* use bf16 in torch_autocast")
 
 
@@ -177,9 +198,16 @@ def test_profile_starts_from_the_model_plan(tmp_path):
     recs = out.telemetry()
     # The rank ran with the knobs the model picks for its size (the tiny model's 4 subgroups).
     params = recs[0]["params"]
-    expected = plan_for_rank(prof, params_total=params, world_size=1, subgroup_numel=100,
-                             paths=(StoragePath(path=str(nvme)),), weight_bytes=4, host_cache_bytes=2000,
-                             pins={})
+    expected = plan_for_rank(
+        prof,
+        params_total=params,
+        world_size=1,
+        subgroup_numel=100,
+        paths=(StoragePath(path=str(nvme)),),
+        weight_bytes=4,
+        host_cache_bytes=2000,
+        pins={},
+    )
     assert recs[0]["knobs"]["prefetch_depth"] == expected.knobs.prefetch_depth
     assert all(r["knobs"] == recs[0]["knobs"] for r in recs)  # --tuner off: never changed
 
@@ -191,8 +219,10 @@ def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
     # The flags given are the run's: the tuner never moves the prefetch, the engine keeps to the
     # budget, and the summary says both.
     for rank in (0, 1):
-        assert all(r["knobs"]["prefetch_depth"] == 1 and r["host_budget_bytes"] == 10**9
-                   and 0 < sum(r["host_bytes"].values()) <= 10**9 for r in out.telemetry(rank))
+        assert all(
+            r["knobs"]["prefetch_depth"] == 1 and r["host_budget_bytes"] == 10**9 and 0 < sum(r["host_bytes"].values()) <= 10**9
+            for r in out.telemetry(rank)
+        )
     summary = " ".join(out.stdout.split())
     assert "knobs fixed by the run's options, never tuned: prefetch_depth=1" in summary, out.stdout
     assert re.search(r"host memory of rank 0's engine, at its peak: [\d.]+ [KM]B of its 1 GB budget \(", summary), out.stdout
@@ -203,13 +233,18 @@ def test_tuner_auto_starts_a_private_daemon_and_stops_it(tmp_path):
     assert not sock.exists()  # the private daemon went with the run
 
 
-@pytest.mark.parametrize("opts,pattern", [
-    (("--profile", "no-such-profile"), r"no-such-profile"),
-    (("--tuner", "/nonexistent/tuner.sock"), r"--tuner /nonexistent/tuner.sock: no socket there"),
-    (("--profile", "{bad}"), r"line \d+")], ids=["unknown-profile", "missing-socket", "malformed-profile"])
+@pytest.mark.parametrize(
+    "opts,pattern",
+    [
+        (("--profile", "no-such-profile"), r"no-such-profile"),
+        (("--tuner", "/nonexistent/tuner.sock"), r"--tuner /nonexistent/tuner.sock: no socket there"),
+        (("--profile", "{bad}"), r"line \d+"),
+    ],
+    ids=["unknown-profile", "missing-socket", "malformed-profile"],
+)
 def test_bad_profile_or_tuner_is_one_line(opts, pattern, tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text("schema_version = 1\nname = \"x\"\nbogus = 3\n")
+    bad.write_text('schema_version = 1\nname = "x"\nbogus = 3\n')
     opts = [o.format(bad=bad) for o in opts]
     out = cli("train", "--nvme", str(tmp_path), *opts, SCRIPT)
     _one_line_error(out, pattern)
@@ -218,13 +253,44 @@ def test_bad_profile_or_tuner_is_one_line(opts, pattern, tmp_path):
 def test_dry_run_passes_multi_node_options_through(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
-    out = cli("train", "--dry-run", "--json", "--hostfile", str(hostfile), "--num_nodes", "2", "--include",
-              "node1:0,1@node2:0,1", "--master_addr", "node1", "--launcher", "pdsh", "--nvme", str(tmp_path), "--tuner",
-              "off", SCRIPT, "--steps", "3", "--num_nodes", "7")
+    out = cli(
+        "train",
+        "--dry-run",
+        "--json",
+        "--hostfile",
+        str(hostfile),
+        "--num_nodes",
+        "2",
+        "--include",
+        "node1:0,1@node2:0,1",
+        "--master_addr",
+        "node1",
+        "--launcher",
+        "pdsh",
+        "--nvme",
+        str(tmp_path),
+        "--tuner",
+        "off",
+        SCRIPT,
+        "--steps",
+        "3",
+        "--num_nodes",
+        "7",
+    )
     assert out.returncode == 0, out.stderr
     cmd = json.loads(out.stdout)["command"]
-    launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1:cmd.index(os.path.join(ROOT, "integrations", "bootstrap.py"))]
+    launcher = cmd[cmd.index("deepspeed.launcher.runner") + 1 : cmd.index(os.path.join(ROOT, "integrations", "bootstrap.py"))]
     # In the order of DeepSpeed's own parser (integrations.launcher.LAUNCHER_OPTIONS).
-    assert launcher == ["--hostfile", str(hostfile), "--include", "node1:0,1@node2:0,1", "--num_nodes", "2",
-                        "--master_addr", "node1", "--launcher", "pdsh"]
+    assert launcher == [
+        "--hostfile",
+        str(hostfile),
+        "--include",
+        "node1:0,1@node2:0,1",
+        "--num_nodes",
+        "2",
+        "--master_addr",
+        "node1",
+        "--launcher",
+        "pdsh",
+    ]
     assert cmd[-5:] == [SCRIPT, "--steps", "3", "--num_nodes", "7"]  # the script's own args, untouched

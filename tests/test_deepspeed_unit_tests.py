@@ -8,6 +8,7 @@ those of ZeRO stage 3 with an offloaded optimizer (the engine refuses stage 3 wi
 line; ZeRO 1 and 2 never reach it), with the state on the engine's tiers: a 2 kB host cache, the
 rest on an NVMe path, the device tier and device lane run on the CPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,21 +32,37 @@ SELECTED = {
 SRC = os.environ.get("OFFLOADCTL_DEEPSPEED_SRC")
 
 
-@pytest.mark.skipif(not SRC, reason="set OFFLOADCTL_DEEPSPEED_SRC to a DeepSpeed checkout at "
-                                    f"{PINNED_COMMIT[:12]} (bench/ds_unit_tests.sh makes one)")
+@pytest.mark.skipif(
+    not SRC,
+    reason=f"set OFFLOADCTL_DEEPSPEED_SRC to a DeepSpeed checkout at {PINNED_COMMIT[:12]} (bench/ds_unit_tests.sh makes one)",
+)
 @pytest.mark.parametrize("path", sorted(SELECTED))
 def test_deepspeeds_own_tests_pass_with_the_engine(path, tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    settings = {"nvme_paths": [str(nvme)], "host_cache_bytes": 2000, "lane_device": "cpu", "device_cache_bytes": 30000,
-                "knobs": {"device_fraction": 0.5, "prefetch_depth": 0}, "auto_device_fraction": False}
+    settings = {
+        "nvme_paths": [str(nvme)],
+        "host_cache_bytes": 2000,
+        "lane_device": "cpu",
+        "device_cache_bytes": 30000,
+        "knobs": {"device_fraction": 0.5, "prefetch_depth": 0},
+        "auto_device_fraction": False,
+    }
     # LOCAL_SIZE: the CPU accelerator's device count, so that DeepSpeed's 2-rank tests run rather than skip.
-    env = dict(os.environ, OFFLOADCTL_ENGINE_SETTINGS=json.dumps(settings), LOCAL_SIZE="2",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "deepspeed_unit"), ROOT,
-                                           os.path.join(SRC, "tests")]))
+    env = dict(
+        os.environ,
+        OFFLOADCTL_ENGINE_SETTINGS=json.dumps(settings),
+        LOCAL_SIZE="2",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "deepspeed_unit"), ROOT, os.path.join(SRC, "tests")]),
+    )
     # -m "": DeepSpeed's pytest.ini deselects its NVMe rows (marked sequential) by default.
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", os.path.join(SRC, path),
-                        "-k", SELECTED[path]], capture_output=True, text=True, env=env, cwd=os.path.join(SRC, "tests"),
-                       timeout=3000)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", os.path.join(SRC, path), "-k", SELECTED[path]],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.join(SRC, "tests"),
+        timeout=3000,
+    )
     tail = p.stdout[-3000:]
     assert p.returncode == 0 and " passed" in tail and " failed" not in tail, tail

@@ -8,6 +8,7 @@ tensors (CPU tensors here), so each pass below says what the process holds with 
 as the real allocator would count it. What only a GPU shows (a real eval's peak, the allocator's
 rounding) is the GPU plan's item 4 and 5 check.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,8 +88,8 @@ def test_an_eval_pass_into_the_margin_moves_tier_subgroups_to_host_memory(ds, mo
     for o, g in zip((opt, twin), gens):
         _train(o, mem, g, TRAIN_PEAK)
     after = _tier(opt)
-    assert after == before[:len(after)] and len(after) < len(before)
-    freed = sum(12 * NUMELS[i] + 2 * NUMELS[i] for i in before[len(after):])
+    assert after == before[: len(after)] and len(after) < len(before)
+    freed = sum(12 * NUMELS[i] + 2 * NUMELS[i] for i in before[len(after) :])
     assert freed >= into
     lines = [r.getMessage() for r in caplog.records if "device-tier subgroup" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0] and "offload_states()" in lines[0], lines
@@ -130,8 +131,9 @@ def test_an_out_of_memory_error_at_the_step_shrinks_the_tier_for_the_next(ds, mo
     def fail_once(*a, **k):
         if not calls:
             calls.append(1)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.83 KiB. GPU 0 has a total "
-                                         "capacity of 139.8 GiB")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 48.83 KiB. GPU 0 has a total capacity of 139.8 GiB"
+            )
         return real(*a, **k)
 
     monkeypatch.setattr(eng.device_lane, "update_resident", fail_once)  # the tier's update
@@ -139,7 +141,7 @@ def test_an_out_of_memory_error_at_the_step_shrinks_the_tier_for_the_next(ds, mo
     with pytest.raises(torch.OutOfMemoryError):
         _train(opt, mem, gen, TRAIN_PEAK)
     after = _tier(opt)
-    freed = sum(14 * NUMELS[i] for i in before[len(after):])
+    freed = sum(14 * NUMELS[i] for i in before[len(after) :])
     assert len(after) < len(before) and freed >= 50_000 + opt.device_fit.margin_bytes
     assert any("out of GPU memory at the step (it asked for 50 KB more)" in r.getMessage() for r in caplog.records)
     _train(opt, mem, gen, TRAIN_PEAK)  # the caller went on
@@ -153,12 +155,15 @@ def test_requested_bytes_reads_torchs_message():
     assert requested_bytes(RuntimeError("something else")) == 0
 
 
-@pytest.mark.parametrize("others, fraction, usable", [
-    (0, 1.0, 141_000_000_000),  # the card alone
-    (61_000_000_000, 1.0, 80_000_000_000),  # another process (a ballast, a tenant) holds 61 GB
-    (0, 0.5, 70_500_000_000),  # torch.cuda.set_per_process_memory_fraction(0.5)
-    (61_000_000_000, 0.5, 70_500_000_000),  # both: the fraction is of the card's total
-])
+@pytest.mark.parametrize(
+    "others, fraction, usable",
+    [
+        (0, 1.0, 141_000_000_000),  # the card alone
+        (61_000_000_000, 1.0, 80_000_000_000),  # another process (a ballast, a tenant) holds 61 GB
+        (0, 0.5, 70_500_000_000),  # torch.cuda.set_per_process_memory_fraction(0.5)
+        (61_000_000_000, 0.5, 70_500_000_000),  # both: the fraction is of the card's total
+    ],
+)
 def test_the_margin_is_taken_from_the_memory_the_process_may_use(monkeypatch, others, fraction, usable):
     """6% of what this process may use, not of the card: on a 141 GB card held to 80 GB, 4.8 GB
     is kept free beyond the peak, not 8.5 GB; and no state goes past a per-process fraction."""

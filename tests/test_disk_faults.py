@@ -11,6 +11,7 @@ and the checkpoint saved before the fault resumes to the losses of a run that ne
 
 The disk is a small ext4 file system on a loop device of its own, made and removed here; root only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,24 @@ def _losses(path) -> list[float]:
 
 def _smallest_budget(tmp_path, nvme: str) -> str:
     """The --host-memory the refusal names as the smallest that starts."""
-    r = cli("train", "--num_gpus", "1", "--master_port", free_port(), "--nvme", nvme, *SWAPPING, "--host-memory", "1KB",
-            "--run-dir", str(tmp_path / "refused"), TINY, "--losses-out", str(tmp_path / "refused.jsonl"), timeout=600)
+    r = cli(
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        nvme,
+        *SWAPPING,
+        "--host-memory",
+        "1KB",
+        "--run-dir",
+        str(tmp_path / "refused"),
+        TINY,
+        "--losses-out",
+        str(tmp_path / "refused.jsonl"),
+        timeout=600,
+    )
     said = [ln for ln in r.stderr.splitlines() if "(--host-memory) is below what this rank needs" in ln]
     assert r.returncode != 0 and said and "Traceback" not in r.stderr, r.stderr[-3000:]
     return said[0].split("give --host-memory ", 1)[1].split(" or more", 1)[0]
@@ -77,11 +94,35 @@ def _smallest_budget(tmp_path, nvme: str) -> str:
 
 def _start(tmp_path, nvme: str, budget: str, ckpt: str) -> tuple[subprocess.Popen, str, str]:
     run_dir, losses = str(tmp_path / "run"), str(tmp_path / "losses.jsonl")
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme",
-           nvme, *SWAPPING, "--host-memory", budget, "--run-dir", run_dir, TINY, "--steps", "100000", "--losses-out",
-           losses, "--save-at", "3", "--ckpt-dir", ckpt]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        nvme,
+        *SWAPPING,
+        "--host-memory",
+        budget,
+        "--run-dir",
+        run_dir,
+        TINY,
+        "--steps",
+        "100000",
+        "--losses-out",
+        losses,
+        "--save-at",
+        "3",
+        "--ckpt-dir",
+        ckpt,
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     return p, run_dir, losses
 
 
@@ -105,10 +146,38 @@ def _resume(tmp_path, ckpt: str) -> list[float]:
     """The checkpoint saved at step 3, resumed on a disk of its own to step 6."""
     nvme = tmp_path / "nvme-resume"
     nvme.mkdir()
-    r = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-                        "--nvme", str(nvme), "--host-cache", "0", "--tuner", "off", "--run-dir", str(tmp_path / "resumed"),
-                        TINY, "--steps", "6", "--losses-out", str(tmp_path / "resumed.jsonl"), "--resume", ckpt],
-                       cwd=ROOT, env=env_with_root(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            free_port(),
+            "--nvme",
+            str(nvme),
+            "--host-cache",
+            "0",
+            "--tuner",
+            "off",
+            "--run-dir",
+            str(tmp_path / "resumed"),
+            TINY,
+            "--steps",
+            "6",
+            "--losses-out",
+            str(tmp_path / "resumed.jsonl"),
+            "--resume",
+            ckpt,
+        ],
+        cwd=ROOT,
+        env=env_with_root(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return _losses(tmp_path / "resumed.jsonl")
 
@@ -135,8 +204,11 @@ def _read_only(dev: str) -> None:
         f.write("offloadctl test: the disk fails\n")
 
 
-FAULTS = {"disk-full": lambda dev, mnt: _fill(mnt), "swap-dir-deleted": lambda dev, mnt: _delete_swap_dir(mnt),
-          "read-only": lambda dev, mnt: _read_only(dev)}
+FAULTS = {
+    "disk-full": lambda dev, mnt: _fill(mnt),
+    "swap-dir-deleted": lambda dev, mnt: _delete_swap_dir(mnt),
+    "read-only": lambda dev, mnt: _read_only(dev),
+}
 GOES_ON = {"disk-full": True, "swap-dir-deleted": True, "read-only": False}
 """The swap files were allocated at start, and are read and written through the descriptors
 opened then: a full disk and a deleted directory take nothing from them. A read-only file system
@@ -195,8 +267,16 @@ def test_a_swap_dir_deleted_between_steps_reads_the_files_the_rank_made(backend,
         nvme = tmp_path / f"nvme-{delete}"
         nvme.mkdir()
         model = make_model()
-        opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=300, nvme_paths=[str(nvme)], host_cache_bytes=0,
-                           io_backend=backend, host_adam="torch", overlap_io=False)
+        opt = OffloadAdamW(
+            model.parameters(),
+            lr=1e-2,
+            subgroup_numel=300,
+            nvme_paths=[str(nvme)],
+            host_cache_bytes=0,
+            io_backend=backend,
+            host_adam="torch",
+            overlap_io=False,
+        )
         try:
             feed_same_grads([(model, opt)], 2)
             if delete:

@@ -1,4 +1,5 @@
 """The check of the installed DeepSpeed against what the ZeRO-3 integration overrides and reads."""
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,20 @@ def test_installed_deepspeed_matches(ds):
     assert ds_compat.integration_status() == f"ok (DeepSpeed {ds.__version__})"
 
 
-@pytest.mark.parametrize("name, replacement, found", [
-    ("_post_step", lambda self: None, "found (self)"),  # a parameter dropped
-    ("_offload_grad_partition_at_boundary",  # an overridden method DeepSpeed now calls with one more
-     lambda self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra: None,
-     "found (self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra)"),
-    ("_get_norm_groups", None, "found no such method"),
-    ("_pre_step", staticmethod(lambda: None), "found a staticmethod"),
-    ("_release_sub_group", None, "found no such method"),  # one the recorder's hooks wrap under --engine stock
-])
+@pytest.mark.parametrize(
+    "name, replacement, found",
+    [
+        ("_post_step", lambda self: None, "found (self)"),  # a parameter dropped
+        (
+            "_offload_grad_partition_at_boundary",  # an overridden method DeepSpeed now calls with one more
+            lambda self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra: None,
+            "found (self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets, extra)",
+        ),
+        ("_get_norm_groups", None, "found no such method"),
+        ("_pre_step", staticmethod(lambda: None), "found a staticmethod"),
+        ("_release_sub_group", None, "found no such method"),  # one the recorder's hooks wrap under --engine stock
+    ],
+)
 def test_changed_method_is_one_line_naming_version_and_method(ds, stage3, monkeypatch, name, replacement, found):
     if replacement is None:
         monkeypatch.delattr(stage3, name)
@@ -70,8 +76,9 @@ def test_changed_method_is_one_line_naming_version_and_method(ds, stage3, monkey
     with pytest.raises(ConfigError) as e:
         ds_compat.check_deepspeed()
     msg = _one_line(e)
-    assert msg.startswith(f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
-                          f"{signature} expected, {found}: "), msg
+    assert msg.startswith(
+        f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: {signature} expected, {found}: "
+    ), msg
     assert f"pip install 'deepspeed=={ds_compat.CHECKED_AGAINST}'" in msg
 
 
@@ -109,9 +116,11 @@ def test_version_outside_the_range_fails(version):
     req = ds_compat.supported_requirement()
     with pytest.raises(ConfigError) as e:
         ds_compat.check_deepspeed(fake)
-    assert _one_line(e) == (f"DeepSpeed {version} is outside offloadctl's supported range {req} (the ZeRO-3 "
-                            f"integration overrides internals of those versions): install a DeepSpeed version in "
-                            f"the supported range (pip install '{req}' --no-build-isolation)")
+    assert _one_line(e) == (
+        f"DeepSpeed {version} is outside offloadctl's supported range {req} (the ZeRO-3 "
+        f"integration overrides internals of those versions): install a DeepSpeed version in "
+        f"the supported range (pip install '{req}' --no-build-isolation)"
+    )
 
 
 @pytest.mark.parametrize("version", ["0.19.8", "0.19.9.dev0", "0.19.8+cpu"])
@@ -120,20 +129,22 @@ def test_version_inside_the_range_passes(version):
 
 
 def test_attribute_deepspeed_no_longer_sets_fails(monkeypatch):
-    monkeypatch.setattr(ds_compat, "ATTRIBUTES",
-                        (*ds_compat.ATTRIBUTES, ds_compat.Attribute(ds_compat.STAGE3, "fp32_flat_renamed")))
+    monkeypatch.setattr(
+        ds_compat, "ATTRIBUTES", (*ds_compat.ATTRIBUTES, ds_compat.Attribute(ds_compat.STAGE3, "fp32_flat_renamed"))
+    )
     with pytest.raises(ConfigError) as e:
         ds_compat.check_deepspeed()
-    assert ("DeepSpeedZeroOptimizer_Stage3.fp32_flat_renamed expected, found nothing in its source that sets it"
-            in _one_line(e))
+    assert "DeepSpeedZeroOptimizer_Stage3.fp32_flat_renamed expected, found nothing in its source that sets it" in _one_line(e)
 
 
 def test_attribute_deepspeed_takes_from_us_fails(monkeypatch):
     monkeypatch.setattr(ds_compat, "OWN_ATTRIBUTES", (*ds_compat.OWN_ATTRIBUTES, "partition_count"))
     with pytest.raises(ConfigError) as e:
         ds_compat.check_deepspeed()
-    assert ("DeepSpeedZeroOptimizer_Stage3.partition_count expected to be offloadctl's own, found DeepSpeed "
-            "setting it too" in _one_line(e))
+    assert (
+        "DeepSpeedZeroOptimizer_Stage3.partition_count expected to be offloadctl's own, found DeepSpeed "
+        "setting it too" in _one_line(e)
+    )
 
 
 def _live_optimizer():
@@ -151,19 +162,26 @@ def test_live_optimizer_with_every_attribute_passes():
     ds_compat.check_optimizer_instance(_live_optimizer()[0])
 
 
-@pytest.mark.parametrize("where, name", [
-    ("opt", "grad_partitions_flat_buffer"), ("opt", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"),
-    ("param", "partition_numel"), ("offload", "_max_available_parameters_in_numel")])
+@pytest.mark.parametrize(
+    "where, name",
+    [
+        ("opt", "grad_partitions_flat_buffer"),
+        ("opt", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"),
+        ("param", "partition_numel"),
+        ("offload", "_max_available_parameters_in_numel"),
+    ],
+)
 def test_live_optimizer_missing_an_attribute_is_one_line(ds, where, name):
     opt, param = _live_optimizer()
     delattr({"opt": opt, "param": param, "offload": opt.parameter_offload}[where], name)
-    owner = {"opt": "DeepSpeedZeroOptimizer_Stage3", "param": "partition_parameters",
-             "offload": "DeepSpeedZeRoOffload"}[where]
+    owner = {"opt": "DeepSpeedZeroOptimizer_Stage3", "param": "partition_parameters", "offload": "DeepSpeedZeRoOffload"}[where]
     with pytest.raises(ConfigError) as e:
         ds_compat.check_optimizer_instance(opt)
     msg = _one_line(e)
-    assert msg.startswith(f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
-                          f"{owner}.{name} expected, found no such attribute on "), msg
+    assert msg.startswith(
+        f"DeepSpeed {ds.__version__} does not match offloadctl's ZeRO-3 integration: "
+        f"{owner}.{name} expected, found no such attribute on "
+    ), msg
 
 
 def test_the_range_is_pyprojects():
@@ -194,8 +212,9 @@ def test_the_fallback_without_package_metadata(monkeypatch):
 @pytest.mark.slow
 def test_info_json_includes_the_check(ds):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "info", "--json"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", "info", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["deepspeed_integration"] == f"ok (DeepSpeed {ds.__version__})"
 
@@ -214,7 +233,7 @@ def test_info_fails_with_the_one_line(stage3, monkeypatch, capsys):
         line = err.strip().splitlines()[-1]
         assert line.startswith("offloadctl: DeepSpeed ") and "_post_step(self, timer_names) expected" in line
         if as_json:
-            assert json.loads(out)["deepspeed_integration"] == line[len("offloadctl: "):]
+            assert json.loads(out)["deepspeed_integration"] == line[len("offloadctl: ") :]
 
 
 def test_the_copied_partition_grads_is_the_installed_one():
@@ -263,6 +282,7 @@ def test_a_changed_behaviour_the_integration_relies_on_fails_naming_it(ds, stage
     destroy()'s unpinning; offload_states/reload_states' handling of the gradient buffer is what
     the integration steers). A release whose body of one of these differs, with the same
     signature, fails the check with one line naming the method and what is relied on."""
+
     def changed(self, *args, **kwargs):  # same call, another body
         return None
 

@@ -4,6 +4,7 @@ The state stayed in host memory with no word, where the user asked for NVMe to s
 DeepSpeed fails there with a traceback): refused in one line, before the launch where the
 config is a file the script's arguments name, and by the rank where the script builds it.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,11 @@ def _config(tmp_path, offload: dict) -> str:
 
 
 def _refusal(where: str) -> str:
-    return (f"{where} puts the optimizer state on NVMe (offload_optimizer.device \"nvme\") but names no nvme_path, and "
-            f"no --nvme was given: add \"nvme_path\": DIR to its offload_optimizer, or give --nvme DIR (device \"cpu\" "
-            f"keeps the state in host memory)")
+    return (
+        f'{where} puts the optimizer state on NVMe (offload_optimizer.device "nvme") but names no nvme_path, and '
+        f'no --nvme was given: add "nvme_path": DIR to its offload_optimizer, or give --nvme DIR (device "cpu" '
+        f"keeps the state in host memory)"
+    )
 
 
 def test_a_ds_config_on_nvme_without_a_path_is_refused_unless_a_path_is_given(tmp_path):
@@ -44,8 +47,21 @@ def test_a_ds_config_on_nvme_without_a_path_is_refused_unless_a_path_is_given(tm
 def test_offloadctl_train_refuses_it_before_the_launch(tmp_path):
     cfg = _config(tmp_path, {"device": "nvme"})
     run_dir = tmp_path / "run"
-    r = cli("train", "--num_gpus", "1", "--tuner", "off", "--run-dir", str(run_dir), TINY, "--losses-out",
-            str(tmp_path / "l"), "--deepspeed_config", cfg, timeout=120)
+    r = cli(
+        "train",
+        "--num_gpus",
+        "1",
+        "--tuner",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        TINY,
+        "--losses-out",
+        str(tmp_path / "l"),
+        "--deepspeed_config",
+        cfg,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr == f"offloadctl: {_refusal(cfg + ' (the script' + chr(39) + 's --deepspeed_config)')}\n"
     assert not run_dir.exists()
@@ -54,8 +70,7 @@ def test_offloadctl_train_refuses_it_before_the_launch(tmp_path):
 @pytest.mark.slow
 def test_a_config_built_in_the_script_is_refused_by_the_rank_in_one_line(tmp_path):
     """The script builds ``offload_optimizer: {"device": "nvme"}`` itself (no path)."""
-    spec = Launch("ours", 1, ("--offload", "nvme"), opts=("--host-cache", "0", "--tuner", "off", "--run-dir",
-                                                           "{dir}/run"))
+    spec = Launch("ours", 1, ("--offload", "nvme"), opts=("--host-cache", "0", "--tuner", "off", "--run-dir", "{dir}/run"))
     out = launch(spec, tmp_path)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     said = [ln for ln in out.stderr.splitlines() if "puts the optimizer state on NVMe" in ln]

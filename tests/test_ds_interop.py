@@ -5,6 +5,7 @@ Every comparison is against stock DeepSpeed running the same script with the sam
 runs that save checkpoints, and the stock references, come from the session's cache (ds_runs.py):
 a test that changes a checkpoint works on its own copy.
 """
+
 from __future__ import annotations
 
 import glob
@@ -50,8 +51,9 @@ def _loader(who: str, ranks: int, dtype: str, layout: str | None, ckpt: str, *ex
     return stock(ranks, *resume) if who == "stock" else ours(ranks, *resume, opts=LAYOUTS[layout])
 
 
-@pytest.mark.parametrize("ranks,dtype,layout", [(1, "fp32", "all-nvme"), (2, "bf16", "nvme-and-host"),
-                                                (1, "bf16", "lane-on-cpu")])
+@pytest.mark.parametrize(
+    "ranks,dtype,layout", [(1, "fp32", "all-nvme"), (2, "bf16", "nvme-and-host"), (1, "bf16", "lane-on-cpu")]
+)
 def test_partitioned_state_api_matches_stock(ranks, dtype, layout, ds_runs):
     """deepspeed.utils.safe_get_*/safe_set_* and safe_update_full_grad_vectorized ("Debugging"
     and "Modifying Partitioned States" in DeepSpeed's ZeRO-3 docs), with gradient clipping: every
@@ -72,8 +74,22 @@ def test_module_only_load_of_a_stock_checkpoint_matches_stock(layout, ds_runs):
     """load_checkpoint(load_optimizer_states=False, load_module_only=True), fine-tuning from a
     checkpoint: the masters come from the loaded weights, as in stock. The checkpoint is stock's."""
     want = ds_runs.reference(resumed_stock(1, "fp32", 1, "--resume-module-only")).ok().losses
-    got = ds_runs.get(ours(1, "--dtype", "fp32", "--resume", "{ckpt}", "--resume-module-only", opts=LAYOUTS[layout],
-                           ckpt=Checkpoint(baseline(1, "fp32")))).ok().losses
+    got = (
+        ds_runs.get(
+            ours(
+                1,
+                "--dtype",
+                "fp32",
+                "--resume",
+                "{ckpt}",
+                "--resume-module-only",
+                opts=LAYOUTS[layout],
+                ckpt=Checkpoint(baseline(1, "fp32")),
+            )
+        )
+        .ok()
+        .losses
+    )
     assert len(got) == len(want) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
 
@@ -88,15 +104,25 @@ loss moves by a small share of that. Resumed against uninterrupted runs of the s
 kernel, every dtype is held to 1e-5."""
 
 
-@pytest.mark.parametrize("saver,loader,ranks,dtype", [
-    (("stock", None), ("ours", "all-nvme"), 2, "fp32"),
-    (("stock", None), ("ours", TWO_PATHS), 1, "bf16"),
-    (("ours", "nvme-and-host"), ("stock", None), 2, "bf16"),
-    (("ours", "all-nvme"), ("ours", TWO_PATHS), 2, "fp32"),
-    (("ours", TWO_PATHS), ("ours", "lane-on-cpu"), 1, "bf16"),
-    (("ours", "all-host"), ("ours", "all-nvme"), 1, "fp32"),
-], ids=["stock-to-ours-2ranks-fp32", "stock-to-ours-two-paths-bf16", "ours-to-stock-2ranks-bf16",
-        "ours-to-ours-other-paths-2ranks", "ours-to-ours-device-tiers-bf16", "ours-host-to-ours-nvme"])
+@pytest.mark.parametrize(
+    "saver,loader,ranks,dtype",
+    [
+        (("stock", None), ("ours", "all-nvme"), 2, "fp32"),
+        (("stock", None), ("ours", TWO_PATHS), 1, "bf16"),
+        (("ours", "nvme-and-host"), ("stock", None), 2, "bf16"),
+        (("ours", "all-nvme"), ("ours", TWO_PATHS), 2, "fp32"),
+        (("ours", TWO_PATHS), ("ours", "lane-on-cpu"), 1, "bf16"),
+        (("ours", "all-host"), ("ours", "all-nvme"), 1, "fp32"),
+    ],
+    ids=[
+        "stock-to-ours-2ranks-fp32",
+        "stock-to-ours-two-paths-bf16",
+        "ours-to-stock-2ranks-bf16",
+        "ours-to-ours-other-paths-2ranks",
+        "ours-to-ours-device-tiers-bf16",
+        "ours-host-to-ours-nvme",
+    ],
+)
 def test_checkpoints_move_both_ways(saver, loader, ranks, dtype, ds_runs, tmp_path):
     """A checkpoint saved at step 3 (gradient clipping on) and resumed by the other side, or by
     offloadctl with another tier layout, continues with the losses of the uninterrupted run. The
@@ -116,9 +142,10 @@ def test_zero_to_fp32_reads_our_checkpoint_as_stocks(ds_runs):
     format does not depend on the tiers the state lived on.)"""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    ref, got = (get_fp32_state_dict_from_zero_checkpoint(str(ds_runs.get(_saver(who, 2, "bf16", layout)).ok().dir / "ckpt"),
-                                                          tag="ckpt") for who, layout in (("stock", None),
-                                                                                          ("ours", "nvme-and-host")))
+    ref, got = (
+        get_fp32_state_dict_from_zero_checkpoint(str(ds_runs.get(_saver(who, 2, "bf16", layout)).ok().dir / "ckpt"), tag="ckpt")
+        for who, layout in (("stock", None), ("ours", "nvme-and-host"))
+    )
     assert ref.keys() == got.keys() and len(ref) == 6
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
@@ -143,6 +170,7 @@ def test_universal_checkpoint_of_ours_resumes_at_another_rank_count(saved_ranks,
 
 # -- checkpoints that do not load ----------------------------------------------------------------
 
+
 def _saved(ds_runs, tmp_path, ranks: int) -> str:
     """A copy of the checkpoint offloadctl saved at step 3 (fp32, state on NVMe) with ``ranks``
     ranks, for a test that damages it."""
@@ -159,14 +187,22 @@ def _damage(kind: str, ckpt: str) -> None:
         os.unlink(optim[-1])
 
 
-@pytest.mark.parametrize("kind,ranks,load_ranks,extra,expect", [
-    ("another-model", 1, 1, ("--hidden", "48"), "holds another model: 0.weight is torch.Size([64, 32]) there and "
-                                                 "torch.Size([48, 32]) here"),
-    ("missing-rank-file", 2, 2, (), "lacks"),
-    ("truncated", 1, 1, (), "is truncated or damaged"),
-    ("rank-count", 2, 1, (), "was saved by 2 ranks and this run has 1"),
-    ("other-subgroups", 1, 1, ("--sub-group-size", "50"), "subgroups of"),
-])
+@pytest.mark.parametrize(
+    "kind,ranks,load_ranks,extra,expect",
+    [
+        (
+            "another-model",
+            1,
+            1,
+            ("--hidden", "48"),
+            "holds another model: 0.weight is torch.Size([64, 32]) there and torch.Size([48, 32]) here",
+        ),
+        ("missing-rank-file", 2, 2, (), "lacks"),
+        ("truncated", 1, 1, (), "is truncated or damaged"),
+        ("rank-count", 2, 1, (), "was saved by 2 ranks and this run has 1"),
+        ("other-subgroups", 1, 1, ("--sub-group-size", "50"), "subgroups of"),
+    ],
+)
 def test_a_checkpoint_that_does_not_load_is_one_line(kind, ranks, load_ranks, extra, expect, ds_runs, tmp_path):
     """One line naming the checkpoint file or directory, what differs and the fix; no traceback."""
     ckpt = _saved(ds_runs, tmp_path, ranks)
@@ -183,13 +219,15 @@ def test_a_failed_load_leaves_the_tiers_alone(ds_runs, tmp_path):
     every tier: the subgroup check comes before anything is written."""
     ckpt = _saved(ds_runs, tmp_path, 1)
     out = tmp_path / "try.json"
-    launch(ours(1, "--dtype", "fp32", "--resume", ckpt, "--try-resume", str(out), "--sub-group-size", "50"),
-           tmp_path / "goes-on").ok()
+    launch(
+        ours(1, "--dtype", "fp32", "--resume", ckpt, "--try-resume", str(out), "--sub-group-size", "50"), tmp_path / "goes-on"
+    ).ok()
     got = json.loads(out.read_text())
     assert got["outcome"].startswith("failed: the checkpoint's optimizer state has") and got["tiers_unchanged"], got
 
 
 # -- launching: two nodes, each launched on its own --------------------------------------------------
+
 
 def test_two_nodes_launched_per_node_match_stock(ds_runs, tmp_path):
     """Two per-node launches (--no_ssh --node_rank 0|1, one hostfile naming both nodes, one master
@@ -204,12 +242,36 @@ def test_two_nodes_launched_per_node_match_stock(ds_runs, tmp_path):
     for node in (0, 1):
         d = tmp_path / f"ours{node}"
         (d / "nvme").mkdir(parents=True)
-        per_node = ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
-                    "127.0.0.1", "--master_port", port]
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", *per_node, "--nvme", str(d / "nvme"),
-               "--host-cache", "0", "--run-dir", str(d / "run"), TINY, "--losses-out", str(d / "losses.jsonl")]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=env_with_root(), cwd=ROOT))
+        per_node = [
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            *per_node,
+            "--nvme",
+            str(d / "nvme"),
+            "--host-cache",
+            "0",
+            "--run-dir",
+            str(d / "run"),
+            TINY,
+            "--losses-out",
+            str(d / "losses.jsonl"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env_with_root(), cwd=ROOT)
+        )
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -230,16 +292,35 @@ OFFLOAD_GAP_S = 1.0
 GENERATING = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny_generating.py")
 
 
-@pytest.mark.parametrize("include,layout", [("all", "lane-on-cpu"), ("optim_states,hp_params", "all-nvme"),
-                                            ("lp_params,lp_grads,contiguous_grad_buffer", "nvme-and-host")])
+@pytest.mark.parametrize(
+    "include,layout",
+    [
+        ("all", "lane-on-cpu"),
+        ("optim_states,hp_params", "all-nvme"),
+        ("lp_params,lp_grads,contiguous_grad_buffer", "nvme-and-host"),
+    ],
+)
 def test_offload_and_reload_states_keep_training_exact(include, layout, ds_runs):
     """engine.offload_states()/reload_states() (RLHF frameworks, around generation) after step 3:
     the state DeepSpeed's API reads is the same before and after (checked in the script), and
     training continues with stock's losses (stock runs without them: with CPU offload its own
     offload_states takes only the 16-bit states, so there is nothing to compare it with). The
     gap between them (OFFLOAD_GAP_S: the generation) is no part of the next step's time."""
-    run = ds_runs.get(ours(1, "--dtype", "bf16", "--offload-states-at", "3", "--offload-include", include,
-                           "--offload-gap-s", str(OFFLOAD_GAP_S), opts=LAYOUTS[layout], script=GENERATING)).ok()
+    run = ds_runs.get(
+        ours(
+            1,
+            "--dtype",
+            "bf16",
+            "--offload-states-at",
+            "3",
+            "--offload-include",
+            include,
+            "--offload-gap-s",
+            str(OFFLOAD_GAP_S),
+            opts=LAYOUTS[layout],
+            script=GENERATING,
+        )
+    ).ok()
     ref = ds_runs.get(baseline(1, "bf16")).ok()
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(ref.losses), rtol=STOCK_RTOL["bf16"], atol=0)
     recs = run.telemetry()

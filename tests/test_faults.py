@@ -5,6 +5,7 @@ code before its fix. Elsewhere: a daemon killed and restarted mid-run
 (test_tuner_daemon.test_ranks_switch_together_across_runs_and_a_daemon_restart), a corrupt
 or truncated swap file and a disk filling mid-run (test_bad_input).
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,8 +39,14 @@ NOBODY = 65534
 def _serve(sock: str, *extra: str, preexec=None) -> subprocess.Popen:
     os.makedirs(os.path.dirname(sock), mode=0o700, exist_ok=True)
     logf = open(sock + ".log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, *extra],
-                            cwd=ROOT, env=env_with_root(), stdout=logf, stderr=logf, preexec_fn=preexec)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, *extra],
+        cwd=ROOT,
+        env=env_with_root(),
+        stdout=logf,
+        stderr=logf,
+        preexec_fn=preexec,
+    )
     logf.close()
     _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
     assert proc.poll() is None, open(sock + ".log").read()
@@ -47,13 +54,23 @@ def _serve(sock: str, *extra: str, preexec=None) -> subprocess.Popen:
 
 
 def _register(c: Connection, run_id: str, paths=("/x",), **extra) -> None:
-    c.request("register", run_id=run_id, rank=0, world_size=1, params=1000, paths=list(paths), has_device=False,
-              knobs={"prefetch_depth": 2}, subgroup_bytes=12288, **extra)
+    c.request(
+        "register",
+        run_id=run_id,
+        rank=0,
+        world_size=1,
+        params=1000,
+        paths=list(paths),
+        has_device=False,
+        knobs={"prefetch_depth": 2},
+        subgroup_bytes=12288,
+        **extra,
+    )
 
 
 # -- 1. a fake daemon of another user ------------------------------------------------------------------
 
-FAKE_DAEMON = r'''
+FAKE_DAEMON = r"""
 import json, os, socket, struct, sys
 
 path, owner = sys.argv[1], int(sys.argv[3])
@@ -71,7 +88,7 @@ while True:
                       "pid": os.getpid(), "started_at": 0}).encode()
     c.sendall(struct.pack(">I", len(msg)) + msg)
     c.close()
-'''.replace("API_V", str(API_VERSION))
+""".replace("API_V", str(API_VERSION))
 
 
 @needs_root
@@ -96,8 +113,9 @@ def test_client_refuses_a_daemon_another_user_planted():
         from engine.config import Knobs
         from tuner.client import TunerClient
 
-        client = TunerClient(sock, run_id="r", rank=0, world_size=1, params=1, paths=[], knobs=Knobs(),
-                             has_device=False, subgroup_bytes=0)
+        client = TunerClient(
+            sock, run_id="r", rank=0, world_size=1, params=1, paths=[], knobs=Knobs(), has_device=False, subgroup_bytes=0
+        )
         try:
             assert not client.connected.wait(3)
             assert "not trusted" in (client.last_error or "")
@@ -110,6 +128,7 @@ def test_client_refuses_a_daemon_another_user_planted():
 
 
 # -- 2. at the open-file limit the daemon answers BUSY, quietly -----------------------------------------
+
 
 def test_daemon_at_its_open_file_limit_answers_busy_without_flooding_its_log(tmp_path):
     sock = str(tmp_path / "d" / "tuner.sock")
@@ -154,19 +173,43 @@ def test_daemon_at_its_open_file_limit_answers_busy_without_flooding_its_log(tmp
 
 # -- 3 and 4. one run's figures or size never break the others' snapshot --------------------------------
 
+
 def test_extreme_telemetry_and_a_huge_run_do_not_break_snapshots(tmp_path):
     sock = str(tmp_path / "d" / "tuner.sock")
     daemon = _serve(sock, "--db", "none", "--no-sensors")
     try:
         with Connection(sock, role="engine") as c:
             _register(c, "tiny-wall")
-            rec = {"iteration": 1, "update_s": 5e-324, "read_wait_s": 0.0, "kernel_s": 0.0, "write_wait_s": 0.0,
-                   "path_bytes_read": {"/x": 1 << 60}, "path_bytes_written": {"/x": 1 << 60}}
-            c.sock.sendall(encode({"v": API_VERSION, "type": "telemetry", "id": 5, "run_id": "tiny-wall", "rank": 0,
-                                   "iteration": 1, "record": rec}))
+            rec = {
+                "iteration": 1,
+                "update_s": 5e-324,
+                "read_wait_s": 0.0,
+                "kernel_s": 0.0,
+                "write_wait_s": 0.0,
+                "path_bytes_read": {"/x": 1 << 60},
+                "path_bytes_written": {"/x": 1 << 60},
+            }
+            c.sock.sendall(
+                encode(
+                    {
+                        "v": API_VERSION,
+                        "type": "telemetry",
+                        "id": 5,
+                        "run_id": "tiny-wall",
+                        "rank": 0,
+                        "iteration": 1,
+                        "record": rec,
+                    }
+                )
+            )
             with pytest.raises(ProtocolError, match="1e\\+15|integer"):  # unbounded numbers are refused
-                c.request("telemetry", run_id="tiny-wall", rank=0, iteration=2,
-                          record={**rec, "iteration": 2, "path_bytes_read": {"/x": 10 ** 300}})
+                c.request(
+                    "telemetry",
+                    run_id="tiny-wall",
+                    rank=0,
+                    iteration=2,
+                    record={**rec, "iteration": 2, "path_bytes_read": {"/x": 10**300}},
+                )
         with Connection(sock, role="engine") as c:
             long_paths = [f"/{i:02d}" + "p" * 3990 for i in range(64)]
             _register(c, "huge", paths=long_paths)
@@ -189,12 +232,32 @@ def test_extreme_telemetry_and_a_huge_run_do_not_break_snapshots(tmp_path):
 
 # -- 5 and 6. a run stopped by a signal, or killed, leaves nothing behind -------------------------------
 
+
 def _train(tmp_path, *opts, steps=400, port=None):
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", port or free_port(),
-           "--nvme", str(nvme), "--host-cache-gb", "0", "--run-dir", str(tmp_path / "run"), *opts, TINY,
-           "--steps", str(steps), "--losses-out", str(tmp_path / "losses.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        port or free_port(),
+        "--nvme",
+        str(nvme),
+        "--host-cache-gb",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *opts,
+        TINY,
+        "--steps",
+        str(steps),
+        "--losses-out",
+        str(tmp_path / "losses.jsonl"),
+    ]
     err = open(tmp_path / "stderr", "w")
     # A session of its own, as a shell gives a job: the test can signal it as a terminal would.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -206,8 +269,9 @@ def _train(tmp_path, *opts, steps=400, port=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)],
-                         ids=["ctrl-c", "sigterm", "sighup"])
+@pytest.mark.parametrize(
+    "sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)], ids=["ctrl-c", "sigterm", "sighup"]
+)
 def test_signals_end_the_run_cleanly(sig, to_group, tmp_path):
     """Ctrl-C (SIGINT to the foreground process group), or SIGTERM/SIGHUP to offloadctl: the ranks
     unwind and remove their swap files; exit 128+signal; one line, no traceback."""
@@ -239,6 +303,7 @@ def test_a_killed_run_leaks_no_tuner_daemon(tmp_path):
             return open(f"/proc/{daemon_pid}/stat").read().split()[2] == "Z"
         except FileNotFoundError:
             return True
+
     _wait(gone, 10, "the private tuner daemon to exit")
 
 
@@ -278,27 +343,46 @@ def test_stale_shared_memory_of_killed_runs_is_removed(tmp_path):
 
 # -- 7. bad input: one line, no traceback ---------------------------------------------------------------
 
-@pytest.mark.parametrize("args,expect", [
-    (["train", "--host-cache-gb", "nan", TINY], "--host-cache-gb"),
-    (["train", "--host-cache-gb", "inf", TINY], "--host-cache-gb"),
-    (["train", "--host-cache-gb", "1e400", TINY], "--host-cache-gb"),
-    (["train", "--device-cache-gb", "-1", TINY], "--device-cache-gb"),
-    (["train", "--device-fraction", "2", TINY], "--device-fraction"),
-    (["train", "--run-dir", TINY, TINY], "is a file"),
-    (["train", "--tuner", TINY, TINY], "is not a socket"),
-    (["train", os.path.join(ROOT, "tests")], "is a directory"),
-    (["plan", "--profile", os.path.join(ROOT, "profiles", "example-cpu-vm.toml"), "--params", "1e308"], "1e15"),
-], ids=["cache-nan", "cache-inf", "cache-1e400", "device-cache-neg", "fraction-2", "run-dir-file", "tuner-file",
-        "script-dir", "params-1e308"])
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["train", "--host-cache-gb", "nan", TINY], "--host-cache-gb"),
+        (["train", "--host-cache-gb", "inf", TINY], "--host-cache-gb"),
+        (["train", "--host-cache-gb", "1e400", TINY], "--host-cache-gb"),
+        (["train", "--device-cache-gb", "-1", TINY], "--device-cache-gb"),
+        (["train", "--device-fraction", "2", TINY], "--device-fraction"),
+        (["train", "--run-dir", TINY, TINY], "is a file"),
+        (["train", "--tuner", TINY, TINY], "is not a socket"),
+        (["train", os.path.join(ROOT, "tests")], "is a directory"),
+        (["plan", "--profile", os.path.join(ROOT, "profiles", "example-cpu-vm.toml"), "--params", "1e308"], "1e15"),
+    ],
+    ids=[
+        "cache-nan",
+        "cache-inf",
+        "cache-1e400",
+        "device-cache-neg",
+        "fraction-2",
+        "run-dir-file",
+        "tuner-file",
+        "script-dir",
+        "params-1e308",
+    ],
+)
 def test_bad_input_is_one_line(args, expect):
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and expect in r.stderr, r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("text,expect", [("a = " + "[" * 100_000 + "]" * 100_000, "nests"),
-                                         ("x = [" + ",".join("{a=1}" for _ in range(5000)) + "]", "schema_version")],
-                         ids=["nested-100k", "5000-inline-tables"])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("a = " + "[" * 100_000 + "]" * 100_000, "nests"),
+        ("x = [" + ",".join("{a=1}" for _ in range(5000)) + "]", "schema_version"),
+    ],
+    ids=["nested-100k", "5000-inline-tables"],
+)
 def test_hostile_profiles_are_one_line(text, expect, tmp_path):
     f = tmp_path / "p.toml"
     f.write_text(text)
@@ -307,6 +391,7 @@ def test_hostile_profiles_are_one_line(text, expect, tmp_path):
 
 
 # -- 8. the smaller ones ---------------------------------------------------------------------------------
+
 
 @needs_root
 def test_a_full_disk_is_reported_as_full():
@@ -328,9 +413,17 @@ def test_a_full_disk_is_reported_as_full():
 
 def test_racing_tuner_starts_keep_one_daemon_and_its_pidfile(tmp_path):
     sock = str(tmp_path / "d" / "tuner.sock")
-    procs = [subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "start", "--socket", sock, "--db",
-                               "none", "--json"], cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "offloadctl.cli", "tuner", "start", "--socket", sock, "--db", "none", "--json"],
+            cwd=ROOT,
+            env=env_with_root(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     try:
         time.sleep(1.0)  # the losers' daemons have exited by now
@@ -366,13 +459,21 @@ def test_pins_and_freeze_survive_a_daemon_restart(tmp_path):
 
 def test_systemd_units_are_hardened():
     unit = open(os.path.join(ROOT, "systemd", "offloadctl-tuner.service")).read()
-    for directive in ("LimitNOFILE=", "RemoveIPC=yes", "ProtectProc=invisible", "DevicePolicy=closed",
-                      "DeviceAllow=/dev/nvidiactl"):
+    for directive in (
+        "LimitNOFILE=",
+        "RemoveIPC=yes",
+        "ProtectProc=invisible",
+        "DevicePolicy=closed",
+        "DeviceAllow=/dev/nvidiactl",
+    ):
         assert directive in unit
     if shutil.which("systemd-analyze") is None:
         pytest.skip("no systemd-analyze here")
-    r = subprocess.run(["systemd-analyze", "security", "--offline=true",
-                        os.path.join(ROOT, "systemd", "offloadctl-tuner.service")], capture_output=True, text=True)
+    r = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", os.path.join(ROOT, "systemd", "offloadctl-tuner.service")],
+        capture_output=True,
+        text=True,
+    )
     if "Overall exposure level" not in r.stdout:
         pytest.skip(f"systemd-analyze security --offline is not available here: {r.stderr[-200:]}")
     level = float(r.stdout.split("Overall exposure level for offloadctl-tuner.service:")[1].split()[0])
@@ -380,6 +481,7 @@ def test_systemd_units_are_hardened():
 
 
 # -- beyond the list ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_runs_sharing_one_nvme_path(tmp_path):
@@ -389,11 +491,30 @@ def test_two_runs_sharing_one_nvme_path(tmp_path):
     nvme.mkdir()
     procs = []
     for k in range(2):
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-               "--nvme", str(nvme), "--host-cache-gb", "0", "--tuner", "off", "--run-dir", str(tmp_path / f"run{k}"),
-               TINY, "--losses-out", str(tmp_path / f"l{k}.jsonl")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            free_port(),
+            "--nvme",
+            str(nvme),
+            "--host-cache-gb",
+            "0",
+            "--tuner",
+            "off",
+            "--run-dir",
+            str(tmp_path / f"run{k}"),
+            TINY,
+            "--losses-out",
+            str(tmp_path / f"l{k}.jsonl"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
@@ -411,22 +532,54 @@ def test_rank_killed_mid_write_resumes_from_its_checkpoint(ds_runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
 
     def run(losses, *extra, steps=6):
-        return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-                "--nvme", str(nvme), "--host-cache-gb", "0", "--tuner", "off",
-                "--run-dir", str(tmp_path / losses.replace(".jsonl", "-run")),
-                TINY, "--steps", str(steps), "--losses-out", str(tmp_path / losses), "--ckpt-dir", ckpt, *extra]
+        return [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            free_port(),
+            "--nvme",
+            str(nvme),
+            "--host-cache-gb",
+            "0",
+            "--tuner",
+            "off",
+            "--run-dir",
+            str(tmp_path / losses.replace(".jsonl", "-run")),
+            TINY,
+            "--steps",
+            str(steps),
+            "--losses-out",
+            str(tmp_path / losses),
+            "--ckpt-dir",
+            ckpt,
+            *extra,
+        ]
 
     # The uninterrupted run, all state on NVMe: the session's (it saves at step 3, which changes no loss).
     whole = ds_runs.get(ours(1, "--dtype", "fp32", *SAVE, opts=LAYOUTS["all-nvme"])).ok()
     # Save at step 3, then keep stepping until killed (a long run: the kill lands mid-step).
-    p = subprocess.Popen(run("killed.jsonl", "--save-at", "3", steps=10_000), cwd=ROOT, env=env_with_root(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _wait(lambda: sum(1 for _ in open(tmp_path / "killed.jsonl")) >= 5 if os.path.exists(tmp_path / "killed.jsonl")
-          else False, 300, "steps past the checkpoint")
+    p = subprocess.Popen(
+        run("killed.jsonl", "--save-at", "3", steps=10_000),
+        cwd=ROOT,
+        env=env_with_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    _wait(
+        lambda: sum(1 for _ in open(tmp_path / "killed.jsonl")) >= 5 if os.path.exists(tmp_path / "killed.jsonl") else False,
+        300,
+        "steps past the checkpoint",
+    )
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    resumed = subprocess.run(run("resumed.jsonl", "--resume", ckpt), cwd=ROOT, env=env_with_root(), capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(
+        run("resumed.jsonl", "--resume", ckpt), cwd=ROOT, env=env_with_root(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ref = whole.losses[3:]
     got = [json.loads(line)["loss"] for line in open(tmp_path / "resumed.jsonl")]
@@ -463,6 +616,7 @@ def test_a_signal_arriving_while_the_first_is_handled_does_not_take_its_place():
     """Ctrl-C's SIGINT, then DeepSpeed's launcher's SIGTERM while the rank's handler of the first
     still runs (other threads hold the GIL): Python runs the second handler inside the first, and
     the rank said 'stopped by SIGTERM' to its tuner while its record said SIGINT. The first counts."""
-    out = subprocess.run([sys.executable, "-c", NESTED_SIGNALS], capture_output=True, text=True, cwd=ROOT,
-                         env=env_with_root(), timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", NESTED_SIGNALS], capture_output=True, text=True, cwd=ROOT, env=env_with_root(), timeout=60
+    )
     assert out.stdout.strip() == "SIGINT", (out.stdout, out.stderr[-2000:])

@@ -8,6 +8,7 @@ Every copy is real (the numerics are checked against torch's AdamW) and every wa
 so the tests can say what happens before what. What a fake cannot show (the real asynchrony of
 copies, pinned memory, events that sleep) is checked by the GPU session (bench/gpu_session.sh).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,20 @@ class _Run:
     """A SubgroupEngine over flat bf16 'device' weights with host bf16 gradients, and torch's
     AdamW on fp32 copies of the same weights, fed the same (unscaled) gradients."""
 
-    def __init__(self, monkeypatch, swap_dir, *, host_cache_bytes, device_cache_bytes=0, fraction=0.5,
-                 scale=0.5, numels=NUMELS, device_grads=(), fake=None, auto_fraction=False):
+    def __init__(
+        self,
+        monkeypatch,
+        swap_dir,
+        *,
+        host_cache_bytes,
+        device_cache_bytes=0,
+        fraction=0.5,
+        scale=0.5,
+        numels=NUMELS,
+        device_grads=(),
+        fake=None,
+        auto_fraction=False,
+    ):
         self.fake = fake or RecordingStreams()
         monkeypatch.setattr(engine.core, "streams_for", lambda device: self.fake)
         gen = torch.Generator().manual_seed(0)
@@ -54,9 +67,15 @@ class _Run:
         self.scale = scale
         self.ref = [torch.nn.Parameter(w.float()) for w in self.weights]
         self.ref_opt = torch.optim.AdamW(self.ref, lr=HP.lr, weight_decay=HP.weight_decay)
-        cfg = EngineConfig(device="cpu", host_cache_bytes=host_cache_bytes, device_cache_bytes=device_cache_bytes,
-                           paths=(StoragePath(path=swap_dir),), host_adam="torch", io_backend="posix",
-                           auto_device_fraction=auto_fraction)
+        cfg = EngineConfig(
+            device="cpu",
+            host_cache_bytes=host_cache_bytes,
+            device_cache_bytes=device_cache_bytes,
+            paths=(StoragePath(path=swap_dir),),
+            host_adam="torch",
+            io_backend="posix",
+            auto_device_fraction=auto_fraction,
+        )
         self.engine = SubgroupEngine(self.bindings, cfg, Knobs(device_fraction=fraction, prefetch_depth=1))
         self.engine.device_lane.chunk_numel = CHUNK
         self.gen = torch.Generator().manual_seed(1)
@@ -91,8 +110,13 @@ class _Run:
 
 def _stream_names(run: _Run) -> dict[str, str]:
     lane = run.engine.device_lane
-    return {lane.h2d.name: "h2d", lane.compute.name: "compute", lane.d2h.name: "d2h", lane.resident.name: "resident",
-            run.engine.host_lane.weights.stream.name: "upload"}
+    return {
+        lane.h2d.name: "h2d",
+        lane.compute.name: "compute",
+        lane.d2h.name: "d2h",
+        lane.resident.name: "resident",
+        run.engine.host_lane.weights.stream.name: "upload",
+    }
 
 
 def test_every_weight_write_is_joined_to_the_current_stream_before_step_returns(monkeypatch, swap_dir):
@@ -129,8 +153,7 @@ def test_device_lane_copies_chunks_through_slots_in_order(monkeypatch, swap_dir)
 def test_device_tier_updates_never_wait_for_the_lane(monkeypatch, swap_dir):
     """In reverse-order steps too, the device tier's updates run on their own stream, issued
     before any lane work of the step: never queued behind the lane's last copy in."""
-    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=sum(STATE[:2]),
-               fraction=1.0)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=sum(STATE[:2]), fraction=1.0)
     names = _stream_names(run)
     for _ in range(4):  # two forward-order, two reverse-order steps
         lane_before = {s.name: s.clock.get(s.name, 0) for s in run.fake.streams}
@@ -162,7 +185,7 @@ def test_lane_memory_does_not_grow_with_the_subgroup(monkeypatch, swap_dir):
     assert len(lane._slots) == DEVICE_LANE_SLOTS
     assert slot_bytes == DEVICE_LANE_SLOTS * 20 * CHUNK
     assert _lane_bytes(lane) == device_lane_working_bytes(20000, chunk_numel=CHUNK) == (20 * 3 + 8) * CHUNK
-    assert device_lane_working_bytes(10 ** 9) == device_lane_working_bytes(10 ** 8)  # DeepSpeed's default and ours
+    assert device_lane_working_bytes(10**9) == device_lane_working_bytes(10**8)  # DeepSpeed's default and ours
     run.check_numerics()
     run.engine.close()
 
@@ -179,8 +202,7 @@ def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
     (rates alone would turn it on and the first slot allocation would run out of memory); it says
     why it does not in one line, and no knob turns it on."""
     _fast_lane_rates(monkeypatch)
-    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
-               auto_fraction=True)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0, auto_fraction=True)
     too_small = _lane_bytes(run.engine.device_lane) - 1
     with caplog.at_level(logging.WARNING):
         fit = run.engine.fit_device_tier(headroom_bytes=too_small)
@@ -197,8 +219,7 @@ def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
 
 def test_lane_balance_runs_when_the_slots_fit(monkeypatch, swap_dir):
     _fast_lane_rates(monkeypatch)
-    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0,
-               auto_fraction=True)
+    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=None, fraction=0.0, auto_fraction=True)
     fit = run.engine.fit_device_tier(headroom_bytes=_lane_bytes(run.engine.device_lane) + STATE[0] + 1)
     assert fit.device_tier_subgroups == 1 and fit.device_lane_off is None and fit.device_fraction == 1.0
     rec, _ = run.step()
@@ -289,8 +310,12 @@ def test_only_the_seam_makes_cuda_streams_and_events():
                 continue
             path = os.path.join(dirpath, f)
             for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, ast.Attribute) and node.attr in ("Event", "Stream", "stream", "synchronize") \
-                        and isinstance(node.value, ast.Attribute) and node.value.attr == "cuda":
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("Event", "Stream", "stream", "synchronize")
+                    and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "cuda"
+                ):
                     bad.append(f"{os.path.relpath(path, root)}:{node.lineno} torch.cuda.{node.attr}")
     assert not bad, bad
 
@@ -300,8 +325,14 @@ def test_host_streams_run_the_same_path(monkeypatch, swap_dir, fraction):
     """Without the fake, device='cpu' runs the same code on HostStreams (everything at once)."""
     from engine.streams import HostStreams
 
-    run = _Run(monkeypatch, swap_dir, host_cache_bytes=sum(STATE[:3]), device_cache_bytes=STATE[0],
-               fraction=fraction, fake=HostStreams(torch.device("cpu")))
+    run = _Run(
+        monkeypatch,
+        swap_dir,
+        host_cache_bytes=sum(STATE[:3]),
+        device_cache_bytes=STATE[0],
+        fraction=fraction,
+        fake=HostStreams(torch.device("cpu")),
+    )
     for _ in range(3):
         rec, _ = run.step()
     assert rec.device_tier_subgroups == 1
@@ -311,8 +342,11 @@ def test_host_streams_run_the_same_path(monkeypatch, swap_dir, fraction):
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
-@pytest.mark.parametrize("host_cache,io_cores,expect_less", [(0, 1, True), (0, 0, False), (None, 1, False)],
-                         ids=["swapped", "io-cores-0", "all-in-memory"])
+@pytest.mark.parametrize(
+    "host_cache,io_cores,expect_less",
+    [(0, 1, True), (0, 0, False), (None, 1, False)],
+    ids=["swapped", "io-cores-0", "all-in-memory"],
+)
 def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_cache, io_cores, expect_less):
     """With state on storage, the I/O threads checksum every chunk while the host lane's OpenMP
     threads run; sharing a core slows the whole kernel to its slowest thread (bench/io_cores.py),
@@ -327,8 +361,9 @@ def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_c
 
     monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice: ("torch", kernel))
     threads = torch.get_num_threads()
-    cfg = EngineConfig(host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),), host_adam="torch",
-                       io_backend="posix", io_cores=io_cores)
+    cfg = EngineConfig(
+        host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),), host_adam="torch", io_backend="posix", io_cores=io_cores
+    )
     w = torch.randn(5000)
     eng = SubgroupEngine([FlatSubgroup(w[:2500], torch.randn(2500)), FlatSubgroup(w[2500:], torch.randn(2500))], cfg)
     eng.step([HP])
@@ -340,12 +375,12 @@ def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_c
 
 # -- on a GPU (bench/gpu_session.sh check runs these) ----------------------------------------------
 
+
 def _cuda_engine(swap_dir, numels, **cfg):
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, generator=gen).to(device=dev, dtype=torch.bfloat16) for n in numels]
-    bindings = [FlatSubgroup(w, torch.randn(n, generator=gen).to(torch.bfloat16).pin_memory())
-                for w, n in zip(weights, numels)]
+    bindings = [FlatSubgroup(w, torch.randn(n, generator=gen).to(torch.bfloat16).pin_memory()) for w, n in zip(weights, numels)]
     for b in bindings:
         b.grad_scale = 0.5
     conf = dict(device=str(dev), host_adam="torch", io_backend="posix", paths=(StoragePath(path=swap_dir),))
@@ -438,6 +473,7 @@ def test_release_device_brings_back_the_placed_subgroups_not_a_prefix(monkeypatc
 
 # -- measurements, device placement of gradients, the tier's host buffers, the host lane's transfers --
 
+
 def test_no_measurement_draws_from_a_generator_the_model_uses():
     """Nothing the engine runs in the training process draws random numbers except from a
     generator of its own (``generator=``), nor seeds or sets a global generator: a draw from the
@@ -446,9 +482,26 @@ def test_no_measurement_draws_from_a_generator_the_model_uses():
     import ast
     import os
 
-    draws = {"rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "normal", "bernoulli",
-             "multinomial", "normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_",
-             "cauchy_", "log_normal_"}
+    draws = {
+        "rand",
+        "randn",
+        "rand_like",
+        "randn_like",
+        "randint",
+        "randint_like",
+        "randperm",
+        "normal",
+        "bernoulli",
+        "multinomial",
+        "normal_",
+        "uniform_",
+        "random_",
+        "bernoulli_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+    }
     seeds = {"manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"}
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bad = []
@@ -489,7 +542,7 @@ def test_a_pending_lane_change_moves_the_gradients_placed_for_the_next_step(monk
     """device_grad_subgroups() answers for the next step's lanes, a device fraction set and not
     yet applied included (the engine's side of placing gradients for a lane change)."""
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=None, device_cache_bytes=0, fraction=0.0)
-    run.engine.fit_device_tier(grad_bytes_per_element=2, headroom_bytes=10 ** 9)
+    run.engine.fit_device_tier(grad_bytes_per_element=2, headroom_bytes=10**9)
     run.step()
     assert run.engine.device_grad_subgroups() == []
     run.engine.set_knobs(run.engine.knobs.replace(device_fraction=1.0))

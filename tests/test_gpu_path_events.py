@@ -4,6 +4,7 @@ On the CPU with the recording fake of the streams (``tests/fake_streams.py``), a
 ``tests/test_gpu_path.py``: what a GPU would show (the events' cost, the lock at 16 threads) is
 the GPU session's (BENCHMARKS.md, the GPU plan).
 """
+
 from __future__ import annotations
 
 import threading

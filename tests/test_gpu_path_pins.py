@@ -3,6 +3,7 @@
 On the CPU with the recording fake of the streams (``tests/fake_streams.py``), as
 ``tests/test_gpu_path.py``.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future

@@ -9,6 +9,7 @@ recording fake of its streams (``tests/fake_streams.py``), and the device's memo
 measured. What only a GPU shows (the buffer's real device, real peaks) is checked by the GPU
 session (bench/gpu_session.sh).
 """
+
 from __future__ import annotations
 
 import time
@@ -75,8 +76,7 @@ class _Param:
         return self._numel
 
 
-def make_optimizer(monkeypatch, *, fraction=0.5, device_cache_bytes=None, numels=NUMELS, fake=None,
-                   host_memory_bytes=None):
+def make_optimizer(monkeypatch, *, fraction=0.5, device_cache_bytes=None, numels=NUMELS, fake=None, host_memory_bytes=None):
     """An OffloadZero3Optimizer over ``numels`` (two parameters a subgroup), bf16 weights on the
     'device' and bf16 gradients reduced into DeepSpeed's flat host buffer."""
     from integrations.settings import ZeroEngineSettings
@@ -103,8 +103,9 @@ def make_optimizer(monkeypatch, *, fraction=0.5, device_cache_bytes=None, numels
             mapping[p.ds_id] = opt.grad_partitions_flat_buffer.narrow(0, off, p.partition_numel())
             off += p.partition_numel()
     opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition = mapping
-    opt.optimizer = types.SimpleNamespace(param_groups=[dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)],
-                                          step=lambda: None, state={})
+    opt.optimizer = types.SimpleNamespace(
+        param_groups=[dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)], step=lambda: None, state={}
+    )
     opt.parameter_offload = types.SimpleNamespace(_max_available_parameters_in_numel=0, empty_partition_cache=lambda: None)
     opt.prefetch_elements = 0
     opt.offloaded_states, opt.ipg_buckets, opt.averaged_gradients = set(), {}, {}
@@ -122,8 +123,14 @@ def make_optimizer(monkeypatch, *, fraction=0.5, device_cache_bytes=None, numels
     for i, n in enumerate(numels):
         opt._bindings.append(ZeroPartitionSubgroup(opt, i, off))
         off += n
-    cfg = EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=device_cache_bytes, host_adam="torch",
-                       auto_device_fraction=False, host_memory_bytes=host_memory_bytes)
+    cfg = EngineConfig(
+        device="cpu",
+        host_cache_bytes=None,
+        device_cache_bytes=device_cache_bytes,
+        host_adam="torch",
+        auto_device_fraction=False,
+        host_memory_bytes=host_memory_bytes,
+    )
     opt.offload_engine = SubgroupEngine(opt._bindings, cfg, Knobs(device_fraction=fraction))
     opt.offload_engine.device_lane.chunk_numel = CHUNK
     opt.device_fit = None

@@ -1,4 +1,5 @@
 """The engine's step hook (how a tuner plugs in) and the one host-cache rule."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,10 @@ class Recorder(StepHook):
 
 def _engine(n: int = 300, **config) -> SubgroupEngine:
     w, g = torch.zeros(n), torch.ones(n)
-    return SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, n, 100)],
-                          EngineConfig(subgroup_numel=100, host_adam="torch", **config))
+    return SubgroupEngine(
+        [FlatSubgroup(w[o : o + 100], g[o : o + 100]) for o in range(0, n, 100)],
+        EngineConfig(subgroup_numel=100, host_adam="torch", **config),
+    )
 
 
 def test_hooks_run_around_each_step_and_a_change_they_make_applies_to_that_step():
@@ -47,8 +50,15 @@ def test_hooks_run_around_each_step_and_a_change_they_make_applies_to_that_step(
         eng.step([AdamWHyper(lr=1e-3)])
     eng.close()
     eng.close()
-    assert hook.calls == [("before", 0, 2), ("after", 0, 2), ("before", 1, 2), ("after", 1, 5),
-                          ("before", 2, 5), ("after", 2, 5), ("close",)]
+    assert hook.calls == [
+        ("before", 0, 2),
+        ("after", 0, 2),
+        ("before", 1, 2),
+        ("after", 1, 5),
+        ("before", 2, 5),
+        ("after", 2, 5),
+        ("close",),
+    ]
 
 
 def test_a_failing_step_reaches_on_error_and_is_raised():
@@ -61,8 +71,9 @@ def test_a_failing_step_reaches_on_error_and_is_raised():
     assert hook.calls == [("before", 0, 2), ("error", "hook failed"), ("close",)]
 
 
-@pytest.mark.parametrize("budget, paths, want", [(None, (), None), (None, ("/p",), 0), (0, (), 0),
-                                                 (4096, ("/p",), 4096), (4096, (), 4096)])
+@pytest.mark.parametrize(
+    "budget, paths, want", [(None, (), None), (None, ("/p",), 0), (0, (), 0), (4096, ("/p",), 4096), (4096, (), 4096)]
+)
 def test_resolve_host_cache(budget, paths, want):
     assert resolve_host_cache(budget, paths) == want
 
@@ -75,8 +86,9 @@ def test_offload_adamw_with_paths_and_no_budget_puts_state_on_the_paths(tmp_path
     model = torch.nn.Linear(32, 32)
     ref_model = torch.nn.Linear(32, 32)
     ref_model.load_state_dict(model.state_dict())
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=256, host_adam="torch", io_backend="posix",
-                       nvme_paths=[str(swap)])
+    opt = OffloadAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=256, host_adam="torch", io_backend="posix", nvme_paths=[str(swap)]
+    )
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01)
     try:
         tiers = opt.engine.describe().state_bytes_by_tier

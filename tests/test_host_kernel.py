@@ -1,6 +1,7 @@
 """The host AdamW kernel is chosen once per machine and environment (by timing the host lane's
 own loop with each) and kept: every process after the first takes the kept choice without
 measuring, so runs of one seed agree bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,8 @@ def test_a_kept_choice_wins_over_a_new_measurement(choice_dir, monkeypatch):
     rates = {"torch": 1.0, "deepspeed": 2.0} if have_ds else {"torch": 1.0}
     slower = "torch"  # slower by the kept rates, where DeepSpeed's op exists
     (choice_dir / host_kernel.KERNEL_CHOICE_FILE).write_text(
-        json.dumps({host_kernel._machine_key(): {"kernel": slower, "params_per_s": rates}}))
+        json.dumps({host_kernel._machine_key(): {"kernel": slower, "params_per_s": rates}})
+    )
     monkeypatch.setattr(host_kernel, "measure_host_lanes", _no_measuring)
     assert host_kernel.chosen_host_kernel() == slower
     assert host_kernel.host_lane_rate("torch") == 1.0  # the kept rates serve the lane balance too
@@ -94,6 +96,7 @@ def test_each_lane_is_timed_with_a_busy_process_beside_and_the_slower_counts():
             busy = bool(_spinning_children())
             seen["busy" if busy else "quiet"] += 1
             time.sleep(busy_s if busy else quiet_s)
+
         return kernel
 
     kernels = {"torch": timed(0.004, 0.006), "deepspeed": timed(0.002, 0.012)}  # deepspeed: faster quiet

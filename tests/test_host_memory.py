@@ -1,6 +1,7 @@
 """One host-memory budget per rank, counted by the engine, kept by the tuner, and given back
 under pressure (engine.host_memory); knobs the run's options fix stay where they are through a
 tuned run. Real engines, real files, real memory, a real daemon."""
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,9 @@ def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_
     budget = 200 * 10**6
     # Bandwidth declared: no probe (its 64 MB buffer would come and go in the middle of the count).
     path = StoragePath(path=swap_dir, read_bytes_per_s=1e9, write_bytes_per_s=1e9)
-    opt = OffloadAdamW(model.parameters(), nvme_paths=[path], subgroup_numel=sub, io_backend="posix",
-                       host_adam="torch", host_memory_bytes=budget)
+    opt = OffloadAdamW(
+        model.parameters(), nvme_paths=[path], subgroup_numel=sub, io_backend="posix", host_adam="torch", host_memory_bytes=budget
+    )
     rss0 = _rss()  # after the first construction's imports; the engine's buffers are untouched until used
     try:
         feed_same_grads([(model, opt)], steps=5)
@@ -82,8 +84,14 @@ def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
     sub = 500
     buf = host_buffer_bytes(sub)
     # Staging for depth 3 (9 buffers) and the copies, not for depth 4 (11).
-    opt = OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=sub, io_backend="posix",
-                       host_adam="torch", host_memory_bytes=9 * buf + 4096)
+    opt = OffloadAdamW(
+        model.parameters(),
+        nvme_paths=[swap_dir],
+        subgroup_numel=sub,
+        io_backend="posix",
+        host_adam="torch",
+        host_memory_bytes=9 * buf + 4096,
+    )
     try:
         feed_same_grads([(model, opt)], steps=1)
         opt.set_knobs(Knobs(prefetch_depth=8))
@@ -112,8 +120,15 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
     floor = start - (2 << 30)  # 2 GiB below what is available: the 3 GiB allocation goes under it
     model = make_model()
     ref = copy.deepcopy(model)
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, nvme_paths=[swap_dir], subgroup_numel=sub, io_backend="posix",
-                       host_adam="torch", host_memory_floor_bytes=floor)
+    opt = OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        nvme_paths=[swap_dir],
+        subgroup_numel=sub,
+        io_backend="posix",
+        host_adam="torch",
+        host_memory_floor_bytes=floor,
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     buf = host_buffer_bytes(sub)
     pairs = [(model, opt), (ref, ref_opt)]
@@ -137,8 +152,10 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
             feed_same_grads(pairs, steps=3, seed=3)
         after = opt.engine.telemetry.records[-2:]
         assert all(not r.host_pressure and r.cache_hits > 0 for r in after)
-        assert (opt.engine.host_usage().staging + opt.engine.host_usage().kept
-                == staging_buffers(2) * buf + opt.engine.transfers.read_ahead_bytes)
+        assert (
+            opt.engine.host_usage().staging + opt.engine.host_usage().kept
+            == staging_buffers(2) * buf + opt.engine.transfers.read_ahead_bytes
+        )
         low = [m for m in caplog.messages if "host memory low" in m]
         assert len(low) == 1 and "gave back" in low[0], caplog.messages
         assert sum("host memory recovered" in m for m in caplog.messages) == 1
@@ -152,19 +169,38 @@ def test_the_tuner_keeps_within_the_spare_budget():
     from tuner.policy_config import PolicyConfig
 
     sub = 12 << 20
-    pol = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
-                 host_staging_bytes=5 * sub, config=PolicyConfig(max_prefetch_depth=16))
+    pol = Policy(
+        Knobs(),
+        paths=["/nvme0"],
+        has_device=False,
+        subgroup_bytes=sub,
+        params=10**9,
+        host_staging_bytes=5 * sub,
+        config=PolicyConfig(max_prefetch_depth=16),
+    )
     assert pol._limits.prefetch_cap() == 1  # 5 buffers: depth 1 (2 * 1 + 3)
-    roomy = Policy(Knobs(), paths=["/nvme0"], has_device=False, subgroup_bytes=sub, params=10**9,
-                   host_staging_bytes=100 * sub, config=PolicyConfig(max_prefetch_depth=16))
+    roomy = Policy(
+        Knobs(),
+        paths=["/nvme0"],
+        has_device=False,
+        subgroup_bytes=sub,
+        params=10**9,
+        host_staging_bytes=100 * sub,
+        config=PolicyConfig(max_prefetch_depth=16),
+    )
     assert roomy._limits.prefetch_cap() == 16
 
 
 def test_fixed_knobs_are_pins_from_the_start():
     from tuner.policy import Policy
 
-    pol = Policy(Knobs(prefetch_depth=2), paths=["/nvme0"], has_device=False, subgroup_bytes=1 << 20,
-                 pins={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4})
+    pol = Policy(
+        Knobs(prefetch_depth=2),
+        paths=["/nvme0"],
+        has_device=False,
+        subgroup_bytes=1 << 20,
+        pins={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4},
+    )
     assert pol.pins == {"prefetch_depth": 2, "io_concurrency[/nvme0]": 4}
     assert pol.state()["fixed"] == ["prefetch_depth", "io_concurrency[/nvme0]"]
     assert "fixed by the run's options" in pol.log[-1]["reason"]
@@ -176,8 +212,12 @@ def _serve(sock: str) -> subprocess.Popen:
     from tuner import service
 
     logf = open(sock + ".log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none",
-                             "--no-sensors"], cwd=ROOT, stdout=logf, stderr=logf)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none", "--no-sensors"],
+        cwd=ROOT,
+        stdout=logf,
+        stderr=logf,
+    )
     logf.close()
     _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
     assert proc.poll() is None, open(sock + ".log").read()
@@ -192,8 +232,9 @@ def _tuned_run(sock: str, swap: str, run_id: str, iterations: int, **fixed) -> l
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     path = StoragePath(path=swap, cap_bytes_per_s=40e6, read_bytes_per_s=40e6, write_bytes_per_s=40e6)
-    opt = OffloadAdamW(model.parameters(), nvme_paths=[path], subgroup_numel=1 << 16, io_backend="posix",
-                       host_adam="torch", **fixed)
+    opt = OffloadAdamW(
+        model.parameters(), nvme_paths=[path], subgroup_numel=1 << 16, io_backend="posix", host_adam="torch", **fixed
+    )
     try:
         TunerClient.for_engine(sock, opt.engine, run_id=run_id)
         for _ in range(iterations):
@@ -232,9 +273,29 @@ def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
     import json
 
     script = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
-    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", "--nvme", str(tmp_path),
-                          "--host-memory", "2GB", "--prefetch-depth", "3", "--run-dir", str(tmp_path / "run"), script],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--dry-run",
+            "--json",
+            "--nvme",
+            str(tmp_path),
+            "--host-memory",
+            "2GB",
+            "--prefetch-depth",
+            "3",
+            "--run-dir",
+            str(tmp_path / "run"),
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     settings = json.loads(out.stdout)["settings"]
     assert settings["host_memory_bytes"] == 2 * 10**9 and settings["pins"] == {"prefetch_depth": 3}
@@ -242,6 +303,7 @@ def test_train_takes_host_memory_and_fixes_the_knobs_it_is_given(tmp_path):
 
 
 # -- host memory bandwidth: what the host lane is bound by ------------------------------------------
+
 
 def test_a_ranks_memory_bandwidth_is_the_lower_of_its_own_and_its_share():
     from engine.lane_model import memory_share
@@ -264,9 +326,10 @@ def test_the_lane_balance_uses_the_nodes_bandwidth_share(monkeypatch, tmp_path):
     monkeypatch.setattr(engine.device_tier, "measure_lane_rates", lambda device: (50e9, 50e9, 80e9, 12e9))
     monkeypatch.setattr(engine.device_tier, "host_lane_rate", lambda name: 1e9)
     monkeypatch.setattr(engine.device_tier, "node_memory_bandwidth", lambda: 80e9)
-    eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.zeros(100))],
-                         EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=0, host_adam="torch",
-                                      local_ranks=8))
+    eng = SubgroupEngine(
+        [FlatSubgroup(torch.zeros(100), torch.zeros(100))],
+        EngineConfig(device="cpu", host_cache_bytes=None, device_cache_bytes=0, host_adam="torch", local_ranks=8),
+    )
     assert eng.device_tier.lane_rates().memory_bytes_per_s == 10e9
     eng.close()
 
@@ -299,9 +362,20 @@ def test_profile_save_keeps_the_nodes_bandwidth_and_info_shows_it(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: os.cpu_count())
     fig = perf.probe.measure_memory_bandwidth(1 << 20, 1)
     assert kept == [2 * fig.value]  # read plus written
-    data = {"offloadctl": "x", "torch": "x", "deepspeed": "x", "deepspeed_integration": "ok", "gpus": [],
-            "native_ops": {}, "io_backends": [], "host_adamw_params_per_s": {}, "host_adamw_kernel": "torch",
-            "host_lane_params_per_s": 1e9, "host_memory_bytes_per_s": 28e9, "host_lane_memory_bound_params_per_s": 1e9}
+    data = {
+        "offloadctl": "x",
+        "torch": "x",
+        "deepspeed": "x",
+        "deepspeed_integration": "ok",
+        "gpus": [],
+        "native_ops": {},
+        "io_backends": [],
+        "host_adamw_params_per_s": {},
+        "host_adamw_kernel": "torch",
+        "host_lane_params_per_s": 1e9,
+        "host_memory_bytes_per_s": 28e9,
+        "host_lane_memory_bound_params_per_s": 1e9,
+    }
     from rich.console import Console
 
     con = Console(width=400, record=True)  # the kept files' paths are long on CI: no wrap inside a figure

@@ -1,4 +1,5 @@
 """Storage transfers, limits, placement and telemetry, on real files and processes."""
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,9 @@ def test_writes_land_in_the_order_they_started(swap_dir):
     first buffers are free again long before the burst has gone through. Two writes are in
     flight at a time (concurrency 2), so two neighbours may land in either order; the time
     each is noted is the completing thread's, which a loaded machine can hold back a little."""
-    path = SwapPath(StoragePath(path=swap_dir, cap_bytes_per_s=20e6), PosixDirectIO(), concurrency=2,
-                    node_lock=False, verify_checksums=True)
+    path = SwapPath(
+        StoragePath(path=swap_dir, cap_bytes_per_s=20e6), PosixDirectIO(), concurrency=2, node_lock=False, verify_checksums=True
+    )
     n, numel = 8, 250_000  # 3 MB each, 4 chunks: 24 MB at 20 MB/s, 1.2 s
     bufs = [StateBuffer(numel, pin=False) for _ in range(n)]
     files = [path.create_file(i, numel, bufs[i].payload.numel(), 768 << 10) for i in range(n)]
@@ -93,7 +95,9 @@ def test_writes_land_in_the_order_they_started(swap_dir):
         def done(_):
             with lock:
                 landed[i] = time.monotonic() - t0
+
         return done
+
     futs = [path.write(sf, b) for sf, b in zip(files, bufs)]
     for i, f in enumerate(futs):
         f.add_done_callback(note(i))
@@ -160,11 +164,26 @@ def test_telemetry_bytes_alternation_and_jsonl(swap_dir, tmp_path):
     sub = 16384  # 17 subgroups; the 4 KiB header and padding add under 3 %
     overhead = 1.03
     run_dir = str(tmp_path / "run")
-    full = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=0, nvme_paths=[swap_dir],
-                        host_adam="torch", run_dir=run_dir, read_ahead_bytes=0)
+    full = OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        subgroup_numel=sub,
+        host_cache_bytes=0,
+        nvme_paths=[swap_dir],
+        host_adam="torch",
+        run_dir=run_dir,
+        read_ahead_bytes=0,
+    )
     half_model = _big_model()
-    half = OffloadAdamW(half_model.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=6 * n,
-                        nvme_paths=[swap_dir], host_adam="torch", read_ahead_bytes=0)
+    half = OffloadAdamW(
+        half_model.parameters(),
+        lr=1e-2,
+        subgroup_numel=sub,
+        host_cache_bytes=6 * n,
+        nvme_paths=[swap_dir],
+        host_adam="torch",
+        read_ahead_bytes=0,
+    )
     feed_same_grads([(model, full)], 5)
     feed_same_grads([(half_model, half)], 5)
     for rec in full.telemetry[1:]:
@@ -185,8 +204,9 @@ def test_a_paths_busy_time_gives_its_service_rate_whatever_the_gaps(swap_dir):
     flight, and the idle second between two bursts adds nothing to its busy time. Two requests
     in flight at once count their overlap once (the union, not the sum)."""
     cap = 40e6
-    path = SwapPath(StoragePath(path=swap_dir, cap_bytes_per_s=cap), PosixDirectIO(), concurrency=2,
-                    node_lock=False, verify_checksums=True)
+    path = SwapPath(
+        StoragePath(path=swap_dir, cap_bytes_per_s=cap), PosixDirectIO(), concurrency=2, node_lock=False, verify_checksums=True
+    )
     numel = 500_000  # 6 MB each, in 4 chunks
     bufs = [StateBuffer(numel, pin=False) for _ in range(2)]
     files = [path.create_file(i, numel, bufs[i].payload.numel(), 1536 << 10) for i in range(2)]

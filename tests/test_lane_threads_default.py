@@ -4,6 +4,7 @@ torch gives a thread its count at its first op, from the process-wide default th
 ``torch.set_num_threads`` sets: a thread whose first op landed while the lane had set it to 1
 (the caller's part of every subgroup, before) kept one thread for good.
 """
+
 from __future__ import annotations
 
 import threading
@@ -71,8 +72,12 @@ def test_without_the_runtime_every_part_runs_on_a_worker(monkeypatch):
     try:
         lane.run(2, lambda k: None)  # workers up
         seen = []
-        lane.run(2, lambda k: where.update({k: (threading.get_ident(), torch.get_num_threads())})
-                 or (k == 0 and seen.append(_first_op_count())))
+        lane.run(
+            2,
+            lambda k: (
+                where.update({k: (threading.get_ident(), torch.get_num_threads())}) or (k == 0 and seen.append(_first_op_count()))
+            ),
+        )
     finally:
         lane.close()
     me = threading.get_ident()

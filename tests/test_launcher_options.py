@@ -1,4 +1,5 @@
 """Every option of the installed DeepSpeed launcher passes through `offloadctl train`, with its meaning."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,24 @@ def test_every_deepspeed_launcher_option_passes_through():
 
 
 def _dry_run(*args: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--dry-run", "--json", *args,
-                        "tests/ds_scripts/train_tiny.py", "--losses-out", "x.jsonl"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--dry-run",
+            "--json",
+            *args,
+            "tests/ds_scripts/train_tiny.py",
+            "--losses-out",
+            "x.jsonl",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -70,17 +86,24 @@ def test_each_option_reaches_the_launcher_as_given():
     for flags, takes_value in LAUNCHER_OPTIONS:
         if flags[0] in ("--module", "--no_python"):
             continue
-        value = ("7" if flags[0] in ("--num_nodes", "--num_gpus", "--master_port", "--node_rank", "--ssh_port")
-                 else "pdsh" if flags[0] == "--launcher" else "v")
+        value = (
+            "7"
+            if flags[0] in ("--num_nodes", "--num_gpus", "--master_port", "--node_rank", "--ssh_port")
+            else "pdsh"
+            if flags[0] == "--launcher"
+            else "v"
+        )
         given += [flags[0], value] if takes_value else [flags[0]]
     cmd = _dry_run(*given)["command"]
     runner = cmd.index("deepspeed.launcher.runner")
-    launcher_argv = cmd[runner + 1:cmd.index(next(c for c in cmd if c.endswith("bootstrap.py")))]
+    launcher_argv = cmd[runner + 1 : cmd.index(next(c for c in cmd if c.endswith("bootstrap.py")))]
     assert launcher_argv == given
 
 
-@pytest.mark.parametrize("launcher,tool", [("pdsh", "pdsh"), ("slurm", "srun"), ("openmpi", "mpirun"),
-                                           ("mpich", "mpirun"), ("impi", "mpirun"), ("mvapich", "mpirun")])
+@pytest.mark.parametrize(
+    "launcher,tool",
+    [("pdsh", "pdsh"), ("slurm", "srun"), ("openmpi", "mpirun"), ("mpich", "mpirun"), ("impi", "mpirun"), ("mvapich", "mpirun")],
+)
 def test_other_launchers_start_the_bootstrap_in_every_rank(launcher, tool, tmp_path):
     """With any --launcher, --dry-run --json shows the command DeepSpeed's own runner builds for it
     (nothing started, the tool need not be installed): the bootstrap, with the engine's settings,
@@ -117,9 +140,27 @@ def test_rank_settings_reach_the_bootstrap_as_built(tmp_path):
 
     script = tmp_path / "script.py"
     script.write_text("pass\n")
-    args = build_parser().parse_args(["train", "--tuner", "off", "--run-dir", str(tmp_path / "run"), "--nvme",
-                                      str(tmp_path), "--prefetch-depth", "3", "--record-hz", "5", "--bind-cores",
-                                      "off", "--verbose", str(script), "--lr", "1"])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--tuner",
+            "off",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--nvme",
+            str(tmp_path),
+            "--prefetch-depth",
+            "3",
+            "--record-hz",
+            "5",
+            "--bind-cores",
+            "off",
+            "--verbose",
+            str(script),
+            "--lr",
+            "1",
+        ]
+    )
     launch = train.build(args)
     built = launch.settings
     assert isinstance(built, RankSettings) and built.zero.pins == {"prefetch_depth": 3}
@@ -127,9 +168,12 @@ def test_rank_settings_reach_the_bootstrap_as_built(tmp_path):
     launch = launch.with_tuner_socket("/tmp/tuner.sock")
     cmd = launch.command
     runner = cmd.index("deepspeed.launcher.runner")
-    read, got_script, got_args = bootstrap.split_argv(["--local_rank=0", *cmd[runner + 2:]])
-    assert read == launch.settings == dataclasses.replace(
-        built, zero=dataclasses.replace(built.zero, tuner_socket="/tmp/tuner.sock"))
+    read, got_script, got_args = bootstrap.split_argv(["--local_rank=0", *cmd[runner + 2 :]])
+    assert (
+        read
+        == launch.settings
+        == dataclasses.replace(built, zero=dataclasses.replace(built.zero, tuner_socket="/tmp/tuner.sock"))
+    )
     assert got_script == str(script) and got_args == ["--local_rank=0", "--lr", "1"]
     assert tuple(launcher.with_rank_settings(cmd, read)) == cmd
     # The engine's fields and the rank's share one flat JSON object (the keys --dry-run prints).

@@ -4,6 +4,7 @@
 ``--no_python`` of DeepSpeed's own launcher. Real launches, two ranks, gloo on the CPU
 accelerator; each compared with the same launcher without offloadctl (stock DeepSpeed).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,18 @@ ACCEL_STATE = os.path.join(SCRIPTS, "train_accelerate_state.py")
 TINY = os.path.join(SCRIPTS, "train_tiny.py")
 FAIL = os.path.join(SCRIPTS, "fail_rank.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
-              "--zero_stage", "3", "--offload_optimizer_device", "cpu"]
+ACCELERATE = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--use_deepspeed",
+    "--num_processes",
+    "2",
+    "--zero_stage",
+    "3",
+    "--offload_optimizer_device",
+    "cpu",
+]
 ENV = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 """torchrun and accelerate as the user's shell finds them: the venv's."""
 
@@ -74,27 +85,54 @@ def _rank_budget(ranks: int) -> int:
 
 # -- torchrun of an HF Trainer script with a community config ----------------------------------
 
+
 @pytest.fixture(scope="module")
 def community(once, tmp_path_factory):
     """Stock torchrun and ``offloadctl train torchrun`` of the community-config Trainer script, 2
     ranks, 4 steps, a checkpoint every 2, the 16-bit model saved at the end; then ours resumed
     from its step-2 checkpoint."""
+
     def make():
         base = tmp_path_factory.mktemp("community")
         runs = {}
         for who in ("stock", "ours"):
             d = base / who
             d.mkdir()
-            args = [COMMUNITY, "--steps", "4", "--losses-out", str(d / "l.jsonl"), "--output-dir", str(d / "out"),
-                    "--save-steps", "2", "--save-model", str(d / "model")]
+            args = [
+                COMMUNITY,
+                "--steps",
+                "4",
+                "--losses-out",
+                str(d / "l.jsonl"),
+                "--output-dir",
+                str(d / "out"),
+                "--save-steps",
+                "2",
+                "--save-model",
+                str(d / "model"),
+            ]
             launch = ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *args]
             r = _stock([*TORCHRUN, *launch[1:]]) if who == "stock" else _ours(d / "run", *launch)
             runs[who] = {"dir": str(d), "stderr": r.stderr, "stdout": r.stdout}
         d = base / "resumed"
         d.mkdir()
-        r = _ours(d / "run", "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), COMMUNITY, "--steps",
-                  "4", "--losses-out", str(d / "l.jsonl"), "--output-dir", str(d / "out"), "--resume",
-                  str(base / "ours" / "out" / "checkpoint-2"))
+        r = _ours(
+            d / "run",
+            "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            free_port(),
+            COMMUNITY,
+            "--steps",
+            "4",
+            "--losses-out",
+            str(d / "l.jsonl"),
+            "--output-dir",
+            str(d / "out"),
+            "--resume",
+            str(base / "ours" / "out" / "checkpoint-2"),
+        )
         runs["resumed"] = {"dir": str(d), "stderr": r.stderr, "stdout": r.stdout}
         return runs
 
@@ -137,8 +175,17 @@ def test_sub_group_size_0_is_one_subgroup_per_parameter_as_stock(tmp_path):
     """``sub_group_size: 0`` (LLaMA-Factory's configs): stock's losses, over torchrun."""
     runs = {}
     for who in ("stock", "ours"):
-        args = [COMMUNITY, "--steps", "2", "--losses-out", str(tmp_path / f"{who}.jsonl"), "--output-dir",
-                str(tmp_path / who), "--sub-group-size", "0"]
+        args = [
+            COMMUNITY,
+            "--steps",
+            "2",
+            "--losses-out",
+            str(tmp_path / f"{who}.jsonl"),
+            "--output-dir",
+            str(tmp_path / who),
+            "--sub-group-size",
+            "0",
+        ]
         launch = ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *args]
         runs[who] = _stock([*TORCHRUN, *launch[1:]]) if who == "stock" else _ours(tmp_path / "run", *launch)
     _assert_losses_equal(_losses(tmp_path / "ours.jsonl"), _losses(tmp_path / "stock.jsonl"))
@@ -147,6 +194,7 @@ def test_sub_group_size_0_is_one_subgroup_per_parameter_as_stock(tmp_path):
 
 # -- accelerate launch ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_accelerate_launch_gives_stocks_losses_and_save_state_resumes(tmp_path):
     """``accelerate launch --use_deepspeed`` (which runs torch.distributed.run in its own process):
@@ -154,13 +202,37 @@ def test_accelerate_launch_gives_stocks_losses_and_save_state_resumes(tmp_path):
     with the uninterrupted run's losses."""
     tail = ["--steps", "6", "--losses-out"]
     _stock([*ACCELERATE, "--main_process_port", free_port(), ACCEL_STATE, *tail, str(tmp_path / "stock.jsonl")])
-    r = _ours(tmp_path / "run", "accelerate", "launch", *ACCELERATE[3:], "--main_process_port", free_port(),
-              ACCEL_STATE, *tail, str(tmp_path / "ours.jsonl"), "--save-at", "3", "--state-dir", str(tmp_path / "s"))
+    r = _ours(
+        tmp_path / "run",
+        "accelerate",
+        "launch",
+        *ACCELERATE[3:],
+        "--main_process_port",
+        free_port(),
+        ACCEL_STATE,
+        *tail,
+        str(tmp_path / "ours.jsonl"),
+        "--save-at",
+        "3",
+        "--state-dir",
+        str(tmp_path / "s"),
+    )
     assert "engine active" in r.stderr and _telemetry_ranks(tmp_path / "run") == [0, 1]
     whole = _losses(tmp_path / "ours.jsonl")
     _assert_losses_equal(whole, _losses(tmp_path / "stock.jsonl"))
-    _ours(tmp_path / "run2", "accelerate", "launch", *ACCELERATE[3:], "--main_process_port", free_port(),
-          ACCEL_STATE, *tail, str(tmp_path / "resumed.jsonl"), "--resume", str(tmp_path / "s"))
+    _ours(
+        tmp_path / "run2",
+        "accelerate",
+        "launch",
+        *ACCELERATE[3:],
+        "--main_process_port",
+        free_port(),
+        ACCEL_STATE,
+        *tail,
+        str(tmp_path / "resumed.jsonl"),
+        "--resume",
+        str(tmp_path / "s"),
+    )
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     _assert_losses_equal(resumed, {s: whole[s] for s in (4, 5, 6)})
@@ -168,12 +240,25 @@ def test_accelerate_launch_gives_stocks_losses_and_save_state_resumes(tmp_path):
 
 # -- torchrun of a plain DeepSpeed script: re-executed, across nodes, python ---------------------
 
+
 @pytest.fixture(scope="module")
 def stock_tiny(once, tmp_path_factory):
     def make():
         d = tmp_path_factory.mktemp("stock-tiny")
-        _stock([*TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), TINY, "--steps", "3", "--losses-out",
-                str(d / "l.jsonl")])
+        _stock(
+            [
+                *TORCHRUN,
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                free_port(),
+                TINY,
+                "--steps",
+                "3",
+                "--losses-out",
+                str(d / "l.jsonl"),
+            ]
+        )
         return _losses(d / "l.jsonl")
 
     return once("launchers-stock-tiny", make)
@@ -184,11 +269,14 @@ def test_a_tool_that_reexecutes_under_torchrun_gets_the_engine_in_every_rank(tmp
     """LLaMA-Factory's CLI starts ``torchrun`` in a subprocess: its ranks get the engine."""
     tool = tmp_path / "bin" / "llamafactory-cli"
     tool.parent.mkdir()
-    tool.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
+    tool.write_text(
+        f"#!{sys.executable}\n"
+        + textwrap.dedent(f"""\
         import subprocess, sys
         sys.exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                                   "--master_port", "{free_port()}", {TINY!r}] + sys.argv[2:]))
-        """))
+        """)
+    )
     tool.chmod(0o755)
     r = _ours(tmp_path / "run", str(tool), "train", "--steps", "3", "--losses-out", str(tmp_path / "l.jsonl"))
     assert "engine active" in r.stderr and _telemetry_ranks(tmp_path / "run") == [0, 1]
@@ -202,11 +290,35 @@ def test_torchrun_across_two_nodes_meets_at_its_rendezvous(tmp_path, stock_tiny)
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--run-dir", str(tmp_path / f"run{node}"), "--tuner",
-               "off", "torchrun", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1", "--master_addr",
-               "127.0.0.1", "--master_port", port, TINY, "--steps", "3", "--losses-out", str(tmp_path / f"l{node}")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(**ENV), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--run-dir",
+            str(tmp_path / f"run{node}"),
+            "--tuner",
+            "off",
+            "torchrun",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            TINY,
+            "--steps",
+            "3",
+            "--losses-out",
+            str(tmp_path / f"l{node}"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(**ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all("engine active" in err for _, err in outs[:1])
@@ -232,24 +344,59 @@ def test_python_runs_the_script_as_one_rank_and_module_and_no_python_reach_the_r
     program.write_text(f"#!{sys.executable}\n" + open(TINY).read())
     program.chmod(0o755)
     for how, what in (("module", ["--module", "pkg.train_mod"]), ("no_python", ["--no_python", str(program)])):
-        r = subprocess.run([sys.executable, "-m", "offloadctl.cli", "train", "--run-dir", str(tmp_path / how),
-                            "--tuner", "off", "--num_gpus", "1", "--master_port", free_port(), *what, *args,
-                            str(tmp_path / f"{how}.jsonl")], env=env_with_root(**ENV), cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "offloadctl.cli",
+                "train",
+                "--run-dir",
+                str(tmp_path / how),
+                "--tuner",
+                "off",
+                "--num_gpus",
+                "1",
+                "--master_port",
+                free_port(),
+                *what,
+                *args,
+                str(tmp_path / f"{how}.jsonl"),
+            ],
+            env=env_with_root(**ENV),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0 and "engine active" in r.stderr, r.stderr[-3000:]
         _assert_losses_equal(_losses(tmp_path / f"{how}.jsonl"), plain)
 
 
 # -- what a user sees when it goes wrong -----------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_failed_rank_under_torchrun_is_one_line(tmp_path):
-    r = _ours(tmp_path / "run", "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), FAIL, "--rank",
-              "1", "--at", "2", ok=False)
+    r = _ours(
+        tmp_path / "run",
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        FAIL,
+        "--rank",
+        "1",
+        "--at",
+        "2",
+        ok=False,
+    )
     assert r.returncode == 1
     lines = [x for x in r.stderr.splitlines() if x.startswith("offloadctl: rank")]
-    assert lines == [f"offloadctl: rank 1 failed first, exit status 1: ValueError: bad batch at step 2 on rank 1; the "
-                     f"full log is in {tmp_path}/run/deepspeed.log"], r.stderr
+    assert lines == [
+        f"offloadctl: rank 1 failed first, exit status 1: ValueError: bad batch at step 2 on rank 1; the "
+        f"full log is in {tmp_path}/run/deepspeed.log"
+    ], r.stderr
     assert "Traceback" not in r.stderr + r.stdout and "ChildFailedError" not in r.stderr
     log = open(tmp_path / "run" / "deepspeed.log").read()
     assert "ChildFailedError" in log and "[rank1]: Traceback" in log
@@ -264,15 +411,40 @@ def test_a_rendezvous_port_in_use_under_torchrun_is_one_line_and_the_retry_takes
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("", int(port)))
         held.listen()
-        r = _ours(tmp_path / "run", "torchrun", "--nproc_per_node", "2", "--master_port", port, TINY, "--steps", "2",
-                  "--losses-out", str(tmp_path / "l"), ok=False)
+        r = _ours(
+            tmp_path / "run",
+            "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            port,
+            TINY,
+            "--steps",
+            "2",
+            "--losses-out",
+            str(tmp_path / "l"),
+            ok=False,
+        )
     assert r.returncode != 0
-    assert r.stderr.splitlines()[-1] == (f"offloadctl: the rendezvous port {port} is in use on this machine (another "
-                                         f"run, or another program): give a free one (--master_port); the full log is "
-                                         f"in {tmp_path}/run/deepspeed.log"), r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"offloadctl: the rendezvous port {port} is in use on this machine (another "
+        f"run, or another program): give a free one (--master_port); the full log is "
+        f"in {tmp_path}/run/deepspeed.log"
+    ), r.stderr
     assert "Traceback" not in r.stderr
-    again = _ours(tmp_path / "run", "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), TINY, "--steps",
-                  "2", "--losses-out", str(tmp_path / "l"))
+    again = _ours(
+        tmp_path / "run",
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        TINY,
+        "--steps",
+        "2",
+        "--losses-out",
+        str(tmp_path / "l"),
+    )
     assert "engine active" in again.stderr
 
 
@@ -280,13 +452,25 @@ def test_a_rendezvous_port_in_use_under_torchrun_is_one_line_and_the_retry_takes
 def test_a_config_the_ranks_refuse_under_torchrun_is_one_line_and_its_run_dir_takes_the_retry(tmp_path):
     """A config built inside the script (train_tiny's --stage) can only be refused by the ranks:
     in the pre-launch check's words, once; the same command's retry takes the run dir it left."""
-    cmd = ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), TINY, "--steps", "2", "--losses-out",
-           str(tmp_path / "l")]
+    cmd = [
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        TINY,
+        "--steps",
+        "2",
+        "--losses-out",
+        str(tmp_path / "l"),
+    ]
     r = _ours(tmp_path / "run", *cmd, "--stage", "2", ok=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     ours = [x for x in r.stderr.splitlines() if x.startswith("offloadctl:") and "starting" not in x]
-    assert ours == ["offloadctl: offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage 2: set "
-                    "zero_optimization.stage to 3, or use engine.OffloadAdamW in a plain PyTorch loop"], r.stderr
+    assert ours == [
+        "offloadctl: offloadctl's engine needs ZeRO stage 3, but this ds_config uses stage 2: set "
+        "zero_optimization.stage to 3, or use engine.OffloadAdamW in a plain PyTorch loop"
+    ], r.stderr
     again = _ours(tmp_path / "run", *cmd)
     assert "engine active" in again.stderr
 
@@ -295,13 +479,38 @@ def test_a_config_the_ranks_refuse_under_torchrun_is_one_line_and_its_run_dir_ta
 def test_ctrl_c_under_torchrun_stops_every_process_and_removes_the_swap_files(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--run-dir", str(tmp_path / "run"), "--tuner", "off",
-           "--nvme", str(nvme), "torchrun", "--nproc_per_node", "2", "--master_port", free_port(), FAIL, "--rank", "9"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(**ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--tuner",
+        "off",
+        "--nvme",
+        str(nvme),
+        "torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        FAIL,
+        "--rank",
+        "9",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env_with_root(**ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        wait_for(lambda: os.path.exists(tmp_path / "run" / "telemetry-rank1.jsonl")
-                 and sum(1 for _ in open(tmp_path / "run" / "telemetry-rank1.jsonl")) > 3, 300, "the ranks to step")
+        wait_for(
+            lambda: (
+                os.path.exists(tmp_path / "run" / "telemetry-rank1.jsonl")
+                and sum(1 for _ in open(tmp_path / "run" / "telemetry-rank1.jsonl")) > 3
+            ),
+            300,
+            "the ranks to step",
+        )
         os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C: the whole foreground group
         out, err = p.communicate(timeout=180)
     finally:
@@ -318,6 +527,7 @@ def test_ctrl_c_under_torchrun_stops_every_process_and_removes_the_swap_files(tm
 
 # -- refusals and dry runs (no launch) -------------------------------------------------------------
 
+
 def _refused(*args: str) -> str:
     r = cli("train", *args, env=env_with_root(**ENV), timeout=120)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
@@ -330,7 +540,8 @@ def test_what_cannot_launch_is_refused_in_one_line(tmp_path):
     assert known.startswith("offloadctl: --launcher mosaic: offloadctl knows torchrun, accelerate") and "pdsh" in known
     assert _refused("--num_gpus", "2", "torchrun", "--nproc_per_node", "2", TINY) == (
         "offloadctl: --num_gpus is an option of DeepSpeed's launcher, which torchrun (a launch command run as "
-        "given) does not use: give torchrun's own option in its command instead")
+        "given) does not use: give torchrun's own option in its command instead"
+    )
     assert _refused("--launcher", "torchrun", "--hostfile", "h", TINY).startswith("offloadctl: --hostfile is an option")
     assert _refused("srun", "-n", "2", "python", TINY).startswith("offloadctl: srun is not installed here")
     assert _refused("--module", "nosuch.mod").startswith("offloadctl: module nosuch.mod not found from")
@@ -338,11 +549,13 @@ def test_what_cannot_launch_is_refused_in_one_line(tmp_path):
     script.write_text("")
     assert "is not executable, and --no_python runs it as a program" in _refused("--no_python", str(script))
     assert _refused(TINY, "--deepspeed_config", "nosuch.json") == (
-        "offloadctl: nosuch.json does not exist (the script's --deepspeed_config): check the path")
+        "offloadctl: nosuch.json does not exist (the script's --deepspeed_config): check the path"
+    )
     (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}')
     assert _refused("torchrun", TINY, "--deepspeed", str(tmp_path / "bad.json")) == (
         f"offloadctl: {tmp_path}/bad.json line 1 column 35: not valid JSON (Expecting property name enclosed in "
-        f"double quotes; the script's --deepspeed): fix the file")
+        f"double quotes; the script's --deepspeed): fix the file"
+    )
 
 
 def _dry(*args: str) -> dict:
@@ -354,23 +567,35 @@ def _dry(*args: str) -> dict:
 @pytest.mark.slow
 def test_dry_runs_show_the_command_each_launcher_runs():
     tail = [TINY, "--losses-out", "x"]
-    built = _dry("--launcher", "torchrun", "--num_gpus", "2", "--master_port", "23456", "--launcher_args",
-                 "--max_restarts 1", *tail)
-    assert built["command"] == [*TORCHRUN, "--nproc_per_node", "2", "--master_port", "23456", "--max_restarts", "1",
-                                *tail]
+    built = _dry(
+        "--launcher", "torchrun", "--num_gpus", "2", "--master_port", "23456", "--launcher_args", "--max_restarts 1", *tail
+    )
+    assert built["command"] == [*TORCHRUN, "--nproc_per_node", "2", "--master_port", "23456", "--max_restarts", "1", *tail]
     hook = os.path.join(ROOT, "integrations", "rank_hook")
     assert built["env"]["PYTHONPATH"].split(os.pathsep)[:2] == [hook, ROOT] and built["launcher"] == "torchrun"
     assert json.loads(built["env"]["OFFLOADCTL_RANK_SETTINGS"]) == built["settings"]
-    accel = _dry("--launcher", "accelerate", "--num_gpus", "2", "--num_nodes", "2", "--node_rank", "1",
-                 "--master_addr", "10.0.0.1", *tail)
-    assert accel["command"] == [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
-                                "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
-                                "--main_process_ip", "10.0.0.1", *tail]
+    accel = _dry(
+        "--launcher", "accelerate", "--num_gpus", "2", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", *tail
+    )
+    assert accel["command"] == [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--use_deepspeed",
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        *tail,
+    ]
     module = _dry("--launcher", "torchrun", "--num_gpus", "2", "--module", "tests.ds_scripts.train_tiny", "--x")
     assert module["command"][-4:] == ["2", "--module", "tests.ds_scripts.train_tiny", "--x"]
     given = _dry("torchrun", "--nproc_per_node", "2", *tail)
-    assert given["command"] == [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
-                                *tail]
+    assert given["command"] == [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", *tail]
     r = cli("train", "--dry-run", "torchrun", "--nproc_per_node", "2", *tail, env=env_with_root(**ENV), timeout=120)
     text = " ".join(r.stdout.split())
     assert "ranks: 2 ranks" in text and "(torchrun; each rank's interpreter installs offloadctl's engine" in text, text
@@ -379,6 +604,7 @@ def test_dry_runs_show_the_command_each_launcher_runs():
 
 
 # -- the rank hook's parts -------------------------------------------------------------------------
+
 
 def test_the_program_an_interpreter_runs_is_read_from_its_command_line():
     from integrations.rank_entry import main_program
@@ -401,9 +627,13 @@ def test_only_a_numbered_interpreter_that_is_no_launcher_and_no_ranks_child_is_a
     assert not is_rank({SETTINGS_ENV: "{}"}, ["python", "train.py"])  # nobody numbered it
     assert is_rank({SETTINGS_ENV: "{}", "SLURM_PROCID": "3"}, ["python", "train.py"])
     assert is_rank({SETTINGS_ENV: "{}", "OMPI_COMM_WORLD_RANK": "0"}, ["python", "train.py"])
-    for launcher in (["/v/bin/python", "/v/bin/torchrun", "x.py"], ["python", "-m", "torch.distributed.run", "x.py"],
-                     ["python", "/v/bin/accelerate", "launch", "x.py"], ["python", "-m", "deepspeed.launcher.launch"],
-                     ["python", "/usr/bin/llamafactory-cli", "train"]):
+    for launcher in (
+        ["/v/bin/python", "/v/bin/torchrun", "x.py"],
+        ["python", "-m", "torch.distributed.run", "x.py"],
+        ["python", "/v/bin/accelerate", "launch", "x.py"],
+        ["python", "-m", "deepspeed.launcher.launch"],
+        ["python", "/usr/bin/llamafactory-cli", "train"],
+    ):
         assert not is_rank({**env, "SLURM_PROCID": "0"}, launcher), launcher
     assert not is_rank({"RANK": "0"}, ["python", "train.py"])  # not a launch of offloadctl's
 
@@ -426,8 +656,13 @@ def test_the_hook_runs_the_sitecustomize_it_shadows_and_leaves_other_processes_a
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
     hook = os.path.join(ROOT, "integrations", "rank_hook")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([hook, ROOT, str(tmp_path)]), OFFLOADCTL_RANK_SETTINGS="{}")
-    r = subprocess.run([sys.executable, "-c", "import os, sys; print(os.environ.get('SHADOWED_RAN'), sys.argv[1:])",
-                        "a"], capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import os, sys; print(os.environ.get('SHADOWED_RAN'), sys.argv[1:])", "a"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout == "1 ['a']\n", r.stderr
 
 
@@ -438,27 +673,31 @@ def test_torchruns_failure_report_goes_to_the_log_and_names_the_first_failed_ran
 
     from integrations.run_output import OutputFilter
 
-    page = (b"E1201 19:40:01.123000 8343 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) "
-            b"local_rank: 1 (pid: 99) of binary: /v/bin/python\n"
-            b"Traceback (most recent call last):\n"
-            b'  File "/v/bin/torchrun", line 8, in <module>\n'
-            b"    sys.exit(main())\n"
-            b'  File "/v/lib/python3.11/site-packages/torch/distributed/run.py", line 892, in main\n'
-            b"    run(args)\n"
-            b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-            b"============================================================\n"
-            b"fail_rank.py FAILED\n"
-            b"------------------------------------------------------------\n"
-            b"Root Cause (first observed failure):\n"
-            b"[0]:\n"
-            b"  rank      : 1 (local_rank: 1)\n"
-            b"  exitcode  : 1 (pid: 99)\n"
-            b"============================================================\n")
+    page = (
+        b"E1201 19:40:01.123000 8343 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) "
+        b"local_rank: 1 (pid: 99) of binary: /v/bin/python\n"
+        b"Traceback (most recent call last):\n"
+        b'  File "/v/bin/torchrun", line 8, in <module>\n'
+        b"    sys.exit(main())\n"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/run.py", line 892, in main\n'
+        b"    run(args)\n"
+        b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        b"============================================================\n"
+        b"fail_rank.py FAILED\n"
+        b"------------------------------------------------------------\n"
+        b"Root Cause (first observed failure):\n"
+        b"[0]:\n"
+        b"  rank      : 1 (local_rank: 1)\n"
+        b"  exitcode  : 1 (pid: 99)\n"
+        b"============================================================\n"
+    )
     users = b'Traceback (most recent call last):\n  File "/home/me/t.py", line 3, in <module>\nValueError: mine\n'
     # a lone rank's own traceback, then its launcher's: the rank's is shown, the launcher's logged
-    accelerate = (b'Traceback (most recent call last):\n  File "/v/bin/accelerate", line 8, in <module>\n'
-                  b'  File "/v/lib/python3.11/site-packages/accelerate/commands/launch.py", line 999, in simple\n'
-                  b"subprocess.CalledProcessError: Command '['python', 't.py']' returned non-zero exit status 1.\n")
+    accelerate = (
+        b'Traceback (most recent call last):\n  File "/v/bin/accelerate", line 8, in <module>\n'
+        b'  File "/v/lib/python3.11/site-packages/accelerate/commands/launch.py", line 999, in simple\n'
+        b"subprocess.CalledProcessError: Command '['python', 't.py']' returned non-zero exit status 1.\n"
+    )
     shown, log = io.BytesIO(), io.BytesIO()
     f = OutputFilter(shown, log)
     f.feed(users + accelerate)
@@ -484,11 +723,15 @@ def test_a_port_taken_between_the_check_and_the_bind_is_one_line_naming_it():
 
     from integrations.run_output import OutputFilter
 
-    error = (b"torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
-             b"address. port: 29517, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+    error = (
+        b"torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+        b"address. port: 29517, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"
+    )
     rank_line = b"offloadctl: rank 0 failed: " + error.split(b": ", 1)[1].replace(b"\n", b"") + b"\n"
-    traceback = (b'Traceback (most recent call last):\n  File "/home/me/train.py", line 9, in <module>\n'
-                 b"    deepspeed.init_distributed()\n" + error)
+    traceback = (
+        b'Traceback (most recent call last):\n  File "/home/me/train.py", line 9, in <module>\n'
+        b"    deepspeed.init_distributed()\n" + error
+    )
     for page in (rank_line, traceback):
         shown, log = io.BytesIO(), io.BytesIO()
         f = OutputFilter(shown, log)
@@ -497,7 +740,8 @@ def test_a_port_taken_between_the_check_and_the_bind_is_one_line_naming_it():
         assert shown.getvalue() == b"step 0\n" and log.getvalue() == page
         assert f.failures.summary("/r/deepspeed.log") == (
             "offloadctl: the rendezvous port 29517 is in use on this machine (another run, or another program): "
-            "give a free one (--master_port); the full log is in /r/deepspeed.log")
+            "give a free one (--master_port); the full log is in /r/deepspeed.log"
+        )
 
 
 @pytest.mark.slow
@@ -520,8 +764,11 @@ def test_a_stop_signal_while_a_rank_reports_its_error_is_no_traceback(launcher, 
     no traceback (it escaped the rank's error handling before: torch's excepthook printed
     `[rank1]: Traceback ...` on the terminal)."""
     script = [FAIL, "--rank", "1", "--at", "2", "--how", "signalled-while-said"]
-    launch = (["--num_gpus", "2", "--master_port", free_port(), *script] if launcher == "deepspeed"
-              else ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *script])
+    launch = (
+        ["--num_gpus", "2", "--master_port", free_port(), *script]
+        if launcher == "deepspeed"
+        else ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *script]
+    )
     r = _ours(tmp_path / "run", *launch, ok=False)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
@@ -539,21 +786,23 @@ def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
 
     from integrations.run_output import OutputFilter
 
-    block = (b"--- Logging error ---\n"
-             b"Traceback (most recent call last):\n"
-             b'  File "/usr/lib/python3.11/logging/__init__.py", line 1113, in emit\n'
-             b"    stream.write(msg + self.terminator)\n"
-             b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 83, in '
-             b"_terminate_process_handler\n"
-             b"    raise SignalException(f\"Process {os.getpid()} got signal: {sigval}\", sigval=sigval)\n"
-             b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 2\n"
-             b"Call stack:\n"
-             b'  File "/v/bin/torchrun", line 8, in <module>\n'
-             b"    sys.exit(main())\n"
-             b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n'
-             b"    result = self._invoke_run(role)\n"
-             b"Message: 'Received %s death signal, shutting down workers'\n"
-             b"Arguments: (<Signals.SIGINT: 2>,)\n")
+    block = (
+        b"--- Logging error ---\n"
+        b"Traceback (most recent call last):\n"
+        b'  File "/usr/lib/python3.11/logging/__init__.py", line 1113, in emit\n'
+        b"    stream.write(msg + self.terminator)\n"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 83, in '
+        b"_terminate_process_handler\n"
+        b'    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)\n'
+        b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 2\n"
+        b"Call stack:\n"
+        b'  File "/v/bin/torchrun", line 8, in <module>\n'
+        b"    sys.exit(main())\n"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n'
+        b"    result = self._invoke_run(role)\n"
+        b"Message: 'Received %s death signal, shutting down workers'\n"
+        b"Arguments: (<Signals.SIGINT: 2>,)\n"
+    )
     end = b"offloadctl: stopped by SIGINT: ranks stopped, their swap files removed\n"
     data = b"step 3\n" + block + end
     for cut in range(1, len(data), 7):
@@ -580,11 +829,15 @@ def test_a_ranks_line_written_into_torchruns_traceback_leaves_it_whole():
 
     from integrations.run_output import OutputFilter
 
-    head = (b"Traceback (most recent call last):\n"
-            b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n')
+    head = (
+        b"Traceback (most recent call last):\n"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 745, in run\n'
+    )
     rank = b"offloadctl: rank 1 stopped by SIGINT; removing its swap files\n"
-    tail = (b"    result = self._invoke_run(role)\n"
-            b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15\n")
+    tail = (
+        b"    result = self._invoke_run(role)\n"
+        b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15\n"
+    )
     shown, log = io.BytesIO(), io.BytesIO()
     f = OutputFilter(shown, log)
     f.feed(b"step 3\n" + head + rank + tail + b"bye\n")

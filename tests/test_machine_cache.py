@@ -1,5 +1,6 @@
 """The one per-machine cache (``engine/storage/machine_cache.py``): what the kernel choice, the
 node's memory bandwidth and py-cpuinfo's answer are kept with, tested alone."""
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ behind the lock of an interrupted build.
 Real processes, real builds (in a scratch TORCH_EXTENSIONS_DIR), real signals. A build of one op
 takes a minute or more on two cores, so these are slow tests.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,11 @@ print(json.dumps(dict(states[sys.argv[1]].to_json(), steps=steps, notes=notes, s
 def _usual_path() -> str:
     """PATH as a shell has it: without the venv's bin and without the link directory that
     engine.storage.native_ops puts first (this process may have imported it)."""
-    return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
-                           if d and not d.endswith(".ninja-bin") and os.path.realpath(d) != os.path.realpath(VENV_BIN))
+    return os.pathsep.join(
+        d
+        for d in os.environ["PATH"].split(os.pathsep)
+        if d and not d.endswith(".ninja-bin") and os.path.realpath(d) != os.path.realpath(VENV_BIN)
+    )
 
 
 def _env(ext_dir: str, kind: str = "usual", decoy_dir: str | None = None) -> dict:
@@ -60,8 +64,11 @@ def _env(ext_dir: str, kind: str = "usual", decoy_dir: str | None = None) -> dic
     if kind == "venv-path":  # PATH=$PWD/.venv/bin:$PATH
         env["PATH"] = VENV_BIN + os.pathsep + env["PATH"]
     elif kind == "activated":  # what `source .venv/bin/activate` exports
-        env.update(PATH=VENV_BIN + os.pathsep + env["PATH"], VIRTUAL_ENV=os.path.dirname(VENV_BIN),
-                   VIRTUAL_ENV_PROMPT=f"({os.path.basename(os.path.dirname(VENV_BIN))}) ")
+        env.update(
+            PATH=VENV_BIN + os.pathsep + env["PATH"],
+            VIRTUAL_ENV=os.path.dirname(VENV_BIN),
+            VIRTUAL_ENV_PROMPT=f"({os.path.basename(os.path.dirname(VENV_BIN))}) ",
+        )
         env.pop("PYTHONHOME", None)
     elif kind == "decoy":  # some other ninja first on PATH: it must never run
         env["PATH"] = decoy_dir + os.pathsep + env["PATH"]
@@ -69,8 +76,7 @@ def _env(ext_dir: str, kind: str = "usual", decoy_dir: str | None = None) -> dic
 
 
 def _child(program: str, op: str, env: dict, timeout: float = 900) -> tuple[dict, str]:
-    out = subprocess.run([sys.executable, "-c", program, op], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=timeout)
+    out = subprocess.run([sys.executable, "-c", program, op], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -91,7 +97,7 @@ def _decoy(tmp_path) -> tuple[str, str]:
     d = tmp_path / "decoy-bin"
     d.mkdir()
     ran = tmp_path / "decoy-ran"
-    (d / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {ran}\nexit 1\n")
+    (d / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {ran}\nexit 1\n')
     (d / "ninja").chmod(0o755)
     return str(d), str(ran)
 
@@ -130,8 +136,15 @@ def test_an_op_built_once_is_reused_whatever_path_or_activation(tmp_path):
 
 def test_a_live_build_makes_a_run_fall_back_in_one_line_and_a_killed_one_does_not(tmp_path):
     ext = str(tmp_path / "ext")
-    build = subprocess.Popen([sys.executable, "-c", BUILD, "cpu_adam"], env=_env(ext), cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    build = subprocess.Popen(
+        [sys.executable, "-c", BUILD, "cpu_adam"],
+        env=_env(ext),
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         flock, lock = os.path.join(ext, "cpu_adam", "offloadctl.flock"), os.path.join(ext, "cpu_adam", "lock")
         _wait_for(lambda: os.path.exists(lock) and open(flock).read().startswith("build"), 120, "the build to start")
@@ -198,8 +211,7 @@ def _seed(ext: str, op: str, drop: tuple[str, ...], deps: tuple[str, ...] = ()) 
     directory has it built by this ninja, less the files in ``drop``: a build there then compiles
     those (a minute) instead of the whole op (several). False: nothing to seed from."""
     src = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")  # as engine.storage.native_ops
-    probe = subprocess.run([sys.executable, "-c", LOAD, op], capture_output=True, text=True, cwd=ROOT,
-                           env=_env(src), timeout=300)
+    probe = subprocess.run([sys.executable, "-c", LOAD, op], capture_output=True, text=True, cwd=ROOT, env=_env(src), timeout=300)
     if probe.returncode != 0 or json.loads(probe.stdout.strip().splitlines()[-1])["state"] != "built":
         return False
     for name in (*deps, op):
@@ -221,8 +233,15 @@ def test_a_build_killed_mid_compile_is_recovered_by_the_next_build(tmp_path):
         pytest.skip(f"async_io cannot build here: {probe['detail']}")
     small = ("deepspeed_aio_utils.o", "deepspeed_aio_types.o", "deepspeed_aio_common.o")
     _seed(ext, "async_io", drop=("async_io.so", *small), deps=("pin_memory",))
-    build = subprocess.Popen([sys.executable, "-c", BUILD, "async_io"], env=_env(ext), cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    build = subprocess.Popen(
+        [sys.executable, "-c", BUILD, "async_io"],
+        env=_env(ext),
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     lock = os.path.join(ext, "async_io", "lock")
     try:
         _wait_for(lambda: os.path.exists(lock) and _compiling(build.pid), 900, "the async_io build to compile")

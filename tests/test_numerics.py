@@ -1,4 +1,5 @@
 """OffloadAdamW against torch.optim.AdamW, fed the same gradients, in every layout."""
+
 from __future__ import annotations
 
 import copy
@@ -31,18 +32,31 @@ def test_layouts_match_adamw(layout, backend, swap_dirs):
         "mixed": dict(host_cache_bytes=STATE // 3, nvme_paths=[nvme0]),
         "two_paths": dict(host_cache_bytes=0, nvme_paths=[nvme0, nvme1]),
         # Declared bandwidths make the stripe deterministic: the cap halves the remote share.
-        "remote_capped": dict(host_cache_bytes=0,
-                              nvme_paths=[StoragePath(path=nvme0, read_bytes_per_s=400e6, write_bytes_per_s=400e6)],
-                              remote_paths=[StoragePath(path=pfs, kind="remote", read_bytes_per_s=400e6,
-                                                        write_bytes_per_s=400e6, cap_bytes_per_s=200e6)]),
+        "remote_capped": dict(
+            host_cache_bytes=0,
+            nvme_paths=[StoragePath(path=nvme0, read_bytes_per_s=400e6, write_bytes_per_s=400e6)],
+            remote_paths=[
+                StoragePath(path=pfs, kind="remote", read_bytes_per_s=400e6, write_bytes_per_s=400e6, cap_bytes_per_s=200e6)
+            ],
+        ),
     }[layout]
     # No read-ahead budget and fewer staging buffers than swapped subgroups (prefetch 1: 5 for
     # 6; a third cached, prefetch 0: 3 for 4), so that every step reads state back from the
     # files, not only from buffers that still hold it.
     depth = 0 if layout == "mixed" else 1
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, io_backend=backend,
-                                               host_adam="torch", prefetch_depth=depth, read_ahead_bytes=0, **kw),
-                        steps=5)
+    _, opt, _, _ = _run(
+        lambda m: OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=SUB,
+            io_backend=backend,
+            host_adam="torch",
+            prefetch_depth=depth,
+            read_ahead_bytes=0,
+            **kw,
+        ),
+        steps=5,
+    )
     rec = opt.telemetry[-1]
     if layout == "host":
         assert opt.engine.swap_paths.io_backend is None and rec.bytes_read == {}
@@ -57,18 +71,36 @@ def test_layouts_match_adamw(layout, backend, swap_dirs):
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_device_lane_on_cpu_matches_adamw(fraction, swap_dir):
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=STATE // 3,
-                                               nvme_paths=[swap_dir], device="cpu", device_fraction=fraction,
-                                               host_adam="torch"))
+    _, opt, _, _ = _run(
+        lambda m: OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=SUB,
+            host_cache_bytes=STATE // 3,
+            nvme_paths=[swap_dir],
+            device="cpu",
+            device_fraction=fraction,
+            host_adam="torch",
+        )
+    )
     rec = opt.telemetry[-1]
     assert rec.device_lane_subgroups == round(N_SUB * fraction) and rec.host_lane_subgroups == N_SUB - rec.device_lane_subgroups
     opt.close()
 
 
 def test_device_tier_on_cpu_matches_adamw(swap_dir):
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device_cache_bytes=STATE // 3,
-                                               host_cache_bytes=STATE // 3, nvme_paths=[swap_dir], device="cpu",
-                                               host_adam="torch"))
+    _, opt, _, _ = _run(
+        lambda m: OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=SUB,
+            device_cache_bytes=STATE // 3,
+            host_cache_bytes=STATE // 3,
+            nvme_paths=[swap_dir],
+            device="cpu",
+            host_adam="torch",
+        )
+    )
     tiers = opt.engine.describe().state_bytes_by_tier
     assert set(tiers) == {"device", "host", swap_dir}
     opt.close()
@@ -80,8 +112,11 @@ def test_deepspeed_host_kernel_matches_adamw(swap_dir):
 
     if load_cpu_adam() is None:
         pytest.skip("DeepSpeed cpu_adam op does not build here")
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
-                                               nvme_paths=[swap_dir], host_adam="deepspeed"))
+    _, opt, _, _ = _run(
+        lambda m: OffloadAdamW(
+            m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="deepspeed"
+        )
+    )
     assert opt.engine.host_kernel_name == "deepspeed"
     opt.close()
 
@@ -95,14 +130,18 @@ def test_param_groups_missing_grads_noncontiguous(swap_dir):
 
     def factory(m):
         ps = list(m.parameters())
-        groups = [{"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
-                  {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+        groups = [
+            {"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
+            {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0},
+        ]
         return OffloadAdamW(groups, lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch")
 
     def ref_groups(m):
         ps = list(m.parameters())
-        return [{"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
-                {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+        return [
+            {"params": ps[:3], "lr": 3e-2, "weight_decay": 0.1},
+            {"params": ps[3:], "lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0},
+        ]
 
     from helpers import feed_same_grads
 
@@ -123,8 +162,18 @@ def test_param_groups_missing_grads_noncontiguous(swap_dir):
 
 @pytest.mark.parametrize("sub,depth", [(100, 1), (100, 0), (10**9, 2)], ids=["many-subgroups", "no-prefetch", "single-subgroup"])
 def test_subgroup_counts(sub, depth, swap_dir):
-    _, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=sub, host_cache_bytes=0,
-                                               nvme_paths=[swap_dir], prefetch_depth=depth, host_adam="torch"), steps=5)
+    _, opt, _, _ = _run(
+        lambda m: OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=sub,
+            host_cache_bytes=0,
+            nvme_paths=[swap_dir],
+            prefetch_depth=depth,
+            host_adam="torch",
+        ),
+        steps=5,
+    )
     n = opt.engine.describe().subgroups
     assert (n == 1) if sub == 10**9 else (n > depth + 2)
     opt.close()
@@ -135,8 +184,9 @@ def test_lr_scheduler(swap_dir):
 
     model = make_model()
     ref = copy.deepcopy(model)
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir],
-                       host_adam="torch")
+    opt = OffloadAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch"
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
     for t in range(5):
@@ -144,7 +194,7 @@ def test_lr_scheduler(swap_dir):
         for s in scheds:
             s.step()
     assert_params_close(model, ref)
-    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**5)
     opt.close()
 
 
@@ -155,8 +205,9 @@ def test_bf16_params_keep_fp32_master(swap_dir):
     with torch.no_grad():
         for p, r in zip(model.parameters(), ref.parameters()):
             r.copy_(p.float())
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir],
-                       host_adam="torch")
+    opt = OffloadAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch"
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     from helpers import feed_same_grads
 
@@ -172,8 +223,15 @@ def test_knob_changes_between_steps_keep_numerics(swap_dirs):
     nvme0, nvme1, _ = swap_dirs
 
     def factory(m):
-        return OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[nvme0, nvme1],
-                            device="cpu", host_adam="torch")
+        return OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=SUB,
+            host_cache_bytes=0,
+            nvme_paths=[nvme0, nvme1],
+            device="cpu",
+            host_adam="torch",
+        )
 
     model, opt, ref, ref_opt = reference_pair(factory, 2)
     from helpers import feed_same_grads
@@ -220,8 +278,11 @@ def test_cuda_layouts_match_adamw(layout, device, swap_dir):
     kw = dict(CUDA_LAYOUTS[layout])
     if kw.pop("nvme", False):
         kw["nvme_paths"] = [swap_dir]
-    model, opt, _, _ = _run(lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device=device,
-                                                   host_adam="torch", **kw), steps=5, model_fn=lambda: make_model().cuda())
+    model, opt, _, _ = _run(
+        lambda m: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, device=device, host_adam="torch", **kw),
+        steps=5,
+        model_fn=lambda: make_model().cuda(),
+    )
     p = next(model.parameters())
     assert opt.engine.streams.on_device(p) and opt.engine.device.index is not None
     rec = opt.telemetry[-1]
@@ -237,8 +298,15 @@ def test_cuda_knob_switches_match_adamw(swap_dir):
     """Subgroups move between the lanes from step to step (a tuner's trials)."""
     model = make_model().cuda()
     ref = copy.deepcopy(model)
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, device="cuda", host_cache_bytes=STATE // 2,
-                       nvme_paths=[swap_dir], host_adam="torch")
+    opt = OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        subgroup_numel=SUB,
+        device="cuda",
+        host_cache_bytes=STATE // 2,
+        nvme_paths=[swap_dir],
+        host_adam="torch",
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     from helpers import feed_same_grads
 
@@ -267,10 +335,16 @@ def _flat_reference_run(device: str, layout: str, monkeypatch) -> None:
     ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01)
     grad_dev = device if layout != "host" else "cpu"
     bindings = [FlatSubgroup(w) for w in weights]
-    kw = {"host": dict(), "device_lane": dict(knobs=Knobs(device_fraction=0.5)),
-          "device_tier": dict(device_cache_bytes=2 * 12 * 300)}[layout]
-    eng = SubgroupEngine(bindings, EngineConfig(subgroup_numel=300, device=device, host_adam="torch",
-                                                device_cache_bytes=kw.get("device_cache_bytes", 0)), kw.get("knobs"))
+    kw = {
+        "host": dict(),
+        "device_lane": dict(knobs=Knobs(device_fraction=0.5)),
+        "device_tier": dict(device_cache_bytes=2 * 12 * 300),
+    }[layout]
+    eng = SubgroupEngine(
+        bindings,
+        EngineConfig(subgroup_numel=300, device=device, host_adam="torch", device_cache_bytes=kw.get("device_cache_bytes", 0)),
+        kw.get("knobs"),
+    )
     for step in range(4):
         scale = 1.0 if step == 2 else 0.37 + 0.1 * step
         for b, m in zip(bindings, masters):
@@ -306,8 +380,16 @@ def test_stripe_change_reverted_before_the_move_keeps_state(swap_dirs, backend):
     nvme0, nvme1, _ = swap_dirs
 
     def factory(m):
-        return OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[nvme0, nvme1],
-                            io_backend=backend, host_adam="torch", prefetch_depth=2)
+        return OffloadAdamW(
+            m.parameters(),
+            lr=1e-2,
+            subgroup_numel=SUB,
+            host_cache_bytes=0,
+            nvme_paths=[nvme0, nvme1],
+            io_backend=backend,
+            host_adam="torch",
+            prefetch_depth=2,
+        )
 
     model, opt, ref, ref_opt = reference_pair(factory, 2)
     from helpers import feed_same_grads
@@ -329,9 +411,18 @@ def test_io_overlap_is_bit_identical_to_no_overlap(swap_dir):
     bit-identical to the same run with each step waiting for its writes, and close to torch AdamW."""
     results = []
     for kw in (dict(overlap_io=False), dict(read_ahead_bytes=0), dict(read_ahead_bytes=None), dict(prefetch_depth=0)):
-        model, opt, ref, _ = _run(lambda m, kw=kw: OffloadAdamW(m.parameters(), lr=1e-2, subgroup_numel=SUB // 2,
-                                                         host_cache_bytes=0, nvme_paths=[swap_dir], host_adam="torch",
-                                                         **kw), steps=6)
+        model, opt, ref, _ = _run(
+            lambda m, kw=kw: OffloadAdamW(
+                m.parameters(),
+                lr=1e-2,
+                subgroup_numel=SUB // 2,
+                host_cache_bytes=0,
+                nvme_paths=[swap_dir],
+                host_adam="torch",
+                **kw,
+            ),
+            steps=6,
+        )
         recs = opt.telemetry
         assert sum(sum(r.bytes_read.values()) for r in recs[1:]) > 0, kw  # state came back from the files
         # The auto budget takes buffers once forward and backward were timed; the others take none.
@@ -339,8 +430,9 @@ def test_io_overlap_is_bit_identical_to_no_overlap(swap_dir):
         assert (opt.engine.transfers.read_ahead_bytes > 0) == auto, kw
         assert all(r.read_ahead_bytes == opt.engine.transfers.read_ahead_bytes for r in recs[2:]), kw
         sd = opt.state_dict()
-        results.append(([p.detach().clone() for p in model.parameters()],
-                        [(s["exp_avg"], s["exp_avg_sq"]) for s in sd["state"].values()]))
+        results.append(
+            ([p.detach().clone() for p in model.parameters()], [(s["exp_avg"], s["exp_avg_sq"]) for s in sd["state"].values()])
+        )
         opt.close()
     base_params, base_moments = results[0]
     for params, moments in results[1:]:

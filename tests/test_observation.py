@@ -2,6 +2,7 @@
 included; an iteration aggregated over its ranks' records in one place
 (``Observation.from_records``); one split of a step into the update's segments for the report
 and the end-of-run summary; the recorder given each step by the engine's step hook."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ from tuner.observation import LaneTimes, Observation
 
 
 def _rec(rank: int, update_s: float, **kw) -> StepRecord:
-    return StepRecord(iteration=4, update_s=update_s, read_wait_s=0.1 * (rank + 1),
-                      kernel_s=0.5 * update_s, write_wait_s=0.02 * (rank + 1), **kw)
+    return StepRecord(
+        iteration=4,
+        update_s=update_s,
+        read_wait_s=0.1 * (rank + 1),
+        kernel_s=0.5 * update_s,
+        write_wait_s=0.02 * (rank + 1),
+        **kw,
+    )
 
 
 def test_a_record_survives_its_json_and_extra_fields_are_dropped():
@@ -30,23 +37,42 @@ def test_a_record_in_the_old_names_reads_as_today():
     assert (rec.update_s, rec.kernel_s) == (2.0, 1.25)
     assert upgrade_record(rec.to_dict()) == rec.to_dict()  # today's names pass unchanged
     # the tuner's wire does not require the order: the engine's parity rule fills it
-    assert StepRecord.from_dict({"iteration": 5, "update_s": 1, "read_wait_s": 0, "kernel_s": 0,
-                                 "write_wait_s": 0}).order == "reverse"
+    assert (
+        StepRecord.from_dict({"iteration": 5, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}).order
+        == "reverse"
+    )
 
 
 def test_an_iteration_is_its_slowest_rank_and_its_ranks_traffic_summed():
-    a = _rec(0, 1.0, path_bytes_read={"/a": 100}, path_bytes_written={"/a": 50}, host_lane_s=0.4,
-             device_wait_s=0.1, host_lane_subgroups=3, device_lane_subgroups=1)
-    b = _rec(1, 2.0, path_bytes_read={"/a": 100, "/b": 40}, host_lane_s=0.9, device_wait_s=0.3,
-             host_lane_subgroups=2, device_lane_subgroups=2, device_tier_subgroups=1)
-    tiny = _rec(2, 1e-9, path_bytes_read={"/a": 10 ** 6})  # no measurement of a rate
+    a = _rec(
+        0,
+        1.0,
+        path_bytes_read={"/a": 100},
+        path_bytes_written={"/a": 50},
+        host_lane_s=0.4,
+        device_wait_s=0.1,
+        host_lane_subgroups=3,
+        device_lane_subgroups=1,
+    )
+    b = _rec(
+        1,
+        2.0,
+        path_bytes_read={"/a": 100, "/b": 40},
+        host_lane_s=0.9,
+        device_wait_s=0.3,
+        host_lane_subgroups=2,
+        device_lane_subgroups=2,
+        device_tier_subgroups=1,
+    )
+    tiny = _rec(2, 1e-9, path_bytes_read={"/a": 10**6})  # no measurement of a rate
     obs = Observation.from_records([a, b, tiny], iter_times_s=[3.0, 3.5], error="oom")
     assert (obs.iteration, obs.iter_time_s, obs.update_s, obs.kernel_s) == (4, 3.5, 2.0, 1.0)
     assert obs.read_wait_s == pytest.approx(0.3) and obs.write_wait_s == pytest.approx(0.06)
     assert obs.path_read_bytes_per_s == pytest.approx({"/a": 100 / 1.0 + 100 / 2.0, "/b": 40 / 2.0})
     assert obs.path_write_bytes_per_s == pytest.approx({"/a": 50.0})
-    assert obs.lanes == LaneTimes(host_lane_s=0.9, device_wait_s=0.3, host_lane_subgroups=2,
-                                  device_lane_subgroups=2, device_tier_subgroups=1)
+    assert obs.lanes == LaneTimes(
+        host_lane_s=0.9, device_wait_s=0.3, host_lane_subgroups=2, device_lane_subgroups=2, device_tier_subgroups=1
+    )
     assert obs.error == "oom" and Observation.from_records([a]).iter_time_s is None
 
 
@@ -54,10 +80,22 @@ def _lane_step(iteration: int, **kw) -> StepRecord:
     """A step of 1 s between updates and a 0.5 s update: 0.1 s reading, 0.3 s of AdamW of
     which 0.1 s on the host lane (the rest queueing the device lane's), 0.05 s writing, 0.02 s
     waiting for the device."""
-    return StepRecord(**{"iteration": iteration, "update_s": 0.5, "read_wait_s": 0.1, "kernel_s": 0.3,
-                         "host_lane_s": 0.1, "write_wait_s": 0.05, "device_wait_s": 0.02,
-                         "fwd_bwd_s": 1.0 if iteration else None, "params": 1000,
-                         "bytes_read": {"nvme": 8000}, "bytes_written": {"nvme": 6000}, **kw})
+    return StepRecord(
+        **{
+            "iteration": iteration,
+            "update_s": 0.5,
+            "read_wait_s": 0.1,
+            "kernel_s": 0.3,
+            "host_lane_s": 0.1,
+            "write_wait_s": 0.05,
+            "device_wait_s": 0.02,
+            "fwd_bwd_s": 1.0 if iteration else None,
+            "params": 1000,
+            "bytes_read": {"nvme": 8000},
+            "bytes_written": {"nvme": 6000},
+            **kw,
+        }
+    )
 
 
 def test_one_split_of_a_step_for_the_report_and_the_summary(tmp_path):
@@ -68,10 +106,12 @@ def test_one_split_of_a_step_for_the_report_and_the_summary(tmp_path):
     from report.analyze import engine_segments, shares
 
     seg = engine_segments(_lane_step(1), 0.5 + 0.04)
-    assert seg == pytest.approx({"read_wait": 0.1, "host_lane": 0.1, "device_lane": 0.2, "write_wait": 0.05,
-                                 "device_wait": 0.02, "update_other": 0.07})
+    assert seg == pytest.approx(
+        {"read_wait": 0.1, "host_lane": 0.1, "device_lane": 0.2, "write_wait": 0.05, "device_wait": 0.02, "update_other": 0.07}
+    )
     (tmp_path / "telemetry-rank0.jsonl").write_text(
-        "".join(json.dumps(_lane_step(i, setup_s=0.04).to_dict()) + "\n" for i in range(3)))
+        "".join(json.dumps(_lane_step(i, setup_s=0.04).to_dict()) + "\n" for i in range(3))
+    )
     text = " ".join(run_summary_lines(str(tmp_path)))
     iteration_s = 1.0 + 0.5 + 0.04
     adamw = dict(shares({"forward": 1.0, **seg}, iteration_s))["update: AdamW"]

@@ -9,6 +9,7 @@ with fp32 weights and gradients, as bench/update_phase.py runs them. Then:
   header) FB = 120_004_608 B, so one read or write takes FB / 400e6 = 0.30001152 s;
 - the host-lane time of one subgroup is u = 1e7 * (1 / 1e9 + 4 B / 10e9) = 0.014 s.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,23 +41,51 @@ def fig(v: float) -> Figure:
 
 
 def disk(path: str, device: str, read=400e6, write=400e6, mixed=800e6, capacity=10**13, sweep=()) -> PathProfile:
-    return PathProfile(path=path, kind="nvme", device=device, device_id=f"id-{device}", capacity_bytes=capacity,
-                       read_bytes_per_s=fig(read), write_bytes_per_s=fig(write), mixed_bytes_per_s=fig(mixed),
-                       best_concurrency=4, sweep=tuple(sweep))
+    return PathProfile(
+        path=path,
+        kind="nvme",
+        device=device,
+        device_id=f"id-{device}",
+        capacity_bytes=capacity,
+        read_bytes_per_s=fig(read),
+        write_bytes_per_s=fig(write),
+        mixed_bytes_per_s=fig(mixed),
+        best_concurrency=4,
+        sweep=tuple(sweep),
+    )
 
 
 def machine_profile(paths=(), *, cpu=1e9, mem=10e9, cores=2, memory=24 << 30, gpu=None, gpus=0) -> Profile:
     return Profile(
-        schema_version=SCHEMA_VERSION, name="test", source=Source(kind="estimate", description="hand-set for tests"),
-        machine=Machine(hostname="test", cpu_model="test", cores_physical=cores, cores_logical=cores, memory_bytes=memory,
-                        numa_nodes=1, gpu_model=gpu.model if gpu else "", gpu_count=gpus),
+        schema_version=SCHEMA_VERSION,
+        name="test",
+        source=Source(kind="estimate", description="hand-set for tests"),
+        machine=Machine(
+            hostname="test",
+            cpu_model="test",
+            cores_physical=cores,
+            cores_logical=cores,
+            memory_bytes=memory,
+            numa_nodes=1,
+            gpu_model=gpu.model if gpu else "",
+            gpu_count=gpus,
+        ),
         host=Host(memory_bandwidth=fig(mem), adamw=(AdamWRate(threads=cores, params_per_s=fig(cpu)),)),
-        paths=tuple(paths), gpu=gpu)
+        paths=tuple(paths),
+        gpu=gpu,
+    )
 
 
 def gpu(h2d=10e9, duplex=8e9, adamw=1e11, memory=80 << 30) -> Gpu:
-    return Gpu(model="test GPU", memory_bytes=memory, h2d_bytes_per_s=fig(h2d), d2h_bytes_per_s=fig(h2d),
-               duplex_h2d_bytes_per_s=fig(duplex), duplex_d2h_bytes_per_s=fig(duplex), adamw_params_per_s=fig(adamw))
+    return Gpu(
+        model="test GPU",
+        memory_bytes=memory,
+        h2d_bytes_per_s=fig(h2d),
+        d2h_bytes_per_s=fig(h2d),
+        duplex_h2d_bytes_per_s=fig(duplex),
+        duplex_d2h_bytes_per_s=fig(duplex),
+        adamw_params_per_s=fig(adamw),
+    )
 
 
 ONE_DISK = machine_profile([disk("/nvme", "nvme0n1")])
@@ -109,8 +138,14 @@ def test_half_cached_counts_resident_updates_in_forward_steps():
 
 def test_two_paths_on_different_devices_add_up():
     prof = machine_profile([disk("/nvme0", "nvme0n1"), disk("/nvme1", "nvme1n1")])
-    p = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme0": 8, "/nvme1": 8},
-                                                           stripe_weights={"/nvme0": 1.0, "/nvme1": 1.0})))
+    p = predict(
+        prof,
+        WL,
+        Plan(
+            host_cache_bytes=0,
+            knobs=Knobs(io_concurrency={"/nvme0": 8, "/nvme1": 8}, stripe_weights={"/nvme0": 1.0, "/nvme1": 1.0}),
+        ),
+    )
     # Subgroups alternate between the disks; of the 7 reads and 7 writes, each disk does 3 + 4
     # (read 3 write 4, or the reverse): 4 * T1 per disk, both at once.
     assert p.update_s == pytest.approx(U + 4 * T1)
@@ -119,8 +154,14 @@ def test_two_paths_on_different_devices_add_up():
 
 def test_two_paths_on_the_same_device_do_not_add_up():
     prof = machine_profile([disk("/nvme/a", "nvme0n1"), disk("/nvme/b", "nvme0n1")])
-    p = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme/a": 8, "/nvme/b": 8},
-                                                           stripe_weights={"/nvme/a": 1.0, "/nvme/b": 1.0})))
+    p = predict(
+        prof,
+        WL,
+        Plan(
+            host_cache_bytes=0,
+            knobs=Knobs(io_concurrency={"/nvme/a": 8, "/nvme/b": 8}, stripe_weights={"/nvme/a": 1.0, "/nvme/b": 1.0}),
+        ),
+    )
     # One disk behind both directories: all 7 + 7 transfers share its bandwidth.
     assert p.update_s == pytest.approx(U + 7 * T1)
     assert [k for k in p.breakdown if k.startswith("storage:")] == ["storage:nvme0n1"]
@@ -160,8 +201,11 @@ def test_ranks_share_pcie_through_host_memory():
     assert one.breakdown["pcie"] == pytest.approx(0.15 + chunk)
     assert one.update_s == pytest.approx(0.15 + chunk) and one.bottleneck == "pcie"
     # Two ranks (two GPUs, two links) move twice the bytes through the same host memory: 0.24 s.
-    two = predict(machine_profile(gpu=g, gpus=2, mem=10e9), dataclasses.replace(wl, params=200_000_000, ranks=2),
-                  Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)))
+    two = predict(
+        machine_profile(gpu=g, gpus=2, mem=10e9),
+        dataclasses.replace(wl, params=200_000_000, ranks=2),
+        Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=1.0)),
+    )
     assert two.breakdown["gpu_update"] == pytest.approx(2 * chunk + 1e8 / 1e11)
     assert two.update_s == pytest.approx(0.24) and two.bottleneck == "pcie"
 
@@ -202,8 +246,11 @@ def test_prefetch_zero_serialises_read_and_update():
 
 
 def test_concurrency_from_the_sweep_and_the_node_lock():
-    sweep = [SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(k * 100e6 * c))
-             for c in (1, 2, 4, 8) for op, k in (("read", 1), ("write", 1), ("mixed", 2))]
+    sweep = [
+        SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(k * 100e6 * c))
+        for c in (1, 2, 4, 8)
+        for op, k in (("read", 1), ("write", 1), ("mixed", 2))
+    ]
     prof = machine_profile([disk("/nvme", "nvme0n1", sweep=sweep)])  # 100 MB/s per request, each direction
     p1 = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 1})))
     p4 = predict(prof, WL, Plan(host_cache_bytes=0, knobs=Knobs(io_concurrency={"/nvme": 4})))
@@ -238,8 +285,11 @@ def test_gpu_headroom_caps_the_device_lane():
     tight = best_plan(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1), device_cache=False)
     assert tight.plan.knobs.device_fraction == 0
     with pytest.raises(ConfigError, match="GPU headroom"):
-        predict(prof, dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1),
-                Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=0.5)))
+        predict(
+            prof,
+            dataclasses.replace(WL, gpu_headroom_bytes=scratch - 1),
+            Plan(host_cache_bytes=None, knobs=Knobs(device_fraction=0.5)),
+        )
 
 
 def test_all_state_on_the_gpu_when_it_fits():
@@ -322,8 +372,15 @@ def test_best_plan_and_alternatives():
 
 @pytest.mark.parametrize("params", [10**12, 10**13])
 def test_best_plan_is_fast_at_any_size(params):
-    prof = machine_profile([disk("/nvme0", "nvme0n1", capacity=10**15), disk("/nvme1", "nvme1n1", capacity=10**15)],
-                           cpu=4e9, mem=200e9, cores=64, memory=2 << 40, gpu=gpu(), gpus=8)
+    prof = machine_profile(
+        [disk("/nvme0", "nvme0n1", capacity=10**15), disk("/nvme1", "nvme1n1", capacity=10**15)],
+        cpu=4e9,
+        mem=200e9,
+        cores=64,
+        memory=2 << 40,
+        gpu=gpu(),
+        gpus=8,
+    )
     wl = Workload(params=params, ranks=8, fwd_bwd_s=30.0)
     t0 = time.perf_counter()
     alts = alternatives(prof, wl)
@@ -368,7 +425,6 @@ def test_bad_inputs_raise_config_error():
         stock_deepspeed(machine_profile(gpu=gpu(), gpus=1), WL, "twinflow", ratio=2.0)
 
 
-
 # -- Plan, and the engine's layout as the model counts it -----------------------------------------
 
 
@@ -405,10 +461,17 @@ def test_the_models_layout_is_the_engines(tmp_path):
     n, sub = 8, 64
     for depth in range(5):
         w, g = torch.zeros(n * sub, device="cpu"), torch.ones(n * sub, device="cpu")  # a host engine, no model
-        eng = SubgroupEngine([FlatSubgroup(w[o:o + sub], g[o:o + sub]) for o in range(0, n * sub, sub)],
-                             EngineConfig(subgroup_numel=sub, host_cache_bytes=0, host_adam="torch", io_backend="posix",
-                                          paths=(StoragePath(path=str(tmp_path)),)),
-                             Knobs(prefetch_depth=depth))
+        eng = SubgroupEngine(
+            [FlatSubgroup(w[o : o + sub], g[o : o + sub]) for o in range(0, n * sub, sub)],
+            EngineConfig(
+                subgroup_numel=sub,
+                host_cache_bytes=0,
+                host_adam="torch",
+                io_backend="posix",
+                paths=(StoragePath(path=str(tmp_path)),),
+            ),
+            Knobs(prefetch_depth=depth),
+        )
         try:
             assert eng.describe().staging_buffers == staging_buffers(depth)
             eng.step([AdamWHyper(lr=1e-3)])
@@ -423,11 +486,12 @@ def test_the_models_layout_is_the_engines(tmp_path):
 
 
 def test_offloadctl_plan_starts_without_torch():
-    code = ("import sys, perf.model, perf.search, perf.stock, perf.plan, offloadctl.commands.plan; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    code = "import sys, perf.model, perf.search, perf.stock, perf.plan, offloadctl.commands.plan; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
 
 # -- the command --------------------------------------------------------------------------------
 
@@ -453,22 +517,33 @@ def test_plan_json(tmp_path):
     profile_toml = pytest.importorskip("perf.profile_toml")
     prof = machine_profile([disk(str(tmp_path / "nvme"), "nvme0n1", capacity=10**14)], memory=64 << 30)
     profile_toml.save_profile(prof, str(tmp_path / "profiles" / "box.toml"))
-    out = _run_cli("plan", "--profile", "box", "--params", "20B", "--fwd-bwd-s", "3", "--host-gb", "32", "--json",
-                   env={"OFFLOADCTL_PROFILE_DIR": str(tmp_path / "profiles")})
+    out = _run_cli(
+        "plan",
+        "--profile",
+        "box",
+        "--params",
+        "20B",
+        "--fwd-bwd-s",
+        "3",
+        "--host-gb",
+        "32",
+        "--json",
+        env={"OFFLOADCTL_PROFILE_DIR": str(tmp_path / "profiles")},
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["best"] == "best" and data["workload"]["params"] == 20 * 10**9
     plans = {p["name"]: p for p in data["plans"]}
-    assert plans["best"]["iteration_s"] == pytest.approx(3.0 + plans["best"]["update_s"]
-                                                         - plans["best"]["breakdown"]["io_in_fwd_bwd"])
+    assert plans["best"]["iteration_s"] == pytest.approx(
+        3.0 + plans["best"]["update_s"] - plans["best"]["breakdown"]["io_in_fwd_bwd"]
+    )
     # Same numbers as the library gives for the same inputs.
     wl = Workload(params=20 * 10**9, fwd_bwd_s=3.0, host_bytes=32 * 10**9)
     assert plans["best"]["update_s"] == pytest.approx(best_plan(prof, wl).update_s)
     assert plans["stock ZeRO-Infinity NVMe"]["iteration_s"] > plans["best"]["iteration_s"]
     assert plans["stock Twin-Flow"]["feasible"] is False and plans["stock Twin-Flow"]["update_s"] is None
     # The table form runs too, and a bad size is one line, no traceback.
-    table = _run_cli("plan", "--profile", str(tmp_path / "profiles" / "box.toml"), "--params", "20B",
-                     env={"COLUMNS": "200"})
+    table = _run_cli("plan", "--profile", str(tmp_path / "profiles" / "box.toml"), "--params", "20B", env={"COLUMNS": "200"})
     assert table.returncode == 0 and "best" in table.stdout and "ZeRO-Infinity" in table.stdout
     bad = _run_cli("plan", "--profile", "box", "--params", "20X", env={"OFFLOADCTL_PROFILE_DIR": str(tmp_path / "profiles")})
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--params" in bad.stderr

@@ -2,6 +2,7 @@
 ``offloadctl tune``; the run's later pins and pushes go on as before. (Kept, every later push
 would fail the ranks' schema check, and a later valid pin would read as an error.) A real daemon
 on its own socket, a real rank client, the real CLI."""
+
 from __future__ import annotations
 
 import logging
@@ -34,15 +35,17 @@ def test_a_pin_past_the_wires_bounds_is_refused_and_the_run_goes_on(weight, tmp_
     knob, value = "stripe_weights", f'{{"{nvme}": {weight}}}'
     run = f"r{os.getpid()}-{weight}"  # the session's history keeps a run's pins by its id
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
+    rank = TunerClient(sock, run_id=run, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
     try:
         assert rank.connected.wait(20)
         wait_for(lambda: _runs(sock), 20, "the run to register")
         r = cli("tune", "--socket", sock, "--pin", f"{run}:{knob}={value}", timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
-        assert re.fullmatch(rf"offloadctl: --pin {re.escape(run)}:{re.escape(knob)}=.*: cannot pin {re.escape(knob)}=.*: knobs\."
-                            r".* must be .*, got .*, the protocol's bound that every rank checks\n", r.stderr), r.stderr
+        assert re.fullmatch(
+            rf"offloadctl: --pin {re.escape(run)}:{re.escape(knob)}=.*: cannot pin {re.escape(knob)}=.*: knobs\."
+            r".* must be .*, got .*, the protocol's bound that every rank checks\n",
+            r.stderr,
+        ), r.stderr
         assert _runs(sock)[0]["pins"] == {} and rank.pending_changes() == []
         # A valid pin after it: applied, said as applied, and pushed to the rank in a message it takes.
         with caplog.at_level(logging.WARNING, logger="offloadctl"):

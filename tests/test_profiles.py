@@ -1,4 +1,5 @@
 """Hardware profiles: the strict TOML schema, real measurements, and `offloadctl profile`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,26 +37,66 @@ def fig(v: float, how: str = "hand-written for a test") -> Figure:
 
 
 def sample_profile(name: str = "sample") -> Profile:
-    sweep = tuple(SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(c * k * 1e8))
-                  for c in (1, 4) for k, op in enumerate(("read", "write", "mixed"), 1))
+    sweep = tuple(
+        SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(c * k * 1e8))
+        for c in (1, 4)
+        for k, op in enumerate(("read", "write", "mixed"), 1)
+    )
     paths = (
-        PathProfile(path="/local/nvme0", kind="nvme", device="nvme0n1", device_id="259:0", capacity_bytes=10**12,
-                    read_bytes_per_s=fig(4e8), write_bytes_per_s=fig(8e8), mixed_bytes_per_s=fig(1.2e9),
-                    best_concurrency=4, sweep=sweep),
-        PathProfile(path="/lustre/me", kind="remote", device="lustre:fs1", device_id="0:51", capacity_bytes=5 * 10**12,
-                    read_bytes_per_s=fig(2.5e9), write_bytes_per_s=fig(1.5e9), mixed_bytes_per_s=fig(2e9),
-                    best_concurrency=8),
+        PathProfile(
+            path="/local/nvme0",
+            kind="nvme",
+            device="nvme0n1",
+            device_id="259:0",
+            capacity_bytes=10**12,
+            read_bytes_per_s=fig(4e8),
+            write_bytes_per_s=fig(8e8),
+            mixed_bytes_per_s=fig(1.2e9),
+            best_concurrency=4,
+            sweep=sweep,
+        ),
+        PathProfile(
+            path="/lustre/me",
+            kind="remote",
+            device="lustre:fs1",
+            device_id="0:51",
+            capacity_bytes=5 * 10**12,
+            read_bytes_per_s=fig(2.5e9),
+            write_bytes_per_s=fig(1.5e9),
+            mixed_bytes_per_s=fig(2e9),
+            best_concurrency=8,
+        ),
     )
     return Profile(
-        schema_version=SCHEMA_VERSION, name=name, created=WHEN, notes='two lines\nand "quotes" [brackets]',
+        schema_version=SCHEMA_VERSION,
+        name=name,
+        created=WHEN,
+        notes='two lines\nand "quotes" [brackets]',
         source=Source(kind="measured", description="for tests", tool="offloadctl 0.1.0"),
-        machine=Machine(hostname="node1", cpu_model="Some CPU", cores_physical=8, cores_logical=16,
-                        memory_bytes=64 << 30, numa_nodes=2, gpu_model="Some GPU", gpu_count=1),
-        host=Host(memory_bandwidth=fig(2.0e10),
-                  adamw=(AdamWRate(threads=1, params_per_s=fig(5e8)), AdamWRate(threads=8, params_per_s=fig(3.3e9)))),
+        machine=Machine(
+            hostname="node1",
+            cpu_model="Some CPU",
+            cores_physical=8,
+            cores_logical=16,
+            memory_bytes=64 << 30,
+            numa_nodes=2,
+            gpu_model="Some GPU",
+            gpu_count=1,
+        ),
+        host=Host(
+            memory_bandwidth=fig(2.0e10),
+            adamw=(AdamWRate(threads=1, params_per_s=fig(5e8)), AdamWRate(threads=8, params_per_s=fig(3.3e9))),
+        ),
         paths=paths,
-        gpu=Gpu(model="Some GPU", memory_bytes=80 << 30, h2d_bytes_per_s=fig(2.5e10), d2h_bytes_per_s=fig(2.6e10),
-                duplex_h2d_bytes_per_s=fig(2.0e10), duplex_d2h_bytes_per_s=fig(2.1e10), adamw_params_per_s=fig(1e11)),
+        gpu=Gpu(
+            model="Some GPU",
+            memory_bytes=80 << 30,
+            h2d_bytes_per_s=fig(2.5e10),
+            d2h_bytes_per_s=fig(2.6e10),
+            duplex_h2d_bytes_per_s=fig(2.0e10),
+            duplex_d2h_bytes_per_s=fig(2.1e10),
+            adamw_params_per_s=fig(1e11),
+        ),
     )
 
 
@@ -76,6 +117,7 @@ def load_error(text: str, tmp_path, name: str = "bad.toml") -> str:
 
 
 # -- writing and reading ------------------------------------------------------------------------
+
 
 def test_round_trip_save_load(tmp_path):
     p = sample_profile()
@@ -169,6 +211,7 @@ z = 3
 
 # -- strict schema: every error names the file, the key and its line ---------------------------
 
+
 @pytest.fixture
 def good_text():
     return dumps_profile(sample_profile())
@@ -181,7 +224,7 @@ def test_unknown_key_at_top_level(tmp_path, good_text):
 
 
 def test_unknown_key_nested_in_inline_table(tmp_path, good_text):
-    text = good_text.replace('write_bytes_per_s = { value = 8e8,', 'write_bytes_per_s = { value = 8e8, unit = "B/s",')
+    text = good_text.replace("write_bytes_per_s = { value = 8e8,", 'write_bytes_per_s = { value = 8e8, unit = "B/s",')
     msg = load_error(text, tmp_path)
     assert "key paths[0].write_bytes_per_s.unit" in msg
     assert f"line {line_of(text, 'unit =')}" in msg
@@ -197,7 +240,7 @@ def test_unknown_key_in_second_array_element(tmp_path, good_text):
 
 
 def test_wrong_type(tmp_path, good_text):
-    text = good_text.replace('read_bytes_per_s = { value = 2.5e9,', 'read_bytes_per_s = { value = "fast",')
+    text = good_text.replace("read_bytes_per_s = { value = 2.5e9,", 'read_bytes_per_s = { value = "fast",')
     msg = load_error(text, tmp_path)
     assert "key paths[1].read_bytes_per_s.value" in msg and "must be a number" in msg and "'fast'" in msg
     assert f"line {line_of(text, 'fast')}" in msg
@@ -296,18 +339,26 @@ def test_missing_file_and_unknown_name(tmp_path, monkeypatch):
 
 # -- measurements -------------------------------------------------------------------------------
 
+
 def test_measure_path_tiny(tmp_path):
     d = tmp_path / "nvme0"
     d.mkdir()
     st = os.stat(d)
     seen = []
-    p = measure_path(str(d), io_bytes=8 << 20, io_seconds=0.03, concurrencies=(1, 2), block_sizes=(1 << 20, 256 << 10),
-                     progress=lambda what, done, total: seen.append((done, total)))
+    p = measure_path(
+        str(d),
+        io_bytes=8 << 20,
+        io_seconds=0.03,
+        concurrencies=(1, 2),
+        block_sizes=(1 << 20, 256 << 10),
+        progress=lambda what, done, total: seen.append((done, total)),
+    )
     assert p.device_id == f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     assert p.device and p.capacity_bytes > 0 and p.kind == "nvme" and p.path == str(d)
     assert len(p.sweep) == 2 * 2 * 3 and all(s.bytes_per_s.value > 0 for s in p.sweep)
     assert {(s.op, s.concurrency, s.block_bytes) for s in p.sweep} == {
-        (op, c, b) for op in ("read", "write", "mixed") for c in (1, 2) for b in (1 << 20, 256 << 10)}
+        (op, c, b) for op in ("read", "write", "mixed") for c in (1, 2) for b in (1 << 20, 256 << 10)
+    }
     for op in ("read", "write", "mixed"):
         best = max(s.bytes_per_s.value for s in p.sweep if s.op == op)
         assert getattr(p, f"{op}_bytes_per_s").value == best > 0
@@ -321,8 +372,14 @@ def test_two_paths_on_one_device_share_its_id_and_figures(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     swept = []
-    pa, pb = measure_paths([(str(a), "nvme"), (str(b), "remote")], io_bytes=4 << 20, io_seconds=0.02,
-                           concurrencies=(1,), block_sizes=(1 << 20,), progress=lambda w, d, t: swept.append(w))
+    pa, pb = measure_paths(
+        [(str(a), "nvme"), (str(b), "remote")],
+        io_bytes=4 << 20,
+        io_seconds=0.02,
+        concurrencies=(1,),
+        block_sizes=(1 << 20,),
+        progress=lambda w, d, t: swept.append(w),
+    )
     assert pa.device_id == pb.device_id and pa.device == pb.device
     assert pb.kind == "remote" and pb.path == str(b)
     assert pb.read_bytes_per_s.value == pa.read_bytes_per_s.value
@@ -340,9 +397,19 @@ def test_measure_path_errors(tmp_path):
 
 
 def test_best_concurrency_is_smallest_within_5_percent():
-    pts = [SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(v))
-           for op, c, v in (("read", 1, 50), ("read", 2, 96), ("read", 4, 100), ("write", 1, 80), ("write", 2, 70),
-                            ("write", 4, 100), ("read", 8, 99), ("write", 8, 97))]
+    pts = [
+        SweepPoint(op=op, concurrency=c, block_bytes=8 << 20, bytes_per_s=fig(v))
+        for op, c, v in (
+            ("read", 1, 50),
+            ("read", 2, 96),
+            ("read", 4, 100),
+            ("write", 1, 80),
+            ("write", 2, 70),
+            ("write", 4, 100),
+            ("read", 8, 99),
+            ("write", 8, 97),
+        )
+    ]
     assert best_concurrency(pts) == 4
     pts = [p for p in pts if p.concurrency != 4]
     assert best_concurrency(pts) == 8
@@ -355,6 +422,7 @@ def test_host_figures():
 
 
 # -- the command --------------------------------------------------------------------------------
+
 
 def cli(*args: str) -> tuple[int, str, str]:
     from offloadctl.cli import main
@@ -377,8 +445,7 @@ def test_cli_save_show_list_diff(tmp_path, monkeypatch):
     env = {"OFFLOADCTL_PROFILE_DIR": str(pdir)}
     monkeypatch.setenv("OFFLOADCTL_PROFILE_DIR", str(pdir))
     monkeypatch.setenv("COLUMNS", "250")
-    out = run_cli("profile", "save", "mine", "--quick", "--nvme", str(data), "--io-bytes", "16M", "--io-seconds", "0.01",
-                  env=env)
+    out = run_cli("profile", "save", "mine", "--quick", "--nvme", str(data), "--io-bytes", "16M", "--io-seconds", "0.01", env=env)
     assert out.returncode == 0, out.stderr
     assert f"wrote profile mine to {pdir / 'mine.toml'}" in out.stdout
     assert "I/O sweep" in out.stderr  # the progress bars

@@ -2,6 +2,7 @@
 or loses records. One test (or one parametrized set) per case, on real processes, real files and
 file systems, real signals.
 """
+
 from __future__ import annotations
 
 import glob
@@ -38,8 +39,9 @@ def test_a_bit_flip_in_a_checkpoint_is_one_line_and_changes_nothing(saver, ds_ru
     """One exponent bit flipped in exp_avg of subgroup 0: the resume stops before loading, in one
     line naming the file and the record (offloadctl's checkpoint: the run exits 2), and a script
     that catches the failure finds every tier as it was (stock's checkpoint)."""
-    saved = ds_runs.get(baseline(1, "fp32") if saver == "stock" else
-                        ours(1, "--dtype", "fp32", *SAVE, opts=LAYOUTS["all-nvme"])).ok()
+    saved = ds_runs.get(
+        baseline(1, "fp32") if saver == "stock" else ours(1, "--dtype", "fp32", *SAVE, opts=LAYOUTS["all-nvme"])
+    ).ok()
     ckpt = saved.copy_of("ckpt", tmp_path / "ckpt")
     optim = glob.glob(os.path.join(ckpt, "ckpt", "*optim_states.pt"))[0]
     _flip_exponent_bit(optim)
@@ -48,8 +50,11 @@ def test_a_bit_flip_in_a_checkpoint_is_one_line_and_changes_nothing(saver, ds_ru
         p = launch(ours(1, "--resume", ckpt, opts=LAYOUTS["all-nvme"]), tmp_path / "load")
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
         line = p.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"offloadctl: checkpoint file {re.escape(optim)} is damaged: {record}; restore it from "
-                            r"where it was saved, or resume from another checkpoint", line), line
+        assert re.fullmatch(
+            rf"offloadctl: checkpoint file {re.escape(optim)} is damaged: {record}; restore it from "
+            r"where it was saved, or resume from another checkpoint",
+            line,
+        ), line
         assert not os.path.exists(tmp_path / "load" / "losses.jsonl")
     else:
         out = tmp_path / "try.json"
@@ -76,8 +81,9 @@ def test_the_crc_check_finds_every_damaged_record_and_passes_intact_ones(tmp_pat
         data = bytearray(open(f, "rb").read())
         data[len(data) // 2] ^= 1
         open(f, "wb").write(data)
-        assert re.fullmatch(r"record x/data/0 \(CRC-32 [0-9a-f]{8} stored, [0-9a-f]{8} read\)",
-                            checkpoints.damaged_record(f, threads=3))
+        assert re.fullmatch(
+            r"record x/data/0 \(CRC-32 [0-9a-f]{8} stored, [0-9a-f]{8} read\)", checkpoints.damaged_record(f, threads=3)
+        )
     finally:
         checkpoints.CRC_CHUNK_BYTES = saved
     a, b = os.urandom(1000), os.urandom(70_000)
@@ -85,6 +91,7 @@ def test_the_crc_check_finds_every_damaged_record_and_passes_intact_ones(tmp_pat
 
 
 # -- 2. a knob value the daemon accepted kills the run at its next step ------------------------------
+
 
 def test_a_pin_no_rank_can_run_is_refused_by_the_daemon(tmp_path):
     """`tune --pin RUN:stripe_weights={"PATH": 0}` (every path weight 0): the daemon refuses it
@@ -101,16 +108,18 @@ def test_a_pin_no_rank_can_run_is_refused_by_the_daemon(tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id="r1", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                       subgroup_bytes=12000)
+    rank = TunerClient(sock, run_id="r1", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
     try:
         assert rank.connected.wait(20)
         wait_for(lambda: _runs(sock), 20, "the run to register")
         r = cli("tune", "--socket", sock, "--pin", f'r1:stripe_weights={{"{nvme}": 0}}', timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stdout + r.stderr
-        assert re.fullmatch(r"offloadctl: --pin r1:stripe_weights=.*: cannot pin stripe_weights=.*: stripe_weights "
-                            r"gives every storage path weight 0, so swapped state would have nowhere to go: give at "
-                            r"least one path a weight > 0\n", r.stderr), r.stderr
+        assert re.fullmatch(
+            r"offloadctl: --pin r1:stripe_weights=.*: cannot pin stripe_weights=.*: stripe_weights "
+            r"gives every storage path weight 0, so swapped state would have nowhere to go: give at "
+            r"least one path a weight > 0\n",
+            r.stderr,
+        ), r.stderr
         with Connection(sock) as c, pytest.raises(ProtocolError) as e:
             c.request("pin", run_id="r1", knob="stripe_weights", value={nvme: 0.0})
         assert e.value.code == ErrorCode.BAD_VALUE
@@ -153,10 +162,26 @@ def test_knobs_no_rank_can_run_are_never_pushed(source, tmp_path):
         def __getattr__(self, name):
             return lambda *a, **kw: None
 
-    runs = Runs(ServerConfig(socket_path=str(tmp_path / "s.sock")), sensors_factory=False, history=history,
-                policy_factory=Move if source == "tuner-move" else None)
-    runs.register(object(), {"run_id": "r1", "rank": 0, "world_size": 1, "params": 1000, "paths": paths,
-                             "has_device": False, "knobs": Knobs().to_dict(), "subgroup_bytes": 12288, "profile": None})
+    runs = Runs(
+        ServerConfig(socket_path=str(tmp_path / "s.sock")),
+        sensors_factory=False,
+        history=history,
+        policy_factory=Move if source == "tuner-move" else None,
+    )
+    runs.register(
+        object(),
+        {
+            "run_id": "r1",
+            "rank": 0,
+            "world_size": 1,
+            "params": 1000,
+            "paths": paths,
+            "has_device": False,
+            "knobs": Knobs().to_dict(),
+            "subgroup_bytes": 12288,
+            "profile": None,
+        },
+    )
     if source == "tuner-move":
         run = runs.runs["r1"]
         runs._take_decision(run, run.policy.observe())
@@ -175,8 +200,9 @@ def test_a_pushed_knob_that_fails_in_the_step_is_refused_there(swap_dir, caplog)
     from engine.config import Knobs
 
     model, ref = make_model(), make_model()
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=700, nvme_paths=[swap_dir], host_cache_bytes=0,
-                       host_adam="torch")
+    opt = OffloadAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=700, nvme_paths=[swap_dir], host_cache_bytes=0, host_adam="torch"
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     feed_same_grads([(model, opt), (ref, ref_opt)], 2)
     before = opt.engine.knobs
@@ -184,8 +210,11 @@ def test_a_pushed_knob_that_fails_in_the_step_is_refused_there(swap_dir, caplog)
     with caplog.at_level(logging.WARNING):
         feed_same_grads([(model, opt), (ref, ref_opt)], 2, seed=2)
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(lines) == 1 and re.fullmatch(r"offloadctl: knobs \{'stripe_weights': .*\} refused at iteration 2, the "
-                                            r"old ones kept: .*weight 0.*", lines[0]), lines
+    assert len(lines) == 1 and re.fullmatch(
+        r"offloadctl: knobs \{'stripe_weights': .*\} refused at iteration 2, the "
+        r"old ones kept: .*weight 0.*",
+        lines[0],
+    ), lines
     assert opt.engine.knobs == before
     assert_params_close(model, ref)
     opt.close()
@@ -193,10 +222,28 @@ def test_a_pushed_knob_that_fails_in_the_step_is_refused_there(swap_dir, caplog)
 
 # -- 4 and 5. a run dir is one run's, and private ----------------------------------------------------
 
+
 def _train_cmd(run_dir: str | None, nvme: str, *script_args: str, opts=()) -> list[str]:
-    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-            "--nvme", nvme, "--host-cache", "0", "--tuner", "off", *(["--run-dir", run_dir] if run_dir else []), *opts,
-            TINY, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        nvme,
+        "--host-cache",
+        "0",
+        "--tuner",
+        "off",
+        *(["--run-dir", run_dir] if run_dir else []),
+        *opts,
+        TINY,
+        *script_args,
+    ]
 
 
 def test_a_run_dir_holding_a_run_is_refused_and_force_replaces_its_records(tmp_path):
@@ -210,8 +257,10 @@ def test_a_run_dir_holding_a_run_is_refused_and_force_replaces_its_records(tmp_p
     (tmp_path / "nvme").mkdir()
     r = cli(*_train_cmd(str(run_dir), str(tmp_path / "nvme"), "--losses-out", str(tmp_path / "l"))[3:], timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
-    assert r.stderr == (f"offloadctl: --run-dir {run_dir} holds an earlier run (record-rank0.jsonl, "
-                        f"telemetry-rank0.jsonl): give another --run-dir, or add --force to replace its records\n")
+    assert r.stderr == (
+        f"offloadctl: --run-dir {run_dir} holds an earlier run (record-rank0.jsonl, "
+        f"telemetry-rank0.jsonl): give another --run-dir, or add --force to replace its records\n"
+    )
     assert sorted(os.listdir(run_dir)) == ["notes.txt", "record-rank0.jsonl", "telemetry-rank0.jsonl"]
 
     from integrations.run_dir import claim
@@ -252,16 +301,22 @@ def test_a_run_dir_in_use_is_refused_and_the_running_run_goes_on(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(_train_cmd(str(run_dir), str(nvme), "--steps", "100000", "--losses-out",
-                                        str(tmp_path / "losses.jsonl")),
-                             cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        _train_cmd(str(run_dir), str(nvme), "--steps", "100000", "--losses-out", str(tmp_path / "losses.jsonl")),
+        cwd=ROOT,
+        env=env_with_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: os.path.exists(tmp_path / "losses.jsonl") or first.poll() is not None, 300, "training to start")
         assert first.poll() is None
         second = cli(*_train_cmd(str(run_dir), str(nvme), "--losses-out", str(tmp_path / "l2"))[3:], timeout=120)
         assert second.returncode == 2 and second.stderr == (
             f"offloadctl: --run-dir {run_dir} is in use by a running `offloadctl train`: give another --run-dir, or "
-            f"wait for that run to end\n"), second.stderr
+            f"wait for that run to end\n"
+        ), second.stderr
         steps = sum(1 for _ in open(tmp_path / "losses.jsonl"))
         wait_for(lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 2, 120, "the first run to go on")
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
@@ -287,8 +342,10 @@ def test_two_launches_at_once_without_a_run_dir_get_a_dir_each(tmp_path):
 
     (tmp_path / "nvme").mkdir()
     cmds = [_train_cmd(None, str(tmp_path / "nvme"), "--no-init", "--losses-out", "x") for _ in range(2)]
-    procs = [subprocess.Popen(c, cwd=tmp_path, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in cmds]
+    procs = [
+        subprocess.Popen(c, cwd=tmp_path, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     dirs = sorted(os.listdir(tmp_path / "runs"))
     assert len(dirs) == 2, (dirs, outs)
@@ -298,6 +355,7 @@ def test_two_launches_at_once_without_a_run_dir_get_a_dir_each(tmp_path):
 
 
 # -- 6. a failed rank of several: one line -----------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
@@ -312,13 +370,36 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
 
     (tmp_path / "nvme").mkdir()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "2", "--master_port", free_port(), "--nvme",
-           str(tmp_path / "nvme"), "--host-cache", "0", "--tuner", "off", "--run-dir", str(run_dir),
-           os.path.join(ROOT, "tests", "ds_scripts", "fail_rank.py"), "--rank", "1", "--at", "2",
-           "--how", "hang" if how == "sigkill" else "raise"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(tmp_path / "nvme"),
+        "--host-cache",
+        "0",
+        "--tuner",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        os.path.join(ROOT, "tests", "ds_scripts", "fail_rank.py"),
+        "--rank",
+        "1",
+        "--at",
+        "2",
+        "--how",
+        "hang" if how == "sigkill" else "raise",
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     if how == "sigkill":
+
         def rank1() -> int | None:
             for pid in os.listdir("/proc"):
                 try:
@@ -328,13 +409,17 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
                 if b"--local_rank=1" in argv and str(run_dir).encode() in b" ".join(argv):
                     return int(pid)
             return None
+
         pid = wait_for(rank1, 120, "rank 1 to start")
         wait_for(lambda: glob.glob(str(tmp_path / "nvme" / "offloadctl-swap-*" / "*" / "*.swp")), 120, "training")
         os.kill(pid, signal.SIGKILL)
     out, err = p.communicate(timeout=300)
     log = str(run_dir / "deepspeed.log")
-    want = ("offloadctl: rank 1 failed first, killed by SIGKILL" if how == "sigkill" else
-            "offloadctl: rank 1 failed first, exit status 1: ValueError: bad batch at step 2 on rank 1")
+    want = (
+        "offloadctl: rank 1 failed first, killed by SIGKILL"
+        if how == "sigkill"
+        else "offloadctl: rank 1 failed first, exit status 1: ValueError: bad batch at step 2 on rank 1"
+    )
     assert p.returncode != 0 and err.strip().splitlines()[-1] == f"{want}; the full log is in {log}", err[-5000:]
     both = out + err
     for noise in ("Traceback", "Stopped", "sigkill_handler", "terminate called", "exit status 247", "rank 0 failed"):
@@ -343,31 +428,77 @@ def test_a_failed_rank_of_several_is_one_line(how, tmp_path):
     text = open(log).read()
     # Rank 0's end is in the log: its error from the collective whose peer died, or, when DeepSpeed's
     # launcher (which polls every second) stopped it first, its line of that.
-    assert any(s in text for s in ("[rank0]: Traceback", "rank 0 failed", "offloadctl: rank 0 stopped by SIGTERM")), \
-        text[-3000:]
+    assert any(s in text for s in ("[rank0]: Traceback", "rank 0 failed", "offloadctl: rank 0 stopped by SIGTERM")), text[-3000:]
     if how == "raise":
         assert "[rank1]: Traceback" in text and "ValueError: bad batch" in text
 
 
 # -- 7. tracebacks where one line belongs --------------------------------------------------------------
 
+
 def _mini_run(d) -> str:
     """A run dir with a small, well-formed record (what --engine stock leaves, no samples)."""
     os.makedirs(d, exist_ok=True)
     t = 100.0
-    rows = [{"type": "header", "format": "offloadctl-record", "version": 2, "rank": 0, "world_size": 1, "engine": "stock",
-             "script": "t.py", "host": "h", "pid": 1, "unix_time": 1.0, "clock": "perf_counter", "t0": t, "sample_hz": 0.0},
-            {"type": "init", "t": t + 1, "argv": [], "params_total": 1000, "params_rank": 1000, "local_world_size": 1,
-             "zero_stage": 3, "optimizer": "X", "offload_optimizer": None, "offload_param": None, "device": "cpu",
-             "tiers": [], "gradient_accumulation_steps": 1}]
+    rows = [
+        {
+            "type": "header",
+            "format": "offloadctl-record",
+            "version": 2,
+            "rank": 0,
+            "world_size": 1,
+            "engine": "stock",
+            "script": "t.py",
+            "host": "h",
+            "pid": 1,
+            "unix_time": 1.0,
+            "clock": "perf_counter",
+            "t0": t,
+            "sample_hz": 0.0,
+        },
+        {
+            "type": "init",
+            "t": t + 1,
+            "argv": [],
+            "params_total": 1000,
+            "params_rank": 1000,
+            "local_world_size": 1,
+            "zero_stage": 3,
+            "optimizer": "X",
+            "offload_optimizer": None,
+            "offload_param": None,
+            "device": "cpu",
+            "tiers": [],
+            "gradient_accumulation_steps": 1,
+        },
+    ]
     for i in range(3):
         s = t + 2 + i
-        rows.append({"type": "iteration", "iteration": i, "t_end": s + 0.9,
-                     "spans": [["forward", s, s + 0.3], ["backward", s + 0.3, s + 0.7], ["update", s + 0.7, s + 0.9]],
-                     "spans_dropped": 0, "sums": {"forward": 0.3, "backward": 0.4, "update": 0.2},
-                     "counts": {"forward": 1, "backward": 1, "update": 1}})
-    rows.append({"type": "end", "t": t + 6, "status": "finished", "signal": None, "error": None, "iterations": 3,
-                 "open_spans": 0, "sampler_rows": 0, "sampler_busy_s": 0.0, "sampler_interval_s": 0.0})
+        rows.append(
+            {
+                "type": "iteration",
+                "iteration": i,
+                "t_end": s + 0.9,
+                "spans": [["forward", s, s + 0.3], ["backward", s + 0.3, s + 0.7], ["update", s + 0.7, s + 0.9]],
+                "spans_dropped": 0,
+                "sums": {"forward": 0.3, "backward": 0.4, "update": 0.2},
+                "counts": {"forward": 1, "backward": 1, "update": 1},
+            }
+        )
+    rows.append(
+        {
+            "type": "end",
+            "t": t + 6,
+            "status": "finished",
+            "signal": None,
+            "error": None,
+            "iterations": 3,
+            "open_spans": 0,
+            "sampler_rows": 0,
+            "sampler_busy_s": 0.0,
+            "sampler_interval_s": 0.0,
+        }
+    )
     with open(os.path.join(d, "record-rank0.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     return str(d)
@@ -392,9 +523,11 @@ def _case_7(case: str, tmp_path, stack) -> tuple[list[str], str]:
     if case.startswith("zero-rate"):
         profile = _zero_rate_profile(tmp_path)
         want = "key paths[0].read_bytes_per_s.value is a rate and must be above 0, got 0.0"
-        return {"zero-rate-show": ["profile", "show", profile],
-                "zero-rate-plan": ["plan", "--profile", profile, "--params", "1e9"],
-                "zero-rate-train-dry-run": [*train, "--profile", profile, "--dry-run", *script]}[case], want
+        return {
+            "zero-rate-show": ["profile", "show", profile],
+            "zero-rate-plan": ["plan", "--profile", profile, "--params", "1e9"],
+            "zero-rate-train-dry-run": [*train, "--profile", profile, "--dry-run", *script],
+        }[case], want
     if case == "run-dir-read-only":
         ro = stack.enter_context(mounted("tmpfs", "ro,size=64k"))
         return [*train, "--run-dir", os.path.join(ro, "run"), *script], "the file system is read-only"
@@ -426,9 +559,21 @@ def _case_7(case: str, tmp_path, stack) -> tuple[list[str], str]:
     raise AssertionError(case)
 
 
-CASES_7 = ["zero-rate-show", "zero-rate-plan", "zero-rate-train-dry-run", "run-dir-read-only", "run-dir-symlink-loop",
-           "report-output-dir", "report-output-read-only", "report-png-file", "report-nan", "report-inf",
-           "tuner-socket-under-a-file", "tuner-socket-read-only", "master-port-70000"]
+CASES_7 = [
+    "zero-rate-show",
+    "zero-rate-plan",
+    "zero-rate-train-dry-run",
+    "run-dir-read-only",
+    "run-dir-symlink-loop",
+    "report-output-dir",
+    "report-output-read-only",
+    "report-png-file",
+    "report-nan",
+    "report-inf",
+    "tuner-socket-under-a-file",
+    "tuner-socket-read-only",
+    "master-port-70000",
+]
 
 
 @pytest.mark.parametrize("case", CASES_7)
@@ -460,9 +605,11 @@ def test_a_checkpoint_saved_to_a_full_disk_is_one_line(tmp_path):
         left = os.listdir(os.path.join(full, "ck")) if os.path.isdir(os.path.join(full, "ck")) else []
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     line = p.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(rf"offloadctl: checkpoint {re.escape(full)}/ck/ckpt not saved: the disk is full \([\d,]+ bytes "
-                        r"free there\): free space, or save elsewhere; the run's earlier checkpoints are as they were",
-                        line), line
+    assert re.fullmatch(
+        rf"offloadctl: checkpoint {re.escape(full)}/ck/ckpt not saved: the disk is full \([\d,]+ bytes "
+        r"free there\): free space, or save elsewhere; the run's earlier checkpoints are as they were",
+        line,
+    ), line
     assert left == []
 
 
@@ -482,8 +629,11 @@ def test_control_characters_never_reach_the_terminal(where, tmp_path):
         text = text.replace('notes = "Example', f'notes = "{toml_esc}Example')
     f = tmp_path / "p.toml"
     f.write_text(text)
-    r = cli("profile", "show", str(f)) if where != "error-line" else \
-        cli("train", "--tuner", "off", str(tmp_path / f"script{ESC}.py"))
+    r = (
+        cli("profile", "show", str(f))
+        if where != "error-line"
+        else cli("train", "--tuner", "off", str(tmp_path / f"script{ESC}.py"))
+    )
     out = r.stdout + r.stderr
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out), repr(out[-2000:])
     if where == "error-line":
@@ -506,8 +656,16 @@ def test_the_train_start_line_shows_no_control_characters(tmp_path):
 
 # -- 9. the smaller ones ----------------------------------------------------------------------------------
 
-CASES_9 = ["nvme-symlink-loop", "profile-fifo", "profile-directory", "script-fifo", "plan-names-host-memory",
-           "subgroup-0", "num-gpus-0", "num-gpus-minus-1"]
+CASES_9 = [
+    "nvme-symlink-loop",
+    "profile-fifo",
+    "profile-directory",
+    "script-fifo",
+    "plan-names-host-memory",
+    "subgroup-0",
+    "num-gpus-0",
+    "num-gpus-minus-1",
+]
 
 
 @pytest.mark.parametrize("case", CASES_9)
@@ -522,21 +680,34 @@ def test_the_smaller_ones_are_one_line_naming_the_fault(case, tmp_path):
     if case == "nvme-symlink-loop":
         os.symlink("loop", tmp_path / "loop")
     args, want, not_want = {
-        "nvme-symlink-loop": (["train", "--tuner", "off", "--nvme", str(tmp_path / "loop"), *script],
-                              f"storage path {tmp_path / 'loop'} is a symbolic link loop: give a real directory", "mkdir"),
-        "profile-fifo": ([*train, "--profile", fifo, *script], f"profile {fifo} is a FIFO (named pipe), not a profile "
-                                                               "file", "does not exist"),
-        "profile-directory": ([*train, "--profile", str(tmp_path), *script], f"profile {tmp_path} is a directory, not "
-                                                                             "a profile file", "does not exist"),
-        "script-fifo": ([*train, fifo], f"training script {fifo} is a FIFO (named pipe): give the script file",
-                        "does not exist"),
-        "plan-names-host-memory": (["plan", "--profile", example, "--params", "7e9", "--host-memory", "1MB"],
-                                   "raise --host-memory", "--host-gb"),
-        "subgroup-0": (["plan", "--profile", example, "--params", "7e9", "--subgroup", "0"],
-                       "--subgroup must be a whole number of elements, 1 or more, got 0", "0.0"),
+        "nvme-symlink-loop": (
+            ["train", "--tuner", "off", "--nvme", str(tmp_path / "loop"), *script],
+            f"storage path {tmp_path / 'loop'} is a symbolic link loop: give a real directory",
+            "mkdir",
+        ),
+        "profile-fifo": (
+            [*train, "--profile", fifo, *script],
+            f"profile {fifo} is a FIFO (named pipe), not a profile file",
+            "does not exist",
+        ),
+        "profile-directory": (
+            [*train, "--profile", str(tmp_path), *script],
+            f"profile {tmp_path} is a directory, not a profile file",
+            "does not exist",
+        ),
+        "script-fifo": ([*train, fifo], f"training script {fifo} is a FIFO (named pipe): give the script file", "does not exist"),
+        "plan-names-host-memory": (
+            ["plan", "--profile", example, "--params", "7e9", "--host-memory", "1MB"],
+            "raise --host-memory",
+            "--host-gb",
+        ),
+        "subgroup-0": (
+            ["plan", "--profile", example, "--params", "7e9", "--subgroup", "0"],
+            "--subgroup must be a whole number of elements, 1 or more, got 0",
+            "0.0",
+        ),
         "num-gpus-0": ([*train, "--num_gpus", "0", *script], "--num_gpus must be a whole number of 1 or more", None),
-        "num-gpus-minus-1": ([*train, "--num_gpus", "-1", *script], "--num_gpus must be a whole number of 1 or more",
-                             None),
+        "num-gpus-minus-1": ([*train, "--num_gpus", "-1", *script], "--num_gpus must be a whole number of 1 or more", None),
     }[case]
     r = cli(*args, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -550,12 +721,12 @@ def test_a_tmpfs_storage_path_is_said_to_be_in_memory(tmp_path):
     if not IS_ROOT:
         pytest.skip("needs root to mount tmpfs")
     with mounted("tmpfs", "size=16m") as d:
-        r = cli("train", "--tuner", "off", "--nvme", d, "--dry-run", TINY, "--losses-out", str(tmp_path / "l"),
-                timeout=120)
+        r = cli("train", "--tuner", "off", "--nvme", d, "--dry-run", TINY, "--losses-out", str(tmp_path / "l"), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert " ".join(r.stderr.split()) == (
         f"offloadctl: warning: --nvme {d} is on tmpfs: the state swapped there sits in RAM, outside --host-memory; "
-        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"), r.stderr
+        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"
+    ), r.stderr
     assert all(len(line) <= 80 for line in r.stderr.splitlines()), r.stderr  # filled to the terminal (80 here)
 
 
@@ -571,9 +742,29 @@ def test_a_killed_private_daemon_is_said_and_the_run_goes_on(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme",
-           str(nvme), "--host-cache", "0", "--tuner", "auto", "--run-dir", str(run_dir), TINY, "--steps", "100000",
-           "--losses-out", str(tmp_path / "losses.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(nvme),
+        "--host-cache",
+        "0",
+        "--tuner",
+        "auto",
+        "--run-dir",
+        str(run_dir),
+        TINY,
+        "--steps",
+        "100000",
+        "--losses-out",
+        str(tmp_path / "losses.jsonl"),
+    ]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: os.path.exists(tmp_path / "losses.jsonl") or p.poll() is not None, 300, "training to start")
@@ -583,7 +774,8 @@ def test_a_killed_private_daemon_is_said_and_the_run_goes_on(tmp_path):
         r = cli("tune", "--run-dir", str(run_dir), "--once", timeout=60)
         assert r.returncode == 2 and r.stderr == (
             f"offloadctl: --run-dir {run_dir}: the run there goes on, but its tuner daemon ({sock}) does not answer: it "
-            f"stopped, and the run keeps the knobs it has (the daemon's log: {sock}.log)\n"), r.stderr
+            f"stopped, and the run keeps the knobs it has (the daemon's log: {sock}.log)\n"
+        ), r.stderr
         steps = sum(1 for _ in open(tmp_path / "losses.jsonl"))
         wait_for(lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 2, 120, "the run to go on")
     finally:
@@ -594,6 +786,7 @@ def test_a_killed_private_daemon_is_said_and_the_run_goes_on(tmp_path):
 
 
 # -- 3. a full run-dir disk ------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
@@ -611,9 +804,29 @@ def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
     nvme.mkdir()
     with mounted("tmpfs", "size=1m") as d:
         run_dir = os.path.join(d, "run")
-        cmd = [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(), "--nvme",
-               str(nvme), "--host-cache", "0", "--tuner", "off", "--run-dir", run_dir, TINY, "--steps", "100000",
-               "--losses-out", str(tmp_path / "losses.jsonl")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "train",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            free_port(),
+            "--nvme",
+            str(nvme),
+            "--host-cache",
+            "0",
+            "--tuner",
+            "off",
+            "--run-dir",
+            run_dir,
+            TINY,
+            "--steps",
+            "100000",
+            "--losses-out",
+            str(tmp_path / "losses.jsonl"),
+        ]
         p = subprocess.Popen(cmd, cwd=ROOT, env=env_with_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: os.path.exists(tmp_path / "losses.jsonl") or p.poll() is not None, 300, "training to start")
@@ -625,13 +838,18 @@ def test_a_full_run_dir_disk_stops_the_recording_not_the_run(tmp_path):
                 except OSError:
                     pass
             steps = sum(1 for _ in open(tmp_path / "losses.jsonl"))
-            wait_for(lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 20 or p.poll() is not None, 180,
-                     "training to go on")
+            wait_for(
+                lambda: sum(1 for _ in open(tmp_path / "losses.jsonl")) > steps + 20 or p.poll() is not None,
+                180,
+                "training to go on",
+            )
             assert p.poll() is None
         finally:
             p.send_signal(signal.SIGINT)
             out, err = p.communicate(timeout=180)
     assert p.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-5000:]
     warned = [line for line in err.splitlines() if "no longer written" in line]
-    assert warned == [f"offloadctl: this rank's records are no longer written to {run_dir} (No space left on device): "
-                      f"the run goes on (telemetry kept in memory); offloadctl report shows what was written before"], err
+    assert warned == [
+        f"offloadctl: this rank's records are no longer written to {run_dir} (No space left on device): "
+        f"the run goes on (telemetry kept in memory); offloadctl report shows what was written before"
+    ], err

@@ -2,6 +2,7 @@
 before anything starts (no run dir left, so the same command runs once the port is free), and a
 run without ``--master_port`` beside one on DeepSpeed's default port (29500) takes another
 and trains. The ports are held by real listening sockets."""
+
 from __future__ import annotations
 
 import errno
@@ -30,9 +31,26 @@ def _listen(port: int) -> socket.socket | None:
 def _train(tmp_path, *opts: str):
     nvme = tmp_path / "nvme"
     nvme.mkdir(exist_ok=True)
-    return cli("train", "--num_gpus", "1", *opts, "--tuner", "off", "--nvme", str(nvme), "--host-cache", "0",
-               "--run-dir", str(tmp_path / "run"), TINY, "--steps", "2", "--losses-out", str(tmp_path / "losses.jsonl"),
-               timeout=600)
+    return cli(
+        "train",
+        "--num_gpus",
+        "1",
+        *opts,
+        "--tuner",
+        "off",
+        "--nvme",
+        str(nvme),
+        "--host-cache",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+        TINY,
+        "--steps",
+        "2",
+        "--losses-out",
+        str(tmp_path / "losses.jsonl"),
+        timeout=600,
+    )
 
 
 def test_a_master_port_in_use_is_one_line_and_leaves_nothing(tmp_path):
@@ -44,7 +62,8 @@ def test_a_master_port_in_use_is_one_line_and_leaves_nothing(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stdout + r.stderr[-3000:]
     assert r.stderr.splitlines() == [
         f"offloadctl: --master_port {port} is in use on this machine (another run, or another program): give another "
-        f"port, or leave --master_port out and offloadctl picks a free one"], r.stderr[-3000:]
+        f"port, or leave --master_port out and offloadctl picks a free one"
+    ], r.stderr[-3000:]
     assert not (tmp_path / "run").exists() and not (tmp_path / "losses.jsonl").exists()
 
 

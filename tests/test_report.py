@@ -2,6 +2,7 @@
 
 The two real runs (examples/train_gpt.py under `offloadctl train`, CPU) are made once per module.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ def runs(ds_runs):
     """An offloadctl run (all state on an NVMe path) and a stock DeepSpeed run of the same script."""
     ours = ds_runs.get(GPT_RECORDED).ok()
     assert f"recorded: offloadctl report {ours.run_dir}" in ours.stdout
-    stock = ds_runs.get(Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT,
-                               opts=("--engine", "stock", "--run-dir", "{dir}/stock"))).ok()
+    stock = ds_runs.get(
+        Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT, opts=("--engine", "stock", "--run-dir", "{dir}/stock"))
+    ).ok()
     assert "engine active" not in stock.stderr  # DeepSpeed's own optimizer ran
     return {"ours": str(ours.run_dir), "stock": str(stock.run_dir), "nvme": str(ours.nvme)}
 
@@ -65,7 +67,8 @@ def test_report_of_a_real_run(runs, tmp_path):
     # The phases' bytes add up to the iteration's total (the same means, the same units).
     if s["disk_bytes_per_param_total"] is not None:
         assert s["disk_bytes_per_param_total"] == pytest.approx(
-            sum(v for ph in s["disk_bytes_per_param"].values() for rw in ph.values() for v in rw.values()))
+            sum(v for ph in s["disk_bytes_per_param"].values() for rw in ph.values() for v in rw.values())
+        )
     its = run["iterations"]
     assert [i["iteration"] for i in its] == [0, 1, 2, 3, 4]
     for i in its:
@@ -98,7 +101,7 @@ def test_report_of_a_real_run(runs, tmp_path):
         for k in range(1, len(its) + 1):
             assert sum(disk["read"][:k]) >= 0.95 * sum(engine["read"][:k]), ("read", k, disk, engine)
             if k < len(its):  # the last iteration's tail lands at the run's close, after every iteration
-                assert sum(disk["written"][:k + 1]) >= 0.95 * sum(engine["written"][:k]), ("written", k, disk, engine)
+                assert sum(disk["written"][: k + 1]) >= 0.95 * sum(engine["written"][:k]), ("written", k, disk, engine)
     # The timeline: sampled series on the iteration's clock, GPU series absent (not zero) without CUDA.
     tl = run["timeline"]
     assert tl["iteration"] == run["summary"]["median_iteration"]
@@ -126,8 +129,9 @@ def test_stock_and_offloadctl_side_by_side(runs, tmp_path):
     assert (stock["engine"], ours["engine"]) == ("stock", "offloadctl")
     assert data["baseline"] == stock["label"]
     assert stock["summary"]["speedup_vs_first"] == 1.0
-    assert ours["summary"]["speedup_vs_first"] == pytest.approx(stock["summary"]["median_iter_s"]
-                                                                / ours["summary"]["median_iter_s"])
+    assert ours["summary"]["speedup_vs_first"] == pytest.approx(
+        stock["summary"]["median_iter_s"] / ours["summary"]["median_iter_s"]
+    )
     assert [i["iteration"] for i in stock["iterations"]] == [0, 1, 2, 3]
     for i in stock["iterations"]:
         assert "engine_bytes" not in i and i["measured_share"] >= 0.95
@@ -217,15 +221,20 @@ def test_errors_are_one_line(runs, tmp_path):
 
 def test_engine_stock_launch(tmp_path):
     script = os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py")
-    out = cli("train", "--dry-run", "--json", "--engine", "stock", "--record-hz", "5", "--run-dir",
-               str(tmp_path / "run"), script)
+    out = cli("train", "--dry-run", "--json", "--engine", "stock", "--record-hz", "5", "--run-dir", str(tmp_path / "run"), script)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["settings"]["engine"] == "stock" and plan["tuner"] == "off"
-    assert plan["settings"]["recorder"] == {"run_dir": str(tmp_path / "run"), "engine": "stock", "sample_hz": 5.0,
-                                            "max_rows": 360000}
-    _one_line_error(cli("train", "--engine", "stock", "--nvme", str(tmp_path), script),
-                    r"--engine stock runs DeepSpeed's own optimizer .* --nvme does not apply")
+    assert plan["settings"]["recorder"] == {
+        "run_dir": str(tmp_path / "run"),
+        "engine": "stock",
+        "sample_hz": 5.0,
+        "max_rows": 360000,
+    }
+    _one_line_error(
+        cli("train", "--engine", "stock", "--nvme", str(tmp_path), script),
+        r"--engine stock runs DeepSpeed's own optimizer .* --nvme does not apply",
+    )
     _one_line_error(cli("train", "--record-hz", "-1", script), r"--record-hz must be")
     off = json.loads(cli("train", "--dry-run", "--json", "--no-record", script).stdout)
     assert off["settings"]["recorder"] is None and off["settings"]["engine"] == "offloadctl"
@@ -318,8 +327,7 @@ def test_knob_changes_are_marked(runs, tmp_path):
             knobs["io_concurrency"] = {path: 8 if i >= 3 else 4}
             knobs["device_fraction"] = 0.25 if i >= 4 else 0.0
             if i >= 2:
-                x["tuner"] = {"seq": i, "reason": f"reads wait 40% of the update: change {i} on the slowest path",
-                              "apply_at": i}
+                x["tuner"] = {"seq": i, "reason": f"reads wait 40% of the update: change {i} on the slowest path", "apply_at": i}
     rec.write_text("".join(json.dumps(x) + "\n" for x in lines))
     data = _report_json(str(run_dir), "--png", str(tmp_path / "png"))
     [run] = data["runs"]
@@ -343,7 +351,7 @@ def test_knob_changes_are_marked(runs, tmp_path):
         if name == "cache":  # the tuner's reasons are too long for one row: the placement stacked them
             assert len({round(b.y0) for b in boxes}) > 1, name
         for k, a in enumerate(boxes):
-            for b in boxes[k + 1:]:
+            for b in boxes[k + 1 :]:
                 assert not a.overlaps(b), (name, a, b)
         legends = [lg.get_window_extent(renderer) for lg in fig.legends]
         legends += [ax.get_legend().get_window_extent(renderer) for ax in fig.axes if ax.get_legend()]
@@ -394,8 +402,13 @@ def test_gpu_series_are_recorded_and_drawn(tmp_path, monkeypatch):
     assert asked == [torch.device("cuda", 1)]
     analysis = analyze([load_run(str(tmp_path))])
     tl = analysis["runs"][0]["timeline"]
-    assert set(tl["series"]) >= {"gpu_allocated_bytes", "gpu_reserved_bytes", "nvml_used_bytes",
-                                 "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s"}
+    assert set(tl["series"]) >= {
+        "gpu_allocated_bytes",
+        "gpu_reserved_bytes",
+        "nvml_used_bytes",
+        "pcie_tx_bytes_per_s",
+        "pcie_rx_bytes_per_s",
+    }
     assert set(tl["series"]["pcie_rx_bytes_per_s"]) == {2_000_000 * 1024}
     assert not any("not recorded" in m for m in tl["missing"] if m.startswith(("GPU", "PCIe")))
     assert tl["gpu_peak_by_phase"]["nvml_used_bytes"]["backward"] == 5 << 30

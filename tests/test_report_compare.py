@@ -6,6 +6,7 @@ each run and the next step; the user's knob changes said as the user's; panels t
 cannot record in one line each. Real runs of examples/train_gpt.py (stock and offloadctl's
 engine), rendered, their HTML and figures checked; the variants are edited copies of a real
 run's record."""
+
 from __future__ import annotations
 
 import html as html_lib
@@ -25,8 +26,9 @@ pytestmark = pytest.mark.slow
 def runs(ds_runs):
     """The runs tests/test_report.py reports (the session makes each once)."""
     ours = ds_runs.get(GPT_RECORDED).ok()
-    stock = ds_runs.get(Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT,
-                               opts=("--engine", "stock", "--run-dir", "{dir}/stock"))).ok()
+    stock = ds_runs.get(
+        Launch("ours", 1, ("--steps", "4", "--batch", "8"), script=GPT, opts=("--engine", "stock", "--run-dir", "{dir}/stock"))
+    ).ok()
     return {"ours": str(ours.run_dir), "stock": str(stock.run_dir)}
 
 
@@ -49,7 +51,7 @@ def test_the_comparison_page_says_what_each_run_was_and_what_limits_it(runs, tmp
     page, stdout = _page(tmp_path, runs["stock"], runs["ours"])
     # What each run was, from its record: the command as typed, its options apart, the layout,
     # the knobs it started from, the versions and the date.
-    facts = page[page.index("<h2 id='runs'>"):page.index("<h2 id='figures'>")]
+    facts = page[page.index("<h2 id='runs'>") : page.index("<h2 id='figures'>")]
     assert "offloadctl train" in facts and "--engine stock" in facts, facts
     options = re.search(r"<th>options</th><td>([^<]*)</td><td>([^<]*)</td>", facts)
     assert re.search(r"--engine stock --run-dir \S+/stock$", options[1]), options[1]
@@ -62,8 +64,11 @@ def test_the_comparison_page_says_what_each_run_was_and_what_limits_it(runs, tmp
     assert re.search(r"<th>date</th><td>20\d\d-\d\d-\d\d \d\d:\d\d:\d\d", facts), facts
     assert "not recorded" not in facts
     # The ratio on the phase the engine runs beside the iteration's, on the page and the terminal.
-    assert re.search(r"against stock \(stock\): iteration \d\.\d\dx the speed; the update \(the optimizer step, "
-                     r"the engine's phase\) \d+\.\d\dx", page), page[:3000]
+    assert re.search(
+        r"against stock \(stock\): iteration \d\.\d\dx the speed; the update \(the optimizer step, "
+        r"the engine's phase\) \d+\.\d\dx",
+        page,
+    ), page[:3000]
     assert "update's speed vs the first" in stdout and "against stock (stock)" in stdout
     # What limits each run, with the next step (a stock run's: offloadctl's engine, where the update limits).
     assert page.count("<p class='limit' id='limit'>what limits this run: ") == 2
@@ -106,12 +111,13 @@ def test_loss_rolling_median_and_the_panels_this_machine_cannot_record(runs, tmp
         assert timeline_rows(analysis["runs"]) == ["phases", "tiers", "host"]
         assert len(figs["timeline"].axes) >= 3 * 2
         page, _ = _page(tmp_path, runs["stock"], str(slow))
-        absent = page[page.index("<h2 id='not-recorded'>"):]
+        absent = page[page.index("<h2 id='not-recorded'>") :]
         items = re.findall(r"<li>([^<]*)</li>", absent)
         assert "GPU memory: not recorded (no CUDA device)" in items
         assert any(i.startswith("PCIe TX/RX: not recorded") for i in items)
-        assert any(i.startswith("cache hits and knobs: no engine telemetry") and i.endswith("; in stock (stock)")
-                   for i in items), items
+        assert any(
+            i.startswith("cache hits and knobs: no engine telemetry") and i.endswith("; in stock (stock)") for i in items
+        ), items
         assert "the rolling median" in page and "loss" in page
 
 
@@ -144,11 +150,14 @@ def test_a_machine_that_changed_between_runs_is_said_and_the_update_compared(run
             x["t_end"] += shift
     _write(busy, lines)
     page, stdout = _page(tmp_path, runs["ours"], str(busy))
-    warning = page[page.index("id='machine-warning'"):]
-    warning = warning[:warning.index("</div>")]
+    warning = page[page.index("id='machine-warning'") :]
+    warning = warning[: warning.index("</div>")]
     assert "The machine differed between the runs." in warning
-    assert re.search(r"forward, which the engine does not touch, differ beyond the noise .*: forward \S+ ms vs \S+ ms "
-                     r"\(\+\d+%", warning), warning
+    assert re.search(
+        r"forward, which the engine does not touch, differ beyond the noise .*: forward \S+ ms vs \S+ ms "
+        r"\(\+\d+%",
+        warning,
+    ), warning
     assert "backward" not in warning.split("differ beyond")[0]
     assert "the update (the optimizer step, the engine's phase) 1.00x" in page
     assert "warning: forward, which the engine does not touch" in " ".join(stdout.split())
@@ -178,8 +187,9 @@ def test_the_users_knob_changes_are_said_as_the_users(runs, tmp_path):
     [run] = analyze([load_run(str(tuned))])["runs"]
     assert [(c["iteration"], c["by"]) for c in run["knob_changes"]] == [(2, "you"), (4, "the tuner")]
     figs = figures(analyze([load_run(str(tuned))]))
-    texts = {name: [t.get_text() for t in figs[name].findobj(lambda a: a.get_gid() == KNOB_LABEL)]
-             for name in ("breakdown", "cache")}
+    texts = {
+        name: [t.get_text() for t in figs[name].findobj(lambda a: a.get_gid() == KNOB_LABEL)] for name in ("breakdown", "cache")
+    }
     assert texts["breakdown"][0].startswith("you: prefetch_depth") and not texts["breakdown"][1].startswith("you")
     assert texts["cache"] == ["you: prefetch_depth pinned to 4", "writes wait: the node lock serializes ranks"]
     page, stdout = _page(tmp_path, str(tuned))
@@ -198,10 +208,21 @@ def test_one_median_with_one_definition_on_every_screen(runs):
     m = re.match(r"(\S+ m?s)/iteration \(median of (\d+)\)", lines[1])
     assert m, lines
     assert "the median: all but the first (start-up)" in " ".join(" ".join(lines).split())
-    view = {"run_id": "r", "status": "finished", "outcome": "finished", "stopped_by": None, "iteration": 4,
-            "history": {"iter_time_s": [9.0, 9.0]}, "knobs": {"prefetch_depth": 0}, "start_knobs": {"prefetch_depth": 0},
-            "verdict": {"mode": "holding", "since_iteration": 3,
-                        "reason": "no move left to try: none gained more than 5%; holding at iteration 0.309 s"}}
+    view = {
+        "run_id": "r",
+        "status": "finished",
+        "outcome": "finished",
+        "stopped_by": None,
+        "iteration": 4,
+        "history": {"iter_time_s": [9.0, 9.0]},
+        "knobs": {"prefetch_depth": 0},
+        "start_knobs": {"prefetch_depth": 0},
+        "verdict": {
+            "mode": "holding",
+            "since_iteration": 3,
+            "reason": "no move left to try: none gained more than 5%; holding at iteration 0.309 s",
+        },
+    }
     text = final_line(view, runs["ours"])
     assert f"{m[1]}/iteration (median of {m[2]}, as in the run's summary)" in text, text
     assert "holding at 309 ms/iteration (the median of the last 3 it measured before it settled)" in text, text

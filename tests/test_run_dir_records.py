@@ -3,6 +3,7 @@ run-dir disk said in one line, not one per record stream (item 9).
 
 Real files in real directories with a real umask; the full disk is a real small tmpfs (root).
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,7 @@ def _write_every_record_file(run_dir: str) -> None:
     from integrations.run_output import open_log
     from report.recorder import Recorder, RecorderConfig
 
-    TelemetryLog(run_dir, 0).append(StepRecord(iteration=1, update_s=0.1, read_wait_s=0.0, kernel_s=0.1,
-                                               write_wait_s=0.0))
+    TelemetryLog(run_dir, 0).append(StepRecord(iteration=1, update_s=0.1, read_wait_s=0.0, kernel_s=0.1, write_wait_s=0.0))
     rec = Recorder(RecorderConfig(run_dir=run_dir, sample_hz=100), rank=0, script="train.py --token s3cret")
     rec.start_sampler()
     time.sleep(0.05)
@@ -60,8 +60,10 @@ def test_record_files_are_private_in_a_forced_run_dir_open_to_others(tmp_path, u
     (run_dir / "telemetry-rank0.jsonl").write_text("{}\n")  # an earlier run's, 0644
     claimed = claim(str(run_dir), flag="--run-dir", force=True)
     try:
-        assert claimed.note == (f"offloadctl: --run-dir {run_dir} is open to other users (mode 0755): the run's records "
-                                f"there are created private (0600); chmod 700 {run_dir} to hide their names too")
+        assert claimed.note == (
+            f"offloadctl: --run-dir {run_dir} is open to other users (mode 0755): the run's records "
+            f"there are created private (0600); chmod 700 {run_dir} to hide their names too"
+        )
         _write_every_record_file(str(run_dir))
     finally:
         claimed.release()
@@ -88,8 +90,7 @@ def test_a_record_file_with_a_looser_mode_is_made_private_before_it_is_written(t
     run_dir.mkdir()
     (run_dir / "telemetry-rank0.jsonl").write_text("")
     os.chmod(run_dir / "telemetry-rank0.jsonl", 0o644)
-    TelemetryLog(str(run_dir), 0).append(StepRecord(iteration=1, update_s=0.1, read_wait_s=0.0, kernel_s=0.1,
-                                                    write_wait_s=0.0))
+    TelemetryLog(str(run_dir), 0).append(StepRecord(iteration=1, update_s=0.1, read_wait_s=0.0, kernel_s=0.1, write_wait_s=0.0))
     assert _modes(run_dir) == {"telemetry-rank0.jsonl": 0o600}
     elsewhere = tmp_path / "elsewhere"
     elsewhere.write_text("keep")
@@ -131,8 +132,10 @@ def test_a_full_run_dir_disk_is_one_line_for_every_record_stream(caplog):
             time.sleep(1.5)  # the sampler flushes once a second
             rec.close()
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warned == [f"offloadctl: this rank's records are no longer written to {run_dir} (No space left on device): "
-                      f"the run goes on (telemetry kept in memory); offloadctl report shows what was written before"]
+    assert warned == [
+        f"offloadctl: this rank's records are no longer written to {run_dir} (No space left on device): "
+        f"the run goes on (telemetry kept in memory); offloadctl report shows what was written before"
+    ]
     assert len(telemetry.records) == 199
 
 
@@ -147,14 +150,41 @@ def test_a_forced_run_in_a_non_empty_0755_run_dir_keeps_its_records_private(tmp_
     (run_dir / "record-rank0.jsonl").write_text('{"type": "header"}\n')
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    cmd = ["sh", "-c", 'umask 022 && exec "$@"', "sh", sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1",
-           "--master_port", free_port(), "--nvme", str(nvme), "--host-cache", "0", "--tuner", "off", "--run-dir",
-           str(run_dir), "--force", TINY, "--steps", "3", "--losses-out", str(tmp_path / "losses.jsonl")]
+    cmd = [
+        "sh",
+        "-c",
+        'umask 022 && exec "$@"',
+        "sh",
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(nvme),
+        "--host-cache",
+        "0",
+        "--tuner",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        "--force",
+        TINY,
+        "--steps",
+        "3",
+        "--losses-out",
+        str(tmp_path / "losses.jsonl"),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env_with_root(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     noted = [ln for ln in r.stderr.splitlines() if "is open to other users" in ln]
-    assert noted == [f"offloadctl: --run-dir {run_dir} is open to other users (mode 0755): the run's records there are "
-                     f"created private (0600); chmod 700 {run_dir} to hide their names too"], r.stderr[-3000:]
+    assert noted == [
+        f"offloadctl: --run-dir {run_dir} is open to other users (mode 0755): the run's records there are "
+        f"created private (0600); chmod 700 {run_dir} to hide their names too"
+    ], r.stderr[-3000:]
     modes = _modes(run_dir)
     assert RECORD_FILES <= set(modes), modes
     assert {n: m for n, m in modes.items() if n != "notes.txt"} == dict.fromkeys(set(modes) - {"notes.txt"}, 0o600), modes

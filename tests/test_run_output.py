@@ -4,6 +4,7 @@ The filter's rules are tested on byte streams cut the way a terminal delivers th
 `offloadctl train` runs, on a pipe and on a pseudo-terminal, show that no DeepSpeed line reaches
 the user and that every one of them is in RUN_DIR/deepspeed.log.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,8 +40,14 @@ def _sorted(*chunks: bytes, verbose: bool = False) -> tuple[bytes, bytes]:
 
 
 def test_deepspeed_lines_go_to_the_log_and_everything_else_is_shown():
-    shown, log = _sorted(b"step 1 loss 3.2\n", LOG, b"DeepSpeed deepspeed.ops.comm.shm built successfully\n",
-                         b"[2026-11-24 14:08:33,943] [ERROR] [engine.py:1:f] it broke\n", b"[y/n] ", b"yes\n")
+    shown, log = _sorted(
+        b"step 1 loss 3.2\n",
+        LOG,
+        b"DeepSpeed deepspeed.ops.comm.shm built successfully\n",
+        b"[2026-11-24 14:08:33,943] [ERROR] [engine.py:1:f] it broke\n",
+        b"[y/n] ",
+        b"yes\n",
+    )
     assert shown == b"step 1 loss 3.2\n[2026-11-24 14:08:33,943] [ERROR] [engine.py:1:f] it broke\n[y/n] yes\n"
     assert log == LOG + b"DeepSpeed deepspeed.ops.comm.shm built successfully\n"
 
@@ -88,10 +95,13 @@ def test_a_ranks_stop_line_goes_to_the_log_and_names_how_it_ended_first():
     f.feed(b"offloadctl: stopped by SIGTERM")
     f.feed(b"\n")
     assert shown.getvalue() == b"offloadctl: stopped by SIGTERM\n" and log.getvalue().count(b"stopped by") == 2
-    f.feed(b"[2026-11-26 16:00:00,000] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'train.py', "
-           b"'--local_rank=0'] exits with return code = 129\n")
-    assert f.failures.summary("LOG") == "offloadctl: rank 0 failed first, exit status 129: stopped by SIGHUP; " \
-                                        "the full log is in LOG"
+    f.feed(
+        b"[2026-11-26 16:00:00,000] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'train.py', "
+        b"'--local_rank=0'] exits with return code = 129\n"
+    )
+    assert (
+        f.failures.summary("LOG") == "offloadctl: rank 0 failed first, exit status 129: stopped by SIGHUP; the full log is in LOG"
+    )
 
 
 def test_warnings_raised_inside_deepspeed_go_to_the_log_the_users_are_shown(monkeypatch):
@@ -121,11 +131,31 @@ def test_warnings_raised_inside_deepspeed_go_to_the_log_the_users_are_shown(monk
 
 # -- real runs ------------------------------------------------------------------------------------
 
+
 def _cmd(tmp_path, *extra) -> list[str]:
     (tmp_path / "nvme").mkdir(exist_ok=True)
-    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-            "--nvme", str(tmp_path / "nvme"), "--run-dir", str(tmp_path / "run"), "--tuner", "off", *extra,
-            TINY, "--steps", "3", "--losses-out", str(tmp_path / "losses.jsonl")]
+    return [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(tmp_path / "nvme"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--tuner",
+        "off",
+        *extra,
+        TINY,
+        "--steps",
+        "3",
+        "--losses-out",
+        str(tmp_path / "losses.jsonl"),
+    ]
 
 
 @pytest.mark.slow
@@ -141,7 +171,7 @@ def test_a_run_on_a_pipe_shows_no_deepspeed_line(ds_runs):
     assert "spawned with command" in log and "Setting accelerator to CPU" in log
     lines = out.stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("offloadctl: engine active"))
-    banner = [lines[start]] + [line for line in lines[start + 1:start + 8] if line.startswith("  ")]
+    banner = [lines[start]] + [line for line in lines[start + 1 : start + 8] if line.startswith("  ")]
     assert len(banner) >= 3 and all(len(line) <= 80 for line in banner), banner
 
 
@@ -154,8 +184,14 @@ def test_a_run_on_a_terminal_shows_no_deepspeed_line_and_the_script_sees_a_termi
         cmd = _cmd(tmp_path, *(["--verbose"] if verbose else []))
         cmd[cmd.index("--run-dir") + 1] = str(run_dir)
         ours, theirs = pty.openpty()
-        proc = subprocess.Popen(cmd + ["--show-tty"], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=theirs, stderr=theirs,
-                                env=env_with_root(COLUMNS="80", TERM="xterm"))
+        proc = subprocess.Popen(
+            cmd + ["--show-tty"],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=theirs,
+            stderr=theirs,
+            env=env_with_root(COLUMNS="80", TERM="xterm"),
+        )
         os.close(theirs)
         seen, deadline = b"", time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -182,14 +218,16 @@ def test_a_run_on_a_terminal_shows_no_deepspeed_line_and_the_script_sees_a_termi
         assert "spawned with command" in open(log_path(str(run_dir))).read()
 
 
-EXIT_NOISE = (b"Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>\n"
-              b"Traceback (most recent call last):\n"
-              b'  File "/usr/lib/python3.11/threading.py", line 1541, in _shutdown\n'
-              b"    def _shutdown():\n"
-              b"    \n"
-              b'  File "/v/lib/python3.11/site-packages/deepspeed/launcher/launch.py", line 266, in sigkill_handler\n'
-              b"    sys.exit(1)\n"
-              b"SystemExit: 1\n")
+EXIT_NOISE = (
+    b"Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>\n"
+    b"Traceback (most recent call last):\n"
+    b'  File "/usr/lib/python3.11/threading.py", line 1541, in _shutdown\n'
+    b"    def _shutdown():\n"
+    b"    \n"
+    b'  File "/v/lib/python3.11/site-packages/deepspeed/launcher/launch.py", line 266, in sigkill_handler\n'
+    b"    sys.exit(1)\n"
+    b"SystemExit: 1\n"
+)
 
 
 def test_the_launchers_second_stop_at_exit_goes_to_the_log_cut_anywhere():
@@ -212,5 +250,5 @@ def test_an_ignored_exception_of_anything_else_is_shown_whole_in_order():
     assert _sorted(users + LOG + b"bye\n") == (users + b"bye\n", LOG)
     other = EXIT_NOISE.replace(b"SystemExit: 1", b"KeyboardInterrupt")
     assert _sorted(other + b"bye\n") == (other + b"bye\n", b"")
-    cut_short = EXIT_NOISE[:EXIT_NOISE.index(b"SystemExit")]
+    cut_short = EXIT_NOISE[: EXIT_NOISE.index(b"SystemExit")]
     assert _sorted(cut_short) == (cut_short, b"")

@@ -1,6 +1,7 @@
 """Screens as a user sees them in a terminal of 80x24 (tmux), issue 46: `offloadctl plan` for a
 model that does not fit, `info`, `profile show` and `profile save`. Each command runs in a tmux
 server of the test's own; the screen is what capture-pane gives."""
+
 from __future__ import annotations
 
 import json
@@ -29,19 +30,38 @@ def screen(command: str, *, timeout_s: float = 120, env: dict | None = None) -> 
     env = env or env_with_root()
     tmux = ["tmux", "-L", sock, "-f", "/dev/null"]
     inner = f"cd {shlex.quote(ROOT)} && {command}; echo {DONE}$?; sleep 600"
-    subprocess.run([*tmux, "new-session", "-d", "-s", "t", "-x", "80", "-y", "24",
-                    *(a for k in ("PATH", "PYTHONPATH", "HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME",
-                                  "OFFLOADCTL_PROFILE_DIR", "TMPDIR") if k in env for a in ("-e", f"{k}={env[k]}")),
-                    inner], check=True, env=env)
+    subprocess.run(
+        [
+            *tmux,
+            "new-session",
+            "-d",
+            "-s",
+            "t",
+            "-x",
+            "80",
+            "-y",
+            "24",
+            *(
+                a
+                for k in ("PATH", "PYTHONPATH", "HOME", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "OFFLOADCTL_PROFILE_DIR", "TMPDIR")
+                if k in env
+                for a in ("-e", f"{k}={env[k]}")
+            ),
+            inner,
+        ],
+        check=True,
+        env=env,
+    )
     try:
         subprocess.run([*tmux, "set-option", "-g", "history-limit", "5000"], check=True)
         deadline = time.monotonic() + timeout_s
         while True:
-            text = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-", "-t", "t"], capture_output=True,
-                                  text=True, check=True).stdout
+            text = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-S", "-", "-t", "t"], capture_output=True, text=True, check=True
+            ).stdout
             m = re.search(rf"^{DONE}(\d+)$", text, re.MULTILINE)
             if m:
-                return text[:m.start()].rstrip("\n"), int(m.group(1))
+                return text[: m.start()].rstrip("\n"), int(m.group(1))
             assert time.monotonic() < deadline, f"{command} did not finish in {timeout_s} s:\n{text}"
             time.sleep(0.2)
     finally:
@@ -53,22 +73,35 @@ def offloadctl(*args: str) -> str:
 
 
 def run_json(*args: str) -> tuple[dict, subprocess.CompletedProcess]:
-    p = subprocess.run([sys.executable, "-m", "offloadctl.cli", *args, "--json"], capture_output=True, text=True,
-                       cwd=ROOT, env=env_with_root(COLUMNS="80"), timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env_with_root(COLUMNS="80"),
+        timeout=120,
+    )
     return json.loads(p.stdout), p
 
 
 def rc(*args: str) -> int:
-    return subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env_with_root(), timeout=120).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env_with_root(),
+        timeout=120,
+    ).returncode
 
 
 # -- plan, for a model that does not fit (issue 46, items 2 and 5) -------------------------------
 
 
 def _no_fit_screen(*args: str) -> tuple[list[str], str]:
-    text, status = screen(offloadctl("plan", *args) + " 2>/tmp/plan-stderr-$$; cat /tmp/plan-stderr-$$; "
-                          "rm -f /tmp/plan-stderr-$$")
+    text, status = screen(
+        offloadctl("plan", *args) + " 2>/tmp/plan-stderr-$$; cat /tmp/plan-stderr-$$; rm -f /tmp/plan-stderr-$$"
+    )
     assert status == 0, text  # cat's status: the line on stderr comes last
     lines = text.splitlines()
     assert not [line for line in lines if len(line) > 80], text
@@ -84,14 +117,22 @@ def test_plan_that_does_not_fit_shows_the_table_of_needs_and_what_to_add():
     lines, text = _no_fit_screen("--profile", CPU_VM, "--params", "1T")
     header = next(i for i, line in enumerate(lines) if line.startswith("plan "))
     assert re.match(r"plan +host memory +/var/tmp/offloadctl +lacks$", lines[header]), text
-    rows = {re.split(r"  +", line.strip())[0]: line for line in lines[header + 2:header + 9]}
-    assert set(rows) == {"this node has", "defaults", "all on disk", "all in memory", "DS CPU offload",
-                         "DS Infinity", "DS Twin-Flow"}, text
+    rows = {re.split(r"  +", line.strip())[0]: line for line in lines[header + 2 : header + 9]}
+    assert set(rows) == {
+        "this node has",
+        "defaults",
+        "all on disk",
+        "all in memory",
+        "DS CPU offload",
+        "DS Infinity",
+        "DS Twin-Flow",
+    }, text
     assert re.search(r"12\.9 GB +80 GB$", rows["this node has"]), text
-    assert re.search(r"12 TB ! +storage$", rows["defaults"]) and re.search(r"12 TB ! +- +host memory$",
-                                                                          rows["all in memory"]), text
+    assert re.search(r"12 TB ! +storage$", rows["defaults"]) and re.search(r"12 TB ! +- +host memory$", rows["all in memory"]), (
+        text
+    )
     assert rows["DS Twin-Flow"].endswith("a GPU"), text
-    fixes = lines[lines.index("To fit, any one of:") + 1:]
+    fixes = lines[lines.index("To fit, any one of:") + 1 :]
     m = re.fullmatch(r"  --nodes (\d+) \(the model over \1 nodes like this one\)", fixes[0])
     assert m, text
     assert any("offloadctl profile save NAME --nvme PATH" in line for line in fixes), text
@@ -148,8 +189,10 @@ def test_the_models_no_fit_messages_name_options_plan_has():
 
     profile = load_profile(CPU_VM)
     bare = profile.__class__(**{**profile.__dict__, "paths": ()})
-    cases = [(bare, Workload(params=10 ** 9), Plan(host_cache_bytes=0)),  # swapped state, no path
-             (profile, Workload(params=10 ** 12), Plan(host_cache_bytes=0))]  # over the path's capacity
+    cases = [
+        (bare, Workload(params=10**9), Plan(host_cache_bytes=0)),  # swapped state, no path
+        (profile, Workload(params=10**12), Plan(host_cache_bytes=0)),
+    ]  # over the path's capacity
     for prof, wl, plan in cases:
         with pytest.raises(ConfigError) as e:
             predict(prof, wl, plan)

@@ -1,6 +1,7 @@
 """What a launch costs before its first step: `offloadctl train` checks and starts the launcher
 without importing torch, and py-cpuinfo's answer (seconds per call, several calls per rank) is
 asked once per CPU and kept beside the built ops."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,28 @@ def test_the_train_command_builds_its_launch_without_torch(tmp_path):
     with neither torch nor DeepSpeed imported: seconds saved on every launch."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    p = subprocess.run([sys.executable, "-c", BUILD_ONLY, "train", "--nvme", str(nvme), "--tuner", "off",
-                        "--run-dir", str(tmp_path / "run"), SCRIPT, "--steps", "1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BUILD_ONLY,
+            "train",
+            "--nvme",
+            str(nvme),
+            "--tuner",
+            "off",
+            "--run-dir",
+            str(tmp_path / "run"),
+            SCRIPT,
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert out["torch"] is False and out["deepspeed"] is False
@@ -100,14 +120,20 @@ def test_an_ops_state_does_not_depend_on_where_stdout_goes():
     """Under Jupyter or pytest's capture sys.stdout and sys.stderr have no file descriptor, and
     DeepSpeed's checks and loads write to ``sys.stderr.fileno()``: a built op was then taken for
     one that cannot build here (the I/O fell back to posix). Its state is the same either way."""
-    code = ("import io, sys\n"
-            "real = sys.__stdout__\n"
-            "if sys.argv[1] == 'captured':\n"
-            "    sys.stdout = io.StringIO(); sys.stderr = io.StringIO()\n"
-            "from engine.storage import native_ops\n"
-            "real.write(' '.join(native_ops.op_state(n).state for n in native_ops.OPS) + '\\n')\n")
-    states = [subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env_with_root(),
-                             cwd=ROOT, timeout=120).stdout.strip() for how in ("plain", "captured")]
+    code = (
+        "import io, sys\n"
+        "real = sys.__stdout__\n"
+        "if sys.argv[1] == 'captured':\n"
+        "    sys.stdout = io.StringIO(); sys.stderr = io.StringIO()\n"
+        "from engine.storage import native_ops\n"
+        "real.write(' '.join(native_ops.op_state(n).state for n in native_ops.OPS) + '\\n')\n"
+    )
+    states = [
+        subprocess.run(
+            [sys.executable, "-c", code, how], capture_output=True, text=True, env=env_with_root(), cwd=ROOT, timeout=120
+        ).stdout.strip()
+        for how in ("plain", "captured")
+    ]
     assert states[0] and states[0] == states[1], states
 
 
@@ -142,9 +168,23 @@ def test_an_optimizer_on_deepspeeds_list_is_answered_without_importing_muon():
     answers; any other still goes through DeepSpeed's own check."""
     from helpers import free_port
 
-    p = subprocess.run([sys.executable, "-c", LISTED_OPTIMIZER, free_port()], capture_output=True, text=True,
-                       env=env_with_root(), cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", LISTED_OPTIMIZER, free_port()],
+        capture_output=True,
+        text=True,
+        env=env_with_root(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out == {"wrapped": True, "adamw": True, "muon_after_adamw": False, "inductor_after_adamw": False,
-                   "sgd": False, "muon_after_sgd": True, "stock_sgd": False, "stock_adamw": True}, out
+    assert out == {
+        "wrapped": True,
+        "adamw": True,
+        "muon_after_adamw": False,
+        "inductor_after_adamw": False,
+        "sgd": False,
+        "muon_after_sgd": True,
+        "stock_sgd": False,
+        "stock_adamw": True,
+    }, out

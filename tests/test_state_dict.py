@@ -1,4 +1,5 @@
 """Save/load round trips continue exactly as an uninterrupted run."""
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,9 @@ SUB = 700
 
 
 def _opt(model, path, **kw):
-    return OffloadAdamW(model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=12 * 1500,
-                        nvme_paths=[path], host_adam="torch", **kw)
+    return OffloadAdamW(
+        model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=12 * 1500, nvme_paths=[path], host_adam="torch", **kw
+    )
 
 
 def test_round_trip_through_disk_continues_identically(swap_dirs, tmp_path):
@@ -30,8 +32,9 @@ def test_round_trip_through_disk_continues_identically(swap_dirs, tmp_path):
 
     # A new optimizer on another path, with no host cache, resumes from the file.
     resumed_model.load_state_dict(torch.load(str(tmp_path / "model.pt")))
-    resumed = OffloadAdamW(resumed_model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0,
-                           nvme_paths=[nvme1], host_adam="torch")
+    resumed = OffloadAdamW(
+        resumed_model.parameters(), lr=1e-2, subgroup_numel=SUB, host_cache_bytes=0, nvme_paths=[nvme1], host_adam="torch"
+    )
     resumed.load_state_dict(torch.load(ckpt))
     feed_same_grads([(resumed_model, resumed)], 3, seed=2)
     assert_params_close(resumed_model, model, rtol=0, atol=0)  # bit-identical
@@ -79,9 +82,10 @@ def test_write_state_takes_tensors_that_require_grad(swap_dir, host_cache):
 
     w = torch.randn(3000)
     with torch.no_grad():
-        eng = SubgroupEngine([FlatSubgroup(w[:1500]), FlatSubgroup(w[1500:])],
-                             EngineConfig(host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),),
-                                          host_adam="torch", io_backend="posix"))
+        eng = SubgroupEngine(
+            [FlatSubgroup(w[:1500]), FlatSubgroup(w[1500:])],
+            EngineConfig(host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),), host_adam="torch", io_backend="posix"),
+        )
     master = torch.randn(1500, requires_grad=True)
     m, v = torch.rand(1500, requires_grad=True), torch.rand(1500)
     eng.write_state(1, master, m, v, [7])

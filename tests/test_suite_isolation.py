@@ -1,6 +1,7 @@
 """The test suite keeps to its own state: no test reads or writes the user's tuner history,
 profiles, daemon registry or default socket (conftest.py sets the directories before any test
 module is imported, and every process a test starts inherits them)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def test_state_config_and_runtime_dirs_are_the_suites_own():
     for name, value in ISOLATED_ENV.items():
         assert os.environ[name] == value and _inside(value, top), name
     here = {"db": service.default_db_path(), "registry": service.registry_dir(), "profiles": profile_dir()}
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=ROOT, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT)
+    )
     assert out.returncode == 0, out.stderr
     for where in (here, json.loads(out.stdout)):  # this process and a child it starts
         for what, path in where.items():

@@ -1,6 +1,7 @@
 """The end-of-run summary (offloadctl/summary.py) and the end status of an interrupted run, on
 real `offloadctl train` runs of examples/train_gpt.py (CPU): one that finishes, one stopped with
 SIGINT as a Ctrl-C would."""
+
 from __future__ import annotations
 
 import io
@@ -23,13 +24,30 @@ from offloadctl.summary import WIDTH, print_run_summary, run_summary_lines
 pytestmark = pytest.mark.slow
 
 
-
 def _train_args(base, name: str, steps: int) -> list[str]:
     nvme = base / f"nvme-{name}"
     nvme.mkdir()
-    return [sys.executable, "-m", "offloadctl.cli", "train", "--num_gpus", "1", "--master_port", free_port(),
-            "--nvme", str(nvme), "--tuner", "off", "--run-dir", str(base / name), GPT, "--steps", str(steps),
-            "--batch", "8"]
+    return [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "train",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        free_port(),
+        "--nvme",
+        str(nvme),
+        "--tuner",
+        "off",
+        "--run-dir",
+        str(base / name),
+        GPT,
+        "--steps",
+        str(steps),
+        "--batch",
+        "8",
+    ]
 
 
 def _iterations(run_dir) -> int:
@@ -50,8 +68,14 @@ def runs(ds_runs, once, tmp_path_factory):
 def _interrupted(tmp_path_factory) -> dict:
     # Interrupted: SIGINT to `offloadctl train` (what Ctrl-C sends it) once three iterations are recorded.
     base = tmp_path_factory.mktemp("summary-runs")
-    proc = subprocess.Popen(_train_args(base, "interrupted", 400), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env_with_root(), cwd=ROOT)
+    proc = subprocess.Popen(
+        _train_args(base, "interrupted", 400),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_root(),
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 300
     while _iterations(base / "interrupted") < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -97,8 +121,9 @@ def test_summary_leads_with_speed_then_shares_then_the_bottleneck(runs):
     text = _joined(lines)
     # Speed first: s/iteration, samples/s and tokens/s (8 sequences of 64 tokens per iteration).
     speed = lines[1]
-    median_ms = f"{s['median_iter_s'] * 1e3:.3g} ms/iteration" if s["median_iter_s"] < 1 else \
-        f"{s['median_iter_s']:.3g} s/iteration"
+    median_ms = (
+        f"{s['median_iter_s'] * 1e3:.3g} ms/iteration" if s["median_iter_s"] < 1 else f"{s['median_iter_s']:.3g} s/iteration"
+    )
     assert speed.startswith(median_ms), (speed, median_ms)
     samples = re.search(r"([\d.]+)(K?) samples/s", speed)
     tokens = re.search(r"([\d.]+)(K?) tokens/s", speed)
@@ -159,8 +184,9 @@ def test_the_bottleneck_sentence_names_it():
     adam = {"forward": 0.1, "backward": 0.2, "host_lane": 0.4, "device_lane": 0.2, "read_wait": 0.1}
     assert bottleneck(adam, 1.0, "host memory") == "the update is bound by AdamW's compute: 60% of the iteration"
     compute = {"forward": 0.3, "backward": 0.5, "read_wait": 0.05, "host_lane": 0.15}
-    assert bottleneck(compute, 1.0, "nvme") == ("forward and backward (the model's compute) take 80% of the iteration; "
-                                             "the update 20%, of it 5% waiting on nvme")
+    assert bottleneck(compute, 1.0, "nvme") == (
+        "forward and backward (the model's compute) take 80% of the iteration; the update 20%, of it 5% waiting on nvme"
+    )
     script = {"forward": 0.1, "backward": 0.1, "host_lane": 0.1, "outside": 0.7}
     assert bottleneck(script, 1.0, "nvme").startswith("the script's own work between DeepSpeed calls")
 

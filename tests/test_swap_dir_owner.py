@@ -6,6 +6,7 @@ as it was, and that user could then move the live run's swap files away or put f
 own in their place. Each test plants what another user would, as a real other user (``nobody``,
 through ``setpriv``), in a real shared directory; root only.
 """
+
 from __future__ import annotations
 
 import glob
@@ -45,8 +46,9 @@ def scratch():
 
 
 def _opt(path: str) -> OffloadAdamW:
-    return OffloadAdamW(make_model().parameters(), lr=1e-2, subgroup_numel=256, nvme_paths=[path], host_adam="torch",
-                        host_cache_bytes=0)
+    return OffloadAdamW(
+        make_model().parameters(), lr=1e-2, subgroup_numel=256, nvme_paths=[path], host_adam="torch", host_cache_bytes=0
+    )
 
 
 def _refused(path: str, expect: str) -> str:
@@ -66,8 +68,10 @@ def test_a_swap_dir_anyone_may_write_that_another_user_made_is_refused(scratch):
     planted = os.path.join(shared, f"offloadctl-swap-{ME}")
     as_nobody("mkdir", "-m", "777", planted)
     msg = _refused(shared, planted)
-    assert msg == (f"swap directory {planted} belongs to uid 65534, not to you (uid {ME}): another user made it; "
-                   f"have it removed, or give another path")
+    assert msg == (
+        f"swap directory {planted} belongs to uid 65534, not to you (uid {ME}): another user made it; "
+        f"have it removed, or give another path"
+    )
     assert os.listdir(planted) == []  # nothing of the run's went there
 
 
@@ -123,8 +127,19 @@ def test_offloadctl_train_refuses_a_planted_swap_dir_before_the_launch(scratch):
     shared, _ = scratch
     planted = os.path.join(shared, f"offloadctl-swap-{ME}")
     as_nobody("mkdir", "-m", "777", planted)
-    r = cli("train", "--num_gpus", "1", "--nvme", shared, "--tuner", "off", "--run-dir",
-            os.path.join(scratch[1], "run"), os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py"), timeout=120)
+    r = cli(
+        "train",
+        "--num_gpus",
+        "1",
+        "--nvme",
+        shared,
+        "--tuner",
+        "off",
+        "--run-dir",
+        os.path.join(scratch[1], "run"),
+        os.path.join(ROOT, "tests", "ds_scripts", "train_tiny.py"),
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith(f"offloadctl: swap directory {planted} belongs to uid 65534") and r.stderr.count("\n") == 1
     assert not os.path.exists(os.path.join(scratch[1], "run")) and os.listdir(planted) == []

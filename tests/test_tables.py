@@ -1,6 +1,7 @@
 """What `offloadctl plan` and `offloadctl profile` print fits the terminal: every line within 80
 columns at COLUMNS=80 (160 at 160), no cell cut short, one notation for numbers, plans that do
 not fit shown as such and ranked last, and help that speaks to users."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ TIME = re.compile(r"\d(?: s| ms| µs)\b")
 
 
 def offloadctl(*args: str, columns: int = 80) -> str:
-    out = subprocess.run([sys.executable, "-m", "offloadctl.cli", *args], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": str(columns)})
+    out = subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": str(columns)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stderr == ""
     return out.stdout
@@ -64,8 +71,10 @@ def table_rows(text: str) -> list[str]:
 # -- offloadctl plan ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile,params,ranks", [(H100, "125M", "8"), (H100, "7B", "8"), (H100, "70B", "8"),
-                                                  (H100, "1T", "8"), (CPU_VM, "125M", "1"), (CPU_VM, "7B", "1")])
+@pytest.mark.parametrize(
+    "profile,params,ranks",
+    [(H100, "125M", "8"), (H100, "7B", "8"), (H100, "70B", "8"), (H100, "1T", "8"), (CPU_VM, "125M", "1"), (CPU_VM, "7B", "1")],
+)
 def test_plan_fits_80_columns_with_every_plan_name_whole(profile, params, ranks):
     from offloadctl.commands.plan import plan_label
 
@@ -120,8 +129,19 @@ def _seconds(row: str) -> float:
 def test_plan_json_keeps_every_field_and_adds_the_label():
     data = plan_json("--profile", H100, "--params", "7B", "--ranks", "8")
     for p in data["plans"]:
-        assert {"name", "label", "plan", "update_s", "iteration_s", "breakdown", "bytes_per_param", "bottleneck",
-                "notes", "feasible", "memory"} <= set(p)
+        assert {
+            "name",
+            "label",
+            "plan",
+            "update_s",
+            "iteration_s",
+            "breakdown",
+            "bytes_per_param",
+            "bottleneck",
+            "notes",
+            "feasible",
+            "memory",
+        } <= set(p)
     assert data["workload"]["params"] == 7 * 10**9 and data["best"] == data["plans"][0]["name"] == "best"
 
 
@@ -138,8 +158,8 @@ def profile_dir(tmp_path):
 @pytest.mark.parametrize("path", [H100, CPU_VM])
 def test_profile_show_fits_80_columns_in_powers_of_1000(path):
     text = offloadctl("profile", "show", path)
-    tables = text[text.index("\nmachine "):text.index("\nfigure ")]
-    values = "\n".join(line[:46] for line in text[text.index("\nfigure "):].splitlines())  # not the how column
+    tables = text[text.index("\nmachine ") : text.index("\nfigure ")]
+    values = "\n".join(line[:46] for line in text[text.index("\nfigure ") :].splitlines())  # not the how column
     assert_fits(text, numbers=tables + values)
     rows = table_rows(text.split("storage path", 1)[1])
     one_line = re.compile(r"^/\S+ +(nvme|remote) +\S+ +[\d.]+ [KMGT]B( +[\d.,]+){4}$")
@@ -165,8 +185,9 @@ def test_profile_show_sweep_list_and_diff_fit_80_columns(profile_dir):
 # -- help -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [("plan",), ("profile",), ("profile", "save"), ("profile", "show"),
-                                     ("profile", "list"), ("profile", "diff")])
+@pytest.mark.parametrize(
+    "command", [("plan",), ("profile",), ("profile", "save"), ("profile", "show"), ("profile", "list"), ("profile", "diff")]
+)
 def test_help_fits_80_columns_and_names_no_modules(command):
     text = offloadctl(*command, "--help")
     too_wide = [line for line in text.splitlines() if len(line) > 80]
@@ -178,9 +199,21 @@ def test_help_fits_80_columns_and_names_no_modules(command):
 # -- the notation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value,text", [(0, "0 B"), (512, "512 B"), (1.5e9, "1.5 GB"), (550e9, "550 GB"),
-                                        (1.099e12, "1.1 TB"), (10.616e12, "10.6 TB"), (12e12, "12 TB"),
-                                        (999.6e9, "1 TB"), (80 << 30, "85.9 GB"), (None, "-")])
+@pytest.mark.parametrize(
+    "value,text",
+    [
+        (0, "0 B"),
+        (512, "512 B"),
+        (1.5e9, "1.5 GB"),
+        (550e9, "550 GB"),
+        (1.099e12, "1.1 TB"),
+        (10.616e12, "10.6 TB"),
+        (12e12, "12 TB"),
+        (999.6e9, "1 TB"),
+        (80 << 30, "85.9 GB"),
+        (None, "-"),
+    ],
+)
 def test_format_size(value, text):
     assert format_size(value) == text
 
@@ -190,6 +223,13 @@ def test_format_rate_count_seconds_and_tidy():
     assert format_rate(1.07e9, "params/s") == "1.07G params/s"
     assert [format_count(n) for n in (125e6, 7e9, 70e9, 1e12, 1.5e12)] == ["125M", "7B", "70B", "1T", "1.5T"]
     assert [format_seconds(s) for s in (1093.4, 7.55, 0.00729, 0.00013, float("inf"))] == [
-        "1,093 s", "7.55 s", "7.29 ms", "130 µs", "-"]
-    assert tidy_numbers("needs 1.2e+04 GB on /local/nvme0, over 7.68e+03 GB; 2 of 11058") == \
-        "needs 12 TB on /local/nvme0, over 7.68 TB; 2 of 11,058"
+        "1,093 s",
+        "7.55 s",
+        "7.29 ms",
+        "130 µs",
+        "-",
+    ]
+    assert (
+        tidy_numbers("needs 1.2e+04 GB on /local/nvme0, over 7.68e+03 GB; 2 of 11058")
+        == "needs 12 TB on /local/nvme0, over 7.68 TB; 2 of 11,058"
+    )

@@ -2,6 +2,7 @@
 `offloadctl train` starts them (tuner.service.ensure_daemon), real engine-side clients, the
 CLI as a process; the registry of live runs, its stale entries; the daemon's log at a stop;
 the live view at 80 columns; help at 80 columns."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,6 @@ from tuner import service
 from tuner.protocol import Connection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -96,9 +95,14 @@ def test_a_stale_registry_entry_is_ignored_and_removed(private_env):
 
 
 def _watch(run_dir: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tune", "--live", "--interval", "0.2",
-                             "--run-dir", run_dir], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "offloadctl.cli", "tune", "--live", "--interval", "0.2", "--run-dir", run_dir],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, COLUMNS="80", PYTHONPATH=ROOT),
+    )
 
 
 def _ended(watch: subprocess.Popen) -> tuple[str, str]:
@@ -188,8 +192,7 @@ def test_live_view_at_80_columns(private_env):
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines) and len(lines) <= 23, text
     # the iteration time, once: the phases' total (the sparkline's line gives its range)
-    assert [line.split() for line in lines if "500 ms" in line and " to " not in line] == [["│", "total", "500",
-                                                                                            "ms", "│"]], text
+    assert [line.split() for line in lines if "500 ms" in line and " to " not in line] == [["│", "total", "500", "ms", "│"]], text
     assert re.search(r"iteration time, last 12 iterations: \S+\s+500 ms to 500 ms", text), text
     assert "pinned: prefetch_depth=4; tuner may move: device_fraction, io_concurrency" in text, text
     assert f"tuner: {tuner_state(view)}"[:30] in text, text
@@ -215,7 +218,11 @@ def test_a_run_whose_rank_dies_ends_as_interrupted(private_env):
     the view calls the run interrupted, at the last iteration it reported."""
     run_dir = str(private_env / "dead" / "run")
     sock, stop = service.ensure_daemon(str(private_env / "no-system.sock"), run_dir=run_dir)
-    rank = subprocess.Popen([sys.executable, "-c", f"""
+    rank = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, sys, time
 from engine.config import Knobs
 from engine.telemetry import StepRecord
@@ -228,7 +235,13 @@ for i in range(5):
              iter_time_s=0.5)
 print("reported", flush=True)
 time.sleep(600)
-"""], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert rank.stdout.readline() == "reported\n"
         wait_for(lambda: _iteration(sock, "dead-run") == 4, 20, "the rank's telemetry")
@@ -259,13 +272,19 @@ def test_the_tuner_state_line_follows_the_policys_mode():
         for line in f:
             if not line.startswith("#"):
                 pol.observe(Observation(**json.loads(line), path_other_bytes_per_s={}, device_headroom_bytes=None))
-    def view() -> dict:
-        return {"status": "running", "frozen": False,
-                "verdict": tuner_activity(pol.state(), frozen=False, policy_error=None, decisions=[])}
 
-    assert re.fullmatch(r"holding \(since iteration \d+\): the knobs can change only the update's I/O waits, "
-                        r"[\d.]+% of the iteration: under the \d+% a gain must pass to show above this run's noise",
-                        tuner_state(view())), tuner_state(view())
+    def view() -> dict:
+        return {
+            "status": "running",
+            "frozen": False,
+            "verdict": tuner_activity(pol.state(), frozen=False, policy_error=None, decisions=[]),
+        }
+
+    assert re.fullmatch(
+        r"holding \(since iteration \d+\): the knobs can change only the update's I/O waits, "
+        r"[\d.]+% of the iteration: under the \d+% a gain must pass to show above this run's noise",
+        tuner_state(view()),
+    ), tuner_state(view())
     pol.pin("prefetch_depth", 3)
     assert pol.state()["holding_reason"] is None and tuner_state(view()) == "measuring the current knobs"
 
@@ -277,21 +296,27 @@ def test_the_activity_is_the_daemons_and_its_words_the_clis():
     from tuner.run_state import run_outcome, tuner_activity
 
     decisions = [{"source": "policy", "reason": "kept prefetch_depth 2->3"}, {"source": "user", "reason": "pinned"}]
-    trial = tuner_activity({"mode": "trial", "trial": "prefetch_depth 3->4"}, frozen=False, policy_error=None,
-                          decisions=decisions)
-    assert trial == {"mode": "trial", "since_iteration": None, "trial": "prefetch_depth 3->4",
-                     "reason": "kept prefetch_depth 2->3"}
+    trial = tuner_activity(
+        {"mode": "trial", "trial": "prefetch_depth 3->4"}, frozen=False, policy_error=None, decisions=decisions
+    )
+    assert trial == {
+        "mode": "trial",
+        "since_iteration": None,
+        "trial": "prefetch_depth 3->4",
+        "reason": "kept prefetch_depth 2->3",
+    }
     assert activity_text(trial) == "trying prefetch_depth 3->4"
-    holding = tuner_activity({"mode": "holding", "since_iteration": 7, "holding_reason": None}, frozen=False,
-                            policy_error=None, decisions=decisions)
+    holding = tuner_activity(
+        {"mode": "holding", "since_iteration": 7, "holding_reason": None}, frozen=False, policy_error=None, decisions=decisions
+    )
     assert activity_text(holding) == "holding (since iteration 7): no move left to try"
     frozen = tuner_activity({"mode": "holding"}, frozen=True, policy_error=None, decisions=decisions)
     assert frozen["reason"] is None and activity_text(frozen) == "frozen by the user: knobs held"
     stopped = tuner_activity(None, frozen=True, policy_error="boom", decisions=[])
     assert activity_text(stopped) == "policy stopped: boom"
     assert activity_text(tuner_activity(None, frozen=False, policy_error=None, decisions=[])) == ""
-    assert [run_outcome(s, by) for s, by in (("running", None), ("finished", None), ("finished", "SIGINT"),
-                                              ("disconnected", None))] == ["running", "finished", "interrupted",
-                                                                           "interrupted"]
+    assert [
+        run_outcome(s, by) for s, by in (("running", None), ("finished", None), ("finished", "SIGINT"), ("disconnected", None))
+    ] == ["running", "finished", "interrupted", "interrupted"]
     run = {"outcome": "interrupted", "stopped_by": "SIGTERM", "iteration": 9}
     assert ended_text(run) == "interrupted by SIGTERM at iteration 10"

@@ -3,6 +3,7 @@ directory said missing, a starting run said starting, the `offloadctl:` prefix o
 replies within 80 columns, the live view's per-path slots explained on `?`, and a mistyped
 knob in the view answered with the nearest name in the view's own words. Real daemons, a real
 engine-side client, the CLI as a process; the live view in tmux at 80x24."""
+
 from __future__ import annotations
 
 import os
@@ -74,10 +75,14 @@ def test_pin_replies_fit_80_columns_and_mistyped_knobs_get_the_nearest_name(priv
         assert out.stdout.startswith("a-run-with-a-rather-long-id: pinned prefetch_depth=3; knobs now")
         assert all(len(line) <= 80 for line in out.stdout.splitlines()), out.stdout
         assert "prefetch_depth=3" in out.stdout and "node_lock=" in out.stdout
-        _one_line(_cli("tune", "--pin", "a-run-with-a-rather-long-id:prefech_depth=4"), 2,
-                  r"no knob 'prefech_depth' \(did you mean prefetch_depth\?\); write RUN:KNOB=VALUE")
-        _one_line(_cli("tune", "--unpin", "a-run-with-a-rather-long-id:node_lok"), 2,
-                  r"no knob 'node_lok' \(did you mean node_lock\?\)")
+        _one_line(
+            _cli("tune", "--pin", "a-run-with-a-rather-long-id:prefech_depth=4"),
+            2,
+            r"no knob 'prefech_depth' \(did you mean prefetch_depth\?\); write RUN:KNOB=VALUE",
+        )
+        _one_line(
+            _cli("tune", "--unpin", "a-run-with-a-rather-long-id:node_lok"), 2, r"no knob 'node_lok' \(did you mean node_lock\?\)"
+        )
         # A knob spelled right, the run left out: no suggestion, the form only.
         _one_line(_cli("tune", "--pin", "prefetch_depth=4"), 2, r"^offloadctl: --pin 'prefetch_depth=4': write RUN:KNOB")
     finally:
@@ -95,8 +100,9 @@ class Tmux:
         self.send(f"PS1='$ '; cd {shlex.quote(ROOT)}; clear", enter=True)
 
     def _tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.sock, "-f", "/dev/null", *args], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(
+            ["tmux", "-L", self.sock, "-f", "/dev/null", *args], check=True, capture_output=True, text=True
+        ).stdout
 
     def send(self, text: str, *, enter: bool = False) -> None:
         self._tmux("send-keys", "-t", "t", "-l", text)
@@ -111,8 +117,7 @@ class Tmux:
 
     def wait(self, pattern: str, timeout_s: float) -> str:
         try:
-            return wait_for(lambda: (lambda s: s if re.search(pattern, s) else None)(self.screen()), timeout_s,
-                            pattern)
+            return wait_for(lambda: (lambda s: s if re.search(pattern, s) else None)(self.screen()), timeout_s, pattern)
         except AssertionError:
             raise AssertionError(f"{pattern!r} not on the screen within {timeout_s} s:\n{self.screen()}") from None
 
@@ -131,26 +136,30 @@ def test_the_live_view_explains_slots_and_answers_a_mistyped_knob(private_env):
     run_dir = str(private_env / "v" / "run")
     nvme = str(private_env / "nvme")
     sock, stop, rank = _run(run_dir, "view-run", nvme)
-    env = {"PYTHONPATH": ROOT, "XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"], "TERM": "xterm-256color",
-           "XDG_STATE_HOME": os.environ["XDG_STATE_HOME"]}
+    env = {
+        "PYTHONPATH": ROOT,
+        "XDG_RUNTIME_DIR": os.environ["XDG_RUNTIME_DIR"],
+        "TERM": "xterm-256color",
+        "XDG_STATE_HOME": os.environ["XDG_STATE_HOME"],
+    }
     t = Tmux(env)
     try:
-        t.send(f"{shlex.quote(sys.executable)} -m offloadctl.cli tune --run-dir {shlex.quote(run_dir)}; echo TUNE-$?",
-               enter=True)
+        t.send(f"{shlex.quote(sys.executable)} -m offloadctl.cli tune --run-dir {shlex.quote(run_dir)}; echo TUNE-$?", enter=True)
         frame = t.wait(r"ranks 1/1", 60)
         # The per-path column is the path's slots (its io_concurrency), not an unexplained "- / 4".
         assert "queue" not in frame and " - / " not in frame, frame
         head = next(line for line in frame.splitlines() if "serves at" in line)
         assert head.strip(" │").split()[-2:] == ["others", "slots"], frame
         rows = frame.splitlines()
-        row = rows[rows.index(head) + 1:rows.index(head) + 4]  # the path's row (its path may fold onto more)
+        row = rows[rows.index(head) + 1 : rows.index(head) + 4]  # the path's row (its path may fold onto more)
         assert any(re.search(rf"MB/s .*\s{Knobs().concurrency_for(nvme)}\s+│$", x) for x in row), frame
         _fits(frame)
         t.key("?")
         help_screen = t.wait(r"keys of the live view", 10)
         joined = " ".join(help_screen.split())
-        assert "slots (per path): the most reads and writes the engine keeps in flight there at once, its " \
-               "io_concurrency" in joined, help_screen
+        assert (
+            "slots (per path): the most reads and writes the engine keeps in flight there at once, its io_concurrency" in joined
+        ), help_screen
         _fits(help_screen)
         t.key("?")
         t.wait(r"ranks 1/1", 10)
@@ -173,15 +182,19 @@ def test_the_live_view_explains_slots_and_answers_a_mistyped_knob(private_env):
         t.key("q")
         t.wait(r"TUNE-0", 20)
         # The run goes on; when it ends, the view's last line says which median it gives.
-        t.send(f"clear; {shlex.quote(sys.executable)} -m offloadctl.cli tune --run-dir {shlex.quote(run_dir)}; "
-               f"echo TUNE-$?", enter=True)
+        t.send(
+            f"clear; {shlex.quote(sys.executable)} -m offloadctl.cli tune --run-dir {shlex.quote(run_dir)}; echo TUNE-$?",
+            enter=True,
+        )
         t.wait(r"ranks 1/1", 60)
         time.sleep(1)
         rank.close()
         end = t.wait(r"TUNE-0", 60)
         joined = " ".join(end.split())
-        assert "view-run: finished at iteration 4; 500 ms/iteration (median of the last 4 the tuner saw; the " \
-               "run's summary takes all but the first)" in joined, end
+        assert (
+            "view-run: finished at iteration 4; 500 ms/iteration (median of the last 4 the tuner saw; the "
+            "run's summary takes all but the first)" in joined
+        ), end
         _fits(end)
     finally:
         t.close()

@@ -7,6 +7,7 @@ split by the stripe in force, the paths work in parallel, and the iteration is t
 the slowest path's time. Each path's measured rates carry seeded noise, as the engine's busy-time
 rates do (``StepRecord.path_*_busy_s``).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ FAST = 300e6
 class TwoPaths:
     """A run whose paths' read and write rates are ``rates(i)``, per path, at iteration ``i``."""
 
-    def __init__(self, policy: Policy, rates, *, noise: float = 0.03, seed: int = 0,
-                 conc_speedup: float = 1.0, others=lambda i: {}) -> None:
+    def __init__(
+        self, policy: Policy, rates, *, noise: float = 0.03, seed: int = 0, conc_speedup: float = 1.0, others=lambda i: {}
+    ) -> None:
         self.policy, self.rates, self.noise, self.others = policy, rates, noise, others
         self.rnd = random.Random(seed)
         self.knobs = policy.knobs
@@ -55,12 +57,19 @@ class TwoPaths:
         io = max(shares[p] * BYTES / rate[p] for p in (A, B))  # a round trip: half read, half written, at `rate` each
         it = (COMPUTE_S + io) * self.rnd.lognormvariate(0, self.noise)
         n = {p: self.rnd.lognormvariate(0, self.noise) for p in (A, B)}
-        obs = Observation(iteration=i, iter_time_s=it, update_s=it - 0.2, read_wait_s=0.6 * io, write_wait_s=0.1 * io,
-                          path_read_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
-                          path_write_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
-                          path_read_rate={p: 2 * rate[p] * n[p] for p in (A, B)},
-                          path_write_rate={p: 2 * rate[p] * n[p] for p in (A, B)}, knobs=k.to_dict(),
-                          path_other_bytes_per_s=self.others(i))
+        obs = Observation(
+            iteration=i,
+            iter_time_s=it,
+            update_s=it - 0.2,
+            read_wait_s=0.6 * io,
+            write_wait_s=0.1 * io,
+            path_read_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
+            path_write_bytes_per_s={p: shares[p] * BYTES / 2 / it for p in (A, B)},
+            path_read_rate={p: 2 * rate[p] * n[p] for p in (A, B)},
+            path_write_rate={p: 2 * rate[p] * n[p] for p in (A, B)},
+            knobs=k.to_dict(),
+            path_other_bytes_per_s=self.others(i),
+        )
         self.times.append(it)
         self.in_force.append(k)
         d = self.policy.observe(obs)
@@ -81,8 +90,9 @@ class TwoPaths:
 
 
 def policy(**kw) -> Policy:
-    return Policy(Knobs(prefetch_depth=2), paths=[A, B], has_device=False, subgroup_bytes=120_000_000,
-                  pins={"prefetch_depth": 2}, **kw)
+    return Policy(
+        Knobs(prefetch_depth=2), paths=[A, B], has_device=False, subgroup_bytes=120_000_000, pins={"prefetch_depth": 2}, **kw
+    )
 
 
 def slows(at: int, back: int | None = None, factor: float = 5.0):
@@ -106,8 +116,11 @@ def test_a_path_that_slows_is_given_its_share_at_once_and_the_tuner_says_why():
     assert model, sim.decisions
     i, knobs, reason = model[0]
     assert i < 40 + 10
-    said = re.search(rf"path {B} slowed: reads (\d+) -> (\d+) MB/s, writes (\d+) -> (\d+) MB/s: stripe weight {B} "
-                     "0.5 -> 0.17", reason)
+    said = re.search(
+        rf"path {B} slowed: reads (\d+) -> (\d+) MB/s, writes (\d+) -> (\d+) MB/s: stripe weight {B} "
+        "0.5 -> 0.17",
+        reason,
+    )
     assert said and all(abs(int(said[k]) - 600) <= 30 and abs(int(said[k + 1]) - 120) <= 6 for k in (1, 3)), reason
     assert all(0.12 <= sim.slow_share(j) <= 0.22 for j in range(i + 1, 80))
     best = min(static_time(w) for w in (0.5, 0.3, 0.17, 0.1))
@@ -146,8 +159,16 @@ def test_a_rate_our_own_knobs_moved_is_not_a_change():
     c = Conditions([A], cfg)
 
     def obs(i, rate):
-        return Observation(iteration=i, iter_time_s=1.0, update_s=1.0, read_wait_s=0, write_wait_s=0,
-                           path_read_rate={A: rate}, path_write_rate={A: rate})
+        return Observation(
+            iteration=i,
+            iter_time_s=1.0,
+            update_s=1.0,
+            read_wait_s=0,
+            write_wait_s=0,
+            path_read_rate={A: rate},
+            path_write_rate={A: rate},
+        )
+
     four, eight = Knobs(io_concurrency={A: 4}), Knobs(io_concurrency={A: 8})
     assert not any(c.track(obs(i, 600e6), four) for i in range(5))
     assert not any(c.track(obs(i, 1200e6), eight) for i in range(5, 12))  # ours: measured again
@@ -166,8 +187,16 @@ def test_one_direction_that_moves_less_than_the_round_trip_band_is_no_change():
     c = Conditions([A], PolicyConfig())
 
     def obs(i, r, w):
-        return Observation(iteration=i, iter_time_s=1.0, update_s=1.0, read_wait_s=0, write_wait_s=0,
-                           path_read_rate={A: r}, path_write_rate={A: w})
+        return Observation(
+            iteration=i,
+            iter_time_s=1.0,
+            update_s=1.0,
+            read_wait_s=0,
+            write_wait_s=0,
+            path_read_rate={A: r},
+            path_write_rate={A: w},
+        )
+
     k = Knobs()
     assert not any(c.track(obs(i, 300e6, 300e6), k) for i in range(6))
     assert not any(c.track(obs(i, 300e6, 440e6), k) for i in range(6, 12))
@@ -179,6 +208,7 @@ def test_weight_away_from_a_contended_path_is_still_tried_after_the_model_move()
     """Another job on a path shares it by queue depth: the rate we measure there moves with how
     much we send it, so after the model's re-stripe a step of weight away from that path is still
     tried (and kept when it helps); a step away from the uncontended path is not."""
+
     def rates(i):
         return {A: FAST, B: FAST / 3 if i >= 20 else FAST}
 
@@ -238,8 +268,16 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
     ref = torch.nn.Sequential(*[torch.nn.Linear(400, 400) for _ in range(6)])
     ref.load_state_dict(model.state_dict())
     paths = [StoragePath(path=str(d), cap_bytes_per_s=40e6) for d in dirs]
-    opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=100_000, host_cache_bytes=0, nvme_paths=paths,
-                       host_adam="torch", read_ahead_bytes=0, io_backend="posix")
+    opt = OffloadAdamW(
+        model.parameters(),
+        lr=1e-3,
+        subgroup_numel=100_000,
+        host_cache_bytes=0,
+        nvme_paths=paths,
+        host_adam="torch",
+        read_ahead_bytes=0,
+        io_backend="posix",
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     names = [p.path for p in opt.engine.swap_paths.paths]
     pol = Policy(opt.knobs, paths=names, has_device=False, subgroup_bytes=1_200_000, pins={"prefetch_depth": 2})
@@ -328,20 +366,31 @@ def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(t
     free.mkdir()
     capped.mkdir()
     model = torch.nn.Linear(200, 200)
-    opt = OffloadAdamW(model.parameters(), subgroup_numel=20_000, host_cache_bytes=0, io_backend="posix",
-                       nvme_paths=[StoragePath(path=str(free)), StoragePath(path=str(capped), cap_bytes_per_s=200e6)],
-                       io_concurrency={str(free): 4})
+    opt = OffloadAdamW(
+        model.parameters(),
+        subgroup_numel=20_000,
+        host_cache_bytes=0,
+        io_backend="posix",
+        nvme_paths=[StoragePath(path=str(free)), StoragePath(path=str(capped), cap_bytes_per_s=200e6)],
+        io_concurrency={str(free): 4},
+    )
     try:
         facts = opt.engine.describe()
-        (path, r), = facts.path_depth_response.items()
+        ((path, r),) = facts.path_depth_response.items()
         assert os.path.samefile(path, free) and r["at"] == 4 and r["double"] > 0 and r["half"] > 0, r
         sp = opt.engine.swap_paths.paths[0]
         assert sp.read_slots._limit == 4 and sp.write_slots._limit == 4
-        client = TunerClient.for_engine(str(tmp_path / "no.sock"), opt.engine, run_id="r", hook=False,
-                                        connect_timeout_s=0.1)
+        client = TunerClient.for_engine(str(tmp_path / "no.sock"), opt.engine, run_id="r", hook=False, connect_timeout_s=0.1)
         client.close()
-        msg = {"v": API_VERSION, "type": "register", "run_id": "r", "rank": 0, "world_size": 1, **client._static,
-               "knobs": facts.knobs.to_dict()}
+        msg = {
+            "v": API_VERSION,
+            "type": "register",
+            "run_id": "r",
+            "rank": 0,
+            "world_size": 1,
+            **client._static,
+            "knobs": facts.knobs.to_dict(),
+        }
         validate(msg, CLIENT_SCHEMAS)  # what the daemon checks first
         assert RunFacts.from_register(msg).path_depth_response == {os.path.abspath(path): r}
         with pytest.raises(ProtocolError):

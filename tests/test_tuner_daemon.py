@@ -2,6 +2,7 @@
 ranks, several runs at once, the daemon killed mid-run and restarted; plus the service
 commands (start/stop/status, ensure_daemon), socket activation, the CLI and the units.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,7 +76,7 @@ class HeadroomEcho(Scripted):
 # One rank of a run: a real SubgroupEngine (state on a swap path), ranks kept in lockstep by a
 # gloo all-reduce per iteration as in data-parallel training, the tuner client wired as the
 # optimizer adapters wire it. Writes one JSON line per iteration.
-RANK = r'''
+RANK = r"""
 import json, os, sys, time
 import torch
 import torch.distributed as dist
@@ -111,7 +112,7 @@ with open(a["out"], "w") as out:
         time.sleep(0.02)
 client.close()
 eng.close()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,13 @@ def _serve(sock: str, *extra: str, policy_dir: str | None = None) -> subprocess.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [policy_dir, ROOT])))
     os.makedirs(os.path.dirname(sock), exist_ok=True)
     with open(sock + ".log", "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db",
-                                 "none", "--no-sensors", *extra], cwd=ROOT, env=env, stdout=logf, stderr=logf)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none", "--no-sensors", *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=logf,
+            stderr=logf,
+        )
     _wait(lambda: service.probe(sock, timeout_s=0.5) is not None or proc.poll() is not None, 60, "daemon start")
     assert proc.poll() is None, open(sock + ".log").read()
     return proc
@@ -161,16 +167,30 @@ def test_ranks_switch_together_across_runs_and_a_daemon_restart(tmp_path, policy
     for run, rank, world, prefetch in (("A", 0, 2, 2), ("A", 1, 2, 2), ("B", 0, 1, 1)):
         swap = tmp_path / f"swap-{run}{rank}"
         swap.mkdir()
-        args = {"socket": sock, "run": run, "rank": rank, "world": world, "prefetch": prefetch, "swap": str(swap),
-                "store": str(tmp_path / f"store-{run}"), "out": str(tmp_path / f"{run}{rank}.jsonl"), "stop": stop}
+        args = {
+            "socket": sock,
+            "run": run,
+            "rank": rank,
+            "world": world,
+            "prefetch": prefetch,
+            "swap": str(swap),
+            "store": str(tmp_path / f"store-{run}"),
+            "out": str(tmp_path / f"{run}{rank}.jsonl"),
+            "stop": stop,
+        }
         with open(args["out"] + ".log", "w") as logf:
-            ranks.append((args["out"], subprocess.Popen([sys.executable, "-c", RANK, json.dumps(args)], cwd=ROOT,
-                                                        stdout=logf, stderr=logf)))
+            ranks.append(
+                (
+                    args["out"],
+                    subprocess.Popen([sys.executable, "-c", RANK, json.dumps(args)], cwd=ROOT, stdout=logf, stderr=logf),
+                )
+            )
     outs = {os.path.basename(o)[:2]: o for o, _ in ranks}
     try:
         # 1. the first daemon's change reaches every rank
         def changed(first_pd):
             return all(any(x["pd"] == first_pd[k[0]] for x in _lines(o)) for k, o in outs.items())
+
         _wait(lambda: changed({"A": 3, "B": 2}), 120, "the first change on every rank")
         before = _snapshot(sock)
         assert before["A"]["ranks"] == 2 and before["A"]["connected"] == 2 and before["B"]["connected"] == 1
@@ -194,8 +214,9 @@ def test_ranks_switch_together_across_runs_and_a_daemon_restart(tmp_path, policy
         open(stop, "w").close()
         for out, p in ranks:
             assert p.wait(60) == 0, open(out + ".log").read()[-3000:]
-        done = _wait(lambda: all(r["status"] == "finished" for r in _snapshot(sock).values()) and _snapshot(sock),
-                     10, "runs to finish")
+        done = _wait(
+            lambda: all(r["status"] == "finished" for r in _snapshot(sock).values()) and _snapshot(sock), 10, "runs to finish"
+        )
         assert set(done) == {"A", "B"}
     finally:
         open(stop, "w").close()
@@ -235,8 +256,7 @@ def test_a_run_cut_between_a_step_and_its_telemetry_ends_where_its_engine_did(tm
     completed, so the daemon's end (what `tune` shows) counts the iterations the summary does."""
     sock = str(tmp_path / "tuner.sock")
     daemon = _serve(sock)
-    eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.ones(100))],
-                         EngineConfig(subgroup_numel=100, host_adam="torch"))
+    eng = SubgroupEngine([FlatSubgroup(torch.zeros(100), torch.ones(100))], EngineConfig(subgroup_numel=100, host_adam="torch"))
     client = TunerClient.for_engine(sock, eng, run_id="cut", backoff_s=(0.05, 0.2))
     try:
         assert client.connected.wait(20)
@@ -262,8 +282,7 @@ def test_client_never_blocks_and_connects_when_a_daemon_appears(tmp_path):
     w, g = torch.zeros(100), torch.ones(100)
     eng = SubgroupEngine([FlatSubgroup(w, g)], EngineConfig(subgroup_numel=100, host_adam="torch"))
     client = TunerClient.for_engine(sock, eng, run_id="late", queue_size=8, backoff_s=(0.05, 0.2), hook=False)
-    rec = lambda i: StepRecord(iteration=i, update_s=0.01, read_wait_s=0, kernel_s=0.01,
-                               write_wait_s=0)
+    rec = lambda i: StepRecord(iteration=i, update_s=0.01, read_wait_s=0, kernel_s=0.01, write_wait_s=0)
     with pytest.raises(ConfigError, match="run_id"):  # refused here, not silently at every registration
         TunerClient.for_engine(sock, eng, run_id="my\nrun", hook=False)
     with pytest.raises(ConfigError, match="rank 2 must be below world_size 2"):
@@ -278,8 +297,9 @@ def test_client_never_blocks_and_connects_when_a_daemon_appears(tmp_path):
     daemon = _serve(sock)
     try:
         assert client.connected.wait(20)
-        run = _wait(lambda: _snapshot(sock).get("late", {}).get("iteration") == 999 and _snapshot(sock)["late"], 10,
-                    "queued telemetry")
+        run = _wait(
+            lambda: _snapshot(sock).get("late", {}).get("iteration") == 999 and _snapshot(sock)["late"], 10, "queued telemetry"
+        )
         assert run["ranks"] == 1 and run["connected"] == 1
         client.close()
         assert _wait(lambda: _snapshot(sock)["late"]["status"] == "finished", 10, "bye")
@@ -296,8 +316,10 @@ def test_late_change_applies_at_next_boundary_and_is_logged(tmp_path, policy_dir
     sock = str(tmp_path / "tuner.sock")
     daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
     w, g = torch.zeros(300), torch.ones(300)
-    eng = SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, 300, 100)],
-                         EngineConfig(subgroup_numel=100, host_adam="torch"))
+    eng = SubgroupEngine(
+        [FlatSubgroup(w[o : o + 100], g[o : o + 100]) for o in range(0, 300, 100)],
+        EngineConfig(subgroup_numel=100, host_adam="torch"),
+    )
     client = TunerClient.for_engine(sock, eng, run_id="slow", hook=False)
     try:
         assert client.connected.wait(20)
@@ -316,8 +338,9 @@ def test_late_change_applies_at_next_boundary_and_is_logged(tmp_path, policy_dir
         rec = eng.step([AdamWHyper(lr=1e-3)])
         assert rec.iteration == late_at and rec.knobs["prefetch_depth"] == 7
         client.report(rec)
-        run = _wait(lambda: [r for r in [_snapshot(sock)["slow"]] if any(e["kind"] == "late" for e in r["events"])], 10,
-                    "the late notice")[0]
+        run = _wait(
+            lambda: [r for r in [_snapshot(sock)["slow"]] if any(e["kind"] == "late" for e in r["events"])], 10, "the late notice"
+        )[0]
         late = next(e for e in run["events"] if e["kind"] == "late")
         assert f"at iteration {late_at}, not {change['apply_at']}" in late["message"]
         assert run["pins"] == {"prefetch_depth": 7} and run["decisions"][-1]["source"] == "user"
@@ -334,16 +357,27 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
     sock = str(tmp_path / "tuner.sock")
     daemon = _serve(sock)
     nvme = str(tmp_path)
-    client = TunerClient(sock, run_id="cli-run", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(),
-                         subgroup_bytes=12000)
-    cli = lambda *a: subprocess.run([sys.executable, "-m", "offloadctl.cli", *a, "--socket", sock], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=60)
+    client = TunerClient(
+        sock, run_id="cli-run", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000
+    )
+    cli = lambda *a: subprocess.run(
+        [sys.executable, "-m", "offloadctl.cli", *a, "--socket", sock], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     try:
         assert client.connected.wait(20)
         for i in range(4):
-            client.report(StepRecord(iteration=i, update_s=0.5, read_wait_s=0.1, kernel_s=0.3,
-                                     write_wait_s=0.1, path_bytes_read={nvme: 50_000_000},
-                                     path_bytes_written={nvme: 25_000_000}), iter_time_s=1.0)
+            client.report(
+                StepRecord(
+                    iteration=i,
+                    update_s=0.5,
+                    read_wait_s=0.1,
+                    kernel_s=0.3,
+                    write_wait_s=0.1,
+                    path_bytes_read={nvme: 50_000_000},
+                    path_bytes_written={nvme: 25_000_000},
+                ),
+                iter_time_s=1.0,
+            )
         _wait(lambda: _snapshot(sock)["cli-run"]["iteration"] == 3, 10, "telemetry")
         out = cli("tune", "--pin", f"cli-run:io_concurrency[{nvme}]=8", "--freeze", "cli-run")
         assert out.returncode == 0, out.stderr
@@ -354,11 +388,17 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
         assert {"run_id", "ranks", "iteration", "iter_time_s", "knobs"} <= set(run)
         assert (run["run_id"], run["ranks"], run["iteration"], run["iter_time_s"]) == ("cli-run", 1, 3, 1.0)
         assert run["knobs"]["io_concurrency"] == {nvme: 8} and run["frozen"]
-        _wait(lambda: any(c["knobs"].io_concurrency == {nvme: 8} for c in client.pending_changes()), 10,
-              "the pin's push")
-        bad = [subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tune", "--pin", spec, "--socket", sock],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for spec in ("cli-run:prefetch_depth=100", "nosuch:prefetch_depth=1")]
+        _wait(lambda: any(c["knobs"].io_concurrency == {nvme: 8} for c in client.pending_changes()), 10, "the pin's push")
+        bad = [
+            subprocess.Popen(
+                [sys.executable, "-m", "offloadctl.cli", "tune", "--pin", spec, "--socket", sock],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for spec in ("cli-run:prefetch_depth=100", "nosuch:prefetch_depth=1")
+        ]
         (_, err1), (_, err2) = (p.communicate(timeout=60) for p in bad)
         assert bad[0].returncode == 2 and err1.count("\n") == 1 and "prefetch_depth" in err1, err1
         assert bad[1].returncode == 2 and "no run 'nosuch'" in err2 and "Traceback" not in err2, err2
@@ -372,8 +412,17 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
         console = Console(record=True, width=140, file=open(os.devnull, "w"))
         console.print(run_panel(snap))
         text = console.export_text()
-        for expected in ("cli-run (running)", "iteration 4", "prefetch_depth=", f"io_concurrency={nvme}:8",
-                         "100 MB/s", "50 MB/s", "frozen", "tuning frozen by the user", "500 ms"):
+        for expected in (
+            "cli-run (running)",
+            "iteration 4",
+            "prefetch_depth=",
+            f"io_concurrency={nvme}:8",
+            "100 MB/s",
+            "50 MB/s",
+            "frozen",
+            "tuning frozen by the user",
+            "500 ms",
+        ):
             assert expected in text, (expected, text)
     finally:
         client.close()
@@ -404,8 +453,13 @@ def test_service_start_status_stop(tmp_path):
         assert os.path.exists(service.logfile_for(sock))
         assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o700
         assert service.start(sock, db_path="none")["already_running"]
-        out = subprocess.run([sys.executable, "-m", "offloadctl.cli", "tuner", "status", "--json", "--socket", sock],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "offloadctl.cli", "tuner", "status", "--json", "--socket", sock],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         st = json.loads(out.stdout)
         assert out.returncode == 0 and st["running"] and st["pid"] == info["pid"] and st["runs"] == []
     finally:
@@ -481,11 +535,31 @@ def test_socket_activation(tmp_path):
     listener.listen()
     fd = listener.fileno()
     # What systemd does between fork and exec: the socket on fd 3, LISTEN_PID = the pid that execs.
-    trampoline = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ.update(LISTEN_PID=str(os.getpid()), "
-                  "LISTEN_FDS='1'); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
-    proc = subprocess.Popen([sys.executable, "-c", trampoline, str(fd), "-m", "offloadctl.cli", "tuner", "serve",
-                             "--db", "none", "--no-sensors", "--socket", str(tmp_path / "ignored.sock")],
-                            pass_fds=[fd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    trampoline = (
+        "import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ.update(LISTEN_PID=str(os.getpid()), "
+        "LISTEN_FDS='1'); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            trampoline,
+            str(fd),
+            "-m",
+            "offloadctl.cli",
+            "tuner",
+            "serve",
+            "--db",
+            "none",
+            "--no-sensors",
+            "--socket",
+            str(tmp_path / "ignored.sock"),
+        ],
+        pass_fds=[fd],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     listener.close()
     try:
         welcome = _wait(lambda: service.probe(path, timeout_s=1.0) or proc.poll() is not None, 60, "the activated daemon")
@@ -507,21 +581,31 @@ def test_systemd_units():
     svc, sock = parse("offloadctl-tuner.service"), parse("offloadctl-tuner.socket")
     exec_start = svc["Service"]["ExecStart"][0].split()
     assert exec_start[1:3] == ["tuner", "serve"]
-    assert exec_start[exec_start.index("--socket") + 1] == sock["Socket"]["ListenStream"][0] == \
-        "%t/offloadctl/tuner.sock"
+    assert exec_start[exec_start.index("--socket") + 1] == sock["Socket"]["ListenStream"][0] == "%t/offloadctl/tuner.sock"
     assert sock["Socket"]["SocketMode"] == ["0600"] and sock["Socket"]["Service"] == ["offloadctl-tuner.service"]
     s = {k: v[-1] for k, v in svc["Service"].items()}
     assert s["RuntimeDirectory"] == "offloadctl" and s["RuntimeDirectoryMode"] == "0700"
     assert s["User"] not in ("", "root") and s["RuntimeDirectoryPreserve"] == "yes"
-    for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes"),
-                       ("RestrictAddressFamilies", "AF_UNIX"), ("CapabilityBoundingSet", "")):
+    for key, value in (
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "yes"),
+        ("RestrictAddressFamilies", "AF_UNIX"),
+        ("CapabilityBoundingSet", ""),
+    ):
         assert s[key] == value, key
     assert "PrivateUsers" not in s  # it would map every peer to nobody and break the uid check
     if shutil.which("systemd-analyze"):
-        out = subprocess.run(["systemd-analyze", "verify", "offloadctl-tuner.service", "offloadctl-tuner.socket"],
-                             cwd=units, capture_output=True, text=True, timeout=60)
-        problems = [x for x in (out.stdout + out.stderr).splitlines() if x.strip() and "is not executable" not in x
-                    and "offloadctl" in x]
+        out = subprocess.run(
+            ["systemd-analyze", "verify", "offloadctl-tuner.service", "offloadctl-tuner.socket"],
+            cwd=units,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        problems = [
+            x for x in (out.stdout + out.stderr).splitlines() if x.strip() and "is not executable" not in x and "offloadctl" in x
+        ]
         assert not problems, problems
 
 
@@ -549,8 +633,10 @@ def test_gpu_headroom_is_refreshed_every_step(tmp_path, policy_dir):
     sock = str(tmp_path / "tuner.sock")
     daemon = _serve(sock, "--policy", "scripted:HeadroomEcho", policy_dir=policy_dir)
     w, g = torch.zeros(300), torch.ones(300)
-    eng = SubgroupEngine([FlatSubgroup(w[o:o + 100], g[o:o + 100]) for o in range(0, 300, 100)],
-                         EngineConfig(subgroup_numel=100, host_adam="torch"))
+    eng = SubgroupEngine(
+        [FlatSubgroup(w[o : o + 100], g[o : o + 100]) for o in range(0, 300, 100)],
+        EngineConfig(subgroup_numel=100, host_adam="torch"),
+    )
     client = None
     try:
         client = TunerClient.for_engine(sock, eng, run_id="room", device_headroom_bytes=1000, hook=False)
@@ -577,11 +663,13 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
     swap = tmp_path / "swap"
     swap.mkdir()
     model = torch.nn.Linear(64, 64)
-    opt = OffloadAdamW(model.parameters(), lr=1e-3, subgroup_numel=1024, host_adam="torch", io_backend="posix",
-                       nvme_paths=[str(swap)])
+    opt = OffloadAdamW(
+        model.parameters(), lr=1e-3, subgroup_numel=1024, host_adam="torch", io_backend="posix", nvme_paths=[str(swap)]
+    )
     daemon = _serve(sock, "--policy", "scripted:Static", policy_dir=policy_dir)
     try:
         TunerClient.for_engine(sock, opt.engine, run_id="plain")
+
         def train_step():
             model(torch.randn(8, 64, device="cpu")).square().mean().backward()  # the model is on the CPU here
             opt.step()
@@ -688,9 +776,26 @@ def test_a_daemon_that_was_up_and_is_gone_is_told_from_one_still_starting(tmp_pa
     assert service.daemon_stopped(sock)
     (tmp_path / "tuner.sock.pid").write_text(f"{os.getpid()}\n")  # alive, but not a tuner daemon
     assert service.daemon_stopped(sock)
-    daemon = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", sock, "--db", "none",
-                               "--no-sensors", "--pidfile", service.pidfile_for(sock)],
-                              cwd=ROOT, env=env_with_root(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "tuner",
+            "serve",
+            "--socket",
+            sock,
+            "--db",
+            "none",
+            "--no-sensors",
+            "--pidfile",
+            service.pidfile_for(sock),
+        ],
+        cwd=ROOT,
+        env=env_with_root(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while service.read_pid(service.pidfile_for(sock)) != daemon.pid:

@@ -3,6 +3,7 @@ with setpriv) in a directory others may write, for the log and the history datab
 ``offloadctl tuner start --socket DIR/t.sock --db DIR/t.db`` would write. Refused in one line,
 the link targets untouched, no daemon left running; in a directory of the user's own, start
 says it started, and the daemon answers."""
+
 from __future__ import annotations
 
 import functools
@@ -65,7 +66,8 @@ def test_links_planted_in_a_shared_directory_are_never_followed(shared):
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert r.stderr.splitlines() == [
         f"offloadctl: {d} is writable by other users (mode 1777): they could put links there for the tuner daemon's "
-        f"log, pidfile or history; {FIX}"], r.stderr
+        f"log, pidfile or history; {FIX}"
+    ], r.stderr
     _unchanged(victim, empty)
     assert sorted(os.listdir(d)) == ["t.db", "t.sock.log"]  # the links, and nothing of the daemon's
     assert cli("tuner", "status", "--socket", os.path.join(d, "t.sock")).returncode == 3
@@ -79,7 +81,8 @@ def test_a_history_database_in_a_shared_directory_is_refused_before_the_daemon_s
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert r.stderr.splitlines() == [
         f"offloadctl: tuner history database {d}/t.db: {d} is writable by other users (mode 1777), where they could "
-        f"put links for it: give --db a path in a directory only you can write (mode 0700)"], r.stderr
+        f"put links for it: give --db a path in a directory only you can write (mode 0700)"
+    ], r.stderr
     _unchanged(victim, empty)
     assert cli("tuner", "status", "--socket", str(own / "t.sock")).returncode == 3
 
@@ -94,10 +97,12 @@ def test_a_link_in_place_of_a_daemon_file_is_refused(planted, own, tmp_path):
     os.symlink(victim if planted.endswith(".log") else empty, own / planted)
     r = cli("tuner", "start", "--socket", str(own / "t.sock"), "--db", str(own / "t.db"), timeout=120)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stdout + r.stderr
-    want = (f"tuner log {own}/t.sock.log is a symbolic link, which someone else may have put there: remove it, or "
-            f"{FIX}" if planted.endswith(".log") else
-            f"tuner history database {own}/t.db: {own}/{planted} is a symbolic link, which someone else may have put "
-            f"there: remove it, or give --db a path in a directory only you can write (mode 0700)")
+    want = (
+        f"tuner log {own}/t.sock.log is a symbolic link, which someone else may have put there: remove it, or {FIX}"
+        if planted.endswith(".log")
+        else f"tuner history database {own}/t.db: {own}/{planted} is a symbolic link, which someone else may have put "
+        f"there: remove it, or give --db a path in a directory only you can write (mode 0700)"
+    )
     assert r.stderr.splitlines() == [f"offloadctl: {want}"], r.stderr
     _unchanged(str(victim), str(empty))
     assert cli("tuner", "status", "--socket", str(own / "t.sock")).returncode == 3

@@ -1,6 +1,7 @@
 """The tuner's ledger of trials and rulings alone (:mod:`tuner.ledger`): small inputs, exact
 expectations. Costs are iteration seconds against a baseline whose last five samples have a
 median of 1.0, and a noise threshold of 5%, so that each rule's edge is a round figure."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,10 @@ def sample(cost: float) -> Sample:
 def on_trial(*, lenient: bool = False, baseline=(9.0, 1.0, 1.0, 0.9, 1.1, 1.0)) -> Ledger:
     """A ledger whose good knobs measured ``baseline`` (only the last five count: the 9.0 never
     does), with a trial of prefetch_depth 2->3."""
-    return Ledger(trial=Trial(Move(key=UP, knobs=DEEPER, what="prefetch_depth 2->3", lenient=lenient)),
-                  baseline=[sample(c) for c in baseline])
+    return Ledger(
+        trial=Trial(Move(key=UP, knobs=DEEPER, what="prefetch_depth 2->3", lenient=lenient)),
+        baseline=[sample(c) for c in baseline],
+    )
 
 
 def rulings(ledger: Ledger, costs) -> list[Ruling | None]:
@@ -94,8 +97,7 @@ def test_forgetting_and_measuring_again():
     ledger.errored(DEEPER, Move(key=UP, knobs=DEEPER, what="up"))
     ledger.reverts = 2
     ledger.forget()
-    assert (ledger.failed_moves, ledger.unconfirmed, ledger.last_kept, ledger.bad_knobs) == (
-        set(), [], None, {knobs_key(DEEPER)})
+    assert (ledger.failed_moves, ledger.unconfirmed, ledger.last_kept, ledger.bad_knobs) == (set(), [], None, {knobs_key(DEEPER)})
     ledger.forget(errors=True)
     assert ledger.bad_knobs == set()
     ledger.remeasure(keep_samples=True)

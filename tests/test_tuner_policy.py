@@ -4,6 +4,7 @@ The policy runs against synthetic cost functions with seeded multiplicative nois
 change takes effect at the next iteration, as in the engine. Cost functions are hand-made so
 that the optimum is known.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,7 @@ PARAMS = 100_000_000  # 10 subgroups
 class Sim:
     """A run whose update time is ``cost(knobs, iteration)`` times lognormal noise."""
 
-    def __init__(self, policy: Policy, cost, *, noise: float = 0.04, seed: int = 0, others=None, headroom=None,
-                 errors=None):
+    def __init__(self, policy: Policy, cost, *, noise: float = 0.04, seed: int = 0, others=None, headroom=None, errors=None):
         self.policy, self.cost, self.noise = policy, cost, noise
         self.rnd = random.Random(seed)
         self.knobs = policy.knobs
@@ -45,11 +45,18 @@ class Sim:
         i, k = self.i, self.knobs
         upd, moved = self.cost(k, i)
         x = upd * self.rnd.lognormvariate(0, self.noise)
-        obs = Observation(iteration=i, iter_time_s=None, update_s=x, read_wait_s=0.5 * x, write_wait_s=0.05 * x,
-                          path_read_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
-                          path_write_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
-                          path_other_bytes_per_s=self.others(i), device_headroom_bytes=self.headroom(i),
-                          error=self.errors(i, k))
+        obs = Observation(
+            iteration=i,
+            iter_time_s=None,
+            update_s=x,
+            read_wait_s=0.5 * x,
+            write_wait_s=0.05 * x,
+            path_read_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
+            path_write_bytes_per_s={p: b / 2 / x for p, b in moved.items()},
+            path_other_bytes_per_s=self.others(i),
+            device_headroom_bytes=self.headroom(i),
+            error=self.errors(i, k),
+        )
         self.in_force.append(k)
         d = self.policy.observe(obs)
         if d is not None:
@@ -82,8 +89,9 @@ def test_converges_from_a_poor_start_within_30_iterations():
     start = Knobs(io_concurrency={NVME: 1}, prefetch_depth=0)
     assert one_path_cost(start)[0] > 3 * best  # the start really is poor
     for seed in range(4):
-        pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                     config=PolicyConfig(max_prefetch_depth=4))
+        pol = Policy(
+            start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4)
+        )
         sim = Sim(pol, one_path_cost, seed=seed).run(30)
         assert one_path_cost(sim.knobs)[0] <= 1.1 * best, (seed, sim.knobs, pol.log[-1]["reason"])
         # Bounded steps: concurrency x2 or /2, prefetch depth by at most 2, per change.
@@ -99,8 +107,14 @@ def test_a_change_that_hurt_is_reverted_and_not_tried_again():
         return 2.0 * (1.0 if c <= 4 else 1.5), {NVME: 1e9}
 
     start = Knobs(io_concurrency={NVME: 4}, prefetch_depth=2)
-    pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0))
+    pol = Policy(
+        start,
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+    )
     sim = Sim(pol, cost, noise=0.02, seed=3).run(60)
     bad = [i for i, k in enumerate(sim.in_force) if k.concurrency_for(NVME) > 4]
     assert bad, "the search never tried more concurrency"
@@ -115,8 +129,9 @@ def test_noise_alone_does_not_move_the_knobs_for_long():
     def flat(k, i):
         return 3.0, {NVME: 1e9}
 
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(reexplore_every_iters=0))
+    pol = Policy(
+        Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+    )
     Sim(pol, flat, noise=0.05, seed=11).run(80)
     kept = [e for e in pol.log if e["reason"].startswith("kept")]
     assert len(kept) <= 1, [e["reason"] for e in kept]
@@ -144,10 +159,20 @@ class LaneSim(Sim):
         host_s, dev_s, lane = self.lane_times(k.device_fraction)
         noise = self.rnd.lognormvariate(0, self.noise)
         upd = max(host_s, dev_s) * noise
-        obs = Observation(iteration=i, iter_time_s=self.fwd_bwd_s * noise + upd, update_s=upd, read_wait_s=0.0,
-                          write_wait_s=0.0, error=self.errors(i, k),
-                          lanes=LaneTimes(host_lane_s=host_s * noise, device_wait_s=max(0.0, dev_s - host_s) * noise,
-                                          host_lane_subgroups=self.n - lane, device_lane_subgroups=lane))
+        obs = Observation(
+            iteration=i,
+            iter_time_s=self.fwd_bwd_s * noise + upd,
+            update_s=upd,
+            read_wait_s=0.0,
+            write_wait_s=0.0,
+            error=self.errors(i, k),
+            lanes=LaneTimes(
+                host_lane_s=host_s * noise,
+                device_wait_s=max(0.0, dev_s - host_s) * noise,
+                host_lane_subgroups=self.n - lane,
+                device_lane_subgroups=lane,
+            ),
+        )
         self.in_force.append(k)
         d = self.policy.observe(obs)
         if d is not None:
@@ -160,8 +185,9 @@ class LaneSim(Sim):
 def test_device_fraction_moves_to_where_the_lanes_balance():
     """From a poor start (no device lane) to the balanced split in a few moves, judged on the
     iteration, with the lanes' times as the reason; the run's total beats staying put."""
-    pol = Policy(Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(reexplore_every_iters=0))
+    pol = Policy(
+        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+    )
     sim = LaneSim(pol, None, noise=0.02, seed=1).run(30)
     reasons = [d[2] for d in sim.decisions]
     assert sim.knobs.device_fraction == pytest.approx(0.6, abs=0.1), reasons
@@ -174,18 +200,26 @@ def test_device_fraction_moves_to_where_the_lanes_balance():
 
 
 def test_a_device_lane_that_runs_out_of_memory_is_capped():
-    pol = Policy(Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(reexplore_every_iters=0))
-    sim = LaneSim(pol, None, noise=0.02, seed=2,
-                  errors=lambda i, k: "oom: CUDA out of memory" if k.device_fraction > 0.55 else None).run(40)
+    pol = Policy(
+        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+    )
+    sim = LaneSim(
+        pol, None, noise=0.02, seed=2, errors=lambda i, k: "oom: CUDA out of memory" if k.device_fraction > 0.55 else None
+    ).run(40)
     assert sim.knobs.device_fraction <= 0.55
     assert any("rolled back" in d[2] or "out of memory" in d[2] for d in sim.decisions)
 
 
 def test_prefetch_depth_stays_within_the_staging_memory_cap():
     # 7 subgroups of staging memory: (2 * depth + 3) <= 7 allows depth 2, although 4 is faster.
-    pol = Policy(Knobs(io_concurrency={NVME: 4}, prefetch_depth=0), paths=[NVME], has_device=False, subgroup_bytes=SUB,
-                 params=PARAMS, config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=7 * SUB))
+    pol = Policy(
+        Knobs(io_concurrency={NVME: 4}, prefetch_depth=0),
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=7 * SUB),
+    )
     sim = Sim(pol, one_path_cost, seed=5).run(40)
     assert max(k.prefetch_depth for k in sim.in_force) == 2
 
@@ -200,8 +234,15 @@ def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
         return "oom" if k.device_fraction >= poisoned - 1e-9 else None
 
     # Frequent re-exploration: forgetting failed moves must not bring the bad knobs back.
-    pol = Policy(Knobs(), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
-                 device_headroom_bytes=10 * SUB, config=PolicyConfig(reexplore_every_iters=5))
+    pol = Policy(
+        Knobs(),
+        paths=[NVME],
+        has_device=True,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        device_headroom_bytes=10 * SUB,
+        config=PolicyConfig(reexplore_every_iters=5),
+    )
     sim = Sim(pol, cost, noise=0.02, errors=errors).run(100)
     assert sum("re-exploring" in e["reason"] for e in pol.log) >= 3
     rollbacks = [d for d in sim.decisions if "rolled back" in d[2]]
@@ -214,17 +255,34 @@ def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
 
 
 def test_oom_under_the_good_knobs_lowers_the_device_lane():
-    pol = Policy(Knobs(device_fraction=0.5), paths=[NVME], has_device=True, subgroup_bytes=SUB, params=PARAMS,
-                 device_headroom_bytes=10 * SUB)
-    obs = Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0,
-                      device_headroom_bytes=10 * SUB, error="oom")
+    pol = Policy(
+        Knobs(device_fraction=0.5),
+        paths=[NVME],
+        has_device=True,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        device_headroom_bytes=10 * SUB,
+    )
+    obs = Observation(
+        iteration=0,
+        iter_time_s=None,
+        update_s=1.0,
+        read_wait_s=0.0,
+        write_wait_s=0.0,
+        device_headroom_bytes=10 * SUB,
+        error="oom",
+    )
     d = pol.observe(obs)
     assert d is not None and d.knobs.device_fraction == pytest.approx(0.4)
     assert pol.log[-1]["kind"] == "rollback"
     # A plain error with no device lane to lower changes nothing, but is logged.
     pol2 = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
-    assert pol2.observe(Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0,
-                                    error="disk full")) is None
+    assert (
+        pol2.observe(
+            Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0, error="disk full")
+        )
+        is None
+    )
     assert "nothing to roll back" in pol2.log[-1]["reason"]
 
 
@@ -252,8 +310,7 @@ def test_contention_shifts_stripe_weight_away_and_back():
     window = range(25, 45)
     cost = two_path_cost(window)
     pol = Policy(Knobs(), paths=[NVME, PFS], has_device=False, subgroup_bytes=SUB, params=PARAMS)
-    sim = Sim(pol, cost, noise=0.03, seed=1,
-              others=lambda i: {NVME: 200e6 if i in window else 2e6, PFS: 1e6})
+    sim = Sim(pol, cost, noise=0.03, seed=1, others=lambda i: {NVME: 200e6 if i in window else 2e6, PFS: 1e6})
     sim.run(70)
     shares = [nvme_share(k) for k in sim.in_force]
     # Before: the bandwidth split is best; stripe moves are tried and reverted.
@@ -268,7 +325,7 @@ def test_contention_shifts_stripe_weight_away_and_back():
     # Each new split shifted at most a quarter of the losing path's share (going back to a
     # split run before is a revert, not a move).
     for i, (a, b) in enumerate(zip(shares, shares[1:])):
-        if not any(abs(b - x) < 1e-6 for x in shares[:i + 1]):
+        if not any(abs(b - x) < 1e-6 for x in shares[: i + 1]):
             assert b >= 0.75 * a - 1e-3 and 1 - b >= 0.75 * (1 - a) - 1e-3, (i, a, b)
     # Within 12 iterations of it stopping, back to the plan before contention.
     back = next(i for i in range(45, 70) if shares[i] >= 0.66)
@@ -291,8 +348,14 @@ def test_contention_on_the_only_path_re_measures_and_may_lower_concurrency():
 
 
 def test_pins_are_applied_and_never_searched():
-    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
-                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4))
+    pol = Policy(
+        Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=4),
+    )
     sim = Sim(pol, one_path_cost, seed=0)
     sim.run(5)
     pol.pin("prefetch_depth", "3")
@@ -326,8 +389,14 @@ def test_bad_pins_are_config_errors_naming_the_knob():
 
 
 def test_freeze_ends_the_trial_and_stops_decisions():
-    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
-                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4))
+    pol = Policy(
+        Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=4),
+    )
     sim = Sim(pol, one_path_cost, seed=0)
     while pol.state()["mode"] != "trial":
         sim.step()
@@ -345,13 +414,27 @@ def test_freeze_ends_the_trial_and_stops_decisions():
 
 
 def test_observations_under_old_knobs_are_not_measured():
-    pol = Policy(Knobs(io_concurrency={NVME: 1}, prefetch_depth=0), paths=[NVME], has_device=False,
-                 subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(warmup_iters=0, settle_iters=0))
+    pol = Policy(
+        Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(warmup_iters=0, settle_iters=0),
+    )
     old = pol.knobs.to_dict()
 
     def obs(i, t, knobs):
-        return Observation(iteration=i, iter_time_s=None, update_s=t, read_wait_s=0.8 * t, write_wait_s=0.0,
-                           path_read_bytes_per_s={NVME: 1e8}, path_write_bytes_per_s={NVME: 1e8}, knobs=knobs)
+        return Observation(
+            iteration=i,
+            iter_time_s=None,
+            update_s=t,
+            read_wait_s=0.8 * t,
+            write_wait_s=0.0,
+            path_read_bytes_per_s={NVME: 1e8},
+            path_write_bytes_per_s={NVME: 1e8},
+            knobs=knobs,
+        )
 
     d = None
     for i in range(3):
@@ -371,27 +454,43 @@ def test_observations_under_old_knobs_are_not_measured():
 def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it():
     pytest.importorskip("perf.model")
     pytest.importorskip("perf.profile_toml")
-    profile = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles",
-                           "example-cpu-vm.toml")
+    profile = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", "example-cpu-vm.toml")
     path = "/var/tmp/offloadctl"  # the example profile's path
     start = Knobs(io_concurrency={path: 1}, prefetch_depth=0)
     pol = Policy(start, paths=[path], has_device=False, subgroup_bytes=SUB, params=3_000_000_000, profile=profile)
     plan = pol.knobs
     assert plan != start
-    d = pol.observe(Observation(iteration=0, iter_time_s=None, update_s=9.0, read_wait_s=5.0, write_wait_s=0.0,
-                                path_read_bytes_per_s={path: 1e8}, path_write_bytes_per_s={path: 1e8}))
+    d = pol.observe(
+        Observation(
+            iteration=0,
+            iter_time_s=None,
+            update_s=9.0,
+            read_wait_s=5.0,
+            write_wait_s=0.0,
+            path_read_bytes_per_s={path: 1e8},
+            path_write_bytes_per_s={path: 1e8},
+        )
+    )
     assert d is not None and d.knobs == plan and "performance model's best plan" in d.reason
     trial = None
     for i in range(1, 8):
-        d = pol.observe(Observation(iteration=i, iter_time_s=None, update_s=5.0, read_wait_s=2.0, write_wait_s=0.0,
-                                    path_read_bytes_per_s={path: 1e8}, path_write_bytes_per_s={path: 1e8}))
+        d = pol.observe(
+            Observation(
+                iteration=i,
+                iter_time_s=None,
+                update_s=5.0,
+                read_wait_s=2.0,
+                write_wait_s=0.0,
+                path_read_bytes_per_s={path: 1e8},
+                path_write_bytes_per_s={path: 1e8},
+            )
+        )
         trial = trial or d
     assert trial is not None and trial.knobs == start and "starting knobs" in trial.reason
 
 
 def test_profile_without_a_usable_model_falls_back_to_online_search():
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                 profile="no-such-profile-here")
+    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, profile="no-such-profile-here")
     assert pol.knobs == Knobs()
     assert any(e["kind"] == "model" and "not used" in e["reason"] for e in pol.log)
 
@@ -406,8 +505,13 @@ def test_policy_config_is_validated():
 
 
 def test_start_knobs_for_paths_the_run_lacks_are_dropped():
-    pol = Policy(Knobs(io_concurrency={NVME: 8, "/gone": 2}, stripe_weights={NVME: 1.0, "/gone": 1.0}),
-                 paths=[NVME, PFS], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    pol = Policy(
+        Knobs(io_concurrency={NVME: 8, "/gone": 2}, stripe_weights={NVME: 1.0, "/gone": 1.0}),
+        paths=[NVME, PFS],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+    )
     assert pol.knobs.io_concurrency == {NVME: 8} and pol.knobs.stripe_weights == {}
     assert "/gone" in pol.log[0]["reason"]
 
@@ -416,8 +520,9 @@ def test_start_knobs_for_paths_the_run_lacks_are_dropped():
 
 
 def _dd(path: str, mib: int) -> None:
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct", "status=none"],
-                   check=True, timeout=60)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "oflag=direct", "status=none"], check=True, timeout=60
+    )
 
 
 def test_sensors_see_another_process_writing_with_o_direct(tmp_path):
@@ -510,15 +615,16 @@ def test_history_round_trip_in_a_real_file(tmp_path):
 
 def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
     with History(str(tmp_path / "t.db")) as h:
+
         def rec(run, profile, params, ranks, depth, t):
             h.record_run(run, profile, params, ranks, Knobs(prefetch_depth=depth, io_concurrency={NVME: 4}), t)
 
-        rec("a", "h100", 7e9, 8, 1, 20.0)     # 2.86e-9 s/param
-        rec("b", "h100", 13e9, 8, 2, 30.0)    # the latest verdict within 2x of 7e9
-        rec("c", "h100", 30e9, 8, 3, 10.0)    # later, but more than 2x bigger than 7e9
-        rec("d", "a100", 7e9, 8, 4, 1.0)      # another profile
-        rec("e", "h100", 7e9, 4, 5, 1.0)      # other ranks
-        rec("f", "h100", 7e9, 8, 6, None)     # no time: not a candidate
+        rec("a", "h100", 7e9, 8, 1, 20.0)  # 2.86e-9 s/param
+        rec("b", "h100", 13e9, 8, 2, 30.0)  # the latest verdict within 2x of 7e9
+        rec("c", "h100", 30e9, 8, 3, 10.0)  # later, but more than 2x bigger than 7e9
+        rec("d", "a100", 7e9, 8, 4, 1.0)  # another profile
+        rec("e", "h100", 7e9, 4, 5, 1.0)  # other ranks
+        rec("f", "h100", 7e9, 8, 6, None)  # no time: not a candidate
         assert h.best_knobs("h100", 7e9, 8).prefetch_depth == 2
         assert h.best_knobs("h100", 3.5e9, 8).prefetch_depth == 1  # 13e9 is more than 2x of 3.5e9
         assert h.best_knobs("h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is the later verdict
@@ -533,8 +639,7 @@ def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
 
 def test_history_best_knobs_keeps_only_this_runs_paths(tmp_path):
     with History(str(tmp_path / "t.db")) as h:
-        h.record_run("old", "p", 1e9, 1, Knobs(io_concurrency={"/x": 8, NVME: 2}, stripe_weights={"/x": 1, NVME: 1}),
-                     1.0)
+        h.record_run("old", "p", 1e9, 1, Knobs(io_concurrency={"/x": 8, NVME: 2}, stripe_weights={"/x": 1, NVME: 1}), 1.0)
         k = h.best_knobs("p", 1e9, 1, paths=[NVME, PFS])
         # Weights for only some of this run's paths would mix with measured bandwidths: dropped.
         assert k.io_concurrency == {NVME: 2} and k.stripe_weights == {}
@@ -607,13 +712,15 @@ def test_the_same_trace_with_a_slow_disk_is_tuned():
 def test_a_move_that_slows_forward_backward_is_rejected():
     """The device lane shortens the update but its memory slows forward/backward more: judged on
     the iteration, the move is reverted."""
+
     class Pressure(LaneSim):
         @property
         def fwd_bwd_s(self):
             return 2.0 + 3.0 * self.knobs.device_fraction  # activations recomputed, allocator thrash
 
-    pol = Policy(Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(reexplore_every_iters=0))
+    pol = Policy(
+        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+    )
     sim = Pressure(pol, None, noise=0.02, seed=4).run(25)
     assert sim.knobs.device_fraction == 0.0, [d[2] for d in sim.decisions]
     assert any(d[2].startswith("reverted device_fraction") and "iteration" in d[2] for d in sim.decisions)
@@ -625,8 +732,15 @@ def test_params_are_per_rank(monkeypatch):
     rank's parameters, not a quarter of them)."""
     import perf.search
 
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4,
-                 config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10 ** 15))
+    pol = Policy(
+        Knobs(),
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        ranks=4,
+        config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10**15),
+    )
     assert pol._limits.subgroups_per_rank() == 10 and pol._limits.prefetch_cap() == 8
     seen = {}
 
@@ -643,8 +757,16 @@ def test_move_and_knob_keys_read_back_what_they_write():
     from tuner.knob_text import KnobKey
     from tuner.moves import RETURN, START, MoveKey
 
-    for text in ("prefetch_depth+", "prefetch_depth-", "io_concurrency[/a+b]-", "stripe_weights[/p]-", "node_lock",
-                 "device_fraction+", "start", "return"):
+    for text in (
+        "prefetch_depth+",
+        "prefetch_depth-",
+        "io_concurrency[/a+b]-",
+        "stripe_weights[/p]-",
+        "node_lock",
+        "device_fraction+",
+        "start",
+        "return",
+    ):
         assert str(MoveKey.parse(text)) == text
     assert MoveKey.parse("start") == START and MoveKey.parse("return") == RETURN
     assert MoveKey.parse("io_concurrency[/p]+").opposite() == MoveKey.parse("io_concurrency[/p]-")
@@ -671,9 +793,16 @@ class ChangeSim(Sim):
         self.ages[key] = n + 1
         it = self.cost(k, n) * self.rnd.lognormvariate(0, self.noise)
         setup = self.setup(k, self.since)
-        obs = Observation(iteration=i, iter_time_s=it + setup, update_s=0.4 * it, read_wait_s=0.1 * it,
-                          write_wait_s=0.02 * it, path_read_bytes_per_s={NVME: 1e8}, path_write_bytes_per_s={NVME: 1e8},
-                          **({"setup_s": setup} if setup else {}))
+        obs = Observation(
+            iteration=i,
+            iter_time_s=it + setup,
+            update_s=0.4 * it,
+            read_wait_s=0.1 * it,
+            write_wait_s=0.02 * it,
+            path_read_bytes_per_s={NVME: 1e8},
+            path_write_bytes_per_s={NVME: 1e8},
+            **({"setup_s": setup} if setup else {}),
+        )
         self.in_force.append(k)
         self.since += 1
         d = self.policy.observe(obs)
@@ -700,8 +829,14 @@ def test_a_trial_is_judged_on_its_steady_iterations_not_its_one_time_setup():
     def setup(k, since):
         return 2.0 if k.prefetch_depth == better and since <= 1 else 0.0  # the settle iteration and the next
 
-    pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0))
+    pol = Policy(
+        start,
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+    )
     sim = ChangeSim(pol, cost, setup, noise=0.01, seed=1).run(40)
     assert any(e["reason"].startswith(f"kept prefetch_depth 2->{better}") for e in pol.log), [e["reason"] for e in pol.log]
     assert sim.knobs.prefetch_depth == better
@@ -718,8 +853,14 @@ def test_a_kept_move_that_turns_out_slower_is_undone():
             return 0.7 if n < 4 else 1.3
         return 1.0 if k.prefetch_depth == 2 else 1.5
 
-    pol = Policy(start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS,
-                 config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0))
+    pol = Policy(
+        start,
+        paths=[NVME],
+        has_device=False,
+        subgroup_bytes=SUB,
+        params=PARAMS,
+        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+    )
     sim = ChangeSim(pol, cost, noise=0.01, seed=2).run(60)
     reasons = [e["reason"] for e in pol.log]
     assert any(r.startswith("kept prefetch_depth 2->3") for r in reasons), reasons  # the transient fooled the trial

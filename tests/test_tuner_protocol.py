@@ -5,6 +5,7 @@ frames, bad JSON, unknown types, a client trickling one byte per second, one tha
 hello, one of another uid) must get their numbered error, and must neither crash the daemon nor
 disturb a well-behaved run that trains alongside them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,6 +46,7 @@ FRAME_TIMEOUT_S = 2.0
 
 # -- framing and schemas, no daemon ---------------------------------------------------------------
 
+
 def test_frame_round_trip_and_incremental_parse():
     msgs = [{"v": API_VERSION, "type": "ping", "id": k} for k in range(3)]
     data = b"".join(encode(m) for m in msgs)
@@ -71,43 +73,71 @@ def test_framing_refuses_nan_empty_and_oversized():
     with pytest.raises(ProtocolError) as e:
         encode({"v": API_VERSION, "type": "ping", "pad": "x" * MAX_FRAME_BYTES})
     assert e.value.code == ErrorCode.TOO_LARGE
-    for body, code in ((b"\xff\xfe", ErrorCode.BAD_JSON), (b"[" * 100_000, ErrorCode.BAD_JSON),
-                       (b"[1, 2]", ErrorCode.SCHEMA), (b'{"v": %d}' % API_VERSION, ErrorCode.SCHEMA),
-                       (b'{"v": %d, "type": "ping"}' % (API_VERSION + 1), ErrorCode.VERSION)):
+    for body, code in (
+        (b"\xff\xfe", ErrorCode.BAD_JSON),
+        (b"[" * 100_000, ErrorCode.BAD_JSON),
+        (b"[1, 2]", ErrorCode.SCHEMA),
+        (b'{"v": %d}' % API_VERSION, ErrorCode.SCHEMA),
+        (b'{"v": %d, "type": "ping"}' % (API_VERSION + 1), ErrorCode.VERSION),
+    ):
         with pytest.raises(ProtocolError) as e:
             decode(body)
         assert e.value.code == code, body[:20]
 
 
 def _register(**over):
-    msg = {"v": API_VERSION, "type": "register", "id": 1, "run_id": "r", "rank": 0, "world_size": 2, "params": 10,
-           "paths": ["/nvme0"], "knobs": {"prefetch_depth": 2}, "has_device": False, "subgroup_bytes": 120}
+    msg = {
+        "v": API_VERSION,
+        "type": "register",
+        "id": 1,
+        "run_id": "r",
+        "rank": 0,
+        "world_size": 2,
+        "params": 10,
+        "paths": ["/nvme0"],
+        "knobs": {"prefetch_depth": 2},
+        "has_device": False,
+        "subgroup_bytes": 120,
+    }
     msg.update(over)
     return {k: v for k, v in msg.items() if v is not Ellipsis}
 
 
-@pytest.mark.parametrize("msg, where", [
-    (_register(rank=True), "register.rank"),                        # a bool is not an integer
-    (_register(rank=-1), "register.rank"),
-    (_register(world_size=...), "register.world_size is missing"),
-    (_register(colour="red"), "unknown field"),
-    (_register(run_id="a\nb"), "register.run_id"),                   # no control characters in a run id
-    (_register(run_id=""), "register.run_id"),
-    (_register(paths="/nvme0"), "register.paths"),
-    (_register(knobs={"prefetch_depth": "2"}), "register.knobs.prefetch_depth"),
-    (_register(knobs={"warp": 9}), "unknown field"),
-    (_register(knobs={"io_concurrency": {"/a": True}}), "io_concurrency"),
-    (_register(id=[1]), "register.id"),
-    (_register(id="x" * 65), "register.id"),
-    ({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3,
-      "record": {"iteration": 3, "update_s": "fast", "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}},
-     "telemetry.record.update_s"),
-    ({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "record": {"iteration": 3}},
-     "telemetry.record.update_s is missing"),
-    ({"v": API_VERSION, "type": "event", "run_id": "r", "rank": 0, "kind": "fire", "message": ""}, "event.kind"),
-    ({"v": API_VERSION, "type": "pin", "run_id": "r", "knob": "warp_speed", "value": 9}, "pin.knob"),
-    ({"v": API_VERSION, "type": "hello", "api": API_VERSION, "role": "admin"}, "hello.role"),
-])
+@pytest.mark.parametrize(
+    "msg, where",
+    [
+        (_register(rank=True), "register.rank"),  # a bool is not an integer
+        (_register(rank=-1), "register.rank"),
+        (_register(world_size=...), "register.world_size is missing"),
+        (_register(colour="red"), "unknown field"),
+        (_register(run_id="a\nb"), "register.run_id"),  # no control characters in a run id
+        (_register(run_id=""), "register.run_id"),
+        (_register(paths="/nvme0"), "register.paths"),
+        (_register(knobs={"prefetch_depth": "2"}), "register.knobs.prefetch_depth"),
+        (_register(knobs={"warp": 9}), "unknown field"),
+        (_register(knobs={"io_concurrency": {"/a": True}}), "io_concurrency"),
+        (_register(id=[1]), "register.id"),
+        (_register(id="x" * 65), "register.id"),
+        (
+            {
+                "v": API_VERSION,
+                "type": "telemetry",
+                "run_id": "r",
+                "rank": 0,
+                "iteration": 3,
+                "record": {"iteration": 3, "update_s": "fast", "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0},
+            },
+            "telemetry.record.update_s",
+        ),
+        (
+            {"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "record": {"iteration": 3}},
+            "telemetry.record.update_s is missing",
+        ),
+        ({"v": API_VERSION, "type": "event", "run_id": "r", "rank": 0, "kind": "fire", "message": ""}, "event.kind"),
+        ({"v": API_VERSION, "type": "pin", "run_id": "r", "knob": "warp_speed", "value": 9}, "pin.knob"),
+        ({"v": API_VERSION, "type": "hello", "api": API_VERSION, "role": "admin"}, "hello.role"),
+    ],
+)
 def test_schema_names_the_field(msg, where):
     with pytest.raises(ProtocolError) as e:
         validate(msg, CLIENT_SCHEMAS)
@@ -119,11 +149,38 @@ def test_schema_accepts_valid_messages_and_unknown_types_get_their_code():
     validate(_register(profile="profiles/example-cpu-vm.toml", device_headroom_bytes=None, iteration=7), CLIENT_SCHEMAS)
     validate({"v": API_VERSION, "type": "pin", "run_id": "r", "knob": "io_concurrency[/nvme0]", "value": 8}, CLIENT_SCHEMAS)
     # extra fields inside a StepRecord are the engine's business and pass
-    validate({"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 3, "iter_time_s": None,
-              "record": {"iteration": 3, "update_s": 1.0, "read_wait_s": 0, "kernel_s": 0.5, "write_wait_s": 0,
-                         "order": "forward", "something_new": [1]}}, CLIENT_SCHEMAS)
-    validate({"v": API_VERSION, "type": "knobs", "run_id": "r", "knobs": {"prefetch_depth": 3}, "apply_at": 9, "seq": 1,
-              "reason": "x"}, SERVER_SCHEMAS)
+    validate(
+        {
+            "v": API_VERSION,
+            "type": "telemetry",
+            "run_id": "r",
+            "rank": 0,
+            "iteration": 3,
+            "iter_time_s": None,
+            "record": {
+                "iteration": 3,
+                "update_s": 1.0,
+                "read_wait_s": 0,
+                "kernel_s": 0.5,
+                "write_wait_s": 0,
+                "order": "forward",
+                "something_new": [1],
+            },
+        },
+        CLIENT_SCHEMAS,
+    )
+    validate(
+        {
+            "v": API_VERSION,
+            "type": "knobs",
+            "run_id": "r",
+            "knobs": {"prefetch_depth": 3},
+            "apply_at": 9,
+            "seq": 1,
+            "reason": "x",
+        },
+        SERVER_SCHEMAS,
+    )
     with pytest.raises(ProtocolError) as e:
         validate({"v": API_VERSION, "type": "teleport"}, CLIENT_SCHEMAS)
     assert e.value.code == ErrorCode.UNKNOWN_TYPE
@@ -134,15 +191,34 @@ def test_schema_accepts_valid_messages_and_unknown_types_get_their_code():
 
 # -- a real daemon --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def daemon():
     # Directly under /tmp, not pytest's 0700 tree: the other-uid test must reach the socket.
     d = tempfile.mkdtemp(prefix="offloadctl-proto-")
     path = os.path.join(d, "run", "tuner.sock")  # "run" does not exist: the daemon creates it, 0700
     logf = open(os.path.join(d, "daemon.log"), "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", path, "--db", "none",
-                             "--no-sensors", "--frame-timeout", str(FRAME_TIMEOUT_S), "--handshake-timeout",
-                             str(FRAME_TIMEOUT_S)], cwd=ROOT, stdout=logf, stderr=logf)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offloadctl.cli",
+            "tuner",
+            "serve",
+            "--socket",
+            path,
+            "--db",
+            "none",
+            "--no-sensors",
+            "--frame-timeout",
+            str(FRAME_TIMEOUT_S),
+            "--handshake-timeout",
+            str(FRAME_TIMEOUT_S),
+        ],
+        cwd=ROOT,
+        stdout=logf,
+        stderr=logf,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
         assert proc.poll() is None, open(logf.name).read()
@@ -237,22 +313,44 @@ def test_handshake_and_version(daemon):
 def test_errors_that_keep_the_connection(daemon):
     path, _ = daemon
     s = _hello(path)
-    for body, code in ((b"{not json", ErrorCode.BAD_JSON), (b"\xff\xfe\xfd", ErrorCode.BAD_JSON),
-                       (b"[" * 200_000, ErrorCode.BAD_JSON), (b"[1, 2]", ErrorCode.SCHEMA)):
+    for body, code in (
+        (b"{not json", ErrorCode.BAD_JSON),
+        (b"\xff\xfe\xfd", ErrorCode.BAD_JSON),
+        (b"[" * 200_000, ErrorCode.BAD_JSON),
+        (b"[1, 2]", ErrorCode.SCHEMA),
+    ):
         s.sendall(struct.pack(">I", len(body)) + body)
         _expect_error(s, code)
     _send(s, {"type": "teleport", "id": 7})
     assert _expect_error(s, ErrorCode.UNKNOWN_TYPE)["id"] == 7
-    _send(s, {"type": "telemetry", "id": 8, "run_id": "r", "rank": 0, "iteration": 0,
-              "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}})
+    _send(
+        s,
+        {
+            "type": "telemetry",
+            "id": 8,
+            "run_id": "r",
+            "rank": 0,
+            "iteration": 0,
+            "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0},
+        },
+    )
     _expect_error(s, ErrorCode.ROLE)  # a cli client may not send telemetry
     _send(s, {"type": "pin", "id": 9, "run_id": "nosuchrun", "knob": "prefetch_depth", "value": 3})
     _expect_error(s, ErrorCode.UNKNOWN_RUN)
     _send(s, {"type": "ping", "id": 10})
     assert _recv(s) == {"v": API_VERSION, "id": 10, "type": "pong"}  # still served
     e = _hello(path, role="engine")
-    _send(e, {"type": "telemetry", "id": 1, "run_id": "r", "rank": 0, "iteration": 0,
-              "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0}})
+    _send(
+        e,
+        {
+            "type": "telemetry",
+            "id": 1,
+            "run_id": "r",
+            "rank": 0,
+            "iteration": 0,
+            "record": {"iteration": 0, "update_s": 1, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0},
+        },
+    )
     _expect_error(e, ErrorCode.UNKNOWN_RUN)  # not registered: telemetry is refused, not guessed at
     _send(e, {"type": "shutdown", "id": 2})
     _expect_error(e, ErrorCode.ROLE)
@@ -381,24 +479,60 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
     the run has all its iterations, its rank is still connected, and the daemon is the same."""
     path, proc = daemon
     run = _hello(path, role="engine")
-    _send(run, {"type": "register", "id": 1, "run_id": "steady", "rank": 0, "world_size": 1, "params": 100,
-                "paths": [], "knobs": {"prefetch_depth": 2}, "has_device": False, "subgroup_bytes": 1200})
+    _send(
+        run,
+        {
+            "type": "register",
+            "id": 1,
+            "run_id": "steady",
+            "rank": 0,
+            "world_size": 1,
+            "params": 100,
+            "paths": [],
+            "knobs": {"prefetch_depth": 2},
+            "has_device": False,
+            "subgroup_bytes": 1200,
+        },
+    )
     assert _recv(run)["type"] == "registered"
     hostile = [
         lambda s: s.sendall(b"\x00\x00\x00\x05hello"),
         lambda s: s.sendall(os.urandom(64)),
         lambda s: s.sendall(struct.pack(">I", 1 << 30)),
-        lambda s: (_send(s, {"type": "hello", "id": 0, "api": 1, "role": "engine"}),
-                   _send(s, {"type": "register", "id": 1, "run_id": "steady", "rank": 0, "world_size": 3,
-                             "params": 1, "paths": [], "knobs": {}, "has_device": False, "subgroup_bytes": 0}),
-                   _send(s, {"type": "telemetry", "run_id": "steady", "rank": 0, "iteration": 10 ** 6,
-                             "record": {"iteration": 10 ** 6, "update_s": 0, "read_wait_s": 0, "kernel_s": 0,
-                                        "write_wait_s": 0}})),
-        lambda s: (_send(s, {"type": "hello", "id": 0, "api": 1, "role": "cli"}),
-                   _send(s, {"type": "freeze", "id": 1, "run_id": "steady", "frozen": "yes"}),
-                   _send(s, {"type": "pin", "id": 2, "run_id": "steady", "knob": "prefetch_depth", "value": -4}),
-                   _send(s, {"type": "pin", "id": 3, "run_id": "steady", "knob": "io_concurrency[/not/ours]",
-                             "value": 4})),
+        lambda s: (
+            _send(s, {"type": "hello", "id": 0, "api": 1, "role": "engine"}),
+            _send(
+                s,
+                {
+                    "type": "register",
+                    "id": 1,
+                    "run_id": "steady",
+                    "rank": 0,
+                    "world_size": 3,
+                    "params": 1,
+                    "paths": [],
+                    "knobs": {},
+                    "has_device": False,
+                    "subgroup_bytes": 0,
+                },
+            ),
+            _send(
+                s,
+                {
+                    "type": "telemetry",
+                    "run_id": "steady",
+                    "rank": 0,
+                    "iteration": 10**6,
+                    "record": {"iteration": 10**6, "update_s": 0, "read_wait_s": 0, "kernel_s": 0, "write_wait_s": 0},
+                },
+            ),
+        ),
+        lambda s: (
+            _send(s, {"type": "hello", "id": 0, "api": 1, "role": "cli"}),
+            _send(s, {"type": "freeze", "id": 1, "run_id": "steady", "frozen": "yes"}),
+            _send(s, {"type": "pin", "id": 2, "run_id": "steady", "knob": "prefetch_depth", "value": -4}),
+            _send(s, {"type": "pin", "id": 3, "run_id": "steady", "knob": "io_concurrency[/not/ours]", "value": 4}),
+        ),
     ]
     for i in range(40):
         s = _raw(path)
@@ -407,9 +541,18 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
         except OSError:
             pass
         s.close()
-        _send(run, {"type": "telemetry", "id": 100 + i, "run_id": "steady", "rank": 0, "iteration": i,
-                    "iter_time_s": 0.01, "record": {"iteration": i, "update_s": 0.005, "read_wait_s": 0.0,
-                                                    "kernel_s": 0.004, "write_wait_s": 0.0}})
+        _send(
+            run,
+            {
+                "type": "telemetry",
+                "id": 100 + i,
+                "run_id": "steady",
+                "rank": 0,
+                "iteration": i,
+                "iter_time_s": 0.01,
+                "record": {"iteration": i, "update_s": 0.005, "read_wait_s": 0.0, "kernel_s": 0.004, "write_wait_s": 0.0},
+            },
+        )
         reply = _recv(run)
         while reply["type"] == "knobs":  # the real policy may move knobs; that is fine
             reply = _recv(run)
@@ -423,7 +566,6 @@ def test_hostile_clients_do_not_disturb_a_run(daemon):
     _send(run, {"type": "bye", "id": 2, "run_id": "steady", "rank": 0})
     while _recv(run)["type"] != "ok":
         pass
-
 
 
 def test_knob_names_have_one_owner():

@@ -1,5 +1,6 @@
 """The tuner daemon's run bookkeeping (``tuner.runs.Runs``) driven directly, without a socket:
 peers are plain objects, and what the daemon would send them is read from the outbox."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,16 +31,34 @@ class OneChange:
 
 
 def _register(runs, peer, rank, world=2):
-    return runs.register(peer, {"type": "register", "run_id": "r", "rank": rank, "world_size": world, "params": 1000,
-                                "paths": [], "knobs": Knobs().to_dict(), "has_device": False,
-                                "subgroup_bytes": 12000})
+    return runs.register(
+        peer,
+        {
+            "type": "register",
+            "run_id": "r",
+            "rank": rank,
+            "world_size": world,
+            "params": 1000,
+            "paths": [],
+            "knobs": Knobs().to_dict(),
+            "has_device": False,
+            "subgroup_bytes": 12000,
+        },
+    )
 
 
 def _telemetry(runs, peer, rank, i, update_s):
-    rec = {"iteration": i, "update_s": update_s, "read_wait_s": 0.0, "write_wait_s": 0.0, "kernel_s": update_s,
-           "knobs": Knobs().to_dict()}
-    runs.telemetry(peer, {"type": "telemetry", "run_id": "r", "rank": rank, "iteration": i, "record": rec,
-                          "iter_time_s": 1.0 + update_s})
+    rec = {
+        "iteration": i,
+        "update_s": update_s,
+        "read_wait_s": 0.0,
+        "write_wait_s": 0.0,
+        "kernel_s": update_s,
+        "knobs": Knobs().to_dict(),
+    }
+    runs.telemetry(
+        peer, {"type": "telemetry", "run_id": "r", "rank": rank, "iteration": i, "record": rec, "iter_time_s": 1.0 + update_s}
+    )
 
 
 def test_runs_aggregate_ranks_and_push_one_change_to_all():
@@ -65,8 +84,9 @@ def test_runs_aggregate_ranks_and_push_one_change_to_all():
     pushed = runs.take_outbox()
     assert [p for p, _ in pushed] == [a, b]
     assert {m["apply_at"] for _, m in pushed} == {1 + runs.config.min_margin}
-    assert all(m["type"] == "knobs" and m["seq"] == 1 and m["knobs"]["prefetch_depth"] == Knobs().prefetch_depth + 1
-               for _, m in pushed)
+    assert all(
+        m["type"] == "knobs" and m["seq"] == 1 and m["knobs"]["prefetch_depth"] == Knobs().prefetch_depth + 1 for _, m in pushed
+    )
     with pytest.raises(ProtocolError) as e:
         runs.telemetry(b, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 2, "record": {}})
     assert e.value.code == ErrorCode.UNKNOWN_RUN  # rank 0 is a's, not b's
@@ -80,9 +100,20 @@ def test_runs_aggregate_ranks_and_push_one_change_to_all():
 
 
 def _register_paths(runs, peer, paths):
-    return runs.register(peer, {"type": "register", "run_id": "r", "rank": 0, "world_size": 1, "params": 1000,
-                                "paths": paths, "knobs": Knobs().to_dict(), "has_device": False,
-                                "subgroup_bytes": 12000})
+    return runs.register(
+        peer,
+        {
+            "type": "register",
+            "run_id": "r",
+            "rank": 0,
+            "world_size": 1,
+            "params": 1000,
+            "paths": paths,
+            "knobs": Knobs().to_dict(),
+            "has_device": False,
+            "subgroup_bytes": 12000,
+        },
+    )
 
 
 def test_without_a_policy_the_run_takes_pins_itself_one_path_s_concurrency_too():

@@ -2,6 +2,7 @@
 the start and end lines that say where knobs came from, and the CLI's own lines.
 
 The tests here need no training run; those that do are in ``test_user_view_runs.py``."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,17 @@ class Peer:
 
 
 def _register(runs, peer, run_id, *, knobs=None, pins=None, rank=0):
-    msg = {"type": "register", "run_id": run_id, "rank": rank, "world_size": 1, "params": 1000, "paths": [],
-           "knobs": (knobs or Knobs()).to_dict(), "has_device": False, "subgroup_bytes": 12000}
+    msg = {
+        "type": "register",
+        "run_id": run_id,
+        "rank": rank,
+        "world_size": 1,
+        "params": 1000,
+        "paths": [],
+        "knobs": (knobs or Knobs()).to_dict(),
+        "has_device": False,
+        "subgroup_bytes": 12000,
+    }
     if pins:
         msg["pins"] = dict(pins)
     return runs.register(peer, msg)
@@ -29,10 +39,17 @@ def _register(runs, peer, run_id, *, knobs=None, pins=None, rank=0):
 
 def _iterations(runs, peer, run_id, n, knobs):
     for i in range(n):
-        rec = {"iteration": i, "update_s": 0.1, "read_wait_s": 0.0, "write_wait_s": 0.0, "kernel_s": 0.1,
-               "knobs": knobs.to_dict()}
-        runs.telemetry(peer, {"type": "telemetry", "run_id": run_id, "rank": 0, "iteration": i, "record": rec,
-                              "iter_time_s": 0.5})
+        rec = {
+            "iteration": i,
+            "update_s": 0.1,
+            "read_wait_s": 0.0,
+            "write_wait_s": 0.0,
+            "kernel_s": 0.1,
+            "knobs": knobs.to_dict(),
+        }
+        runs.telemetry(
+            peer, {"type": "telemetry", "run_id": run_id, "rank": 0, "iteration": i, "record": rec, "iter_time_s": 0.5}
+        )
 
 
 def _end(runs, peer, run_id, stopped_by=None):
@@ -58,8 +75,12 @@ class Verdict:
         return None
 
     def state(self):
-        return {"mode": "holding", "good_knobs": self.knobs.replace(prefetch_depth=3).to_dict(), "pins": {},
-                "holding_reason": None}
+        return {
+            "mode": "holding",
+            "good_knobs": self.knobs.replace(prefetch_depth=3).to_dict(),
+            "pins": {},
+            "holding_reason": None,
+        }
 
 
 def test_a_hand_pin_in_an_interrupted_run_is_no_later_runs_start(tmp_path):
@@ -117,8 +138,7 @@ def test_the_tuners_verdict_is_the_next_runs_start_and_every_line_says_so(tmp_pa
     from tuner.runs import Runs
 
     with History(str(tmp_path / "tuner.db")) as history:
-        runs = Runs(ServerConfig(socket_path="unused"), sensors_factory=False, history=history,
-                    policy_factory=Verdict)
+        runs = Runs(ServerConfig(socket_path="unused"), sensors_factory=False, history=history, policy_factory=Verdict)
         a = Peer(1)
         _register(runs, a, "tuned")
         _iterations(runs, a, "tuned", 4, Knobs())
@@ -142,16 +162,19 @@ def test_the_tuners_verdict_is_the_next_runs_start_and_every_line_says_so(tmp_pa
 def test_the_end_line_names_who_changed_each_knob():
     from offloadctl.summary import tuner_lines
 
-    view = {"start_knobs": Knobs().to_dict(), "knobs": Knobs(prefetch_depth=4, node_lock=True).to_dict(),
-            "changed_by": {"prefetch_depth": "user", "node_lock": "policy"}, "frozen": False,
-            "verdict": {"mode": "holding", "since_iteration": 40, "trial": None, "reason": None}}
+    view = {
+        "start_knobs": Knobs().to_dict(),
+        "knobs": Knobs(prefetch_depth=4, node_lock=True).to_dict(),
+        "changed_by": {"prefetch_depth": "user", "node_lock": "policy"},
+        "frozen": False,
+        "verdict": {"mode": "holding", "since_iteration": 40, "trial": None, "reason": None},
+    }
     text = " ".join(" ".join(tuner_lines(view)).split())
     assert "node_lock off -> on (the tuner)" in text and "prefetch_depth 2 -> 4 (you, tune --pin)" in text
     assert text.rstrip().endswith("holding (no move left to try)")
     quiet = dict(view, knobs=Knobs().to_dict(), changed_by={})
     assert tuner_lines(quiet) == ["tuner: no knob changes; holding (no move left to try)"]
-    why = dict(quiet, verdict={"mode": "holding", "since_iteration": 40, "trial": None,
-                               "reason": "knobs change 1% of it"})
+    why = dict(quiet, verdict={"mode": "holding", "since_iteration": 40, "trial": None, "reason": "knobs change 1% of it"})
     assert tuner_lines(why) == ["tuner: no knob changes; holding (knobs change 1% of it)"]
 
 
@@ -167,8 +190,9 @@ def test_a_schema_1_history_is_upgraded_and_never_learned_from(tmp_path):
             ranks INTEGER NOT NULL, paths TEXT NOT NULL, knobs TEXT NOT NULL, iter_time_s REAL,
             started_s REAL NOT NULL, updated_s REAL NOT NULL);
         PRAGMA user_version=1;""")
-    con.execute("INSERT INTO runs VALUES ('old', 'h', '', 1000, 1, '[]', ?, 0.5, 1, 1)",
-                (json.dumps(Knobs(prefetch_depth=4).to_dict()),))
+    con.execute(
+        "INSERT INTO runs VALUES ('old', 'h', '', 1000, 1, '[]', ?, 0.5, 1, 1)", (json.dumps(Knobs(prefetch_depth=4).to_dict()),)
+    )
     con.commit()
     con.close()
     with History(str(db)) as h:
@@ -181,6 +205,7 @@ def test_a_schema_1_history_is_upgraded_and_never_learned_from(tmp_path):
 
 
 # -- the CLI's own lines -------------------------------------------------------------------------
+
 
 def _script(tmp_path, config: dict | None, *, flag="--deepspeed_config", name="ds_config.json"):
     """A DeepSpeed script that would take its ds_config from its arguments (never run here)."""
@@ -205,11 +230,15 @@ def test_a_config_the_engine_refuses_is_refused_before_the_launch(tmp_path, shor
 
     from helpers import cli
 
-    cases = [({**DS_BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-              "--deepspeed_config", "uses stage 2"),
-             ({**DS_BASE, "zero_optimization": {"stage": 3}}, "--deepspeed", "has none"),
-             ({**DS_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}, None,
-              'has device "none"')]
+    cases = [
+        (
+            {**DS_BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            "--deepspeed_config",
+            "uses stage 2",
+        ),
+        ({**DS_BASE, "zero_optimization": {"stage": 3}}, "--deepspeed", "has none"),
+        ({**DS_BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}, None, 'has device "none"'),
+    ]
     for k, (config, flag, said) in enumerate(cases):
         d = tmp_path / str(k)
         d.mkdir()
@@ -218,8 +247,7 @@ def test_a_config_the_engine_refuses_is_refused_before_the_launch(tmp_path, shor
             args = [f"--deepspeed={args[1]}"]
         run_dir = short_tmp / f"run{k}"
         t0 = time.monotonic()
-        out = cli("train", "--dry-run", "--num_gpus", "1", "--run-dir", str(run_dir), str(script), *args,
-                  timeout=120)
+        out = cli("train", "--dry-run", "--num_gpus", "1", "--run-dir", str(run_dir), str(script), *args, timeout=120)
         assert out.returncode == 2, (out.stdout, out.stderr)
         (line,) = out.stderr.splitlines()
         assert said in line and "ds_config.json" in line and "--engine stock" in line, line
@@ -258,8 +286,21 @@ def test_dry_run_is_one_human_block_at_80_columns(short_tmp):
     state goes, knobs and pins, the tuner; --json keeps the JSON."""
     from helpers import cli, env_with_root
 
-    args = ("train", "--dry-run", "--num_gpus", "1", "--nvme", str(short_tmp), "--prefetch-depth", "3",
-            "--run-dir", str(short_tmp / "run"), "examples/train_gpt.py", "--steps", "3")
+    args = (
+        "train",
+        "--dry-run",
+        "--num_gpus",
+        "1",
+        "--nvme",
+        str(short_tmp),
+        "--prefetch-depth",
+        "3",
+        "--run-dir",
+        str(short_tmp / "run"),
+        "examples/train_gpt.py",
+        "--steps",
+        "3",
+    )
     out = cli(*args, env=env_with_root(COLUMNS="80"), timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -283,10 +324,17 @@ def test_json_output_into_a_closed_pipe_ends_quietly(tmp_path):
 
     from helpers import ROOT, env_with_root
 
-    for args in (["plan", "--profile", "profiles/example-cpu-vm.toml", "--params", "7B", "--ranks", "8", "--json"],
-                 ["profile", "show", "profiles/example-h100-node.toml", "--json"]):
-        p = subprocess.Popen([sys.executable, "-m", "offloadctl.cli", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env_with_root(), cwd=ROOT)
+    for args in (
+        ["plan", "--profile", "profiles/example-cpu-vm.toml", "--params", "7B", "--ranks", "8", "--json"],
+        ["profile", "show", "profiles/example-h100-node.toml", "--json"],
+    ):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "offloadctl.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env_with_root(),
+            cwd=ROOT,
+        )
         p.stdout.read(1)
         p.stdout.close()  # as `head -c 1` does
         err = p.stderr.read().decode()
@@ -300,8 +348,15 @@ def test_tune_once_json_with_no_run_is_an_empty_list(tmp_path):
     from helpers import cli, env_with_root
 
     (tmp_path / "xdg").mkdir()
-    out = cli("tune", "--once", "--json", "--socket", str(tmp_path / "none.sock"), timeout=60,
-              env=env_with_root(XDG_RUNTIME_DIR=str(tmp_path / "xdg")))
+    out = cli(
+        "tune",
+        "--once",
+        "--json",
+        "--socket",
+        str(tmp_path / "none.sock"),
+        timeout=60,
+        env=env_with_root(XDG_RUNTIME_DIR=str(tmp_path / "xdg")),
+    )
     assert out.returncode == 2  # a socket named by the user that does not answer: still an error
     out = cli("tune", "--once", "--json", timeout=60, env=env_with_root(XDG_RUNTIME_DIR=str(tmp_path / "xdg")))
     assert out.returncode == 0 and json.loads(out.stdout) == {"runs": []}, (out.stdout, out.stderr)
@@ -320,9 +375,11 @@ def test_profile_errors_name_toml_tables_and_plan_says_where_profiles_come_from(
     from perf.profile_toml import loads_profile
 
     text = open(f"{ROOT}/profiles/example-cpu-vm.toml").read()
-    for bad, table in ((text.replace("numa_nodes = 1", "numa_nodes = 1\nbogus = 1"), "[machine]"),
-                       (text.replace("[[paths]]", "[[paths]]\nfoo = 3", 1), "[[paths]]"),
-                       ("schema_version = 1\nname = 'x'\n", "the top level")):
+    for bad, table in (
+        (text.replace("numa_nodes = 1", "numa_nodes = 1\nbogus = 1"), "[machine]"),
+        (text.replace("[[paths]]", "[[paths]]\nfoo = 3", 1), "[[paths]]"),
+        ("schema_version = 1\nname = 'x'\n", "the top level"),
+    ):
         try:
             loads_profile(bad, file="p.toml")
         except ConfigError as e:
@@ -348,10 +405,21 @@ def test_tune_once_keeps_knob_names_whole_and_history_changes_say_start():
 
     path = "/a/rather/long/path/to/an/nvme/directory"
     knobs = Knobs(io_concurrency={path: 8}, stripe_weights={path: 1.0}).to_dict()
-    run = {"run_id": "20261126-132559-f94b026b", "status": "running", "frozen": False, "connected": 1, "ranks": 1,
-           "iteration": 109, "iter_time_s": 0.5, "knobs": knobs, "pins": {}, "history": {"iter_time_s": [0.5],
-           "update_s": [0.1], "iteration": [109]}, "bandwidth": {}, "phases": {}, "decisions": [
-               {"iteration": -1, "apply_at": 2, "source": "history", "reason": "from history: run x"}]}
+    run = {
+        "run_id": "20261126-132559-f94b026b",
+        "status": "running",
+        "frozen": False,
+        "connected": 1,
+        "ranks": 1,
+        "iteration": 109,
+        "iter_time_s": 0.5,
+        "knobs": knobs,
+        "pins": {},
+        "history": {"iter_time_s": [0.5], "update_s": [0.1], "iteration": [109]},
+        "bandwidth": {},
+        "phases": {},
+        "decisions": [{"iteration": -1, "apply_at": 2, "source": "history", "reason": "from history: run x"}],
+    }
     console = Console(width=80, record=True, file=open("/dev/null", "w"))
     console.print(runs_table([run], width=80))
     text = console.export_text()
@@ -399,7 +467,7 @@ def test_the_readme_says_what_the_code_does():
     readme = open(f"{ROOT}/README.md").read()
     assert f"at {RecorderConfig(run_dir='x').sample_hz:.0f} Hz" in readme and "20 Hz" not in readme
     assert "runs/demo-report.html" in readme and re.search(r"make demo` takes about \d+ minutes", readme)
-    cluster = readme[readme.index("### On a cluster"):readme.index("\n## ", readme.index("### On a cluster"))]
+    cluster = readme[readme.index("### On a cluster") : readme.index("\n## ", readme.index("### On a cluster"))]
     for single in ("--profile NAME|PATH", "Hugging Face", "--host-memory SIZE", "On a GPU"):
         assert single not in cluster, single
     makefile = open(f"{ROOT}/Makefile").read()
@@ -414,20 +482,48 @@ def test_a_change_of_conditions_is_said_with_its_cause_and_measured_effect():
     from offloadctl.commands.tune_view import run_panel
     from offloadctl.summary import tuner_lines
 
-    a = {"iteration": 42, "cause": "path /ssd1 slowed from 300 to 62 MB/s",
-         "move": "stripe weight /ssd1 0.5 -> 0.17, stripe weight /ssd0 0.5 -> 0.83", "effect": "iteration 10.5 -> 3.9 s, -63%"}
+    a = {
+        "iteration": 42,
+        "cause": "path /ssd1 slowed from 300 to 62 MB/s",
+        "move": "stripe weight /ssd1 0.5 -> 0.17, stripe weight /ssd0 0.5 -> 0.83",
+        "effect": "iteration 10.5 -> 3.9 s, -63%",
+    }
     policy = {"adaptations": [a], "rates": {"/ssd0": 301e6, "/ssd1": 62e6}}
-    view = {"start_knobs": Knobs().to_dict(), "knobs": Knobs().to_dict(), "changed_by": {}, "frozen": False,
-            "policy": policy, "verdict": {"mode": "holding", "since_iteration": 50, "trial": None, "reason": None}}
+    view = {
+        "start_knobs": Knobs().to_dict(),
+        "knobs": Knobs().to_dict(),
+        "changed_by": {},
+        "frozen": False,
+        "policy": policy,
+        "verdict": {"mode": "holding", "since_iteration": 50, "trial": None, "reason": None},
+    }
     text = " ".join(" ".join(tuner_lines(view)).split())
-    assert ("tuner: at iteration 42, path /ssd1 slowed from 300 to 62 MB/s: stripe weight /ssd1 0.5 -> 0.17, "
-            "stripe weight /ssd0 0.5 -> 0.83 (iteration 10.5 -> 3.9 s, -63%)") in text
-    snap = {"run_id": "r", "status": "running", "ranks": 1, "connected": 1, "iteration": 60, "iter_time_s": 3.9,
-            "knobs": Knobs().to_dict(), "pins": {}, "frozen": False, "policy": policy, "policy_error": None,
-            "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "decisions": [], "phases": {},
-            "bandwidth": {p: {"read_bytes_per_s": 1e8, "write_bytes_per_s": 1e8, "other_bytes_per_s": 0.0,
-                              "concurrency": 4} for p in ("/ssd0", "/ssd1")},
-            "verdict": view["verdict"], "outcome": "running"}
+    assert (
+        "tuner: at iteration 42, path /ssd1 slowed from 300 to 62 MB/s: stripe weight /ssd1 0.5 -> 0.17, "
+        "stripe weight /ssd0 0.5 -> 0.83 (iteration 10.5 -> 3.9 s, -63%)"
+    ) in text
+    snap = {
+        "run_id": "r",
+        "status": "running",
+        "ranks": 1,
+        "connected": 1,
+        "iteration": 60,
+        "iter_time_s": 3.9,
+        "knobs": Knobs().to_dict(),
+        "pins": {},
+        "frozen": False,
+        "policy": policy,
+        "policy_error": None,
+        "history": {"iteration": [], "iter_time_s": [], "update_s": []},
+        "decisions": [],
+        "phases": {},
+        "bandwidth": {
+            p: {"read_bytes_per_s": 1e8, "write_bytes_per_s": 1e8, "other_bytes_per_s": 0.0, "concurrency": 4}
+            for p in ("/ssd0", "/ssd1")
+        },
+        "verdict": view["verdict"],
+        "outcome": "running",
+    }
     console = Console(width=120, record=True)
     console.print(run_panel(snap, width=120))
     shown = console.export_text()

@@ -7,6 +7,7 @@ at once), ``offloadctl tune --run-dir`` watches it, a key pins ``prefetch_depth=
 of the same model starts, with a pin sent before its ranks registered and the live view left
 with ``q``. Each test checks one point against what that left on the screens and in the files.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ import pytest
 from ds_runs import launch, ours
 from helpers import ROOT, cli, env_with_root, free_port, wait_for
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")]
 
 PROMPT = "$ "
 
@@ -36,8 +36,7 @@ class Tmux:
     def __init__(self, env: dict) -> None:
         self.sock = f"oc-test-{uuid.uuid4().hex[:8]}"
         self.env = env
-        self._tmux("new-session", "-d", "-s", "t", "-n", "w0", "-x", "80", "-y", "24", *self._env(),
-                   "bash --norc --noprofile")
+        self._tmux("new-session", "-d", "-s", "t", "-n", "w0", "-x", "80", "-y", "24", *self._env(), "bash --norc --noprofile")
         self._tmux("set-option", "-g", "history-limit", "5000")
         self.send("w0", f"PS1={shlex.quote(PROMPT)}; cd {shlex.quote(ROOT)}; clear", enter=True)
 
@@ -45,8 +44,9 @@ class Tmux:
         return [a for k, v in self.env.items() for a in ("-e", f"{k}={v}")]
 
     def _tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.sock, "-f", "/dev/null", *args], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(
+            ["tmux", "-L", self.sock, "-f", "/dev/null", *args], check=True, capture_output=True, text=True
+        ).stdout
 
     def window(self, name: str) -> None:
         self._tmux("new-window", "-d", "-t", "t", "-n", name, *self._env(), "bash --norc --noprofile")
@@ -70,14 +70,15 @@ class Tmux:
 
     def wait(self, name: str, pattern: str, timeout_s: float, *, scrollback: bool = False) -> str:
         """The screen (or all of the window) once ``pattern`` (a regex) is on it."""
+
         def found():
             text = self.scrollback(name) if scrollback else self.screen(name)
             return text if re.search(pattern, text) else None
+
         try:
             return wait_for(found, timeout_s, f"{pattern!r} in window {name}")
         except AssertionError:
-            raise AssertionError(f"{pattern!r} not in window {name} within {timeout_s} s:\n"
-                                 f"{self.scrollback(name)}") from None
+            raise AssertionError(f"{pattern!r} not in window {name} within {timeout_s} s:\n{self.scrollback(name)}") from None
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
@@ -102,8 +103,9 @@ class DiskWriter:
 
     def _run(self) -> None:
         while not self.stop_event.is_set():
-            subprocess.run(["dd", "if=/dev/zero", f"of={self.path}", "bs=1M", "count=32", "oflag=direct",
-                            "status=none"], check=False)
+            subprocess.run(
+                ["dd", "if=/dev/zero", f"of={self.path}", "bs=1M", "count=32", "oflag=direct", "status=none"], check=False
+            )
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -116,8 +118,10 @@ class DiskWriter:
 
 def _train(run_dir: str, nvme: str, steps: int, *extra: str) -> str:
     py = shlex.quote(sys.executable)
-    return (f"{py} -m offloadctl.cli train --num_gpus 1 --master_port {free_port()} --nvme {nvme} --host-cache 0 "
-            f"--run-dir {run_dir} {' '.join(extra)} examples/train_gpt.py --steps {steps} --batch 8; echo END-$?")
+    return (
+        f"{py} -m offloadctl.cli train --num_gpus 1 --master_port {free_port()} --nvme {nvme} --host-cache 0 "
+        f"--run-dir {run_dir} {' '.join(extra)} examples/train_gpt.py --steps {steps} --batch 8; echo END-$?"
+    )
 
 
 def _tune(*args: str) -> str:
@@ -134,9 +138,14 @@ def _play(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("uv")
     for d in ("nvme", "state", "xdg"):
         (base / d).mkdir(mode=0o700)
-    env = {"PYTHONPATH": ROOT, "XDG_STATE_HOME": str(base / "state"), "XDG_RUNTIME_DIR": str(base / "xdg"),
-           "XDG_CONFIG_HOME": os.environ.get("XDG_CONFIG_HOME", str(base / "config")), "TERM": "xterm-256color",
-           "OFFLOADCTL_PROFILE_DIR": os.environ.get("OFFLOADCTL_PROFILE_DIR", str(base / "profiles"))}
+    env = {
+        "PYTHONPATH": ROOT,
+        "XDG_STATE_HOME": str(base / "state"),
+        "XDG_RUNTIME_DIR": str(base / "xdg"),
+        "XDG_CONFIG_HOME": os.environ.get("XDG_CONFIG_HOME", str(base / "config")),
+        "TERM": "xterm-256color",
+        "OFFLOADCTL_PROFILE_DIR": os.environ.get("OFFLOADCTL_PROFILE_DIR", str(base / "profiles")),
+    }
     t = Tmux(env)
     t.window("w1")
     out: dict = {"base": base, "r1": str(base / "r1"), "r2": str(base / "r2"), "env": env}
@@ -159,8 +168,11 @@ def _play(tmp_path_factory) -> dict:
         out["help"] = t.wait("w1", r"keys of the live view", 10)
         t.key("w1", "?")
         t.send("w1", "xyz")  # keys the view does not take: never on the shell's prompt afterwards
-        wait_for(lambda: sum(i.get("engine", {}).get("knobs", {}).get("prefetch_depth") == 4
-                             for i in _iterations(out["r1"])) >= 6, 180, "six iterations at prefetch_depth 4")
+        wait_for(
+            lambda: sum(i.get("engine", {}).get("knobs", {}).get("prefetch_depth") == 4 for i in _iterations(out["r1"])) >= 6,
+            180,
+            "six iterations at prefetch_depth 4",
+        )
         writer.stop()
         t.key("w0", "C-c")
         t.wait("w0", r"END-\d+", 180)
@@ -180,8 +192,13 @@ def _play(tmp_path_factory) -> dict:
         out["run2"] = run2
         t.send("w1", _tune("--pin", f"{run2}:node_lock=false"), enter=True)
         out["pin_wait"] = t.wait("w1", r"TUNE-\d+", 300)
-        out["wrong_id"] = cli("tune", "--pin", "no-such-run:prefetch_depth=3", timeout=60,
-                              env=env_with_root(**{k: env[k] for k in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR")}))
+        out["wrong_id"] = cli(
+            "tune",
+            "--pin",
+            "no-such-run:prefetch_depth=3",
+            timeout=60,
+            env=env_with_root(**{k: env[k] for k in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR")}),
+        )
         t.send("w1", "clear", enter=True)
         time.sleep(0.5)
         t.send("w1", _tune("--run-dir", out["r2"]), enter=True)
@@ -227,13 +244,17 @@ def test_point3_the_reports_disk_bytes_are_the_runs_own_under_another_writer(sce
     out = cli("report", scenario["r1"], "--json", "--output", str(scenario["base"] / "r1.html"), timeout=300)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)["runs"][0]["summary"]
-    engine, own, others = (s["engine_bytes_per_param_total"], s["run_disk_bytes_per_param_total"],
-                           s["other_disk_bytes_per_param_total"])
+    engine, own, others = (
+        s["engine_bytes_per_param_total"],
+        s["run_disk_bytes_per_param_total"],
+        s["other_disk_bytes_per_param_total"],
+    )
     assert others > 2 * own and others > 5, s  # dd wrote far more than the run
     assert 0.5 * engine <= own <= 1.5 * engine + 1.0, (engine, own)  # the run's own: what its engine counted
     assert s["disk_bytes_per_param_total"] >= own + 0.9 * others
-    text = cli("report", scenario["r1"], "--output", str(scenario["base"] / "r1b.html"), timeout=300,
-               env=env_with_root(COLUMNS="80")).stdout
+    text = cli(
+        "report", scenario["r1"], "--output", str(scenario["base"] / "r1b.html"), timeout=300, env=env_with_root(COLUMNS="80")
+    ).stdout
     row = next(line for line in text.splitlines() if "disk B/param, iteration" in line)
     assert f"{own:.1f}; other processes {others:.1f}" in row, row
 

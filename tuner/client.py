@@ -11,6 +11,7 @@ A change carries ``apply_at``; every rank of the run applies it before the step 
 ``engine.iteration`` reaches it, so all ranks switch at the same iteration. A rank that gets a
 change late applies it at its next step boundary and tells the daemon (``applied``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,13 +71,28 @@ class TunerClient:
     Reconnect attempts back off from ``backoff_s[0]`` to ``backoff_s[1]`` seconds.
     """
 
-    def __init__(self, socket_path: str, *, run_id: str, rank: int, world_size: int, params: int,
-                 paths: Sequence[str], knobs: Knobs, profile=None, has_device: bool = False,
-                 device_headroom_bytes: int | None = None, subgroup_bytes: int = 0, pins: Mapping[str, Any] | None = None,
-                 host_staging_bytes: int | None = None, path_depth_response: Mapping[str, Any] | None = None,
-                 queue_size: int = 256,
-                 backoff_s: tuple[float, float] = (0.05, 1.0), connect_timeout_s: float = 2.0,
-                 step_is_iteration: bool = False) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        params: int,
+        paths: Sequence[str],
+        knobs: Knobs,
+        profile=None,
+        has_device: bool = False,
+        device_headroom_bytes: int | None = None,
+        subgroup_bytes: int = 0,
+        pins: Mapping[str, Any] | None = None,
+        host_staging_bytes: int | None = None,
+        path_depth_response: Mapping[str, Any] | None = None,
+        queue_size: int = 256,
+        backoff_s: tuple[float, float] = (0.05, 1.0),
+        connect_timeout_s: float = 2.0,
+        step_is_iteration: bool = False,
+    ) -> None:
         try:  # what the daemon would refuse at every registration: refuse it now, once
             RUN_ID(run_id, "run_id")
             RANK(rank, "rank")
@@ -87,9 +103,14 @@ class TunerClient:
             raise ConfigError(f"TunerClient: rank {rank} must be below world_size {world_size}")
         self.socket_path = socket_path
         self.run_id, self.rank, self.world_size = run_id, rank, world_size
-        self._static = {"params": int(params), "paths": [os.path.abspath(p) for p in paths], "profile": profile,
-                        "has_device": bool(has_device), "subgroup_bytes": int(subgroup_bytes),
-                        "pins": dict(pins or {})}
+        self._static = {
+            "params": int(params),
+            "paths": [os.path.abspath(p) for p in paths],
+            "profile": profile,
+            "has_device": bool(has_device),
+            "subgroup_bytes": int(subgroup_bytes),
+            "pins": dict(pins or {}),
+        }
         if host_staging_bytes is not None:
             self._static["host_staging_bytes"] = int(host_staging_bytes)
         if path_depth_response:
@@ -125,18 +146,30 @@ class TunerClient:
         self._thread.start()
 
     @classmethod
-    def for_engine(cls, socket_path: str, engine, *, run_id: str, rank: int = 0, world_size: int = 1,
-                   profile=None, hook: bool = True, **kw) -> "TunerClient":
+    def for_engine(
+        cls, socket_path: str, engine, *, run_id: str, rank: int = 0, world_size: int = 1, profile=None, hook: bool = True, **kw
+    ) -> "TunerClient":
         """A client for ``engine`` (a ``SubgroupEngine``), from what its ``describe()`` says, and
         (``hook``) registered as its step hook: knob changes applied before each step, telemetry
         after. ``hook=False`` leaves calling :meth:`apply_pending` and :meth:`report` to the caller."""
         facts = engine.describe()
         kw.setdefault("device_headroom_bytes", facts.device_headroom_bytes)
-        client = cls(socket_path, run_id=run_id, rank=rank, world_size=world_size, profile=profile,
-                     params=facts.params, paths=facts.paths, knobs=facts.knobs,
-                     has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
-                     pins=facts.pins, host_staging_bytes=facts.host_staging_bytes,
-                     path_depth_response=facts.path_depth_response, **kw)
+        client = cls(
+            socket_path,
+            run_id=run_id,
+            rank=rank,
+            world_size=world_size,
+            profile=profile,
+            params=facts.params,
+            paths=facts.paths,
+            knobs=facts.knobs,
+            has_device=facts.has_device,
+            subgroup_bytes=facts.subgroup_bytes,
+            pins=facts.pins,
+            host_staging_bytes=facts.host_staging_bytes,
+            path_depth_response=facts.path_depth_response,
+            **kw,
+        )
         if hook:
             engine.add_step_hook(client)
             client._engine = engine  # its completed steps go with the bye
@@ -157,8 +190,7 @@ class TunerClient:
 
     # -- the training side (never blocks) ----------------------------------------------------
 
-    def report(self, rec: StepRecord, *, iter_time_s: float | None = None,
-               device_headroom_bytes: int | None = None) -> None:
+    def report(self, rec: StepRecord, *, iter_time_s: float | None = None, device_headroom_bytes: int | None = None) -> None:
         """Queue this step's telemetry. ``iter_time_s`` defaults to the time since the last call
         (the whole iteration, forward and backward included) less what was not this iteration's
         (``rec.excluded_s``: a step skipped since, an ``offload_states``/``reload_states`` gap);
@@ -174,15 +206,24 @@ class TunerClient:
         self._iteration = max(self._iteration, rec.iteration + 1)
         if len(self._telemetry) == self._telemetry.maxlen:
             self.dropped += 1
-        self._telemetry.append({"type": "telemetry", "run_id": self.run_id, "rank": self.rank,
-                                "iteration": rec.iteration, "record": rec.to_dict(), "iter_time_s": iter_time_s,
-                                "device_headroom_bytes": self._headroom})
+        self._telemetry.append(
+            {
+                "type": "telemetry",
+                "run_id": self.run_id,
+                "rank": self.rank,
+                "iteration": rec.iteration,
+                "record": rec.to_dict(),
+                "iter_time_s": iter_time_s,
+                "device_headroom_bytes": self._headroom,
+            }
+        )
         self._wake()
 
     def report_event(self, kind: str, message: str) -> None:
         """Tell the daemon about an ``"oom"`` or an ``"error"`` in this rank."""
-        self._control.append({"type": "event", "run_id": self.run_id, "rank": self.rank, "kind": kind,
-                              "message": str(message)[:4096]})
+        self._control.append(
+            {"type": "event", "run_id": self.run_id, "rank": self.rank, "kind": kind, "message": str(message)[:4096]}
+        )
         self._wake()
 
     def apply_pending(self, engine) -> Knobs | None:
@@ -198,7 +239,7 @@ class TunerClient:
             if not due:
                 return None
             change = self._pending[due[-1]]
-            del self._pending[:due[-1] + 1]  # earlier-received changes are superseded
+            del self._pending[: due[-1] + 1]  # earlier-received changes are superseded
         try:
             engine.set_knobs(change.knobs)
         except OffloadError as e:
@@ -206,10 +247,19 @@ class TunerClient:
             return None
         self.knobs = change.knobs
         if it > change.apply_at:
-            log.warning("rank %d: change #%d applied late, at iteration %d instead of %d", self.rank, change.seq, it,
-                        change.apply_at)
-        self._control.append({"type": "applied", "run_id": self.run_id, "rank": self.rank, "seq": change.seq,
-                              "iteration": it, "apply_at": change.apply_at})
+            log.warning(
+                "rank %d: change #%d applied late, at iteration %d instead of %d", self.rank, change.seq, it, change.apply_at
+            )
+        self._control.append(
+            {
+                "type": "applied",
+                "run_id": self.run_id,
+                "rank": self.rank,
+                "seq": change.seq,
+                "iteration": it,
+                "apply_at": change.apply_at,
+            }
+        )
         self._wake()
         return change.knobs
 
@@ -261,9 +311,14 @@ class TunerClient:
             except (OSError, ProtocolError, ValueError) as e:
                 if str(e) != self.last_error:  # once per distinct failure, not once per retry
                     refused = isinstance(e, ProtocolError)
-                    log.log(logging.WARNING if refused else logging.INFO, "rank %d: tuner daemon at %s %s (%s); "
-                            "training keeps its knobs, retrying", self.rank, self.socket_path,
-                            "refused this rank" if refused else "unavailable", e)
+                    log.log(
+                        logging.WARNING if refused else logging.INFO,
+                        "rank %d: tuner daemon at %s %s (%s); training keeps its knobs, retrying",
+                        self.rank,
+                        self.socket_path,
+                        "refused this rank" if refused else "unavailable",
+                        e,
+                    )
                 self.last_error = str(e)
             finally:
                 self.connected.clear()
@@ -276,13 +331,35 @@ class TunerClient:
     def _connect(self) -> socket.socket:
         sock = connect_daemon(self.socket_path, self._connect_timeout)  # refuses a daemon it cannot trust
         try:
-            sock.sendall(encode({"v": API_VERSION, "type": "hello", "id": 0, "api": API_VERSION, "role": "engine",
-                                 "client": f"offloadctl engine pid {os.getpid()}"}))
+            sock.sendall(
+                encode(
+                    {
+                        "v": API_VERSION,
+                        "type": "hello",
+                        "id": 0,
+                        "api": API_VERSION,
+                        "role": "engine",
+                        "client": f"offloadctl engine pid {os.getpid()}",
+                    }
+                )
+            )
             self._expect(sock, "welcome")
-            sock.sendall(encode({"v": API_VERSION, "type": "register", "id": 1, "run_id": self.run_id,
-                                 "rank": self.rank, "world_size": self.world_size, **self._static,
-                                 "knobs": self._target_knobs().to_dict(), "device_headroom_bytes": self._headroom,
-                                 "iteration": self._iteration}))
+            sock.sendall(
+                encode(
+                    {
+                        "v": API_VERSION,
+                        "type": "register",
+                        "id": 1,
+                        "run_id": self.run_id,
+                        "rank": self.rank,
+                        "world_size": self.world_size,
+                        **self._static,
+                        "knobs": self._target_knobs().to_dict(),
+                        "device_headroom_bytes": self._headroom,
+                        "iteration": self._iteration,
+                    }
+                )
+            )
             reply = self._expect(sock, "registered")
         except BaseException:
             sock.close()
@@ -371,8 +448,7 @@ class TunerClient:
                 change = _Change(knobs_from_dict(msg["knobs"]), msg["apply_at"], msg["seq"], msg["reason"])
                 with self._lock:
                     self._pending.append(change)
-                log.info("rank %d: change #%d at iteration %d: %s", self.rank, change.seq, change.apply_at,
-                         change.reason)
+                log.info("rank %d: change #%d at iteration %d: %s", self.rank, change.seq, change.apply_at, change.reason)
             elif msg["type"] == "error":
                 log.warning("rank %d: tuner daemon error %s: %s", self.rank, msg["code"], msg["message"])
         except ProtocolError as e:

@@ -20,6 +20,7 @@ each measured from the second iteration under it; a change that comes during a t
 once the knobs are back. A direction's rate that moves (reads, writes) is a change of the path
 only when the path's round trip moves beyond the band too.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,7 +60,7 @@ class RateChange:
         writes 290 -> 62 MB/s', or 'path /ssd1 writes slowed from 440 to 60 MB/s' when one moved."""
         verb = "slowed" if self.slowed else "sped up"
         if len(self.moved) == 1:
-            (d, b, a), = self.moved
+            ((d, b, a),) = self.moved
             return f"path {self.path} {d} {verb} from {_mb(b)} to {_mb(a)} MB/s"
         return f"path {self.path} {verb}: " + ", ".join(f"{d} {_mb(b)} -> {_mb(a)} MB/s" for d, b, a in self.moved)
 
@@ -94,8 +95,7 @@ class Conditions:
     def __init__(self, paths: Sequence[str], cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self.paths = list(paths)
-        self._refs: dict[tuple[str, str], dict[tuple | None, _Reference]] = {
-            (p, d): {} for p in self.paths for d in _DIRECTIONS}
+        self._refs: dict[tuple[str, str], dict[tuple | None, _Reference]] = {(p, d): {} for p in self.paths for d in _DIRECTIONS}
         self._now: dict[tuple[str, str], float] = {}
 
     def rates(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ saved to the history and put back after a daemon restart, under the same checks.
 :class:`UserControls` is a part of :class:`tuner.runs.Runs`, given what it uses: the runs, the
 history, and the push of new knobs to a run's ranks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,9 @@ class UserControls:
     def _run_for_cli(self, msg: dict) -> Run:
         run = self.runs.get(msg["run_id"])
         if run is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"no run {msg['run_id']!r}; runs: "
-                                f"{', '.join(sorted(self.runs)) or 'none'}")
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_RUN, f"no run {msg['run_id']!r}; runs: {', '.join(sorted(self.runs)) or 'none'}"
+            )
         if run.status == "finished":
             raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {run.run_id} has finished")
         return run
@@ -116,8 +118,17 @@ class UserControls:
             self._change(run, knobs, reason, source="user")
             return
         log.info("run %s: %s", run.run_id, reason)
-        run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq, "apply_at": None,
-                              "knobs": run.knobs_dict, "source": "user", "reason": reason})
+        run.decisions.append(
+            {
+                "time": time.time(),
+                "iteration": run.max_iteration,
+                "seq": run.seq,
+                "apply_at": None,
+                "knobs": run.knobs_dict,
+                "source": "user",
+                "reason": reason,
+            }
+        )
 
     # -- kept across a daemon restart --------------------------------------------------------
 

@@ -2,6 +2,7 @@
 (:mod:`tuner.server`) and the run bookkeeping's (:mod:`tuner.runs`), so that both read the same
 validated values and neither imports the other for them.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,16 +59,31 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.socket_path, str) or not self.socket_path:
             raise ConfigError(f"ServerConfig.socket_path must be a path, got {self.socket_path!r}")
-        if self.idle_exit_s is not None and not (isinstance(self.idle_exit_s, (int, float)) and self.idle_exit_s > 0
-                                                 and math.isfinite(self.idle_exit_s)):
+        if self.idle_exit_s is not None and not (
+            isinstance(self.idle_exit_s, (int, float)) and self.idle_exit_s > 0 and math.isfinite(self.idle_exit_s)
+        ):
             raise ConfigError(f"ServerConfig.idle_exit_s must be a positive number of seconds, got {self.idle_exit_s!r}")
-        for name in ("frame_timeout_s", "handshake_timeout_s", "margin_s", "finished_keep_s", "sensor_interval_s",
-                     "summary_interval_s"):
+        for name in (
+            "frame_timeout_s",
+            "handshake_timeout_s",
+            "margin_s",
+            "finished_keep_s",
+            "sensor_interval_s",
+            "summary_interval_s",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"ServerConfig.{name} must be a positive number of seconds, got {v!r}")
-        for name in ("max_frame_bytes", "max_connections", "max_outbuf_bytes", "min_margin", "max_margin", "window",
-                     "history_points", "max_runs"):
+        for name in (
+            "max_frame_bytes",
+            "max_connections",
+            "max_outbuf_bytes",
+            "min_margin",
+            "max_margin",
+            "window",
+            "history_points",
+            "max_runs",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
                 raise ConfigError(f"ServerConfig.{name} must be a positive integer, got {v!r}")

@@ -8,6 +8,7 @@ re-stripe, and the log of each change with its measured effect.
 These keep state and answer questions; the policy applies the answers to its loop (the trial
 it abandons, the ledger it clears, the knobs it measures again: :mod:`tuner.policy`).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,16 +34,27 @@ class Limits:
     from the ranks' registrations), else the config's, else a quarter of what is available now
     shared by the ranks."""
 
-    def __init__(self, cfg: PolicyConfig, *, has_device: bool, params: int, subgroup_bytes: int, ranks: int,
-                 staging_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        has_device: bool,
+        params: int,
+        subgroup_bytes: int,
+        ranks: int,
+        staging_bytes: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.has_device = has_device
         self.params = params
         self.subgroup_bytes = subgroup_bytes
         self.ranks = ranks
         self.device_cap = 1.0
-        self.staging_cap = (staging_bytes if staging_bytes is not None
-                            else cfg.host_staging_bytes or psutil.virtual_memory().available // 4 // ranks)
+        self.staging_cap = (
+            staging_bytes
+            if staging_bytes is not None
+            else cfg.host_staging_bytes or psutil.virtual_memory().available // 4 // ranks
+        )
 
     def subgroups_per_rank(self) -> int | None:
         if not self.params or not self.subgroup_bytes:
@@ -85,8 +97,9 @@ class Contention:
             if p not in self.contended:
                 self._ours[p].append(ours)
             # Our own traffic in the threshold: sensor and engine intervals never align exactly.
-            thr = max(self.cfg.contention_min_bytes_per_s,
-                      self.cfg.contention_ratio * (median(self._ours[p]) if self._ours[p] else 0.0))
+            thr = max(
+                self.cfg.contention_min_bytes_per_s, self.cfg.contention_ratio * (median(self._ours[p]) if self._ours[p] else 0.0)
+            )
             if p not in self.contended:
                 # One iteration far above the threshold, or two above it.
                 if other >= 2 * thr or (len(hist) >= 2 and min(hist[-1], hist[-2]) >= thr):
@@ -115,8 +128,13 @@ class Change:
         return "contention" if self.contention else "conditions"
 
     def describe(self) -> str:
-        return "; ".join([f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
-                          for p, up, other in self.contention] + [c.describe() for c in self.rates])
+        return "; ".join(
+            [
+                f"contention {'appeared' if up else 'vanished'} on {p} (others {other / 1e6:.0f} MB/s)"
+                for p, up, other in self.contention
+            ]
+            + [c.describe() for c in self.rates]
+        )
 
 
 @dataclass(frozen=True)
@@ -136,8 +154,9 @@ class Adaptation:
     ``depth_response``: how each path's probe answered more and fewer requests in flight, until
     its rate changes."""
 
-    def __init__(self, paths: Sequence[str], cfg: PolicyConfig,
-                 depth_response: Mapping[str, Mapping[str, float]] | None = None) -> None:
+    def __init__(
+        self, paths: Sequence[str], cfg: PolicyConfig, depth_response: Mapping[str, Mapping[str, float]] | None = None
+    ) -> None:
         self.cfg = cfg
         self.paths = list(paths)
         self.contention = Contention(self.paths, cfg)
@@ -196,23 +215,26 @@ class Adaptation:
         """The model may move the stripe: two paths or more, not pinned, every rate known."""
         return len(self.paths) >= 2 and not stripe_pinned and self.conditions.known()
 
-    def restripe(self, why: str, good_knobs: Knobs, shares: Mapping[str, float], iteration: int, *,
-                 quiet: bool = False) -> ModelMove | str | None:
+    def restripe(
+        self, why: str, good_knobs: Knobs, shares: Mapping[str, float], iteration: int, *, quiet: bool = False
+    ) -> ModelMove | str | None:
         """The model's move after ``why`` (the stripe in force: ``shares``), in the log; else why
         there is none (it is already close to balance), in the log too, or None when ``quiet``."""
         r = restripe(self.conditions.rates(), shares, self.cfg)
         if r is None:
             if quiet:
                 return None
-            self.log.append({"iteration": iteration, "cause": why, "move": None,
-                             "effect": "no move: the stripe is already near the balance"})
-            return (f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the paths' "
-                    "rates now")
+            self.log.append(
+                {"iteration": iteration, "cause": why, "move": None, "effect": "no move: the stripe is already near the balance"}
+            )
+            return f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the paths' rates now"
         self.log.append({"iteration": iteration, "cause": why, "move": r.describe(), "effect": None})
         rates = ", ".join(f"{p} {v / 1e6:.0f} MB/s" for p, v in self.conditions.rates().items())
-        return ModelMove(good_knobs.replace(stripe_weights=r.after), r.describe(),
-                         f"{why}: {r.describe()} (balances the paths at their rates now, {rates}; predicted "
-                         f"I/O time -{100 * r.gain:.0f}%)")
+        return ModelMove(
+            good_knobs.replace(stripe_weights=r.after),
+            r.describe(),
+            f"{why}: {r.describe()} (balances the paths at their rates now, {rates}; predicted I/O time -{100 * r.gain:.0f}%)",
+        )
 
     def judged(self, kept: bool, effect: str) -> None:
         """The model's move was ruled on: its measured ``effect`` in the log."""

@@ -9,6 +9,7 @@ tuner's) never set a later run's start.
 Written by one daemon process (a lock serialises its threads); WAL lets ``offloadctl tune``
 and other readers look at it meanwhile.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,9 @@ def check_db_place(db_path: str) -> None:
     for name in (path, *(path + suffix for suffix in ("-wal", "-shm", "-journal"))):
         problem = foreign_file_problem(name)
         if problem:
-            raise ConfigError(f"tuner history database {path}: {problem}, which someone else may have put there: "
-                              f"remove it, or {fix}")
+            raise ConfigError(
+                f"tuner history database {path}: {problem}, which someone else may have put there: remove it, or {fix}"
+            )
 
 
 class History:
@@ -120,15 +122,18 @@ class History:
                 pass
             self._db = sqlite3.connect(self.db_path, timeout=10, check_same_thread=False, isolation_level=None)
         except (OSError, sqlite3.Error) as e:
-            raise ConfigError(f"tuner history database {self.db_path} cannot be opened ({e}): give a writable path "
-                              f"(--db PATH)") from None
+            raise ConfigError(
+                f"tuner history database {self.db_path} cannot be opened ({e}): give a writable path (--db PATH)"
+            ) from None
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, 1, SCHEMA_VERSION):  # 1 is upgraded below
-                raise ConfigError(f"tuner history database {self.db_path} has schema version {version}, this offloadctl "
-                                  f"reads {SCHEMA_VERSION}: move the file away to start a new history")
+                raise ConfigError(
+                    f"tuner history database {self.db_path} has schema version {version}, this offloadctl "
+                    f"reads {SCHEMA_VERSION}: move the file away to start a new history"
+                )
             with self._db:
                 self._db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
                 have = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
@@ -138,15 +143,26 @@ class History:
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as e:
             self._db.close()
-            raise ConfigError(f"tuner history database {self.db_path} is not usable ({e}): move the file away to "
-                              f"start a new history") from None
+            raise ConfigError(
+                f"tuner history database {self.db_path} is not usable ({e}): move the file away to start a new history"
+            ) from None
         except ConfigError:
             self._db.close()
             raise
 
-    def record_run(self, run_id: str, profile, params: int, ranks: int, knobs: Knobs, iter_time_s: float | None,
-                   *, paths: Sequence[str] | None = None, outcome: str = "finished",
-                   learned: Sequence[str] | None = None) -> None:
+    def record_run(
+        self,
+        run_id: str,
+        profile,
+        params: int,
+        ranks: int,
+        knobs: Knobs,
+        iter_time_s: float | None,
+        *,
+        paths: Sequence[str] | None = None,
+        outcome: str = "finished",
+        learned: Sequence[str] | None = None,
+    ) -> None:
         """Insert or update ``run_id`` with the knobs chosen and their iteration time.
 
         ``outcome``: 'finished', or 'interrupted' (a signal stopped it: never learned from).
@@ -165,9 +181,21 @@ class History:
                 "profile=excluded.profile, params=excluded.params, ranks=excluded.ranks, paths=excluded.paths, "
                 "knobs=excluded.knobs, iter_time_s=excluded.iter_time_s, updated_s=excluded.updated_s, "
                 "outcome=excluded.outcome, learned=excluded.learned",
-                (run_id, self.host, profile_key(profile), int(params), int(ranks), json.dumps(list(paths)),
-                 json.dumps(knobs.to_dict(), sort_keys=True), _float_or_none(iter_time_s), now, now, outcome,
-                 json.dumps(learned)))
+                (
+                    run_id,
+                    self.host,
+                    profile_key(profile),
+                    int(params),
+                    int(ranks),
+                    json.dumps(list(paths)),
+                    json.dumps(knobs.to_dict(), sort_keys=True),
+                    _float_or_none(iter_time_s),
+                    now,
+                    now,
+                    outcome,
+                    json.dumps(learned),
+                ),
+            )
 
     def save_controls(self, run_id: str, pins: dict, frozen: bool) -> None:
         """Remember ``run_id``'s pins and freeze (a restarted daemon puts them back)."""
@@ -175,7 +203,8 @@ class History:
             self._db.execute(
                 "INSERT INTO controls (run_id, pins, frozen, updated_s) VALUES (?, ?, ?, ?) ON CONFLICT(run_id) DO "
                 "UPDATE SET pins=excluded.pins, frozen=excluded.frozen, updated_s=excluded.updated_s",
-                (run_id, json.dumps(pins, sort_keys=True), int(bool(frozen)), time.time()))
+                (run_id, json.dumps(pins, sort_keys=True), int(bool(frozen)), time.time()),
+            )
 
     def controls(self, run_id: str) -> tuple[dict, bool] | None:
         """``(pins, frozen)`` saved for ``run_id``, or None."""
@@ -189,15 +218,23 @@ class History:
             return None
         return (pins if isinstance(pins, dict) else {}), bool(row[1])
 
-    def record_summary(self, run_id: str, iteration: int, iter_time_s: float | None, update_s: float | None,
-                       knobs: Knobs) -> None:
+    def record_summary(
+        self, run_id: str, iteration: int, iter_time_s: float | None, update_s: float | None, knobs: Knobs
+    ) -> None:
         """A periodic point of a run: its times at ``iteration`` and the knobs in force."""
         with self._lock, self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO summaries (run_id, iteration, time_s, iter_time_s, update_s, knobs) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
-                (run_id, int(iteration), time.time(), _float_or_none(iter_time_s), _float_or_none(update_s),
-                 json.dumps(knobs.to_dict(), sort_keys=True)))
+                (
+                    run_id,
+                    int(iteration),
+                    time.time(),
+                    _float_or_none(iter_time_s),
+                    _float_or_none(update_s),
+                    json.dumps(knobs.to_dict(), sort_keys=True),
+                ),
+            )
 
     def warm_start(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> WarmStart | None:
         """The tuner's latest verdict for a run like this one: same profile, same ranks, params
@@ -210,12 +247,14 @@ class History:
                 "SELECT run_id, knobs, paths, learned, updated_s FROM runs WHERE profile = ? AND ranks = ? "
                 "AND params * 2 >= ? AND params <= ? * 2 AND iter_time_s IS NOT NULL AND params > 0 "
                 "AND outcome = 'finished' AND learned IS NOT NULL AND learned != '[]'",
-                (profile_key(profile), int(ranks), int(params), int(params))).fetchall()
+                (profile_key(profile), int(ranks), int(params), int(params)),
+            ).fetchall()
         if not rows:
             return None
         want = set(paths) if paths is not None else None
         run_id, knobs_json, paths_json, learned_json, updated = min(
-            rows, key=lambda r: (want is not None and set(json.loads(r[2])) != want, -r[4]))
+            rows, key=lambda r: (want is not None and set(json.loads(r[2])) != want, -r[4])
+        )
         knobs = Knobs.from_dict(json.loads(knobs_json))
         learned = tuple(n for n in json.loads(learned_json) if n in Knobs.names())
         if want is not None:
@@ -235,10 +274,24 @@ class History:
     def runs(self) -> list[dict]:
         """Every run, newest first."""
         with self._lock:
-            rows = self._db.execute("SELECT run_id, host, profile, params, ranks, paths, knobs, iter_time_s, started_s, "
-                                    "updated_s, outcome, learned FROM runs ORDER BY updated_s DESC").fetchall()
-        keys = ("run_id", "host", "profile", "params", "ranks", "paths", "knobs", "iter_time_s", "started_s", "updated_s",
-                "outcome", "learned")
+            rows = self._db.execute(
+                "SELECT run_id, host, profile, params, ranks, paths, knobs, iter_time_s, started_s, "
+                "updated_s, outcome, learned FROM runs ORDER BY updated_s DESC"
+            ).fetchall()
+        keys = (
+            "run_id",
+            "host",
+            "profile",
+            "params",
+            "ranks",
+            "paths",
+            "knobs",
+            "iter_time_s",
+            "started_s",
+            "updated_s",
+            "outcome",
+            "learned",
+        )
         out = []
         for r in rows:
             d = dict(zip(keys, r))
@@ -250,10 +303,13 @@ class History:
     def summaries(self, run_id: str) -> list[dict]:
         """One run's summaries by iteration."""
         with self._lock:
-            rows = self._db.execute("SELECT iteration, time_s, iter_time_s, update_s, knobs FROM summaries "
-                                    "WHERE run_id = ? ORDER BY iteration", (run_id,)).fetchall()
-        return [{"iteration": i, "time_s": t, "iter_time_s": it, "update_s": u, "knobs": json.loads(k)}
-                for i, t, it, u, k in rows]
+            rows = self._db.execute(
+                "SELECT iteration, time_s, iter_time_s, update_s, knobs FROM summaries WHERE run_id = ? ORDER BY iteration",
+                (run_id,),
+            ).fetchall()
+        return [
+            {"iteration": i, "time_s": t, "iter_time_s": it, "update_s": u, "knobs": json.loads(k)} for i, t, it, u, k in rows
+        ]
 
     def close(self) -> None:
         with self._lock:

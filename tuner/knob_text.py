@@ -10,6 +10,7 @@ knob and value shown to a user is written by :func:`value_text` and :func:`knobs
 ``offloadctl tune --pin``, the daemon's pin messages (:mod:`tuner.runs`) and the policy read
 knob text here; :class:`engine.config.Knobs` only validates the values it is built from.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ class KnobKey:
         name, path = split_key(text) if isinstance(text, str) else (text, None)
         if name not in Knobs.names():
             near = nearest_knob(name) if isinstance(name, str) else None
-            raise ConfigError(f"unknown knob {text!r}{f' (did you mean {near}?)' if near else ''}: use one of "
-                              f"{', '.join(Knobs.names())}, or io_concurrency[PATH]")
+            raise ConfigError(
+                f"unknown knob {text!r}{f' (did you mean {near}?)' if near else ''}: use one of "
+                f"{', '.join(Knobs.names())}, or io_concurrency[PATH]"
+            )
         if path is not None:
             if name != "io_concurrency":
                 raise ConfigError(f"knob {text!r}: only io_concurrency takes a [PATH]; give {name} as a whole")
@@ -99,8 +102,7 @@ def flat_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
 def changed_knobs(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{key: (before, after)}`` of the :func:`flat_knobs` entries that differ (None: absent)."""
     a, b = flat_knobs(before), flat_knobs(after)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (k.split("[")[0], k))
-            if a.get(k) != b.get(k)}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (k.split("[")[0], k)) if a.get(k) != b.get(k)}
 
 
 def value_text(value: Any) -> str:
@@ -181,8 +183,9 @@ class Pins:
     def __init__(self) -> None:
         self._values: dict[KnobKey, Any] = {}
 
-    def pin(self, text: str, value, knobs: Knobs, paths: Sequence[str], has_device: bool,
-            check=None) -> tuple[KnobKey, Any, Knobs]:
+    def pin(
+        self, text: str, value, knobs: Knobs, paths: Sequence[str], has_device: bool, check=None
+    ) -> tuple[KnobKey, Any, Knobs]:
         """Pin knob ``text`` at ``value`` (as a user gives it). Returns the key, the value read
         and ``knobs`` with it set; ``check(key, new_knobs)`` may refuse (ConfigError) before
         anything is recorded."""
@@ -236,5 +239,6 @@ def adaptation_text(a: Mapping[str, Any]) -> str:
     move = a.get("move")
     done = move if move else (a.get("effect") or "no move")
     effect = a.get("effect") if move else None
-    return (f"at iteration {a.get('iteration')}, {a.get('cause')}: {done}"
-            + (f" ({effect})" if effect else " (being measured)" if move else ""))
+    return f"at iteration {a.get('iteration')}, {a.get('cause')}: {done}" + (
+        f" ({effect})" if effect else " (being measured)" if move else ""
+    )

@@ -7,6 +7,7 @@ It holds the moves that did not help, the knob settings that caused an error, th
 helped (tried again first), and the kept moves a later window must still confirm (a few samples
 can mislead: a transient, the cost of a change landing before or after the window).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

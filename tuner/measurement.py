@@ -2,6 +2,7 @@
 figures, the cost a move is judged on) and :class:`Noise` (the relative noise pooled over the
 windows measured, and the threshold a move must beat because of it).
 """
+
 from __future__ import annotations
 
 import math
@@ -73,8 +74,9 @@ def relative_noise(xs: Sequence[float]) -> float | None:
     return (max(xs) - min(xs)) / m / d2
 
 
-def negligible(baseline: Sequence[Sample], cfg: PolicyConfig, *, has_device: bool, threshold: float, kept: int,
-               factor: float = 1.0) -> str | None:
+def negligible(
+    baseline: Sequence[Sample], cfg: PolicyConfig, *, has_device: bool, threshold: float, kept: int, factor: float = 1.0
+) -> str | None:
     """Why no move can pay, in one sentence, or None when one can: what the knobs can change is
     under the bar (``factor`` x the larger of ``cfg.negligible_share`` and twice the noise
     ``threshold``) as a share of the iteration, medians over ``baseline`` (the last window).
@@ -93,6 +95,9 @@ def negligible(baseline: Sequence[Sample], cfg: PolicyConfig, *, has_device: boo
     if share >= bar:
         return None
     after = f"after {kept} kept move{'s' if kept != 1 else ''}, " if kept else ""
-    bar_is = (f"under the {100 * bar:.0f}% a gain must pass to show above this run's noise"
-              if 2 * threshold >= cfg.negligible_share else f"under {100 * bar:.0f}%, too little to be worth a trial")
+    bar_is = (
+        f"under the {100 * bar:.0f}% a gain must pass to show above this run's noise"
+        if 2 * threshold >= cfg.negligible_share
+        else f"under {100 * bar:.0f}%, too little to be worth a trial"
+    )
     return f"{after}the knobs can change only {what}, {100 * share:.1f}% of the {cost}: {bar_is}"

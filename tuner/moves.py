@@ -6,6 +6,7 @@ Moves are ranked by what the baseline shows: read wait -> prefetch, I/O wait -> 
 unbalanced lanes -> device fraction, a contended path -> stripe weight away from it; a move
 that just helped scores higher (momentum). Which move to *keep* is the policy's.
 """
+
 from __future__ import annotations
 
 import json
@@ -132,8 +133,17 @@ class MoveSearch:
     with each call as a :class:`SearchState`.
     """
 
-    def __init__(self, cfg: PolicyConfig, *, paths: Sequence[str], has_device: bool, ranks: int, limits: Limits,
-                 contention: Contention, pins: Pins) -> None:
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        paths: Sequence[str],
+        has_device: bool,
+        ranks: int,
+        limits: Limits,
+        contention: Contention,
+        pins: Pins,
+    ) -> None:
         self.cfg = cfg
         self.paths = list(paths)
         self.has_device = has_device
@@ -182,8 +192,11 @@ class MoveSearch:
         if move.key == START:
             return ": the run's own starting knobs, against the model's plan"
         knob, stats = move.key.knob, self.stats(baseline)
-        if knob is not None and knob.path in self._contended and (
-                knob.name == "stripe_weights" or (knob.name == "io_concurrency" and move.key.step == "-")):
+        if (
+            knob is not None
+            and knob.path in self._contended
+            and (knob.name == "stripe_weights" or (knob.name == "io_concurrency" and move.key.step == "-"))
+        ):
             return ": that path is contended"
         if not stats:
             return ""
@@ -209,10 +222,14 @@ class MoveSearch:
         shares = stats.get("shares", {})
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
         planned, back_done = self._planned_moves(k, state)
-        out = [*planned, *self._prefetch_moves(k, read_share),
-               *self._concurrency_moves(k, io_share, shares, state.depth_response),
-               *self._stripe_moves(k, io_share, shares, state.path_rates),
-               *self._device_moves(k, io_share, state), *self._node_lock_moves(k, io_share)]
+        out = [
+            *planned,
+            *self._prefetch_moves(k, read_share),
+            *self._concurrency_moves(k, io_share, shares, state.depth_response),
+            *self._stripe_moves(k, io_share, shares, state.path_rates),
+            *self._device_moves(k, io_share, state),
+            *self._node_lock_moves(k, io_share),
+        ]
         return [(s + (1.0 if m.key == state.last_kept else 0.0), m) for s, m in out], back_done
 
     def _planned_moves(self, k: Knobs, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
@@ -223,13 +240,18 @@ class MoveSearch:
         if state.return_to is not None:
             back = self.step_toward(k, state.return_to, state)
             if back != k:
-                out.append((3.0, Move(key=RETURN, knobs=back, lenient=True,
-                                      what=f"back toward the plan before contention ({diff(k, back)})")))
+                out.append(
+                    (
+                        3.0,
+                        Move(
+                            key=RETURN, knobs=back, lenient=True, what=f"back toward the plan before contention ({diff(k, back)})"
+                        ),
+                    )
+                )
             else:
                 back_done = True
         if state.own_start is not None:
-            out.append((2.5, Move(key=START, knobs=state.own_start,
-                                  what=f"the starting knobs ({diff(k, state.own_start)})")))
+            out.append((2.5, Move(key=START, knobs=state.own_start, what=f"the starting knobs ({diff(k, state.own_start)})")))
         return out, back_done
 
     def _prefetch_moves(self, k: Knobs, read_share: float) -> list[tuple[float, Move]]:
@@ -238,15 +260,30 @@ class MoveSearch:
             d = k.prefetch_depth
             up = min(d + (2 if read_share > 0.3 else 1), self._limits.prefetch_cap())
             if up > d:
-                out.append((0.2 + 2 * read_share, Move(key=_key("prefetch_depth", "+"), knobs=k.replace(prefetch_depth=up),
-                                                       what=f"prefetch_depth {d}->{up}")))
+                out.append(
+                    (
+                        0.2 + 2 * read_share,
+                        Move(
+                            key=_key("prefetch_depth", "+"), knobs=k.replace(prefetch_depth=up), what=f"prefetch_depth {d}->{up}"
+                        ),
+                    )
+                )
             if d > 0:
-                out.append((0.02, Move(key=_key("prefetch_depth", "-"), knobs=k.replace(prefetch_depth=d - 1),
-                                       what=f"prefetch_depth {d}->{d - 1}")))
+                out.append(
+                    (
+                        0.02,
+                        Move(
+                            key=_key("prefetch_depth", "-"),
+                            knobs=k.replace(prefetch_depth=d - 1),
+                            what=f"prefetch_depth {d}->{d - 1}",
+                        ),
+                    )
+                )
         return out
 
-    def _concurrency_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float],
-                           depth: Mapping[str, Mapping[str, float]]) -> list[tuple[float, Move]]:
+    def _concurrency_moves(
+        self, k: Knobs, io_share: float, shares: Mapping[str, float], depth: Mapping[str, Mapping[str, float]]
+    ) -> list[tuple[float, Move]]:
         """Twice or half the requests in flight on one path; where the path's probe at start
         answered at this concurrency and no one else shares it, only a rise the probe says gains
         (half the requests cannot serve it faster than the probe showed at full depth)."""
@@ -260,18 +297,33 @@ class MoveSearch:
             probed = probed if probed is not None and probed.get("at") == c else None
             if c < 64 and (probed is None or probed.get("double", 0.0) >= 1 + self.cfg.depth_gain):
                 conc[p] = min(64, 2 * c)
-                out.append((0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
-                            Move(key=_key("io_concurrency", "+", p), knobs=k.replace(io_concurrency=dict(conc)),
-                                 what=f"io_concurrency[{p}] {c}->{conc[p]}")))
+                out.append(
+                    (
+                        0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
+                        Move(
+                            key=_key("io_concurrency", "+", p),
+                            knobs=k.replace(io_concurrency=dict(conc)),
+                            what=f"io_concurrency[{p}] {c}->{conc[p]}",
+                        ),
+                    )
+                )
             if c > 1 and probed is None:
                 conc[p] = c // 2
-                out.append((1.5 if p in self._contended else 0.03,
-                            Move(key=_key("io_concurrency", "-", p), knobs=k.replace(io_concurrency=dict(conc)),
-                                 what=f"io_concurrency[{p}] {c}->{c // 2}")))
+                out.append(
+                    (
+                        1.5 if p in self._contended else 0.03,
+                        Move(
+                            key=_key("io_concurrency", "-", p),
+                            knobs=k.replace(io_concurrency=dict(conc)),
+                            what=f"io_concurrency[{p}] {c}->{c // 2}",
+                        ),
+                    )
+                )
         return out
 
-    def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float],
-                      rates: Mapping[str, float]) -> list[tuple[float, Move]]:
+    def _stripe_moves(
+        self, k: Knobs, io_share: float, shares: Mapping[str, float], rates: Mapping[str, float]
+    ) -> list[tuple[float, Move]]:
         """Weight away from one path, for each path; with every path's rate known, only the steps
         the paths' balance at those rates says may shorten their time (a step away from a
         balanced stripe only unbalances it: no trial spent on it), but away from a contended path."""
@@ -286,8 +338,16 @@ class MoveSearch:
                     continue
                 calm_elsewhere = any(q not in self._contended for q in self.paths if q != p)
                 score = 2.0 if p in self._contended and calm_elsewhere else 0.05 + 0.3 * io_share
-                out.append((score, Move(key=_key("stripe_weights", "-", p), knobs=k.replace(stripe_weights=new),
-                                        what=f"stripe weight of {p} {w[p]:.3g}->{new[p]:.3g}")))
+                out.append(
+                    (
+                        score,
+                        Move(
+                            key=_key("stripe_weights", "-", p),
+                            knobs=k.replace(stripe_weights=new),
+                            what=f"stripe weight of {p} {w[p]:.3g}->{new[p]:.3g}",
+                        ),
+                    )
+                )
         return out
 
     def _device_moves(self, k: Knobs, io_share: float, state: SearchState) -> list[tuple[float, Move]]:
@@ -300,24 +360,48 @@ class MoveSearch:
                 t = min(t, self._limits.device_cap)
                 if abs(t - f) >= 0.05 - 1e-9:
                     key = _key("device_fraction", "+" if t > f else "-")
-                    out.append((1.2, Move(key=key, knobs=k.replace(device_fraction=t),
-                                          what=f"device_fraction {f:.2g}->{t:.2g} ({why})")))
+                    out.append(
+                        (1.2, Move(key=key, knobs=k.replace(device_fraction=t), what=f"device_fraction {f:.2g}->{t:.2g} ({why})"))
+                    )
             else:  # no lane times reported: bounded steps
                 up = round(min(1.0, self._limits.device_cap, f + self.cfg.device_step), 6)
                 if up > f + 1e-9 and self._limits.device_fits(up):
-                    out.append((0.1 + (1 - io_share), Move(key=_key("device_fraction", "+"),
-                                                           knobs=k.replace(device_fraction=up),
-                                                           what=f"device_fraction {f:.2g}->{up:.2g}")))
+                    out.append(
+                        (
+                            0.1 + (1 - io_share),
+                            Move(
+                                key=_key("device_fraction", "+"),
+                                knobs=k.replace(device_fraction=up),
+                                what=f"device_fraction {f:.2g}->{up:.2g}",
+                            ),
+                        )
+                    )
                 if f > 0:
                     down = round(max(0.0, f - self.cfg.device_step), 6)
-                    out.append((0.03, Move(key=_key("device_fraction", "-"), knobs=k.replace(device_fraction=down),
-                                           what=f"device_fraction {f:.2g}->{down:.2g}")))
+                    out.append(
+                        (
+                            0.03,
+                            Move(
+                                key=_key("device_fraction", "-"),
+                                knobs=k.replace(device_fraction=down),
+                                what=f"device_fraction {f:.2g}->{down:.2g}",
+                            ),
+                        )
+                    )
         return out
 
     def _node_lock_moves(self, k: Knobs, io_share: float) -> list[tuple[float, Move]]:
         if self.ranks > 1 and not self._pinned("node_lock"):
-            return [(0.1 + 0.5 * io_share, Move(key=_key("node_lock", ""), knobs=k.replace(node_lock=not k.node_lock),
-                                                what=f"node_lock {k.node_lock}->{not k.node_lock}"))]
+            return [
+                (
+                    0.1 + 0.5 * io_share,
+                    Move(
+                        key=_key("node_lock", ""),
+                        knobs=k.replace(node_lock=not k.node_lock),
+                        what=f"node_lock {k.node_lock}->{not k.node_lock}",
+                    ),
+                )
+            ]
         return []
 
     def _balanced_fraction(self, state: SearchState) -> tuple[float, str] | None:
@@ -331,7 +415,7 @@ class MoveSearch:
         GPU kept up and its rate is only known to be enough: one ``device_step`` more (runs
         start from the engine's measured balance, so this is a refinement). No device lane yet:
         half the subgroups, once."""
-        lanes = [x.lanes for x in state.baseline[-self.cfg.window:] if x.lanes is not None]
+        lanes = [x.lanes for x in state.baseline[-self.cfg.window :] if x.lanes is not None]
         if not lanes:
             return None
         host_s = median([x.host_lane_s for x in lanes])
@@ -340,7 +424,7 @@ class MoveSearch:
         rest = host_n + lane_n
         if rest <= 0:
             return None
-        upd = median([x.update_s for x in state.baseline[-self.cfg.window:]])
+        upd = median([x.update_s for x in state.baseline[-self.cfg.window :]])
         f = state.good_knobs.device_fraction
         if lane_n > 0 and host_n > 0 and wait > 0.05 * upd and host_s > 0:
             r_dev, r_host = lane_n / upd, host_n / host_s
@@ -416,8 +500,7 @@ class MoveSearch:
                     out = out.replace(stripe_weights=dict(target.stripe_weights))  # within one step: exactly there
                 else:
                     moved, gain = sum(loss.values()), sum(v for v in delta.values() if v > 0)
-                    new = {p: cur[p] - loss.get(p, 0.0) + (moved * delta[p] / gain if delta[p] > 0 else 0.0)
-                           for p in self.paths}
+                    new = {p: cur[p] - loss.get(p, 0.0) + (moved * delta[p] / gain if delta[p] > 0 else 0.0) for p in self.paths}
                     out = out.replace(stripe_weights={p: round(v, 4) for p, v in new.items()})
         return out
 

@@ -3,6 +3,7 @@ run, aggregated over its ranks by :mod:`tuner.runs` or a benchmark) and :class:`
 knobs and the reason). Kept apart from the policy so that the daemon and custom policies share
 the interface without importing the search.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,9 +27,13 @@ class LaneTimes:
 
     @classmethod
     def of(cls, rec: StepRecord) -> "LaneTimes":
-        return cls(host_lane_s=rec.host_lane_s, device_wait_s=rec.device_wait_s,
-                   host_lane_subgroups=rec.host_lane_subgroups, device_lane_subgroups=rec.device_lane_subgroups,
-                   device_tier_subgroups=rec.device_tier_subgroups)
+        return cls(
+            host_lane_s=rec.host_lane_s,
+            device_wait_s=rec.device_wait_s,
+            host_lane_subgroups=rec.host_lane_subgroups,
+            device_lane_subgroups=rec.device_lane_subgroups,
+            device_tier_subgroups=rec.device_tier_subgroups,
+        )
 
 
 @dataclass(kw_only=True)
@@ -81,12 +86,22 @@ class Observation:
         for r in records:
             for p, s in r.path_queue_wait_s.items():
                 queued[p] = queued.get(p, 0.0) + s
-        return cls(iteration=records[0].iteration, iter_time_s=max(iter_times_s) if iter_times_s else None,
-                   update_s=slowest.update_s, read_wait_s=max(r.read_wait_s for r in records),
-                   write_wait_s=max(r.write_wait_s for r in records), kernel_s=max(r.kernel_s for r in records),
-                   path_read_bytes_per_s=read, path_write_bytes_per_s=write, path_read_rate=read_rate,
-                   path_write_rate=write_rate, path_queue_wait_s=queued, lanes=LaneTimes.of(slowest),
-                   setup_s=max(r.setup_s for r in records), **context)
+        return cls(
+            iteration=records[0].iteration,
+            iter_time_s=max(iter_times_s) if iter_times_s else None,
+            update_s=slowest.update_s,
+            read_wait_s=max(r.read_wait_s for r in records),
+            write_wait_s=max(r.write_wait_s for r in records),
+            kernel_s=max(r.kernel_s for r in records),
+            path_read_bytes_per_s=read,
+            path_write_bytes_per_s=write,
+            path_read_rate=read_rate,
+            path_write_rate=write_rate,
+            path_queue_wait_s=queued,
+            lanes=LaneTimes.of(slowest),
+            setup_s=max(r.setup_s for r in records),
+            **context,
+        )
 
 
 def path_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict[str, float]]:
@@ -115,8 +130,10 @@ def service_rates(records: Sequence[StepRecord]) -> tuple[dict[str, float], dict
     times, and paths that moved too little, give no entry."""
     out: tuple[dict[str, float], dict[str, float]] = ({}, {})
     for r in records:
-        for rates, moved, busy in ((out[0], r.path_bytes_read, r.path_read_busy_s),
-                                   (out[1], r.path_bytes_written, r.path_write_busy_s)):
+        for rates, moved, busy in (
+            (out[0], r.path_bytes_read, r.path_read_busy_s),
+            (out[1], r.path_bytes_written, r.path_write_busy_s),
+        ):
             for p, s in busy.items():
                 b = moved.get(p, 0)
                 if s >= MIN_BUSY_S and b >= MIN_SERVED_BYTES:

@@ -8,6 +8,7 @@ beside the database (``-wal``, ``-shm``, ``-journal``) are opened by name and ca
 without following links, so a directory others may write is refused outright, and each file the
 daemon opens itself is opened without following a link and checked to be the user's own.
 """
+
 from __future__ import annotations
 
 import errno

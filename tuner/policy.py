@@ -8,6 +8,7 @@ keep-or-revert ruling :mod:`tuner.ledger`; limits, and what changed and what the
 it (contention, a path's rate) :mod:`tuner.guards`. How it behaves, and why:
 docs/tuner-policy.md. ``Observation``, ``Decision`` and ``PolicyConfig`` are importable from here too.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,11 +38,22 @@ def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
 class Policy:
     """Online search over one run's knobs; see the module docstring."""
 
-    def __init__(self, start: Knobs, *, paths: Sequence[str], has_device: bool, subgroup_bytes: int,
-                 device_headroom_bytes: int | None = None, profile=None, params: int = 0, ranks: int = 1,
-                 pins: Mapping[str, Any] | None = None, host_staging_bytes: int | None = None,
-                 path_depth_response: Mapping[str, Mapping[str, float]] | None = None,
-                 config: PolicyConfig | None = None) -> None:
+    def __init__(
+        self,
+        start: Knobs,
+        *,
+        paths: Sequence[str],
+        has_device: bool,
+        subgroup_bytes: int,
+        device_headroom_bytes: int | None = None,
+        profile=None,
+        params: int = 0,
+        ranks: int = 1,
+        pins: Mapping[str, Any] | None = None,
+        host_staging_bytes: int | None = None,
+        path_depth_response: Mapping[str, Mapping[str, float]] | None = None,
+        config: PolicyConfig | None = None,
+    ) -> None:
         if not isinstance(start, Knobs):
             raise ConfigError(f"Policy start must be engine.Knobs, got {type(start).__name__}")
         if not (isinstance(subgroup_bytes, int) and subgroup_bytes >= 0):
@@ -71,12 +83,25 @@ class Policy:
         self._ledger = Ledger()
         self._fresh = 0  # samples of the good knobs measured since the knobs last changed
         self._noise = Noise(self.cfg)
-        self._limits = Limits(self.cfg, has_device=self.has_device, params=self.params,
-                              subgroup_bytes=self.subgroup_bytes, ranks=self.ranks, staging_bytes=host_staging_bytes)
+        self._limits = Limits(
+            self.cfg,
+            has_device=self.has_device,
+            params=self.params,
+            subgroup_bytes=self.subgroup_bytes,
+            ranks=self.ranks,
+            staging_bytes=host_staging_bytes,
+        )
         self._adapt = Adaptation(self.paths, self.cfg, path_depth_response)  # what changed, and the response
         self._own_start: Knobs | None = None  # the run's own start, tried against the model's plan
-        self._search = MoveSearch(self.cfg, paths=self.paths, has_device=self.has_device, ranks=self.ranks,
-                                  limits=self._limits, contention=self._adapt.contention, pins=self._pins)
+        self._search = MoveSearch(
+            self.cfg,
+            paths=self.paths,
+            has_device=self.has_device,
+            ranks=self.ranks,
+            limits=self._limits,
+            contention=self._adapt.contention,
+            pins=self._pins,
+        )
 
         self._knobs = self._good_knobs = start
         start, dropped = known_paths(start, self.paths, "start knobs")
@@ -90,9 +115,19 @@ class Policy:
         """Knobs the run's options fixed (pinned from the start)."""
         self._pin_from_the_start(pins or {})
         if profile is not None:
-            m = model_start(profile, start, cfg=self.cfg, limits=self._limits, pins=self._pins, paths=self.paths,
-                            has_device=self.has_device, params=self.params, ranks=self.ranks,
-                            subgroup_bytes=self.subgroup_bytes, device_headroom_bytes=device_headroom_bytes)
+            m = model_start(
+                profile,
+                start,
+                cfg=self.cfg,
+                limits=self._limits,
+                pins=self._pins,
+                paths=self.paths,
+                has_device=self.has_device,
+                params=self.params,
+                ranks=self.ranks,
+                subgroup_bytes=self.subgroup_bytes,
+                device_headroom_bytes=device_headroom_bytes,
+            )
             if m.dropped:
                 self._note(m.dropped, "guard")
             if m.plan is None:
@@ -104,10 +139,20 @@ class Policy:
     @classmethod
     def for_run(cls, start: Knobs, facts, config: PolicyConfig | None = None) -> "Policy":
         """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
-        return cls(start, paths=facts.paths, has_device=facts.has_device, subgroup_bytes=facts.subgroup_bytes,
-                   device_headroom_bytes=facts.device_headroom_bytes, profile=facts.profile, params=facts.params,
-                   ranks=facts.ranks, pins=facts.pins, host_staging_bytes=facts.host_staging_bytes,
-                   path_depth_response=facts.path_depth_response, config=config)
+        return cls(
+            start,
+            paths=facts.paths,
+            has_device=facts.has_device,
+            subgroup_bytes=facts.subgroup_bytes,
+            device_headroom_bytes=facts.device_headroom_bytes,
+            profile=facts.profile,
+            params=facts.params,
+            ranks=facts.ranks,
+            pins=facts.pins,
+            host_staging_bytes=facts.host_staging_bytes,
+            path_depth_response=facts.path_depth_response,
+            config=config,
+        )
 
     # -- public ------------------------------------------------------------------------------
 
@@ -128,16 +173,26 @@ class Policy:
     def state(self) -> dict:
         """What the policy is doing, for snapshots and the live view; ``holding_reason`` only
         while it holds, so that it never contradicts ``mode``."""
-        mode = ("frozen" if self._frozen else "trial" if self._ledger.trial
-                else "holding" if self._holding_since is not None else "measuring")
+        mode = (
+            "frozen"
+            if self._frozen
+            else "trial"
+            if self._ledger.trial
+            else "holding"
+            if self._holding_since is not None
+            else "measuring"
+        )
         return {
             "mode": mode,
             "since_iteration": self._holding_since if mode == "holding" else None,
             "trial": self._ledger.trial.move.what if self._ledger.trial else None,
             "good_knobs": self._good_knobs.to_dict(),
             "good_update_s": _median([s.update_s for s in self._ledger.baseline[-5:]]) if self._ledger.baseline else None,
-            "good_iteration_s": (_median([s.iter_time_s for s in self._ledger.baseline[-5:] if s.iter_time_s])
-                                 if any(s.iter_time_s for s in self._ledger.baseline[-5:]) else None),
+            "good_iteration_s": (
+                _median([s.iter_time_s for s in self._ledger.baseline[-5:] if s.iter_time_s])
+                if any(s.iter_time_s for s in self._ledger.baseline[-5:])
+                else None
+            ),
             "holding_reason": (self._negligible_why or self._hold_why) if mode == "holding" else None,
             "threshold": self._noise.threshold(),
             "contended_paths": sorted(self._adapt.contention.contended),
@@ -180,8 +235,9 @@ class Policy:
         if self._ledger.trial is not None:
             return self._rule_on_trial(s)
         if self._adapt.check_stripe():
-            d = self._model_move("the stripe does not match the paths' measured rates",
-                                 list(self._ledger.baseline[-2:]) + [s], quiet=True)
+            d = self._model_move(
+                "the stripe does not match the paths' measured rates", list(self._ledger.baseline[-2:]) + [s], quiet=True
+            )
             if d is not None:
                 return d
         self._ledger.baseline.append(s)
@@ -194,7 +250,7 @@ class Policy:
             return self._hold()
         if len(self._ledger.baseline) < self._samples_wanted:
             return None
-        self._noise.add([x.cost for x in self._ledger.baseline[-self._samples_wanted:]])
+        self._noise.add([x.cost for x in self._ledger.baseline[-self._samples_wanted :]])
         idle = self._negligible()
         if idle is not None and self._knobs == self._good_knobs:
             self._holding_since, self._negligible_why = self._iteration, idle
@@ -204,10 +260,14 @@ class Policy:
 
     def pin(self, knob: str, value) -> None:
         """Fix ``knob`` (a Knobs field, or ``io_concurrency[PATH]``) at ``value``; never searched."""
+
         def device_fits(key: KnobKey, new: Knobs) -> None:
             if key.name == "device_fraction" and new.device_fraction > 0 and not self._limits.device_fits(new.device_fraction):
-                why = ("this run has no device lane" if not self.has_device
-                       else f"it ran out of GPU memory above {self._limits.device_cap:g}")
+                why = (
+                    "this run has no device lane"
+                    if not self.has_device
+                    else f"it ran out of GPU memory above {self._limits.device_cap:g}"
+                )
                 raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: {why}; pin a smaller fraction")
 
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
@@ -235,8 +295,11 @@ class Policy:
             self.fixed.append(str(key))
         self._good_knobs = self._knobs
         if self.fixed:
-            self._note(f"fixed by the run's options, never moved: "
-                       f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.fixed)}", "user")
+            self._note(
+                f"fixed by the run's options, never moved: "
+                f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.fixed)}",
+                "user",
+            )
 
     def _user_set(self) -> list[str]:
         """Knobs the user pinned in this run, pinned still or unpinned since, whose good value is
@@ -282,8 +345,9 @@ class Policy:
         self._log(reason, kind, changed=False)
 
     def _log(self, reason: str, kind: str, *, changed: bool) -> None:
-        self.log.append({"iteration": self._iteration, "knobs": self._knobs.to_dict(), "reason": reason, "kind": kind,
-                         "changed": changed})
+        self.log.append(
+            {"iteration": self._iteration, "knobs": self._knobs.to_dict(), "reason": reason, "kind": kind, "changed": changed}
+        )
         if len(self.log) > 2 * LOG_ENTRIES:  # a daemon's run may last weeks: keep the recent part
             del self.log[:-LOG_ENTRIES]
 
@@ -309,15 +373,23 @@ class Policy:
             return self._decide(self._good_knobs, prefix.rstrip("; "), "revert")
         if move is None:
             self._holding_since, self._held = self._iteration, []
-            recent = self._ledger.baseline[-self.cfg.window:]
+            recent = self._ledger.baseline[-self.cfg.window :]
             self._holding_cost = _median([s.cost for s in recent]) if recent else None
-            self._hold_why = ("the stripe balances the paths at their rates now: the I/O knobs wait for the next "
-                              "re-exploration" if self._ledger.last_kept == MODEL else None if self._ledger.failed_moves
-                              else "no move worth a trial: the paths' probes and rates leave no knob to gain by")
-            left = self._hold_why or (f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}%"
-                                      " (this run's noise threshold)")
-            msg = (prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
-                   if self._holding_cost else prefix + "holding")
+            self._hold_why = (
+                "the stripe balances the paths at their rates now: the I/O knobs wait for the next re-exploration"
+                if self._ledger.last_kept == MODEL
+                else None
+                if self._ledger.failed_moves
+                else "no move worth a trial: the paths' probes and rates leave no knob to gain by"
+            )
+            left = self._hold_why or (
+                f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% (this run's noise threshold)"
+            )
+            msg = (
+                prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
+                if self._holding_cost
+                else prefix + "holding"
+            )
             if self._knobs != self._good_knobs:
                 return self._decide(self._good_knobs, msg, "revert")
             self._note(msg, "hold")
@@ -337,8 +409,10 @@ class Policy:
         base, med, thr = ruling.base_cost, ruling.cost, ruling.threshold
         figures = f"{self._cost_name()} {base:.3f} -> {med:.3f} s, {100 * (med / base - 1):+.0f}%, threshold {100 * thr:.0f}%"
         if self._cost_name() == "iteration":  # the explanation: what the update phase did
-            figures += (f"; update {_median([x.update_s for x in self._ledger.baseline[-5:]]):.3f} -> "
-                        f"{_median([x.update_s for x in t.samples]):.3f} s")
+            figures += (
+                f"; update {_median([x.update_s for x in self._ledger.baseline[-5:]]):.3f} -> "
+                f"{_median([x.update_s for x in t.samples]):.3f} s"
+            )
         self._ledger.trial = None
         move = t.move
         if move.key == MODEL:
@@ -374,15 +448,17 @@ class Policy:
         last = self._ledger.refuted(now, thr)
         if last is None:
             return None
-        reason = (f"undid {last.move.what}: {self._cost_name()} {last.before_cost:.3f} s before it, {now:.3f} s over "
-                  f"the {w} iterations since ({100 * (now / last.before_cost - 1):+.0f}%, threshold {100 * thr:.0f}%)")
+        reason = (
+            f"undid {last.move.what}: {self._cost_name()} {last.before_cost:.3f} s before it, {now:.3f} s over "
+            f"the {w} iterations since ({100 * (now / last.before_cost - 1):+.0f}%, threshold {100 * thr:.0f}%)"
+        )
         self._good_knobs = last.before
         self._restart_measuring()
         return self._decide(last.before, reason, "revert")
 
     def _hold(self) -> Decision | None:
         w = self.cfg.window
-        self._ledger.baseline = self._ledger.baseline[-2 * w:]
+        self._ledger.baseline = self._ledger.baseline[-2 * w :]
         recent = [s.cost for s in self._ledger.baseline[-w:]]
         if self._negligible_why is not None:
             if len(recent) >= w and self._negligible(2.0) is None:
@@ -392,15 +468,16 @@ class Policy:
             return None  # holding: nothing the knobs change is worth measuring
         # Its level: its own first window, not a trial's few samples; a rise: over two windows after
         # it (one noisy window starts no search; a path that slows is a change of conditions).
-        self._held = (self._held + [recent[-1]])[:2 * w + 1]
+        self._held = (self._held + [recent[-1]])[: 2 * w + 1]
         self._holding_cost = _median(self._held[:w])
-        risen = _median([s.cost for s in self._ledger.baseline[-2 * w:]])
+        risen = _median([s.cost for s in self._ledger.baseline[-2 * w :]])
         if len(self._held) > 2 * w and risen > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             self._ledger.failed_moves.clear()
             self._holding_since = None
             self._ledger.baseline = self._ledger.baseline[-w:]
-            return self._propose(f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while "
-                                 f"holding; re-exploring; ")
+            return self._propose(
+                f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while holding; re-exploring; "
+            )
         every = self.cfg.reexplore_every_iters
         if every and self._iteration - self._holding_since >= every:
             self._ledger.failed_moves.clear()
@@ -409,13 +486,19 @@ class Policy:
         return None
 
     def _cost_name(self) -> str:
-        recent = self._ledger.baseline[-self.cfg.window:]
+        recent = self._ledger.baseline[-self.cfg.window :]
         return "iteration" if recent and all(x.iter_time_s for x in recent) else "update"
 
     def _negligible(self, factor: float = 1.0) -> str | None:
         """Why no move can pay (:func:`tuner.measurement.negligible`), or None when one can."""
-        return negligible(self._ledger.baseline[-self.cfg.window:], self.cfg, has_device=self.has_device,
-                          threshold=self._noise.threshold(), kept=self._ledger.kept_total, factor=factor)
+        return negligible(
+            self._ledger.baseline[-self.cfg.window :],
+            self.cfg,
+            has_device=self.has_device,
+            threshold=self._noise.threshold(),
+            kept=self._ledger.kept_total,
+            factor=factor,
+        )
 
     # -- guard rails -----------------------------------------------------------------------------
 
@@ -425,8 +508,11 @@ class Policy:
             self._ledger.errored(move.knobs, move)
             # The baseline still holds: go on after settling.
             self._samples_wanted = max(self._samples_wanted, len(self._ledger.baseline))
-            return self._decide(self._good_knobs, f"rolled back {move.what} after an error on a rank ({error}); "
-                                f"those knobs are not tried again", "rollback")
+            return self._decide(
+                self._good_knobs,
+                f"rolled back {move.what} after an error on a rank ({error}); those knobs are not tried again",
+                "rollback",
+            )
         f = self._knobs.device_fraction
         if "oom" in error.lower() and f > 0:
             self._ledger.errored(self._knobs)
@@ -435,8 +521,12 @@ class Policy:
             self._good_knobs = self._knobs.replace(device_fraction=down)
             self._ledger.unconfirmed = []
             self._restart_measuring()
-            return self._decide(self._good_knobs, f"out of memory with the device lane at {f:.2g} ({error}): lowered to "
-                                f"{down:.2g}, and never raised above it again", "rollback")
+            return self._decide(
+                self._good_knobs,
+                f"out of memory with the device lane at {f:.2g} ({error}): lowered to "
+                f"{down:.2g}, and never raised above it again",
+                "rollback",
+            )
         self._note(f"error on a rank under the last good knobs ({error}); nothing to roll back", "error")
         return None
 
@@ -455,19 +545,21 @@ class Policy:
             self._noise = Noise(self.cfg)
         abandoned, self._ledger.trial = (self._ledger.trial.move.what if self._ledger.trial else None), None
         if change.rates and model:
-            d = self._model_move(desc, list(self._adapt.recent)[-self.cfg.change_iters:], abandoned)
+            d = self._model_move(desc, list(self._adapt.recent)[-self.cfg.change_iters :], abandoned)
             if d is not None:
                 return d
         self._restart_measuring()
         self._samples_wanted = self.cfg.rebaseline_iters
         if abandoned is not None:
-            return self._decide(self._good_knobs, f"{desc}: trial of {abandoned} abandoned, measuring the last good "
-                                "knobs", change.kind)
+            return self._decide(
+                self._good_knobs, f"{desc}: trial of {abandoned} abandoned, measuring the last good knobs", change.kind
+            )
         self._note(f"{desc}: measuring the current knobs again", change.kind)
         return None
 
-    def _model_move(self, why: str, baseline: list[Sample], abandoned: str | None = None, *,
-                    quiet: bool = False) -> Decision | None:
+    def _model_move(
+        self, why: str, baseline: list[Sample], abandoned: str | None = None, *, quiet: bool = False
+    ) -> Decision | None:
         """Straight to the stripe that balances the paths at their measured rates, judged (kept
         unless it does worse) against ``baseline``, the iterations that showed the change; None
         when the stripe is pinned, a rate is unknown, or it is already close to balance (said in
@@ -489,17 +581,21 @@ class Policy:
     # -- asking the search ----------------------------------------------------------------------
 
     def _search_state(self) -> SearchState:
-        return SearchState(good_knobs=self._good_knobs, baseline=self._ledger.baseline,
-                           failed_moves=self._ledger.failed_moves, bad_knobs=self._ledger.bad_knobs,
-                           last_kept=self._ledger.last_kept,
-                           own_start=self._own_start, return_to=self._adapt.return_to,
-                           shares_before_contention=self._adapt.shares_before_contention,
-                           path_rates=self._adapt.conditions.rates() if self._adapt.conditions.known() else {},
-                           depth_response=self._adapt.depth_response)
+        return SearchState(
+            good_knobs=self._good_knobs,
+            baseline=self._ledger.baseline,
+            failed_moves=self._ledger.failed_moves,
+            bad_knobs=self._ledger.bad_knobs,
+            last_kept=self._ledger.last_kept,
+            own_start=self._own_start,
+            return_to=self._adapt.return_to,
+            shares_before_contention=self._adapt.shares_before_contention,
+            path_rates=self._adapt.conditions.rates() if self._adapt.conditions.known() else {},
+            depth_response=self._adapt.depth_response,
+        )
 
     def _next_move(self) -> Move | None:
         move, back_done = self._search.next_move(self._search_state())
         if back_done:
             self._adapt.return_to = None
         return move
-

@@ -2,6 +2,7 @@
 validated once. The one owner of those defaults; :mod:`tuner.policy` and the modules it is
 made of read them from here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,17 @@ class PolicyConfig:
                 raise ConfigError(f"PolicyConfig.{name} must be a non-negative integer, got {v!r}")
         if self.max_prefetch_depth > 64:
             raise ConfigError(f"PolicyConfig.max_prefetch_depth must be at most 64, got {self.max_prefetch_depth}")
-        for name in ("min_gain", "max_threshold", "drift", "device_step", "stripe_step", "contention_ratio",
-                     "rate_change", "model_gain", "depth_gain"):
+        for name in (
+            "min_gain",
+            "max_threshold",
+            "drift",
+            "device_step",
+            "stripe_step",
+            "contention_ratio",
+            "rate_change",
+            "model_gain",
+            "depth_gain",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ConfigError(f"PolicyConfig.{name} must be in (0, 1], got {v!r}")
@@ -91,8 +101,10 @@ class PolicyConfig:
         if not (isinstance(self.noise_k, (int, float)) and self.noise_k >= 0):
             raise ConfigError(f"PolicyConfig.noise_k must be a non-negative number, got {self.noise_k!r}")
         if not (isinstance(self.contention_min_bytes_per_s, (int, float)) and self.contention_min_bytes_per_s > 0):
-            raise ConfigError("PolicyConfig.contention_min_bytes_per_s must be positive, "
-                              f"got {self.contention_min_bytes_per_s!r}")
+            raise ConfigError(
+                f"PolicyConfig.contention_min_bytes_per_s must be positive, got {self.contention_min_bytes_per_s!r}"
+            )
         if self.host_staging_bytes is not None and not (isinstance(self.host_staging_bytes, int) and self.host_staging_bytes > 0):
-            raise ConfigError("PolicyConfig.host_staging_bytes must be a positive integer or None, "
-                              f"got {self.host_staging_bytes!r}")
+            raise ConfigError(
+                f"PolicyConfig.host_staging_bytes must be a positive integer or None, got {self.host_staging_bytes!r}"
+            )

@@ -11,6 +11,7 @@ Every message type has a schema (:data:`CLIENT_SCHEMAS`, :data:`SERVER_SCHEMAS`)
 each field's type and range; unknown fields are refused, except inside a telemetry ``record``
 (the engine's ``StepRecord``, which may grow), whose known fields are still type-checked.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,20 +39,20 @@ HEADER = struct.Struct(">I")
 class ErrorCode(IntEnum):
     """Numbered error codes carried by ``error`` replies."""
 
-    BAD_FRAME = 1      # zero length, or the connection ended inside a frame
-    TOO_LARGE = 2      # length above the maximum frame size (connection closed)
-    BAD_JSON = 3       # body is not UTF-8 JSON (connection kept: the framing is intact)
-    SCHEMA = 4         # a field is missing, unknown, or of the wrong type or range
-    UNKNOWN_TYPE = 5   # no such message type (connection kept)
-    VERSION = 6        # API version not spoken by this daemon (connection closed)
-    PERMISSION = 7     # peer is neither the daemon's uid nor root (connection closed)
-    UNKNOWN_RUN = 8    # no such run, or this connection has not registered that rank
-    HANDSHAKE = 9      # first message was not ``hello``, or ``hello`` came twice
-    ROLE = 10          # message type not allowed for this connection's role
-    BAD_VALUE = 11     # well-typed but unusable: a knob value, a world size that disagrees
-    TIMEOUT = 12       # a frame or the handshake did not complete in time (connection closed)
-    BUSY = 13          # too many connections (connection closed)
-    INTERNAL = 14      # the daemon failed handling this message; other runs are unaffected
+    BAD_FRAME = 1  # zero length, or the connection ended inside a frame
+    TOO_LARGE = 2  # length above the maximum frame size (connection closed)
+    BAD_JSON = 3  # body is not UTF-8 JSON (connection kept: the framing is intact)
+    SCHEMA = 4  # a field is missing, unknown, or of the wrong type or range
+    UNKNOWN_TYPE = 5  # no such message type (connection kept)
+    VERSION = 6  # API version not spoken by this daemon (connection closed)
+    PERMISSION = 7  # peer is neither the daemon's uid nor root (connection closed)
+    UNKNOWN_RUN = 8  # no such run, or this connection has not registered that rank
+    HANDSHAKE = 9  # first message was not ``hello``, or ``hello`` came twice
+    ROLE = 10  # message type not allowed for this connection's role
+    BAD_VALUE = 11  # well-typed but unusable: a knob value, a world size that disagrees
+    TIMEOUT = 12  # a frame or the handshake did not complete in time (connection closed)
+    BUSY = 13  # too many connections (connection closed)
+    INTERNAL = 14  # the daemon failed handling this message; other runs are unaffected
 
 
 class ProtocolError(OffloadError):
@@ -100,15 +101,22 @@ def Int(lo: int | None = None, hi: int = INT_MAX) -> Spec:
         if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or v > hi or v < -INT_MAX:
             _fail(where, f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]", v)
         return v
+
     return check
 
 
 def Num(lo: float | None = None, hi: float = NUM_MAX) -> Spec:
     def check(v, where):
-        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (lo is not None and v < lo)
-                or v > hi):
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or not math.isfinite(v)
+            or (lo is not None and v < lo)
+            or v > hi
+        ):
             _fail(where, f"a finite number in [{lo if lo is not None else -hi}, {hi:g}]", v)
         return v
+
     return check
 
 
@@ -119,6 +127,7 @@ def Str(max_len: int = 256, pattern: str | None = None, min_len: int = 0) -> Spe
         if not isinstance(v, str) or not (min_len <= len(v) <= max_len) or (rx and not rx.fullmatch(v)):
             _fail(where, f"a string of {min_len}..{max_len} characters" + (f" matching {pattern}" if rx else ""), v)
         return v
+
     return check
 
 
@@ -133,12 +142,14 @@ def Enum(*values) -> Spec:
         if not isinstance(v, str) or v not in values:
             _fail(where, "one of " + ", ".join(map(repr, values)), v)
         return v
+
     return check
 
 
 def Opt(spec: Spec) -> Spec:
     def check(v, where):
         return None if v is None else spec(v, where)
+
     return check
 
 
@@ -162,6 +173,7 @@ def Dict(value: Spec, key: Spec | None = None, max_items: int = 256) -> Spec:
             except ProtocolError as e:
                 raise _inside(where, f"[{k!r}]", e) from None
         return v
+
     return check
 
 
@@ -175,6 +187,7 @@ def List(item: Spec, max_items: int = 256) -> Spec:
             except ProtocolError as e:
                 raise _inside(where, f"[{i}]", e) from None
         return v
+
     return check
 
 
@@ -198,6 +211,7 @@ def Obj(fields: dict[str, tuple[Spec, bool]], *, extra: bool = False) -> Spec:
             if unknown:
                 raise ProtocolError(ErrorCode.SCHEMA, f"{where} has unknown field(s) {sorted(unknown)}")
         return v
+
     return check
 
 
@@ -210,21 +224,38 @@ KNOB = Str(4200, r"(%s)(\[.+\])?" % "|".join(KNOB_NAMES))
 """A knob to pin: a Knobs field, or ``io_concurrency[PATH]`` for one path."""
 # The wire type of each knob; the names (and their ranges) are Knobs'. A knob added there
 # without a wire type here fails at import, not at the first message.
-_KNOB_WIRE = {"device_fraction": Num(0), "prefetch_depth": Int(0), "io_concurrency": Dict(Int(1), PATH, 64),
-              "node_lock": Bool, "stripe_weights": Dict(Num(0), PATH, 64)}
+_KNOB_WIRE = {
+    "device_fraction": Num(0),
+    "prefetch_depth": Int(0),
+    "io_concurrency": Dict(Int(1), PATH, 64),
+    "node_lock": Bool,
+    "stripe_weights": Dict(Num(0), PATH, 64),
+}
 KNOBS = Obj({name: (_KNOB_WIRE[name], False) for name in KNOB_NAMES})
 PINS = Dict(Any_, KNOB, 64)
 """Knob -> value pinned (a value the policy checks as it checks a ``pin`` request's)."""
 # The parts of StepRecord.to_dict() the daemon reads; other fields pass unchecked.
 SECONDS = Num(0, SECONDS_MAX)
-RECORD = Obj({
-    "iteration": (Int(0), True), "update_s": (SECONDS, True), "read_wait_s": (SECONDS, True),
-    "kernel_s": (SECONDS, True), "write_wait_s": (SECONDS, True),
-    "path_bytes_read": (Dict(Int(0), PATH, 64), False), "path_bytes_written": (Dict(Int(0), PATH, 64), False),
-    "cache_hits": (Int(0), False), "cache_misses": (Int(0), False), "knobs": (KNOBS, False),
-    "host_lane_s": (SECONDS, False), "device_wait_s": (SECONDS, False), "host_lane_subgroups": (Int(0), False),
-    "device_lane_subgroups": (Int(0), False), "device_tier_subgroups": (Int(0), False),
-}, extra=True)
+RECORD = Obj(
+    {
+        "iteration": (Int(0), True),
+        "update_s": (SECONDS, True),
+        "read_wait_s": (SECONDS, True),
+        "kernel_s": (SECONDS, True),
+        "write_wait_s": (SECONDS, True),
+        "path_bytes_read": (Dict(Int(0), PATH, 64), False),
+        "path_bytes_written": (Dict(Int(0), PATH, 64), False),
+        "cache_hits": (Int(0), False),
+        "cache_misses": (Int(0), False),
+        "knobs": (KNOBS, False),
+        "host_lane_s": (SECONDS, False),
+        "device_wait_s": (SECONDS, False),
+        "host_lane_subgroups": (Int(0), False),
+        "device_lane_subgroups": (Int(0), False),
+        "device_tier_subgroups": (Int(0), False),
+    },
+    extra=True,
+)
 DEPTH_RESPONSE = Obj({"at": (Int(1, 64), True), "double": (Num(0, 1000), False), "half": (Num(0, 1000), False)})
 """A path's probed round trip at twice and half its concurrency ``at``, over at it (``EngineFacts``)."""
 PROFILE = Opt(lambda v, where: v if isinstance(v, (str, dict)) else _fail(where, "a string, an object or null", v))
@@ -235,16 +266,30 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
     "hello": {"api": (Int(0), True), "role": (Enum("engine", "cli"), True), "client": (Str(256), False)},
     "ping": {},
     # engine role
-    "register": {**_RUN_RANK, "world_size": (Int(1, 1 << 20), True), "params": (Int(0), True),
-                 "paths": (List(PATH, 64), True), "knobs": (KNOBS, True), "profile": (PROFILE, False),
-                 "has_device": (Bool, True), "device_headroom_bytes": (Opt(Int(0)), False),
-                 "subgroup_bytes": (Int(0), True), "iteration": (Int(0), False),
-                 # knobs the run's options fixed, with their values (pinned from the start), and
-                 # the rank's host bytes for staging buffers within its host-memory budget
-                 "pins": (PINS, False), "host_staging_bytes": (Opt(Int(0)), False),
-                 "path_depth_response": (Dict(DEPTH_RESPONSE, PATH, 64), False)},
-    "telemetry": {**_RUN_RANK, "iteration": (Int(0), True), "record": (RECORD, True),
-                  "iter_time_s": (Opt(SECONDS), False), "device_headroom_bytes": (Opt(Int(0)), False)},
+    "register": {
+        **_RUN_RANK,
+        "world_size": (Int(1, 1 << 20), True),
+        "params": (Int(0), True),
+        "paths": (List(PATH, 64), True),
+        "knobs": (KNOBS, True),
+        "profile": (PROFILE, False),
+        "has_device": (Bool, True),
+        "device_headroom_bytes": (Opt(Int(0)), False),
+        "subgroup_bytes": (Int(0), True),
+        "iteration": (Int(0), False),
+        # knobs the run's options fixed, with their values (pinned from the start), and
+        # the rank's host bytes for staging buffers within its host-memory budget
+        "pins": (PINS, False),
+        "host_staging_bytes": (Opt(Int(0)), False),
+        "path_depth_response": (Dict(DEPTH_RESPONSE, PATH, 64), False),
+    },
+    "telemetry": {
+        **_RUN_RANK,
+        "iteration": (Int(0), True),
+        "record": (RECORD, True),
+        "iter_time_s": (Opt(SECONDS), False),
+        "device_headroom_bytes": (Opt(Int(0)), False),
+    },
     "event": {**_RUN_RANK, "kind": (Enum("oom", "error"), True), "message": (Str(4096), True)},
     "applied": {**_RUN_RANK, "seq": (Int(1), True), "iteration": (Int(0), True), "apply_at": (Int(0), True)},
     # stopped_by: the signal that stopped the rank (SIGINT, SIGTERM); absent when its script ran to the end.
@@ -257,24 +302,45 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
     "freeze": {"run_id": (RUN_ID, True), "frozen": (Bool, True)},
     "shutdown": {},
 }
-ROLES = {"engine": {"ping", "register", "telemetry", "event", "applied", "bye"},
-         "cli": {"ping", "snapshot", "pin", "unpin", "freeze", "shutdown"}}
+ROLES = {
+    "engine": {"ping", "register", "telemetry", "event", "applied", "bye"},
+    "cli": {"ping", "snapshot", "pin", "unpin", "freeze", "shutdown"},
+}
 
 SERVER_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
-    "welcome": {"api": (Int(0), True), "server": (Str(64), True), "server_id": (Str(64), True),
-                "pid": (Int(0), True), "started_at": (Num(0), True)},
+    "welcome": {
+        "api": (Int(0), True),
+        "server": (Str(64), True),
+        "server_id": (Str(64), True),
+        "pid": (Int(0), True),
+        "started_at": (Num(0), True),
+    },
     "pong": {},
     "ok": {"knobs": (KNOBS, False)},
     # start_from: the knobs the history set for the run's start, and the earlier run they come from
-    "registered": {**_RUN_RANK, "knobs": (Opt(KNOBS), False), "apply_at": (Opt(Int(0)), False),
-                   "seq": (Opt(Int(0)), False), "reason": (Opt(Str(4096)), False),
-                   "start_from": (Obj({"run_id": (RUN_ID, True), "knobs": (Dict(Any_), True)}), False)},
-    "knobs": {"run_id": (RUN_ID, True), "knobs": (KNOBS, True), "apply_at": (Int(0), True), "seq": (Int(1), True),
-              "reason": (Str(4096), True)},
-    "snapshot": {"runs": (List(Dict(Any_, max_items=64), 4096), True), "daemon": (Dict(Any_), True),
-                 "omitted": (List(RUN_ID, 100_000), False)},
+    "registered": {
+        **_RUN_RANK,
+        "knobs": (Opt(KNOBS), False),
+        "apply_at": (Opt(Int(0)), False),
+        "seq": (Opt(Int(0)), False),
+        "reason": (Opt(Str(4096)), False),
+        "start_from": (Obj({"run_id": (RUN_ID, True), "knobs": (Dict(Any_), True)}), False),
+    },
+    "knobs": {
+        "run_id": (RUN_ID, True),
+        "knobs": (KNOBS, True),
+        "apply_at": (Int(0), True),
+        "seq": (Int(1), True),
+        "reason": (Str(4096), True),
+    },
+    "snapshot": {
+        "runs": (List(Dict(Any_, max_items=64), 4096), True),
+        "daemon": (Dict(Any_), True),
+        "omitted": (List(RUN_ID, 100_000), False),
+    },
     "error": {"code": (Int(0), True), "message": (Str(4096), True)},
 }
+
 
 def _request_id(v, where):
     if not ((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and len(v) <= 64)):
@@ -285,8 +351,10 @@ def _request_id(v, where):
 _ENVELOPE = {"v": (Int(0), True), "type": (Str(32), True), "id": (Opt(_request_id), False)}
 
 
-_CHECKERS = {id(schemas): {kind: Obj({**_ENVELOPE, **fields}) for kind, fields in schemas.items()}
-             for schemas in (CLIENT_SCHEMAS, SERVER_SCHEMAS)}
+_CHECKERS = {
+    id(schemas): {kind: Obj({**_ENVELOPE, **fields}) for kind, fields in schemas.items()}
+    for schemas in (CLIENT_SCHEMAS, SERVER_SCHEMAS)
+}
 
 
 def validate(msg: dict, schemas: dict[str, dict]) -> dict:
@@ -309,6 +377,7 @@ def knobs_from_dict(d: dict):
 
 
 # -- framing -------------------------------------------------------------------------------------
+
 
 def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON")
@@ -377,8 +446,8 @@ class FrameBuffer:
             check_length(n, self.max_frame)
             if len(self.buf) < HEADER.size + n:
                 break
-            body = bytes(self.buf[HEADER.size:HEADER.size + n])
-            del self.buf[:HEADER.size + n]
+            body = bytes(self.buf[HEADER.size : HEADER.size + n])
+            del self.buf[: HEADER.size + n]
             out.append(decode(body))
         return out
 
@@ -399,19 +468,27 @@ def check_daemon_socket(path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     dir_stat, parent_stat = os.stat(d), os.stat(os.path.dirname(d))
     if dir_stat.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ProtocolError(ErrorCode.PERMISSION, f"{d} is writable by other users, so the daemon socket in it cannot "
-                                                  f"be trusted: use a private directory (--socket)")
+        raise ProtocolError(
+            ErrorCode.PERMISSION,
+            f"{d} is writable by other users, so the daemon socket in it cannot be trusted: use a private directory (--socket)",
+        )
     if me != 0:
         owners = {"socket": sock_stat.st_uid, "its directory": dir_stat.st_uid, "the directory above": parent_stat.st_uid}
         bad = {k: u for k, u in owners.items() if u not in (me, 0)}
     else:  # a service user's daemon (systemd's /run/offloadctl): its own directory under root's
-        bad = {k: u for k, u in (("its directory", dir_stat.st_uid), ("the directory above", parent_stat.st_uid))
-               if u not in (0, sock_stat.st_uid) or (k == "the directory above" and u != 0)}
+        bad = {
+            k: u
+            for k, u in (("its directory", dir_stat.st_uid), ("the directory above", parent_stat.st_uid))
+            if u not in (0, sock_stat.st_uid) or (k == "the directory above" and u != 0)
+        }
     if bad:
         what, uid = next(iter(bad.items()))
-        raise ProtocolError(ErrorCode.PERMISSION, f"the daemon socket {path}: {what} belongs to uid {uid}, not to you "
-                                                  f"or root, so another user could have put it there; not trusted: "
-                                                  f"use your own --socket")
+        raise ProtocolError(
+            ErrorCode.PERMISSION,
+            f"the daemon socket {path}: {what} belongs to uid {uid}, not to you "
+            f"or root, so another user could have put it there; not trusted: "
+            f"use your own --socket",
+        )
 
 
 def check_daemon_peer(sock: socket.socket, path: str) -> None:
@@ -420,8 +497,10 @@ def check_daemon_peer(sock: socket.socket, path: str) -> None:
     me = os.geteuid()
     allowed = (me, 0) if me != 0 else (0, os.lstat(path).st_uid)
     if uid not in allowed:
-        raise ProtocolError(ErrorCode.PERMISSION, f"the process serving {path} runs as uid {uid}, not as you or root: "
-                                                  f"not trusted; use your own --socket")
+        raise ProtocolError(
+            ErrorCode.PERMISSION,
+            f"the process serving {path} runs as uid {uid}, not as you or root: not trusted; use your own --socket",
+        )
 
 
 def connect_daemon(path: str, timeout_s: float) -> socket.socket:

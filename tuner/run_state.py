@@ -2,6 +2,7 @@
 ``offloadctl tune`` and snapshots show of it. :mod:`tuner.runs` changes this state; nothing
 here changes it, so views can be made at any time.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ class Rank:
     iteration: int = -1
     iter_time_s: float | None = None
     bye: bool = False
-    stopped_by: str | None = None    # the signal named in its bye: it was interrupted
+    stopped_by: str | None = None  # the signal named in its bye: it was interrupted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,11 +64,18 @@ class RunFacts:
                 log.warning("run %s: fixed knob %s ignored: %s", msg["run_id"], text, e)
                 continue
             pins[text] = value
-        return cls(ranks=msg["world_size"], params=msg["params"], paths=paths, has_device=msg["has_device"],
-                   subgroup_bytes=msg["subgroup_bytes"], profile=msg.get("profile"),
-                   device_headroom_bytes=msg.get("device_headroom_bytes"), pins=pins,
-                   host_staging_bytes=msg.get("host_staging_bytes"),
-                   path_depth_response={p: r for p, r in msg.get("path_depth_response", {}).items() if p in paths})
+        return cls(
+            ranks=msg["world_size"],
+            params=msg["params"],
+            paths=paths,
+            has_device=msg["has_device"],
+            subgroup_bytes=msg["subgroup_bytes"],
+            profile=msg.get("profile"),
+            device_headroom_bytes=msg.get("device_headroom_bytes"),
+            pins=pins,
+            host_staging_bytes=msg.get("host_staging_bytes"),
+            path_depth_response={p: r for p, r in msg.get("path_depth_response", {}).items() if p in paths},
+        )
 
 
 @dataclass
@@ -81,23 +89,23 @@ class Run:
     sensors: Any = None
     ranks: dict[int, Rank] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
-    status: str = "running"          # running | disconnected | finished
+    status: str = "running"  # running | disconnected | finished
     ended_at: float | None = None
-    stopped_by: str | None = None    # finished, but a rank's bye named the signal that stopped it
-    seq: int = 0                     # number of knob changes pushed
-    apply_at: int | None = None      # of the latest change
-    reason: str = ""                 # of the latest change
-    max_iteration: int = -1          # furthest iteration any rank reported (or registered at)
-    last_observed: int = -1          # latest iteration given to the policy
+    stopped_by: str | None = None  # finished, but a rank's bye named the signal that stopped it
+    seq: int = 0  # number of knob changes pushed
+    apply_at: int | None = None  # of the latest change
+    reason: str = ""  # of the latest change
+    max_iteration: int = -1  # furthest iteration any rank reported (or registered at)
+    last_observed: int = -1  # latest iteration given to the policy
     pending: dict[int, dict[int, dict]] = field(default_factory=dict)  # iteration -> rank -> telemetry
     frozen: bool = False
     own_pins: Pins = field(default_factory=Pins)
     """The user's pins while the run has no working policy; a working one holds them (:meth:`pins`)."""
     headroom: dict[int, int | None] = field(default_factory=dict)
-    error: str | None = None         # an event to pass with the next observation
+    error: str | None = None  # an event to pass with the next observation
     policy_error: str | None = None
-    in_force: dict | None = None     # knobs of the latest observed iteration, as the engines report them
-    in_force_since: int = 0          # first iteration observed under them
+    in_force: dict | None = None  # knobs of the latest observed iteration, as the engines report them
+    in_force_since: int = 0  # first iteration observed under them
     start_change: tuple[Knobs, str, str] | None = None  # (knobs, reason, source): pushed once all ranks registered
     start_knobs: dict = field(default_factory=dict)
     """The knobs the run registered with (its own options, plan and probe): where its changes start."""
@@ -105,7 +113,7 @@ class Run:
     """Who last changed each knob (``flat_knobs`` key): 'history', 'policy' or 'user'."""
     start_from: dict | None = None
     """The history's start: ``{"run_id": the earlier run, "knobs": {key: value it set}}``."""
-    history: deque = field(default_factory=deque)   # (iteration, iter_time_s, update_s)
+    history: deque = field(default_factory=deque)  # (iteration, iter_time_s, update_s)
     phases: dict = field(default_factory=dict)
     bandwidth: dict = field(default_factory=dict)
     sensor_sample: dict | None = None
@@ -220,11 +228,28 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[RunView, int]:
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         why = f"view could not be encoded ({e})"
         log.error("run %s: %s", run.run_id, why)
-    view: RunView = {"run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
-            "iteration": run.max_iteration, "iter_time_s": None, "knobs": {}, "truncated": why,
-            "history": {"iteration": [], "iter_time_s": [], "update_s": []}, "paths": [], "decisions": [],
-            "events": [], "phases": {}, "bandwidth": {}, "pins": {}, "frozen": run.frozen, "policy": None,
-            "stopped_by": run.stopped_by, "outcome": run_outcome(run.status, run.stopped_by), "verdict": None}
+    view: RunView = {
+        "run_id": run.run_id,
+        "status": run.status,
+        "ranks": run.facts.ranks,
+        "connected": run.connected(),
+        "iteration": run.max_iteration,
+        "iter_time_s": None,
+        "knobs": {},
+        "truncated": why,
+        "history": {"iteration": [], "iter_time_s": [], "update_s": []},
+        "paths": [],
+        "decisions": [],
+        "events": [],
+        "phases": {},
+        "bandwidth": {},
+        "pins": {},
+        "frozen": run.frozen,
+        "policy": None,
+        "stopped_by": run.stopped_by,
+        "outcome": run_outcome(run.status, run.stopped_by),
+        "verdict": None,
+    }
     return view, len(json.dumps(view))
 
 
@@ -235,19 +260,36 @@ def run_view(run: Run, history: int = 60) -> RunView:
     iter_time = last[1] if last else max((r.iter_time_s for r in run.ranks.values() if r.iter_time_s), default=None)
     policy = _policy_state(run)
     return {
-        "run_id": run.run_id, "status": run.status, "ranks": run.facts.ranks, "connected": run.connected(),
-        "iteration": run.max_iteration, "iter_time_s": iter_time, "knobs": run.knobs_dict,
-        "seq": run.seq, "apply_at": run.apply_at, "frozen": run.frozen, "pins": run.pins(),
-        "params": run.facts.params, "paths": list(run.facts.paths), "has_device": run.facts.has_device,
-        "started_at": run.started_at, "ended_at": run.ended_at, "stopped_by": run.stopped_by,
+        "run_id": run.run_id,
+        "status": run.status,
+        "ranks": run.facts.ranks,
+        "connected": run.connected(),
+        "iteration": run.max_iteration,
+        "iter_time_s": iter_time,
+        "knobs": run.knobs_dict,
+        "seq": run.seq,
+        "apply_at": run.apply_at,
+        "frozen": run.frozen,
+        "pins": run.pins(),
+        "params": run.facts.params,
+        "paths": list(run.facts.paths),
+        "has_device": run.facts.has_device,
+        "started_at": run.started_at,
+        "ended_at": run.ended_at,
+        "stopped_by": run.stopped_by,
         "rank_iterations": {str(k): r.iteration for k, r in sorted(run.ranks.items())},
-        "history": {"iteration": [h[0] for h in hist], "iter_time_s": [h[1] for h in hist],
-                    "update_s": [h[2] for h in hist]},
-        "phases": run.phases, "bandwidth": run.bandwidth, "sensors": run.sensor_sample,
-        "decisions": list(run.decisions)[-20:], "events": list(run.events)[-20:],
+        "history": {"iteration": [h[0] for h in hist], "iter_time_s": [h[1] for h in hist], "update_s": [h[2] for h in hist]},
+        "phases": run.phases,
+        "bandwidth": run.bandwidth,
+        "sensors": run.sensor_sample,
+        "decisions": list(run.decisions)[-20:],
+        "events": list(run.events)[-20:],
         "applied": {str(s): {str(r): i for r, i in d.items()} for s, d in list(run.applied.items())[-8:]},
-        "policy_error": run.policy_error, "policy": policy,
-        "start_knobs": run.start_knobs, "changed_by": dict(run.changed_by), "start_from": run.start_from,
+        "policy_error": run.policy_error,
+        "policy": policy,
+        "start_knobs": run.start_knobs,
+        "changed_by": dict(run.changed_by),
+        "start_from": run.start_from,
         "outcome": run_outcome(run.status, run.stopped_by),
         "verdict": tuner_activity(policy, frozen=run.frozen, policy_error=run.policy_error, decisions=run.decisions),
     }
@@ -274,8 +316,12 @@ def tuner_activity(policy: dict | None, *, frozen: bool, policy_error: str | Non
         reason = None
     else:
         reason = next((d["reason"] for d in reversed(decisions) if d.get("source") != "user"), None)
-    return {"mode": mode, "since_iteration": policy.get("since_iteration") if mode == "holding" else None,
-            "trial": policy.get("trial") if mode == "trial" else None, "reason": reason}
+    return {
+        "mode": mode,
+        "since_iteration": policy.get("since_iteration") if mode == "holding" else None,
+        "trial": policy.get("trial") if mode == "trial" else None,
+        "reason": reason,
+    }
 
 
 def _policy_state(run: Run) -> dict | None:

@@ -14,6 +14,7 @@ attribute, if it has one, is named in logs). Messages for peers are queued in an
 the caller (:class:`tuner.server.TunerServer`) takes with :meth:`Runs.take_outbox` and sends,
 so this module can be driven and checked without a daemon.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,15 @@ class Runs:
     The message methods take the sender (a peer) and the validated message, return the reply's
     body (or None) and raise ``ProtocolError`` for the sender; pushes to other peers wait in the outbox."""
 
-    def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
-                 sensors_factory: Callable | None | bool = None, history=None,
-                 on_end: Callable[[Run], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        policy_factory: Callable | None = None,
+        sensors_factory: Callable | None | bool = None,
+        history=None,
+        on_end: Callable[[Run], None] | None = None,
+    ) -> None:
         self.config = config
         self.on_end = on_end
         """Called with each run that ends (every rank said bye), after its history is written."""
@@ -77,10 +84,16 @@ class Runs:
 
     def handlers(self) -> dict[str, Callable[[Any, dict], dict | None]]:
         """The message types this object answers, as ``handler(peer, msg)``."""
-        return {"register": self.register, "telemetry": self.telemetry, "event": self.event,
-                "applied": self.applied, "bye": self.bye,
-                "pin": lambda peer, msg: self.controls.pin(msg), "unpin": lambda peer, msg: self.controls.unpin(msg),
-                "freeze": lambda peer, msg: self.controls.freeze(msg)}
+        return {
+            "register": self.register,
+            "telemetry": self.telemetry,
+            "event": self.event,
+            "applied": self.applied,
+            "bye": self.bye,
+            "pin": lambda peer, msg: self.controls.pin(msg),
+            "unpin": lambda peer, msg: self.controls.unpin(msg),
+            "freeze": lambda peer, msg: self.controls.freeze(msg),
+        }
 
     def take_outbox(self) -> list[tuple[Any, dict]]:
         """The (peer, message) pairs queued since the last call, in order: the caller sends them."""
@@ -129,8 +142,10 @@ class Runs:
         if run is None:
             run = self._new_run(msg, knobs, paths)
         elif run.facts.ranks != world:
-            raise ProtocolError(ErrorCode.BAD_VALUE, f"run {run_id} has world_size {run.facts.ranks}, but rank {rank} "
-                                f"says {world}: give each run its own run_id")
+            raise ProtocolError(
+                ErrorCode.BAD_VALUE,
+                f"run {run_id} has world_size {run.facts.ranks}, but rank {rank} says {world}: give each run its own run_id",
+            )
         self._attach(run, rank, peer, msg)
         reply = {"type": "registered", "run_id": run_id, "rank": rank}
         if run.start_from is not None:  # the rank's start line says which knobs history set, and from which run
@@ -144,10 +159,16 @@ class Runs:
                 # A change no rank has reached yet: this rank takes it at the same iteration as the others.
                 self._push(peer, self._knobs_message(run))
             else:
-                log.warning("run %s: rank %d registered with knobs %s, not the run's %s; resynchronizing every rank",
-                            run_id, rank, knobs.to_dict(), run.knobs_dict)
-                self._change(run, run.knobs, f"rank {rank} registered with other knobs; every rank takes the run's",
-                             source="resync")
+                log.warning(
+                    "run %s: rank %d registered with knobs %s, not the run's %s; resynchronizing every rank",
+                    run_id,
+                    rank,
+                    knobs.to_dict(),
+                    run.knobs_dict,
+                )
+                self._change(
+                    run, run.knobs, f"rank {rank} registered with other knobs; every rank takes the run's", source="resync"
+                )
         return reply
 
     def _attach(self, run: Run, rank: int, peer, msg: dict) -> None:
@@ -161,13 +182,13 @@ class Runs:
         run.max_iteration = max(run.max_iteration, run.ranks[rank].iteration)
         run.status, run.ended_at = "running", None
         self._peer_ranks.setdefault(peer, set()).add((run.run_id, rank))
-        log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.facts.ranks,
-                 getattr(peer, "pid", None))
+        log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.facts.ranks, getattr(peer, "pid", None))
 
     def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
         self._make_room(msg["run_id"])
-        run = Run(run_id=msg["run_id"], facts=RunFacts.from_register(msg), knobs=knobs,
-                  history=deque(maxlen=self.config.history_points))
+        run = Run(
+            run_id=msg["run_id"], facts=RunFacts.from_register(msg), knobs=knobs, history=deque(maxlen=self.config.history_points)
+        )
         self.runs[run.run_id] = run
         from_history = self._warm_start(run, knobs, paths)
         start = from_history if from_history is not None else knobs
@@ -185,8 +206,11 @@ class Runs:
         log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
         if from_history is not None:  # pushed once every rank is here to take it at the same iteration
             said = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in run.start_from["knobs"].items())
-            run.start_change = (from_history, f"from history: the tuner's verdict in run {run.start_from['run_id']} "
-                                              f"({said})", "history")
+            run.start_change = (
+                from_history,
+                f"from history: the tuner's verdict in run {run.start_from['run_id']} ({said})",
+                "history",
+            )
         self.controls.restore(run, knobs)
         return run
 
@@ -196,8 +220,11 @@ class Runs:
             return
         idle = [r for r in self.runs.values() if r.status != "running"]
         if not idle:
-            raise ProtocolError(ErrorCode.BUSY, f"the daemon already tunes {len(self.runs)} running runs: start "
-                                f"this one with --tuner off, or another daemon (--tuner SOCKET)")
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"the daemon already tunes {len(self.runs)} running runs: start "
+                f"this one with --tuner off, or another daemon (--tuner SOCKET)",
+            )
         oldest = min(idle, key=lambda r: r.ended_at or 0.0)
         log.info("run %s: forgotten to make room for run %s", oldest.run_id, run_id)
         del self.runs[oldest.run_id]
@@ -231,16 +258,19 @@ class Runs:
         except Exception as e:  # history is advice; a bad entry must not stop the run
             log.warning("run %s: history not used: %s", run.run_id, e)
             return None
-        run.start_from = {"run_id": warm.run_id,
-                          "knobs": {k: new for k, (_, new) in changed_knobs(knobs.to_dict(), start.to_dict()).items()}}
+        run.start_from = {
+            "run_id": warm.run_id,
+            "knobs": {k: new for k, (_, new) in changed_knobs(knobs.to_dict(), start.to_dict()).items()},
+        }
         return start
 
     def _rank_of(self, peer, msg: dict) -> tuple[Run, Rank]:
         key = (msg["run_id"], msg["rank"])
         run = self.runs.get(key[0])
         if key not in self._peer_ranks.get(peer, ()) or run is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {key[0]} rank {key[1]} is not registered on this "
-                                "connection: send register first")
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_RUN, f"run {key[0]} rank {key[1]} is not registered on this connection: send register first"
+            )
         return run, run.ranks[key[1]]
 
     def telemetry(self, peer, msg: dict) -> None:
@@ -269,11 +299,22 @@ class Runs:
         while len(run.applied) > 64:
             del run.applied[min(run.applied)]
         if msg["iteration"] > msg["apply_at"]:
-            log.warning("run %s rank %d: change #%d applied late, at iteration %d instead of %d", run.run_id,
-                        msg["rank"], msg["seq"], msg["iteration"], msg["apply_at"])
-            run.events.append({"time": time.time(), "rank": msg["rank"], "kind": "late",
-                               "message": f"change #{msg['seq']} applied at iteration {msg['iteration']}, "
-                                          f"not {msg['apply_at']}"})
+            log.warning(
+                "run %s rank %d: change #%d applied late, at iteration %d instead of %d",
+                run.run_id,
+                msg["rank"],
+                msg["seq"],
+                msg["iteration"],
+                msg["apply_at"],
+            )
+            run.events.append(
+                {
+                    "time": time.time(),
+                    "rank": msg["rank"],
+                    "kind": "late",
+                    "message": f"change #{msg['seq']} applied at iteration {msg['iteration']}, not {msg['apply_at']}",
+                }
+            )
 
     def bye(self, peer, msg: dict) -> None:
         run, rank = self._rank_of(peer, msg)
@@ -293,9 +334,13 @@ class Runs:
             run.status = "finished"
             run.stopped_by = next((r.stopped_by for r in run.ranks.values() if r.stopped_by), None)
             self._aggregate_ready(run, flush=True)
-            log.info("run %s: %s at iteration %d with knobs %s", run.run_id,
-                     f"interrupted by {run.stopped_by}" if run.stopped_by else "finished", run.max_iteration,
-                     run.in_force or run.knobs_dict)
+            log.info(
+                "run %s: %s at iteration %d with knobs %s",
+                run.run_id,
+                f"interrupted by {run.stopped_by}" if run.stopped_by else "finished",
+                run.max_iteration,
+                run.in_force or run.knobs_dict,
+            )
             self._record_history(run)
             run.close_sensors()
             if self.on_end is not None:
@@ -318,9 +363,17 @@ class Runs:
         times = [t if t is not None else u for i, t, u in run.history if i >= run.in_force_since]
         try:
             knobs, learned = self._verdict(run)
-            self.history.record_run(run.run_id, run.facts.profile, run.facts.params, run.facts.ranks, knobs,
-                                    statistics.median(times) if times else None, paths=list(run.facts.paths),
-                                    outcome="interrupted" if run.stopped_by else "finished", learned=learned)
+            self.history.record_run(
+                run.run_id,
+                run.facts.profile,
+                run.facts.params,
+                run.facts.ranks,
+                knobs,
+                statistics.median(times) if times else None,
+                paths=list(run.facts.paths),
+                outcome="interrupted" if run.stopped_by else "finished",
+                learned=learned,
+            )
         except Exception as e:
             log.warning("run %s: not recorded in the history: %s", run.run_id, e)
 
@@ -384,17 +437,32 @@ class Runs:
         in_force = [r.knobs for r in recs if r.knobs]
         in_force = next((k for k in in_force if k != run.knobs_dict), in_force[0] if in_force else None)
         obs = Observation.from_records(
-            recs, iter_times_s=[t for _, t in reports if t is not None],
+            recs,
+            iter_times_s=[t for _, t in reports if t is not None],
             path_other_bytes_per_s={p: v for p, v in other.items() if v is not None},
-            device_headroom_bytes=min(headrooms) if headrooms else None, error=run.error, knobs=in_force)
+            device_headroom_bytes=min(headrooms) if headrooms else None,
+            error=run.error,
+            knobs=in_force,
+        )
         run.history.append((i, obs.iter_time_s, obs.update_s))
-        run.phases = {"iteration": i, "iter_time_s": obs.iter_time_s, "update_s": obs.update_s,
-                      "read_wait_s": obs.read_wait_s, "write_wait_s": obs.write_wait_s, "kernel_s": obs.kernel_s,
-                      "ranks_reported": len(recs)}
-        run.bandwidth = {p: {"read_bytes_per_s": obs.path_read_bytes_per_s.get(p, 0.0),
-                             "write_bytes_per_s": obs.path_write_bytes_per_s.get(p, 0.0),
-                             "other_bytes_per_s": other.get(p), "concurrency": run.knobs.concurrency_for(p)}
-                         for p in run.facts.paths}
+        run.phases = {
+            "iteration": i,
+            "iter_time_s": obs.iter_time_s,
+            "update_s": obs.update_s,
+            "read_wait_s": obs.read_wait_s,
+            "write_wait_s": obs.write_wait_s,
+            "kernel_s": obs.kernel_s,
+            "ranks_reported": len(recs),
+        }
+        run.bandwidth = {
+            p: {
+                "read_bytes_per_s": obs.path_read_bytes_per_s.get(p, 0.0),
+                "write_bytes_per_s": obs.path_write_bytes_per_s.get(p, 0.0),
+                "other_bytes_per_s": other.get(p),
+                "concurrency": run.knobs.concurrency_for(p),
+            }
+            for p in run.facts.paths
+        }
         if in_force is not None and in_force != run.in_force:
             run.in_force, run.in_force_since = in_force, i
         self._maybe_summarize(run, i, obs.iter_time_s, obs.update_s)
@@ -405,8 +473,7 @@ class Runs:
             decision = run.policy.observe(obs)
         except Exception as e:
             self._policy_failed(run, f"{type(e).__name__}: {e}")
-            log.exception("run %s: policy failed at iteration %d; the run keeps knobs %s", run.run_id, i,
-                          run.knobs_dict)
+            log.exception("run %s: policy failed at iteration %d; the run keeps knobs %s", run.run_id, i, run.knobs_dict)
             return
         self._take_decision(run, decision)
 
@@ -462,10 +529,27 @@ class Runs:
         for key in changed_knobs(run.knobs_dict, knobs.to_dict()):
             run.changed_by[key] = source
         run.knobs, run.knobs_dict, run.reason = knobs, knobs.to_dict(), reason
-        run.decisions.append({"time": time.time(), "iteration": run.max_iteration, "seq": run.seq,
-                              "apply_at": run.apply_at, "knobs": run.knobs_dict, "reason": reason, "source": source})
-        log.info("run %s: iteration %d: change #%d at iteration %d (%s): %s; knobs %s", run.run_id, run.max_iteration,
-                 run.seq, run.apply_at, source, reason, run.knobs_dict)
+        run.decisions.append(
+            {
+                "time": time.time(),
+                "iteration": run.max_iteration,
+                "seq": run.seq,
+                "apply_at": run.apply_at,
+                "knobs": run.knobs_dict,
+                "reason": reason,
+                "source": source,
+            }
+        )
+        log.info(
+            "run %s: iteration %d: change #%d at iteration %d (%s): %s; knobs %s",
+            run.run_id,
+            run.max_iteration,
+            run.seq,
+            run.apply_at,
+            source,
+            reason,
+            run.knobs_dict,
+        )
         msg = self._knobs_message(run)
         for r in run.ranks.values():
             if r.peer is not None:
@@ -473,8 +557,15 @@ class Runs:
 
     @staticmethod
     def _knobs_message(run: Run) -> dict:
-        return {"v": API_VERSION, "type": "knobs", "run_id": run.run_id, "knobs": run.knobs_dict,
-                "apply_at": run.apply_at, "seq": run.seq, "reason": run.reason}
+        return {
+            "v": API_VERSION,
+            "type": "knobs",
+            "run_id": run.run_id,
+            "knobs": run.knobs_dict,
+            "apply_at": run.apply_at,
+            "seq": run.seq,
+            "reason": run.reason,
+        }
 
     # -- views -------------------------------------------------------------------------------
 

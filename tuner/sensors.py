@@ -10,6 +10,7 @@ and no contention.
 GPUs (pynvml, when an NVIDIA driver is present): PCIe TX/RX throughput, memory and
 utilisation, summed (utilisation averaged) over the node's GPUs, with a per-GPU list.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,11 @@ class Sensors:
         per_device: dict[str, tuple[float, float] | None] = {}
         for info in self.devices.values():
             a, b = self._disks.get(info.name), disks.get(info.name)
-            per_device[info.name] = None if a is None or b is None else (
-                max(0, b.read_bytes - a.read_bytes) / dt, max(0, b.write_bytes - a.write_bytes) / dt)
+            per_device[info.name] = (
+                None
+                if a is None or b is None
+                else (max(0, b.read_bytes - a.read_bytes) / dt, max(0, b.write_bytes - a.write_bytes) / dt)
+            )
         ours_on: dict[str, float] = {}
         for p, info in self.devices.items():
             ours_on[info.name] = ours_on.get(info.name, 0.0) + float(ours_bytes_per_s.get(p, 0.0))
@@ -142,14 +146,16 @@ class _NvmlGpus:
             devices = []
             for h in self.handles:
                 mem = n.nvmlDeviceGetMemoryInfo(h)
-                devices.append({
-                    # NVML reports PCIe throughput in KB/s, sampled over 20 ms.
-                    "pcie_tx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024.0,
-                    "pcie_rx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024.0,
-                    "memory_used_bytes": int(mem.used),
-                    "memory_total_bytes": int(mem.total),
-                    "utilization_percent": float(n.nvmlDeviceGetUtilizationRates(h).gpu),
-                })
+                devices.append(
+                    {
+                        # NVML reports PCIe throughput in KB/s, sampled over 20 ms.
+                        "pcie_tx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES) * 1024.0,
+                        "pcie_rx_bytes_per_s": n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES) * 1024.0,
+                        "memory_used_bytes": int(mem.used),
+                        "memory_total_bytes": int(mem.total),
+                        "utilization_percent": float(n.nvmlDeviceGetUtilizationRates(h).gpu),
+                    }
+                )
         except Exception:  # a GPU fell off the bus or the driver went away: no figures this time
             return None
         return {

@@ -12,6 +12,7 @@ What the messages mean for runs (registration, aggregation, the policy, knob cha
 ``apply_at``, pins) is :class:`tuner.runs.Runs`'s: the server hands it each message and sends
 the replies and pushes it returns.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,6 +56,7 @@ SD_LISTEN_FDS_START = 3
 
 # -- connections -----------------------------------------------------------------------------------
 
+
 class _Conn:
     """One client connection: the peer that :class:`tuner.runs.Runs` registers ranks on."""
 
@@ -67,8 +69,9 @@ class _Conn:
         self.expired = False
         sock = writer.get_extra_info("socket")
         try:
-            self.pid, self.uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                         struct.calcsize("3i")))
+            self.pid, self.uid, _ = struct.unpack(
+                "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            )
         except OSError:
             pass
 
@@ -82,12 +85,14 @@ class _Conn:
             data = encode(e.to_message(msg.get("id")))
         except (TypeError, ValueError, OverflowError, RecursionError) as e:  # not JSON (a NaN): never the peer's fault
             log.error("a reply of type %r could not be encoded: %s", msg.get("type"), e)
-            data = encode(ProtocolError(ErrorCode.INTERNAL, f"the daemon could not encode its reply: {e}").to_message(
-                msg.get("id")))
+            data = encode(
+                ProtocolError(ErrorCode.INTERNAL, f"the daemon could not encode its reply: {e}").to_message(msg.get("id"))
+            )
         self.writer.write(data)
         if self.writer.transport.get_write_buffer_size() > self.server.config.max_outbuf_bytes:
-            log.warning("dropping client pid %s: %d bytes of replies unread", self.pid,
-                        self.writer.transport.get_write_buffer_size())
+            log.warning(
+                "dropping client pid %s: %d bytes of replies unread", self.pid, self.writer.transport.get_write_buffer_size()
+            )
             self.abort()
 
     def error(self, err: ProtocolError, req_id=None) -> None:
@@ -108,6 +113,7 @@ class _Conn:
 
 # -- the server ------------------------------------------------------------------------------------
 
+
 class TunerServer:
     """The daemon's listening socket and connections, and its :class:`tuner.runs.Runs`;
     :func:`serve` runs one.
@@ -116,14 +122,29 @@ class TunerServer:
     :class:`tuner.runs.Runs`.
     """
 
-    def __init__(self, config: ServerConfig, *, policy_factory: Callable | None = None,
-                 sensors_factory: Callable | None | bool = None, history=None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        policy_factory: Callable | None = None,
+        sensors_factory: Callable | None | bool = None,
+        history=None,
+    ) -> None:
         self.config = config
-        self.runs = Runs(config, policy_factory=policy_factory, sensors_factory=sensors_factory, history=history,
-                         on_end=_ended_runs_writer(config.socket_path))
+        self.runs = Runs(
+            config,
+            policy_factory=policy_factory,
+            sensors_factory=sensors_factory,
+            history=history,
+            on_end=_ended_runs_writer(config.socket_path),
+        )
         # Message type -> handler(conn, msg): the daemon's own, then those about runs.
-        self._handlers: dict[str, Callable] = {"ping": self._on_ping, "snapshot": self._on_snapshot,
-                                               "shutdown": self._on_shutdown, **self.runs.handlers()}
+        self._handlers: dict[str, Callable] = {
+            "ping": self._on_ping,
+            "snapshot": self._on_snapshot,
+            "shutdown": self._on_shutdown,
+            **self.runs.handlers(),
+        }
         self.conns: set[_Conn] = set()
         self.server_id = uuid.uuid4().hex[:16]
         self.started_at = time.time()
@@ -225,10 +246,16 @@ class TunerServer:
         self._conn_tasks.add(task)
         try:
             if conn.uid is None or conn.uid not in (os.geteuid(), 0):
-                log.warning("refused a client of uid %s (pid %s): only uid %d and root may connect",
-                            conn.uid, conn.pid, os.geteuid())
-                conn.error(ProtocolError(ErrorCode.PERMISSION, f"uid {conn.uid} may not use this daemon: only uid "
-                                         f"{os.geteuid()} and root may; run as that user or start your own daemon"))
+                log.warning(
+                    "refused a client of uid %s (pid %s): only uid %d and root may connect", conn.uid, conn.pid, os.geteuid()
+                )
+                conn.error(
+                    ProtocolError(
+                        ErrorCode.PERMISSION,
+                        f"uid {conn.uid} may not use this daemon: only uid "
+                        f"{os.geteuid()} and root may; run as that user or start your own daemon",
+                    )
+                )
                 return
             if len(self.conns) >= self.max_connections:
                 conn.error(ProtocolError(ErrorCode.BUSY, f"the daemon already serves {len(self.conns)} connections"))
@@ -289,16 +316,18 @@ class TunerServer:
         loop = asyncio.get_running_loop()
         timer = None
         if conn.role is None:
-            timer = loop.call_later(self.config.handshake_timeout_s, conn.expire,
-                                    f"no hello within {self.config.handshake_timeout_s:g} s")
+            timer = loop.call_later(
+                self.config.handshake_timeout_s, conn.expire, f"no hello within {self.config.handshake_timeout_s:g} s"
+            )
         try:
             try:
                 first = await reader.readexactly(1)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return None
             if timer is None:
-                timer = loop.call_later(self.config.frame_timeout_s, conn.expire,
-                                        f"frame not complete within {self.config.frame_timeout_s:g} s")
+                timer = loop.call_later(
+                    self.config.frame_timeout_s, conn.expire, f"frame not complete within {self.config.frame_timeout_s:g} s"
+                )
             try:
                 (n,) = HEADER.unpack(first + await reader.readexactly(HEADER.size - 1))
                 check_length(n, self.config.max_frame_bytes)  # before reading the body
@@ -317,12 +346,23 @@ class TunerServer:
             if kind != "hello":
                 raise ProtocolError(ErrorCode.HANDSHAKE, f"the first message must be hello, got {kind!r}")
             if msg["api"] != API_VERSION:
-                raise ProtocolError(ErrorCode.VERSION, f"client speaks API {msg['api']}; this daemon speaks "
-                                    f"{API_VERSION}: use the same offloadctl version for both")
+                raise ProtocolError(
+                    ErrorCode.VERSION,
+                    f"client speaks API {msg['api']}; this daemon speaks {API_VERSION}: use the same offloadctl version for both",
+                )
             conn.role = msg["role"]
-            conn.send({"v": API_VERSION, "type": "welcome", "id": msg.get("id"), "api": API_VERSION,
-                       "server": VERSION, "server_id": self.server_id, "pid": os.getpid(),
-                       "started_at": self.started_at})
+            conn.send(
+                {
+                    "v": API_VERSION,
+                    "type": "welcome",
+                    "id": msg.get("id"),
+                    "api": API_VERSION,
+                    "server": VERSION,
+                    "server_id": self.server_id,
+                    "pid": os.getpid(),
+                    "started_at": self.started_at,
+                }
+            )
             return
         if kind == "hello":
             raise ProtocolError(ErrorCode.HANDSHAKE, "hello was already received on this connection")
@@ -368,14 +408,23 @@ class TunerServer:
         from its frame read to its reply written (queueing in the kernel not included)."""
         recent = sorted(self._handle_s)
         pct = lambda q: 1e3 * recent[min(len(recent) - 1, int(len(recent) * q))] if recent else None
-        return {"pid": os.getpid(), "api": API_VERSION, "version": VERSION, "server_id": self.server_id,
-                "started_at": self.started_at, "uptime_s": time.time() - self.started_at,
-                "connections": len(self.conns), "socket": self.config.socket_path,
-                "socket_activated": self._inherited, "messages": self.messages,
-                "handle_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)}}
+        return {
+            "pid": os.getpid(),
+            "api": API_VERSION,
+            "version": VERSION,
+            "server_id": self.server_id,
+            "started_at": self.started_at,
+            "uptime_s": time.time() - self.started_at,
+            "connections": len(self.conns),
+            "socket": self.config.socket_path,
+            "socket_activated": self._inherited,
+            "messages": self.messages,
+            "handle_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)},
+        }
 
 
 # -- the listening socket --------------------------------------------------------------------------
+
 
 class _Heap:
     """glibc's heap, kept from growing under frames up to 1 MiB. Freed mmapped blocks raise
@@ -460,8 +509,9 @@ def _inherited_socket() -> socket.socket | None:
 def bind_socket(path: str) -> socket.socket:
     """A listening Unix socket at ``path``, mode 0600; a stale file is replaced, a live one refused."""
     if len(os.fsencode(path)) >= 108:
-        raise ConfigError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow 107: pick a "
-                          "shorter --socket")
+        raise ConfigError(
+            f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow 107: pick a shorter --socket"
+        )
     private_dir(os.path.dirname(os.path.abspath(path)))
     try:
         existing = os.lstat(path)
@@ -480,8 +530,10 @@ def bind_socket(path: str) -> socket.socket:
         except OSError as e:
             raise ConfigError(f"cannot check the existing socket {path}: {e}: remove it or pick another --socket") from None
         else:
-            raise ConfigError(f"a tuner daemon already listens on {path}: stop it with `offloadctl tuner stop "
-                              f"--socket {path}`, or pick another --socket")
+            raise ConfigError(
+                f"a tuner daemon already listens on {path}: stop it with `offloadctl tuner stop "
+                f"--socket {path}`, or pick another --socket"
+            )
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -505,6 +557,7 @@ def _ended_runs_writer(socket_path: str):
     """What :class:`TunerServer` does with a run that ended: its final view goes to
     ``tuner.service.endedfile_for(socket_path)`` (the last 20 runs), where ``offloadctl tune``
     reads how it ended once this daemon is gone."""
+
     def record(run) -> None:
         import json
 
@@ -520,11 +573,18 @@ def _ended_runs_writer(socket_path: str):
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(dict(list(ended.items())[-20:]), f, allow_nan=False)
         os.replace(tmp, path)
+
     return record
 
 
-def serve(config: ServerConfig, *, policy_factory=None, sensors_factory=None, history=None,
-          ready: Callable[[TunerServer], None] | None = None) -> int:
+def serve(
+    config: ServerConfig,
+    *,
+    policy_factory=None,
+    sensors_factory=None,
+    history=None,
+    ready: Callable[[TunerServer], None] | None = None,
+) -> int:
     """Run the daemon in this process until SIGTERM, SIGINT or a ``shutdown`` message."""
 
     async def main() -> None:

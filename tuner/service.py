@@ -13,6 +13,7 @@
   private daemon writes one file there while it serves, so ``offloadctl tune`` finds runs whose
   sockets live in their run directories.
 """
+
 from __future__ import annotations
 
 import errno
@@ -62,8 +63,16 @@ def register_run(socket_path: str, run_dir: str, pid: int | None = None, run_id:
     entry = os.path.join(d, f"{pid}.json")
     tmp = f"{entry}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"pid": pid, "socket": os.path.abspath(socket_path), "run_dir": os.path.abspath(run_dir),
-                   "started_at": time.time(), "run_id": run_id}, f)
+        json.dump(
+            {
+                "pid": pid,
+                "socket": os.path.abspath(socket_path),
+                "run_dir": os.path.abspath(run_dir),
+                "started_at": time.time(),
+                "run_id": run_id,
+            },
+            f,
+        )
     os.replace(tmp, entry)  # a reader never sees half an entry
     return entry
 
@@ -139,8 +148,10 @@ def private_dir(path: str) -> str:
             raise ConfigError(f"{d} belongs to uid {uid}, not to you: pick another --socket")
     problem = shared_dir_problem(path)
     if problem:
-        raise ConfigError(f"{problem}: they could put links there for the tuner daemon's log, pidfile or history; pick "
-                          f"a --socket in a directory only you can write (mode 0700)")
+        raise ConfigError(
+            f"{problem}: they could put links there for the tuner daemon's log, pidfile or history; pick "
+            f"a --socket in a directory only you can write (mode 0700)"
+        )
     return path
 
 
@@ -164,10 +175,16 @@ def status(socket_path: str | None = None) -> dict:
         out["reason"] = str(e)
         return out
     d = snap["daemon"]
-    out.update(running=True, pid=d["pid"], version=d["version"], api=d["api"], uptime_s=d["uptime_s"],
-               connections=d["connections"], socket_activated=d["socket_activated"],
-               runs=[{k: r[k] for k in ("run_id", "status", "ranks", "connected", "iteration", "iter_time_s")}
-                     for r in snap["runs"]])
+    out.update(
+        running=True,
+        pid=d["pid"],
+        version=d["version"],
+        api=d["api"],
+        uptime_s=d["uptime_s"],
+        connections=d["connections"],
+        socket_activated=d["socket_activated"],
+        runs=[{k: r[k] for k in ("run_id", "status", "ranks", "connected", "iteration", "iter_time_s")} for r in snap["runs"]],
+    )
     return out
 
 
@@ -183,8 +200,14 @@ def run_view(socket_path: str, run_id: str) -> dict | None:
     return next((r for r in snap["runs"] if r["run_id"] == run_id), None)
 
 
-def start(socket_path: str | None = None, *, db_path: str | None = None, timeout_s: float = 30.0,
-          extra_args: tuple[str, ...] = (), owned: bool = False) -> dict:
+def start(
+    socket_path: str | None = None,
+    *,
+    db_path: str | None = None,
+    timeout_s: float = 30.0,
+    extra_args: tuple[str, ...] = (),
+    owned: bool = False,
+) -> dict:
     """Start a detached daemon at the socket (idempotent); return its pid, socket and log.
     ``owned``: a private daemon of this process, which stops when this process is gone, however
     it ends (a parent-death signal, and its own check of this pid)."""
@@ -201,38 +224,65 @@ def start(socket_path: str | None = None, *, db_path: str | None = None, timeout
             check_db_place(db_path or default_db_path())
         log_fd = open_own(logfile_for(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, "tuner log", log_fix)
     except OSError as e:
-        why = {errno.EROFS: "the file system is read-only", errno.EEXIST: "a part of the path is a file",
-               errno.ENOTDIR: "a part of the path is a file", errno.EACCES: "permission denied",
-               errno.ELOOP: "a symbolic link loop"}.get(e.errno, e.strerror or str(e))
-        raise ConfigError(f"tuner socket {path}: cannot make it there ({why}): give --socket a path in a directory "
-                          f"you can write") from None
-    cmd = [sys.executable, "-m", "offloadctl.cli", "tuner", "serve", "--socket", path,
-           "--db", db_path or default_db_path(), "--pidfile", pidfile_for(path), *extra_args]
+        why = {
+            errno.EROFS: "the file system is read-only",
+            errno.EEXIST: "a part of the path is a file",
+            errno.ENOTDIR: "a part of the path is a file",
+            errno.EACCES: "permission denied",
+            errno.ELOOP: "a symbolic link loop",
+        }.get(e.errno, e.strerror or str(e))
+        raise ConfigError(
+            f"tuner socket {path}: cannot make it there ({why}): give --socket a path in a directory you can write"
+        ) from None
+    cmd = [
+        sys.executable,
+        "-m",
+        "offloadctl.cli",
+        "tuner",
+        "serve",
+        "--socket",
+        path,
+        "--db",
+        db_path or default_db_path(),
+        "--pidfile",
+        pidfile_for(path),
+        *extra_args,
+    ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     # A new session: the daemon outlives this command and ignores its terminal's signals.
     if owned:
         cmd += ["--owner-pid", str(os.getpid())]
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, cwd="/", env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent if owned else None)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=log_fd,
+            cwd="/",
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if owned else None,
+        )
     finally:
         os.close(log_fd)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ConfigError(f"the tuner daemon exited with status {proc.returncode} at start: see "
-                              f"{logfile_for(path)}: {_tail(logfile_for(path))}")
+            raise ConfigError(
+                f"the tuner daemon exited with status {proc.returncode} at start: see "
+                f"{logfile_for(path)}: {_tail(logfile_for(path))}"
+            )
         welcome = probe(path, timeout_s=1.0)
         if welcome is not None and welcome["pid"] == proc.pid:
-            return {"socket": path, "pid": proc.pid, "log": logfile_for(path), "already_running": False,
-                    "process": proc}
+            return {"socket": path, "pid": proc.pid, "log": logfile_for(path), "already_running": False, "process": proc}
         time.sleep(0.05)
     why = _no_answer(path)
     proc.kill()  # a daemon no client would talk to is no use; and this command says it failed
     proc.wait()
-    raise ConfigError(f"the tuner daemon did not answer at {path} within {timeout_s:g} s ({why}), and was stopped: see "
-                      f"{logfile_for(path)}")
+    raise ConfigError(
+        f"the tuner daemon did not answer at {path} within {timeout_s:g} s ({why}), and was stopped: see {logfile_for(path)}"
+    )
 
 
 def _no_answer(path: str) -> str:

@@ -2,6 +2,7 @@
 (:func:`known_paths`), or the performance model's best plan for a hardware profile
 (:func:`model_start`). Pure functions: :class:`tuner.policy.Policy` applies what they return
 and logs their notes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,25 +39,42 @@ class ModelStart:
     """What the plan named that the run does not have (a guard's note), if anything."""
 
 
-def model_start(profile, start: Knobs, *, cfg: PolicyConfig, limits: Limits, pins: Pins, paths: Sequence[str],
-                has_device: bool, params: int, ranks: int, subgroup_bytes: int,
-                device_headroom_bytes: int | None) -> ModelStart:
+def model_start(
+    profile,
+    start: Knobs,
+    *,
+    cfg: PolicyConfig,
+    limits: Limits,
+    pins: Pins,
+    paths: Sequence[str],
+    has_device: bool,
+    params: int,
+    ranks: int,
+    subgroup_bytes: int,
+    device_headroom_bytes: int | None,
+) -> ModelStart:
     """The performance model's best plan for ``profile`` (a name, a path or a Profile) from
     ``start``: within the device's room and the user's pins. The model is advice: any failure
     leaves the run's own start, with the reason."""
     try:
         from perf.model import Workload
         from perf.search import best_plan
+
         if isinstance(profile, str):
             from perf.profile_toml import load_profile
+
             profile = load_profile(profile)
         # The host cache is fixed for the run's life and not a knob: plan for state on the
         # paths, with host memory for the staging buffers of the deepest prefetch only.
-        staging = (min(limits.staging_cap, staging_buffers(cfg.max_prefetch_depth) * subgroup_bytes) * ranks
-                   if paths else None)
+        staging = min(limits.staging_cap, staging_buffers(cfg.max_prefetch_depth) * subgroup_bytes) * ranks if paths else None
         # params are per rank; the model's are the whole model (it divides by ranks and nodes).
-        wl = Workload(params=params * ranks, ranks=ranks, subgroup_numel=max(1, subgroup_bytes // STATE_BYTES_PER_ELEMENT),
-                      host_bytes=staging, gpu_headroom_bytes=device_headroom_bytes)
+        wl = Workload(
+            params=params * ranks,
+            ranks=ranks,
+            subgroup_numel=max(1, subgroup_bytes // STATE_BYTES_PER_ELEMENT),
+            host_bytes=staging,
+            gpu_headroom_bytes=device_headroom_bytes,
+        )
         pred = best_plan(profile, wl, paths=list(paths))
         plan, dropped = known_paths(pred.plan.knobs, paths, "the model's plan")
     except Exception as e:
@@ -68,5 +86,8 @@ def model_start(profile, start: Knobs, *, cfg: PolicyConfig, limits: Limits, pin
     name = getattr(profile, "name", profile)
     if plan == start:
         return ModelStart(None, f"the performance model's best plan for profile {name} is the starting plan", dropped)
-    return ModelStart(plan, f"performance model's best plan for profile {name} (predicted update {pred.update_s:.3f} s): "
-                      f"{diff(start, plan)}", dropped)
+    return ModelStart(
+        plan,
+        f"performance model's best plan for profile {name} (predicted update {pred.update_s:.3f} s): {diff(start, plan)}",
+        dropped,
+    )

@@ -4,6 +4,7 @@ Block-backed file systems resolve through ``/sys/dev/block/MAJ:MIN`` to the whol
 partition shares its disk's bandwidth). File systems without a block device (tmpfs, NFS,
 Lustre) are named by their type and source from ``/proc/self/mountinfo``.
 """
+
 from __future__ import annotations
 
 import os

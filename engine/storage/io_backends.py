@@ -10,6 +10,7 @@ GIL released; :mod:`engine.storage.paths` runs many of them in parallel on a thr
   silently and lose state. A failed read is still caught, by the swap file's checksums.
 - ``posix``: ``os.preadv``/``os.pwritev`` on a file opened with O_DIRECT. Always available.
 """
+
 from __future__ import annotations
 
 import errno
@@ -51,8 +52,10 @@ class DeepSpeedAIO:
     def __init__(self, *, block_size: int = 1 << 20, queue_depth: int = 32) -> None:
         self._op = load_async_io()
         if self._op is None:
-            raise ConfigError("io_backend='aio' needs DeepSpeed's async_io op, which did not build here "
-                              "(install libaio-dev, then run `make setup`), or use io_backend='posix'")
+            raise ConfigError(
+                "io_backend='aio' needs DeepSpeed's async_io op, which did not build here "
+                "(install libaio-dev, then run `make setup`), or use io_backend='posix'"
+            )
         self._block_size, self._queue_depth = block_size, queue_depth
         self._local = threading.local()
 

@@ -3,6 +3,7 @@
 All three are shared by the I/O threads of one path; the node lock is also shared with the
 other processes on this node that use the same storage device.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@ reader never sees half a file. Nowhere to keep it (a read-only environment) cost
 per process, never a failure. Files are opened without following a symbolic link: the directory
 is the environment's, but a link planted there must not make us read or write elsewhere.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -26,6 +26,7 @@ build removes it. Our loads and builds of an op take an ``flock`` on ``offloadct
 directory, which also names the holder; a build hands it on to ninja and the compilers, so it is
 held, and the op reported as building, until the last process of the build has exited.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,8 +121,7 @@ def _cpu_description() -> str:
     import hashlib
     import platform
 
-    keep = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer",
-            "CPU part")
+    keep = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU implementer", "CPU part")
     try:
         with open("/proc/cpuinfo") as f:
             first = f.read().split("\n\n", 1)[0]
@@ -158,8 +158,9 @@ def remember_cpu_info() -> None:
         import json
 
         if not kept:
-            answer = kept_fact(extensions_dir(), CPU_INFO_FILE, _cpu_description(),
-                               lambda known: known if isinstance(known, dict) else ask())
+            answer = kept_fact(
+                extensions_dir(), CPU_INFO_FILE, _cpu_description(), lambda known: known if isinstance(known, dict) else ask()
+            )
             kept.append(json.dumps(answer))
         return json.loads(kept[0])
 
@@ -231,6 +232,7 @@ def _make_builder(name: str):
 
 # ---- who holds a build -------------------------------------------------------------------------
 
+
 def _processes_holding(path: str) -> list[int]:
     """Pids of the live processes that have ``path`` open (those we may inspect)."""
     target, pids = os.path.realpath(path), []
@@ -293,6 +295,7 @@ def _release_flock(fd: int) -> None:
 
 # ---- torch's ninja step, replaced for the duration of one load ---------------------------------
 
+
 def _ninja_steps(build_dir: str) -> list[str]:
     """The commands ninja would run in ``build_dir`` (its dry run)."""
     out = subprocess.run([_ninja(), "-n", "-v"], cwd=build_dir, capture_output=True, text=True)
@@ -333,8 +336,9 @@ def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
             cmd += ["-j", os.environ["MAX_JOBS"]]
         # ninja and the compilers inherit the flock: a build whose Python process is killed is
         # still seen as under way until its last compiler exits.
-        proc = subprocess.Popen(cmd, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, pass_fds=tuple(flock_fds))
+        proc = subprocess.Popen(
+            cmd, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, pass_fds=tuple(flock_fds)
+        )
         output, done = [], 0
         for line in proc.stdout:
             output.append(line)
@@ -354,12 +358,14 @@ def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
 
 # ---- load and build -----------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def _streams_with_files():
     """Within: stdout and stderr with file descriptors. DeepSpeed's checks (is libaio there?) and
     loads send output to ``sys.stderr.fileno()``; under Jupyter or pytest's capture the streams
     have none, and a built op was taken for one that cannot build here. Their output then goes
     to /dev/null."""
+
     def has_fd(stream) -> bool:
         try:
             stream.fileno()
@@ -498,8 +504,9 @@ def prepare_deepspeed_loads() -> dict[str, OpState]:
     return {name: op_state(name) for name in DEEPSPEED_LOADS}
 
 
-def build_ops(ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None = None,
-              on_note: Callable[[str, str], None] | None = None) -> dict[str, OpState]:
+def build_ops(
+    ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None = None, on_note: Callable[[str, str], None] | None = None
+) -> dict[str, OpState]:
     """Build (or find built) each op in ``ops``, recovering stale locks and waiting for builds under
     way. ``on_step(op, done, total, target)`` follows the compiler steps; ``on_note(op, message)``
     says what else happens (a stale lock removed, a wait). Returns each op's state."""

@@ -5,6 +5,7 @@
 chunks (:class:`ChunkPlan`) that run on the path's I/O threads, at most ``concurrency`` reads
 and ``concurrency`` writes at a time, paced by the path's bandwidth cap, and under the node lock when it is on.
 """
+
 from __future__ import annotations
 
 import errno
@@ -86,8 +87,16 @@ class _BusyClock:
 class SwapPath:
     """One storage path in use by this process."""
 
-    def __init__(self, spec: StoragePath, backend: PosixDirectIO | DeepSpeedAIO, *, concurrency: int,
-                 node_lock: bool, verify_checksums: bool, rank: int = 0) -> None:
+    def __init__(
+        self,
+        spec: StoragePath,
+        backend: PosixDirectIO | DeepSpeedAIO,
+        *,
+        concurrency: int,
+        node_lock: bool,
+        verify_checksums: bool,
+        rank: int = 0,
+    ) -> None:
         self.spec = spec
         self.backend = backend
         self.verify_checksums = verify_checksums
@@ -148,7 +157,8 @@ class SwapPath:
                 raise StoragePathError(
                     f"storage path {self.path} is full: a {format_size(HEADER_BYTES + payload_bytes)} {what} does "
                     f"not fit in the {format_size(self.free_bytes())} free there (other processes write there too); "
-                    f"free space there, add another path (--nvme), or raise --host-cache (host_cache_bytes)") from None
+                    f"free space there, add another path (--nvme), or raise --host-cache (host_cache_bytes)"
+                ) from None
             raise StoragePathError(f"cannot allocate swap file {filename} ({e.strerror}): choose another path") from None
         sf = SwapFile(self, filename, fd, index, numel, plan)
         self._files.append(sf)
@@ -176,8 +186,10 @@ class SwapPath:
         buf.wait_ready()
         buf.bind(sf.numel)
         pool = self._chunk_pools["w"]
-        futs = [pool.submit(self._write_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True, number)
-                for o, n in sf.plan.chunks()]
+        futs = [
+            pool.submit(self._write_chunk, sf, buf.payload[o : o + n], HEADER_BYTES + o, True, number)
+            for o, n in sf.plan.chunks()
+        ]
         crcs = _results(futs, sf, "writing")
         generation = sf.generation + 1
         swapfile.write_header(buf.header, index=sf.index, numel=sf.numel, plan=sf.plan, generation=generation, crcs=crcs)
@@ -194,11 +206,19 @@ class SwapPath:
         buf.bind(sf.numel)
         pool = self._chunk_pools["r"]
         futs = [pool.submit(self._read_chunk, sf, buf.header, 0, False, number)]
-        futs += [pool.submit(self._read_chunk, sf, buf.payload[o:o + n], HEADER_BYTES + o, True, number)
-                 for o, n in sf.plan.chunks()]
+        futs += [
+            pool.submit(self._read_chunk, sf, buf.payload[o : o + n], HEADER_BYTES + o, True, number) for o, n in sf.plan.chunks()
+        ]
         crcs = _results(futs, sf, "reading")[1:]
-        swapfile.verify(buf.header, path=sf.filename, index=sf.index, numel=sf.numel, plan=sf.plan,
-                        generation=sf.generation, crcs=crcs if self.verify_checksums else None)
+        swapfile.verify(
+            buf.header,
+            path=sf.filename,
+            index=sf.index,
+            numel=sf.numel,
+            plan=sf.plan,
+            generation=sf.generation,
+            crcs=crcs if self.verify_checksums else None,
+        )
 
     def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
         # The CRC is taken in this I/O thread, off the update's critical path.
@@ -248,8 +268,13 @@ class SwapPath:
         now = time.perf_counter()
         with self._counter_lock:
             c = self.counters
-            return PathCounters(c.bytes_read, c.bytes_written, c.read_busy_s + self._busy["r"].running(now),
-                                c.write_busy_s + self._busy["w"].running(now), c.queue_wait_s)
+            return PathCounters(
+                c.bytes_read,
+                c.bytes_written,
+                c.read_busy_s + self._busy["r"].running(now),
+                c.write_busy_s + self._busy["w"].running(now),
+                c.queue_wait_s,
+            )
 
     def close(self) -> None:
         for pool in self._chunk_pools.values():
@@ -276,8 +301,10 @@ def _results(futs: list[Future], sf: SwapFile, doing: str) -> list:
 
 def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError | CorruptSwapFileError:
     if isinstance(e, ShortFileError):
-        return CorruptSwapFileError(f"swap file {sf.filename} was truncated ({e.strerror}): the swap file was changed "
-                                    f"outside offloadctl; restore from your last checkpoint")
+        return CorruptSwapFileError(
+            f"swap file {sf.filename} was truncated ({e.strerror}): the swap file was changed "
+            f"outside offloadctl; restore from your last checkpoint"
+        )
     fixes = {
         errno.ENOSPC: f"free space on {sf.path.path} or give the state another path",
         errno.EDQUOT: f"raise your quota on {sf.path.path} or give the state another path",
@@ -287,8 +314,9 @@ def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError | Corr
     }
     fix = fixes.get(e.errno, "check the storage path and resume from your last checkpoint")
     kept = " The state is still in host memory." if doing == "writing" else ""
-    return StorageIOError(f"{doing} optimizer state of subgroup {sf.index} in {sf.filename} failed "
-                          f"({e.strerror or e}): {fix}.{kept}")
+    return StorageIOError(
+        f"{doing} optimizer state of subgroup {sf.index} in {sf.filename} failed ({e.strerror or e}): {fix}.{kept}"
+    )
 
 
 def measure_bandwidth(path: SwapPath, nbytes: int = 64 << 20) -> tuple[float, float]:

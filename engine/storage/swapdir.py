@@ -18,6 +18,7 @@ wrote a file). So the directory is refused unless it is a real directory of this
 no one else may write, and a path every user may write without the sticky bit (where anyone
 may rename anyone's entries) is refused too.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,11 @@ def check_swap_root(path: str) -> None:
     except OSError:
         return  # check_usable says what is wrong with the path itself
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise StoragePathError(f"storage path {path} is writable by every user without the sticky bit (mode "
-                               f"{stat.S_IMODE(st.st_mode):04o}), so another user could replace its swap files: "
-                               f"chmod +t {path}, or give a directory of your own")
+        raise StoragePathError(
+            f"storage path {path} is writable by every user without the sticky bit (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}), so another user could replace its swap files: "
+            f"chmod +t {path}, or give a directory of your own"
+        )
     root = user_swap_root(path)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -60,10 +63,13 @@ def check_swap_root(path: str) -> None:
         return
     except OSError as e:
         if os.path.islink(root):
-            raise StoragePathError(f"swap directory {root} is a symbolic link, which another user may have planted: "
-                                   f"remove it (rm {root}), or give another path") from None
-        raise StoragePathError(f"swap directory {root} is not a directory of yours ({e.strerror}): remove it, or "
-                               f"give another path") from None
+            raise StoragePathError(
+                f"swap directory {root} is a symbolic link, which another user may have planted: "
+                f"remove it (rm {root}), or give another path"
+            ) from None
+        raise StoragePathError(
+            f"swap directory {root} is not a directory of yours ({e.strerror}): remove it, or give another path"
+        ) from None
     try:
         _check_root_fd(fd, root)
     finally:
@@ -73,11 +79,15 @@ def check_swap_root(path: str) -> None:
 def _check_root_fd(fd: int, root: str) -> None:
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
-        raise StoragePathError(f"swap directory {root} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
-                               f"another user made it; have it removed, or give another path")
+        raise StoragePathError(
+            f"swap directory {root} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}): "
+            f"another user made it; have it removed, or give another path"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StoragePathError(f"swap directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}), "
-                               f"who may have put files there: remove it (rm -r {root}), or give another path")
+        raise StoragePathError(
+            f"swap directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}), "
+            f"who may have put files there: remove it (rm -r {root}), or give another path"
+        )
 
 
 def _open_swap_root(path: str) -> tuple[str, int]:
@@ -116,7 +126,7 @@ def _process_start_ticks(pid: int) -> int | None:
             raw = f.read()
     except OSError:
         return None
-    return int(raw[raw.rindex(b")") + 2:].split()[19])
+    return int(raw[raw.rindex(b")") + 2 :].split()[19])
 
 
 def make_swap_dir(path: str, rank: int = 0) -> str:
@@ -138,8 +148,7 @@ def make_swap_dir(path: str, rank: int = 0) -> str:
     else:
         raise StoragePathError(f"swap directory {user_swap_root(path)} keeps disappearing: give another path")
     d = os.path.join(root, name)
-    owner = {"host": host, "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()),
-             "created_unix_s": time.time()}
+    owner = {"host": host, "pid": os.getpid(), "start_ticks": _process_start_ticks(os.getpid()), "created_unix_s": time.time()}
     tmp = os.path.join(d, OWNER_FILE + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:

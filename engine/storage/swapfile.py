@@ -6,6 +6,7 @@ the I/O thread that moves it (zlib releases the GIL, ~4 GB/s per core here). The
 holds every chunk's CRC and a generation number and is written after the payload, so a torn
 or stale file fails verification instead of being read as state.
 """
+
 from __future__ import annotations
 
 import struct
@@ -46,14 +47,15 @@ def write_header(header: torch.Tensor, *, index: int, numel: int, plan: ChunkPla
     body = _FIXED.pack(MAGIC, VERSION, 0, index, numel, plan.payload_bytes, generation, plan.chunk_bytes, len(crcs))
     body += struct.pack(f"<{len(crcs)}I", *crcs)
     header.zero_()
-    header[:len(body)].copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    header[: len(body)].copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
 
 
-def verify(header: torch.Tensor, *, path: str, index: int, numel: int, plan: ChunkPlan, generation: int,
-           crcs: list[int] | None) -> None:
+def verify(
+    header: torch.Tensor, *, path: str, index: int, numel: int, plan: ChunkPlan, generation: int, crcs: list[int] | None
+) -> None:
     """Raise :class:`CorruptSwapFileError` unless the header read from ``path`` is the one last
     written for this subgroup and (when ``crcs`` is given) every chunk's CRC matches it."""
-    raw = bytes(header[:_FIXED.size].numpy())
+    raw = bytes(header[: _FIXED.size].numpy())
     magic, version, _, f_index, f_numel, f_payload, f_gen, f_chunk, n = _FIXED.unpack(raw)
     fix = "the swap file was changed or damaged outside offloadctl; restore from your last checkpoint"
     if magic != MAGIC or version != VERSION:
@@ -62,10 +64,11 @@ def verify(header: torch.Tensor, *, path: str, index: int, numel: int, plan: Chu
     if (f_index, f_numel, f_payload, f_gen, f_chunk) != expect:
         raise CorruptSwapFileError(
             f"swap file {path} holds subgroup {f_index} generation {f_gen}, expected subgroup {index} "
-            f"generation {generation}: {fix}")
+            f"generation {generation}: {fix}"
+        )
     if crcs is None:
         return
-    stored = struct.unpack_from(f"<{n}I", bytes(header[_FIXED.size:_FIXED.size + 4 * n].numpy()))
+    stored = struct.unpack_from(f"<{n}I", bytes(header[_FIXED.size : _FIXED.size + 4 * n].numpy()))
     if n != len(crcs) or any(a != b for a, b in zip(stored, crcs)):
         bad = next((i for i, (a, b) in enumerate(zip(stored, crcs)) if a != b), min(n, len(crcs)))
         off = HEADER_BYTES + bad * plan.chunk_bytes

@@ -5,6 +5,7 @@ a wrong path is one line at once, not an error from each rank; that process neve
 (it would add seconds to every launch), so the O_DIRECT probe writes from an ``mmap`` page,
 which is aligned as O_DIRECT needs.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,8 +35,9 @@ def check_usable(path: str) -> None:
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except PermissionError:
-        raise StoragePathError(f"storage path {path} is not writable by this user: "
-                               "fix its permissions or choose another path") from None
+        raise StoragePathError(
+            f"storage path {path} is not writable by this user: fix its permissions or choose another path"
+        ) from None
     except OSError as e:
         raise StoragePathError(f"storage path {path} cannot hold files ({e.strerror}): choose another path") from None
     os.close(fd)
@@ -53,11 +55,13 @@ def check_usable(path: str) -> None:
             os.close(fd)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoragePathError(f"storage path {path} is full ({e.strerror}): free space there, or give another "
-                                   f"path") from None
+            raise StoragePathError(
+                f"storage path {path} is full ({e.strerror}): free space there, or give another path"
+            ) from None
         raise StoragePathError(
             f"storage path {path} does not support O_DIRECT ({e.strerror}), which offloading needs to bypass "
-            f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs") from None
+            f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs"
+        ) from None
     finally:
         try:
             os.unlink(probe)

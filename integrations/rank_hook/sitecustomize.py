@@ -7,6 +7,7 @@ run (not a launcher, not a process a rank starts): then it installs the engine a
 program the interpreter was given, exactly as ``integrations.bootstrap`` does under DeepSpeed's
 launcher. Kept small: it runs in every Python process of the launch.
 """
+
 import os
 import sys
 

@@ -6,6 +6,7 @@
 Made from offloadctl's own parser, so it completes exactly the commands and options this
 version has; after an option or a script, file names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
 _offloadctl() {{
     local cur=${{COMP_WORDS[COMP_CWORD]}} opts=""
     if [ "$COMP_CWORD" -eq 1 ]; then
-        COMPREPLY=($(compgen -W {shlex.quote(' '.join(table['']) + ' --help --version')} -- "$cur"))
+        COMPREPLY=($(compgen -W {shlex.quote(" ".join(table[""]) + " --help --version")} -- "$cur"))
         return
     fi
     case "${{COMP_WORDS[1]}}" in

@@ -6,6 +6,7 @@ nothing unless asked: --build first builds the native ops that are missing or ou
 (minutes, with progress; `make setup` runs it). Checks that the installed DeepSpeed has what
 offloadctl builds on; if not, says what differs and exits with status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,11 @@ from rich.table import Table
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--build", action="store_true",
-                   help="first build DeepSpeed's native ops that are missing or out of date (progress on stderr)")
+    p.add_argument(
+        "--build",
+        action="store_true",
+        help="first build DeepSpeed's native ops that are missing or out of date (progress on stderr)",
+    )
 
 
 def collect() -> dict:
@@ -72,8 +76,9 @@ def build(console: Console) -> None:
 
     from engine.storage.native_ops import build_ops
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
         tasks: dict[tuple[str, str], int] = {}
 
         def on_step(op: str, done: int, total: int, target: str) -> None:
@@ -124,22 +129,31 @@ def info_table(data: dict):
     t.add_row("I/O backends", ", ".join(data["io_backends"]))
     names = {"torch": "torch", "deepspeed": "DeepSpeed"}
     rate = lambda r: format_rate(r, "params/s")  # noqa: E731
-    t.add_row("AdamW kernels", "each kernel alone on one buffer of 16M parameters, timed now: " + ", ".join(
-        f"{names.get(n, n)} {rate(r)}" for n, r in data["host_adamw_params_per_s"].items()))
+    t.add_row(
+        "AdamW kernels",
+        "each kernel alone on one buffer of 16M parameters, timed now: "
+        + ", ".join(f"{names.get(n, n)} {rate(r)}" for n, r in data["host_adamw_params_per_s"].items()),
+    )
     kernel = data["host_adamw_kernel"]
     loops = data.get("host_lane_params_per_s_by_kernel") or {kernel: data["host_lane_params_per_s"]}
-    t.add_row("runs use", f"{names.get(kernel, kernel)}, the faster in the whole host update loop (unscale, AdamW, "
-              f"weight copy; 4 subgroups), timed with each kernel once on this machine: "
-              + ", ".join(f"{names.get(n, n)} {rate(r)}" for n, r in loops.items())
-              + "; kept [1], so every rank and run takes the same kernel and a seed repeats its losses")
+    t.add_row(
+        "runs use",
+        f"{names.get(kernel, kernel)}, the faster in the whole host update loop (unscale, AdamW, "
+        f"weight copy; 4 subgroups), timed with each kernel once on this machine: "
+        + ", ".join(f"{names.get(n, n)} {rate(r)}" for n, r in loops.items())
+        + "; kept [1], so every rank and run takes the same kernel and a seed repeats its losses",
+    )
     files = [("[1]", os.path.join(extensions_dir(), KERNEL_CHOICE_FILE))]
     bw = data.get("host_memory_bytes_per_s")
     if bw:
         files.append(("[2]", os.path.join(extensions_dir(), MEMORY_BANDWIDTH_FILE)))
-        t.add_row("host memory", f"{format_rate(bw, 'B/s')} read and written, every core copying (measured once, "
-                  f"kept [2]); the host lane moves {HOST_LANE_BYTES_PER_PARAM} B a parameter, so all ranks' host "
-                  f"lanes together reach at most {rate(data['host_lane_memory_bound_params_per_s'])}: a run's host "
-                  f"lane goes at the lower of its loop's rate and its share of that")
+        t.add_row(
+            "host memory",
+            f"{format_rate(bw, 'B/s')} read and written, every core copying (measured once, "
+            f"kept [2]); the host lane moves {HOST_LANE_BYTES_PER_PARAM} B a parameter, so all ranks' host "
+            f"lanes together reach at most {rate(data['host_lane_memory_bound_params_per_s'])}: a run's host "
+            f"lane goes at the lower of its loop's rate and its share of that",
+        )
     return Group(t, *(Text(f"{mark} {path}", no_wrap=True, overflow="ignore") for mark, path in files))
 
 

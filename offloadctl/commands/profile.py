@@ -9,6 +9,7 @@
 
 Profiles live in $OFFLOADCTL_PROFILE_DIR, else ~/.config/offloadctl/profiles/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,28 +36,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    s = sub.add_parser("save", help="measure this machine and save its profile",
-                       description="Measure storage paths, host memory, CPU AdamW and (with CUDA) the GPU, and save "
-                                   "the profile as TOML. A full run takes a few minutes per path; --quick under two.")
+    s = sub.add_parser(
+        "save",
+        help="measure this machine and save its profile",
+        description="Measure storage paths, host memory, CPU AdamW and (with CUDA) the GPU, and save "
+        "the profile as TOML. A full run takes a few minutes per path; --quick under two.",
+    )
     s.add_argument("name", nargs="?", metavar="NAME", help="profile name (default: the host name)")
     s.add_argument("--nvme", action="append", default=[], metavar="PATH", help="a node-local storage path (repeatable)")
-    s.add_argument("--remote", action="append", default=[], metavar="PATH",
-                   help="a remote parallel-file-system path (repeatable)")
+    s.add_argument(
+        "--remote", action="append", default=[], metavar="PATH", help="a remote parallel-file-system path (repeatable)"
+    )
     s.add_argument("--quick", action="store_true", help="smaller and shorter measurements (under 2 minutes)")
     s.add_argument("--output", metavar="FILE", help="write here instead of the profile directory")
     s.add_argument("--force", action="store_true", help="replace an existing profile")
-    s.add_argument("--io-backend", dest="io_backend", choices=("auto", "aio", "posix"), default="auto",
-                   help="I/O backend to measure with, as offloadctl train --io-backend (default: auto)")
+    s.add_argument(
+        "--io-backend",
+        dest="io_backend",
+        choices=("auto", "aio", "posix"),
+        default="auto",
+        help="I/O backend to measure with, as offloadctl train --io-backend (default: auto)",
+    )
     # The old name, as offloadctl train calls it --io-backend; hidden, kept for one release.
-    s.add_argument("--backend", dest="io_backend", choices=("auto", "aio", "posix"), default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
-    add_size_option(s, "--io-size", dest="io_size",
-                    help="data file per path, e.g. 4GB (default 8.6GB, 1.1GB with --quick; at most 1/8 of the "
-                    "free space)")
-    s.add_argument("--io-bytes", dest="io_size", type=_io_bytes_arg, default=argparse.SUPPRESS, metavar="BYTES",
-                   help=argparse.SUPPRESS)  # deprecated: still taken, not offered
-    s.add_argument("--io-seconds", type=float, metavar="S",
-                   help="seconds per point of the I/O sweep (default 3, 0.5 with --quick)")
+    s.add_argument(
+        "--backend", dest="io_backend", choices=("auto", "aio", "posix"), default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    add_size_option(
+        s,
+        "--io-size",
+        dest="io_size",
+        help="data file per path, e.g. 4GB (default 8.6GB, 1.1GB with --quick; at most 1/8 of the free space)",
+    )
+    s.add_argument(
+        "--io-bytes", dest="io_size", type=_io_bytes_arg, default=argparse.SUPPRESS, metavar="BYTES", help=argparse.SUPPRESS
+    )  # deprecated: still taken, not offered
+    s.add_argument(
+        "--io-seconds", type=float, metavar="S", help="seconds per point of the I/O sweep (default 3, 0.5 with --quick)"
+    )
     add_size_epilog(s)
 
     for name, help_ in (("show", "show one profile"), ("list", "list saved profiles"), ("diff", "compare two profiles")):
@@ -78,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- save -----------------------------------------------------------------------------------------
+
 
 def _io_bytes_arg(text: str) -> SizeText:
     """--io-bytes, deprecated, with its old meaning: a bare number is bytes, and K/M/G/T (with or
@@ -106,16 +123,22 @@ def _save(args: argparse.Namespace) -> int:
     if io_bytes is not None or args.io_seconds is not None:
         if args.io_seconds is not None and not args.io_seconds > 0:
             raise ConfigError(f"--io-seconds must be positive, got {args.io_seconds}")
-        sizes = dataclasses.replace(sizes, io_bytes=io_bytes or sizes.io_bytes,
-                                    io_seconds=args.io_seconds or sizes.io_seconds)
+        sizes = dataclasses.replace(sizes, io_bytes=io_bytes or sizes.io_bytes, io_seconds=args.io_seconds or sizes.io_seconds)
     if not args.nvme and not args.remote:
-        print("offloadctl: no --nvme or --remote path given: the profile will hold host (and GPU) figures only",
-              file=sys.stderr)
+        print("offloadctl: no --nvme or --remote path given: the profile will hold host (and GPU) figures only", file=sys.stderr)
     t0 = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
-        profile = probe.measure_profile(name, nvme=args.nvme, remote=args.remote, quick=args.quick, sizes=sizes,
-                                          backend=args.io_backend, tool=f"offloadctl {__version__}", progress=bar)
+        profile = probe.measure_profile(
+            name,
+            nvme=args.nvme,
+            remote=args.remote,
+            quick=args.quick,
+            sizes=sizes,
+            backend=args.io_backend,
+            tool=f"offloadctl {__version__}",
+            progress=bar,
+        )
     save_profile(profile, out)
     shown = name if out == path_for_name(name) else out
     # Two lines: each fits 80 columns where the path does, and the command is whole to copy.
@@ -125,6 +148,7 @@ def _save(args: argparse.Namespace) -> int:
 
 
 # -- figures, formatted ---------------------------------------------------------------------------
+
 
 def _unit(key: str) -> str:
     return "params/s" if key.startswith(("host.adamw", "gpu.adamw")) else "B/s"
@@ -169,8 +193,14 @@ def _figure_items(p: Profile, sweep: bool, labels: dict[str, str]) -> list[tuple
         label = labels.get(x.path, x.path)
         out += [(f"path {label} {op}", (3, label, 0, i), getattr(x, f"{op}_bytes_per_s")) for i, op in enumerate(_OPS)]
         if sweep:
-            out += [(f"path {label} {s.op} c={s.concurrency} {format_size(s.block_bytes)}",
-                     (3, label, 1, -s.block_bytes, s.concurrency, _OPS.index(s.op)), s.bytes_per_s) for s in x.sweep]
+            out += [
+                (
+                    f"path {label} {s.op} c={s.concurrency} {format_size(s.block_bytes)}",
+                    (3, label, 1, -s.block_bytes, s.concurrency, _OPS.index(s.op)),
+                    s.bytes_per_s,
+                )
+                for s in x.sweep
+            ]
     return sorted(out, key=lambda item: item[1])
 
 
@@ -196,6 +226,7 @@ def _source_line(p: Profile) -> str:
 
 # -- show -----------------------------------------------------------------------------------------
 
+
 def _show(args: argparse.Namespace) -> int:
     from perf.profile_toml import load_profile, profile_to_dict, resolve_profile
 
@@ -215,8 +246,12 @@ def _show(args: argparse.Namespace) -> int:
     con.print()
     t = _table("machine", "value")
     _row(t, "host", m.hostname)
-    _row(t, "CPU", f"{m.cpu_model}; {m.cores_physical} cores, {m.cores_logical} threads, {m.numa_nodes} NUMA "
-         f"node{'s' if m.numa_nodes != 1 else ''}")
+    _row(
+        t,
+        "CPU",
+        f"{m.cpu_model}; {m.cores_physical} cores, {m.cores_logical} threads, {m.numa_nodes} NUMA "
+        f"node{'s' if m.numa_nodes != 1 else ''}",
+    )
     _row(t, "memory", format_size(m.memory_bytes))
     _row(t, "GPUs", f"{m.gpu_count} x {m.gpu_model}" if m.gpu_count else "none")
     if p.gpu:
@@ -226,25 +261,35 @@ def _show(args: argparse.Namespace) -> int:
         con.print()
         swept = any(x.sweep for x in p.paths)
         unit = "GB/s (n)" if swept else "GB/s"
-        t = _table("storage path", "kind", "device", "capacity", f"read\n{unit}", f"write\n{unit}", f"mixed\n{unit}",
-                   "best\nconc.")
+        t = _table(
+            "storage path", "kind", "device", "capacity", f"read\n{unit}", f"write\n{unit}", f"mixed\n{unit}", "best\nconc."
+        )
         t.columns[0].overflow = "fold"  # only a path too long for the terminal
         for c in t.columns[1:]:
             c.no_wrap = True
         for c in t.columns[4:]:
             c.justify = "right"
         for x in p.paths:
-            _row(t, x.path, x.kind, x.device, format_size(x.capacity_bytes),
-                 *(_rate_at(x, op) for op in _OPS), x.best_concurrency)
+            _row(
+                t, x.path, x.kind, x.device, format_size(x.capacity_bytes), *(_rate_at(x, op) for op in _OPS), x.best_concurrency
+            )
         con.print(t)
         from engine.config import EngineConfig  # the engine's chunk, which the probe's sweep uses (perf.probe)
 
         chunk = EngineConfig().io_chunk_bytes
-        con.print(f"best conc.: the fewest requests in flight at which the engine's {format_size(chunk)} "
-                  f"reads and writes both come within 5% of their best rates. read, write, mixed: each path's best "
-                  f"rate" + ("; (n): the requests in flight it was measured at, which for one direction alone may be "
-                             "fewer (the figures below give the request size)." if swept else "."),
-                  style="dim", markup=False)
+        con.print(
+            f"best conc.: the fewest requests in flight at which the engine's {format_size(chunk)} "
+            f"reads and writes both come within 5% of their best rates. read, write, mixed: each path's best "
+            f"rate"
+            + (
+                "; (n): the requests in flight it was measured at, which for one direction alone may be "
+                "fewer (the figures below give the request size)."
+                if swept
+                else "."
+            ),
+            style="dim",
+            markup=False,
+        )
         shared = {k: v for k, v in p.devices().items() if len(v) > 1}
         for dev, ps in shared.items():
             con.print(f"paths on one device ({dev}), sharing its bandwidth: {', '.join(x.path for x in ps)}", markup=False)
@@ -267,6 +312,7 @@ def _show(args: argparse.Namespace) -> int:
 
 # -- list -----------------------------------------------------------------------------------------
 
+
 def _list(args: argparse.Namespace) -> int:
     from perf.profile_toml import list_profiles, load_profile, profile_dir
 
@@ -281,9 +327,17 @@ def _list(args: argparse.Namespace) -> int:
         except ConfigError as e:  # one broken file must not hide the others
             rows.append({"name": name, "file": path, "error": str(e)})
             continue
-        rows.append({"name": name, "file": path, "source": p.source.kind, "created": p.created,
-                     "host": p.machine.hostname, "paths": [x.path for x in p.paths],
-                     "gpu": p.gpu.model if p.gpu else None})
+        rows.append(
+            {
+                "name": name,
+                "file": path,
+                "source": p.source.kind,
+                "created": p.created,
+                "host": p.machine.hostname,
+                "paths": [x.path for x in p.paths],
+                "gpu": p.gpu.model if p.gpu else None,
+            }
+        )
     if args.json:
         print(json.dumps({"dir": d, "profiles": rows}, indent=2))
         return 0
@@ -307,6 +361,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 # -- diff -----------------------------------------------------------------------------------------
+
 
 def _path_labels(a: Profile, b: Profile) -> tuple[dict[str, str], dict[str, str]]:
     """Paths in both profiles keep their name; the others are paired by order (#1, #2, ...)."""
@@ -345,9 +400,17 @@ def _diff(args: argparse.Namespace) -> int:
     a, b = load_profile(pa), load_profile(pb)
     machine, rows = diff_rows(a, b, sweep=args.sweep)
     if args.json:
-        print(json.dumps({"a": {"name": a.name, "file": pa, "source": a.source.kind},
-                          "b": {"name": b.name, "file": pb, "source": b.source.kind},
-                          "machine": machine, "figures": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "a": {"name": a.name, "file": pa, "source": a.source.kind},
+                    "b": {"name": b.name, "file": pb, "source": b.source.kind},
+                    "machine": machine,
+                    "figures": rows,
+                },
+                indent=2,
+            )
+        )
         return 0
     con = Console(highlight=False)
     con.print(f"A: {a.name} ({pa}), {_source_line(a)}", markup=False)

@@ -6,6 +6,7 @@ and a table; the page (default RUN_DIR/report.html) adds the plots. Several
 runs are shown side by side, each against the first. docs/report.md says how
 to read each plot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", metavar="FILE", help="write the self-contained HTML report here")
     p.add_argument("--png", metavar="DIR", help="write one PNG per section into DIR")
     p.add_argument("--json", action="store_true", help="print the numbers behind every plot as JSON (no summary)")
-    p.add_argument("--iteration", type=int, metavar="N", help="the iteration of the timeline (0-based; default: "
-                   "the median one of each run)")
-    p.add_argument("--rank", type=int, default=None, metavar="R",
-                   help="the rank to report (default: the lowest recorded in the run directory)")
-    p.add_argument("--label", action="append", metavar="NAME", help="a run's name in the report, in RUN_DIR order "
-                   "(repeatable; default: the directory's name and engine)")
+    p.add_argument(
+        "--iteration", type=int, metavar="N", help="the iteration of the timeline (0-based; default: the median one of each run)"
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="the rank to report (default: the lowest recorded in the run directory)",
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        metavar="NAME",
+        help="a run's name in the report, in RUN_DIR order (repeatable; default: the directory's name and engine)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
             files["html"] = os.path.abspath(output)
     except OSError as e:
         where = e.filename or output or args.png
-        raise ConfigError(f"{flag}: cannot write {where} ({e.strerror or e}): give a writable place"
-                          f"{' with --output FILE' if flag == 'the report' else ''}") from None
+        raise ConfigError(
+            f"{flag}: cannot write {where} ({e.strerror or e}): give a writable place"
+            f"{' with --output FILE' if flag == 'the report' else ''}"
+        ) from None
     if args.json:
         print(to_json(analysis, files))
         return 0

@@ -22,6 +22,7 @@ examples:
   offloadctl train --num_gpus 8 --nvme /ssd0 --nvme /ssd1 --host-cache 8GB t.py
   offloadctl train --hostfile hosts --remote /lustre/me/state a.py --epochs 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,11 @@ LAUNCHER_HELP = {
     "--master_port": ("PORT", "rendezvous port (default 29500, or a free one where that is in use)"),
     "--master_addr": ("ADDR", "rendezvous address (default: the first host)"),
     "--node_rank": ("N", "this node's rank, with --no_ssh"),
-    "--launcher": ("NAME", "torchrun or accelerate: build that launcher's command from these options; or "
-                   "DeepSpeed's multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich"),
+    "--launcher": (
+        "NAME",
+        "torchrun or accelerate: build that launcher's command from these options; or "
+        "DeepSpeed's multi-node launcher: pdsh (default), openmpi, mpich, impi, slurm, mvapich",
+    ),
     "--launcher_args": ("ARGS", "more arguments for that launcher, in one quoted string"),
     "--module": (None, "SCRIPT is a module, run as python -m"),
     "--no_python": (None, "run SCRIPT itself, not with python"),
@@ -78,62 +82,137 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("where the state lives and how it moves")
     o.add_argument("--nvme", action="append", default=[], metavar="PATH", help="node-local NVMe directory (repeatable)")
     o.add_argument("--remote", action="append", default=[], metavar="PATH", help="parallel file system directory (repeatable)")
-    add_size_option(o, "--host-cache", dest="host_cache", deprecated="--host-cache-gb",
-                    help="optimizer state kept in host memory, per rank, e.g. 64GB or 60GiB (default: 0 when paths "
-                    "are given, else all)")
-    add_size_option(o, "--host-memory", dest="host_memory",
-                    help="budget for all the engine holds in host memory, per rank: state, staging buffers, copies "
-                    "(default: half the memory available at start, shared by the node's ranks; docs/host-memory.md)")
-    add_size_option(o, "--read-ahead", dest="read_ahead", auto=True,
-                    help="host memory for reading the next step's state ahead during forward and backward, per rank; "
-                    "auto: what the paths read in one forward and backward (default auto; 0: none)")
-    o.add_argument("--no-io-overlap", dest="io_overlap", action="store_false",
-                   help="each step waits for its writes and nothing is read ahead (default: writes drain during the "
-                   "next forward, reads start at the step's end)")
-    add_size_option(o, "--device-cache", dest="device_cache", deprecated="--device-cache-gb", auto=True,
-                    help="optimizer state kept on the GPU, per rank, e.g. 8GB; auto: what the GPU has free after the "
-                    "first forward/backward, less a safety margin (default auto)")
-    o.add_argument("--device-fraction", default="auto", metavar="F|auto",
-                   help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
-                   "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)")
+    add_size_option(
+        o,
+        "--host-cache",
+        dest="host_cache",
+        deprecated="--host-cache-gb",
+        help="optimizer state kept in host memory, per rank, e.g. 64GB or 60GiB (default: 0 when paths are given, else all)",
+    )
+    add_size_option(
+        o,
+        "--host-memory",
+        dest="host_memory",
+        help="budget for all the engine holds in host memory, per rank: state, staging buffers, copies "
+        "(default: half the memory available at start, shared by the node's ranks; docs/host-memory.md)",
+    )
+    add_size_option(
+        o,
+        "--read-ahead",
+        dest="read_ahead",
+        auto=True,
+        help="host memory for reading the next step's state ahead during forward and backward, per rank; "
+        "auto: what the paths read in one forward and backward (default auto; 0: none)",
+    )
+    o.add_argument(
+        "--no-io-overlap",
+        dest="io_overlap",
+        action="store_false",
+        help="each step waits for its writes and nothing is read ahead (default: writes drain during the "
+        "next forward, reads start at the step's end)",
+    )
+    add_size_option(
+        o,
+        "--device-cache",
+        dest="device_cache",
+        deprecated="--device-cache-gb",
+        auto=True,
+        help="optimizer state kept on the GPU, per rank, e.g. 8GB; auto: what the GPU has free after the "
+        "first forward/backward, less a safety margin (default auto)",
+    )
+    o.add_argument(
+        "--device-fraction",
+        default="auto",
+        metavar="F|auto",
+        help="share of the subgroups outside the GPU updated on the GPU (device lane), 0..1; auto: the "
+        "plan's with --profile, else the one that balances measured CPU and PCIe rates (default auto)",
+    )
     o.add_argument("--lane-device", choices=["cpu"], help=argparse.SUPPRESS)  # tests: the GPU path's bookkeeping on a CPU
-    o.add_argument("--bind-cores", choices=["auto", "on", "off"], default="auto",
-                   help="each rank's host lane on its own share of the cores (auto: with several ranks per node, "
-                        "unless --bind_cores_to_rank binds them)")
-    o.add_argument("--run-dir", metavar="DIR", help="where the run's records, telemetry and logs go, private to you "
-                   "(default ./runs/<timestamp>, a new one for each run)")
-    o.add_argument("--force", action="store_true",
-                   help="with --run-dir: replace the records of an earlier run there (a running run's are never)")
-    o.add_argument("--io-backend", choices=["auto", "aio", "posix"], default="auto",
-                   help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
-                   "aio where it is built (default auto)")
-    o.add_argument("--profile", metavar="NAME|PATH", help="hardware profile (offloadctl profile save): start from the "
-                   "performance model's best plan (default: a quick probe of the paths and default knobs)")
-    o.add_argument("--tuner", default="auto", metavar="auto|off|SOCKET",
-                   help="auto: use the running tuner daemon, or start a private one for this run (default); "
-                   "off: keep the starting plan; SOCKET: the daemon at this socket")
-    o.add_argument("--prefetch-depth", type=int, metavar="N",
-                   help="subgroups read ahead (default 2, or the plan's); given, the tuner never moves it")
-    o.add_argument("--node-lock", action="store_true", default=None,
-                   help="one rank at a time per storage device on a node, so ranks do not interleave their I/O; "
-                   "given, the tuner never moves it")
-    o.add_argument("--params", metavar="N", help="with --dry-run and --profile: model size for the plan preview "
-                   "(7e9, 70M, 1.5B); the ranks plan for the real size")
-    o.add_argument("--json-summary", metavar="FILE",
-                   help="at the end, write the summary's figures to FILE as JSON (how the run ended, iterations, "
-                   "median iteration time, throughput, shares, bottleneck, bytes per parameter, the tuner's changes)")
+    o.add_argument(
+        "--bind-cores",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="each rank's host lane on its own share of the cores (auto: with several ranks per node, "
+        "unless --bind_cores_to_rank binds them)",
+    )
+    o.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="where the run's records, telemetry and logs go, private to you "
+        "(default ./runs/<timestamp>, a new one for each run)",
+    )
+    o.add_argument(
+        "--force",
+        action="store_true",
+        help="with --run-dir: replace the records of an earlier run there (a running run's are never)",
+    )
+    o.add_argument(
+        "--io-backend",
+        choices=["auto", "aio", "posix"],
+        default="auto",
+        help="the engine's I/O backend: aio (DeepSpeed's async_io op), posix (a thread pool), or auto: "
+        "aio where it is built (default auto)",
+    )
+    o.add_argument(
+        "--profile",
+        metavar="NAME|PATH",
+        help="hardware profile (offloadctl profile save): start from the "
+        "performance model's best plan (default: a quick probe of the paths and default knobs)",
+    )
+    o.add_argument(
+        "--tuner",
+        default="auto",
+        metavar="auto|off|SOCKET",
+        help="auto: use the running tuner daemon, or start a private one for this run (default); "
+        "off: keep the starting plan; SOCKET: the daemon at this socket",
+    )
+    o.add_argument(
+        "--prefetch-depth",
+        type=int,
+        metavar="N",
+        help="subgroups read ahead (default 2, or the plan's); given, the tuner never moves it",
+    )
+    o.add_argument(
+        "--node-lock",
+        action="store_true",
+        default=None,
+        help="one rank at a time per storage device on a node, so ranks do not interleave their I/O; "
+        "given, the tuner never moves it",
+    )
+    o.add_argument(
+        "--params",
+        metavar="N",
+        help="with --dry-run and --profile: model size for the plan preview (7e9, 70M, 1.5B); the ranks plan for the real size",
+    )
+    o.add_argument(
+        "--json-summary",
+        metavar="FILE",
+        help="at the end, write the summary's figures to FILE as JSON (how the run ended, iterations, "
+        "median iteration time, throughput, shares, bottleneck, bytes per parameter, the tuner's changes)",
+    )
     o.add_argument("--dry-run", action="store_true", help="print the launcher command, environment and plan, then exit")
     o.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
-    o.add_argument("--verbose", action="store_true",
-                   help="show DeepSpeed's own log lines too (they always go to RUN_DIR/deepspeed.log)")
-    o.add_argument("--engine", choices=ENGINES, default="offloadctl",
-                   help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
-                   "offload, untouched, with only the recording on (to characterize a current setup and compare "
-                   "with offloadctl report)")
-    o.add_argument("--record-hz", type=float, default=100.0, metavar="HZ",
-                   help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)")
-    o.add_argument("--no-record", action="store_true",
-                   help="record nothing for offloadctl report (the engine's telemetry is still written)")
+    o.add_argument(
+        "--verbose", action="store_true", help="show DeepSpeed's own log lines too (they always go to RUN_DIR/deepspeed.log)"
+    )
+    o.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="offloadctl",
+        help="offloadctl: the multi-tier engine (default); stock: DeepSpeed's own optimizer and "
+        "offload, untouched, with only the recording on (to characterize a current setup and compare "
+        "with offloadctl report)",
+    )
+    o.add_argument(
+        "--record-hz",
+        type=float,
+        default=100.0,
+        metavar="HZ",
+        help="sampled series (GPU memory, PCIe, disk, RSS, CPU) per second; 0: phases only (default 100)",
+    )
+    o.add_argument(
+        "--no-record", action="store_true", help="record nothing for offloadctl report (the engine's telemetry is still written)"
+    )
     g = p.add_argument_group("DeepSpeed launcher options (passed to it)")
     for flags, takes_value in launcher.LAUNCHER_OPTIONS:
         metavar, text = LAUNCHER_HELP[flags[0]]
@@ -141,10 +220,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             g.add_argument(*flags, dest=launcher.option_dest(flags), metavar=metavar, help=text)
         else:
             g.add_argument(*flags, dest=launcher.option_dest(flags), action="store_true", help=text)
-    p.add_argument("script", metavar="SCRIPT", help="the DeepSpeed training script, or a launch program run as "
-                   "given: torchrun, accelerate, deepspeed, srun, mpirun, mpiexec, python, llamafactory-cli, axolotl")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS",
-                   help="arguments for the script (or the launch program), untouched")
+    p.add_argument(
+        "script",
+        metavar="SCRIPT",
+        help="the DeepSpeed training script, or a launch program run as "
+        "given: torchrun, accelerate, deepspeed, srun, mpirun, mpiexec, python, llamafactory-cli, axolotl",
+    )
+    p.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT ARGS",
+        help="arguments for the script (or the launch program), untouched",
+    )
     add_size_epilog(p)
 
 
@@ -166,19 +253,28 @@ def build(args: argparse.Namespace) -> launcher.Launch:
     program = lc.launch_program(args.script)
     if program is not None:  # a launch command, as given
         command = [lc.resolve_program(program, args.script), *args.script_args]
-        return launcher.Launch.through_hook(command, settings, launcher=program, tuner=tuner,
-                                            direct=program.startswith("python"), preview=preview)
+        return launcher.Launch.through_hook(
+            command, settings, launcher=program, tuner=tuner, direct=program.startswith("python"), preview=preview
+        )
     kind = getattr(args, launcher.option_dest(("--launcher",)), None)
     if kind in lc.BUILT:
         target = args.script if values.get("ds_module") else os.path.abspath(args.script)  # a module by its name
         command = lc.built_command(kind, values, target, args.script_args)
         return launcher.Launch.through_hook(command, settings, launcher=kind, tuner=tuner, preview=preview)
     if values.get("ds_module") or values.get("ds_no_python"):  # the ranks run SCRIPT itself: no bootstrap there
-        command = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *launcher.launcher_args(values),
-                   args.script, *args.script_args]
+        command = [
+            sys.executable,
+            "-u",
+            "-m",
+            "deepspeed.launcher.runner",
+            *launcher.launcher_args(values),
+            args.script,
+            *args.script_args,
+        ]
         return launcher.Launch.through_hook(command, settings, launcher="deepspeed", tuner=tuner, preview=preview)
-    return launcher.Launch.of(launcher.launcher_args(values), settings, args.script, args.script_args,
-                              tuner=tuner, preview=preview)
+    return launcher.Launch.of(
+        launcher.launcher_args(values), settings, args.script, args.script_args, tuner=tuner, preview=preview
+    )
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
@@ -203,9 +299,14 @@ def _check_inputs(args: argparse.Namespace) -> None:
     if args.json_summary:  # a path that cannot take the file: said now, not after the run
         where = os.path.dirname(os.path.abspath(args.json_summary))
         if os.path.isdir(args.json_summary) or not os.path.isdir(where) or not os.access(where, os.W_OK):
-            raise ConfigError(f"--json-summary {args.json_summary}: "
-                              + ("is a directory: give a file name" if os.path.isdir(args.json_summary)
-                                 else f"cannot write there ({where} is not a writable directory)"))
+            raise ConfigError(
+                f"--json-summary {args.json_summary}: "
+                + (
+                    "is a directory: give a file name"
+                    if os.path.isdir(args.json_summary)
+                    else f"cannot write there ({where} is not a writable directory)"
+                )
+            )
     if args.engine != "stock":  # a config the engine refuses: said now, not by every rank after the launch
         from integrations.ds_config_check import check_ds_config
 
@@ -227,8 +328,10 @@ def _check_script(args: argparse.Namespace) -> None:
         finally:
             sys.path.remove(os.getcwd())
         if not found:
-            raise ConfigError(f"module {args.script} not found from {os.getcwd()} (--module runs python -m "
-                              f"{args.script}): check the name, or give the script's path without --module")
+            raise ConfigError(
+                f"module {args.script} not found from {os.getcwd()} (--module runs python -m "
+                f"{args.script}): check the name, or give the script's path without --module"
+            )
         return
     if os.path.isdir(args.script):
         raise ConfigError(f"training script {args.script} is a directory: give the script file inside it")
@@ -239,8 +342,10 @@ def _check_script(args: argparse.Namespace) -> None:
     if not os.path.isfile(args.script):
         raise ConfigError(f"training script {args.script} does not exist: check the path")
     if getattr(args, "ds_no_python", False) and not os.access(args.script, os.X_OK):
-        raise ConfigError(f"{args.script} is not executable, and --no_python runs it as a program: chmod +x it, "
-                          f"or leave --no_python out to run it with python")
+        raise ConfigError(
+            f"{args.script} is not executable, and --no_python runs it as a program: chmod +x it, "
+            f"or leave --no_python out to run it with python"
+        )
 
 
 def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "RankSettings":
@@ -257,19 +362,31 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "Ran
     run_dir = os.path.abspath(args.run_dir) if args.run_dir else default_run_dir()
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"--run-dir {args.run_dir} is a file: give a directory (it is created if missing)")
-    pins = {k: v for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock),
-                              ("device_fraction", device_fraction)) if v is not None}
+    pins = {
+        k: v
+        for k, v in (("prefetch_depth", args.prefetch_depth), ("node_lock", args.node_lock), ("device_fraction", device_fraction))
+        if v is not None
+    }
     # --engine stock: RankSettings refuses a profile or a path given, so neither is looked at first.
     stock = args.engine == "stock"
     try:
         zero = ZeroEngineSettings(
             nvme_paths=tuple(os.path.abspath(p) for p in args.nvme),
-            remote_paths=tuple(os.path.abspath(p) for p in args.remote), host_cache_bytes=host_cache,
-            host_memory_bytes=host_memory, read_ahead_bytes=read_ahead, overlap_io=args.io_overlap, run_dir=run_dir,
-            device_cache_bytes=device_cache, auto_device_fraction=device_fraction is None,
-            lane_device=args.lane_device, io_backend=args.io_backend, pins=pins,
+            remote_paths=tuple(os.path.abspath(p) for p in args.remote),
+            host_cache_bytes=host_cache,
+            host_memory_bytes=host_memory,
+            read_ahead_bytes=read_ahead,
+            overlap_io=args.io_overlap,
+            run_dir=run_dir,
+            device_cache_bytes=device_cache,
+            auto_device_fraction=device_fraction is None,
+            lane_device=args.lane_device,
+            io_backend=args.io_backend,
+            pins=pins,
             profile=args.profile if stock else _checked_profile(args.profile),
-            tuner_socket=tuner_socket, run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}")
+            tuner_socket=tuner_socket,
+            run_id=f"{os.path.basename(run_dir)}-{uuid.uuid4().hex[:8]}",
+        )
     except ConfigError as e:  # a pin no knob takes, in the words the user typed
         raise ConfigError(knob_words(str(e), {n: "--" + n.replace("_", "-") for n in pins})) from None
     if not stock:
@@ -277,8 +394,13 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "Ran
     # DeepSpeed's launcher binds with numactl when asked: then ours would only narrow it again.
     ds_binds = getattr(args, launcher.option_dest(("--bind_cores_to_rank",)), False)
     record = None if args.no_record else RecorderConfig(run_dir=run_dir, engine=args.engine, sample_hz=args.record_hz)
-    return RankSettings(zero=zero, bind_cores="off" if args.bind_cores == "auto" and ds_binds else args.bind_cores,
-                        engine=args.engine, recorder=record, verbose=args.verbose)
+    return RankSettings(
+        zero=zero,
+        bind_cores="off" if args.bind_cores == "auto" and ds_binds else args.bind_cores,
+        engine=args.engine,
+        recorder=record,
+        verbose=args.verbose,
+    )
 
 
 def _checked_profile(name: str | None) -> str | None:
@@ -294,8 +416,7 @@ def _checked_profile(name: str | None) -> str | None:
 
 def storage_notes(args: argparse.Namespace) -> list[str]:
     """A warning for each storage path whose file system keeps its files in RAM."""
-    notes = (_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote))
-             for path in paths)
+    notes = (_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote)) for path in paths)
     return [n for n in notes if n]
 
 
@@ -315,8 +436,10 @@ def _in_memory(flag: str, path: str) -> str | None:
     kind = device_of(os.path.abspath(path)).name.split(":", 1)[0]
     if kind not in ("tmpfs", "ramfs"):
         return None
-    return (f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
-            f"give a path on a disk, or keep the state in host memory on purpose with --host-cache")
+    return (
+        f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
+        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"
+    )
 
 
 def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:
@@ -342,11 +465,14 @@ def tuner_target(value: str) -> str:
         return value
     path = os.path.abspath(value)
     if not os.path.exists(path):
-        raise ConfigError(f"--tuner {value}: no socket there; start the daemon (offloadctl tuner start --socket "
-                          f"{value}), or use --tuner auto")
+        raise ConfigError(
+            f"--tuner {value}: no socket there; start the daemon (offloadctl tuner start --socket {value}), or use --tuner auto"
+        )
     if not stat.S_ISSOCK(os.stat(path).st_mode):
-        raise ConfigError(f"--tuner {value} is not a socket: give the daemon's socket (offloadctl tuner status shows "
-                          f"it), or use --tuner auto or off")
+        raise ConfigError(
+            f"--tuner {value} is not a socket: give the daemon's socket (offloadctl tuner status shows "
+            f"it), or use --tuner auto or off"
+        )
     return path
 
 
@@ -359,10 +485,22 @@ def preview_plan(settings, params: int) -> dict:
     from perf.plan import plan_for_rank
 
     paths = storage_paths(settings.nvme_paths, settings.remote_paths)
-    rp = plan_for_rank(settings.profile, params_total=params, world_size=1, subgroup_numel=SUBGROUP_NUMEL, paths=paths,
-                       weight_bytes=Workload.weight_bytes, host_cache_bytes=settings.host_cache_bytes, pins=settings.pins)
-    return {"host_cache_bytes": rp.host_cache_bytes, "knobs": rp.knobs.to_dict(),
-            "predicted_update_s": rp.predicted_update_s, "summary": rp.summary}
+    rp = plan_for_rank(
+        settings.profile,
+        params_total=params,
+        world_size=1,
+        subgroup_numel=SUBGROUP_NUMEL,
+        paths=paths,
+        weight_bytes=Workload.weight_bytes,
+        host_cache_bytes=settings.host_cache_bytes,
+        pins=settings.pins,
+    )
+    return {
+        "host_cache_bytes": rp.host_cache_bytes,
+        "knobs": rp.knobs.to_dict(),
+        "predicted_update_s": rp.predicted_update_s,
+        "summary": rp.summary,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,8 +514,7 @@ def run(args: argparse.Namespace) -> int:
         print(_wrapped(note), file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
-        resolved = (launcher.resolved_launch(launch.command, launch.env)
-                    if "deepspeed.launcher.runner" in launch.command else None)
+        resolved = launcher.resolved_launch(launch.command, launch.env) if "deepspeed.launcher.runner" in launch.command else None
         if args.json:
             print(json.dumps({**launch.to_json(), "launch": resolved}, indent=2))
         else:
@@ -425,17 +562,16 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
         from integrations.launch_commands import port_of
 
         port = port_of(launch.command) if launch.hooked else args.ds_master_port
-        rc, stopped_by = launcher.run_launcher(list(launch.command), dict(os.environ, **launch.env),
-                                               master_port=port, output=output)
+        rc, stopped_by = launcher.run_launcher(
+            list(launch.command), dict(os.environ, **launch.env), master_port=port, output=output
+        )
         if stopped_by is not None:
-            print(f"offloadctl: stopped by {stopped_by.name}: ranks stopped, their swap files removed",
-                  file=sys.stderr)
+            print(f"offloadctl: stopped by {stopped_by.name}: ranks stopped, their swap files removed", file=sys.stderr)
         elif rc != 0 and output.failures.summary(output.path):  # which rank failed first, how, its line
             print(output.failures.summary(output.path), file=sys.stderr)
         elif rc not in (0, 2) and not output.failures.refused and output.hidden_lines and not args.verbose:
             # 2 (or a launcher's 1 for a rank's 2): the ranks' one-line error said it all
-            print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}",
-                  file=sys.stderr)
+            print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}", file=sys.stderr)
         ended = rc == 0 or stopped_by is not None
         if ended:  # how fast and why: first, before any pointer
             from offloadctl.summary import print_run_summary
@@ -453,8 +589,10 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
                 from tuner.service import logfile_for, probe
 
                 if probe(socket_path, timeout_s=1.0) is None:
-                    print(f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
-                          f"had; the daemon's log: {logfile_for(socket_path)}")
+                    print(
+                        f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
+                        f"had; the daemon's log: {logfile_for(socket_path)}"
+                    )
         from integrations.run_dir import recorded_iterations
 
         recorded = bool(settings.recorder) and recorded_iterations(run_dir)
@@ -463,8 +601,9 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
         if args.json_summary:
             from offloadctl.summary import run_summary_figures
 
-            figures = run_summary_figures(run_dir, rank=0, exit_status=rc, tuner_view=view,
-                                          stopped_by=stopped_by.name if stopped_by is not None else None)
+            figures = run_summary_figures(
+                run_dir, rank=0, exit_status=rc, tuner_view=view, stopped_by=stopped_by.name if stopped_by is not None else None
+            )
             _write_json(args.json_summary, figures)
         return rc
     finally:
@@ -482,8 +621,7 @@ def _write_json(path: str, obj: dict) -> None:
             f.write("\n")
         os.replace(tmp, path)
     except (OSError, ValueError) as e:
-        print(f"offloadctl: warning: --json-summary {path} not written ({getattr(e, 'strerror', None) or e})",
-              file=sys.stderr)
+        print(f"offloadctl: warning: --json-summary {path} not written ({getattr(e, 'strerror', None) or e})", file=sys.stderr)
         try:
             os.unlink(tmp)
         except OSError:

@@ -1,5 +1,6 @@
 """What ``offloadctl train`` says of a launch before it runs: the dry run's block and the start
 line, each wrapped to the terminal."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ DRY_RUN_LABEL = 11
 """Columns of a dry run's row labels ('launch:    ')."""
 
 
-def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: dict | None = None,
-                  width: int | None = None) -> list[str]:
+def dry_run_lines(
+    args: argparse.Namespace, launch: launcher.Launch, resolved: dict | None = None, width: int | None = None
+) -> list[str]:
     """``train --dry-run`` for a person: one block, a row each for the launch, the ranks, where
     the state goes, the run dir, the knobs and pins, the tuner, the recording and the
     environment, wrapped to the terminal (``--json`` gives the exact commands and settings).
@@ -28,14 +30,27 @@ def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: d
     settings = launch.settings
     zero = settings.zero
     width = width or max(60, min(shutil.get_terminal_size().columns, 120))
-    script = [os.path.relpath(args.script) if not os.path.relpath(args.script).startswith("..") else args.script,
-              *args.script_args]
+    script = [
+        os.path.relpath(args.script) if not os.path.relpath(args.script).startswith("..") else args.script,
+        *args.script_args,
+    ]
     if launch.hooked:
-        rows = [("launch", shlex.join(launch.command) + f" ({launch.launcher}; each rank's interpreter installs "
-                 "offloadctl's engine as it starts, then runs the script as given)")]
+        rows = [
+            (
+                "launch",
+                shlex.join(launch.command) + f" ({launch.launcher}; each rank's interpreter installs "
+                "offloadctl's engine as it starts, then runs the script as given)",
+            )
+        ]
     else:
-        rows = [("launch", "deepspeed " + shlex.join(launcher.launcher_args(vars(args)) + script)
-                 + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)")]
+        rows = [
+            (
+                "launch",
+                "deepspeed "
+                + shlex.join(launcher.launcher_args(vars(args)) + script)
+                + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)",
+            )
+        ]
     if "error" in (resolved or {}):
         rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {resolved['error']}"))
     rows.append(("ranks", ranks_text(args, launch)))
@@ -43,41 +58,81 @@ def dry_run_lines(args: argparse.Namespace, launch: launcher.Launch, resolved: d
         rows.append(("state", "as the ds_config says: DeepSpeed's own optimizer and offload (--engine stock)"))
     else:
         paths = [f"{p} (NVMe)" for p in zero.nvme_paths] + [f"{p} (remote)" for p in zero.remote_paths]
-        cache = ("all of it in host memory" if zero.host_cache_bytes is None and not paths
-                 else "none in host memory" if zero.host_cache_bytes is None
-                 else f"{format_size(zero.host_cache_bytes)} per rank in host memory")
-        state = (f"{'; '.join(paths) or 'no storage path (a ds_config nvme_path becomes one)'}; {cache}; GPU: "
-                 + ("what it has free after the first forward/backward" if zero.device_cache_bytes is None
-                    else f"{format_size(zero.device_cache_bytes)} per rank"))
-        state += ("; host-memory budget " + (f"{format_size(zero.host_memory_bytes)} per rank" if zero.host_memory_bytes
-                                             else "half of what is available at start"))
+        cache = (
+            "all of it in host memory"
+            if zero.host_cache_bytes is None and not paths
+            else "none in host memory"
+            if zero.host_cache_bytes is None
+            else f"{format_size(zero.host_cache_bytes)} per rank in host memory"
+        )
+        state = f"{'; '.join(paths) or 'no storage path (a ds_config nvme_path becomes one)'}; {cache}; GPU: " + (
+            "what it has free after the first forward/backward"
+            if zero.device_cache_bytes is None
+            else f"{format_size(zero.device_cache_bytes)} per rank"
+        )
+        state += "; host-memory budget " + (
+            f"{format_size(zero.host_memory_bytes)} per rank" if zero.host_memory_bytes else "half of what is available at start"
+        )
         rows.append(("state", state))
     rows.append(("run dir", f"{zero.run_dir} (records, telemetry, deepspeed.log)"))
     if settings.engine != "stock":
         k = zero.start_knobs
-        knobs = [f"prefetch_depth {k.prefetch_depth}",
-                 "device_fraction " + ("auto" if zero.auto_device_fraction else f"{k.device_fraction:g}"),
-                 f"node_lock {'on' if k.node_lock else 'off'}", "io_concurrency and stripe weights from a probe "
-                 "of the paths"]
+        knobs = [
+            f"prefetch_depth {k.prefetch_depth}",
+            "device_fraction " + ("auto" if zero.auto_device_fraction else f"{k.device_fraction:g}"),
+            f"node_lock {'on' if k.node_lock else 'off'}",
+            "io_concurrency and stripe weights from a probe of the paths",
+        ]
         start = f"the performance model's plan for profile {zero.profile}" if zero.profile else "defaults"
-        rows.append(("knobs", f"{', '.join(knobs)} ({start}); pinned by your options, never tuned: "
-                     + (", ".join(f"{n}={json.dumps(v)}" for n, v in zero.pins.items()) or "none")))
-    rows.append(("tuner", {"auto": "auto: the running daemon, else a private one for this run; it may start from "
-                                   "the tuner's verdict in an earlier run like this one",
-                           "off": "off: the starting knobs are kept"}.get(launch.tuner, launch.tuner)))
+        rows.append(
+            (
+                "knobs",
+                f"{', '.join(knobs)} ({start}); pinned by your options, never tuned: "
+                + (", ".join(f"{n}={json.dumps(v)}" for n, v in zero.pins.items()) or "none"),
+            )
+        )
+    rows.append(
+        (
+            "tuner",
+            {
+                "auto": "auto: the running daemon, else a private one for this run; it may start from "
+                "the tuner's verdict in an earlier run like this one",
+                "off": "off: the starting knobs are kept",
+            }.get(launch.tuner, launch.tuner),
+        )
+    )
     rec = settings.recorder
-    rows.append(("recording", "off (--no-record)" if rec is None else
-                 f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}"))
+    rows.append(
+        (
+            "recording",
+            "off (--no-record)"
+            if rec is None
+            else f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}",
+        )
+    )
     from integrations.rank_entry import SETTINGS_ENV
 
-    rows.append(("env", " ".join(f"{k}={shlex.quote(v)}" if k != SETTINGS_ENV else f"{k}=... (the settings "
-                                 f"above, as JSON: --json shows them)" for k, v in launch.env.items())))
+    rows.append(
+        (
+            "env",
+            " ".join(
+                f"{k}={shlex.quote(v)}" if k != SETTINGS_ENV else f"{k}=... (the settings above, as JSON: --json shows them)"
+                for k, v in launch.env.items()
+            ),
+        )
+    )
     if launch.preview is not None:
         rows.append(("preview", launch.preview["summary"]))
     out = ["dry run, nothing started (--json: the exact commands and settings)"]
     for label, text in rows:
-        out += textwrap.wrap(printable(text), width, initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
-                             subsequent_indent=" " * DRY_RUN_LABEL, break_on_hyphens=False, break_long_words=True)
+        out += textwrap.wrap(
+            printable(text),
+            width,
+            initial_indent=f"{label + ':':<{DRY_RUN_LABEL}}",
+            subsequent_indent=" " * DRY_RUN_LABEL,
+            break_on_hyphens=False,
+            break_long_words=True,
+        )
     return out
 
 
@@ -119,8 +174,10 @@ def start_line(args: argparse.Namespace, settings, tuner: str, launch: launcher.
     script = args.script
     if launch is not None and launch_program_of(args):
         script = script_of(launch.command) or launch.launcher
-    head = (f"offloadctl: starting {ranks_text(args, launch)} of {os.path.basename(script)} (run "
-            f"{settings.zero.run_id}); DeepSpeed's log: {log_path(run_dir)}")
+    head = (
+        f"offloadctl: starting {ranks_text(args, launch)} of {os.path.basename(script)} (run "
+        f"{settings.zero.run_id}); DeepSpeed's log: {log_path(run_dir)}"
+    )
     if settings.engine == "stock":
         watch = "DeepSpeed's own optimizer and offload (--engine stock), recorded for offloadctl report"
     elif tuner == "off":
@@ -128,5 +185,14 @@ def start_line(args: argparse.Namespace, settings, tuner: str, launch: launcher.
     else:
         watch = f"watch it, pin a knob: offloadctl tune --run-dir {shlex.quote(run_dir)}"
     width = max(40, min(shutil.get_terminal_size().columns, 120))
-    return "\n".join(textwrap.fill(printable(p), width, initial_indent="" if i == 0 else "  ", subsequent_indent="    ",
-                                   break_on_hyphens=False, break_long_words=False) for i, p in enumerate((head, watch)))
+    return "\n".join(
+        textwrap.fill(
+            printable(p),
+            width,
+            initial_indent="" if i == 0 else "  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
+        for i, p in enumerate((head, watch))
+    )

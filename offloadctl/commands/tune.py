@@ -12,6 +12,7 @@ starts a private daemon in RUN_DIR/tuner/): one is shown, several are listed
 for you to pick one with --run-dir. Pins and freezes are sent first; then the
 view (or, with only those, a line per action).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,12 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern() + r"=(?P<value>.*)", spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec)) if "=" in spec else None
-        raise ConfigError(f"--pin {spec!r}: " + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
-                          + f"write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
-                          f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)")
+        raise ConfigError(
+            f"--pin {spec!r}: "
+            + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
+            + f"write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
+            f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)"
+        )
     try:
         value = json.loads(m["value"])
     except ValueError:
@@ -82,8 +86,11 @@ def parse_unpin(spec: str) -> tuple[str, str]:
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern(), spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec))
-        raise ConfigError(f"--unpin {spec!r}: " + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
-                          + "write RUN:KNOB, e.g. myrun:prefetch_depth")
+        raise ConfigError(
+            f"--unpin {spec!r}: "
+            + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
+            + "write RUN:KNOB, e.g. myrun:prefetch_depth"
+        )
     return m["run"], m["knob"]
 
 
@@ -102,6 +109,7 @@ def _actions(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
 
 
 # -- which daemon ---------------------------------------------------------------------------------
+
 
 @dataclass
 class Target:
@@ -128,12 +136,14 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
         return _target_in(os.path.abspath(args.run_dir))
     system = service.default_socket_path()
     system_runs = _runs_at(system)
-    if system_runs is not None and any(r["status"] == "running" and (not run_ids or r["run_id"] in run_ids)
-                                       for r in system_runs):
+    if system_runs is not None and any(r["status"] == "running" and (not run_ids or r["run_id"] in run_ids) for r in system_runs):
         return Target(system, private=False)
     live = [(entry, runs) for entry in service.live_runs() if (runs := _runs_at(entry["socket"])) is not None]
-    found = [(entry, runs) for entry, runs in live
-             if not run_ids or entry.get("run_id") in run_ids or any(r["run_id"] in run_ids for r in runs)]
+    found = [
+        (entry, runs)
+        for entry, runs in live
+        if not run_ids or entry.get("run_id") in run_ids or any(r["run_id"] in run_ids for r in runs)
+    ]
     if len(found) == 1:
         return Target(found[0][0]["socket"], private=True, run_dir=found[0][0].get("run_dir"))
     if found:
@@ -142,13 +152,17 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     if run_ids and (live or system_runs):
         theirs = [({"run_dir": f"(daemon {system})", "started_at": None}, system_runs)] if system_runs else []
         print(printable(live_runs_table(live + theirs)))
-        raise ConfigError(f"no live run {', '.join(sorted(run_ids))}: the live runs are above; give one of their ids "
-                          f"(RUN in RUN:KNOB=VALUE), or --run-dir DIR")
+        raise ConfigError(
+            f"no live run {', '.join(sorted(run_ids))}: the live runs are above; give one of their ids "
+            f"(RUN in RUN:KNOB=VALUE), or --run-dir DIR"
+        )
     if system_runs is not None:
         return Target(system, private=False)
     which = f" {', '.join(sorted(run_ids))}" if run_ids else ""
-    raise ConfigError(f"no live run{which} (no tuner daemon at {system}, no training run of yours): "
-                      "start one with `offloadctl train`, or give --run-dir DIR or --socket PATH")
+    raise ConfigError(
+        f"no live run{which} (no tuner daemon at {system}, no training run of yours): "
+        "start one with `offloadctl train`, or give --run-dir DIR or --socket PATH"
+    )
 
 
 def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
@@ -160,11 +174,15 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
 
     own = os.path.join(run_dir, "tuner", "tuner.sock")
     if not os.path.lexists(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} does not exist: give the run dir an `offloadctl train` start line "
-                          "names, or leave --run-dir out to list the live runs")
+        raise ConfigError(
+            f"--run-dir {run_dir} does not exist: give the run dir an `offloadctl train` start line "
+            "names, or leave --run-dir out to list the live runs"
+        )
     if not os.path.isdir(run_dir):
-        raise ConfigError(f"--run-dir {run_dir} is not a directory: give the run dir an `offloadctl train` start "
-                          "line names, or leave --run-dir out to list the live runs")
+        raise ConfigError(
+            f"--run-dir {run_dir} is not a directory: give the run dir an `offloadctl train` start "
+            "line names, or leave --run-dir out to list the live runs"
+        )
     deadline = time.monotonic() + wait_s
     while True:
         if service.probe(own) is not None:
@@ -173,12 +191,16 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
             if entry["run_dir"] == run_dir:
                 return Target(entry["socket"], private=True, run_dir=run_dir)
         if not in_use(run_dir):
-            raise ConfigError(f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
-                              "`offloadctl tune` without --run-dir lists the live ones")
+            raise ConfigError(
+                f"--run-dir {run_dir}: no live run there (its tuner stops when the run ends); "
+                "`offloadctl tune` without --run-dir lists the live ones"
+            )
         if service.daemon_stopped(own) or time.monotonic() > deadline:  # stopped: no use waiting
-            raise ConfigError(f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not "
-                              f"answer: it stopped, and the run keeps the knobs it has (the daemon's log: "
-                              f"{service.logfile_for(own)})")
+            raise ConfigError(
+                f"--run-dir {run_dir}: the run there goes on, but its tuner daemon ({own}) does not "
+                f"answer: it stopped, and the run keeps the knobs it has (the daemon's log: "
+                f"{service.logfile_for(own)})"
+            )
         time.sleep(0.2)
 
 
@@ -200,13 +222,13 @@ def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
         for r in runs or [{"run_id": (entry.get("run_id") or "") + " (starting)", "iteration": -1}]:
             t = r.get("started_at") or entry.get("started_at")
             started = time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
-            rows.append((entry["run_dir"], r["run_id"].strip(), str(at_iteration(r)) if r["iteration"] >= 0 else "-",
-                         started))
+            rows.append((entry["run_dir"], r["run_id"].strip(), str(at_iteration(r)) if r["iteration"] >= 0 else "-", started))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 # -- the command ----------------------------------------------------------------------------------
+
 
 def run(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
@@ -224,15 +246,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         conn = Connection(target.socket, timeout_s=5.0)
     except OSError as e:
-        raise ConfigError(f"no tuner daemon answers at {target.socket} ({e.strerror or e}): start one with "
-                          "`offloadctl tuner start`, or give --run-dir DIR or --socket PATH") from None
+        raise ConfigError(
+            f"no tuner daemon answers at {target.socket} ({e.strerror or e}): start one with "
+            "`offloadctl tuner start`, or give --run-dir DIR or --socket PATH"
+        ) from None
     with conn:
         for flag, kind, fields in actions:
             reply = _send(conn, flag, kind, fields)
             if not (args.once or args.json or args.live):
-                what = {"pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
-                        "unpin": f"unpinned {fields.get('knob')}",
-                        "freeze": "frozen" if fields.get("frozen") else "unfrozen"}[kind]
+                what = {
+                    "pin": f"pinned {fields.get('knob')}={fields.get('value')!r}",
+                    "unpin": f"unpinned {fields.get('knob')}",
+                    "freeze": "frozen" if fields.get("frozen") else "unfrozen",
+                }[kind]
                 say(printable(f"{fields['run_id']}: {what}; knobs now {knobs_text(reply.get('knobs') or {})}"))
         if actions and not (args.once or args.json or args.live):
             return 0
@@ -242,9 +268,11 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"runs": snap["runs"], "daemon": snap["daemon"]}, indent=2))
             elif not snap["runs"] and target.private:  # its daemon is up, its ranks are not yet
                 where = f" in {args.run_dir}" if args.run_dir else ""
-                say(f"the run{where} is starting: its ranks are loading and have reported no iteration yet; run "
+                say(
+                    f"the run{where} is starting: its ranks are loading and have reported no iteration yet; run "
                     f"this again in a few seconds, or watch it with `offloadctl tune"
-                    f"{' --run-dir ' + args.run_dir if args.run_dir else ''}` (it waits for them)")
+                    f"{' --run-dir ' + args.run_dir if args.run_dir else ''}` (it waits for them)"
+                )
             else:
                 from rich.console import Console
 
@@ -262,8 +290,7 @@ def say(text: str) -> None:
     (a path or a knob list is never cut)."""
     import textwrap
 
-    print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_long_words=False,
-                                   break_on_hyphens=False)) or text)
+    print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)) or text)
 
 
 STARTING_WAIT_S = 600.0
@@ -283,11 +310,19 @@ def _send(conn, flag: str, kind: str, fields: dict) -> dict:
         try:
             return conn.request(kind, **fields)
         except ProtocolError as e:
-            if e.code == ErrorCode.UNKNOWN_RUN and "has finished" not in str(e) and time.monotonic() < deadline \
-                    and not _known(conn, fields["run_id"]) and _starting(conn, fields["run_id"]):
+            if (
+                e.code == ErrorCode.UNKNOWN_RUN
+                and "has finished" not in str(e)
+                and time.monotonic() < deadline
+                and not _known(conn, fields["run_id"])
+                and _starting(conn, fields["run_id"])
+            ):
                 if not said:
-                    print(f"offloadctl: waiting for run {fields['run_id']} to start (its ranks are loading)...",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"offloadctl: waiting for run {fields['run_id']} to start (its ranks are loading)...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     said = True
                 time.sleep(0.5)
                 continue
@@ -414,7 +449,7 @@ class Controls:
             ch = text[i]
             i += 1
             if ch == "\x1b":  # Esc, or the start of an arrow key's sequence: cancels a prompt, else nothing
-                if text[i:i + 1] in ("[", "O"):
+                if text[i : i + 1] in ("[", "O"):
                     i += 2
                 if self.prompt:
                     self.prompt, self.typed, self.message = None, "", "cancelled"
@@ -438,9 +473,13 @@ class Controls:
             elif ch == "f":
                 run = self._run(runs)
                 if run is not None:
-                    self._request(f"{'unfrozen' if run['frozen'] else 'frozen'}: tuning "
-                                  f"{'resumed' if run['frozen'] else 'stopped, knobs held'}",
-                                  "freeze", run_id=run["run_id"], frozen=not run["frozen"])
+                    self._request(
+                        f"{'unfrozen' if run['frozen'] else 'frozen'}: tuning "
+                        f"{'resumed' if run['frozen'] else 'stopped, knobs held'}",
+                        "freeze",
+                        run_id=run["run_id"],
+                        frozen=not run["frozen"],
+                    )
             elif ch.isprintable() and ch != " ":
                 self.message = f"no key {ch!r}: ? shows the keys"
 
@@ -448,8 +487,9 @@ class Controls:
         live = [r for r in runs if r["status"] not in ENDED]
         if len(live) == 1:
             return live[0]
-        self.message = ("no running run here" if not live
-                        else f"{len(live)} runs: pin or freeze one from a view of it alone (tune --run RUN)")
+        self.message = (
+            "no running run here" if not live else f"{len(live)} runs: pin or freeze one from a view of it alone (tune --run RUN)"
+        )
         return None
 
     def _send(self, runs: list[RunView]) -> None:
@@ -484,8 +524,11 @@ class Controls:
 
         if self.prompt is not None:
             what = "KNOB=VALUE" if self.prompt == "pin" else "KNOB"
-            return Text(f"{self.prompt} {what}: ") + Text(self.typed + "_", style="bold") + \
-                Text("  (Enter sends, Esc cancels)", style="dim")
+            return (
+                Text(f"{self.prompt} {what}: ")
+                + Text(self.typed + "_", style="bold")
+                + Text("  (Enter sends, Esc cancels)", style="dim")
+            )
         frozen = any(r.get("frozen") for r in runs if r["status"] not in ENDED)
         text = Text(LEGEND.format(freeze="unfreeze" if frozen else "freeze"), style="dim")
         if self.message:
@@ -499,8 +542,7 @@ class Controls:
 
         from engine.config import Knobs
 
-        knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78,
-                              subsequent_indent="  ")
+        knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78, subsequent_indent="  ")
         return Text(HELP.format(knobs=knobs))
 
 
@@ -520,7 +562,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     ended_since: float | None = None
     final: list[dict] | None = None
     controls = Controls(conn)
-    with (keys or Keys()) as keyboard, Live(console=console, auto_refresh=False, transient=True) as view:
+    with keys or Keys() as keyboard, Live(console=console, auto_refresh=False, transient=True) as view:
         try:
             while not controls.quit:
                 try:
@@ -534,20 +576,23 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                 ended_since = (ended_since or time.monotonic()) if over else None
                 # Ranks that vanished may be back within seconds (a dropped connection): wait
                 # that long before calling their run interrupted; a finished run ends the view now.
-                if over and (all(r["status"] == "finished" for r in runs)
-                             or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S):
+                if over and (
+                    all(r["status"] == "finished" for r in runs) or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S
+                ):
                     final = runs
                     break
                 deadline = time.monotonic() + args.interval
                 while True:  # redrawn at once after each key, so what is typed shows as it is typed
                     extra = [controls.legend(runs)] if keyboard.active else []
-                    room = console.size.height - 1 - sum(len(console.render_lines(x, console.options, pad=False))
-                                                         for x in extra)
+                    room = console.size.height - 1 - sum(len(console.render_lines(x, console.options, pad=False)) for x in extra)
                     if controls.help:  # the keys in place of the frame, until ? again
                         body = [controls.help_text()]
                     else:
-                        body = (fitted_panels(printable_all(runs), console, height=room) if runs
-                                else [Text(_waiting(target, keyboard))])
+                        body = (
+                            fitted_panels(printable_all(runs), console, height=room)
+                            if runs
+                            else [Text(_waiting(target, keyboard))]
+                        )
                     view.update(Group(*body, *extra), refresh=True)
                     typed = keyboard.read(deadline - time.monotonic())
                     if not typed:
@@ -559,7 +604,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
         except KeyboardInterrupt:
             pass
     if final is None:  # q or Ctrl-C: the last frame stays on screen, whole
-        for p in (fitted_panels(printable_all(last), console, height=None) if last else []):
+        for p in fitted_panels(printable_all(last), console, height=None) if last else []:
             console.print(p)
         console.print("left the live view; the run goes on")
         return 0
@@ -575,8 +620,11 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
 
 def _waiting(target: Target, keys: Keys | None = None) -> str:
     leave = "q or Ctrl-C" if keys is not None and keys.active else "Ctrl-C"
-    return (f"waiting for the run's ranks to connect ({leave} to leave)" if target.private
-            else f"no runs yet at {target.socket} ({leave} to leave)")
+    return (
+        f"waiting for the run's ranks to connect ({leave} to leave)"
+        if target.private
+        else f"no runs yet at {target.socket} ({leave} to leave)"
+    )
 
 
 def ended_runs(last: list[RunView], socket_path: str) -> list[RunView]:

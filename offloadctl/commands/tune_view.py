@@ -1,6 +1,7 @@
 """What `offloadctl tune` draws: a run's panel (tuner state, knobs, the iteration time's phases
 and history), the table of runs, and the line a run ends with, from the daemon's snapshot: its
 runs' views (:class:`tuner.run_state.RunView`), worded here."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -42,11 +43,12 @@ def final_line(r: RunView, run_dir: str | None = None) -> str:
     else:
         times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
         if times:
-            pace = (f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)} the tuner saw; "
-                    f"the run's summary takes all but the first)")
+            pace = (
+                f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)} the tuner saw; "
+                f"the run's summary takes all but the first)"
+            )
     activity = activity_text(r.get("verdict"))
-    return (f"{r['run_id']}: {ended_text(r)}{pace}; knobs {knobs_text(r['knobs'])}"
-            + (f"\ntuner: {activity}" if activity else ""))
+    return f"{r['run_id']}: {ended_text(r)}{pace}; knobs {knobs_text(r['knobs'])}" + (f"\ntuner: {activity}" if activity else "")
 
 
 def recorded_median(run_dir: str) -> tuple[float, int] | None:
@@ -72,9 +74,13 @@ def held_text(reason: str) -> str:
     from tuner.policy_config import PolicyConfig
 
     window = PolicyConfig().window
-    return re.sub(r"holding at (iteration|update) (\d+(?:\.\d+)?) s",
-                  lambda m: f"holding at {format_seconds(float(m[2]))}/{m[1]} (the median of the last {window} it "
-                            f"measured before it settled)", reason)
+    return re.sub(
+        r"holding at (iteration|update) (\d+(?:\.\d+)?) s",
+        lambda m: (
+            f"holding at {format_seconds(float(m[2]))}/{m[1]} (the median of the last {window} it measured before it settled)"
+        ),
+        reason,
+    )
 
 
 def _median(xs: list[float]) -> float:
@@ -83,6 +89,7 @@ def _median(xs: list[float]) -> float:
 
 
 # -- rendering --------------------------------------------------------------------------------------
+
 
 def sparkline(values: list[float | None], width: int = 60) -> str:
     vals = [v for v in values[-width:]]
@@ -118,10 +125,15 @@ def runs_table(runs: list[RunView], width: int = 80):
     for r in runs:
         status = (ended_text(r) if r["status"] in ENDED else r["status"]) + (" (frozen)" if r["frozen"] else "")
         pace = f", {format_seconds(r['iter_time_s'])}/iteration" if r.get("iter_time_s") else ""
-        out.append(f"\n{r['run_id']}: {status}, ranks {r['connected']}/{r['ranks']}, iteration "
-                   f"{at_iteration(r)}{pace}", style="")
-        knobs = textwrap.wrap("knobs: " + knobs_text(r["knobs"]), max(40, width), initial_indent="  ",
-                              subsequent_indent="    ", break_on_hyphens=False, break_long_words=True)
+        out.append(f"\n{r['run_id']}: {status}, ranks {r['connected']}/{r['ranks']}, iteration {at_iteration(r)}{pace}", style="")
+        knobs = textwrap.wrap(
+            "knobs: " + knobs_text(r["knobs"]),
+            max(40, width),
+            initial_indent="  ",
+            subsequent_indent="    ",
+            break_on_hyphens=False,
+            break_long_words=True,
+        )
         out.append("\n" + "\n".join(knobs), style="")
     return out
 
@@ -157,13 +169,16 @@ def knob_control(r: RunView) -> str:
 
     pins = r.get("pins") or {}
     fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
-    pinned = ", ".join(f"{k}={value_text(v)}" + (" (run option)" if k in fixed else "")
-                       for k, v in pins.items()) or "none"
+    pinned = ", ".join(f"{k}={value_text(v)}" + (" (run option)" if k in fixed else "") for k, v in pins.items()) or "none"
     if r["frozen"] or r["status"] in ENDED:
         movable = "none" + (" (frozen)" if r["frozen"] else "")
     else:
-        movable = ", ".join(n + (" (other paths)" if any(p.startswith(n + "[") for p in pins) else "")
-                            for n in Knobs.names() if n not in pins) or "none"
+        movable = (
+            ", ".join(
+                n + (" (other paths)" if any(p.startswith(n + "[") for p in pins) else "") for n in Knobs.names() if n not in pins
+            )
+            or "none"
+        )
     return f"pinned: {pinned}; tuner may move: {movable}"
 
 
@@ -197,12 +212,20 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
     if r.get("truncated"):
         body.append(Text(f"(compact view: {r['truncated']})", style="dim"))
 
-    phases = Table("iteration time" + (f" (iteration {observed + 1}, slowest rank)" if observed is not None else ""),
-                   "", box=None, title_justify="left")
+    phases = Table(
+        "iteration time" + (f" (iteration {observed + 1}, slowest rank)" if observed is not None else ""),
+        "",
+        box=None,
+        title_justify="left",
+    )
     rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
     phases.add_row("  forward, backward, other", _secs(rest))
-    for name, key in (("  update (optimizer step)", "update_s"), ("    waiting for reads", "read_wait_s"),
-                      ("    AdamW", "kernel_s"), ("    waiting for writes", "write_wait_s")):
+    for name, key in (
+        ("  update (optimizer step)", "update_s"),
+        ("    waiting for reads", "read_wait_s"),
+        ("    AdamW", "kernel_s"),
+        ("    waiting for writes", "write_wait_s"),
+    ):
         phases.add_row(name, _secs(ph.get(key)))
     phases.add_row("  total", _secs(it), style="bold")
     body.append(phases)
@@ -229,23 +252,32 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
         paths = Table("path", "read", "write", "serves at", "others", "slots", box=None, title_justify="left")
         for p, bw in r["bandwidth"].items():
             # slots: the requests in flight on the path at most (io_concurrency); ? explains it
-            paths.add_row(Text(p, overflow="fold"), _rate(bw["read_bytes_per_s"]), _rate(bw["write_bytes_per_s"]),
-                          _rate(rates.get(p)), _rate(bw["other_bytes_per_s"]), str(bw["concurrency"]))
+            paths.add_row(
+                Text(p, overflow="fold"),
+                _rate(bw["read_bytes_per_s"]),
+                _rate(bw["write_bytes_per_s"]),
+                _rate(rates.get(p)),
+                _rate(bw["other_bytes_per_s"]),
+                str(bw["concurrency"]),
+            )
         body.append(paths)
     for a in (policy.get("adaptations") or [])[-2:]:
         body.append(Text("conditions: " + adaptation_text(a)))
     gpu = sensors.get("gpu")
     if isinstance(gpu, dict) and gpu:
-        body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items()
-                                                  if not isinstance(v, (dict, list)))))
+        body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items() if not isinstance(v, (dict, list)))))
     if sensors.get("cpu_percent") is not None:
         body.append(Text(f"CPU: {sensors['cpu_percent']:.0f}%"))
 
     if decisions:
         log = Table("iteration", "applies at", "by", "why", box=None, title="knob changes", title_justify="left")
         for d in r["decisions"][-decisions:]:
-            log.add_row(str(d["iteration"]) if d["iteration"] >= 0 else "start",
-                        str(d["apply_at"] if d["apply_at"] is not None else "-"), d["source"], Text(d["reason"]))
+            log.add_row(
+                str(d["iteration"]) if d["iteration"] >= 0 else "start",
+                str(d["apply_at"] if d["apply_at"] is not None else "-"),
+                d["source"],
+                Text(d["reason"]),
+            )
         if not r["decisions"]:
             log.add_row("-", "-", "-", "none yet")
         body.append(log)

@@ -7,6 +7,7 @@ of :class:`integrations.deepspeed_zero3.ZeroEngineSettings`), each installs the 
 test code runs, as ``offloadctl train``'s bootstrap does in a rank. Used by
 ``tests/test_deepspeed_unit_tests.py``; inert without the variable.
 """
+
 import json
 import os
 

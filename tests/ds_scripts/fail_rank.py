@@ -3,6 +3,7 @@ collective (tests of what a run of several ranks shows when one fails).
 
     offloadctl train --num_gpus 2 fail_rank.py --rank 1 --at 2
 """
+
 import argparse
 import time
 
@@ -13,16 +14,23 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=0)
 ap.add_argument("--rank", type=int, default=1, help="the rank that fails")
 ap.add_argument("--at", type=int, default=2, help="after this many steps")
-ap.add_argument("--how", choices=["raise", "hang", "signalled-while-said"], default="raise",
-                help="raise: a ValueError; hang: it stops stepping (a test kills it), the others go on; "
-                     "signalled-while-said: an error whose text sends the rank SIGTERM as it is said (the "
-                     "launcher stopping the ranks while this one reports its error)")
+ap.add_argument(
+    "--how",
+    choices=["raise", "hang", "signalled-while-said"],
+    default="raise",
+    help="raise: a ValueError; hang: it stops stepping (a test kills it), the others go on; "
+    "signalled-while-said: an error whose text sends the rank SIGTERM as it is said (the "
+    "launcher stopping the ranks while this one reports its error)",
+)
 ap.add_argument("--steps", type=int, default=100_000)
 args = ap.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 3, "sub_group_size": 100, "offload_optimizer": {"device": "cpu"}}}
+config = {
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 100, "offload_optimizer": {"device": "cpu"}},
+}
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 for step in range(args.steps):
     if engine.global_rank == args.rank and step == args.at:

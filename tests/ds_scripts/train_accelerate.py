@@ -1,7 +1,8 @@
 """An ordinary Hugging Face Accelerate script with a DeepSpeed ZeRO-3 plugin, used unmodified by the tests.
 
-    deepspeed --num_gpus 1 train_accelerate.py --steps 6 --losses-out losses.jsonl
+deepspeed --num_gpus 1 train_accelerate.py --steps 6 --losses-out losses.jsonl
 """
+
 import argparse
 import json
 
@@ -16,11 +17,17 @@ ap.add_argument("--losses-out", required=True)
 args = ap.parse_args()
 
 ds_config = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "stage3_param_persistence_threshold": 0,
-                          "offload_optimizer": {"device": "cpu"}},
+    "zero_optimization": {
+        "stage": 3,
+        "sub_group_size": 1000,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu"},
+    },
 }
 if not torch.cuda.is_available():
     # Accelerate picks no backend on a machine without GPUs and then counts one process; name gloo.

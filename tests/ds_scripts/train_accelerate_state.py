@@ -6,6 +6,7 @@ the tests.
         --losses-out l.jsonl --save-at 3 --state-dir state
     accelerate launch ... train_accelerate_state.py --steps 6 --losses-out l2.jsonl --resume state
 """
+
 import argparse
 import json
 import os
@@ -24,11 +25,17 @@ ap.add_argument("--resume", help="load_state from here, then go on from the step
 args = ap.parse_args()
 
 ds_config = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.5,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "stage3_param_persistence_threshold": 0,
-                          "offload_optimizer": {"device": "cpu"}},
+    "zero_optimization": {
+        "stage": 3,
+        "sub_group_size": 1000,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu"},
+    },
 }
 if not torch.cuda.is_available():
     # Accelerate picks no backend on a machine without GPUs and then counts one process; name gloo.

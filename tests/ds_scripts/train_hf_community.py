@@ -6,6 +6,7 @@ parameters offloaded too, the 16-bit model gathered on save, accumulation with a
 
     torchrun --nproc_per_node 2 train_hf_community.py --steps 6 --losses-out l.jsonl --output-dir out
 """
+
 import argparse
 import json
 import os
@@ -25,24 +26,52 @@ ap.add_argument("--save-model", help="save the 16-bit model here at the end (sav
 args = ap.parse_args()
 
 ds_config = {
-    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "zero_force_ds_cpu_optimizer": False,
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_force_ds_cpu_optimizer": False,
     "zero_optimization": {
-        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": int(args.sub_group_size),
-        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": int(args.sub_group_size),
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
         "offload_optimizer": {"device": "cpu", "pin_memory": False},
-        "offload_param": {"device": "cpu", "pin_memory": False}},
+        "offload_param": {"device": "cpu", "pin_memory": False},
+    },
 }
 training_args = TrainingArguments(
-    output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-    learning_rate=3e-3, weight_decay=0.01, adam_beta2=0.95, max_grad_norm=1.0, warmup_steps=2,
-    lr_scheduler_type="cosine", logging_steps=1, save_strategy="steps" if args.save_steps else "no",
-    save_steps=args.save_steps or 500, save_only_model=False, report_to=[], deepspeed=ds_config, seed=0, data_seed=0,
-    dataloader_num_workers=0, disable_tqdm=True, ddp_backend=None if torch.cuda.is_available() else "gloo",
-    use_cpu=not torch.cuda.is_available())
+    output_dir=args.output_dir,
+    max_steps=args.steps,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    learning_rate=3e-3,
+    weight_decay=0.01,
+    adam_beta2=0.95,
+    max_grad_norm=1.0,
+    warmup_steps=2,
+    lr_scheduler_type="cosine",
+    logging_steps=1,
+    save_strategy="steps" if args.save_steps else "no",
+    save_steps=args.save_steps or 500,
+    save_only_model=False,
+    report_to=[],
+    deepspeed=ds_config,
+    seed=0,
+    data_seed=0,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+    ddp_backend=None if torch.cuda.is_available() else "gloo",
+    use_cpu=not torch.cuda.is_available(),
+)
 
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4))

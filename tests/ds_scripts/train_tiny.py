@@ -1,7 +1,8 @@
 """An ordinary DeepSpeed ZeRO-3 training script, used unmodified by the tests.
 
-    deepspeed --num_gpus 1 train_tiny.py --steps 6 --losses-out losses.jsonl
+deepspeed --num_gpus 1 train_tiny.py --steps 6 --losses-out losses.jsonl
 """
+
 import argparse
 import json
 import os
@@ -17,8 +18,12 @@ ap.add_argument("--steps", type=int, default=6)
 ap.add_argument("--losses-out", required=True)
 ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
 ap.add_argument("--overflow-at", type=int, default=0, help="make this step's gradients inf (fp16: a skipped step)")
-ap.add_argument("--overflow-in", choices=["all", "first"], default="all",
-                help="first: only the first layer's weight gradient overflows (it may live apart from the rest)")
+ap.add_argument(
+    "--overflow-in",
+    choices=["all", "first"],
+    default="all",
+    help="first: only the first layer's weight gradient overflows (it may live apart from the rest)",
+)
 ap.add_argument("--stage", type=int, default=3)
 ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"])
 ap.add_argument("--nvme-path")
@@ -29,19 +34,32 @@ ap.add_argument("--ckpt-dir")
 ap.add_argument("--no-init", action="store_true", help="never call deepspeed.initialize")
 ap.add_argument("--groups", action="store_true", help="two param groups with their own lr and weight decay")
 ap.add_argument("--ds-extra", default="{}", help="JSON merged into the ds_config (options a test wants refused)")
-ap.add_argument("--state-api-out", help="at step 2, read (and at step 3 change) partitioned state through "
-                                       "DeepSpeed's safe_get_*/safe_set_* API; the values read go here (torch.save)")
-ap.add_argument("--try-resume", metavar="FILE",
-                help="with --resume: after training, try to load it; a load that fails is caught, and whether the "
-                     "optimizer's tiers kept their state (offloadctl only) is written here")
-ap.add_argument("--offload-states-at", type=int, default=0,
-                help="after this step: engine.offload_states(include), the local fp32 params and Adam states read "
-                     "before and after, then reload_states() (RLHF frameworks do this around generation)")
+ap.add_argument(
+    "--state-api-out",
+    help="at step 2, read (and at step 3 change) partitioned state through "
+    "DeepSpeed's safe_get_*/safe_set_* API; the values read go here (torch.save)",
+)
+ap.add_argument(
+    "--try-resume",
+    metavar="FILE",
+    help="with --resume: after training, try to load it; a load that fails is caught, and whether the "
+    "optimizer's tiers kept their state (offloadctl only) is written here",
+)
+ap.add_argument(
+    "--offload-states-at",
+    type=int,
+    default=0,
+    help="after this step: engine.offload_states(include), the local fp32 params and Adam states read "
+    "before and after, then reload_states() (RLHF frameworks do this around generation)",
+)
 ap.add_argument("--offload-include", default="all", help="comma-separated OffloadStateTypeEnum names, or all")
 ap.add_argument("--hidden", type=int, default=64, help="the model's width (another model: another checkpoint)")
 ap.add_argument("--sub-group-size", type=int, default=100)
-ap.add_argument("--resume-module-only", action="store_true",
-                help="with --resume: load_checkpoint(load_optimizer_states=False, load_module_only=True)")
+ap.add_argument(
+    "--resume-module-only",
+    action="store_true",
+    help="with --resume: load_checkpoint(load_optimizer_states=False, load_module_only=True)",
+)
 ap.add_argument("--show-tty", action="store_true", help="print whether stdout is a terminal")
 args = ap.parse_args()
 if args.show_tty and int(os.environ.get("RANK", "0")) == 0:
@@ -51,15 +69,18 @@ if args.no_init:
     raise SystemExit(0)
 torch.manual_seed(0)
 h = args.hidden
-model = torch.nn.Sequential(torch.nn.Linear(32, h), torch.nn.GELU(), torch.nn.Linear(h, h), torch.nn.GELU(),
-                            torch.nn.Linear(h, 8))
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, h), torch.nn.GELU(), torch.nn.Linear(h, h), torch.nn.GELU(), torch.nn.Linear(h, 8)
+)
 zero = {"stage": args.stage, "sub_group_size": args.sub_group_size, "stage3_param_persistence_threshold": 0}
 if args.offload != "none":
     zero["offload_optimizer"] = {"device": args.offload}
     if args.offload == "nvme":
         zero["offload_optimizer"]["nvme_path"] = args.nvme_path
 config = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
     "zero_optimization": zero,
@@ -88,8 +109,9 @@ if args.resume and not args.try_resume:
     start = client["step"]
 gen = torch.Generator().manual_seed(1234 + rank)  # on the CPU: the same data on every machine
 device = get_accelerator().current_device_name()
-batches = [(torch.randn(4, 32, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device))
-           for _ in range(2 * args.steps)]
+batches = [
+    (torch.randn(4, 32, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device)) for _ in range(2 * args.steps)
+]
 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
 read_values: dict = {}
 
@@ -115,8 +137,12 @@ def state_api(step: int) -> None:
     named = list(model.named_parameters())
     if step == 2:
         for name, p in named:
-            for what, get in (("full_fp32", safe_get_full_fp32_param), ("full_grad", safe_get_full_grad),
-                              ("local_fp32", safe_get_local_fp32_param), ("local_grad", safe_get_local_grad)):
+            for what, get in (
+                ("full_fp32", safe_get_full_fp32_param),
+                ("full_grad", safe_get_full_grad),
+                ("local_fp32", safe_get_local_fp32_param),
+                ("local_grad", safe_get_local_grad),
+            ):
                 read_values[f"{name}.{what}"] = get(p).detach().float().cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):
                 read_values[f"{name}.full_{key}"] = safe_get_full_optimizer_state(p, key).detach().float().cpu().clone()
@@ -138,8 +164,11 @@ def offload_and_reload() -> None:
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     def read():
-        return [t.float().cpu().clone() for p in model.parameters()
-                for t in (safe_get_local_fp32_param(p), safe_get_local_optimizer_state(p, "exp_avg"))]
+        return [
+            t.float().cpu().clone()
+            for p in model.parameters()
+            for t in (safe_get_local_fp32_param(p), safe_get_local_optimizer_state(p, "exp_avg"))
+        ]
 
     include = None if args.offload_include == "all" else [OffloadStateTypeEnum(x) for x in args.offload_include.split(",")]
     before = read()

@@ -4,6 +4,7 @@ A wrapper, so that train_tiny.py, whose stock runs are kept golden by its conten
 
     deepspeed train_tiny_generating.py --offload-gap-s 1 --offload-states-at 3 ...
 """
+
 import os
 import runpy
 import sys
@@ -11,7 +12,7 @@ import time
 
 at = sys.argv.index("--offload-gap-s")
 gap_s = float(sys.argv[at + 1])
-del sys.argv[at:at + 2]
+del sys.argv[at : at + 2]
 
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 
