@@ -83,25 +83,39 @@ def _spinning_children() -> list:
     return [c for c in psutil.Process().children() if "time.monotonic() < e" in " ".join(c.cmdline())]
 
 
-def test_each_lane_is_timed_with_a_busy_process_beside_and_the_slower_counts():
+def test_each_lane_is_timed_with_a_busy_process_beside_and_the_slower_counts(monkeypatch):
     """Issue 47 item 1: a lane that wins quiet but loses beside other runnable work (DeepSpeed's,
     one thread driving parallel regions) must not be chosen over one that holds there; the busy
-    process ends with the timing, and nothing outlives it."""
+    process is a real one while the busy rounds run, and nothing outlives the timing."""
+    import contextlib
     import time
 
+    real = host_kernel.busy_beside
+    state = {"busy": False, "spinners": []}
+
+    @contextlib.contextmanager
+    def watched():
+        with real():
+            state["spinners"].append(len(_spinning_children()))
+            state["busy"] = True
+            try:
+                yield
+            finally:
+                state["busy"] = False
+
+    monkeypatch.setattr(host_kernel, "busy_beside", watched)
     seen = {"quiet": 0, "busy": 0}
 
     def timed(quiet_s, busy_s):
         def kernel(slices, hyper):
-            busy = bool(_spinning_children())
-            seen["busy" if busy else "quiet"] += 1
-            time.sleep(busy_s if busy else quiet_s)
+            seen["busy" if state["busy"] else "quiet"] += 1
+            time.sleep(busy_s if state["busy"] else quiet_s)
 
         return kernel
 
     kernels = {"torch": timed(0.004, 0.006), "deepspeed": timed(0.002, 0.012)}  # deepspeed: faster quiet
     rates = host_kernel.time_host_lane(kernels, numel=4096, reps=3)
-    assert seen["quiet"] and seen["busy"]
+    assert seen["quiet"] and seen["busy"] and state["spinners"] == [1]
     assert rates["torch"] > rates["deepspeed"], rates
     assert not _spinning_children()
     quiet = host_kernel.time_host_lane(kernels, numel=4096, reps=3, busy=False)
