@@ -68,6 +68,16 @@ class HostUsage:
         return asdict(self)
 
 
+def start_usage(prefetch_depth: int, state_numels: Sequence[int], swapped_numels: Sequence[int], copies_bytes: int) -> HostUsage:
+    """What a rank holds at its start: the host tier's state (``state_numels``), the staging
+    buffers of the swapped subgroups at ``prefetch_depth``, and the copies."""
+    return HostUsage(
+        state=sum(host_buffer_bytes(n) for n in state_numels),
+        staging=staging_buffers(prefetch_depth) * host_buffer_bytes(max(swapped_numels)) if swapped_numels else 0,
+        copies=copies_bytes,
+    )
+
+
 def staging_room(budget_bytes: int, usage: HostUsage) -> int:
     """Host bytes a budget leaves for staging buffers: all but the state and the copies."""
     return max(0, budget_bytes - usage.state - usage.copies)
@@ -170,11 +180,7 @@ class HostBudget:
         subgroups at ``prefetch_depth``, and the copies (the host lane's). A budget given that the
         start does not fit is a :class:`ConfigError` naming the fix. Decided before the engine
         allocates anything: a refusal costs nothing."""
-        need = HostUsage(
-            state=sum(host_buffer_bytes(n) for n in state_numels),
-            staging=staging_buffers(prefetch_depth) * host_buffer_bytes(max(swapped_numels)) if swapped_numels else 0,
-            copies=copies_bytes,
-        )
+        need = start_usage(prefetch_depth, state_numels, swapped_numels, copies_bytes)
         if given_bytes is None:
             return cls(max(default_budget(local_ranks), need.total), usage)
         if need.total > given_bytes:
@@ -182,9 +188,29 @@ class HostBudget:
             raise ConfigError(
                 f"host memory budget {format_size(given_bytes)} (--host-memory) is below what this rank needs to start: "
                 f"{format_size(need.total)} ({parts}, prefetch depth {prefetch_depth}); give --host-memory "
-                f"{size_at_least(need.total)} or more, or lower --host-cache or --prefetch-depth"
+                f"{size_at_least(need.total)} or more, or lower --host-cache" + (" or --prefetch-depth" if prefetch_depth else "")
             )
         return cls(given_bytes, usage)
+
+    @staticmethod
+    def start_depth(
+        given_bytes: int | None,
+        prefetch_depth: int,
+        state_numels: Sequence[int],
+        swapped_numels: Sequence[int],
+        copies_bytes: int,
+    ) -> int:
+        """The deepest prefetch up to ``prefetch_depth`` whose start fits the budget given: a prefetch
+        depth nobody pinned yields to a small ``--host-memory`` (0 when even that does not fit; the
+        start then refuses with depth 0's needs)."""
+        if given_bytes is None:
+            return prefetch_depth
+        fits = (
+            d
+            for d in range(prefetch_depth, -1, -1)
+            if start_usage(d, state_numels, swapped_numels, copies_bytes).total <= given_bytes
+        )
+        return next(fits, 0)
 
     def watch(self, floor_bytes: int | None, lock, *, transfers, device_tier) -> None:
         """Watch the machine's available memory against ``floor_bytes`` (None: :func:`default_floor`),

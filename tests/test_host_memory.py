@@ -65,18 +65,57 @@ def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_
         opt.close()
 
 
-def test_a_budget_the_start_does_not_fit_is_one_clear_error(swap_dir):
+@pytest.mark.parametrize("pinned", [None, 2], ids=["depth-free", "depth-pinned"])
+def test_a_budget_the_start_does_not_fit_is_one_clear_error(swap_dir, pinned):
     model = make_model()
     with pytest.raises(ConfigError) as e:
-        OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=10_000)
+        OffloadAdamW(
+            model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=10_000, prefetch_depth=pinned
+        )
     msg = str(e.value)
-    assert "\n" not in msg and "host memory budget" in msg and "prefetch depth 2" in msg and "staging" in msg, msg
+    # A depth nobody pinned is lowered first, so the refusal names depth 0's needs; a pinned one stays.
+    depth = 0 if pinned is None else pinned
+    assert "\n" not in msg and "host memory budget" in msg and f"prefetch depth {depth}" in msg and "staging" in msg, msg
+    assert ("--prefetch-depth" in msg) == bool(depth), msg  # no fix offered that cannot help
     assert os.listdir(swap_dir) == []  # refused before any swap file was made
     # It names the smallest budget that starts (issue 43): that one starts.
     from engine.units import parse_size
 
     smallest = parse_size(msg.split("give --host-memory ", 1)[1].split(" or more")[0], flag="--host-memory")
-    OffloadAdamW(model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=smallest).close()
+    opt = OffloadAdamW(
+        model.parameters(), nvme_paths=[swap_dir], subgroup_numel=500, host_memory_bytes=smallest, prefetch_depth=pinned
+    )
+    assert opt.engine.knobs.prefetch_depth == depth
+    opt.close()
+
+
+def test_a_small_budget_starts_at_the_deepest_prefetch_it_holds(swap_dir, caplog):
+    """Issue 45 item 2: a --host-memory below the default depth's staging starts shallower (one
+    line says so) and the updates stay AdamW's; the tuner may go deeper only within the budget."""
+    sub = 500
+    buf = host_buffer_bytes(sub)
+    model, ref = make_model(), make_model()
+    # Staging for depth 1 (5 buffers) and the copies, not for depth 2 (7).
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        opt = OffloadAdamW(
+            model.parameters(),
+            nvme_paths=[swap_dir],
+            subgroup_numel=sub,
+            io_backend="posix",
+            host_adam="torch",
+            host_memory_bytes=5 * buf + 4096,
+        )
+    try:
+        assert opt.engine.knobs.prefetch_depth == 1
+        said = [m for m in caplog.messages if "prefetch_depth=2 lowered to 1 at the start" in m]
+        assert len(said) == 1, caplog.messages
+        feed_same_grads([(model, opt), (ref, torch.optim.AdamW(ref.parameters()))], steps=3)
+        assert_params_close(model, ref)
+        records = opt.engine.telemetry.records
+        assert [r.knobs["prefetch_depth"] for r in records] == [1, 1, 1]
+        assert all(sum(r.host_bytes.values()) <= r.host_budget_bytes for r in records)
+    finally:
+        opt.close()
 
 
 def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
