@@ -152,7 +152,8 @@ def run_one(build, iters: str, *, telemetry_detail: bool = False) -> dict:
     """One run of ``build(dirs, out, iters)`` (python arguments) under the tiers, in fresh
     directories on each tier that is up; returns the script's times.json, with the engine's bytes per step from
     its telemetry when there is one (iterations 3 on). ``telemetry_detail`` adds, per path, the median
-    bytes read and written per step, the read-ahead budget and the engine's own forward/backward time."""
+    bytes read and written per step, the read-ahead budget and the engine's own forward/backward time,
+    and, from the run's record, each phase's median time and disk bytes (:func:`phase_io`)."""
     mnt = tiers_root()
     d = {t: tempfile.mkdtemp(dir=f"{mnt}/{t}") for t in ("nvme", "pfs") if os.path.ismount(f"{mnt}/{t}")}
     d["run"] = tempfile.mkdtemp()
@@ -174,6 +175,9 @@ def run_one(build, iters: str, *, telemetry_detail: bool = False) -> dict:
             times["path_bytes_written"] = recs[-1]["path_bytes_written"]
             if telemetry_detail:
                 times.update(telemetry_summary(recs, {k: v for k, v in d.items() if k != "run"}))
+        record = os.path.join(d["run"], "record-rank0.jsonl")
+        if telemetry_detail and os.path.exists(record):
+            times["phases"] = phase_io(read_records(record))
         return times
     finally:
         for v in d.values():
@@ -204,6 +208,25 @@ def telemetry_summary(recs: list[dict], tier_dirs: dict[str, str]) -> dict:
     out["read_ahead_bytes"] = statistics.median(budgets) if budgets else None
     fb = [r["fwd_bwd_s"] for r in recs if r.get("fwd_bwd_s") is not None]
     out["engine_fwd_bwd_s"] = statistics.median(fb) if fb else None
+    for key in ("kernel_s", "read_wait_s", "write_wait_s"):
+        out[key] = statistics.median(r[key] for r in recs) if recs else None
+    pools = [r["host_bytes"]["staging"] + r["host_bytes"]["kept"] for r in recs if r.get("host_bytes")]
+    out["staging_pool_bytes"] = statistics.median(pools) if pools else None  # working, read-ahead and kept buffers
+    return out
+
+
+def phase_io(records: list[dict], skip: int = 2) -> dict[str, dict[str, float]]:
+    """Per phase of a run's record (forward, backward, update), over its iterations after the first
+    ``skip``: the median seconds, and the median disk bytes read and written during the phase
+    (the recorder's samples of every device the tiers are on, whoever moved them)."""
+    its = [r for r in records if r.get("type") == "iteration" and not r.get("skipped")][skip:]
+    out: dict[str, dict[str, float]] = {}
+    for phase in ("forward", "backward", "update"):
+        secs = [r["sums"].get(phase, 0.0) for r in its]
+        reads = [sum(v[0] for v in r["io"].get(phase, {}).values()) for r in its]
+        writes = [sum(v[1] for v in r["io"].get(phase, {}).values()) for r in its]
+        if its:
+            out[phase] = {"s": statistics.median(secs), "read": statistics.median(reads), "written": statistics.median(writes)}
     return out
 
 
