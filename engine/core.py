@@ -292,10 +292,11 @@ class SubgroupEngine:
         buf = self.transfers.stage(sg, swaps)
         self._run_update(sg, buf, hyper, tally, time.perf_counter())
         sg.dirty = True
-        # The tail stays in its buffers: it is the head of the next step's (reversed) order. The
-        # kept buffers come on top of the working ones, so the next step's first reads start at
-        # once instead of waiting for write-backs.
-        keep = 0 if tally.pressure else kept_subgroups(depth)
+        # The tail stays in its buffers, unwritten: it is the head of the next step's (reversed)
+        # order. As much of it as the pool holds beside the working buffers (at least depth + 1),
+        # so the next step's first reads start at once instead of waiting for write-backs, and
+        # a subgroup at the tail is written once for its two updates in a row, not twice.
+        keep = 0 if tally.pressure else max(kept_subgroups(depth), self.transfers.pool_size - depth - 2)
         if swaps.current < len(swaps.order) - keep:
             self.transfers.write_back(sg)
         else:

@@ -198,6 +198,41 @@ def test_telemetry_bytes_alternation_and_jsonl(swap_dir, tmp_path):
     half.close()
 
 
+def test_a_read_ahead_budget_keeps_the_steps_tail_unwritten(swap_dir):
+    """Issue 45 item 2: with a read-ahead budget (4 buffers more: 11 in the pool), the tail the
+    next step updates first stays in its buffers unwritten as far as the pool holds it beside the
+    working buffers (7 of the 17 subgroups, not depth + 1 = 3), so each step writes 10 subgroups,
+    not 14; the reads are unchanged, and the updates stay AdamW's."""
+    from helpers import assert_params_close
+
+    from engine.layout import host_buffer_bytes, kept_subgroups
+
+    sub = 16384  # 17 subgroups
+    model, ref = _big_model(), _big_model()
+    opt = OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        subgroup_numel=sub,
+        host_cache_bytes=0,
+        nvme_paths=[swap_dir],
+        host_adam="torch",
+        io_backend="posix",
+        read_ahead_bytes=4 * host_buffer_bytes(sub),
+    )
+    try:
+        assert opt.engine.transfers.pool_size == 11
+        feed_same_grads([(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))], 5)
+        assert_params_close(model, ref)
+        unwritten = [sg for sg in opt.engine.subgroups if sg.kept and sg.dirty]  # the tail the last step kept
+        assert len(unwritten) == 11 - 2 - 2 > kept_subgroups(2)
+        full = max(sum(r.bytes_read.values()) / r.cache_misses for r in opt.telemetry[1:])  # a whole subgroup's file
+        for rec in opt.telemetry[1:]:
+            assert rec.cache_hits == 11 and rec.cache_misses == 6
+            assert sum(rec.bytes_written.values()) <= 10 * full  # 14 before
+    finally:
+        opt.close()
+
+
 def test_a_paths_busy_time_gives_its_service_rate_whatever_the_gaps(swap_dir):
     """Issue 41 item 1: bytes over busy time is the rate the path serves at, not bytes over the
     step: a path capped at 40 MB/s reads and writes at about 40 MB/s while requests are in
