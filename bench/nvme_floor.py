@@ -81,8 +81,11 @@ def floors(run: dict, ceiling: dict, *, subgroups: int, subgroup_numel: int) -> 
     }
 
 
-def pair_order(k: int) -> tuple[str, str]:
-    """The pair's order: ZeRO-Infinity first on even pairs, offloadctl first on odd ones."""
+def pair_order(k: int, zi: bool = True) -> tuple[str, ...]:
+    """The pair's order: ZeRO-Infinity first on even pairs, offloadctl first on odd ones (offloadctl
+    alone without ``zi``)."""
+    if not zi:
+        return (OURS,)
     return (ZI, OURS) if k % 2 == 0 else (OURS, ZI)
 
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=3, help="interleaved pairs (default 3)")
     ap.add_argument("--iters", type=int, default=10, help="iterations per run (default 10; the first 2 are left out)")
     ap.add_argument("--zi-aio", help="bench/zi_aio_sweep.py's JSON (default: bench/results/zi_aio_sweep.json if there)")
+    ap.add_argument("--host-memory", default=HOST_MEMORY, help=f"offloadctl train --host-memory (default {HOST_MEMORY})")
+    ap.add_argument("--no-zi", action="store_true", help="offloadctl's runs only (no speed-up column)")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     why = can_emulate()
@@ -129,21 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     builds = {
         ZI: zi_build(zi_aio, ZI_PORT),
         OURS: lambda d, out, it: train_cmd(
-            d, out, it, ["--nvme", d["nvme"], "--host-cache", "0", "--host-memory", HOST_MEMORY], OURS_PORT
+            d, out, it, ["--nvme", d["nvme"], "--host-cache", "0", "--host-memory", a.host_memory], OURS_PORT
         ),
     }
     runs: dict[str, list[dict]] = {ZI: [], OURS: []}
     with tiers(f"nvme:4:{READ_MBPS}:{WRITE_MBPS}"):
         ceiling = measure_ceilings({"nvme": os.path.join(tiers_root(), "nvme")})["nvme"]
         with Progress(console=console, transient=True) as prog:
-            task = prog.add_task("pairs", total=2 * a.pairs)
+            task = prog.add_task("pairs", total=(1 if a.no_zi else 2) * a.pairs)
             for k in range(a.pairs):
-                for name in pair_order(k):
+                for name in pair_order(k, zi=not a.no_zi):
                     prog.update(task, description=f"pair {k + 1}/{a.pairs}: {name}")
                     runs[name].append(run_one(builds[name], str(a.iters), telemetry_detail=name == OURS))
                     prog.advance(task)
     report = summarize(runs, ceiling)
-    report.update(ceiling={k: ceiling[k] for k in ("read", "write", "mixed")}, zi_aio=zi_aio, zi_source=zi_source)
+    report.update(
+        ceiling={k: ceiling[k] for k in ("read", "write", "mixed")}, zi_aio=zi_aio, zi_source=zi_source, host_memory=a.host_memory
+    )
     print_report(report)
     if a.json:
         with open(a.json, "w") as f:
@@ -158,11 +165,12 @@ def print_report(report: dict) -> None:
         f"both at once {c['mixed'] / 1e6:.0f} MB/s; ZeRO-Infinity's aio: {report['zi_source']}"
     )
     t = Table("pair", "ZI it. s", "ours it. s", "speed-up", "I/O floor", "compute", "x floor", "budget fl.", "x budget")
-    for k, (z, o, p) in enumerate(zip(report[ZI], report[OURS], report["pairs"])):
+    for k, o in enumerate(report[OURS]):
+        z, p = (report[ZI][k], report["pairs"][k]) if k < len(report["pairs"]) else ({"iter_s": None}, {"speedup": None})
         t.add_row(
             str(k + 1),
-            *(f"{x:.2f}" for x in (z["iter_s"], o["iter_s"])),
-            f"{p['speedup']:.2f}x",
+            *(f"{x:.2f}" if x is not None else "-" for x in (z["iter_s"], o["iter_s"])),
+            f"{p['speedup']:.2f}x" if p["speedup"] is not None else "-",
             *(f"{o[key]:.2f}" for key in ("io_floor_s", "compute_s", "vs_iteration_floor", "budget_floor_s", "vs_budget_floor")),
         )
     console.print(t)
@@ -178,9 +186,14 @@ def print_report(report: dict) -> None:
     med = lambda key: statistics.median(r[key] for r in o)
     console.print(
         f"per iteration {med('bytes_read') / 1e6:.0f} MB read, {med('bytes_written') / 1e6:.0f} MB written; "
-        f"{med('buffers'):.0f} staging buffers for {LAYERS} subgroups. Median speed-up "
-        f"{statistics.median(p['speedup'] for p in report['pairs']):.2f}x ZeRO-Infinity; the iteration "
-        f"{med('vs_iteration_floor'):.2f}x its floor (goal <= {GOAL_SLACK}), {med('vs_budget_floor'):.2f}x the budget floor"
+        f"{med('buffers'):.0f} staging buffers for {LAYERS} subgroups (--host-memory {report.get('host_memory', HOST_MEMORY)}). "
+        + (
+            f"Median speed-up {statistics.median(p['speedup'] for p in report['pairs']):.2f}x ZeRO-Infinity; "
+            if report["pairs"]
+            else ""
+        )
+        + ("the iteration " if report["pairs"] else "The iteration ")
+        + f"{med('vs_iteration_floor'):.2f}x its floor (goal <= {GOAL_SLACK}), {med('vs_budget_floor'):.2f}x the budget floor"
     )
 
 
