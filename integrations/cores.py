@@ -18,6 +18,8 @@ thread per core), and its cores come from its GPU's NUMA node
 
 ``--bind-cores auto`` (the default) binds when more than one rank shares the node and the user
 did not ask DeepSpeed's launcher to bind; ``on`` always binds; ``off`` leaves the threads alone.
+Where a rank's share is a single physical core, ``auto`` sets its one thread but leaves its
+affinity to the scheduler (:data:`MIN_BOUND_CORES`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 MODES = ("auto", "on", "off")
+MIN_BOUND_CORES = 2
+"""The smallest share ``auto`` pins a rank to. On one core, a rank's communication and I/O threads
+(gloo's, the engine's I/O and recorder threads) have no core beside its lane's: two ranks on a
+2-core node took 1.2-1.3x as long for their step pinned as with one thread each, unpinned
+(issue 45 item 1, ``bench/host_floor.py`` size cpu-deep). The thread count still follows the share."""
 SYSFS = "/sys"
 
 
@@ -185,8 +192,9 @@ def physical_cores(cpus: Sequence[int], topology: Mapping[int, CpuPlace] | None 
 
 def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[int] | None:
     """Bind this rank to its cores and set its thread count to one per physical core, per
-    ``mode``; the CPUs, or None when not bound. Call before torch starts its thread pool (before
-    the user's script)."""
+    ``mode`` (a share of one core under ``auto``: the thread count only, :data:`MIN_BOUND_CORES`);
+    the CPUs, or None when not bound. Call before torch starts its thread pool (before the user's
+    script)."""
     from perf.plan import local_rank
     from perf.plan import local_size as launcher_local_size
 
@@ -201,8 +209,10 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
     cores = rank_cores(given, local_rank(environ), local_size, topology, gpu_nodes)
     if not cores:
         return None
-    os.sched_setaffinity(0, cores)
     threads = physical_cores(cores, topology)
+    pinned = mode == "on" or threads >= MIN_BOUND_CORES
+    if pinned:
+        os.sched_setaffinity(0, cores)
     environ["OMP_NUM_THREADS"] = str(threads)  # DeepSpeed's cpu_adam op and anything OpenMP started later
     import torch
 
@@ -212,7 +222,7 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
     environ[NODE_CPUS_ENV] = ",".join(map(str, sorted(given)))
 
     torch.set_num_threads(threads)
-    return cores
+    return cores if pinned else None
 
 
 def describe(cores: list[int] | None) -> str:
