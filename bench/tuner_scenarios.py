@@ -669,13 +669,28 @@ def goals(res: dict, settle_limit: int = GOAL_SETTLE) -> list[dict]:
     iteration)."""
     rows = []
 
-    def judge(goal: str, scenario: str, per_rep: list[tuple[bool | None, str]], xs: list[dict] | None = None) -> None:
+    def judge(
+        goal: str,
+        scenario: str,
+        per_rep: list[tuple[bool | None, str]],
+        xs: list[dict] | None = None,
+        median_of: tuple[list[float | None], float] | None = None,
+    ) -> None:
+        """One goal's row. ``median_of`` (the reps' values, the lower limit): judged on the median
+        of the judged reps, which are listed too, instead of rep by rep."""
         if not per_rep:
             return
         if xs is not None:  # a pair of a busier machine is no evidence either way
             per_rep = [
                 (None, f"{w}, not judged: forward/backward {x['untouched_ratio']:.2f}x apart") if _busy(x) else (ok, w)
                 for (ok, w), x in zip(per_rep, xs)
+            ]
+        if median_of is not None:
+            values, limit = median_of
+            judged = [v for (ok, _), v in zip(per_rep, values) if ok is not None and v is not None]
+            m = statistics.median(judged) if judged else None
+            per_rep = [(_ge(m, limit) if m is not None else None, f"median of {len(judged)} judged: {f(m)}")] + [
+                (None, w) for _, w in per_rep
             ]
         oks = [ok for ok, _ in per_rep]
         status = (
@@ -685,6 +700,8 @@ def goals(res: dict, settle_limit: int = GOAL_SETTLE) -> list[dict]:
             if True not in oks
             else "PASS"
             if None not in oks or xs is None
+            else "PASS"
+            if median_of is not None
             else f"PASS in {oks.count(True)} of {len(oks)}"
         )
         rows.append({"scenario": scenario, "goal": goal, "status": status, "per_rep": [w for _, w in per_rep]})
@@ -752,11 +769,15 @@ def goals(res: dict, settle_limit: int = GOAL_SETTLE) -> list[dict]:
         )
     if reps.get("d"):
         judge("no knob change", "d", [(x["tuned_knob_changes"] == 0, f"{x['tuned_knob_changes']} changes") for x in reps["d"]])
+        # With no knob change the tuned run is the frozen run with the daemon beside it: what one
+        # pair's ratio shows is the machine's spread between two runs (a 20-iteration median moves
+        # by more than 3% from run to run here), so the goal is judged on the judged reps' median.
         judge(
             "tuned >= 0.97x frozen",
             "d",
             [(_ge(x["frozen_over_tuned_whole"], 0.97), f(x["frozen_over_tuned_whole"])) for x in reps["d"]],
             reps["d"],
+            median_of=([x["frozen_over_tuned_whole"] for x in reps["d"]], 0.97),
         )
     held = [(x["held"], f"{s}{i + 1}") for s, v in reps.items() for i, x in enumerate(v)]
     judge("the pins and the host-memory budget hold in every run", ",".join(sorted(reps)), held)

@@ -175,6 +175,20 @@ def test_ratios_and_goals(ts):
     assert g[("a", "settled within 10 iterations of the change")] == "FAIL"
     assert g[("c", "tuned >= 1.3x frozen where I/O is at least half the iteration")] == "n/a"
 
+    # (d)'s time goal on the median of the judged reps: 0.969 beside 1.03 passes, two below do not,
+    # and a rep of a busier machine counts for neither.
+    def d_rep(ratio, untouched=1.0):
+        return {"frozen_over_tuned_whole": ratio, "tuned_knob_changes": 0, "untouched_ratio": untouched, "held": True}
+
+    def d_status(*xs):
+        res = {"scenarios": {"d": {"reps": [{"ratios": x} for x in xs]}}}
+        return next(r for r in ts.goals(res) if r["goal"] == "tuned >= 0.97x frozen")
+
+    assert d_status(d_rep(1.03), d_rep(0.969), d_rep(0.5, untouched=1.4))["status"] == "PASS"
+    row = d_status(d_rep(0.96), d_rep(0.95), d_rep(1.2, untouched=1.4))
+    assert row["status"] == "FAIL" and row["per_rep"][0] == "median of 2 judged: 0.95x", row
+    assert d_status(d_rep(1.2, untouched=1.4))["status"] == "n/a"
+
 
 def test_a_bad_option_exits_2_with_one_line_before_anything_else(tmp_path):
     r = subprocess.run(
