@@ -99,19 +99,22 @@ class SubgroupEngine:
         self.subgroups = [Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)]
         try:
             weights_on_device = any(w is not None and w.device.type != "cpu" for w in map(flat_weights_of, bindings))
-            start = dict(
-                state_numels=[b.numel for b, t in placed if t == HOST],
-                swapped_numels=[b.numel for b, t in placed if t.swapped],
-                copies_bytes=HostLane.start_bytes(max((b.numel for b in bindings), default=0), weights_on_device),
-            )
+            state_numels = [b.numel for b, t in placed if t == HOST]
+            swapped_numels = [b.numel for b, t in placed if t.swapped]
+            copies_bytes = HostLane.start_bytes(max((b.numel for b in bindings), default=0), weights_on_device)
             if "prefetch_depth" not in config.pins:
-                self._start_within(HostBudget.start_depth(config.host_memory_bytes, self.knobs.prefetch_depth, **start))
+                depth = HostBudget.start_depth(
+                    config.host_memory_bytes, self.knobs.prefetch_depth, state_numels, swapped_numels, copies_bytes
+                )
+                self._start_within(depth)
             self.host_memory = HostBudget.for_start(  # before allocating: a refusal costs nothing
                 config.host_memory_bytes,
                 usage=self.host_usage,
                 local_ranks=config.local_ranks,
                 prefetch_depth=self.knobs.prefetch_depth,
-                **start,
+                state_numels=state_numels,
+                swapped_numels=swapped_numels,
+                copies_bytes=copies_bytes,
             )
             self.transfers = Transfers(
                 self.subgroups,
