@@ -10,6 +10,7 @@ Names are imported on first use, so that torch-free parts (the performance model
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _EXPORTS = {
     "AdamWHyper": "adamw",
@@ -30,7 +31,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value

@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class AdamWHyper:
     weight_decay: float = 0.01
 
 
-def hyper_from_group(g: dict) -> AdamWHyper:
+def hyper_from_group(g: dict[str, Any]) -> AdamWHyper:
     """The hyper-parameters of a ``torch.optim`` param group (lr, betas, eps, weight_decay)."""
     b1, b2 = g["betas"]
     return AdamWHyper(
@@ -83,9 +83,10 @@ class DeepSpeedCpuAdam:
     """DeepSpeed's AVX CPU AdamW called on flat tensors, without its per-parameter state."""
 
     def __init__(self) -> None:
-        self._op = load_cpu_adam()
-        if self._op is None:
+        op = load_cpu_adam()
+        if op is None:
             raise RuntimeError("DeepSpeed cpu_adam op did not build")
+        self._op = op
         self._opt_id = 0x0FF1 + id(self) % 10_000
         # adamw_mode=True: decoupled weight decay, as torch.optim.AdamW.
         self._op.create_adam(self._opt_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)

@@ -8,7 +8,7 @@ import tempfile
 import torch
 
 
-def save_atomic(obj, path: str) -> None:
+def save_atomic(obj: object, path: str) -> None:
     """``torch.save`` to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = os.path.abspath(path)
     d = os.path.dirname(path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar, Iterable, Literal, Mapping
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 from engine.errors import ConfigError
 
@@ -44,14 +44,14 @@ class StoragePath:
                 raise ConfigError(f"StoragePath.{name} for {self.path} must be a positive number, got {v!r}")
 
     @classmethod
-    def coerce(cls, value: "str | os.PathLike | StoragePath", kind: TierKind) -> "StoragePath":
+    def coerce(cls, value: "str | os.PathLike[str] | StoragePath", kind: TierKind) -> "StoragePath":
         if isinstance(value, StoragePath):
             return value if value.kind == kind else replace(value, kind=kind)
         return cls(path=os.fspath(value), kind=kind)
 
 
 def storage_paths(
-    nvme: Iterable[str | os.PathLike | StoragePath] = (), remote: Iterable[str | os.PathLike | StoragePath] = ()
+    nvme: Iterable[str | os.PathLike[str] | StoragePath] = (), remote: Iterable[str | os.PathLike[str] | StoragePath] = ()
 ) -> tuple[StoragePath, ...]:
     """The storage tiers' paths, node-local (``nvme``) first, then ``remote``: the one rule for
     ``OffloadAdamW``, the DeepSpeed integration and ``offloadctl train``. A :class:`StoragePath`
@@ -59,7 +59,7 @@ def storage_paths(
     return tuple(StoragePath.coerce(p, "nvme") for p in nvme) + tuple(StoragePath.coerce(p, "remote") for p in remote)
 
 
-def resolve_host_cache(host_cache_bytes: int | None, paths) -> int | None:
+def resolve_host_cache(host_cache_bytes: int | None, paths: Sequence[StoragePath]) -> int | None:
     """How much optimizer state a user's budget keeps in host memory: the one rule, for
     ``OffloadAdamW`` and ``offloadctl train`` alike (a profile's plan gives its own budget).
 
@@ -218,7 +218,7 @@ class Knobs:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Knobs":
+    def from_dict(cls, d: Mapping[str, Any]) -> "Knobs":
         """Knobs from a dict (JSON, a profile, a history row). Unknown names are a ConfigError."""
         unknown = set(d) - set(cls.names())
         if unknown:
@@ -228,7 +228,7 @@ class Knobs:
     def concurrency_for(self, path: str) -> int:
         return self.io_concurrency.get(path, self.DEFAULT_IO_CONCURRENCY)
 
-    def check_for(self, paths, has_device: bool) -> None:
+    def check_for(self, paths: Iterable[str], has_device: bool) -> None:
         """The checks that need the run: per-path knobs name only its storage paths, some path
         has a positive stripe weight, and a device fraction needs a device lane. ConfigError
         naming the knob.
@@ -253,18 +253,18 @@ class Knobs:
                 "nowhere to go: give at least one path a weight > 0"
             )
 
-    def replace(self, **changes) -> "Knobs":
+    def replace(self, **changes: Any) -> "Knobs":
         return replace(self, **changes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _positive_int(name: str, v) -> None:
+def _positive_int(name: str, v: object) -> None:
     if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
         raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
-def _non_negative_int(name: str, v) -> None:
+def _non_negative_int(name: str, v: object) -> None:
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
         raise ConfigError(f"{name} must be a non-negative integer, got {v!r}")

@@ -84,10 +84,10 @@ def measure_pcie(device: torch.device, nbytes: int = 256 << 20, reps: int = 3) -
     host_in, host_out = aligned_empty(nbytes, pin=True), aligned_empty(nbytes, pin=True)
     dev_in = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: untyped
     best = (0.0, 0.0)
     for _ in range(reps + 1):  # the first round warms up
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]  # type: ignore[no-untyped-call]  # torch: untyped
         torch.cuda.synchronize(device)
         with torch.cuda.stream(up):
             marks[0].record(up)
@@ -116,7 +116,7 @@ def measure_gpu_adamw(device: torch.device, numel: int = 1 << 24, reps: int = 3)
     step = torch.ones((), device=device)
     best = 0.0
     for _ in range(reps + 1):  # the first round warms up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch
         start.record()
         torch._fused_adamw_(
             [t[0]],

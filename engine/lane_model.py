@@ -16,7 +16,7 @@ gives each formula.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from engine.layout import STATE_BYTES_PER_ELEMENT
 from engine.placement import DEVICE_LANE_CHUNK_NUMEL, device_lane_mask
@@ -154,7 +154,7 @@ def load_for(
     )
 
 
-def balanced_fraction(numels: Sequence[int], rates: LaneRates, **load_kw) -> tuple[float, float]:
+def balanced_fraction(numels: Sequence[int], rates: LaneRates, **load_kw: Any) -> tuple[float, float]:
     """(device fraction, seconds) with the shortest update for the subgroups ``numels``, the
     fraction at one-subgroup granularity, searched exhaustively; the smaller fraction on a tie."""
     best: tuple[float, float] | None = None

@@ -116,10 +116,8 @@ def place(sizes_bytes: Sequence[int], *, device_budget: int, host_budget: int | 
             f"with nowhere to go: give nvme_paths or remote_paths, or raise host_cache_bytes (None keeps all in memory)"
         )
     paths = stripe([sizes_bytes[i] for i in swapped], path_weights) if swapped else []
-    tiers: list[Tier | None] = list(resident)
-    for i, p in zip(swapped, paths):
-        tiers[i] = swap_tier(p)
-    return Placement(tuple(tiers))  # type: ignore[arg-type]  (every None was filled)
+    swapped_tiers = iter([swap_tier(p) for p in paths])  # in the order of the swapped ones
+    return Placement(tuple(next(swapped_tiers) if r is None else r for r in resident))
 
 
 def device_tier_prefix(costs_bytes: Sequence[int], headroom_bytes: int, lane_bytes: int) -> int:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from engine.layout import forward_order
 from engine.record_files import private_opener, say_records_stopped
@@ -74,7 +75,7 @@ class StepRecord:
     (pinning the buffers of subgroups that moved to the device lane), the device tier's fit, the
     adapter's work for them between steps (``SubgroupEngine.setup_time``)."""
     params: int = 0
-    knobs: dict = field(default_factory=dict)
+    knobs: dict[str, Any] = field(default_factory=dict)
     start_s: float | None = None
     """``time.perf_counter()`` when the update phase started (its write wait; knob changes and the
     device tier's fit, when any, come between that and the loop): with the durations above it
@@ -82,7 +83,7 @@ class StepRecord:
     CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The step
     first waits for what is left of the writes behind the last step (``write_wait_s``), then its
     loop runs for ``update_s - write_wait_s - device_wait_s``, then it waits for the device."""
-    host_bytes: dict = field(default_factory=dict)
+    host_bytes: dict[str, int] = field(default_factory=dict)
     """What the engine held in host memory at the step's end, by kind (``engine.host_memory.HostUsage``)."""
     host_budget_bytes: int = 0
     """The rank's host-memory budget (0 in records written before there was one)."""
@@ -109,13 +110,13 @@ class StepRecord:
         moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
         return moved / self.params if self.params else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["order"], d["bytes_moved_per_param"] = self.order, self.bytes_moved_per_param
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StepRecord":
+    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
         """A record from :meth:`to_dict` (a telemetry file, the tuner's socket); what it derives
         (the order, bytes per parameter) and fields it does not know are dropped; older files read
         the same (:func:`upgrade_record`)."""
@@ -123,7 +124,7 @@ class StepRecord:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-def upgrade_record(d: dict) -> dict:
+def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:
     """A record dict in today's names: files from offloadctl 0.1 name the phase ``wall_s`` and
     the math ``update_s``; run directories outlive upgrades, so they still read."""
     if "wall_s" not in d:
@@ -148,7 +149,7 @@ class TelemetryLog:
             try:
                 os.makedirs(run_dir, exist_ok=True)
             except OSError as e:
-                self._stop_writing(e)
+                self._stop_writing(self.path, e)
 
     def append(self, rec: StepRecord) -> None:
         self.records.append(rec)
@@ -157,8 +158,8 @@ class TelemetryLog:
                 with open(self.path, "a", opener=private_opener) as f:
                     f.write(json.dumps(rec.to_dict()) + "\n")
             except OSError as e:
-                self._stop_writing(e)
+                self._stop_writing(self.path, e)
 
-    def _stop_writing(self, e: OSError) -> None:
-        say_records_stopped(self.path, e)  # its records stay in memory
+    def _stop_writing(self, path: str, e: OSError) -> None:
+        say_records_stopped(path, e)  # its records stay in memory
         self.path = None

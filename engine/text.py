@@ -6,6 +6,7 @@ without the bidirectional controls that make a terminal show text in another ord
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 """C0 controls but tab and newline, DEL, C1 controls (ESC and CSI among them), and Unicode's
@@ -18,7 +19,7 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
-def printable_all(obj):
+def printable_all(obj: Any) -> Any:
     """``obj`` (JSON's kinds: dicts, lists, strings, numbers) with every string in it, keys
     included, made :func:`printable`: what another program sent (a daemon's view of a run: its
     id, its paths, reasons), for display only."""

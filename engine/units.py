@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal
+from typing import Sequence
 
 from engine.errors import ConfigError
 
@@ -104,7 +105,7 @@ def _three(v: float) -> str:
     return f"{v:.2f}".rstrip("0").rstrip(".")
 
 
-def _scaled(v: float, prefixes=_SI) -> tuple[str, str]:
+def _scaled(v: float, prefixes: Sequence[tuple[str, float]] = _SI) -> tuple[str, str]:
     """(digits, prefix) of ``v`` with the largest prefix that leaves it at least 1; a value that
     rounds up to 1000 takes the next prefix (999.7 GB is 1 TB, not 1000 GB)."""
     for prefix, scale in prefixes:

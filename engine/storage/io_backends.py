@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class PosixDirectIO:
     name = "posix"
 
     def pread(self, fd: int, path: str, buf: torch.Tensor, offset: int) -> None:
-        view = memoryview(buf.numpy())
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy: no __buffer__ in its stubs before 3.12
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -40,26 +41,29 @@ class PosixDirectIO:
             done += n
 
     def pwrite(self, fd: int, path: str, buf: torch.Tensor, offset: int) -> None:
-        view = memoryview(buf.numpy())
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy: no __buffer__ in its stubs before 3.12
         done = 0
         while done < len(view):
             done += os.pwritev(fd, [view[done:]], offset + done)
 
 
-class DeepSpeedAIO:
+class DeepSpeedAIO(PosixDirectIO):
+    """Reads through DeepSpeed's op; writes are :class:`PosixDirectIO`'s (see the module docstring:
+    failed aio writes go unreported)."""
+
     name = "aio"
 
     def __init__(self, *, block_size: int = 1 << 20, queue_depth: int = 32) -> None:
-        self._op = load_async_io()
-        if self._op is None:
+        op = load_async_io()
+        if op is None:
             raise ConfigError(
                 "io_backend='aio' needs DeepSpeed's async_io op, which did not build here "
                 "(install libaio-dev, then run `make setup`), or use io_backend='posix'"
             )
-        self._block_size, self._queue_depth = block_size, queue_depth
+        self._op, self._block_size, self._queue_depth = op, block_size, queue_depth
         self._local = threading.local()
 
-    def _handle(self):
+    def _handle(self) -> Any:  # the op's aio_handle (DeepSpeed's, untyped)
         h = getattr(self._local, "handle", None)
         if h is None:
             # intra_op_parallelism=1: parallelism comes from our I/O threads, one request each.
@@ -74,8 +78,6 @@ class DeepSpeedAIO:
         # deleted or renamed mid-run still reads from the file this rank made, never from a name.
         if self._handle().sync_pread(buf, f"/proc/self/fd/{fd}", offset) < 0:
             raise OSError(errno.EIO, f"async_io read of {buf.numel()} bytes at offset {offset} failed", path)
-
-    pwrite = PosixDirectIO.pwrite  # see the module docstring: failed aio writes go unreported
 
 
 def open_backend(name: str) -> PosixDirectIO | DeepSpeedAIO:

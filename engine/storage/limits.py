@@ -16,6 +16,7 @@ import re
 import tempfile
 import threading
 import time
+from typing import Iterator
 
 from engine.storage.blockdev import device_of
 
@@ -62,7 +63,7 @@ class ResizableSemaphore:
             self._grant()
 
     @contextlib.contextmanager
-    def slot(self, key: float = math.inf):
+    def slot(self, key: float = math.inf) -> Iterator[None]:
         self.acquire(key)
         try:
             yield
@@ -72,7 +73,7 @@ class ResizableSemaphore:
     def __enter__(self) -> None:
         self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -150,7 +151,7 @@ class NodeLock:
             self._fd, self._users, self._acquiring = fd, 1, False
             self._cond.notify_all()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._fd is None and self._users == 0:
             return
         with self._cond:

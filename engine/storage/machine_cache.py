@@ -17,14 +17,16 @@ import fcntl
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _read(path: str) -> dict:
+def _read(path: str) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW)
     except OSError:
@@ -37,7 +39,7 @@ def _read(path: str) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _write(path: str, known: dict) -> None:
+def _write(path: str, known: dict[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _NOFOLLOW, 0o644)
@@ -50,7 +52,7 @@ def _write(path: str, known: dict) -> None:
             os.unlink(tmp)
 
 
-def kept_fact(directory: str, filename: str, key: str, decide: Callable[[Any], Any]) -> Any:
+def kept_fact(directory: str, filename: str, key: str, decide: Callable[[Any], _T]) -> _T:
     """``decide(kept)`` under the lock of ``directory/filename``, where ``kept`` is the value kept
     under ``key`` (None when there is none); a result that is not None and differs from it is
     kept in its place. Returns what ``decide`` returned. ``decide`` judges whether a kept value

@@ -42,9 +42,13 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TextIO
 
 from engine.storage.machine_cache import kept_fact
+
+if TYPE_CHECKING:
+    from deepspeed.ops.op_builder.builder import OpBuilder
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +84,8 @@ def interpreter_ninja() -> str | None:
         pass
     own = {os.path.realpath(d) for d in (sysconfig.get_path("scripts"), _shim_dir())}
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and os.path.realpath(d) not in own]
-    exe = shutil.which("ninja", path=os.pathsep.join(path))
-    return os.path.realpath(exe) if exe else None
+    found = shutil.which("ninja", path=os.pathsep.join(path))
+    return os.path.realpath(found) if found else None
 
 
 def _shim_dir() -> str:
@@ -154,7 +158,7 @@ def remember_cpu_info() -> None:
     ask = cpuinfo.get_cpu_info
     kept: list[str] = []  # the answer as JSON text: each caller gets its own copy to change
 
-    def get_cpu_info() -> dict:
+    def get_cpu_info() -> dict[str, Any]:
         import json
 
         if not kept:
@@ -162,9 +166,9 @@ def remember_cpu_info() -> None:
                 extensions_dir(), CPU_INFO_FILE, _cpu_description(), lambda known: known if isinstance(known, dict) else ask()
             )
             kept.append(json.dumps(answer))
-        return json.loads(kept[0])
+        return dict(json.loads(kept[0]))
 
-    get_cpu_info.offloadctl_kept = True
+    vars(get_cpu_info)["offloadctl_kept"] = True
     cpuinfo.get_cpu_info = get_cpu_info
 
 
@@ -189,7 +193,7 @@ class OpState:
         """What the engine uses instead, or None when the op is used (or not needed)."""
         return None if self.state in ("built", "not needed") else FALLBACKS[self.name]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"state": self.state, "detail": self.detail, "pid": self.pid, "fallback": self.fallback}
 
 
@@ -197,14 +201,14 @@ class _WouldCompile(Exception):
     pass
 
 
-_modules: dict[str, object] = {}
+_modules: dict[str, ModuleType] = {}
 _states: dict[str, OpState] = {}
 _said: set[str] = set()  # ops whose fallback this process has announced
 _mutex = threading.RLock()  # one load or build at a time per process: the ninja hook is process-wide
 
 
 @functools.lru_cache(maxsize=None)
-def import_deepspeed():
+def import_deepspeed() -> ModuleType:
     """DeepSpeed, imported the one way offloadctl imports it (its op builders here; the checks of
     ``integrations.ds_compat`` and the patches of ``integrations.ds_patches``): what it prints as
     it imports goes to stderr, and its logger's stdout handler is moved to stderr, not silenced,
@@ -215,10 +219,10 @@ def import_deepspeed():
     for h in logging.getLogger("DeepSpeed").handlers:
         if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
             h.setStream(sys.stderr)
-    return deepspeed
+    return deepspeed  # type: ignore[no-any-return]  # deepspeed: untyped (no py.typed)
 
 
-def _make_builder(name: str):
+def _make_builder(name: str) -> OpBuilder:
     if name == "cpu_adam":  # the builder DeepSpeedCPUAdam uses, so that one build serves both
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -262,7 +266,7 @@ def _holder(flock_path: str) -> tuple[str, int] | None:
         return None
 
 
-def _take_flock(build_dir: str, build: bool, on_note) -> tuple[int, int | None]:
+def _take_flock(build_dir: str, build: bool, on_note: Callable[[str], None]) -> tuple[int, int | None]:
     """Lock ``build_dir`` against our other loads and builds: (fd, None) when held, or (-1, pid)
     for a load that found a build under way. A build waits for another build; a load does not."""
     path = os.path.join(build_dir, FLOCK_NAME)
@@ -273,15 +277,15 @@ def _take_flock(build_dir: str, build: bool, on_note) -> tuple[int, int | None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            holder = _holder(path)
-            building = holder is not None and holder[0] == "build"
+            mode, pid = _holder(path) or ("", None)
+            building = mode == "build"
             if building and build:
-                on_note(f"waiting for the build started by pid {holder[1]}")
+                on_note(f"waiting for the build started by pid {pid}")
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 break
             if building or time.monotonic() > deadline:
                 os.close(fd)
-                return -1, holder[1] if holder else None
+                return -1, pid
             time.sleep(0.05)  # another process's load: a fraction of a second
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{'build' if build else 'load'} {os.getpid()}\n".encode(), 0)
@@ -315,7 +319,7 @@ def _target(step: str) -> str:
 
 
 @contextlib.contextmanager
-def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
+def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step: Callable[[str, int, int, str], None]) -> Iterator[None]:
     """Within: torch's ``_run_ninja_build`` is a dry run that raises :class:`_WouldCompile` when
     anything would compile (a load), or a ninja run that reports each step (a build)."""
     from torch.utils import cpp_extension
@@ -339,7 +343,9 @@ def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
         proc = subprocess.Popen(
             cmd, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, pass_fds=tuple(flock_fds)
         )
-        output, done = [], 0
+        output: list[str] = []
+        done = 0
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             output.append(line)
             if line.startswith("["):
@@ -360,13 +366,13 @@ def _ninja_hook(name: str, build: bool, flock_fds: list[int], on_step):
 
 
 @contextlib.contextmanager
-def _streams_with_files():
+def _streams_with_files() -> Iterator[None]:
     """Within: stdout and stderr with file descriptors. DeepSpeed's checks (is libaio there?) and
     loads send output to ``sys.stderr.fileno()``; under Jupyter or pytest's capture the streams
     have none, and a built op was taken for one that cannot build here. Their output then goes
     to /dev/null."""
 
-    def has_fd(stream) -> bool:
+    def has_fd(stream: TextIO) -> bool:
         try:
             stream.fileno()
             return True
@@ -385,7 +391,12 @@ def _streams_with_files():
             sys.stdout, sys.stderr = out, err
 
 
-def _load(name: str, build: bool, on_step=None, on_note=None) -> OpState:
+def _load(
+    name: str,
+    build: bool,
+    on_step: Callable[[str, int, int, str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> OpState:
     """Load op ``name`` (compiling only when ``build``); records the module and returns its state."""
     on_step = on_step or (lambda *a: None)
     on_note = on_note or (lambda msg: None)
@@ -454,7 +465,7 @@ def op_state(name: str) -> OpState:
         return _states[name]
 
 
-def _loaded(name: str):
+def _loaded(name: str) -> ModuleType | None:
     """The op's module, or None after one line saying what is used instead and why."""
     op = op_state(name)
     if op.state == "built":
@@ -473,17 +484,17 @@ def _loaded(name: str):
     return None
 
 
-def load_async_io():
+def load_async_io() -> ModuleType | None:
     """DeepSpeed's ``async_io`` op module, or None (not built, being built, or no libaio-dev)."""
     return _loaded("async_io")
 
 
-def load_cpu_adam():
+def load_cpu_adam() -> ModuleType | None:
     """DeepSpeed's ``cpu_adam`` op module (the one DeepSpeedCPUAdam loads), or None."""
     return _loaded("cpu_adam")
 
 
-def load_shm_comm():
+def load_shm_comm() -> ModuleType | None:
     """DeepSpeed's shared-memory all-reduce for the CPU accelerator (DeepSpeed loads it itself in
     ``init_distributed``), or None (not built, or not needed: with CUDA)."""
     return _loaded("deepspeed_shm_comm")
@@ -505,16 +516,21 @@ def prepare_deepspeed_loads() -> dict[str, OpState]:
 
 
 def build_ops(
-    ops=OPS, *, on_step: Callable[[str, int, int, str], None] | None = None, on_note: Callable[[str, str], None] | None = None
+    ops: Iterable[str] = OPS,
+    *,
+    on_step: Callable[[str, int, int, str], None] | None = None,
+    on_note: Callable[[str, str], None] | None = None,
 ) -> dict[str, OpState]:
     """Build (or find built) each op in ``ops``, recovering stale locks and waiting for builds under
     way. ``on_step(op, done, total, target)`` follows the compiler steps; ``on_note(op, message)``
     says what else happens (a stale lock removed, a wait). Returns each op's state."""
-    out = {}
+    out: dict[str, OpState] = {}
     with _mutex:
         for name in ops:
             with _streams_with_files():
-                op = _load(name, build=True, on_step=on_step, on_note=lambda msg, n=name: on_note and on_note(n, msg))
+                op = _load(
+                    name, build=True, on_step=on_step, on_note=None if on_note is None else functools.partial(on_note, name)
+                )
             _states[name] = out[name] = op
     return out
 
@@ -527,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 0
 
-    def step(op, done, total, target):
+    def step(op: str, done: int, total: int, target: str) -> None:
         print(f"native op {op}: {f'compiling {target}' if done == 0 else target} [{done}/{total}]", flush=True)
 
     states = build_ops(on_step=step, on_note=lambda op, msg: print(f"native op {op}: {msg}", flush=True))

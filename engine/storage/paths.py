@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.buffers import HEADER_BYTES, StateBuffer
+from engine.buffers import StateBuffer
 from engine.config import StoragePath
 from engine.errors import CorruptSwapFileError, StorageIOError, StoragePathError
-from engine.layout import STATE_BYTES_PER_ELEMENT
+from engine.layout import HEADER_BYTES, STATE_BYTES_PER_ELEMENT
 from engine.storage import swapfile
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO, ShortFileError
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.storage.swapdir import make_swap_dir, remove_stale_swap_dirs, remove_swap_dir
-from engine.storage.usable import check_usable  # noqa: F401  (callers import it from here too)
+from engine.storage.usable import check_usable as check_usable  # callers import it from here too
 
 MAX_IO_THREADS = 64
 
@@ -174,11 +174,11 @@ class SwapPath:
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def write(self, sf: SwapFile, buf: StateBuffer) -> Future:
+    def write(self, sf: SwapFile, buf: StateBuffer) -> Future[None]:
         """Write ``buf`` to ``sf``: payload chunks in parallel, then the header with their CRCs."""
         return self._transfer_pool.submit(self._write_subgroup, sf, buf, next(self._transfer_numbers))
 
-    def read(self, sf: SwapFile, buf: StateBuffer) -> Future:
+    def read(self, sf: SwapFile, buf: StateBuffer) -> Future[None]:
         """Read ``sf`` into ``buf`` and verify it against what was last written."""
         return self._transfer_pool.submit(self._read_subgroup, sf, buf, next(self._transfer_numbers))
 
@@ -286,9 +286,10 @@ class SwapPath:
         self._finalizer()
 
 
-def _results(futs: list[Future], sf: SwapFile, doing: str) -> list:
+def _results(futs: list[Future[int]], sf: SwapFile, doing: str) -> list[int]:
     """Results of every chunk; after all have finished, the first failure as a clear error."""
-    out, first_error = [], None
+    out: list[int] = []
+    first_error: OSError | None = None
     for f in futs:
         try:
             out.append(f.result())
@@ -305,7 +306,7 @@ def storage_error(e: OSError, sf: SwapFile, doing: str) -> StorageIOError | Corr
             f"swap file {sf.filename} was truncated ({e.strerror}): the swap file was changed "
             f"outside offloadctl; restore from your last checkpoint"
         )
-    fixes = {
+    fixes: dict[int | None, str] = {
         errno.ENOSPC: f"free space on {sf.path.path} or give the state another path",
         errno.EDQUOT: f"raise your quota on {sf.path.path} or give the state another path",
         errno.EFBIG: "raise the file-size limit (ulimit -f) or use a smaller subgroup_numel",

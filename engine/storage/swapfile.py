@@ -40,7 +40,7 @@ class ChunkPlan:
 
 
 def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(t.numpy()))
+    return zlib.crc32(memoryview(t.numpy()))  # type: ignore[arg-type]  # numpy: no __buffer__ in its stubs before 3.12
 
 
 def write_header(header: torch.Tensor, *, index: int, numel: int, plan: ChunkPlan, generation: int, crcs: list[int]) -> None:
