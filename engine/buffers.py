@@ -19,8 +19,11 @@ import contextlib
 import logging
 import threading
 import weakref
+from typing import Iterator
 
 import torch
+
+from engine.streams import Event
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ _pin_failed_once = False
 _registered: set[int] = set()
 """Start addresses pinned by :func:`pin_in_place` and not yet released. (``is_pinned()`` looks
 at a storage's base address, which an aligned view starts after, so it cannot tell.)"""
-_finalizers: dict[int, weakref.finalize] = {}
+_finalizers: dict[int, weakref.finalize[[int], torch.UntypedStorage]] = {}
 _lock = threading.Lock()
 _defer_depth = 0
 _deferred: list[torch.Tensor] = []
@@ -56,11 +59,11 @@ def _cuda_pins() -> bool:
 
 
 def _host_register(ptr: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 def _host_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 def _unregister(ptr: int) -> None:
@@ -122,7 +125,7 @@ def _owner_died(t: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def unpins_deferred():
+def unpins_deferred() -> Iterator[None]:
     """Within: buffers whose owners die keep their memory, pinned, for
     :func:`release_deferred_unpins` (outside the step)."""
     global _defer_depth
@@ -171,7 +174,7 @@ class StateBuffer:
         self.bind(capacity_numel)
         # Set while an asynchronous device-lane copy back into this buffer may still run; the
         # buffer is not read, written to storage or reused before it completes.
-        self.ready_event = None
+        self.ready_event: Event | None = None
 
     def bind(self, numel: int) -> None:
         if numel > self.capacity_numel:
@@ -180,7 +183,7 @@ class StateBuffer:
         self.payload = self.raw[HEADER_BYTES : HEADER_BYTES + payload_bytes(numel)]
         state = self.raw[HEADER_BYTES : HEADER_BYTES + STATE_BYTES_PER_ELEMENT * numel].view(torch.float32)
         self.state = state  # master, exp_avg and exp_avg_sq back to back: one H2D/D2H copy
-        self.master, self.exp_avg, self.exp_avg_sq = state.split(numel)
+        self.master, self.exp_avg, self.exp_avg_sq = torch.split(state, numel)
 
     @property
     def file_image(self) -> torch.Tensor:

@@ -64,7 +64,7 @@ class DeviceLane:
         self._next = 0
         self._grad = Scratch(self.device)  # the compute stream's fp32 gradient chunk
         self._resident_grad = Scratch(self.device)  # the resident stream's
-        self._pin_next: dict[int, weakref.ref] = {}  # buffers to pin at the next step's start
+        self._pin_next: dict[int, weakref.ref[StateBuffer]] = {}  # buffers to pin at the next step's start
 
     @property
     def weight_streams(self) -> tuple[Stream, Stream]:
@@ -119,7 +119,7 @@ class DeviceLane:
         if not grads.runs:
             return 0
         n = binding.numel
-        master, exp_avg, exp_avg_sq = state[: 3 * n].split(n)
+        master, exp_avg, exp_avg_sq = torch.split(state[: 3 * n], n)
         flat = flat_weights_of(binding)
         with self.streams.use(self.resident):
             for a in range(0, n, self.chunk_numel):
@@ -146,7 +146,7 @@ class DeviceLane:
             self._pin_next.setdefault(id(buf), weakref.ref(buf))
         n = binding.numel
         flat = flat_weights_of(binding)
-        weights_via_host = flat is not None and not self.streams.on_device(flat)
+        host_flat = flat if flat is not None and not self.streams.on_device(flat) else None  # written through the slots
         previous = buf.ready_event  # a copy back into this buffer still in flight (an earlier step)
         for a in range(0, n, self.chunk_numel):
             b, slot = min(n, a + self.chunk_numel), self._take_slot()
@@ -167,8 +167,8 @@ class DeviceLane:
                 self.compute.wait_event(slot.loaded)  # the chunk's state (and gradient) has arrived
                 g = self._grad_chunk(grads, a, b, self._grad, uploaded)
                 adamw_update_torch_(grads.slices_for(a, b, master, g, exp_avg, exp_avg_sq, steps), hyper)
-                if weights_via_host:
-                    weights = LaneSlot.typed(slot.weights, flat.dtype, m)
+                if host_flat is not None:
+                    weights = LaneSlot.typed(slot.weights, host_flat.dtype, m)
                     weights.copy_(master)  # cast here; copied out with the state
                 else:
                     self._write_weights(binding, flat, master, a)
@@ -178,8 +178,8 @@ class DeviceLane:
                 self.streams.copy(buf.master[a:b], master)
                 self.streams.copy(buf.exp_avg[a:b], exp_avg)
                 self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
-                if weights_via_host:
-                    self.streams.copy(flat[a:b], weights)
+                if host_flat is not None:
+                    self.streams.copy(host_flat[a:b], weights)
                 slot.free = self.streams.record(self.d2h, slot.free)
         # d2h runs in order: one point after the last chunk's copy back covers them all. An event
         # of its own, once per subgroup: the slots' are recorded again by later chunks.
@@ -197,16 +197,16 @@ class DeviceLane:
     def _upload_grads(self, grads: SubgroupGrads, a: int, b: int, slot: LaneSlot) -> dict[int, torch.Tensor]:
         """On the h2d stream: the chunk's gradient slices that are in host memory, into the
         slot (in their own dtype; fp32 if they differ). Per slice, the slot's view of it."""
-        host = [(k, lo, hi) for k, lo, hi in grads.slices_in(a, b) if not self.streams.on_device(grads.per_slice[k])]
+        host = [(k, lo, hi, g) for k, lo, hi, g in grads.slices_in(a, b) if not self.streams.on_device(g)]
         if not host:
             return {}
-        dtypes = {grads.per_slice[k].dtype for k, _, _ in host}
+        dtypes = {g.dtype for _, _, _, g in host}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         staged = LaneSlot.typed(slot.grad, dtype, b - a)
         out = {}
-        for k, lo, hi in host:
+        for k, lo, hi, g in host:
             dst = staged[lo - a : hi - a]
-            self.streams.copy(dst, grads.source(k, lo, hi))
+            self.streams.copy(dst, grads.source(k, lo, hi, g))
             out[k] = dst
         return out
 
@@ -226,8 +226,8 @@ class DeviceLane:
         ):
             return one[a:b]
         out = scratch.get(b - a)
-        for k, lo, hi in grads.slices_in(a, b):
-            src = uploaded[k] if uploaded and k in uploaded else grads.source(k, lo, hi)
+        for k, lo, hi, g in grads.slices_in(a, b):
+            src = uploaded[k] if uploaded and k in uploaded else grads.source(k, lo, hi, g)
             out[lo - a : hi - a].copy_(src, non_blocking=True)
         if grads.scale != 1.0:
             out.mul_(grads.scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,7 +55,7 @@ outlives a rank killed while it measures."""
 
 
 @contextlib.contextmanager
-def busy_beside():
+def busy_beside() -> Iterator[None]:
     """A process spinning on this process's CPUs (it inherits their affinity) while the block
     runs: the other runnable work beside a rank's update (its recorder's and communication
     threads, the launcher, another tenant of a shared node). Killed at the block's end, and
@@ -70,6 +71,7 @@ def busy_beside():
         stderr=subprocess.DEVNULL,
         close_fds=True,
     )
+    assert p.stdout is not None  # stdout=PIPE
     try:
         p.stdout.read(1)  # it spins from here
         yield
@@ -176,20 +178,20 @@ def chosen_host_kernel() -> str:
     """The kernel of the faster host lane on this machine: kept in ``KERNEL_CHOICE_FILE``
     (:func:`engine.storage.machine_cache.kept_fact`), or measured once and kept there."""
 
-    def decide(entry):
+    def decide(entry: object) -> dict[str, Any]:
         if isinstance(entry, dict) and entry.get("kernel") in ("torch", "deepspeed"):
             rates = entry.get("params_per_s", {})
             # Measured before the cpu_adam op was built, or the op is gone since: measure again.
             if isinstance(rates, dict) and ("deepspeed" in rates) == (load_cpu_adam() is not None):
                 return entry
         rates = measure_host_lanes()
-        best = max(rates, key=rates.get)
+        best = max(rates, key=rates.__getitem__)
         log.info("host lane kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
         return {"kernel": best, "params_per_s": rates}
 
     entry = kept_fact(extensions_dir(), KERNEL_CHOICE_FILE, _machine_key(), decide)
     _measured_rates.update({k: float(v) for k, v in entry["params_per_s"].items()})
-    return entry["kernel"]
+    return str(entry["kernel"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,7 +306,7 @@ def _measure_node_bandwidth() -> float | None:
         printed = out.stdout.split()
         if len(printed) < 2:
             raise RuntimeError("the child process printed no figure")
-        bytes_per_s, measured_on = float(printed[-2]), printed[-1]
+        bytes_per_s, child_cpus = float(printed[-2]), printed[-1]
         if not bytes_per_s > 0:
             raise ValueError(f"measured {printed[-2]}")
     except subprocess.TimeoutExpired:
@@ -312,7 +314,7 @@ def _measure_node_bandwidth() -> float | None:
     except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
         why = str(e) or type(e).__name__
     else:
-        log.info("node memory bandwidth: %.3g bytes/s on %s CPUs (a child process)", bytes_per_s, measured_on)
+        log.info("node memory bandwidth: %.3g bytes/s on %s CPUs (a child process)", bytes_per_s, child_cpus)
         return bytes_per_s
     log.warning("offloadctl: the node's memory bandwidth was not measured (%s): this rank counts on its own figure", why)
     return None
@@ -333,8 +335,8 @@ def node_memory_bandwidth(measure: bool = True) -> float | None:
     return _update_bandwidth_file(lambda known: known if known is not None else (_measure_node_bandwidth() if measure else None))
 
 
-def _update_bandwidth_file(decide) -> float | None:
-    def checked(kept):
+def _update_bandwidth_file(decide: Callable[[float | None], float | None]) -> float | None:
+    def checked(kept: object) -> float | None:
         return decide(float(kept) if isinstance(kept, (int, float)) and kept > 0 else None)
 
     return kept_fact(extensions_dir(), MEMORY_BANDWIDTH_FILE, _bandwidth_key(), checked)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch
 from engine.binding import SubgroupBinding, flat_weights_of, weight_views_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
 from engine.lanes import Scratch, SubgroupGrads, step_tensor
-from engine.streams import Event, Streams
+from engine.streams import Event, Stream, Streams
 
 HOST_CHUNK_NUMEL = 1 << 21
 """Elements per host-lane chunk when one thread drives the lane (every op a parallel region of
@@ -99,16 +99,18 @@ def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offset
         out[lo - a : hi - a].copy_(g[lo - offsets[k] : hi - offsets[k]], non_blocking=True)
 
 
-_OWN_THREADS: list = []  # [omp_set_num_threads or None], found once
+_OWN_THREADS: list[Callable[[int], object] | None] = []  # [omp_set_num_threads or None], found once
+_Task = tuple[int, Callable[[int], None]]
+"""What a lane thread runs: ``fn(k)``, its part ``k`` of a subgroup."""
 
 
-def own_thread_count():
+def own_thread_count() -> Callable[[int], object] | None:
     """The OpenMP runtime's ``omp_set_num_threads`` (torch's own libgomp, or Intel's or LLVM's
     where torch runs on one), which sets the calling thread's count alone; None where it is not
     found. ``torch.set_num_threads`` also sets torch's process-wide default, from which every
     thread takes its count at its first op: a thread starting meanwhile would keep that count."""
     if not _OWN_THREADS:
-        fn = None
+        fn: Callable[[int], object] | None = None
         try:
             with open("/proc/self/maps") as f:
                 libs = {line.split()[-1] for line in f if "omp" in line and ".so" in line}
@@ -141,8 +143,8 @@ class LaneThreads:
     between steps and use no CPU there."""
 
     def __init__(self) -> None:
-        self._queues: list[queue.SimpleQueue] = []
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: list[queue.SimpleQueue[_Task | None]] = []
+        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self.chunk_costs: tuple[float, float] | None = None  # measure_chunk_costs on a worker, once
 
     def chunk_numel(self, parts: int) -> int:
@@ -150,7 +152,7 @@ class LaneThreads:
         once, on a worker (one thread, as the parts run), at the lane's first update in parts."""
         if self.chunk_costs is None:
             self._grow(1)
-            out = []
+            out: list[tuple[float, float]] = []
             self._queues[0].put((0, lambda _k: out.append(measure_chunk_costs())))
             err = self._done.get()
             if err is not None:
@@ -158,7 +160,7 @@ class LaneThreads:
             self.chunk_costs = out[0]
         return part_chunk_numel(parts, *self.chunk_costs)
 
-    def run(self, n: int, fn) -> None:
+    def run(self, n: int, fn: Callable[[int], None]) -> None:
         """``fn(k)`` for k in 0..n-1: 0 on the calling thread, the others on workers; raises the
         first error once every part has ended. The caller's part runs on it alone by its own
         OpenMP count (:func:`own_thread_count`), never by torch's process-wide default: a thread
@@ -169,8 +171,8 @@ class LaneThreads:
         self._grow(n - on_caller)
         for k in range(on_caller, n):
             self._queues[k - on_caller].put((k, fn))
-        first = None
-        if on_caller:
+        first: BaseException | None = None
+        if own is not None:  # on_caller
             threads = torch.get_num_threads()
             own(1)  # the caller's part on it alone too; no other thread's count changes
             try:
@@ -191,9 +193,10 @@ class LaneThreads:
             return
         threads = torch.get_num_threads()
         # The caller's CUDA device (a rank's): a new thread starts on device 0.
-        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]  # torch
         for i in range(len(self._queues), workers):
-            q, ready = queue.SimpleQueue(), threading.Event()
+            q: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+            ready = threading.Event()
             threading.Thread(target=self._serve, args=(q, ready, cuda), name=f"offloadctl-host-lane-{i + 1}", daemon=True).start()
             ready.wait()
             self._queues.append(q)
@@ -202,7 +205,7 @@ class LaneThreads:
             # put back the caller's count (its own OpenMP setting never changed).
             torch.set_num_threads(threads)
 
-    def _serve(self, q: queue.SimpleQueue, ready: threading.Event, cuda: int | None) -> None:
+    def _serve(self, q: queue.SimpleQueue[_Task | None], ready: threading.Event, cuda: int | None) -> None:
         own = own_thread_count()
         # torch sets a thread's count up at its first op, from the process-wide default: asking
         # now sets this one up; then it runs on one thread (no team, no barrier), set for this
@@ -258,19 +261,18 @@ def host_update(
         return 0
     per_slice, offsets, scale = grads.per_slice, grads.offsets, grads.scale
     master, exp_avg, exp_avg_sq = buf.master, buf.exp_avg, buf.exp_avg_sq
-    direct = (
-        len(per_slice) == 1
-        and scale == 1.0
-        and per_slice[0].dtype == torch.float32
-        and per_slice[0].device.type == "cpu"
-        and per_slice[0].is_contiguous()
+    g0 = per_slice[0] if len(per_slice) == 1 else None
+    direct = (  # the one gradient, read in place (fp32 on the host already, nothing to unscale), or None
+        g0
+        if g0 is not None and scale == 1.0 and g0.dtype == torch.float32 and g0.device.type == "cpu" and g0.is_contiguous()
+        else None
     )
-    if reader is not None and not direct and reader.on_device(grads):
+    if reader is not None and direct is None and reader.on_device(grads):
         reader.begin()
     else:
         reader = None
     parts = torch.get_num_threads() if lane_threads is not None and reader is None else 1
-    if parts > 1 and sum(offsets[j] - offsets[i] for i, j in grads.runs) > PART_CHUNK_NUMEL:
+    if parts > 1 and lane_threads is not None and sum(offsets[j] - offsets[i] for i, j in grads.runs) > PART_CHUNK_NUMEL:
         chunk_numel = lane_threads.chunk_numel(parts)  # measured at the first update with more than one part
     else:
         chunk_numel = PART_CHUNK_NUMEL if parts > 1 else HOST_CHUNK_NUMEL  # one part chunk at most: one part
@@ -289,8 +291,8 @@ def host_update(
     def update(part: int, mine: list[tuple[int, int, int]], scratch: Scratch) -> None:
         ahead = reader.fetch(grads, mine[0][1], mine[0][2]) if reader is not None and mine else None
         for n, (i, a, b) in enumerate(mine):
-            if direct:
-                g = per_slice[0][a:b]  # fp32 on the host already, nothing to unscale: read in place
+            if direct is not None:
+                g = direct[a:b]
             else:
                 g = scratch.get(b - a)
                 if reader is not None:
@@ -298,6 +300,7 @@ def host_update(
                         ahead,
                         (reader.fetch(grads, mine[n + 1][1], mine[n + 1][2]) if n + 1 < len(mine) else None),
                     )  # the next chunk's copy runs meanwhile
+                    assert handle is not None  # this chunk's, fetched a chunk ahead
                     reader.gather(handle, g, grads, a, b)
                 else:
                     gather_grads(g, per_slice, offsets, a, b)
@@ -311,6 +314,7 @@ def host_update(
     if parts == 1:
         update(0, chunks, scratch)
     else:
+        assert lane_threads is not None and part_scratch is not None  # more than one part: the lane's threads
         while len(part_scratch) < parts:
             part_scratch.append(Scratch(torch.device("cpu")))
         bounds = [len(chunks) * k // parts for k in range(parts + 1)]
@@ -370,16 +374,16 @@ class PinnedRing:
         if not self._bufs:
             self._bufs = [aligned_empty(self.slot_bytes, pin=True) for _ in range(self.n)]
         k, self._next = self._next, (self._next + 1) % self.n
-        if self._pending[k]:
-            self._events[k].synchronize()  # its last copy is done with it
+        if self._pending[k] and (ev := self._events[k]) is not None:
+            ev.synchronize()  # its last copy is done with it
             self._pending[k] = False
         return k, self._bufs[k]
 
-    def record(self, k: int, streams: Streams, stream) -> Event:
+    def record(self, k: int, streams: Streams, stream: Stream) -> Event:
         """Mark slot ``k``'s copy just queued on ``stream``: its event, recorded again."""
-        self._events[k] = streams.record(stream, self._events[k])
+        ev = self._events[k] = streams.record(stream, self._events[k])
         self._pending[k] = True
-        return self._events[k]
+        return ev
 
     @property
     def nbytes(self) -> int:
@@ -470,33 +474,32 @@ class GradReader:
     def begin(self) -> None:
         self.stream.wait_stream(self.streams.current())  # after backward's work that produced them
 
-    def fetch(self, grads: "SubgroupGrads", a: int, b: int):
+    def fetch(self, grads: "SubgroupGrads", a: int, b: int) -> tuple[Event, dict[int, torch.Tensor]]:
         """Start copying the device slices of elements [a, b) down; the handle for :meth:`gather`."""
         k, raw = self._ring.take()
         views, off = {}, 0
         with self.streams.use(self.stream):
-            for i, lo, hi in grads.slices_in(a, b):
-                g = grads.per_slice[i]
+            for i, lo, hi, g in grads.slices_in(a, b):
                 if self.streams.in_host_memory(g):
                     continue
                 size = g.element_size()
                 off = -(-off // size) * size
                 dst = raw[off : off + (hi - lo) * size].view(g.dtype)
-                self.streams.copy(dst, grads.source(i, lo, hi))
+                self.streams.copy(dst, grads.source(i, lo, hi, g))
                 views[i] = dst
                 off += (hi - lo) * size
             event = self._ring.record(k, self.streams, self.stream)
         return event, views
 
     @staticmethod
-    def gather(handle, out: torch.Tensor, grads: "SubgroupGrads", a: int, b: int) -> None:
+    def gather(handle: tuple[Event, dict[int, torch.Tensor]], out: torch.Tensor, grads: "SubgroupGrads", a: int, b: int) -> None:
         """Elements [a, b) of the gradient into ``out`` (fp32): the fetched slices once their copy
         has landed, the ones in host memory read where they are."""
         event, views = handle
         if views:
             event.synchronize()  # this chunk's copy down (a blocking event: the thread sleeps)
-        for i, lo, hi in grads.slices_in(a, b):
-            out[lo - a : hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi))
+        for i, lo, hi, g in grads.slices_in(a, b):
+            out[lo - a : hi - a].copy_(views[i] if i in views else grads.source(i, lo, hi, g))
 
 
 class HostLane:
@@ -504,12 +507,10 @@ class HostLane:
     and more than one thread, the lane's threads update each subgroup in parts
     (:class:`LaneThreads`); DeepSpeed's kernel runs its own OpenMP threads and is driven by one."""
 
-    def __init__(
-        self, kernel_name: str, kernel: HostKernel, weights: WeightUploader | None = None, grads: GradReader | None = None
-    ) -> None:
+    def __init__(self, kernel_name: str, kernel: HostKernel, weights: WeightUploader, grads: GradReader | None = None) -> None:
         self.kernel_name, self.kernel = kernel_name, kernel
         self.weights = weights
-        self.grads = grads if grads is not None else (GradReader(weights.streams) if weights is not None else None)
+        self.grads = grads if grads is not None else GradReader(weights.streams)
         self._grad = Scratch(torch.device("cpu"))
         self._parts: list[Scratch] = []
         self._threads = LaneThreads() if kernel_name == "torch" else None
@@ -543,16 +544,11 @@ class HostLane:
     def host_bytes(self) -> int:
         """Host memory the lane holds besides the state: its gradient scratch, the pinned chunk
         buffers of the weight uploads and the gradient reads."""
-        return (
-            self._grad.nbytes
-            + sum(s.nbytes for s in self._parts)
-            + (self.weights.host_bytes() if self.weights is not None else 0)
-            + (self.grads.host_bytes() if self.grads is not None else 0)
-        )
+        return self._grad.nbytes + sum(s.nbytes for s in self._parts) + self.weights.host_bytes() + self.grads.host_bytes()
 
 
 @contextlib.contextmanager
-def threads_left_to_io(io_cores: int):
+def threads_left_to_io(io_cores: int) -> Iterator[None]:
     """Within: ``io_cores`` fewer of this process's threads for the host lane (at least one), left
     to the I/O threads' checksums while swapped state moves (``EngineConfig.io_cores`` says why).
     The calling thread's count alone (:func:`own_thread_count`; torch's process-wide default only

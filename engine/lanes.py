@@ -27,6 +27,8 @@ scratch each lane upcasts them into (:class:`Scratch`).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from engine.adamw import AdamWSlices, group_runs
@@ -66,16 +68,17 @@ class SubgroupGrads:
         self.scale = grad_scale_of(binding)
         self.offsets = slice_offsets(binding)
 
-    def slices_in(self, a: int, b: int):
-        """(slice, lo, hi) for each slice with a gradient that overlaps elements [a, b)."""
+    def slices_in(self, a: int, b: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(slice, lo, hi, its gradient) for each slice with a gradient that overlaps elements [a, b)."""
         for k, g in enumerate(self.per_slice):
             lo, hi = max(a, self.offsets[k]), min(b, self.offsets[k + 1])
             if g is not None and lo < hi:
-                yield k, lo, hi
+                yield k, lo, hi, g
 
-    def source(self, k: int, lo: int, hi: int) -> torch.Tensor:
+    def source(self, k: int, lo: int, hi: int, g: torch.Tensor) -> torch.Tensor:
+        """Elements [lo, hi) of the subgroup in slice ``k``'s gradient ``g`` (as :meth:`slices_in` gives them)."""
         off = self.offsets[k]
-        return self.per_slice[k][lo - off : hi - off]
+        return g[lo - off : hi - off]
 
     def slices_for(
         self,

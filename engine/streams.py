@@ -19,7 +19,7 @@ uploads). They reach them only through a :class:`Streams`, so one code path runs
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -59,7 +59,7 @@ class Streams(Protocol):
         """The stream the caller's own work (DeepSpeed's, the next forward) runs on."""
         ...
 
-    def use(self, stream: Stream) -> contextlib.AbstractContextManager:
+    def use(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
         """Make ``stream`` current for the work queued inside the block."""
         ...
 
@@ -100,16 +100,17 @@ class CudaStreams:
         self.device = device
 
     def new_stream(self) -> "torch.cuda.Stream":
-        return torch.cuda.Stream(self.device)
+        return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch: untyped __new__
 
     def current(self) -> "torch.cuda.Stream":
         return torch.cuda.current_stream(self.device)
 
-    def use(self, stream):
+    def use(self, stream: torch.cuda.Stream) -> torch.cuda.StreamContext:
         return torch.cuda.stream(stream)
 
-    def record(self, stream, event=None) -> "torch.cuda.Event":
-        ev = event if event is not None else torch.cuda.Event(blocking=True)  # a host wait sleeps (docstring)
+    def record(self, stream: torch.cuda.Stream, event: torch.cuda.Event | None = None) -> "torch.cuda.Event":
+        # a host wait sleeps (docstring); torch's Event has an untyped __new__
+        ev = event if event is not None else torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         ev.record(stream)
         return ev
 
@@ -135,10 +136,10 @@ class _DoneEvent:
 
 
 class _HostStream:
-    def wait_event(self, event) -> None:
+    def wait_event(self, event: Event) -> None:
         pass
 
-    def wait_stream(self, stream) -> None:
+    def wait_stream(self, stream: Stream) -> None:
         pass
 
     def synchronize(self) -> None:
@@ -160,10 +161,10 @@ class HostStreams:
     def current(self) -> _HostStream:
         return self._stream
 
-    def use(self, stream):
+    def use(self, stream: Stream) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def record(self, stream, event=None) -> _DoneEvent:
+    def record(self, stream: Stream, event: Event | None = None) -> Event:
         return event if event is not None else _DoneEvent()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -182,7 +183,8 @@ class HostStreams:
 
 def streams_for(device: torch.device) -> Streams:
     """The streams of ``device``: CUDA's on a CUDA device, the host's otherwise."""
-    return CudaStreams(device) if device.type == "cuda" else HostStreams(device)
+    # CudaStreams takes back only the streams and events it made: torch's, which wait on torch's alone.
+    return cast(Streams, CudaStreams(device)) if device.type == "cuda" else HostStreams(device)
 
 
 def resolve_lane_device(device: str | None) -> torch.device | None:
