@@ -13,13 +13,20 @@ import torch
 
 
 class SubgroupBinding(Protocol):
-    numel: int
-    """Elements in this subgroup."""
+    # Read-only to the engine (a property or an attribute in an adapter).
+    @property
+    def numel(self) -> int:
+        """Elements in this subgroup."""
+        ...
+
     group: int
     """Index of the param group whose hyper-parameters apply."""
-    slice_numels: Sequence[int]
-    """Lengths of the slices that keep their own step count (one per parameter, or one for a
-    flat partition). They tile ``numel`` in order."""
+
+    @property
+    def slice_numels(self) -> Sequence[int]:
+        """Lengths of the slices that keep their own step count (one per parameter, or one for a
+        flat partition). They tile ``numel`` in order."""
+        ...
 
     def grads(self) -> Sequence[torch.Tensor | None]:
         """Per slice, its gradient as a flat tensor of any float dtype and device, or None
@@ -51,20 +58,20 @@ class SubgroupBinding(Protocol):
         ...
 
 
-def grad_scale_of(binding) -> float:
+def grad_scale_of(binding: SubgroupBinding) -> float:
     return float(getattr(binding, "grad_scale", 1.0))
 
 
-def flat_weights_of(binding) -> torch.Tensor | None:
+def flat_weights_of(binding: SubgroupBinding) -> torch.Tensor | None:
     return getattr(binding, "flat_weights", None)
 
 
-def weight_views_of(binding) -> list[tuple[int, int, torch.Tensor | None]] | None:
+def weight_views_of(binding: SubgroupBinding) -> list[tuple[int, int, torch.Tensor | None]] | None:
     views = getattr(binding, "weight_views", None)
     return None if views is None else views()
 
 
-def weights_written(binding) -> None:
+def weights_written(binding: SubgroupBinding) -> None:
     hook = getattr(binding, "weights_written", None)
     if hook is not None:
         hook()
@@ -80,6 +87,7 @@ class FlatSubgroup:
     def __init__(self, weight: torch.Tensor, grad: torch.Tensor | None = None, group: int = 0) -> None:
         self.weight, self.grad, self.group = weight.view(-1), grad, group
         self.flat_weights = self.weight
+        self.grad_scale = 1.0  # the optional member (grad_scale_of): callers set it
         self.numel = self.weight.numel()
         self.slice_numels = (self.numel,)
 

@@ -19,24 +19,24 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from engine.adamw import AdamWHyper
 from engine.binding import SubgroupBinding, flat_weights_of
-from engine.buffers import StateBuffer, payload_bytes
+from engine.buffers import StateBuffer
 from engine.config import EngineConfig, Knobs
 from engine.device_lane import DeviceLane
 from engine.device_tier import DeviceTier
 from engine.errors import ConfigError, OffloadError
 from engine.facts import DeviceFit, EngineFacts, facts_of
 from engine.gpumem import gpu_headroom_bytes, usable_bytes
-from engine.hooks import close_hooks
+from engine.hooks import StepHook, close_hooks
 from engine.host_kernel import select_host_kernel
 from engine.host_lane import HostLane, WeightUploader, threads_left_to_io
 from engine.host_memory import HostBudget, HostUsage
-from engine.layout import host_buffer_bytes, kept_subgroups, step_order
+from engine.layout import host_buffer_bytes, kept_subgroups, payload_bytes, step_order
 from engine.placement import DEVICE, HOST, place
 from engine.staging import StagingPool, Subgroup
 from engine.storage.paths import PathCounters
@@ -68,7 +68,7 @@ class SubgroupEngine:
         self.knobs = knobs or Knobs()
         self._pending_knobs: Knobs | None = None
         self._too_deep_warned: int | None = None  # the prefetch depth last warned of as too deep for the budget
-        self._hooks: list = []
+        self._hooks: list[StepHook] = []
         self.iteration = 0
         self._closed = False
         self.device = resolve_lane_device(config.device)
@@ -161,7 +161,7 @@ class SubgroupEngine:
                 sg.resident = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
             elif sg.tier == HOST:
                 sg.resident = StateBuffer(sg.numel)  # pinned in place only if it takes the device lane
-            else:
+            elif sg.tier.path_index is not None:  # swapped
                 sg.file = self.swap_paths.create_file(sg, sg.tier.path_index)
         return StagingPool.for_swapped(self.subgroups, self.knobs.prefetch_depth)
 
@@ -308,12 +308,12 @@ class SubgroupEngine:
     def _update_resident(self, sg: Subgroup, tally: _StepTally, hyper: AdamWHyper) -> None:
         """One subgroup whose state is in host memory (its first state counted in the update)."""
         t0 = time.perf_counter()
-        sg.start_state(sg.resident)
-        self._run_update(sg, sg.resident, hyper, tally, t0)
+        sg.start_state(sg.host_buffer)
+        self._run_update(sg, sg.host_buffer, hyper, tally, t0)
 
     def _run_update(self, sg: Subgroup, state: StateBuffer, hyper: AdamWHyper, tally: _StepTally, t0: float) -> None:
         """AdamW on ``state`` on the subgroup's lane; the time since ``t0`` is the step's kernel time."""
-        if self.device_tier.on_device_lane(sg.index):
+        if self.device_lane is not None and self.device_tier.on_device_lane(sg.index):
             self.device_lane.update_staged(state, sg.binding, sg.steps, hyper)
             tally.device_lane_subgroups += 1
         else:
@@ -359,8 +359,8 @@ class SubgroupEngine:
     ) -> StepRecord:
         """The step's record: its times, the bytes each path moved since ``before``, the lanes."""
         moved = self.swap_paths.moved_since(before)
-        cuda = self.device is not None and self.device.type == "cuda"
-        headroom = gpu_headroom_bytes(self.device) if cuda else None
+        cuda = self.device if self.device is not None and self.device.type == "cuda" else None
+        headroom = gpu_headroom_bytes(cuda) if cuda is not None else None
         return StepRecord(
             iteration=self.iteration,
             update_s=update_s,
@@ -378,7 +378,7 @@ class SubgroupEngine:
             host_lane_s=tally.host_lane_s,
             fwd_bwd_s=fwd_bwd_s,
             device_headroom_bytes=headroom,
-            device_usable_bytes=usable_bytes(self.device) if cuda else None,
+            device_usable_bytes=usable_bytes(cuda) if cuda is not None else None,
             device_wait_s=device_wait_s,
             setup_s=setup_s,
             params=sum(sg.numel for sg in self.subgroups),
@@ -392,7 +392,7 @@ class SubgroupEngine:
         )
 
     @contextlib.contextmanager
-    def setup_time(self):
+    def setup_time(self) -> Iterator[None]:
         """Time one-time work an adapter does between steps for the engine (allocating the
         gradient buffers of subgroups that moved lanes): it is taken out of the next step's
         ``fwd_bwd_s`` and counted in its ``setup_s``, so that a tuner's trial is not charged
@@ -481,7 +481,7 @@ class SubgroupEngine:
 
     # -- knobs -------------------------------------------------------------------------------------
 
-    def add_step_hook(self, hook) -> None:
+    def add_step_hook(self, hook: StepHook) -> None:
         """Call ``hook`` around every step (``engine.hooks``); the engine closes it in ``close()``."""
         self._hooks.append(hook)
 
@@ -613,10 +613,11 @@ class SubgroupEngine:
             sources = (master.detach(), exp_avg.detach(), exp_avg_sq.detach())
             sg.steps[:] = list(steps)
             if sg.tier == DEVICE:
-                for dst, src in zip(sg.resident.split(sg.numel), sources):
+                for dst, src in zip(torch.split(sg.device_state, sg.numel), sources):
                     dst.copy_(src)
             elif sg.tier == HOST:
-                for dst, src in zip((sg.resident.master, sg.resident.exp_avg, sg.resident.exp_avg_sq), sources):
+                buf = sg.host_buffer
+                for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
                     dst.copy_(src)
             else:
                 self.transfers.write_now(sg, sources)

@@ -30,7 +30,7 @@ import torch
 
 from engine.adamw import AdamWHyper
 from engine.binding import flat_weights_of
-from engine.buffers import StateBuffer, payload_bytes, unpins_deferred
+from engine.buffers import StateBuffer, unpins_deferred
 from engine.config import EngineConfig
 from engine.device_lane import DeviceLane
 from engine.facts import DeviceFit
@@ -38,7 +38,7 @@ from engine.gpumem import gpu_headroom_bytes, gpu_memory_left, margin_bytes_of, 
 from engine.host_kernel import host_lane_rate, node_memory_bandwidth
 from engine.host_memory import HostBudget
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
-from engine.layout import host_buffer_bytes
+from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE, HOST, device_lane_working_bytes, device_tier_prefix
 from engine.staging import Subgroup
 from engine.streams import Streams
@@ -101,8 +101,14 @@ class DeviceTier:
         return self._on_device_lane[index]
 
     def headroom_bytes(self) -> int | None:
-        """Device memory free for the engine now (:func:`engine.gpumem.gpu_headroom_bytes`)."""
-        return gpu_headroom_bytes(self.device)
+        """Device memory free for the engine now (:func:`engine.gpumem.gpu_headroom_bytes`); None without a device."""
+        return gpu_headroom_bytes(self.device) if self.device is not None else None
+
+    @property
+    def _lane(self) -> DeviceLane:
+        """The device lane, where the code runs only with a device (the tier, a release)."""
+        assert self.lane is not None, "no device lane: no device"
+        return self.lane
 
     def lane_bytes(self) -> int:
         """Device memory the device lane's chunk slots take when it runs (0 without a device)."""
@@ -129,7 +135,7 @@ class DeviceTier:
             # after the fit, which may move these subgroups to the device.
             for i in lane:
                 sg = self.subgroups[i]
-                if sg.tier == HOST and sg.resident is not None:
+                if sg.tier == HOST and isinstance(sg.resident, StateBuffer):
                     sg.resident.pin()
             if any(self.subgroups[i].tier.swapped for i in lane):
                 for buf in self.transfers.buffers():
@@ -175,19 +181,20 @@ class DeviceTier:
         for sg in self.subgroups:
             if sg.tier == DEVICE:
                 self.start_state(sg)
-                self.lane.update_resident(sg.resident, sg.binding, sg.steps, hypers[sg.binding.group])
+                self._lane.update_resident(sg.device_state, sg.binding, sg.steps, hypers[sg.binding.group])
 
     def start_state(self, sg: Subgroup) -> None:
         """A tier subgroup's first state, on the device; nothing once it has state."""
         if sg.fresh:
-            self.lane.seed_resident(sg.resident, sg.binding)
+            self._lane.seed_resident(sg.device_state, sg.binding)
             sg.fresh = False
 
     def state_copy(self, sg: Subgroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of a tier subgroup's (master, exp_avg, exp_avg_sq) on the CPU."""
         self.start_state(sg)
-        self.lane.sync()  # its updates on the resident stream have finished
-        return tuple(t.detach().to("cpu", copy=True) for t in sg.resident.split(sg.numel))
+        self._lane.sync()  # its updates on the resident stream have finished
+        master, exp_avg, exp_avg_sq = (t.detach().to("cpu", copy=True) for t in torch.split(sg.device_state, sg.numel))
+        return master, exp_avg, exp_avg_sq
 
     # -- the fit -----------------------------------------------------------------------------------
 
@@ -220,7 +227,7 @@ class DeviceTier:
             return DeviceFit()
         usable = margin = None
         if headroom_bytes is None:
-            headroom_bytes = self._free_for_state()
+            headroom_bytes = self._free_for_state(self.device)
             usable = usable_bytes(self.device)
             margin = margin_bytes_of(usable) if usable is not None else None
         headroom_bytes = max(0, headroom_bytes - reserve_bytes)
@@ -267,11 +274,12 @@ class DeviceTier:
             margin_bytes=margin or 0,
         )
 
-    def _free_for_state(self) -> int:
-        """Device memory the state may take now, measured."""
-        if self.device.type == "cuda":
+    @staticmethod
+    def _free_for_state(device: torch.device) -> int:
+        """Device memory the state may take now on ``device``, measured."""
+        if device.type == "cuda":
             torch.cuda.empty_cache()  # fresh segments for the state rather than carved out of cached activation blocks
-        headroom_bytes = gpu_headroom_bytes(self.device)
+        headroom_bytes = gpu_headroom_bytes(device)
         if headroom_bytes is None:  # a CPU "device" (tests): its memory is host memory
             headroom_bytes = psutil.virtual_memory().available // 2
         return headroom_bytes
@@ -343,7 +351,7 @@ class DeviceTier:
             state.copy_(view.state)
         spare = None
         if sg.tier == HOST:
-            spare, sg.resident = sg.resident, None
+            spare, sg.resident = sg.host_buffer, None
         elif sg.tier.swapped:
             self.transfers.release(sg)
             for f in (sg.file, sg.next_file):
@@ -364,8 +372,8 @@ class DeviceTier:
         if self.streams.pins_host_memory:
             buf.pin()  # once per buffer (about 0.1 s per GB), not once per cycle
         if not sg.fresh:
-            self.lane.sync()  # the tier's last update on the resident stream has finished
-            buf.state.copy_(sg.resident[: 3 * sg.numel])
+            self._lane.sync()  # the tier's last update on the resident stream has finished
+            buf.state.copy_(sg.device_state[: 3 * sg.numel])
         sg.tier, sg.resident = HOST, buf
 
     # -- keeping the margin after the fit ----------------------------------------------------------
@@ -443,7 +451,7 @@ class DeviceTier:
         for sg in self.subgroups:
             if sg.tier == DEVICE:
                 self._off_device(sg)
-        self.lane.release()
+        self._lane.release()
         self._on_device_lane = [False] * len(self.subgroups)
         self.device_grads = set()
         self.fit_pending = True

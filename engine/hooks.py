@@ -17,24 +17,31 @@ own errors (the tuner client does).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterable, Protocol
 
-class StepHook:
-    """A hook that does nothing; subclass and override what you need."""
+if TYPE_CHECKING:
+    from engine.core import SubgroupEngine
+    from engine.telemetry import StepRecord
 
-    def before_step(self, engine) -> None:
-        pass
 
-    def after_step(self, engine, record) -> None:
-        pass
+class StepHook(Protocol):
+    """A hook that does nothing; subclass and override what you need (any object with these
+    methods is one: a protocol)."""
 
-    def on_error(self, engine, error: BaseException) -> None:
-        pass
+    def before_step(self, engine: SubgroupEngine) -> None:
+        return None  # a protocol's method with a body: not abstract
+
+    def after_step(self, engine: SubgroupEngine, record: StepRecord) -> None:
+        return None
+
+    def on_error(self, engine: SubgroupEngine, error: BaseException) -> None:
+        return None
 
     def close(self) -> None:
-        pass
+        return None
 
 
-def close_hooks(hooks) -> None:
+def close_hooks(hooks: Iterable[StepHook]) -> None:
     """Close each hook that has ``close()``; a failure in one is ignored (the engine closes its
     hooks on its way out, and must still remove its swap files)."""
     for hook in hooks:

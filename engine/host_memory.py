@@ -25,13 +25,17 @@ import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import psutil
 
 from engine.errors import ConfigError
 from engine.layout import deepest_prefetch, host_buffer_bytes, staging_buffers
 from engine.units import format_size, size_at_least
+
+if TYPE_CHECKING:
+    from engine.device_tier import DeviceTier
+    from engine.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +108,7 @@ class PressureWatch:
     becomes low; the watch holds it weakly, and stops once its object is gone, so that an engine
     nobody closed is still freed."""
 
-    def __init__(self, floor_bytes: int, on_low, interval_s: float = 0.2) -> None:
+    def __init__(self, floor_bytes: int, on_low: Callable[[], None], interval_s: float = 0.2) -> None:
         self.floor_bytes = floor_bytes
         self.low = threading.Event()
         self.available_bytes = psutil.virtual_memory().available
@@ -212,7 +216,7 @@ class HostBudget:
         )
         return next(fits, 0)
 
-    def watch(self, floor_bytes: int | None, lock, *, transfers, device_tier) -> None:
+    def watch(self, floor_bytes: int | None, lock: threading.RLock, *, transfers: Transfers, device_tier: DeviceTier) -> None:
         """Watch the machine's available memory against ``floor_bytes`` (None: :func:`default_floor`),
         to give back what ``transfers`` (:class:`engine.transfers.Transfers`) and ``device_tier``
         (:class:`engine.device_tier.DeviceTier`) keep. When memory runs low while the engine is
@@ -244,6 +248,7 @@ class HostBudget:
     def give_back(self) -> None:
         """Under pressure, between steps: the engine frees what it keeps beyond its working set.
         The first time since memory was last back, one line says how much."""
+        assert self._watch is not None  # memory runs low only while it is watched
         before = self.usage().total
         self._transfers.give_back()  # every transfer landed, kept copies written back, the pool shrunk
         self._device_tier.drop_host_copies()  # made again at the next release
@@ -260,6 +265,7 @@ class HostBudget:
     def take_back(self, prefetch_depth: int) -> None:
         """Memory is back above the floor: the staging pool for ``prefetch_depth`` again, as deep as
         the budget holds."""
+        assert self._watch is not None  # given back only while it is watched
         self.given_back = False
         self._transfers.take_back(self.affordable_depth(prefetch_depth, self._transfers.buffer_bytes))
         log.warning(

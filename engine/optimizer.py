@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, overload
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.checkpoint import save_atomic
 from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
+from engine.hooks import StepHook
 from engine.telemetry import StepRecord
 
 
@@ -116,7 +117,7 @@ def flatten_params(groups: Sequence[Sequence[torch.Tensor]], subgroup_numel: int
     return out
 
 
-PathLike = str | os.PathLike | StoragePath
+PathLike = str | os.PathLike[str] | StoragePath
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -149,7 +150,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable,
+        params: torch.optim.optimizer.ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -169,8 +170,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         host_memory_floor_bytes: int | None = None,
         read_ahead_bytes: int | None = None,
         overlap_io: bool = True,
-        io_backend: str = "auto",
-        host_adam: str = "auto",
+        io_backend: Literal["auto", "aio", "posix"] = "auto",
+        host_adam: Literal["auto", "torch", "deepspeed"] = "auto",
         verify_checksums: bool = True,
         run_dir: str | None = None,
         rank: int = 0,
@@ -180,7 +181,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         paths = storage_paths(nvme_paths, remote_paths)
-        given = {
+        given: dict[str, Any] = {  # the knobs given: pinned
             k: v
             for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction), ("node_lock", node_lock))
             if v is not None
@@ -216,7 +217,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     if p.requires_grad:
                         p.register_post_accumulate_grad_hook(lambda _p, ref=engine_ref: _backward_began(ref))
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "engine"):
             raise ConfigError(
                 "OffloadAdamW places its state at construction and cannot add param groups later; "
@@ -224,8 +225,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -269,7 +274,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Change the knobs; they take effect at the next ``step()``."""
         self.engine.set_knobs(knobs)
 
-    def add_step_hook(self, hook) -> None:
+    def add_step_hook(self, hook: StepHook) -> None:
         """Call ``hook`` around every step (``engine.hooks``): how a tuner drives this optimizer,
         e.g. ``tuner.client.TunerClient.for_engine(socket, opt.engine, run_id=...)`` registers itself."""
         self.engine.add_step_hook(hook)
@@ -292,9 +297,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 i += 1
         return ids
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         index = self._param_index()
-        per_param: dict[int, dict] = {}
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
         for k, b in enumerate(self._bindings):
             master, m, v, steps = self.engine.read_state(k)
             off = 0
@@ -312,7 +317,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             groups.append(d)
         return {"state": per_param, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ConfigError(
@@ -367,11 +372,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     def __enter__(self) -> "OffloadAdamW":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _backward_began(ref) -> None:
+def _backward_began(ref: weakref.ref[OffloadAdamW]) -> None:
     """A gradient was accumulated: the first one after a step starts the reads ahead."""
     opt = ref()
     if opt is not None and opt._read_ahead_armed:
@@ -379,7 +384,7 @@ def _backward_began(ref) -> None:
         opt.engine.read_ahead()
 
 
-def _empty_state(p: torch.Tensor, step: int) -> dict:
+def _empty_state(p: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
     state = {
         "step": torch.tensor(float(step)),
         "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
@@ -390,7 +395,7 @@ def _empty_state(p: torch.Tensor, step: int) -> dict:
     return state
 
 
-def _check_hyper(lr, betas, eps, weight_decay) -> None:
+def _check_hyper(lr: float, betas: Sequence[float], eps: float, weight_decay: float) -> None:
     if not float(lr) >= 0.0:
         raise ConfigError(f"invalid learning rate {lr!r}: must be >= 0")
     if not (len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -41,6 +41,24 @@ class Subgroup:
     @property
     def numel(self) -> int:
         return self.binding.numel
+
+    @property
+    def swap_file(self) -> SwapFile:
+        """Swapped: the file its state is in."""
+        assert self.file is not None, f"subgroup {self.index} has no swap file"
+        return self.file
+
+    @property
+    def host_buffer(self) -> StateBuffer:
+        """In host memory (``HOST``): the buffer its state lives in."""
+        assert isinstance(self.resident, StateBuffer), f"subgroup {self.index} is not in host memory"
+        return self.resident
+
+    @property
+    def device_state(self) -> torch.Tensor:
+        """In the device tier: its flat state (master, exp_avg, exp_avg_sq back to back) on the device."""
+        assert isinstance(self.resident, torch.Tensor), f"subgroup {self.index} is not on the device"
+        return self.resident
 
     def start_state(self, buf: StateBuffer) -> None:
         """Its first state, in host buffer ``buf`` where it is first needed; nothing once it has state."""
@@ -76,9 +94,9 @@ class StagingPool:
         self.capacity_numel = capacity_numel
         self.size = 0
         self.free: list[StateBuffer] = []
-        self.writes: deque[tuple[Subgroup, StateBuffer, Future]] = deque()
+        self.writes: deque[tuple[Subgroup, StateBuffer, Future[None]]] = deque()
         self.failures: list[OffloadError] = []
-        self.on_landed = None  # called (in an I/O thread) when a write-back lands
+        self.on_landed: Callable[[], object] | None = None  # called (in an I/O thread) when a write-back lands
 
     @property
     def buffer_bytes(self) -> int:
@@ -97,14 +115,15 @@ class StagingPool:
     def write_back(self, sg: Subgroup) -> None:
         """Start writing ``sg``'s staged state to its file (the next one, after a restripe)."""
         buf = sg.staged
-        target = sg.next_file or sg.file
+        assert buf is not None  # what is written back is staged
+        target = sg.next_file or sg.swap_file
         fut = target.path.write(target, buf)
         sg.writing, sg.kept = True, False
         self.writes.append((sg, buf, fut))
-        if self.on_landed is not None:
-            fut.add_done_callback(lambda _: self.on_landed())
+        if (on_landed := self.on_landed) is not None:
+            fut.add_done_callback(lambda _: on_landed())
 
-    def _finish(self, sg: Subgroup, buf: StateBuffer, fut: Future) -> bool:
+    def _finish(self, sg: Subgroup, buf: StateBuffer, fut: Future[None]) -> bool:
         """A write-back that has landed (or is waited for now): the subgroup keeps its buffer as
         a clean copy. False if it failed: the state stays in the buffer as host-resident state."""
         sg.writing = False
@@ -117,7 +136,7 @@ class StagingPool:
             sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
             return False
         if sg.next_file is not None:
-            sg.file.path.remove_file(sg.file)
+            sg.swap_file.path.remove_file(sg.swap_file)
             sg.file, sg.next_file = sg.next_file, None
         sg.dirty, sg.kept = False, True
         return True
@@ -144,9 +163,10 @@ class StagingPool:
     def take(self, sg: Subgroup) -> StateBuffer:
         """The buffer of ``sg``'s clean copy, for another subgroup (its file is current)."""
         buf, sg.staged, sg.kept = sg.staged, None, False
+        assert buf is not None  # only a staged copy is taken
         return buf
 
-    def try_acquire(self, victims=lambda: ()) -> StateBuffer | None:
+    def try_acquire(self, victims: Callable[[], Iterable[Subgroup]] = lambda: ()) -> StateBuffer | None:
         """A free buffer, else that of the first clean copy among ``victims()`` (called only when
         no buffer is free: ranking them is the costly part); None without waiting."""
         if self.free:
@@ -157,7 +177,7 @@ class StagingPool:
                 return self.take(sg)
         return None
 
-    def acquire(self, victims) -> StateBuffer:
+    def acquire(self, victims: Callable[[], Iterable[Subgroup]]) -> StateBuffer:
         """A buffer, waiting if it must: a free one, a clean copy among ``victims()`` (the
         subgroups whose copies may go, the one needed last first), the oldest write-back's once
         it lands, or a dirty kept one's after writing it back."""

@@ -9,14 +9,29 @@ paths and change a path's limits are ``docs/tuner.md``'s.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, TypedDict
 
-from engine.buffers import payload_bytes
 from engine.config import EngineConfig, Knobs
+from engine.layout import payload_bytes
 from engine.placement import round_trip_rate, stripe, swap_tier
 from engine.staging import Subgroup
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
+
+# What the paths moved since a snapshot (:meth:`SwapPaths.moved_since`), as StepRecord names it:
+# bytes per kind of path and per path, and per path its busy seconds and its requests' wait.
+Moved = TypedDict(
+    "Moved",
+    {
+        "bytes_read": dict[str, int],
+        "bytes_written": dict[str, int],
+        "path_bytes_read": dict[str, int],
+        "path_bytes_written": dict[str, int],
+        "path_read_busy_s": dict[str, float],
+        "path_write_busy_s": dict[str, float],
+        "path_queue_wait_s": dict[str, float],
+    },
+)
 
 
 def depth_response(p: SwapPath, concurrency: int, node_lock: bool, at: tuple[float, float]) -> dict[str, float]:
@@ -100,7 +115,7 @@ class SwapPaths:
 
         need = [0] * len(self.paths)
         for sg in subgroups:
-            if sg.tier.swapped:
+            if sg.tier.path_index is not None:  # swapped
                 need[sg.tier.path_index] += HEADER_BYTES + payload_bytes(sg.numel)
         for p, n in zip(self.paths, need):
             free = p.free_bytes()
@@ -142,10 +157,10 @@ class SwapPaths:
                 sg.next_file.path.remove_file(sg.next_file)
                 sg.next_file = None
             sg.tier = swap_tier(p)
-            if sg.file.path is self.paths[p]:
+            if sg.swap_file.path is self.paths[p]:
                 continue  # back on the path that holds its state (a move not yet done): nothing to move
             if sg.fresh:  # nothing on storage yet: move the empty file now
-                sg.file.path.remove_file(sg.file)
+                sg.swap_file.path.remove_file(sg.swap_file)
                 sg.file = self.create_file(sg, p)
             else:
                 sg.next_file = self.create_file(sg, p)
@@ -154,23 +169,20 @@ class SwapPaths:
         """Each path's counters so far (bytes, busy times, queue wait)."""
         return [p.snapshot() for p in self.paths]
 
-    def moved_since(self, before: list[PathCounters]) -> dict[str, dict]:
+    def moved_since(self, before: list[PathCounters]) -> Moved:
         """What moved since :meth:`counters` gave ``before``: bytes read and written per kind of
         path (``bytes_read``, ``bytes_written``) and per path (``path_bytes_read``,
         ``path_bytes_written``), and per path the seconds it was busy reading and writing and its
         requests waited for a slot (``path_read_busy_s``, ``path_write_busy_s``,
         ``path_queue_wait_s``), as :class:`engine.telemetry.StepRecord` names them."""
-        moved: dict[str, dict] = {
-            name: {}
-            for name in (
-                "bytes_read",
-                "bytes_written",
-                "path_bytes_read",
-                "path_bytes_written",
-                "path_read_busy_s",
-                "path_write_busy_s",
-                "path_queue_wait_s",
-            )
+        moved: Moved = {
+            "bytes_read": {},
+            "bytes_written": {},
+            "path_bytes_read": {},
+            "path_bytes_written": {},
+            "path_read_busy_s": {},
+            "path_write_busy_s": {},
+            "path_queue_wait_s": {},
         }
         for p, b in zip(self.paths, before):
             c = p.snapshot()

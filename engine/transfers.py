@@ -23,10 +23,13 @@ decides what is read into them, and when. What overlaps what, and why the result
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import torch
 
 from engine.buffers import StateBuffer
 from engine.layout import host_buffer_bytes, read_ahead_bytes, staging_buffers
@@ -50,7 +53,7 @@ class SwapPass:
     """First position of ``order`` not yet considered for a read."""
     current: int = 0
     """Position being updated: those before it are done this step."""
-    reads: dict[int, Future] = field(default_factory=dict)
+    reads: dict[int, Future[None]] = field(default_factory=dict)
     """Subgroup -> its read in flight into its staging buffer."""
     read_wait_s: float = 0.0
     hits: int = 0
@@ -83,7 +86,7 @@ class Transfers:
         self.subgroups = subgroups
         self.staging = staging
         self._room_bytes = room_bytes
-        self._early_reads: dict[int, Future] = {}  # reads ahead, taken by the next step's pass
+        self._early_reads: dict[int, Future[None]] = {}  # reads ahead, taken by the next step's pass
         self.read_ahead_buffers = 0
         """Staging buffers of the read-ahead budget, beyond the working ones."""
         self._read_ahead_unsized = auto_read_ahead
@@ -228,6 +231,7 @@ class Transfers:
         elif sg.kept:
             swaps.hits += 1
         sg.kept = False
+        assert sg.staged is not None  # read into, or kept in, its buffer
         return sg.staged
 
     def wait_write(self, sg: Subgroup) -> None:
@@ -242,14 +246,14 @@ class Transfers:
         """``sg``'s buffer back to the pool, unwritten (its file is current, or about to go)."""
         self.staging.release(sg)
 
-    def write_now(self, sg: Subgroup, sources: Sequence) -> None:
+    def write_now(self, sg: Subgroup, sources: Sequence[torch.Tensor]) -> None:
         """Replace ``sg``'s state on storage with ``sources`` (master, exp_avg, exp_avg_sq), waiting
         for the write; a staged copy is dropped (no transfer in flight)."""
         self.staging.release(sg)
         buf = StateBuffer(sg.numel, pin=False)
         for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
             dst.copy_(src)
-        sg.file.path.write(sg.file, buf).result()  # on storage before the load returns
+        sg.swap_file.path.write(sg.swap_file, buf).result()  # on storage before the load returns
         sg.dirty = sg.kept = False
 
     def abort(self, swaps: SwapPass) -> None:
@@ -281,7 +285,7 @@ class Transfers:
         if sg.fresh:
             sg.start_state(buf)
         else:
-            swaps.reads[sg.index] = sg.file.path.read(sg.file, buf)
+            swaps.reads[sg.index] = sg.swap_file.path.read(sg.swap_file, buf)
 
     # -- between steps -----------------------------------------------------------------------------
 
@@ -297,7 +301,7 @@ class Transfers:
             sg = self.subgroups[i]
             if sg.staged is not None or i in self._early_reads:
                 continue  # in memory already (kept, a clean copy, being written, or read)
-            buf = self.staging.try_acquire(lambda k=k: self.victims(swaps, after=k))
+            buf = self.staging.try_acquire(functools.partial(self.victims, swaps, after=k))
             if buf is None:
                 break
             self._load(sg, buf, swaps)
@@ -311,7 +315,7 @@ class Transfers:
 
     def _write_landed(self) -> None:
         """A write-back landed (an I/O thread): its buffer may take the next read ahead."""
-        if self._reads_on_landing:
+        if self._reads_on_landing and self._on_write_landed is not None:  # installed only with one
             self._on_write_landed()
 
     def flush(self) -> None:
@@ -351,7 +355,7 @@ class Transfers:
         self._drop_reads(self._early_reads)
         self._early_reads = {}
 
-    def _drop_reads(self, reads: dict[int, Future]) -> None:
+    def _drop_reads(self, reads: dict[int, Future[None]]) -> None:
         """Let ``reads`` land, unchecked, and put their buffers back."""
         for i, fut in reads.items():
             try:
@@ -376,13 +380,13 @@ def host_state(sg: Subgroup) -> StateBuffer:
     it lives (its first state made there), its staged copy, or a copy read from its file now (a
     copy of its first state when it has none yet)."""
     if sg.tier == HOST:
-        sg.start_state(sg.resident)
-        return sg.resident
+        sg.start_state(sg.host_buffer)
+        return sg.host_buffer
     if sg.staged is not None:
         return sg.staged
     buf = StateBuffer(sg.numel, pin=False)
     if sg.fresh:
         first_state(sg.binding, buf)  # a copy to read: the subgroup's own first state is made at its update
     else:
-        sg.file.path.read(sg.file, buf).result()  # the copy is whole before it is read
+        sg.swap_file.path.read(sg.swap_file, buf).result()  # the copy is whole before it is read
     return buf
