@@ -7,10 +7,13 @@ decided). Frozen: they travel as they are, and ``to_dict`` is their one JSON for
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from engine.config import Knobs
 from engine.layout import payload_bytes
+
+if TYPE_CHECKING:
+    from engine.core import SubgroupEngine
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,9 @@ class EngineFacts:
     knobs: Knobs = field(default_factory=Knobs)
     """The knobs in force."""
     paths: list[str] = field(default_factory=list)
+    path_kinds: dict[str, str] = field(default_factory=dict)
+    """The storage paths the engine swaps to (those it opened), in order, each with its tier's
+    kind: 'nvme' or 'remote'."""
     has_device: bool = False
     subgroup_bytes: int = 0
     """The largest subgroup's state."""
@@ -47,7 +53,7 @@ class EngineFacts:
     pins: dict[str, Any] = field(default_factory=dict)
     """Knobs the user fixed (``EngineConfig.pins``), with their values in force: a tuner never moves them."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -74,15 +80,15 @@ class DeviceFit:
     margin_bytes: int = 0
     """Device memory the fit kept free beyond the peak (``engine.gpumem.margin_bytes_of``)."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def facts_of(engine) -> EngineFacts:
+def facts_of(engine: SubgroupEngine) -> EngineFacts:
     """The plan in force of ``engine`` (a :class:`engine.core.SubgroupEngine`), from its parts."""
     tiers: dict[str, int] = {}
     for sg in engine.subgroups:
-        key = engine.swap_paths.paths[sg.tier.path_index].path if sg.tier.swapped else sg.tier.kind
+        key = engine.swap_paths.paths[sg.tier.path_index].path if sg.tier.path_index is not None else sg.tier.kind
         tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
     has_device = engine.device is not None
     return EngineFacts(
@@ -97,6 +103,7 @@ def facts_of(engine) -> EngineFacts:
         path_depth_response=dict(engine.swap_paths.depth_response),
         knobs=engine.knobs,
         paths=[p.path for p in engine.config.paths],
+        path_kinds={p.path: p.spec.kind for p in engine.swap_paths.paths},
         has_device=has_device,
         subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
         device_headroom_bytes=engine.device_tier.headroom_bytes() if has_device else None,
@@ -113,7 +120,7 @@ def pins_in_force(pins: Mapping[str, Any], knobs: Knobs) -> dict[str, Any]:
     """``pins`` (knob, or ``io_concurrency[PATH]``, -> value) with the values of ``knobs``: the engine
     may run a pin lower than given (a prefetch depth the host budget cannot stage, a device
     fraction the device has no room for), and a tuner pins what runs."""
-    out = {}
+    out: dict[str, Any] = {}
     for key in pins:
         name, _, path = key.partition("[")  # only io_concurrency is pinned per path (tuner.knob_text.KnobKey)
         value = getattr(knobs, name)

@@ -28,8 +28,10 @@ import socket
 import sys
 import threading
 import time
+from typing import Any, Callable
 
 from engine.errors import ConfigError
+from engine.facts import EngineFacts
 from engine.hooks import StepHook
 from engine.record_files import private_opener
 
@@ -83,7 +85,7 @@ class RecorderConfig:
     def from_json(cls, d: dict) -> "RecorderConfig":
         """The config from :meth:`to_json`'s dict; a missing field takes its default, and the
         numbers are made the type their field declares (JSON may carry 100 for 100.0)."""
-        numbers = {"float": float, "int": int}
+        numbers: dict[object, Callable[[Any], Any]] = {"float": float, "int": int}
         return cls(**{f.name: numbers.get(f.type, lambda v: v)(d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -167,7 +169,7 @@ class Recorder:
         self._depth = 0
         self._iteration = 0
         self._engine_step = _LatestStep()
-        self._last_knobs = None
+        self._last_knobs: dict[str, Any] | None = None
         self._reset_iteration()
         self._cost_s = 0.0  # time spent in the hooks' own bookkeeping
         self._closed = False
@@ -188,7 +190,9 @@ class Recorder:
         """Write ``engine``'s init facts (a DeepSpeedEngine) and record from here on; the
         calls reach the recorder through ``integrations.ds_patches``'s hooks."""
         opt = getattr(engine, "optimizer", None)
-        tiers = self._tiers(engine, opt)
+        offload_engine = getattr(opt, "offload_engine", None)  # offloadctl's: what it says of itself is its describe()
+        plan: EngineFacts | None = offload_engine.describe() if offload_engine is not None else None
+        tiers = self._tiers(engine, plan)
         for t in tiers:
             try:
                 info = device_of(t["path"])
@@ -219,9 +223,8 @@ class Recorder:
             "command": launch_command(),
             "versions": versions(),
         }
-        offload_engine = getattr(opt, "offload_engine", None)
-        if offload_engine is not None:
-            init["engine_plan"] = offload_engine.describe().to_dict()
+        if offload_engine is not None and plan is not None:
+            init["engine_plan"] = plan.to_dict()
             offload_engine.add_step_hook(self._engine_step)
         self._write(init)
         self._engine = engine
@@ -245,11 +248,10 @@ class Recorder:
             self._sampler.start()
 
     @staticmethod
-    def _tiers(engine, opt) -> list[dict]:
-        offload_engine = getattr(opt, "offload_engine", None)
-        if offload_engine is not None:
-            return [{"kind": p.spec.kind, "path": p.path} for p in offload_engine.swap_paths.paths]
-        tiers = []
+    def _tiers(engine, plan: EngineFacts | None) -> list[dict[str, Any]]:
+        if plan is not None:  # offloadctl's engine: the paths it swaps to
+            return [{"kind": kind, "path": path} for path, kind in plan.path_kinds.items()]
+        tiers: list[dict[str, Any]] = []
         for getter in ("zero_offload_optimizer", "zero_offload_param"):
             off = _call(engine, getter)
             path = getattr(off, "nvme_path", None) if off is not None else None
