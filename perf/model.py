@@ -70,7 +70,7 @@ class Workload:
     """Bytes per gradient element kept in host memory (2: 16-bit, 4: fp32)."""
 
     def __post_init__(self) -> None:
-        p = self.params
+        p: float = self.params  # a count may come in as a float, e.g. 7e9
         if isinstance(p, float) and math.isfinite(p) and p.is_integer():
             object.__setattr__(self, "params", int(p))
         _int_at_least("Workload.params", self.params, 1, "give the model's parameter count, e.g. 7e9")
@@ -372,6 +372,7 @@ def lane_rates(profile: Profile, wl: Workload) -> LaneRates:
     """The profile's rates as one rank sees them (:class:`engine.lane_model.LaneRates`): the
     node's PCIe links, GPUs and host memory shared by its ranks."""
     gpu, ranks = profile.gpu, wl.ranks
+    assert gpu is not None, "lane_rates needs a profile with a GPU"
     gpus = max(1, profile.machine.gpu_count)
     links = min(ranks, gpus)
     return LaneRates(
@@ -630,7 +631,7 @@ def _breakdown(
 ) -> tuple[dict[str, float], str]:
     """Seconds per resource and chain (mean of the two orders), and the bottleneck: the longest chain."""
     chain_avg = {k: _mean(fwd.chains.get(k, 0.0), rev.chains.get(k, 0.0)) for k in fwd.chains.keys() | rev.chains.keys()}
-    which = max(chain_avg, key=chain_avg.get)
+    which = max(chain_avg, key=chain_avg.__getitem__)
     if which == "storage":
         worst = max(fwd.per_device, key=lambda k: fwd.per_device[k] + rev.per_device.get(k, 0.0))
         bottleneck = f"storage ({worst})"

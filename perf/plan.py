@@ -142,10 +142,11 @@ def plan_for_rank(
     declared = tuple(
         replace(
             sp,
-            read_bytes_per_s=sp.read_bytes_per_s or profile.path(sp.path).read_bytes_per_s.value,
-            write_bytes_per_s=sp.write_bytes_per_s or profile.path(sp.path).write_bytes_per_s.value,
+            read_bytes_per_s=sp.read_bytes_per_s or m.read_bytes_per_s.value,
+            write_bytes_per_s=sp.write_bytes_per_s or m.write_bytes_per_s.value,
         )
         for sp in paths
+        if (m := profile.path(sp.path)) is not None  # every one: checked above
     )
     # Without storage paths everything stays in host memory, whatever the plan says; with paths,
     # the plan's None is all of it in memory (EngineConfig's None, not a user's).

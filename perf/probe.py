@@ -24,22 +24,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
 import psutil
 import torch
 
 from engine.adamw import AdamWHyper, AdamWSlices, adamw_update_torch_, measure_host_kernels
-from engine.buffers import ALIGN_BYTES, aligned_empty
+from engine.buffers import aligned_empty
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StoragePathError
 from engine.host_kernel import select_host_kernel
+from engine.layout import ALIGN_BYTES
 from engine.storage.blockdev import device_of
 from engine.storage.io_backends import open_backend
 from engine.storage.swapdir import make_swap_dir, remove_swap_dir
 from engine.storage.usable import check_usable
 from perf.nvml import open_nvml
 from perf.profile import SCHEMA_VERSION, AdamWRate, Figure, Gpu, Host, Machine, PathProfile, Profile, Source, SweepPoint
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 ProgressFn = Callable[[str, int, int], None]
 """``progress(what, done, total)``: ``done`` of ``total`` steps of the measurement ``what``."""
@@ -100,14 +104,14 @@ def _size(n: float) -> str:
     return f"{n:g} B"
 
 
-def as_progress(progress: "ProgressFn | object | None") -> ProgressFn:
+def as_progress(progress: "ProgressFn | Progress | None") -> ProgressFn:
     """A callback from ``progress``: a callback, a ``rich.progress.Progress`` (one bar per
     measurement), or None (silent)."""
     if progress is None:
         return lambda what, done, total: None
-    if callable(progress) and not hasattr(progress, "add_task"):
+    if callable(progress):  # a Progress is not
         return progress
-    tasks: dict[str, object] = {}
+    tasks: dict[str, TaskID] = {}
 
     def update(what: str, done: int, total: int) -> None:
         if what not in tasks:
@@ -236,7 +240,7 @@ def measure_path(
     concurrencies: Sequence[int] = SWEEP_CONCURRENCY,
     block_sizes: Sequence[int] = SWEEP_BLOCKS,
     backend: str = "auto",
-    progress: "ProgressFn | object | None" = None,
+    progress: "ProgressFn | Progress | None" = None,
 ) -> PathProfile:
     """Sweep O_DIRECT reads, writes and mixed traffic on ``path`` over ``concurrencies`` x
     ``block_sizes``; each point runs ``io_seconds`` over a data file of ``io_bytes`` (at most an
@@ -295,12 +299,12 @@ def measure_path(
         for block in block_sizes:
             for c in concurrencies:
                 for op in ("write", "read", "mixed"):
-                    b = bufs[block]
+                    held = bufs[block]
                     if op == "mixed":
-                        r, w = _Stream("read", rc, b[:c]), _Stream("write", wc, b[c : 2 * c])
+                        r, w = _Stream("read", rc, held[:c]), _Stream("write", wc, held[c : 2 * c])
                         streams = [r, w]
                     else:
-                        streams = [_Stream(op, rc if op == "read" else wc, b[:c])]
+                        streams = [_Stream("read", rc, held[:c]) if op == "read" else _Stream("write", wc, held[:c])]
                     elapsed = _run_streams(pool, io, fd, filename, streams, io_seconds)
                     moved = sum(s.bytes for s in streams)
                     how = (
@@ -403,7 +407,7 @@ def measure_paths(paths: Sequence[tuple[str, Literal["nvme", "remote"]]], *, pro
 
 
 def measure_memory_bandwidth(
-    nbytes: int = FULL.memcpy_bytes, reps: int = FULL.reps, *, progress: "ProgressFn | object | None" = None
+    nbytes: int = FULL.memcpy_bytes, reps: int = FULL.reps, *, progress: "ProgressFn | Progress | None" = None
 ) -> Figure:
     """Host memory copy bandwidth (bytes copied per second) of a large torch copy."""
     report = as_progress(progress)
@@ -454,7 +458,7 @@ def measure_cpu_adamw(
     numel: int = FULL.adamw_numel,
     reps: int = FULL.reps,
     *,
-    progress: "ProgressFn | object | None" = None,
+    progress: "ProgressFn | Progress | None" = None,
 ) -> tuple[AdamWRate, ...]:
     """Fused CPU AdamW params/s at each thread count (default: powers of two up to the cores
     this process may use), the faster of the engine's kernels at each. Restores the thread count."""
@@ -468,7 +472,7 @@ def measure_cpu_adamw(
             report(what, i, len(threads))
             torch.set_num_threads(t)
             rates = measure_host_kernels(numel, reps)
-            best = max(rates, key=rates.get)
+            best = max(rates, key=rates.__getitem__)
             kernels = ", ".join(f"{k} {v:.3g}" for k, v in rates.items())
             out.append(
                 AdamWRate(
@@ -488,7 +492,7 @@ def measure_cpu_adamw(
 
 
 def measure_host_lane(
-    numel: int = FULL.adamw_numel, reps: int = FULL.reps, *, progress: "ProgressFn | object | None" = None
+    numel: int = FULL.adamw_numel, reps: int = FULL.reps, *, progress: "ProgressFn | Progress | None" = None
 ) -> Figure:
     """The engine's host lane as a ZeRO-3 step runs it, all threads, with the kernel the engine
     takes (:func:`engine.host_kernel.time_host_lane`: bf16 gradients unscaled, fused AdamW, bf16
@@ -521,7 +525,7 @@ def measure_gpu(
     adamw_numel: int = FULL.gpu_adamw_numel,
     reps: int = FULL.reps,
     *,
-    progress: "ProgressFn | object | None" = None,
+    progress: "ProgressFn | Progress | None" = None,
 ) -> Gpu | None:
     """Pinned H2D and D2H bandwidth, alone and at once (two streams), and fused AdamW on the
     current CUDA device; None without CUDA."""
@@ -612,11 +616,11 @@ def measure_profile(
     sizes: ProbeSizes | None = None,
     backend: str = "auto",
     tool: str = "",
-    progress: "ProgressFn | object | None" = None,
+    progress: "ProgressFn | Progress | None" = None,
 ) -> Profile:
     """Measure everything into a profile named ``name`` (``source.kind = "measured"``)."""
     sizes = sizes or (QUICK if quick else FULL)
-    paths = [(p, "nvme") for p in nvme] + [(p, "remote") for p in remote]
+    paths: list[tuple[str, Literal["nvme", "remote"]]] = [(p, "nvme") for p in nvme] + [(p, "remote") for p in remote]
     seen: set[str] = set()
     for p, _ in paths:
         ap = os.path.abspath(p)

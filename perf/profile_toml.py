@@ -225,7 +225,7 @@ def _kind(v: Any) -> str:
 
 def _convert(v: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         out = _convert_dataclass(v, tp, key)
         if tp is Figure and out.value <= 0 and re.search(r"(_per_s|bandwidth)$", key):
             # A rate of 0 is no measurement: the plan divides by it (what show accepts, plan uses).

@@ -209,7 +209,7 @@ def _zero_infinity_nvme(s: _Stock) -> Prediction:
     files = N * int(read_b) * n * ranks
     if files > best.capacity_bytes > 0:
         s.infeasible.append(f"needs {gb(files)} on {best.path}, over its capacity of {gb(best.capacity_bytes)}")
-    which = max(chains, key=chains.get)
+    which = max(chains, key=chains.__getitem__)
     s.notes.append(f"one nvme_path ({best.path}), order 0..N-1 with no cache, aio queue depth {DS_QUEUE_DEPTH}")
     plan = Plan(
         host_cache_bytes=0,

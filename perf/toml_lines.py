@@ -148,6 +148,7 @@ class _KeyScanner:
             self._string()
         else:  # number, boolean, date-time (which may hold one space)
             m = re.compile(r"[^,\]}#\r\n]*").match(self.s, self.i)
+            assert m is not None  # a run of zero or more characters always matches
             self._adv(m.end() - self.i)
 
     def document(self) -> None:
