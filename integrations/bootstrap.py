@@ -24,7 +24,8 @@ def split_argv(argv: list[str]):
     script) from the launcher's arguments."""
     from integrations.settings import RankSettings
 
-    rest, i = [], 0
+    rest: list[str] = []
+    i = 0
     while i < len(argv):
         if argv[i] == CONFIG_FLAG:
             settings = RankSettings.from_json(json.loads(argv[i + 1]))
@@ -230,7 +231,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
         def check(engine) -> None:
             """The engine engaged in what deepspeed.initialize built (one line where not)."""
             ds_patches.guard_save_checkpoint(engine)  # a full disk under save_checkpoint: one line, stock or ours
-            if settings.stock:
+            if cls is None:  # --engine stock
                 state["engaged"] += 1
                 return
             stage = engine.zero_optimization_stage()

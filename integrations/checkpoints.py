@@ -60,31 +60,31 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
     named_by_latest = tag is None
     tag = _tag(load_dir, tag)
     if tag is None:
-        raise _every_rank(
+        raise _EveryRank(
             f"checkpoint {load_dir} has no 'latest' file naming a tag: pass the tag to load_checkpoint, or check the directory"
         )
     folder = os.path.join(load_dir, tag)
     if not os.path.isdir(folder):
         tags = _tags_in(load_dir)
         if named_by_latest:
-            raise _every_rank(
+            raise _EveryRank(
                 f"checkpoint {load_dir}'s 'latest' file names tag {tag!r}, which is not there (tags "
                 f"there: {tags or 'none'}): write the tag to resume from into "
                 f"{os.path.join(load_dir, 'latest')}, or pass it to load_checkpoint"
             )
-        raise _every_rank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: {tags or 'none'})")
+        raise _EveryRank(f"checkpoint {folder} does not exist: check the path and tag (tags in {load_dir}: {tags or 'none'})")
     if universal:  # another layout (zero/<param>/...), loaded at any rank count: DeepSpeed checks it
         bad = _agreed(_damaged_records(folder, recursive=True))
         if bad:
-            raise _every_rank(bad)
+            raise _EveryRank(bad)
         return
     bad = _damaged_file(folder) or _agreed(_damaged_records(folder, recursive=False))
     if bad:
-        raise _every_rank(bad)
+        raise _EveryRank(bad)
     _LOADING["folder"] = folder
     model_files = sorted(glob.glob(os.path.join(folder, "*mp_rank_00_model_states.pt")))
     if not model_files:
-        raise _every_rank(
+        raise _EveryRank(
             f"checkpoint {folder} has no model states file (*mp_rank_00_model_states.pt): it is not a "
             f"DeepSpeed checkpoint, or it was not saved completely"
         )
@@ -99,20 +99,20 @@ def preflight(load_dir: str, tag, *, world_size: int, universal: bool, optimizer
         }
         gone = sorted(set(range(saved)) - present)
         if gone and (present or kind == "optim_states"):
-            raise _every_rank(
+            raise _EveryRank(
                 f"checkpoint {folder} was saved by {saved} ranks and lacks the {kind} file of rank(s) "
                 f"{gone}: copy the missing files from where it was saved, or resume from another "
                 f"checkpoint"
             )
     if optimizer_states and saved != world_size:
-        raise _every_rank(
+        raise _EveryRank(
             f"checkpoint {folder} was saved by {saved} ranks and this run has {world_size}: run with "
             f"{saved} ranks, or convert it with `python -m deepspeed.checkpoint.ds_to_universal` and "
             f'set "checkpoint": {{"load_universal": true}} in the ds_config'
         )
     bad = _agreed(_mixed_saves(folder, optimizer_states=optimizer_states))
     if bad:
-        raise _every_rank(bad)
+        raise _EveryRank(bad)
 
 
 _LOADING: dict = {"folder": None}
@@ -170,10 +170,8 @@ def another_model(folder: str, rank: int, current: list[list[tuple[int, ...]]]) 
     return None
 
 
-def _every_rank(msg: str) -> CheckpointError:
-    e = CheckpointError(msg)
-    e.every_rank = True  # every rank raises it: the bootstrap prints it once
-    return e
+class _EveryRank(CheckpointError):
+    every_rank = True  # every rank raises it: the bootstrap prints it once
 
 
 def refuse_on_every_rank(mine: str | None) -> None:
@@ -181,7 +179,7 @@ def refuse_on_every_rank(mine: str | None) -> None:
     collective, so every rank calls it at the same point of the load."""
     found = _agreed(mine)
     if found:
-        raise _every_rank(found)
+        raise _EveryRank(found)
 
 
 def _tags_in(load_dir: str) -> list[str]:
@@ -201,7 +199,7 @@ def _tag(load_dir: str, tag) -> str | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise _every_rank(
+        raise _EveryRank(
             f"checkpoint {load_dir}'s 'latest' file cannot be read ({e.strerror}): fix it, or pass the tag to load_checkpoint"
         ) from None
     fix = (
@@ -210,10 +208,10 @@ def _tag(load_dir: str, tag) -> str | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is not text ({len(raw)} bytes, not UTF-8): {fix}") from None
+        raise _EveryRank(f"checkpoint {load_dir}'s 'latest' file is not text ({len(raw)} bytes, not UTF-8): {fix}") from None
     text = text.strip()  # DeepSpeed strips it too: a trailing newline is fine
     if not text:
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file is empty: it names no tag; {fix}")
+        raise _EveryRank(f"checkpoint {load_dir}'s 'latest' file is empty: it names no tag; {fix}")
     bad = next((c for c in text if not c.isprintable() or c in "/\\"), None)
     if bad is not None or len(raw) > 4096 or text in (".", ".."):
         what = (
@@ -223,7 +221,7 @@ def _tag(load_dir: str, tag) -> str | None:
             if bad is not None
             else "names the directory itself"
         )
-        raise _every_rank(f"checkpoint {load_dir}'s 'latest' file holds {text[:80]!r}, which is not a tag (it {what}): {fix}")
+        raise _EveryRank(f"checkpoint {load_dir}'s 'latest' file holds {text[:80]!r}, which is not a tag (it {what}): {fix}")
     return text
 
 
@@ -326,7 +324,8 @@ def damaged_record(path: str, threads: int | None = None) -> str | None:
     if threads is None:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
-        records, compressed = [], []
+        records: list[tuple[str, int, int, int]] = []
+        compressed: list[zipfile.ZipInfo] = []
         for r in _records(f, zf):
             (compressed if isinstance(r, zipfile.ZipInfo) else records).append(r)
         for info in compressed:  # zipfile checks the CRC of what it inflates
@@ -540,8 +539,8 @@ def partition_refusal(
             f"saved with another sub_group_size, model or rank count: load it with the same ones, or convert "
             f"it with ds_to_universal"
         )
-    for i, n in enumerate(mine if moments is not None else ()):
-        saved = moments.get(i)
+    for i, n in enumerate(mine):
+        saved = moments.get(i) if moments is not None else None
         if saved and any(int(saved[k].numel()) != n for k in ("exp_avg", "exp_avg_sq")):
             return (
                 f"the checkpoint's moments of subgroup {i}{f' in {file}' if file else ''} do not have its {n} "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 MODES = ("auto", "on", "off")
 MIN_BOUND_CORES = 2
@@ -145,7 +145,7 @@ def local_gpu_bus_ids(local_size: int, environ: Mapping[str, str] = os.environ) 
 
 
 def rank_cores(
-    available: Sequence[int],
+    available: Iterable[int],
     local_rank: int,
     local_size: int,
     topology: Mapping[int, CpuPlace] | None = None,

@@ -352,7 +352,7 @@ def _unwrap(fn, name: str):
 def _param_names(fn, drop_self: bool) -> tuple[str, ...]:
     out = []
     for p in inspect.signature(fn).parameters.values():
-        prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(p.kind, "")
+        prefix = {"VAR_POSITIONAL": "*", "VAR_KEYWORD": "**"}.get(p.kind.name, "")
         out.append(prefix + p.name)
     return tuple(out[1:] if drop_self and out else out)
 
@@ -403,7 +403,7 @@ def _assigned_names(owner, receiver: str) -> set[str] | None:
     )
     names: set[str] = set()
     for c in classes:
-        tree = _module_tree(c if inspect.ismodule(c) else importlib.import_module(c.__module__))
+        tree: ast.AST | None = _module_tree(c if inspect.ismodule(c) else importlib.import_module(c.__module__))
         if tree is not None and inspect.isclass(c):
             tree = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == c.__name__), None)
         if tree is None:

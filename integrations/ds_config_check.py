@@ -151,6 +151,6 @@ def check_ds_config(script_args: Sequence[str], *, paths_given: bool = False) ->
             f'"offload_optimizer": {{"device": "cpu"}} to its zero_optimization (the engine takes '
             f"over an offloaded optimizer), or run it with --engine stock"
         )
-    if stage == 3 and device == "nvme" and not off.get("nvme_path") and not paths_given:
+    if stage == 3 and device == "nvme" and isinstance(off, dict) and not off.get("nvme_path") and not paths_given:
         raise ConfigError(nvme_without_path(where))
     return found

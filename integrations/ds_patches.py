@@ -65,6 +65,7 @@ import inspect
 import logging
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -214,7 +215,7 @@ def route_deepspeed_warnings(log) -> None:
     shown = warnings.showwarning
 
     def from_deepspeed() -> bool:
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:
             path = os.path.realpath(frame.f_code.co_filename)
             if path.startswith(deepspeed_dir):
@@ -265,7 +266,7 @@ def guard_load_checkpoint(engine) -> None:
         except Exception as e:  # noqa: BLE001 - any failure inside DeepSpeed's load reads the same to the user
             raise CheckpointError(checkpoints.describe_failure(str(load_dir), tag, e)) from e
 
-    load_checkpoint._offloadctl_guarded = True
+    load_checkpoint._offloadctl_guarded = True  # type: ignore[attr-defined]  # mypy types no attributes set on a function
     engine.load_checkpoint = load_checkpoint
 
 
@@ -301,7 +302,7 @@ def guard_save_checkpoint(engine) -> None:
             if opt is not None:
                 opt.checkpoint_global_steps = None
 
-    save_checkpoint._offloadctl_guarded = True
+    save_checkpoint._offloadctl_guarded = True  # type: ignore[attr-defined]  # mypy types no attributes set on a function
     engine.save_checkpoint = save_checkpoint
 
 

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from integrations import bootstrap
 from integrations.run_output import LauncherOutput
@@ -131,8 +132,8 @@ def rendezvous_port(values: Mapping[str, object]) -> object:
                 f"another port, or leave --master_port out and offloadctl picks a free one"
             )
         return given
-    port = free_port()
-    return None if port == DEFAULT_MASTER_PORT else port  # DeepSpeed's own default: as the command line was
+    free = free_port()
+    return None if free == DEFAULT_MASTER_PORT else free  # DeepSpeed's own default: as the command line was
 
 
 def _local_launch(values: Mapping[str, object]) -> bool:
@@ -250,7 +251,7 @@ def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
     # MVAPICH's runner writes a hostfile as it builds its command: a dry run leaves none behind.
     scratch = getattr(multinode, "MVAPICH_TMP_HOSTFILE", None)
     scratch = scratch if scratch and not os.path.exists(scratch) else None
-    runners = [
+    runners: list[Any] = [  # DeepSpeed's runner classes (untyped)
         c
         for c in vars(multinode).values()
         if isinstance(c, type) and issubclass(c, multinode.MultiNodeRunner) and "backend_exists" in vars(c)

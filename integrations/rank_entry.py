@@ -125,10 +125,10 @@ def launcher_threads(environ) -> None:
 def arm() -> None:
     """From the hook's sitecustomize: in a rank, run its program with the engine and end the
     interpreter with its status; anywhere else, nothing."""
-    if not is_rank():
+    if not is_rank() or (program := main_program(sys.orig_argv)) is None:  # a rank has one
         return
     os.environ[ARMED_ENV] = str(os.getpid())
-    kind, name, args = main_program(sys.orig_argv)
+    kind, name, args = program
     launcher_threads(os.environ)
     from integrations import bootstrap
     from integrations.settings import RankSettings
@@ -156,7 +156,7 @@ def _end_interpreter(status: int) -> None:
     import threading
 
     try:
-        threading._shutdown()  # non-daemon threads joined, as at the interpreter's exit
+        threading._shutdown()  # type: ignore[attr-defined]  # private, not in typeshed; non-daemon threads joined, as at the interpreter's exit
     except Exception:  # noqa: BLE001 - the exit goes on
         pass
     atexit._run_exitfuncs()

@@ -178,4 +178,4 @@ def _why(e: OSError) -> str:
         errno.ENOTDIR: "a part of the path is a file: give a directory",
         errno.EEXIST: "exists and is not a directory: give a directory",
         errno.ENOENT: "a symbolic link to nothing: give a real directory",
-    }.get(e.errno, e.strerror or str(e))
+    }.get(e.errno or 0, e.strerror or str(e))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -65,7 +65,7 @@ class ZeroEngineSettings:
     """Knob name -> value the user's options set (``--prefetch-depth``, ``--node-lock``,
     ``--device-fraction``): the rank starts from them, they win over a profile's plan, and the
     tuner never moves them (``EngineConfig.pins``)."""
-    io_backend: str = "auto"
+    io_backend: Literal["auto", "aio", "posix"] = "auto"
     profile: str | None = None
     """Path of a hardware profile: each rank starts from the performance model's best plan."""
     tuner_socket: str | None = None

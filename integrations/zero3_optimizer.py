@@ -92,6 +92,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     (:func:`optimizer_class` hands them over)."""
 
     settings: ZeroEngineSettings
+    _checked_out: dict[int, torch.Tensor]  # subgroup -> its placeholder, while checked out
 
     def __init__(self, *args, settings: ZeroEngineSettings, **kwargs) -> None:
         self.settings = settings  # before DeepSpeed's __init__, which calls _configure_offloading and the rest
@@ -181,7 +182,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         _check_adamw(self.optimizer)
         _check_supported(self)
         self.offload_grad_scale = 1.0
-        self._checked_out: dict[int, torch.Tensor] = {}  # subgroup -> its placeholder, while checked out
+        self._checked_out = {}
         self._bindings, off = [], 0
         for i in range(len(self.fp16_groups)):
             self._bindings.append(ZeroPartitionSubgroup(self, i, off))
