@@ -110,7 +110,7 @@ def limit(summary: dict, engine: str) -> dict:
         "outside DeepSpeed": sh.get("outside DeepSpeed", 0),
         **{k: v for k, v in sh.items() if k.startswith("update: ")},
     }
-    top = max(groups, key=groups.get)
+    top = max(groups, key=groups.__getitem__)
     words = {
         "compute": "forward and backward (the model's compute)",
         "outside DeepSpeed": "the script's own work",

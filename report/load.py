@@ -57,7 +57,8 @@ class Run:
         end = self.record.end
         if end is None:
             return "no end record"
-        return {"ok": "finished"}.get(end.get("status"), end.get("status") or "finished")
+        status = end.get("status") or "finished"
+        return "finished" if status == "ok" else status
 
     @property
     def stopped_at(self) -> int:
@@ -70,13 +71,13 @@ class Run:
     @property
     def status(self) -> str:
         """The run's end in words: 'finished', 'interrupted by SIGINT at iteration 200', ..."""
-        kind, at = self.status_kind, self.stopped_at
+        kind, at, end = self.status_kind, self.stopped_at, self.record.end or {}  # {}: read only where there is one
         if kind == "no end record":
             return f"ended without an end record at iteration {at} (killed, or still running)"
         if kind == "interrupted":
-            return f"interrupted by {self.record.end.get('signal') or 'a signal'} at iteration {at}"
+            return f"interrupted by {end.get('signal') or 'a signal'} at iteration {at}"
         if kind == "error":
-            return f"crashed at iteration {at}: {self.record.end.get('error')}"
+            return f"crashed at iteration {at}: {end.get('error')}"
         return "finished"
 
 

@@ -559,10 +559,10 @@ def cache_and_knobs(runs: list[dict]):
     ratios = []
     for k in knob_rows:
         ratios += [2.2] + [0.8] * k
-    fig, axes = plt.subplots(
+    fig, grid = plt.subplots(
         len(ratios), 1, figsize=(WIDTH_IN, 1.0 + sum(ratios)), squeeze=False, gridspec_kw={"height_ratios": ratios}
     )
-    axes = list(axes[:, 0])
+    axes = list(grid[:, 0])
     label_axes = []
     for run, k, names in zip(runs, knob_rows, names_of):
         ax, knob_axes = axes[0], axes[1 : 1 + k]
