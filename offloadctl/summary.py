@@ -27,7 +27,7 @@ from report.render import extent, fixed_knobs_text, headline, host_memory_text
 from tuner.knob_text import knobs_text
 
 if TYPE_CHECKING:
-    from tuner.run_state import RunView
+    from tuner.run_state import Activity, RunView
 
 WIDTH = 80
 STOCK_BYTES_PER_PARAM = 32
@@ -75,8 +75,8 @@ def tuner_lines(view: RunView) -> list[str]:
         if by.get(key) == "history" and origin:
             who = f"history: the tuner's verdict in run {origin}"
         said.append(f"{key} {value_text(before)} -> {value_text(after)} ({who})")
-    activity = view.get("verdict") or {}
-    mode, why = activity.get("mode"), activity.get("reason") or ""
+    activity: Activity | dict[str, None] = view.get("verdict") or {}
+    mode, why = activity.get("mode") or "", activity.get("reason") or ""
     doing = {
         "holding": "holding",
         "frozen": "frozen by you",
@@ -153,7 +153,7 @@ def run_summary_figures(
     if tuner_view:
         by = tuner_view.get("changed_by") or {}
         start = tuner_view.get("start_knobs") or {}
-        activity = tuner_view.get("verdict") or {}
+        activity: Activity | dict[str, None] = tuner_view.get("verdict") or {}
         out["tuner"] = {
             "run_id": tuner_view.get("run_id"),
             "knobs": tuner_view.get("knobs"),

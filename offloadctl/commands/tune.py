@@ -21,7 +21,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.text import printable, printable_all
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
@@ -204,7 +204,7 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
         time.sleep(0.2)
 
 
-def _runs_at(socket_path: str) -> list[dict] | None:
+def _runs_at(socket_path: str) -> list[RunView] | None:
     """The runs a daemon serves, or None when nothing answers there."""
     from tuner.protocol import Connection, ProtocolError
 
@@ -215,14 +215,15 @@ def _runs_at(socket_path: str) -> list[dict] | None:
         return None
 
 
-def live_runs_table(found: list[tuple[dict, list[dict]]]) -> str:
+def live_runs_table(found: list[tuple[dict, list[RunView]]]) -> str:
     """The live runs, one line each: run dir, run id, iteration, start time."""
     rows = [("RUN DIR", "RUN", "ITERATION", "STARTED")]
     for entry, runs in found:
-        for r in runs or [{"run_id": (entry.get("run_id") or "") + " (starting)", "iteration": -1}]:
-            t = r.get("started_at") or entry.get("started_at")
+        shown = [(r["run_id"], str(at_iteration(r)) if r["iteration"] >= 0 else "-", r.get("started_at")) for r in runs]
+        for run_id, at, t in shown or [((entry.get("run_id") or "") + " (starting)", "-", None)]:
+            t = t or entry.get("started_at")
             started = time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
-            rows.append((entry["run_dir"], r["run_id"].strip(), str(at_iteration(r)) if r["iteration"] >= 0 else "-", started))
+            rows.append((entry["run_dir"], run_id.strip(), at, started))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -370,7 +371,7 @@ class Keys:
             self.fd = stream.fileno() if stream.isatty() else None
         except (AttributeError, ValueError, OSError):
             self.fd = None
-        self._saved = None
+        self._saved: list[Any] | None = None  # the terminal's modes while the view has it
 
     @property
     def active(self) -> bool:
@@ -391,7 +392,7 @@ class Keys:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._saved is not None:
+        if self._saved is not None and self.fd is not None:  # saved: it has one
             import termios
 
             try:
@@ -403,7 +404,7 @@ class Keys:
 
     def read(self, timeout_s: float) -> str:
         """The keys typed within ``timeout_s`` (at once when some are waiting); '' if none."""
-        if not self.active:
+        if not self.active or self.fd is None:  # active: it has one
             time.sleep(max(0.0, timeout_s))
             return ""
         import select
@@ -456,7 +457,7 @@ class Controls:
                 continue
             if self.prompt is not None:
                 if ch in "\r\n":
-                    self._send(runs)
+                    self._send(self.prompt, runs)
                 elif ch in "\x7f\b":
                     self.typed = self.typed[:-1]
                 elif ch.isprintable():
@@ -492,10 +493,10 @@ class Controls:
         )
         return None
 
-    def _send(self, runs: list[RunView]) -> None:
+    def _send(self, kind: str, runs: list[RunView]) -> None:
         from engine.errors import ConfigError
 
-        kind, text = self.prompt, self.typed.strip()
+        text = self.typed.strip()
         self.prompt, self.typed = None, ""
         run = self._run(runs)
         if run is None or not text:
@@ -560,7 +561,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     last: list[RunView] = []
     seen_running = False
     ended_since: float | None = None
-    final: list[dict] | None = None
+    final: list[RunView] | None = None
     controls = Controls(conn)
     with keys or Keys() as keyboard, Live(console=console, auto_refresh=False, transient=True) as view:
         try:
@@ -576,7 +577,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                 ended_since = (ended_since or time.monotonic()) if over else None
                 # Ranks that vanished may be back within seconds (a dropped connection): wait
                 # that long before calling their run interrupted; a finished run ends the view now.
-                if over and (
+                if ended_since is not None and (  # not None: over
                     all(r["status"] == "finished" for r in runs) or time.monotonic() - ended_since >= DISCONNECTED_GRACE_S
                 ):
                     final = runs
@@ -633,10 +634,10 @@ def ended_runs(last: list[RunView], socket_path: str) -> list[RunView]:
     snapshots), else interrupted."""
     from tuner.service import read_ended
 
-    ended = read_ended(socket_path)
-    out = []
+    ended: dict[str, RunView] = read_ended(socket_path)
+    out: list[RunView] = []
     for r in last:
         if r["status"] not in ENDED:
-            r = dict(ended.get(r["run_id"]) or dict(r, status="disconnected", outcome="interrupted"))
+            r = ended.get(r["run_id"]) or {**r, "status": "disconnected", "outcome": "interrupted"}
         out.append(r)
     return out

@@ -147,7 +147,7 @@ def tuner_state(r: RunView) -> str:
 
 def activity_text(activity: Activity | None) -> str:
     """What the tuner does with a run (``tuner.run_state.tuner_activity``) in words; '' without it."""
-    v = activity or {}
+    v: Activity | dict[str, None] = activity or {}
     mode, reason = v.get("mode"), v.get("reason")
     if mode == "stopped":
         return f"policy stopped: {reason}"
