@@ -71,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, mod in COMMANDS.items():
         p = sub.add_parser(
-            name, help=mod.__doc__.splitlines()[0].rstrip("."), description=mod.__doc__, **getattr(mod, "PARSER_OPTIONS", {})
+            name,
+            help=(mod.__doc__ or "").splitlines()[0].rstrip("."),
+            description=mod.__doc__,
+            **getattr(mod, "PARSER_OPTIONS", {}),
         )
         mod.add_arguments(p)
     return ap

@@ -72,14 +72,14 @@ def collect() -> dict:
 
 def build(console: Console) -> None:
     """Build the native ops, one progress bar per compiling op on ``console``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     from engine.storage.native_ops import build_ops
 
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        tasks: dict[tuple[str, str], int] = {}
+        tasks: dict[tuple[str, str], TaskID] = {}
 
         def on_step(op: str, done: int, total: int, target: str) -> None:
             where = target.split("/")[0]  # an op's own build directory, or a dependency's

@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_size_epilog(p)
-    p.epilog = fill_paragraphs(p.epilog)
+    p.epilog = fill_paragraphs(p.epilog or "")  # add_size_epilog gave it one
 
 
 def no_profile_text() -> str:

@@ -20,6 +20,7 @@ import re
 import socket
 import sys
 import time
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -185,7 +186,7 @@ _GPU_FIGURES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_h2d_bytes_per_s", 
 
 def _figure_items(p: Profile, sweep: bool, labels: dict[str, str]) -> list[tuple[str, tuple, Figure]]:
     """(key, sort key, figure) of every figure; sort keys order two profiles' figures alike."""
-    out = [("host.memory_bandwidth", (0,), p.host.memory_bandwidth)]
+    out: list[tuple[str, tuple, Figure]] = [("host.memory_bandwidth", (0,), p.host.memory_bandwidth)]
     out += [(f"host.adamw[threads={r.threads}]", (1, r.threads), r.params_per_s) for r in p.host.adamw]
     if p.gpu:
         out += [(f"gpu.{f}", (2, i), getattr(p.gpu, f)) for i, f in enumerate(_GPU_FIGURES)]
@@ -319,7 +320,7 @@ def _list(args: argparse.Namespace) -> int:
     d = os.path.abspath(args.dir) if args.dir else profile_dir()
     if args.dir and not os.path.isdir(d):
         raise ConfigError(f"profile directory {d} does not exist: give an existing directory to --dir")
-    rows = []
+    rows: list[dict[str, Any]] = []  # JSON's rows
     for name in list_profiles(d):
         path = os.path.join(d, name + ".toml")
         try:

@@ -533,6 +533,7 @@ def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
     from integrations.run_dir import DefaultTaken, claim
 
     for _ in range(100):
+        assert launch.settings.run_dir is not None  # build() gives every launch one
         try:
             claimed = claim(launch.settings.run_dir, flag="--run-dir", force=args.force, default=not args.run_dir)
         except DefaultTaken:
@@ -546,6 +547,7 @@ def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
 
 def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
     run_dir = launch.settings.run_dir
+    assert run_dir is not None  # build() gives every launch one
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
     if launch.tuner == "auto":
@@ -582,6 +584,7 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
             from offloadctl.summary import tuner_lines
             from tuner.service import run_view
 
+            assert settings.zero.run_id is not None  # rank_settings gives every run one
             view = run_view(socket_path, settings.zero.run_id)
             if view:
                 print("\n".join(tuner_lines(view)))

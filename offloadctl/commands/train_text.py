@@ -51,7 +51,7 @@ def dry_run_lines(
                 + " (DeepSpeed's launcher; each rank installs offloadctl's engine, then runs the script as given)",
             )
         ]
-    if "error" in (resolved or {}):
+    if resolved and "error" in resolved:
         rows.append(("refused", f"DeepSpeed's launcher would refuse this launch: {resolved['error']}"))
     rows.append(("ranks", ranks_text(args, launch)))
     if settings.engine == "stock":
