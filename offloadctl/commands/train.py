@@ -579,22 +579,22 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
             from offloadctl.summary import print_run_summary
 
             print_run_summary(run_dir, rank=0)
-        socket_path, view = settings.zero.tuner_socket, None
-        if socket_path and ended:
+        tuner_socket, view = settings.zero.tuner_socket, None
+        if tuner_socket and ended:
             from offloadctl.summary import tuner_lines
             from tuner.service import run_view
 
             assert settings.zero.run_id is not None  # rank_settings gives every run one
-            view = run_view(socket_path, settings.zero.run_id)
+            view = run_view(tuner_socket, settings.zero.run_id)
             if view:
                 print("\n".join(tuner_lines(view)))
             else:
                 from tuner.service import logfile_for, probe
 
-                if probe(socket_path, timeout_s=1.0) is None:
+                if probe(tuner_socket, timeout_s=1.0) is None:
                     print(
-                        f"tuner: its daemon ({socket_path}) stopped during the run, which went on with the knobs it "
-                        f"had; the daemon's log: {logfile_for(socket_path)}"
+                        f"tuner: its daemon ({tuner_socket}) stopped during the run, which went on with the knobs it "
+                        f"had; the daemon's log: {logfile_for(tuner_socket)}"
                     )
         from integrations.run_dir import recorded_iterations
 

@@ -218,7 +218,7 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
         box=None,
         title_justify="left",
     )
-    rest = (it - ph["update_s"]) if it is not None and ph.get("update_s") is not None else None
+    rest = (it - u) if it is not None and (u := ph.get("update_s")) is not None else None
     phases.add_row("  forward, backward, other", _secs(rest))
     for name, key in (
         ("  update (optimizer step)", "update_s"),
