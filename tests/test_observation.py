@@ -135,12 +135,12 @@ class _OffloadEngine:
     (no telemetry list: the recorder takes each step from its hook)."""
 
     def __init__(self) -> None:
-        import types
-
-        self.swap_paths, self.hooks, self.iteration = types.SimpleNamespace(paths=[]), [], 0
+        self.hooks, self.iteration = [], 0
 
     def describe(self):
         class Plan:
+            path_kinds: dict = {}
+
             def to_dict(self):
                 return {"knobs": {}}
 
