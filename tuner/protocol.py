@@ -23,7 +23,7 @@ import stat
 import struct
 import time
 from enum import IntEnum
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, NoReturn
 
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
@@ -63,7 +63,7 @@ class ProtocolError(OffloadError):
         self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
         self.message = message
 
-    def to_message(self, req_id=None) -> dict:
+    def to_message(self, req_id: int | str | None = None) -> dict[str, Any]:
         return {"v": API_VERSION, "type": "error", "id": req_id, "code": int(self.code), "message": self.message}
 
 
@@ -81,7 +81,7 @@ def _inside(where: str, place: str, e: ProtocolError) -> ProtocolError:
     return ProtocolError(e.code, f"{where}{place}{e.message}")
 
 
-def _fail(where: str, expected: str, value) -> None:
+def _fail(where: str, expected: str, value: object) -> NoReturn:
     shown = repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -97,7 +97,7 @@ SECONDS_MAX = 1e7
 
 
 def Int(lo: int | None = None, hi: int = INT_MAX) -> Spec:
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or v > hi or v < -INT_MAX:
             _fail(where, f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]", v)
         return v
@@ -106,7 +106,7 @@ def Int(lo: int | None = None, hi: int = INT_MAX) -> Spec:
 
 
 def Num(lo: float | None = None, hi: float = NUM_MAX) -> Spec:
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if (
             not isinstance(v, (int, float))
             or isinstance(v, bool)
@@ -123,7 +123,7 @@ def Num(lo: float | None = None, hi: float = NUM_MAX) -> Spec:
 def Str(max_len: int = 256, pattern: str | None = None, min_len: int = 0) -> Spec:
     rx = re.compile(pattern) if pattern else None
 
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if not isinstance(v, str) or not (min_len <= len(v) <= max_len) or (rx and not rx.fullmatch(v)):
             _fail(where, f"a string of {min_len}..{max_len} characters" + (f" matching {pattern}" if rx else ""), v)
         return v
@@ -131,14 +131,14 @@ def Str(max_len: int = 256, pattern: str | None = None, min_len: int = 0) -> Spe
     return check
 
 
-def Bool(v, where):
+def Bool(v: object, where: str) -> object:
     if not isinstance(v, bool):
         _fail(where, "true or false", v)
     return v
 
 
-def Enum(*values) -> Spec:
-    def check(v, where):
+def Enum(*values: str) -> Spec:
+    def check(v: object, where: str) -> object:
         if not isinstance(v, str) or v not in values:
             _fail(where, "one of " + ", ".join(map(repr, values)), v)
         return v
@@ -147,20 +147,20 @@ def Enum(*values) -> Spec:
 
 
 def Opt(spec: Spec) -> Spec:
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         return None if v is None else spec(v, where)
 
     return check
 
 
-def Any_(v, where):
+def Any_(v: object, where: str) -> object:
     return v  # bounded by the frame size; used for opaque values checked elsewhere
 
 
 def Dict(value: Spec, key: Spec | None = None, max_items: int = 256) -> Spec:
     key = key or Str(4096)
 
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if not isinstance(v, dict) or len(v) > max_items:
             _fail(where, f"an object of at most {max_items} entries", v)
         for k, x in v.items():
@@ -178,7 +178,7 @@ def Dict(value: Spec, key: Spec | None = None, max_items: int = 256) -> Spec:
 
 
 def List(item: Spec, max_items: int = 256) -> Spec:
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if not isinstance(v, list) or len(v) > max_items:
             _fail(where, f"a list of at most {max_items} items", v)
         for i, x in enumerate(v):
@@ -195,7 +195,7 @@ def Obj(fields: dict[str, tuple[Spec, bool]], *, extra: bool = False) -> Spec:
     """An object whose ``fields`` map name -> (spec, required); ``extra`` admits other keys."""
     known = frozenset(fields)
 
-    def check(v, where):
+    def check(v: object, where: str) -> object:
         if not isinstance(v, dict):
             _fail(where, "an object", v)
         for name, (spec, required) in fields.items():
@@ -342,7 +342,7 @@ SERVER_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
 }
 
 
-def _request_id(v, where):
+def _request_id(v: object, where: str) -> object:
     if not ((isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and len(v) <= 64)):
         _fail(where, "an integer or a string of at most 64 characters", v)
     return v
@@ -357,7 +357,7 @@ _CHECKERS = {
 }
 
 
-def validate(msg: dict, schemas: dict[str, dict]) -> dict:
+def validate(msg: dict[str, Any], schemas: dict[str, dict[str, tuple[Spec, bool]]]) -> dict[str, Any]:
     """Check ``msg`` (already a dict from :func:`decode`) against its type's schema in
     ``schemas`` (:data:`CLIENT_SCHEMAS` or :data:`SERVER_SCHEMAS`)."""
     kind = msg["type"]
@@ -368,7 +368,7 @@ def validate(msg: dict, schemas: dict[str, dict]) -> dict:
     return msg
 
 
-def knobs_from_dict(d: dict):
+def knobs_from_dict(d: Mapping[str, Any]) -> Knobs:
     """``engine.Knobs`` from a schema-checked dict; a value out of range is BAD_VALUE."""
     try:
         return Knobs.from_dict(d)
@@ -379,11 +379,11 @@ def knobs_from_dict(d: dict):
 # -- framing -------------------------------------------------------------------------------------
 
 
-def _no_constants(name: str):
+def _no_constants(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def encode(msg: dict, max_frame: int = MAX_FRAME_BYTES) -> bytes:
+def encode(msg: Mapping[str, Any], max_frame: int = MAX_FRAME_BYTES) -> bytes:
     """One frame. Raises ProtocolError(TOO_LARGE) above ``max_frame``, ValueError on NaN."""
     body = json.dumps(msg, separators=(",", ":"), allow_nan=False).encode()
     if len(body) > max_frame:
@@ -399,7 +399,7 @@ def check_length(n: int, max_frame: int = MAX_FRAME_BYTES) -> None:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {n} bytes exceeds the {max_frame}-byte limit")
 
 
-def decode(body: bytes) -> dict:
+def decode(body: bytes) -> dict[str, Any]:
     """Parse one frame body into a message with ``v`` and ``type`` (its schema is not checked)."""
     try:
         msg = json.loads(body.decode("utf-8"), parse_constant=_no_constants)
@@ -424,7 +424,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> dict:
+def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> dict[str, Any]:
     """Read one frame from a blocking socket (its timeout applies to each read)."""
     (n,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
     check_length(n, max_frame)
@@ -438,7 +438,7 @@ class FrameBuffer:
         self.buf = bytearray()
         self.max_frame = max_frame
 
-    def feed(self, data: bytes) -> list[dict]:
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
         self.buf += data
         out = []
         while len(self.buf) >= HEADER.size:
@@ -535,7 +535,7 @@ class Connection:
             self.sock.close()
             raise
 
-    def request(self, type: str, **fields) -> dict:
+    def request(self, type: str, **fields: Any) -> dict[str, Any]:
         self._next_id += 1
         rid = self._next_id
         self.sock.sendall(encode({"v": API_VERSION, "type": type, "id": rid, **fields}))
@@ -555,5 +555,5 @@ class Connection:
     def __enter__(self) -> "Connection":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
