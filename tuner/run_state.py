@@ -10,10 +10,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Mapping, Sequence, TypedDict
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from engine.telemetry import StepRecord
 from tuner.knob_text import KnobKey, Pins
 
 log = logging.getLogger("offloadctl.tuner")
@@ -52,11 +53,11 @@ class RunFacts:
     """Per path of the run, how its probed rate answered twice and half its concurrency (``EngineFacts``)."""
 
     @classmethod
-    def from_register(cls, msg: dict) -> "RunFacts":
+    def from_register(cls, msg: dict[str, Any]) -> "RunFacts":
         """The facts of a validated register message. A pin the run cannot have (a path not its
         own) is left out, with a warning (the engine refused it already)."""
         paths = tuple(msg["paths"])
-        pins = {}
+        pins: dict[str, Any] = {}
         for text, value in msg.get("pins", {}).items():
             try:
                 KnobKey.parse(text, paths)
@@ -84,7 +85,7 @@ class Run:
     facts: RunFacts
     knobs: Knobs
     """The run's knobs: the latest change pushed (in force once its ``apply_at`` is reached)."""
-    knobs_dict: dict = field(default_factory=dict)  # knobs.to_dict(), kept up to date: asdict is slow
+    knobs_dict: dict[str, Any] = field(default_factory=dict)  # knobs.to_dict(), kept up to date: asdict is slow
     policy: Any = None
     sensors: Any = None
     ranks: dict[int, Rank] = field(default_factory=dict)
@@ -97,31 +98,31 @@ class Run:
     reason: str = ""  # of the latest change
     max_iteration: int = -1  # furthest iteration any rank reported (or registered at)
     last_observed: int = -1  # latest iteration given to the policy
-    pending: dict[int, dict[int, dict]] = field(default_factory=dict)  # iteration -> rank -> telemetry
+    pending: dict[int, dict[int, tuple[StepRecord, float | None]]] = field(default_factory=dict)  # iteration -> rank -> telemetry
     frozen: bool = False
     own_pins: Pins = field(default_factory=Pins)
     """The user's pins while the run has no working policy; a working one holds them (:meth:`pins`)."""
     headroom: dict[int, int | None] = field(default_factory=dict)
     error: str | None = None  # an event to pass with the next observation
     policy_error: str | None = None
-    in_force: dict | None = None  # knobs of the latest observed iteration, as the engines report them
+    in_force: dict[str, Any] | None = None  # knobs of the latest observed iteration, as the engines report them
     in_force_since: int = 0  # first iteration observed under them
     start_change: tuple[Knobs, str, str] | None = None  # (knobs, reason, source): pushed once all ranks registered
-    start_knobs: dict = field(default_factory=dict)
+    start_knobs: dict[str, Any] = field(default_factory=dict)
     """The knobs the run registered with (its own options, plan and probe): where its changes start."""
     changed_by: dict[str, str] = field(default_factory=dict)
     """Who last changed each knob (``flat_knobs`` key): 'history', 'policy' or 'user'."""
-    start_from: dict | None = None
+    start_from: dict[str, Any] | None = None
     """The history's start: ``{"run_id": the earlier run, "knobs": {key: value it set}}``."""
-    history: deque = field(default_factory=deque)  # (iteration, iter_time_s, update_s)
-    phases: dict = field(default_factory=dict)
-    bandwidth: dict = field(default_factory=dict)
-    sensor_sample: dict | None = None
-    sensor_bytes: dict = field(default_factory=dict)  # our bytes per path since the last sample
+    history: deque[tuple[int, float | None, float]] = field(default_factory=deque)  # (iteration, iter_time_s, update_s)
+    phases: dict[str, float | None] = field(default_factory=dict)
+    bandwidth: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    sensor_sample: dict[str, Any] | None = None
+    sensor_bytes: dict[str, int] = field(default_factory=dict)  # our bytes per path since the last sample
     sensor_at: float = 0.0
     summary_at: float = 0.0
-    decisions: deque = field(default_factory=lambda: deque(maxlen=200))
-    events: deque = field(default_factory=lambda: deque(maxlen=100))
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=100))
     applied: dict[int, dict[int, int]] = field(default_factory=dict)  # seq -> rank -> iteration applied
 
     def __post_init__(self) -> None:
@@ -185,14 +186,14 @@ class _CompactView(TypedDict):
     """``Knobs.to_dict()`` of the latest change pushed ({} in the compact view)."""
     pins: dict[str, Any]
     frozen: bool
-    policy: dict | None
+    policy: dict[str, Any] | None
     """The policy's own state (``Policy.state()``)."""
-    history: dict[str, list]
+    history: dict[str, list[float | None]]
     paths: list[str]
-    decisions: list[dict]
-    events: list[dict]
-    phases: dict[str, Any]
-    bandwidth: dict[str, dict]
+    decisions: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    phases: dict[str, float | None]
+    bandwidth: dict[str, dict[str, float | None]]
 
 
 class RunView(_CompactView, total=False):
@@ -208,12 +209,12 @@ class RunView(_CompactView, total=False):
     started_at: float
     ended_at: float | None
     rank_iterations: dict[str, int]
-    sensors: dict | None
+    sensors: dict[str, Any] | None
     applied: dict[str, dict[str, int]]
     policy_error: str | None
     start_knobs: dict[str, Any]
     changed_by: dict[str, str]
-    start_from: dict | None
+    start_from: dict[str, Any] | None
 
 
 def encodable_view(run: Run, history: int, share: int) -> tuple[RunView, int]:
@@ -228,7 +229,7 @@ def encodable_view(run: Run, history: int, share: int) -> tuple[RunView, int]:
     except (TypeError, ValueError, OverflowError, RecursionError) as e:
         why = f"view could not be encoded ({e})"
         log.error("run %s: %s", run.run_id, why)
-    view: RunView = {
+    view = {
         "run_id": run.run_id,
         "status": run.status,
         "ranks": run.facts.ranks,
@@ -303,7 +304,9 @@ def run_outcome(status: str, stopped_by: str | None) -> str:
     return status
 
 
-def tuner_activity(policy: dict | None, *, frozen: bool, policy_error: str | None, decisions) -> Activity:
+def tuner_activity(
+    policy: Mapping[str, Any] | None, *, frozen: bool, policy_error: str | None, decisions: Sequence[Mapping[str, Any]]
+) -> Activity:
     """What the tuner does with a run, or concluded at its end, for the CLI to word, from the
     policy's state, the run's freeze and policy error, and its decisions."""
     policy = policy or {}
@@ -324,7 +327,7 @@ def tuner_activity(policy: dict | None, *, frozen: bool, policy_error: str | Non
     }
 
 
-def _policy_state(run: Run) -> dict | None:
+def _policy_state(run: Run) -> dict[str, Any] | None:
     state = getattr(run.policy, "state", None)
     try:
         return state() if callable(state) else None

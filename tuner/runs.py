@@ -23,27 +23,35 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from engine.config import Knobs
 from engine.telemetry import StepRecord
 from tuner.controls import UserControls, check_knobs_for
 from tuner.daemon_config import ServerConfig
+from tuner.history import History
 from tuner.knob_text import Pins, changed_knobs, split_key
-from tuner.observation import Observation
+from tuner.observation import Decision, Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
-from tuner.run_state import Rank, Run, RunFacts, encodable_view
+from tuner.run_state import Rank, Run, RunFacts, RunView, encodable_view
+
+if TYPE_CHECKING:  # imported when first used: a daemon given its own factories never loads them
+    from tuner.policy import Policy
+    from tuner.sensors import Sensors
 
 log = logging.getLogger("offloadctl.tuner")
+PolicyFactory = Callable[[Knobs, RunFacts], Any]  # a run's policy (Run.policy: duck-typed)
+SensorsFactory = Callable[[list[str]], Any]  # a run's sensors, from its paths
+Handler = Callable[[Any, dict[str, Any]], dict[str, Any] | None]  # handler(peer, msg) -> the reply's body, or None
 
 
-def _default_policy_factory(start: Knobs, facts: RunFacts):
+def _default_policy_factory(start: Knobs, facts: RunFacts) -> Policy:
     from tuner.policy import Policy
 
     return Policy.for_run(start, facts)
 
 
-def _default_sensors_factory(paths):
+def _default_sensors_factory(paths: list[str]) -> Sensors:
     from tuner.sensors import Sensors
 
     return Sensors(paths)
@@ -63,9 +71,9 @@ class Runs:
         self,
         config: ServerConfig,
         *,
-        policy_factory: Callable | None = None,
-        sensors_factory: Callable | None | bool = None,
-        history=None,
+        policy_factory: PolicyFactory | None = None,
+        sensors_factory: SensorsFactory | Literal[False] | None = None,
+        history: History | None = None,
         on_end: Callable[[Run], None] | None = None,
     ) -> None:
         self.config = config
@@ -76,13 +84,13 @@ class Runs:
         self.history = history
         self.runs: dict[str, Run] = {}
         self._peer_ranks: dict[Any, set[tuple[str, int]]] = {}  # peer -> (run_id, rank) registered on it
-        self._outbox: list[tuple[Any, dict]] = []
+        self._outbox: list[tuple[Any, dict[str, Any]]] = []
         self.controls = UserControls(self.runs, history, self._change)
         """The CLI's pin, unpin and freeze."""
 
     # -- for the transport -------------------------------------------------------------------
 
-    def handlers(self) -> dict[str, Callable[[Any, dict], dict | None]]:
+    def handlers(self) -> dict[str, Handler]:
         """The message types this object answers, as ``handler(peer, msg)``."""
         return {
             "register": self.register,
@@ -95,12 +103,12 @@ class Runs:
             "freeze": lambda peer, msg: self.controls.freeze(msg),
         }
 
-    def take_outbox(self) -> list[tuple[Any, dict]]:
+    def take_outbox(self) -> list[tuple[Any, dict[str, Any]]]:
         """The (peer, message) pairs queued since the last call, in order: the caller sends them."""
         out, self._outbox = self._outbox, []
         return out
 
-    def _push(self, peer, msg: dict) -> None:
+    def _push(self, peer: Any, msg: dict[str, Any]) -> None:
         self._outbox.append((peer, msg))
 
     def any_running(self) -> bool:
@@ -112,13 +120,13 @@ class Runs:
             # A run that never reported an iteration has nothing to show or to resume: it
             # goes after a minute (clients that only register must not pile up).
             keep = self.config.finished_keep_s if run.max_iteration >= 0 else min(60.0, self.config.finished_keep_s)
-            if run.status != "running" and now - (run.ended_at or now) > keep:
+            if run.status != "running" and (idle := now - (run.ended_at or now)) > keep:
                 if run.status == "disconnected":
-                    log.info("run %s: no rank came back in %.0f s; forgetting it", run.run_id, now - run.ended_at)
+                    log.info("run %s: no rank came back in %.0f s; forgetting it", run.run_id, idle)
                 del self.runs[run.run_id]
                 run.close_sensors()
 
-    def detach(self, peer) -> None:
+    def detach(self, peer: Any) -> None:
         """A connection ended: its ranks are gone until they register again."""
         for run_id, r in self._peer_ranks.pop(peer, set()):
             run = self.runs.get(run_id)
@@ -129,7 +137,7 @@ class Runs:
 
     # -- engine messages ---------------------------------------------------------------------
 
-    def register(self, peer, msg: dict) -> dict:
+    def register(self, peer: Any, msg: dict[str, Any]) -> dict[str, Any]:
         run_id, rank, world = msg["run_id"], msg["rank"], msg["world_size"]
         if rank >= world:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"rank {rank} is not below world_size {world}")
@@ -155,7 +163,7 @@ class Runs:
             self._change(run, start, reason, source=source)
             return reply
         if knobs != run.knobs:
-            if run.seq and run.apply_at > run.max_iteration:
+            if run.apply_at is not None and run.apply_at > run.max_iteration:
                 # A change no rank has reached yet: this rank takes it at the same iteration as the others.
                 self._push(peer, self._knobs_message(run))
             else:
@@ -171,7 +179,7 @@ class Runs:
                 )
         return reply
 
-    def _attach(self, run: Run, rank: int, peer, msg: dict) -> None:
+    def _attach(self, run: Run, rank: int, peer: Any, msg: dict[str, Any]) -> None:
         """``rank`` of ``run`` is on ``peer`` now (a first registration or a reconnect)."""
         old = run.ranks.get(rank)
         if old is not None and old.peer is not None and old.peer is not peer:
@@ -184,7 +192,7 @@ class Runs:
         self._peer_ranks.setdefault(peer, set()).add((run.run_id, rank))
         log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.facts.ranks, getattr(peer, "pid", None))
 
-    def _new_run(self, msg: dict, knobs: Knobs, paths: tuple[str, ...]) -> Run:
+    def _new_run(self, msg: dict[str, Any], knobs: Knobs, paths: tuple[str, ...]) -> Run:
         self._make_room(msg["run_id"])
         run = Run(
             run_id=msg["run_id"], facts=RunFacts.from_register(msg), knobs=knobs, history=deque(maxlen=self.config.history_points)
@@ -204,7 +212,7 @@ class Runs:
                 log.warning("run %s: no sensors: %s", run.run_id, e)
         run.sensor_at = time.monotonic()
         log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
-        if from_history is not None:  # pushed once every rank is here to take it at the same iteration
+        if from_history is not None and run.start_from is not None:  # pushed once every rank is here to take it at once
             said = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in run.start_from["knobs"].items())
             run.start_change = (
                 from_history,
@@ -264,7 +272,7 @@ class Runs:
         }
         return start
 
-    def _rank_of(self, peer, msg: dict) -> tuple[Run, Rank]:
+    def _rank_of(self, peer: Any, msg: dict[str, Any]) -> tuple[Run, Rank]:
         key = (msg["run_id"], msg["rank"])
         run = self.runs.get(key[0])
         if key not in self._peer_ranks.get(peer, ()) or run is None:
@@ -273,7 +281,7 @@ class Runs:
             )
         return run, run.ranks[key[1]]
 
-    def telemetry(self, peer, msg: dict) -> None:
+    def telemetry(self, peer: Any, msg: dict[str, Any]) -> None:
         run, rank = self._rank_of(peer, msg)
         i = msg["iteration"]
         rank.iteration = max(rank.iteration, i)
@@ -287,13 +295,13 @@ class Runs:
         run.pending.setdefault(i, {})[msg["rank"]] = (StepRecord.from_dict(msg["record"]), msg.get("iter_time_s"))
         self._aggregate_ready(run)
 
-    def event(self, peer, msg: dict) -> None:
+    def event(self, peer: Any, msg: dict[str, Any]) -> None:
         run, _ = self._rank_of(peer, msg)
         run.error = msg["kind"] if msg["kind"] == "oom" else msg["message"]
         run.events.append({"time": time.time(), "rank": msg["rank"], "kind": msg["kind"], "message": msg["message"]})
         log.warning("run %s rank %d: %s: %s", run.run_id, msg["rank"], msg["kind"], msg["message"])
 
-    def applied(self, peer, msg: dict) -> None:
+    def applied(self, peer: Any, msg: dict[str, Any]) -> None:
         run, _ = self._rank_of(peer, msg)
         run.applied.setdefault(msg["seq"], {})[msg["rank"]] = msg["iteration"]
         while len(run.applied) > 64:
@@ -316,7 +324,7 @@ class Runs:
                 }
             )
 
-    def bye(self, peer, msg: dict) -> None:
+    def bye(self, peer: Any, msg: dict[str, Any]) -> None:
         run, rank = self._rank_of(peer, msg)
         rank.bye = True
         rank.stopped_by = msg.get("stopped_by")
@@ -434,8 +442,8 @@ class Runs:
         headrooms = [h for h in run.headroom.values() if h is not None]
         # The knobs this iteration ran under; when ranks disagree (a late change), the odd one,
         # so that the policy does not take the mix for a measurement of its knobs.
-        in_force = [r.knobs for r in recs if r.knobs]
-        in_force = next((k for k in in_force if k != run.knobs_dict), in_force[0] if in_force else None)
+        reported = [r.knobs for r in recs if r.knobs]
+        in_force = next((k for k in reported if k != run.knobs_dict), reported[0] if reported else None)
         obs = Observation.from_records(
             recs,
             iter_times_s=[t for _, t in reports if t is not None],
@@ -486,7 +494,7 @@ class Runs:
             log.warning("run %s: the failed policy's pins are lost: %s", run.run_id, e)
         run.policy_error = error
 
-    def _take_decision(self, run: Run, decision) -> None:
+    def _take_decision(self, run: Run, decision: Decision | None) -> None:
         """Push the policy's decision, unless it is none, no change, or knobs a rank would refuse."""
         if decision is None:
             return
@@ -556,7 +564,7 @@ class Runs:
                 self._push(r.peer, msg)
 
     @staticmethod
-    def _knobs_message(run: Run) -> dict:
+    def _knobs_message(run: Run) -> dict[str, Any]:
         return {
             "v": API_VERSION,
             "type": "knobs",
@@ -569,7 +577,7 @@ class Runs:
 
     # -- views -------------------------------------------------------------------------------
 
-    def views(self, run_id: str | None, history: int, budget: int) -> tuple[list[dict], list[str]]:
+    def views(self, run_id: str | None, history: int, budget: int) -> tuple[list[RunView], list[str]]:
         """Views of every run (or of ``run_id``) within ``budget`` encoded bytes, and the ids of
         those left out. A run whose view cannot be encoded or is too large for its share comes
         as a compact view; one run never breaks the answer for the others."""
