@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from tuner.history import History
 from tuner.knob_text import Pins
 from tuner.protocol import KNOBS, ErrorCode, ProtocolError
 from tuner.run_state import Run
@@ -25,7 +26,7 @@ from tuner.run_state import Run
 log = logging.getLogger("offloadctl.tuner")
 
 
-def check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
+def check_knobs_for(knobs: Knobs, paths: Sequence[str], has_device: bool) -> None:
     """``Knobs.check_for`` and the wire's schema of knobs, as the protocol's BAD_VALUE: no rank
     refuses a change the daemon pushes."""
     try:
@@ -38,7 +39,7 @@ def check_knobs_for(knobs: Knobs, paths, has_device: bool) -> None:
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{e.message}, the protocol's bound that every rank checks") from None
 
 
-def _pinned(run: Run, pins: dict, knobs: Knobs) -> tuple[Pins, Knobs]:
+def _pinned(run: Run, pins: Mapping[str, Any], knobs: Knobs) -> tuple[Pins, Knobs]:
     """``pins`` (knob text -> value, as a user gives them) set on ``knobs`` and checked, with
     nothing of ``run`` changed: ConfigError, TypeError or ProtocolError (BAD_VALUE) on the first
     that cannot be."""
@@ -55,12 +56,12 @@ class UserControls:
     the controls are saved, or None) and ``change(run, knobs, reason, source=)``, which pushes
     knobs to every rank of a run (``Runs._change``)."""
 
-    def __init__(self, runs: dict[str, Run], history, change: Callable[..., None]) -> None:
+    def __init__(self, runs: dict[str, Run], history: History | None, change: Callable[..., None]) -> None:
         self.runs = runs
         self.history = history
         self._change = change
 
-    def _run_for_cli(self, msg: dict) -> Run:
+    def _run_for_cli(self, msg: dict[str, Any]) -> Run:
         run = self.runs.get(msg["run_id"])
         if run is None:
             raise ProtocolError(
@@ -70,7 +71,7 @@ class UserControls:
             raise ProtocolError(ErrorCode.UNKNOWN_RUN, f"run {run.run_id} has finished")
         return run
 
-    def pin(self, msg: dict) -> dict:
+    def pin(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
         knob, value = msg["knob"], msg["value"]
         try:
@@ -87,7 +88,7 @@ class UserControls:
         self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
-    def unpin(self, msg: dict) -> dict:
+    def unpin(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
         knob = msg["knob"]
         try:
@@ -101,7 +102,7 @@ class UserControls:
         self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
 
-    def freeze(self, msg: dict) -> dict:
+    def freeze(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
         run.frozen = msg["frozen"]
         knobs = run.knobs

@@ -19,7 +19,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -81,7 +81,7 @@ class WarmStart:
     """When that run ended (Unix time)."""
 
 
-def profile_key(profile) -> str:
+def profile_key(profile: object) -> str:
     """A profile's identity in the database: its name (a ``Profile`` or a string), '' for none."""
     if profile is None:
         return ""
@@ -153,7 +153,7 @@ class History:
     def record_run(
         self,
         run_id: str,
-        profile,
+        profile: object,
         params: int,
         ranks: int,
         knobs: Knobs,
@@ -197,7 +197,7 @@ class History:
                 ),
             )
 
-    def save_controls(self, run_id: str, pins: dict, frozen: bool) -> None:
+    def save_controls(self, run_id: str, pins: Mapping[str, Any], frozen: bool) -> None:
         """Remember ``run_id``'s pins and freeze (a restarted daemon puts them back)."""
         with self._lock, self._db:
             self._db.execute(
@@ -206,7 +206,7 @@ class History:
                 (run_id, json.dumps(pins, sort_keys=True), int(bool(frozen)), time.time()),
             )
 
-    def controls(self, run_id: str) -> tuple[dict, bool] | None:
+    def controls(self, run_id: str) -> tuple[dict[str, Any], bool] | None:
         """``(pins, frozen)`` saved for ``run_id``, or None."""
         with self._lock:
             row = self._db.execute("SELECT pins, frozen FROM controls WHERE run_id = ?", (run_id,)).fetchone()
@@ -236,7 +236,7 @@ class History:
                 ),
             )
 
-    def warm_start(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> WarmStart | None:
+    def warm_start(self, profile: object, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> WarmStart | None:
         """The tuner's latest verdict for a run like this one: same profile, same ranks, params
         within 2x, a run that finished with an iteration time and knobs the tuner chose; with
         ``paths``, runs on exactly these paths first, and only entries for those paths kept.
@@ -266,12 +266,12 @@ class History:
             knobs = knobs.replace(io_concurrency=conc, stripe_weights=weights)
         return WarmStart(run_id=run_id, knobs=knobs, learned=learned, updated_s=updated) if learned else None
 
-    def best_knobs(self, profile, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> Knobs | None:
+    def best_knobs(self, profile: object, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> Knobs | None:
         """The knobs of :meth:`warm_start` (all of them, the tuner's and any others), or None."""
         warm = self.warm_start(profile, params, ranks, paths=paths)
         return warm.knobs if warm is not None else None
 
-    def runs(self) -> list[dict]:
+    def runs(self) -> list[dict[str, Any]]:
         """Every run, newest first."""
         with self._lock:
             rows = self._db.execute(
@@ -300,7 +300,7 @@ class History:
             out.append(d)
         return out
 
-    def summaries(self, run_id: str) -> list[dict]:
+    def summaries(self, run_id: str) -> list[dict[str, Any]]:
         """One run's summaries by iteration."""
         with self._lock:
             rows = self._db.execute(
@@ -318,9 +318,9 @@ class History:
     def __enter__(self) -> "History":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _float_or_none(x) -> float | None:
+def _float_or_none(x: float | None) -> float | None:
     return None if x is None else float(x)

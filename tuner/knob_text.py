@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -130,7 +130,7 @@ def knob_pattern() -> str:
     return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(map(re.escape, Knobs.names()))
 
 
-def read_value(name: str, value, paths: Sequence[str]):
+def read_value(name: str, value: Any, paths: Sequence[str]) -> Any:
     """A user's value for knob ``name``: JSON text read, booleans spelled out, per-path dicts
     checked against the run's paths. The ranges are checked by constructing Knobs."""
     if isinstance(value, str):
@@ -156,7 +156,7 @@ def read_value(name: str, value, paths: Sequence[str]):
     return value
 
 
-def with_value(knobs: Knobs, key: KnobKey, value, paths: Sequence[str], has_device: bool) -> Knobs:
+def with_value(knobs: Knobs, key: KnobKey, value: Any, paths: Sequence[str], has_device: bool) -> Knobs:
     """``knobs`` with ``key`` set to ``value`` (as :func:`read_value` returns it), checked for
     the run (:meth:`Knobs.check_for`). ConfigError naming the knob on bad input."""
     if key.name == "io_concurrency":
@@ -184,7 +184,13 @@ class Pins:
         self._values: dict[KnobKey, Any] = {}
 
     def pin(
-        self, text: str, value, knobs: Knobs, paths: Sequence[str], has_device: bool, check=None
+        self,
+        text: str,
+        value: Any,
+        knobs: Knobs,
+        paths: Sequence[str],
+        has_device: bool,
+        check: Callable[[KnobKey, Knobs], None] | None = None,
     ) -> tuple[KnobKey, Any, Knobs]:
         """Pin knob ``text`` at ``value`` (as a user gives it). Returns the key, the value read
         and ``knobs`` with it set; ``check(key, new_knobs)`` may refuse (ConfigError) before
