@@ -95,7 +95,7 @@ class Conditions:
     def __init__(self, paths: Sequence[str], cfg: PolicyConfig) -> None:
         self.cfg = cfg
         self.paths = list(paths)
-        self._refs: dict[tuple[str, str], dict[tuple | None, _Reference]] = {(p, d): {} for p in self.paths for d in _DIRECTIONS}
+        self._refs: dict[tuple[str, str], dict[IoKey | None, _Reference]] = {(p, d): {} for p in self.paths for d in _DIRECTIONS}
         self._now: dict[tuple[str, str], float] = {}
 
     def rates(self) -> dict[str, float]:
@@ -103,7 +103,7 @@ class Conditions:
         direction not measured yet is taken to run at the other's rate."""
         out = {}
         for p in self.paths:
-            r, w = self._now.get((p, "reads")), self._now.get((p, "writes"))
+            r, w = self._now.get((p, "reads"), 0.0), self._now.get((p, "writes"), 0.0)
             if r or w:
                 out[p] = round_trip_rate(r or w, w or r)
         return out
@@ -136,8 +136,8 @@ class Conditions:
             # weighs) moved beyond the band too, from the references that changed. A direction
             # that moved less than that (a lightly loaded path's writes read faster than its cap)
             # becomes its new reference silently.
-            old = {d: moved[d][0] if d in moved else self._now.get((p, d)) for d in _DIRECTIONS}
-            new = {d: self._now.get((p, d)) for d in _DIRECTIONS}
+            old = {d: moved[d][0] if d in moved else self._now.get((p, d), 0.0) for d in _DIRECTIONS}
+            new = {d: self._now.get((p, d), 0.0) for d in _DIRECTIONS}
             before, after = (round_trip_rate(r["reads"] or r["writes"], r["writes"] or r["reads"]) for r in (old, new))
             if not (before > 0 and after > 0 and abs(math.log(after / before)) > math.log1p(self.cfg.rate_change)):
                 continue
@@ -190,9 +190,10 @@ def io_time(shares: Mapping[str, float], rates: Mapping[str, float]) -> float:
 
 
 _DIRECTIONS = ("reads", "writes")
+IoKey = tuple[int, bool, int, tuple[tuple[str, float], ...]]  # the knobs that move a path's rate, as _io_key reads them
 
 
-def _io_key(k: Knobs, path: str) -> tuple:
+def _io_key(k: Knobs, path: str) -> IoKey:
     return k.concurrency_for(path), k.node_lock, k.prefetch_depth, tuple(sorted(k.stripe_weights.items()))
 
 

@@ -120,8 +120,8 @@ class Ledger:
         self.kept_total += 1
         self.reverts = 0
         self.last_kept = move.key
-        if move.key.opposite() is not None:
-            self.failed_moves.add(move.key.opposite())  # undoing a gain is pointless
+        if (opposite := move.key.opposite()) is not None:
+            self.failed_moves.add(opposite)  # undoing a gain is pointless
 
     def reverted(self, move: Move) -> None:
         self.failed_moves.add(move.key)

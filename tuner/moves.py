@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from statistics import median
-from typing import AbstractSet, Literal, Mapping, Sequence
+from typing import AbstractSet, Literal, Mapping, Sequence, TypedDict, cast
 
 from engine.config import Knobs
 from tuner.conditions import io_time
@@ -43,8 +43,8 @@ class MoveKey:
     @classmethod
     def parse(cls, text: str) -> "MoveKey":
         if text in ("start", "return", "model"):
-            return cls(plan=text)
-        step = text[-1] if text[-1:] in ("+", "-") else ""
+            return cls(plan=cast(Plan, text))
+        step: Step = "+" if text.endswith("+") else "-" if text.endswith("-") else ""
         return cls(KnobKey(*split_key(text[:-1] if step else text)), step)
 
     def family(self) -> "MoveKey":
@@ -125,6 +125,14 @@ class SearchState:
     half its concurrency (``EngineFacts.path_depth_response``)."""
 
 
+class BaselineStats(TypedDict, total=False):
+    """:meth:`MoveSearch.stats`: each phase's share of the update, each path's share of the bytes ({} without samples)."""
+
+    read_share: float
+    write_share: float
+    shares: dict[str, float]
+
+
 class MoveSearch:
     """The moves worth trying from the good knobs, ranked, for one run's policy.
 
@@ -159,7 +167,7 @@ class MoveSearch:
     def _pinned(self, name: str, path: str | None = None) -> bool:
         return self._pins.covers(name, path)
 
-    def stats(self, baseline: Sequence[Sample]) -> dict:
+    def stats(self, baseline: Sequence[Sample]) -> BaselineStats:
         """Medians over the baseline: where the update time goes, and each path's share of bytes."""
         b = baseline[-5:]
         if not b:
@@ -328,11 +336,10 @@ class MoveSearch:
         the paths' balance at those rates says may shorten their time (a step away from a
         balanced stripe only unbalances it: no trial spent on it), but away from a contended path."""
         out: list[tuple[float, Move]] = []
-        if len(self.paths) > 1 and not self._pinned("stripe_weights"):
-            w = self.weights_of(k, shares)
-            known = w is not None and set(rates) == set(self.paths)
+        if len(self.paths) > 1 and not self._pinned("stripe_weights") and (w := self.weights_of(k, shares)):
+            known = set(rates) == set(self.paths)
             for p in self.paths:
-                new = self._shift_away(w, p) if w else None
+                new = self._shift_away(w, p)
                 # A contended path's rate moves with our share of its queue: no prediction holds.
                 if new is None or (known and p not in self._contended and io_time(new, rates) >= io_time(w, rates)):
                     continue
@@ -476,8 +483,8 @@ class MoveSearch:
             d, t = k.prefetch_depth, target.prefetch_depth
             out = out.replace(prefetch_depth=min(d + max(-2, min(2, t - d)), max(d, self._limits.prefetch_cap())))
         if not self._pinned("device_fraction"):
-            f, t = k.device_fraction, target.device_fraction
-            f2 = round(f + max(-self.cfg.device_step, min(self.cfg.device_step, t - f)), 6)
+            f, to = k.device_fraction, target.device_fraction
+            f2 = round(f + max(-self.cfg.device_step, min(self.cfg.device_step, to - f)), 6)
             if f2 <= f or (f2 <= self._limits.device_cap and self._limits.device_fits(f2)):  # the headroom may have shrunk since
                 out = out.replace(device_fraction=f2)
         conc = dict(out.io_concurrency)

@@ -75,7 +75,7 @@ class Observation:
     so it is taken out of the iteration time a move is judged on."""
 
     @classmethod
-    def from_records(cls, records: Sequence[StepRecord], *, iter_times_s: Sequence[float] = (), **context) -> "Observation":
+    def from_records(cls, records: Sequence[StepRecord], *, iter_times_s: Sequence[float] = (), **context: Any) -> "Observation":
         """One iteration from its ranks' records: the phases' times are the slowest rank's (the
         iteration waits for it), the bytes/s per path the sum over ranks. ``context``: what the
         records do not carry (others' traffic, headroom, error, the knobs in force)."""

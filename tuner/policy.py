@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from statistics import median as _median
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
@@ -25,6 +25,10 @@ from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Tri
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
 from tuner.start_plan import known_paths, model_start
+
+if TYPE_CHECKING:
+    from perf.profile import Profile
+    from tuner.run_state import RunFacts
 
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 
@@ -46,7 +50,7 @@ class Policy:
         has_device: bool,
         subgroup_bytes: int,
         device_headroom_bytes: int | None = None,
-        profile=None,
+        profile: str | Profile | None = None,
         params: int = 0,
         ranks: int = 1,
         pins: Mapping[str, Any] | None = None,
@@ -66,7 +70,7 @@ class Policy:
         self.subgroup_bytes = subgroup_bytes
         self.params = int(params or 0)
         self.ranks = ranks
-        self.log: list[dict] = []
+        self.log: list[dict[str, Any]] = []
         self._device_headroom_bytes = device_headroom_bytes
         self._iteration = -1
         self._pins = Pins()
@@ -137,7 +141,7 @@ class Policy:
                 self._own_start, self._unannounced = start, m.note
 
     @classmethod
-    def for_run(cls, start: Knobs, facts, config: PolicyConfig | None = None) -> "Policy":
+    def for_run(cls, start: Knobs, facts: RunFacts, config: PolicyConfig | None = None) -> "Policy":
         """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
         return cls(
             start,
@@ -170,7 +174,7 @@ class Policy:
         """The user's pins, as the wire spells them: ``{'io_concurrency[/nvme0]': 8, ...}``."""
         return self._pins.as_dict()
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """What the policy is doing, for snapshots and the live view; ``holding_reason`` only
         while it holds, so that it never contradicts ``mode``."""
         mode = (
@@ -232,8 +236,8 @@ class Policy:
             return None
         if s is None:
             return None  # no usable figure (a rank sent garbage, or nothing was updated)
-        if self._ledger.trial is not None:
-            return self._rule_on_trial(s)
+        if (trial := self._ledger.trial) is not None:
+            return self._rule_on_trial(trial, s)
         if self._adapt.check_stripe():
             d = self._model_move(
                 "the stripe does not match the paths' measured rates", list(self._ledger.baseline[-2:]) + [s], quiet=True
@@ -258,7 +262,7 @@ class Policy:
             return None
         return self._propose("")
 
-    def pin(self, knob: str, value) -> None:
+    def pin(self, knob: str, value: Any) -> None:
         """Fix ``knob`` (a Knobs field, or ``io_concurrency[PATH]``) at ``value``; never searched."""
 
         def device_fits(key: KnobKey, new: Knobs) -> None:
@@ -398,10 +402,9 @@ class Policy:
         why = self._search.why(move, self._ledger.baseline)
         return self._decide(move.knobs, f"{prefix}trying {move.what}{why}", "trial")
 
-    def _rule_on_trial(self, s: Sample) -> Decision | None:
-        """The ledger's ruling on the trial, once its samples say (:meth:`tuner.ledger.Ledger.rule`):
+    def _rule_on_trial(self, t: Trial, s: Sample) -> Decision | None:
+        """The ledger's ruling on the trial ``t``, once its samples say (:meth:`tuner.ledger.Ledger.rule`):
         keep the move or revert it, and propose the next."""
-        t = self._ledger.trial
         ruling = self._ledger.rule(s, self._noise.threshold(), self.cfg.window)
         if ruling is None:
             return None
@@ -479,7 +482,7 @@ class Policy:
                 f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while holding; re-exploring; "
             )
         every = self.cfg.reexplore_every_iters
-        if every and self._iteration - self._holding_since >= every:
+        if every and self._holding_since is not None and self._iteration - self._holding_since >= every:
             self._ledger.failed_moves.clear()
             self._holding_since = None
             return self._propose(f"{every} iterations since the last move; re-exploring; ")

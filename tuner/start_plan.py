@@ -6,7 +6,7 @@ and logs their notes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.config import Knobs
 from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
@@ -14,6 +14,9 @@ from tuner.guards import Limits
 from tuner.knob_text import Pins
 from tuner.moves import diff
 from tuner.policy_config import PolicyConfig
+
+if TYPE_CHECKING:
+    from perf.profile import Profile
 
 
 def known_paths(k: Knobs, paths: Sequence[str], what: str) -> tuple[Knobs, str | None]:
@@ -40,7 +43,7 @@ class ModelStart:
 
 
 def model_start(
-    profile,
+    profile: str | Profile,
     start: Knobs,
     *,
     cfg: PolicyConfig,
