@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
@@ -43,6 +43,9 @@ from tuner.protocol import (
     recv_message,
     validate,
 )
+
+if TYPE_CHECKING:
+    from engine.core import SubgroupEngine
 
 log = logging.getLogger("offloadctl.tuner.client")
 _stopped_by: str | None = None  # see note_stopped
@@ -81,7 +84,7 @@ class TunerClient:
         params: int,
         paths: Sequence[str],
         knobs: Knobs,
-        profile=None,
+        profile: str | dict[str, Any] | None = None,
         has_device: bool = False,
         device_headroom_bytes: int | None = None,
         subgroup_bytes: int = 0,
@@ -120,9 +123,9 @@ class TunerClient:
         """The knobs in force (as last applied)."""
         self._headroom = device_headroom_bytes
         self._iteration = 0
-        self._engine = None  # the engine whose step hook this client is (for_engine)
-        self._telemetry: deque[dict] = deque(maxlen=queue_size)
-        self._control: deque[dict] = deque(maxlen=64)  # applied and event: never pushed out by telemetry
+        self._engine: SubgroupEngine | None = None  # the engine whose step hook this client is (for_engine)
+        self._telemetry: deque[dict[str, Any]] = deque(maxlen=queue_size)
+        self._control: deque[dict[str, Any]] = deque(maxlen=64)  # applied and event: never pushed out by telemetry
         self._pending: list[_Change] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -136,7 +139,7 @@ class TunerClient:
         self.connects = 0
         """Successful registrations, the first one included."""
         self.last_error: str | None = None
-        self.start_from: dict | None = None
+        self.start_from: dict[str, Any] | None = None
         """What the daemon said at registration of the run's start from history: ``{"run_id": the
         earlier run, "knobs": {knob: value}}``, or None (:meth:`wait_registered`)."""
         self._registered = threading.Event()
@@ -147,7 +150,16 @@ class TunerClient:
 
     @classmethod
     def for_engine(
-        cls, socket_path: str, engine, *, run_id: str, rank: int = 0, world_size: int = 1, profile=None, hook: bool = True, **kw
+        cls,
+        socket_path: str,
+        engine: SubgroupEngine,
+        *,
+        run_id: str,
+        rank: int = 0,
+        world_size: int = 1,
+        profile: str | dict[str, Any] | None = None,
+        hook: bool = True,
+        **kw: Any,
     ) -> "TunerClient":
         """A client for ``engine`` (a ``SubgroupEngine``), from what its ``describe()`` says, and
         (``hook``) registered as its step hook: knob changes applied before each step, telemetry
@@ -177,15 +189,15 @@ class TunerClient:
 
     # -- the engine's step hook (engine.hooks) -------------------------------------------------
 
-    def before_step(self, engine) -> None:
+    def before_step(self, engine: SubgroupEngine) -> None:
         self.apply_pending(engine)  # every rank switches at the same iteration
 
-    def after_step(self, engine, record: StepRecord) -> None:
+    def after_step(self, engine: SubgroupEngine, record: StepRecord) -> None:
         # The iteration is the time between reports (forward and backward included), unless the
         # caller's loop is the step alone (benchmarks driving engines side by side).
         self.report(record, iter_time_s=record.update_s if self.step_is_iteration else None)
 
-    def on_error(self, engine, error: BaseException) -> None:
+    def on_error(self, engine: SubgroupEngine, error: BaseException) -> None:
         self.report_event("oom" if type(error).__name__ == "OutOfMemoryError" else "error", str(error))
 
     # -- the training side (never blocks) ----------------------------------------------------
@@ -226,7 +238,7 @@ class TunerClient:
         )
         self._wake()
 
-    def apply_pending(self, engine) -> Knobs | None:
+    def apply_pending(self, engine: SubgroupEngine) -> Knobs | None:
         """Hand the engine the latest change due at ``engine.iteration`` (the step about to run).
 
         Returns the knobs handed over, or None. A change the engine refuses is reported as an
@@ -267,7 +279,7 @@ class TunerClient:
         """Wait at most ``timeout_s`` for the first registration; whether it happened."""
         return self._registered.wait(timeout_s)
 
-    def pending_changes(self) -> list[dict]:
+    def pending_changes(self) -> list[dict[str, Any]]:
         """Changes received and not yet applied, oldest first: seq, apply_at, knobs, reason."""
         with self._lock:
             return [{"seq": c.seq, "apply_at": c.apply_at, "knobs": c.knobs, "reason": c.reason} for c in self._pending]
@@ -287,7 +299,7 @@ class TunerClient:
     def __enter__(self) -> "TunerClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _wake(self) -> None:
@@ -378,7 +390,7 @@ class TunerClient:
         with self._lock:
             return self._pending[-1].knobs if self._pending else self.knobs
 
-    def _expect(self, sock: socket.socket, kind: str) -> dict:
+    def _expect(self, sock: socket.socket, kind: str) -> dict[str, Any]:
         while True:
             msg = recv_message(sock)
             if msg["type"] == "error":
@@ -403,7 +415,7 @@ class TunerClient:
                 sock.sendall(encode(bye))
                 self._drain_until_eof(sock, frames)
                 return
-            readable, _, _ = select.select([sock, self._wake_r], [], [], 1.0)
+            readable, _, _ = select.select((sock, self._wake_r), [], [], 1.0)
             if self._wake_r in readable:
                 try:
                     os.read(self._wake_r, 4096)
@@ -441,7 +453,7 @@ class TunerClient:
                 continue
             sock.sendall(data)
 
-    def _handle(self, msg: dict) -> None:
+    def _handle(self, msg: dict[str, Any]) -> None:
         try:
             validate(msg, SERVER_SCHEMAS)
             if msg["type"] == "knobs" and msg["run_id"] == self.run_id:

@@ -14,7 +14,8 @@ utilisation, summed (utilisation averaged) over the node's GPUs, with a per-GPU 
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from types import ModuleType
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import psutil
 
@@ -33,7 +34,7 @@ class Sensors:
         psutil.cpu_percent(None)  # the first call only sets the reference point
         self._gpu = _NvmlGpus.open() if gpu else None
 
-    def sample(self, ours_bytes_per_s: Mapping[str, float]) -> dict:
+    def sample(self, ours_bytes_per_s: Mapping[str, float]) -> dict[str, Any]:
         """Rates since the last sample. ``ours_bytes_per_s``: per path, the bytes/s (read plus
         written) that our engines moved there over the same interval."""
         now, disks = time.monotonic(), self._disk_counters()
@@ -78,11 +79,11 @@ class Sensors:
     def __enter__(self) -> "Sensors":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @staticmethod
-    def _disk_counters() -> dict:
+    def _disk_counters() -> dict[str, Any]:
         try:
             return psutil.disk_io_counters(perdisk=True) or {}
         except (OSError, RuntimeError):  # no /proc/diskstats (containers): no disk figures
@@ -99,7 +100,8 @@ def disk_bytes(names: Sequence[str]) -> dict[str, tuple[int, int]]:
     straight from /proc/diskstats for the named devices only (about 40 us, against psutil's
     300 us for every disk): cheap enough to read at every phase boundary of an iteration.
     Devices not listed there are left out; without /proc/diskstats, psutil's counters."""
-    wanted, out = set(names), {}
+    wanted = set(names)
+    out: dict[str, tuple[int, int]] = {}
     if not wanted:
         return out
     try:
@@ -132,15 +134,16 @@ def process_io_bytes() -> tuple[int, int] | None:
 class _NvmlGpus:
     """Every NVIDIA GPU of the node through NVML; None when there is no driver."""
 
-    def __init__(self, nvml, handles) -> None:
+    def __init__(self, nvml: ModuleType, handles: list[object]) -> None:
         self.nvml, self.handles = nvml, handles
 
     @classmethod
     def open(cls) -> "_NvmlGpus | None":
-        opened = open_nvml()
+        # perf.nvml.open_nvml is not annotated (perf/ is checked at mypy's defaults): its type, said here
+        opened = cast("Callable[[], tuple[ModuleType, list[object]] | None]", open_nvml)()
         return None if opened is None else cls(*opened)
 
-    def sample(self) -> dict | None:
+    def sample(self) -> dict[str, Any] | None:
         n = self.nvml
         try:
             devices = []
