@@ -27,11 +27,12 @@ import struct
 import time
 import uuid
 from collections import deque
-from typing import Callable
+from typing import Any, Callable, Coroutine, Literal
 
 from engine.errors import ConfigError
 from engine.version import VERSION
 from tuner.daemon_config import ServerConfig
+from tuner.history import History
 from tuner.protocol import (
     API_VERSION,
     CLIENT_SCHEMAS,
@@ -44,7 +45,8 @@ from tuner.protocol import (
     encode,
     validate,
 )
-from tuner.runs import Runs
+from tuner.run_state import Run
+from tuner.runs import Handler, PolicyFactory, Runs, SensorsFactory
 from tuner.service import pid_alive, private_dir
 
 __all__ = ["ServerConfig", "TunerServer", "bind_socket", "raise_fd_limit", "serve"]
@@ -75,7 +77,7 @@ class _Conn:
         except OSError:
             pass
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict[str, Any]) -> None:
         """Queue ``msg`` without waiting; drop the peer if it stopped reading."""
         if self.closed:
             return
@@ -95,7 +97,7 @@ class _Conn:
             )
             self.abort()
 
-    def error(self, err: ProtocolError, req_id=None) -> None:
+    def error(self, err: ProtocolError, req_id: int | str | None = None) -> None:
         self.send(err.to_message(req_id))
 
     def expire(self, why: str) -> None:
@@ -126,9 +128,9 @@ class TunerServer:
         self,
         config: ServerConfig,
         *,
-        policy_factory: Callable | None = None,
-        sensors_factory: Callable | None | bool = None,
-        history=None,
+        policy_factory: PolicyFactory | None = None,
+        sensors_factory: SensorsFactory | Literal[False] | None = None,
+        history: History | None = None,
     ) -> None:
         self.config = config
         self.runs = Runs(
@@ -139,7 +141,7 @@ class TunerServer:
             on_end=_ended_runs_writer(config.socket_path),
         )
         # Message type -> handler(conn, msg): the daemon's own, then those about runs.
-        self._handlers: dict[str, Callable] = {
+        self._handlers: dict[str, Handler] = {
             "ping": self._on_ping,
             "snapshot": self._on_snapshot,
             "shutdown": self._on_shutdown,
@@ -153,8 +155,8 @@ class TunerServer:
         self._inherited = False
         self.heap: _Heap | None = None  # set by serve(): glibc heap settings of the daemon process
         self._sock_ino: tuple[int, int] | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._conn_tasks: set[asyncio.Task] = set()  # one per connection, waited for at close
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._conn_tasks: set[asyncio.Task[Any]] = set()  # one per connection, waited for at close
         self.messages = 0
         """Messages handled without error."""
         self._handle_s: deque[float] = deque(maxlen=10_000)  # recent handling times, for daemon_view
@@ -188,6 +190,7 @@ class TunerServer:
             self._stop.set()
 
     async def serve_until_stopped(self) -> None:
+        assert self._stop is not None, "start() first"
         await self._stop.wait()
         await self.close()
 
@@ -213,7 +216,7 @@ class TunerServer:
         except FileNotFoundError:
             pass
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -243,6 +246,7 @@ class TunerServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(writer, self)
         task = asyncio.current_task()
+        assert task is not None  # a connection's callback runs as its own task
         self._conn_tasks.add(task)
         try:
             if conn.uid is None or conn.uid not in (os.geteuid(), 0):
@@ -340,7 +344,7 @@ class TunerServer:
             if timer is not None:
                 timer.cancel()
 
-    def _dispatch(self, conn: _Conn, msg: dict) -> None:
+    def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if conn.role is None:
             if kind != "hello":
@@ -383,15 +387,15 @@ class TunerServer:
 
     # -- the daemon's own messages -----------------------------------------------------------
 
-    def _on_ping(self, conn, msg):
+    def _on_ping(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         return {"type": "pong"}
 
-    def _on_shutdown(self, conn: _Conn, msg: dict) -> None:
+    def _on_shutdown(self, conn: _Conn, msg: dict[str, Any]) -> None:
         log.info("shutdown requested by pid %s", conn.pid)
         # Stop after this reply is written.
         asyncio.get_running_loop().call_later(0.05, self.request_stop)
 
-    def _on_snapshot(self, conn: _Conn, msg: dict) -> dict:
+    def _on_snapshot(self, conn: _Conn, msg: dict[str, Any]) -> dict[str, Any]:
         """Every run (or the one asked for), within one frame: a run whose view cannot be encoded
         or is too large for its share comes as a compact view, and runs beyond the frame are
         listed by id in ``omitted`` (ask for one with ``run_id``). One run never breaks the
@@ -403,11 +407,13 @@ class TunerServer:
             out["omitted"] = omitted
         return out
 
-    def daemon_view(self) -> dict:
+    def daemon_view(self) -> dict[str, Any]:
         """The daemon itself; ``handle_ms``: time spent on each of the last 10,000 messages,
         from its frame read to its reply written (queueing in the kernel not included)."""
         recent = sorted(self._handle_s)
-        pct = lambda q: 1e3 * recent[min(len(recent) - 1, int(len(recent) * q))] if recent else None
+        pct: Callable[[float], float | None] = lambda q: (
+            1e3 * recent[min(len(recent) - 1, int(len(recent) * q))] if recent else None
+        )
         return {
             "pid": os.getpid(),
             "api": API_VERSION,
@@ -553,12 +559,12 @@ def bind_socket(path: str) -> socket.socket:
     return sock
 
 
-def _ended_runs_writer(socket_path: str):
+def _ended_runs_writer(socket_path: str) -> Callable[[Run], None]:
     """What :class:`TunerServer` does with a run that ended: its final view goes to
     ``tuner.service.endedfile_for(socket_path)`` (the last 20 runs), where ``offloadctl tune``
     reads how it ended once this daemon is gone."""
 
-    def record(run) -> None:
+    def record(run: Run) -> None:
         import json
 
         from tuner.run_state import encodable_view
@@ -580,9 +586,9 @@ def _ended_runs_writer(socket_path: str):
 def serve(
     config: ServerConfig,
     *,
-    policy_factory=None,
-    sensors_factory=None,
-    history=None,
+    policy_factory: PolicyFactory | None = None,
+    sensors_factory: SensorsFactory | Literal[False] | None = None,
+    history: History | None = None,
     ready: Callable[[TunerServer], None] | None = None,
 ) -> int:
     """Run the daemon in this process until SIGTERM, SIGINT or a ``shutdown`` message."""

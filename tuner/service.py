@@ -25,10 +25,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine.errors import ConfigError
 from tuner.own_files import open_own, shared_dir_problem
 from tuner.protocol import Connection, ProtocolError
+
+if TYPE_CHECKING:
+    from tuner.run_state import RunView
 
 
 def default_socket_path() -> str:
@@ -84,7 +88,7 @@ def unregister_run(entry: str) -> None:
         pass
 
 
-def live_runs() -> list[dict]:
+def live_runs() -> list[dict[str, Any]]:
     """This user's private daemons that are alive, oldest first: ``pid``, ``socket``,
     ``run_dir``, ``started_at``. Entries of daemons that died without removing theirs (SIGKILL,
     a crash) are deleted on the way."""
@@ -125,7 +129,7 @@ def endedfile_for(socket_path: str) -> str:
     return socket_path + ".ended.json"
 
 
-def read_ended(socket_path: str) -> dict:
+def read_ended(socket_path: str) -> dict[str, RunView]:
     """``{run_id: final view}`` of the runs that ended at the daemon of ``socket_path``, oldest
     first; {} when there is no such record (yet)."""
     try:
@@ -155,7 +159,7 @@ def private_dir(path: str) -> str:
     return path
 
 
-def probe(socket_path: str, timeout_s: float = 2.0) -> dict | None:
+def probe(socket_path: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
     """The daemon's ``welcome`` (pid, version, server_id), or None when nothing answers."""
     try:
         with Connection(socket_path, timeout_s=timeout_s) as c:
@@ -164,7 +168,7 @@ def probe(socket_path: str, timeout_s: float = 2.0) -> dict | None:
         return None
 
 
-def status(socket_path: str | None = None) -> dict:
+def status(socket_path: str | None = None) -> dict[str, Any]:
     """Whether a daemon answers at the socket, and what it serves."""
     path = socket_path or default_socket_path()
     out = {"socket": path, "running": False, "pidfile": pidfile_for(path), "log": logfile_for(path)}
@@ -188,7 +192,7 @@ def status(socket_path: str | None = None) -> dict:
     return out
 
 
-def run_view(socket_path: str, run_id: str) -> dict | None:
+def run_view(socket_path: str, run_id: str) -> RunView | None:
     """The daemon's view of one run (``tuner.run_state.run_view``: its knobs, where they
     started, who changed each, the policy's state), for the end of ``offloadctl train``; None
     when the daemon does not answer or knows no such run."""
@@ -207,7 +211,7 @@ def start(
     timeout_s: float = 30.0,
     extra_args: tuple[str, ...] = (),
     owned: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     """Start a detached daemon at the socket (idempotent); return its pid, socket and log.
     ``owned``: a private daemon of this process, which stops when this process is gone, however
     it ends (a parent-death signal, and its own check of this pid)."""
@@ -230,7 +234,7 @@ def start(
             errno.ENOTDIR: "a part of the path is a file",
             errno.EACCES: "permission denied",
             errno.ELOOP: "a symbolic link loop",
-        }.get(e.errno, e.strerror or str(e))
+        }.get(e.errno or 0, e.strerror or str(e))
         raise ConfigError(
             f"tuner socket {path}: cannot make it there ({why}): give --socket a path in a directory you can write"
         ) from None
@@ -294,7 +298,7 @@ def _no_answer(path: str) -> str:
         return " ".join(str(e).split())[:300]
 
 
-def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
+def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict[str, Any]:
     """Ask the daemon to shut down; SIGTERM it if it does not; remove its pidfile."""
     path = os.path.abspath(socket_path or default_socket_path())
     pidfile = pidfile_for(path)
@@ -319,7 +323,9 @@ def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict:
     return {"socket": path, "pid": pid, "was_running": welcome is not None or stopped}
 
 
-def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None, run_id: str | None = None):
+def ensure_daemon(
+    socket_path: str | None = None, *, run_dir: str | None = None, run_id: str | None = None
+) -> tuple[str, Callable[[], None] | None]:
     """``(socket_path, stop)`` for a run: a daemon that answers at ``socket_path`` (default:
     :func:`default_socket_path`) with ``stop=None``, else a private daemon started for this run
     (under ``run_dir``, or a temporary directory when that path is too long for a socket; listed
@@ -327,8 +333,8 @@ def ensure_daemon(socket_path: str | None = None, *, run_dir: str | None = None,
     path = socket_path or default_socket_path()
     if probe(path) is not None:
         return path, None
-    base = os.path.abspath(run_dir) if run_dir else None
-    scratch = base is None or len(os.fsencode(os.path.join(base, "tuner", "tuner.sock"))) >= 100
+    base = os.path.abspath(run_dir) if run_dir else ""
+    scratch = not base or len(os.fsencode(os.path.join(base, "tuner", "tuner.sock"))) >= 100
     if scratch:
         base = tempfile.mkdtemp(prefix="offloadctl-")
     own = os.path.join(private_dir(os.path.join(base, "tuner")), "tuner.sock")
