@@ -268,11 +268,14 @@ def test_one_time_costs_of_a_lane_change_are_not_in_the_measured_step(monkeypatc
     run.engine.set_knobs(run.engine.knobs.replace(device_fraction=1.0))
     rec, _ = run.step()
     assert rec.device_lane_subgroups == len(NUMELS)
-    assert rec.setup_s >= slow * 0.9 and rec.update_s < slow * 0.5
+    # Counted in it, the pins would make the update at least `slow` on top of its own time; so
+    # `slow` itself is the bound that tells the two apart with the most room for a loaded machine
+    # (a bound of half of it failed once with three test runs side by side on 2 cores).
+    assert rec.setup_s >= slow * 0.9 and rec.update_s < slow
     with run.engine.setup_time():  # what an adapter does between steps (device gradient buffers)
         time.sleep(slow)
     rec, _ = run.step()
-    assert rec.setup_s >= slow * 0.9 and rec.fwd_bwd_s < slow * 0.5
+    assert rec.setup_s >= slow * 0.9 and rec.fwd_bwd_s < slow
     run.check_numerics()
     run.engine.close()
 
