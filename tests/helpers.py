@@ -25,6 +25,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PORTS = random.Random()  # seeded from the OS: each process, and each session, draws its own ports
 
 
+def load_bench(name: str):
+    """``bench/NAME.py`` as a module, for its pure parts; ``sys.path`` as it was (the script puts
+    the checkout first on it for itself)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path[:] = saved
+    return mod
+
+
 def free_port() -> str:
     """A TCP port nothing listens on now and no DeepSpeed shm buffer names, for a launcher's
     --master_port: drawn at random from a block of its own per pytest-xdist worker, below the

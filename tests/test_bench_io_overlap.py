@@ -3,26 +3,17 @@ sweep's choice read back (or refused), the sweep's pick and log parsing, and no 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from helpers import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = saved  # the script puts the checkout first on sys.path for itself
-    return mod
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

@@ -3,26 +3,17 @@ order, and the per-phase bytes read back from a recorder's records."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
+from helpers import load_bench
 
 from engine.layout import STATE_BYTES_PER_ELEMENT, host_buffer_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}_under_test", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path[:] = saved
-    return mod
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,18 @@ def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_
         opt.close()
 
 
+def _within_buffers(model, swap_dir, sub: int, buffers: int) -> OffloadAdamW:
+    """An engine whose host budget holds ``buffers`` staging buffers of ``sub`` elements and the copies."""
+    return OffloadAdamW(
+        model.parameters(),
+        nvme_paths=[swap_dir],
+        subgroup_numel=sub,
+        io_backend="posix",
+        host_adam="torch",
+        host_memory_bytes=buffers * host_buffer_bytes(sub) + 4096,
+    )
+
+
 @pytest.mark.parametrize("pinned", [None, 2], ids=["depth-free", "depth-pinned"])
 def test_a_budget_the_start_does_not_fit_is_one_clear_error(swap_dir, pinned):
     model = make_model()
@@ -93,18 +105,10 @@ def test_a_small_budget_starts_at_the_deepest_prefetch_it_holds(swap_dir, caplog
     """Issue 45 item 2: a --host-memory below the default depth's staging starts shallower (one
     line says so) and the updates stay AdamW's; the tuner may go deeper only within the budget."""
     sub = 500
-    buf = host_buffer_bytes(sub)
     model, ref = make_model(), make_model()
     # Staging for depth 1 (5 buffers) and the copies, not for depth 2 (7).
     with caplog.at_level(logging.WARNING, logger="engine.core"):
-        opt = OffloadAdamW(
-            model.parameters(),
-            nvme_paths=[swap_dir],
-            subgroup_numel=sub,
-            io_backend="posix",
-            host_adam="torch",
-            host_memory_bytes=5 * buf + 4096,
-        )
+        opt = _within_buffers(model, swap_dir, sub, 5)
     try:
         assert opt.engine.knobs.prefetch_depth == 1
         said = [m for m in caplog.messages if "prefetch_depth=2 lowered to 1 at the start" in m]
@@ -121,16 +125,8 @@ def test_a_small_budget_starts_at_the_deepest_prefetch_it_holds(swap_dir, caplog
 def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
     model = make_model()
     sub = 500
-    buf = host_buffer_bytes(sub)
     # Staging for depth 3 (9 buffers) and the copies, not for depth 4 (11).
-    opt = OffloadAdamW(
-        model.parameters(),
-        nvme_paths=[swap_dir],
-        subgroup_numel=sub,
-        io_backend="posix",
-        host_adam="torch",
-        host_memory_bytes=9 * buf + 4096,
-    )
+    opt = _within_buffers(model, swap_dir, sub, 9)
     try:
         feed_same_grads([(model, opt)], steps=1)
         opt.set_knobs(Knobs(prefetch_depth=8))
