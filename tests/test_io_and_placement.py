@@ -202,7 +202,11 @@ def test_a_read_ahead_budget_keeps_the_steps_tail_unwritten(swap_dir):
     """Issue 45 item 2: with a read-ahead budget (4 buffers more: 11 in the pool), the tail the
     next step updates first stays in its buffers unwritten as far as the pool holds it beside the
     working buffers (7 of the 17 subgroups, not depth + 1 = 3), so each step writes 10 subgroups,
-    not 14; the reads are unchanged, and the updates stay AdamW's."""
+    not 14, and finds those 7 in memory; the updates stay AdamW's.
+
+    The 4 other buffers hold clean copies whose writes landed; which ones depends on the order
+    the writes land in (a copy is given up rather than waiting for an earlier write), so their
+    hits are not counted here."""
     from helpers import assert_params_close
 
     from engine.layout import host_buffer_bytes, kept_subgroups
@@ -219,16 +223,27 @@ def test_a_read_ahead_budget_keeps_the_steps_tail_unwritten(swap_dir):
         io_backend="posix",
         read_ahead_bytes=4 * host_buffer_bytes(sub),
     )
+    # Writes are counted as the step issues them: a path's byte counters count a write when it
+    # lands, and a write behind one step may land in the next step's window.
+    transfers, issued, unwritten_hits = opt.engine.transfers, [], []
+    write_back, stage = transfers.write_back, transfers.stage
+    transfers.write_back = lambda sg: (issued.append(sg.index), write_back(sg))[1]
+    transfers.stage = lambda sg, swaps: (unwritten_hits.append(sg.kept and sg.dirty), stage(sg, swaps))[1]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     try:
-        assert opt.engine.transfers.pool_size == 11
-        feed_same_grads([(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))], 5)
+        assert transfers.pool_size == 11
+        per_step = []
+        for t in range(5):
+            issued.clear()
+            unwritten_hits.clear()
+            feed_same_grads([(model, opt), (ref, ref_opt)], 1, seed=t + 1)
+            per_step.append((len(issued), sum(unwritten_hits)))
         assert_params_close(model, ref)
         unwritten = [sg for sg in opt.engine.subgroups if sg.kept and sg.dirty]  # the tail the last step kept
         assert len(unwritten) == 11 - 2 - 2 > kept_subgroups(2)
-        full = max(sum(r.bytes_read.values()) / r.cache_misses for r in opt.telemetry[1:])  # a whole subgroup's file
+        assert per_step[1:] == [(17 - 7, 7)] * 4  # (14, 3) before
         for rec in opt.telemetry[1:]:
-            assert rec.cache_hits == 11 and rec.cache_misses == 6
-            assert sum(rec.bytes_written.values()) <= 10 * full  # 14 before
+            assert rec.cache_hits + rec.cache_misses == 17 and rec.cache_hits >= 7
     finally:
         opt.close()
 
