@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import engine.host_kernel as host_kernel
 from engine.storage.native_ops import load_cpu_adam
@@ -27,9 +28,9 @@ def test_first_process_measures_and_keeps_the_choice(choice_dir, monkeypatch):
     first = host_kernel.chosen_host_kernel()
     kept = json.loads((choice_dir / host_kernel.KERNEL_CHOICE_FILE).read_text())
     key = host_kernel._machine_key()
-    assert kept == {key: {"kernel": first, "params_per_s": kept[key]["params_per_s"]}}
-    rates = kept[host_kernel._machine_key()]["params_per_s"]
-    assert first == max(rates, key=rates.get)
+    rates, quiet = kept[key]["params_per_s"], kept[key]["quiet_params_per_s"]
+    assert kept == {key: {"kernel": first, "params_per_s": rates, "quiet_params_per_s": quiet}}
+    assert first == host_kernel.choose_host_kernel(quiet, rates, torch.get_num_threads())
     monkeypatch.setattr(host_kernel, "measure_host_lanes", _no_measuring)
     assert host_kernel.chosen_host_kernel() == first
 
@@ -54,7 +55,7 @@ def test_measured_again_when_the_op_changed_or_the_file_is_bad(choice_dir, monke
 
     def measure():
         calls.append(1)
-        return {"torch": 5.0, "deepspeed": 9.0} if have_ds else {"torch": 5.0}
+        return ({"torch": 5.0, "deepspeed": 9.0} if have_ds else {"torch": 5.0}), {}
 
     monkeypatch.setattr(host_kernel, "measure_host_lanes", measure)
     # Kept before the cpu_adam op was built (or when it still existed): stale, measured again.
@@ -73,7 +74,7 @@ def test_measured_again_when_the_op_changed_or_the_file_is_bad(choice_dir, monke
 def test_nowhere_to_keep_it_still_chooses(tmp_path, monkeypatch):
     monkeypatch.setattr(host_kernel, "extensions_dir", lambda: str(tmp_path / "file" / "sub"))
     (tmp_path / "file").write_text("")  # a file where the directory would go
-    monkeypatch.setattr(host_kernel, "measure_host_lanes", lambda: {"torch": 1.0})
+    monkeypatch.setattr(host_kernel, "measure_host_lanes", lambda: ({"torch": 1.0}, {}))
     assert host_kernel.chosen_host_kernel() == "torch"
 
 
@@ -120,3 +121,70 @@ def test_each_lane_is_timed_with_a_busy_process_beside_and_the_slower_counts(mon
     assert not _spinning_children()
     quiet = host_kernel.time_host_lane(kernels, numel=4096, reps=3, busy=False)
     assert quiet["deepspeed"] > quiet["torch"], quiet  # quiet alone would have chosen it
+
+
+def test_one_thread_chooses_by_the_quiet_lane_and_a_team_by_the_slower(choice_dir, monkeypatch):
+    """Issue 45 item 1: the busy timing guards a lane whose OpenMP team stalls at each region's
+    barrier when a member is descheduled. On one thread there is no team: beside a busy process
+    both lanes get the core's share and differ by noise, so the quiet rate chooses (DeepSpeed's
+    lane, stock's kernel, where it is faster quiet); with a team, the slower rate still does. The
+    lane balance's rate is the slower in both."""
+    quiet, beside = {"torch": 6.0, "deepspeed": 7.0}, {"torch": 3.0, "deepspeed": 2.0}
+    assert host_kernel.choose_host_kernel(quiet, beside, 1) == "deepspeed"
+    assert host_kernel.choose_host_kernel(quiet, beside, 2) == "torch"
+    if load_cpu_adam() is None:
+        return  # the kept entry below needs both kernels
+    monkeypatch.setattr(host_kernel, "measure_host_lanes", lambda: (quiet, beside))
+    threads = torch.get_num_threads()
+    try:
+        for n, want in ((1, "deepspeed"), (2, "torch")):
+            torch.set_num_threads(n)
+            monkeypatch.setattr(host_kernel, "_measured_rates", {})
+            assert host_kernel.chosen_host_kernel() == want
+            assert host_kernel.host_lane_rate("deepspeed") == 2.0  # the slower of its two rates
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_one_thread_updates_in_cache_sized_chunks_and_a_team_in_large_ones():
+    """Issue 45 item 1: on a process's one thread there is no OpenMP team whose per-op barrier
+    the large chunk amortises, so the lane updates in L2-sized chunks (the new master is still in
+    the cache when it is cast into the weights); one thread driving a team keeps the large ones.
+    The chunks do not change the math: the same weights either way."""
+    from engine.adamw import AdamWHyper, adamw_update_torch_
+    from engine.binding import FlatSubgroup
+    from engine.buffers import StateBuffer
+    from engine.host_lane import HOST_CHUNK_NUMEL, PART_CHUNK_NUMEL, host_update
+    from engine.lanes import Scratch
+
+    numel = 2 * HOST_CHUNK_NUMEL
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    master = torch.randn(numel, generator=gen)
+
+    def update(threads: int) -> tuple[int, torch.Tensor]:
+        calls = []
+
+        def kernel(slices, hyper):
+            calls.append(slices.params[0].numel())
+            adamw_update_torch_(slices, hyper)
+
+        b = FlatSubgroup(torch.zeros(numel, dtype=torch.bfloat16), grad)
+        b.grad_scale = 0.5
+        buf = StateBuffer(numel)
+        buf.master.copy_(master)
+        buf.exp_avg.zero_()
+        buf.exp_avg_sq.zero_()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            host_update(buf, b, [0], AdamWHyper(lr=1e-3), kernel, Scratch(torch.device("cpu")))
+        finally:
+            torch.set_num_threads(before)
+        assert sum(calls) == numel
+        return len(calls), b.weight
+
+    one, w1 = update(1)
+    team, w2 = update(2)
+    assert one == numel // PART_CHUNK_NUMEL and team == numel // HOST_CHUNK_NUMEL
+    assert torch.equal(w1, w2)
