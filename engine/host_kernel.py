@@ -42,7 +42,7 @@ from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
 from engine.host_lane import HostLane, WeightUploader
 from engine.storage.machine_cache import kept_fact
-from engine.storage.native_ops import extensions_dir, load_cpu_adam
+from engine.storage.native_ops import extensions_dir, import_deepspeed, load_cpu_adam
 from engine.streams import Streams, streams_for
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,7 @@ def _machine_key() -> str:
     the library versions."""
     model = _cpu_model()
     try:
-        import deepspeed
-
-        ds = deepspeed.__version__
+        ds = import_deepspeed().__version__
     except Exception:
         ds = "none"
     return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}|lane-busy-team"

@@ -216,6 +216,7 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
 
 def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     from engine.errors import OffloadError
+    from engine.storage.native_ops import import_deepspeed
     from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
@@ -249,7 +250,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
             if _rank() == 0:
                 print(_banner(engine.optimizer, describe_cores(cores), settings.run_dir), file=sys.stderr, flush=True)
 
-        import deepspeed  # noqa: F401 - first, so that the recorder's atexit (registered next) runs before DeepSpeed's
+        import_deepspeed()  # first, so that the recorder's atexit (registered next) runs before DeepSpeed's
 
         rec = recorder.start(settings.recorder, script=program, rank=_rank()) if settings.recorder else None
         ds_patches.wrap_initialize(check, rec, rank=_rank())

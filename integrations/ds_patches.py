@@ -49,9 +49,10 @@ Elsewhere, and only for as long as one call: ``integrations.launcher.resolved_la
 module and the multinode runners' ``backend_exists`` replaced, and puts them back after, to read
 the command it would start.
 
-Elsewhere, not DeepSpeed's: ``engine.storage.native_ops`` replaces py-cpuinfo's ``get_cpu_info``
-(its answer kept beside the built ops), and runs DeepSpeed's import and op builders with stdout
-sent to stderr (a handler DeepSpeed's logger makes during that import writes to stderr).
+Elsewhere, not DeepSpeed's: ``engine.storage.native_ops.import_deepspeed`` replaces py-cpuinfo's
+``get_cpu_info`` before DeepSpeed is imported (its answer kept beside the built ops), and runs
+DeepSpeed's import and op builders with stdout sent to stderr (a handler DeepSpeed's logger
+makes during that import writes to stderr).
 
 The private names come from :mod:`integrations.ds_compat`'s table, which ``check_deepspeed``
 compares with the installed DeepSpeed.

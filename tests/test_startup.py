@@ -115,6 +115,21 @@ def test_cpu_info_is_asked_once_per_cpu_and_kept(fresh_cpu_info, monkeypatch):
     assert cpuinfo.get_cpu_info()["brand_raw"] == "other"
 
 
+def test_cpu_info_is_kept_by_the_deepspeed_import_not_by_importing_the_module():
+    """Issue 48 item 6: the patch is an explicit step of the one DeepSpeed import, not a side
+    effect of importing the module that holds it."""
+    code = (
+        "import cpuinfo\n"
+        "from engine.storage import native_ops\n"
+        "assert not getattr(cpuinfo.get_cpu_info, 'offloadctl_kept', False), 'installed at import'\n"
+        "native_ops.import_deepspeed()\n"
+        "assert cpuinfo.get_cpu_info.offloadctl_kept\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_an_ops_state_does_not_depend_on_where_stdout_goes():
     """Under Jupyter or pytest's capture sys.stdout and sys.stderr have no file descriptor, and

@@ -172,9 +172,6 @@ def remember_cpu_info() -> None:
     cpuinfo.get_cpu_info = get_cpu_info
 
 
-remember_cpu_info()  # before DeepSpeed loads an op or makes a DeepSpeedCPUAdam
-
-
 @dataclasses.dataclass(frozen=True)
 class OpState:
     """Where one op stands in this process."""
@@ -212,7 +209,9 @@ def import_deepspeed() -> ModuleType:
     """DeepSpeed, imported the one way offloadctl imports it (its op builders here; the checks of
     ``integrations.ds_compat`` and the patches of ``integrations.ds_patches``): what it prints as
     it imports goes to stderr, and its logger's stdout handler is moved to stderr, not silenced,
-    so that stdout stays clean for ``--json``."""
+    so that stdout stays clean for ``--json``. py-cpuinfo's answer is kept first
+    (:func:`remember_cpu_info`): DeepSpeed asks it for every op it loads and each CPU Adam it makes."""
+    remember_cpu_info()
     with contextlib.redirect_stdout(sys.stderr):  # its handler is created, and logs, on import
         import deepspeed
 
