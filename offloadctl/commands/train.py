@@ -26,21 +26,28 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
 import stat
 import sys
 import uuid
-from typing import TYPE_CHECKING
 
+from engine.config import storage_paths
+from engine.errors import ConfigError
+from integrations import launch_commands as lc
 from integrations import launcher
-from offloadctl.commands.train_text import dry_run_lines, start_line
+from integrations.run_dir import DefaultTaken, claim, default_run_dir, recorded_iterations
+from integrations.run_output import LauncherOutput
+from integrations.settings import RankSettings, ZeroEngineSettings
+from offloadctl.commands.plan import parse_params
+from offloadctl.commands.train_text import dry_run_output, ending_note, start_line, storage_notes, tuner_stopped_line
 from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
 from report.recorder import ENGINES, RecorderConfig
 
-if TYPE_CHECKING:
-    from integrations.settings import RankSettings
+# perf's model and profiles, the tuner's daemon and the summary (rich, report/) are imported
+# where they are used: `offloadctl --help` and completion import every command.
 
 PARSER_OPTIONS = {"usage": "offloadctl train [options] SCRIPT|LAUNCH-PROGRAM [ARGS]"}
 
@@ -244,11 +251,7 @@ def build(args: argparse.Namespace) -> launcher.Launch:
     settings = rank_settings(args, tuner_socket=None if tuner in ("auto", "off") else tuner)
     preview = None
     if settings.zero.profile and args.params:
-        from offloadctl.commands.plan import parse_params
-
         preview = preview_plan(settings.zero, parse_params(args.params))
-    from integrations import launch_commands as lc
-
     values = vars(args)
     program = lc.launch_program(args.script)
     if program is not None:  # a launch command, as given
@@ -280,9 +283,6 @@ def build(args: argparse.Namespace) -> launcher.Launch:
 def _check_inputs(args: argparse.Namespace) -> None:
     """The script, the launcher's values, the summary's path and the ds_config, checked before
     anything slow: a typo fails at once."""
-    from engine.errors import ConfigError
-    from integrations import launch_commands as lc
-
     values = vars(args)
     program = lc.launch_program(args.script)
     kind = values.get(launcher.option_dest(("--launcher",)))
@@ -315,11 +315,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 def _check_script(args: argparse.Namespace) -> None:
     """The training script (a module with --module, an executable with --no_python)."""
-    from engine.errors import ConfigError
-
     if getattr(args, "ds_module", False):
-        import importlib.util
-
         sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(args.script) is not None
@@ -348,14 +344,10 @@ def _check_script(args: argparse.Namespace) -> None:
         )
 
 
-def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> "RankSettings":
+def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> RankSettings:
     """The ranks' settings from the options; a bad value is a ConfigError naming its option, and
     the settings refuse options that conflict (``--engine stock`` with the engine's) and storage
     paths the engine cannot use."""
-    from engine.errors import ConfigError
-    from integrations.run_dir import default_run_dir
-    from integrations.settings import RankSettings, ZeroEngineSettings
-
     host_cache, host_memory = size_bytes(args.host_cache), size_bytes(args.host_memory)
     read_ahead, device_cache = size_bytes(args.read_ahead, auto=True), size_bytes(args.device_cache, auto=True)
     device_fraction = _auto_or_number("--device-fraction", args.device_fraction, 0.0, 1.0, "a number in [0, 1]")
@@ -414,38 +406,8 @@ def _checked_profile(name: str | None) -> str | None:
     return profile
 
 
-def storage_notes(args: argparse.Namespace) -> list[str]:
-    """A warning for each storage path whose file system keeps its files in RAM."""
-    notes = (_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote)) for path in paths)
-    return [n for n in notes if n]
-
-
-def _wrapped(line: str) -> str:
-    """``line`` filled to the terminal (at most 120 columns), paths kept whole."""
-    import shutil
-    import textwrap
-
-    width = max(40, min(shutil.get_terminal_size().columns, 120))
-    return textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False)
-
-
-def _in_memory(flag: str, path: str) -> str | None:
-    """A warning for a storage path whose file system keeps its files in RAM (tmpfs, ramfs), or None."""
-    from engine.storage.blockdev import device_of
-
-    kind = device_of(os.path.abspath(path)).name.split(":", 1)[0]
-    if kind not in ("tmpfs", "ramfs"):
-        return None
-    return (
-        f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
-        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"
-    )
-
-
 def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> float | None:
     """None for 'auto', else ``value`` as a finite number in [lo, hi]."""
-    from engine.errors import ConfigError
-
     if value == "auto":
         return None
     try:
@@ -459,8 +421,6 @@ def _auto_or_number(flag: str, value: str, lo: float, hi: float, what: str) -> f
 
 def tuner_target(value: str) -> str:
     """'auto', 'off', or the absolute path of a daemon socket."""
-    from engine.errors import ConfigError
-
     if value in ("auto", "off"):
         return value
     path = os.path.abspath(value)
@@ -479,7 +439,6 @@ def tuner_target(value: str) -> str:
 def preview_plan(settings, params: int) -> dict:
     """What each rank would plan for a model of ``params`` parameters on one node, in the engine's
     default subgroups and the model's default weight size (the ranks plan for the real ones)."""
-    from engine.config import storage_paths
     from perf.layout import SUBGROUP_NUMEL
     from perf.model import Workload
     from perf.plan import plan_for_rank
@@ -504,21 +463,16 @@ def preview_plan(settings, params: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from integrations.launch_commands import launch_program
-
-    if not args.dry_run and launch_program(args.script) is None:  # a port in use: refused, or a free one taken
+    if not args.dry_run and lc.launch_program(args.script) is None:  # a port in use: refused, or a free one taken
         _check_inputs(args)
         args.ds_master_port = launcher.rendezvous_port(vars(args))
     launch = build(args)
     for note in storage_notes(args):
-        print(_wrapped(note), file=sys.stderr)
+        print(note, file=sys.stderr)
     if args.dry_run:
         # What DeepSpeed's launcher will start from that command, by its own runner (nothing runs).
         resolved = launcher.resolved_launch(launch.command, launch.env) if "deepspeed.launcher.runner" in launch.command else None
-        if args.json:
-            print(json.dumps({**launch.to_json(), "launch": resolved}, indent=2))
-        else:
-            print("\n".join(dry_run_lines(args, launch, resolved)))
+        print(dry_run_output(args, launch, resolved))
         return 0
     launch, claimed = _claim_run_dir(args, launch)
     try:
@@ -530,8 +484,6 @@ def run(args: argparse.Namespace) -> int:
 def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
     """The launch and its run dir, taken for this run (``integrations.run_dir.claim``); the
     default is chosen again where another launch took it first."""
-    from integrations.run_dir import DefaultTaken, claim
-
     for _ in range(100):
         assert launch.settings.run_dir is not None  # build() gives every launch one
         try:
@@ -558,22 +510,14 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
     settings = launch.settings
     print(start_line(args, settings, launch.tuner, launch), file=sys.stderr, flush=True)  # the ranks take seconds to speak
     try:
-        from integrations.run_output import LauncherOutput
-
         output = LauncherOutput(run_dir, verbose=args.verbose)
-        from integrations.launch_commands import port_of
-
-        port = port_of(launch.command) if launch.hooked else args.ds_master_port
+        port = lc.port_of(launch.command) if launch.hooked else args.ds_master_port
         rc, stopped_by = launcher.run_launcher(
             list(launch.command), dict(os.environ, **launch.env), master_port=port, output=output
         )
-        if stopped_by is not None:
-            print(f"offloadctl: stopped by {stopped_by.name}: ranks stopped, their swap files removed", file=sys.stderr)
-        elif rc != 0 and output.failures.summary(output.path):  # which rank failed first, how, its line
-            print(output.failures.summary(output.path), file=sys.stderr)
-        elif rc not in (0, 2) and not output.failures.refused and output.hidden_lines and not args.verbose:
-            # 2 (or a launcher's 1 for a rank's 2): the ranks' one-line error said it all
-            print(f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}", file=sys.stderr)
+        note = ending_note(rc, stopped_by, output, verbose=args.verbose)
+        if note:
+            print(note, file=sys.stderr)
         ended = rc == 0 or stopped_by is not None
         if ended:  # how fast and why: first, before any pointer
             from offloadctl.summary import print_run_summary
@@ -592,12 +536,7 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
                 from tuner.service import logfile_for, probe
 
                 if probe(tuner_socket, timeout_s=1.0) is None:
-                    print(
-                        f"tuner: its daemon ({tuner_socket}) stopped during the run, which went on with the knobs it "
-                        f"had; the daemon's log: {logfile_for(tuner_socket)}"
-                    )
-        from integrations.run_dir import recorded_iterations
-
+                    print(tuner_stopped_line(tuner_socket, logfile_for(tuner_socket)))
         recorded = bool(settings.recorder) and recorded_iterations(run_dir)
         if recorded:  # nothing to report: no pointer to a refusal
             print(f"recorded: offloadctl report {run_dir}")

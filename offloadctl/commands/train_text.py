@@ -1,5 +1,5 @@
-"""What ``offloadctl train`` says of a launch before it runs: the dry run's block and the start
-line, each wrapped to the terminal."""
+"""What ``offloadctl train`` says of a launch: the warnings about its storage paths, the dry
+run's block and the start line, each wrapped to the terminal, and the line the launch ends with."""
 
 from __future__ import annotations
 
@@ -7,11 +7,47 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
+import textwrap
 
+from engine.storage.blockdev import device_of
+from engine.text import printable
+from engine.units import format_size
 from integrations import launcher
+from integrations.launch_commands import launch_program, local_slots, ranks_of, script_of
+from integrations.rank_entry import SETTINGS_ENV
+from integrations.run_output import LauncherOutput, log_path
 
 DRY_RUN_LABEL = 11
 """Columns of a dry run's row labels ('launch:    ')."""
+
+
+def storage_notes(args: argparse.Namespace) -> list[str]:
+    """A warning for each storage path whose file system keeps its files in RAM, filled to the
+    terminal (at most 120 columns), paths kept whole."""
+    notes = (_in_memory(flag, path) for flag, paths in (("--nvme", args.nvme), ("--remote", args.remote)) for path in paths)
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    return [textwrap.fill(n, width, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False) for n in notes if n]
+
+
+def _in_memory(flag: str, path: str) -> str | None:
+    """A warning for a storage path whose file system keeps its files in RAM (tmpfs, ramfs), or None."""
+    kind = device_of(os.path.abspath(path)).name.split(":", 1)[0]
+    if kind not in ("tmpfs", "ramfs"):
+        return None
+    return (
+        f"offloadctl: warning: {flag} {path} is on {kind}: the state swapped there sits in RAM, outside --host-memory; "
+        f"give a path on a disk, or keep the state in host memory on purpose with --host-cache"
+    )
+
+
+def dry_run_output(args: argparse.Namespace, launch: launcher.Launch, resolved: dict | None) -> str:
+    """What ``train --dry-run`` prints: the launch and ``resolved`` as JSON with ``--json``,
+    else :func:`dry_run_lines`."""
+    if args.json:
+        return json.dumps({**launch.to_json(), "launch": resolved}, indent=2)
+    return "\n".join(dry_run_lines(args, launch, resolved))
 
 
 def dry_run_lines(
@@ -21,12 +57,6 @@ def dry_run_lines(
     the state goes, the run dir, the knobs and pins, the tuner, the recording and the
     environment, wrapped to the terminal (``--json`` gives the exact commands and settings).
     ``resolved``: what DeepSpeed's launcher would start (``launcher.resolved_launch``)."""
-    import shutil
-    import textwrap
-
-    from engine.text import printable
-    from engine.units import format_size
-
     settings = launch.settings
     zero = settings.zero
     width = width or max(60, min(shutil.get_terminal_size().columns, 120))
@@ -110,8 +140,6 @@ def dry_run_lines(
             else f"phases per iteration, samples at {rec.sample_hz:g} Hz: offloadctl report {zero.run_dir}",
         )
     )
-    from integrations.rank_entry import SETTINGS_ENV
-
     rows.append(
         (
             "env",
@@ -138,8 +166,6 @@ def dry_run_lines(
 
 def ranks_text(args: argparse.Namespace, launch: launcher.Launch | None = None) -> str:
     """How many ranks the launch starts, as far as its options say without asking the launcher."""
-    from integrations.launch_commands import local_slots, ranks_of
-
     if launch is not None and launch.hooked and launch_program_of(args):
         return ranks_of(launch.launcher, launch.command)
     gpus, nodes = getattr(args, "ds_num_gpus", None), getattr(args, "ds_num_nodes", None)
@@ -153,8 +179,6 @@ def ranks_text(args: argparse.Namespace, launch: launcher.Launch | None = None) 
 
 
 def launch_program_of(args: argparse.Namespace) -> str | None:
-    from integrations.launch_commands import launch_program
-
     return launch_program(args.script)
 
 
@@ -162,15 +186,7 @@ def start_line(args: argparse.Namespace, settings, tuner: str, launch: launcher.
     """The run's first line, printed before the launcher starts (the ranks take seconds to say
     anything): how many ranks, the run's id, where DeepSpeed's log goes, and how to watch it.
     Wrapped to the terminal."""
-    import shutil
-    import textwrap
-
-    from engine.text import printable
-    from integrations.run_output import log_path
-
     run_dir = settings.run_dir
-    from integrations.launch_commands import script_of
-
     script = args.script
     if launch is not None and launch_program_of(args):
         script = script_of(launch.command) or launch.launcher
@@ -195,4 +211,25 @@ def start_line(args: argparse.Namespace, settings, tuner: str, launch: launcher.
             break_long_words=False,
         )
         for i, p in enumerate((head, watch))
+    )
+
+
+def ending_note(rc: int, stopped_by: signal.Signals | None, output: LauncherOutput, *, verbose: bool) -> str | None:
+    """The line a launch ends with, before the summary: the signal that stopped it, which rank
+    failed first and how, or where DeepSpeed's log is; None where the ranks said it all."""
+    if stopped_by is not None:
+        return f"offloadctl: stopped by {stopped_by.name}: ranks stopped, their swap files removed"
+    failure = output.failures.summary(output.path) if rc != 0 else None
+    if failure:
+        return failure
+    if rc not in (0, 2) and not output.failures.refused and output.hidden_lines and not verbose:
+        # 2 (or a launcher's 1 for a rank's 2): the ranks' one-line error said it all
+        return f"offloadctl: the run failed (exit status {rc}); DeepSpeed's log is in {output.path}"
+    return None
+
+
+def tuner_stopped_line(tuner_socket: str, log: str) -> str:
+    """Said after the run when its tuner daemon is gone and has no view of it to give."""
+    return (
+        f"tuner: its daemon ({tuner_socket}) stopped during the run, which went on with the knobs it had; the daemon's log: {log}"
     )
