@@ -19,14 +19,26 @@ import argparse
 import json
 import os
 import re
+import sys
+import textwrap
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from engine.config import Knobs
+from engine.errors import ConfigError
 from engine.text import printable, printable_all
+from integrations.run_dir import in_use
+from offloadctl.commands.tune_keys import HELP, Keys, ViewControls, view_error
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
-from tuner.knob_text import knobs_text
+from tuner import service
+from tuner.knob_text import knob_pattern, knobs_text, nearest_knob, typed_knob
+from tuner.protocol import Connection, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from tuner.run_state import RunView
@@ -53,10 +65,6 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
     """``RUN:KNOB=VALUE`` -> (run, knob, value); VALUE is JSON, else taken as a string. The
     knob names anchor the split, so run ids and paths may hold ':' and '='. A value out of
     range is refused here, naming what was typed."""
-    from engine.config import Knobs
-    from engine.errors import ConfigError
-    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
-
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern() + r"=(?P<value>.*)", spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec)) if "=" in spec else None
@@ -80,9 +88,6 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
 
 def parse_unpin(spec: str) -> tuple[str, str]:
     """``RUN:KNOB`` -> (run, knob)."""
-    from engine.errors import ConfigError
-    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
-
     m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern(), spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec))
@@ -127,9 +132,6 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
     whose ranks are still starting counts by the id its daemon was started for). Several runs
     are listed for the user to pick one rather than guessed at, and so are the live ones when
     ``run_ids`` names none of them: a pin sent to a guessed run would change the wrong training."""
-    from engine.errors import ConfigError
-    from tuner import service
-
     if args.socket:
         return Target(args.socket, private=False)
     if args.run_dir:
@@ -168,10 +170,6 @@ def find_target(args: argparse.Namespace, run_ids: set[str]) -> Target:
 def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
     """The daemon of the run in ``run_dir``; while that run is starting (its run dir taken, its
     daemon not up yet), waited for up to ``wait_s``; a daemon that was up and is gone, at once."""
-    from engine.errors import ConfigError
-    from integrations.run_dir import in_use
-    from tuner import service
-
     own = os.path.join(run_dir, "tuner", "tuner.sock")
     if not os.path.lexists(run_dir):
         raise ConfigError(
@@ -206,8 +204,6 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
 
 def _runs_at(socket_path: str) -> list[RunView] | None:
     """The runs a daemon serves, or None when nothing answers there."""
-    from tuner.protocol import Connection, ProtocolError
-
     try:
         with Connection(socket_path, timeout_s=2.0) as c:
             return c.request("snapshot", history=0)["runs"]
@@ -232,9 +228,6 @@ def live_runs_table(found: list[tuple[dict, list[RunView]]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import ConfigError
-    from tuner.protocol import Connection
-
     actions = _actions(args)
     run_ids = {fields["run_id"] for _, _, fields in actions} | ({args.run} if args.run else set())
     try:
@@ -275,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
                     f"{' --run-dir ' + args.run_dir if args.run_dir else ''}` (it waits for them)"
                 )
             else:
-                from rich.console import Console
-
                 console = Console()
                 console.print(runs_table(printable_all(snap["runs"]), width=console.width))
             return 0
@@ -289,8 +280,6 @@ WIDTH = 80
 def say(text: str) -> None:
     """Print ``text`` wrapped at :data:`WIDTH` columns, its later lines indented, words whole
     (a path or a knob list is never cut)."""
-    import textwrap
-
     print("\n".join(textwrap.wrap(text, WIDTH, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)) or text)
 
 
@@ -301,11 +290,6 @@ STARTING_WAIT_S = 600.0
 def _send(conn, flag: str, kind: str, fields: dict) -> dict:
     """Send one pin, unpin or freeze; a run the daemon does not know yet, but was started for
     (its ranks are loading), is waited for, with one line saying so."""
-    import sys
-
-    from engine.errors import ConfigError
-    from tuner.protocol import ErrorCode, ProtocolError
-
     deadline, said = time.monotonic() + STARTING_WAIT_S, False
     while True:
         try:
@@ -336,166 +320,15 @@ def _known(conn, run_id: str) -> bool:
 
 def _starting(conn, run_id: str) -> bool:
     """Whether the daemon behind ``conn`` is a private one started for ``run_id``."""
-    from tuner import service
-
     pid = conn.welcome.get("pid") if getattr(conn, "welcome", None) else None
     return any(e.get("run_id") == run_id and (pid is None or e.get("pid") == pid) for e in service.live_runs())
 
 
-LEGEND = "q quit  p pin  u unpin  f {freeze}  ? help"
-HELP = """keys of the live view
-  q  leave the view; the run goes on
-  p  pin a knob (the tuner never moves it): type KNOB=VALUE, Enter; Esc cancels
-  u  unpin a knob (the tuner may move it again): type KNOB, Enter
-  f  freeze tuning (the knobs stay as they are), or resume it
-  ?  this help, or back to the run
-slots (per path): the most reads and writes the engine keeps in
-  flight there at once, its io_concurrency (the tuner may move it)
-
-{knobs}
-values are JSON: 4, 0.5, true, {{"/nvme": 8}}
-the same from a shell: offloadctl tune --pin RUN:KNOB=VALUE, --unpin, --freeze"""
-
-
-class Keys:
-    """The live view's keyboard, where stdin is a terminal: no echo and no line buffering while
-    the view runs (a key neither shows on the frame nor moves it), and on exit the terminal as
-    it was, with the keys not yet read dropped (they never reach the shell's prompt). Ctrl-C
-    still interrupts."""
-
-    def __init__(self, stream=None) -> None:
-        import sys
-
-        stream = stream if stream is not None else sys.stdin
-        try:
-            self.fd = stream.fileno() if stream.isatty() else None
-        except (AttributeError, ValueError, OSError):
-            self.fd = None
-        self._saved: list[Any] | None = None  # the terminal's modes while the view has it
-
-    @property
-    def active(self) -> bool:
-        return self._saved is not None
-
-    def __enter__(self) -> "Keys":
-        if self.fd is not None:
-            import termios
-
-            try:
-                self._saved = termios.tcgetattr(self.fd)
-                mode = termios.tcgetattr(self.fd)
-                mode[3] &= ~(termios.ECHO | termios.ICANON)  # lflags: keys one by one, not shown
-                mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
-                termios.tcsetattr(self.fd, termios.TCSANOW, mode)
-            except termios.error:
-                self._saved = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._saved is not None and self.fd is not None:  # saved: it has one
-            import termios
-
-            try:
-                termios.tcflush(self.fd, termios.TCIFLUSH)
-                termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
-            except termios.error:
-                pass
-            self._saved = None
-
-    def read(self, timeout_s: float) -> str:
-        """The keys typed within ``timeout_s`` (at once when some are waiting); '' if none."""
-        if not self.active or self.fd is None:  # active: it has one
-            time.sleep(max(0.0, timeout_s))
-            return ""
-        import select
-
-        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout_s))
-        if not ready:
-            return ""
-        return os.read(self.fd, 64).decode(errors="replace")
-
-
-def view_error(kind: str, text: str, error: str, run_id: str) -> str:
-    """A pin or unpin typed in the live view that was refused, in the view's own words: what was
-    typed, the nearest knob where the name is mistyped, and the form the prompt takes (KNOB=VALUE
-    or KNOB), not the command line's RUN:KNOB=VALUE."""
-    from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
-
-    form = "KNOB=VALUE, e.g. prefetch_depth=4" if kind == "pin" else "KNOB, e.g. prefetch_depth"
-    shape = knob_pattern() + (r"=.*" if kind == "pin" else "")
-    if not re.fullmatch(shape, text, re.S):
-        name = typed_knob(text)
-        near = nearest_knob(name) if name else None
-        said = f"no knob {name!r} (did you mean {near}?)" if near else f"not {form.split(',')[0]}"
-        return f"{text}: {said}; type {form} (? lists the knobs)"
-    return f"{text}: " + re.sub(rf"^--(?:un)?pin '{re.escape(run_id)}:[^']*': ", "", error)
-
-
-class Controls:
-    """What the keys do in the live view of one run: the prompt being typed, the last action's
-    result, the help; :meth:`legend` is the line under the frame."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-        self.prompt: str | None = None  # 'pin' or 'unpin' while one is typed
-        self.typed = ""
-        self.message = ""
-        self.help = False
-        self.quit = False
-        self.sent = False  # a request went to the daemon: the frame is redrawn from a new snapshot
-
-    def keys(self, text: str, runs: list[RunView]) -> None:
-        i = 0
-        while i < len(text):
-            ch = text[i]
-            i += 1
-            if ch == "\x1b":  # Esc, or the start of an arrow key's sequence: cancels a prompt, else nothing
-                if text[i : i + 1] in ("[", "O"):
-                    i += 2
-                if self.prompt:
-                    self.prompt, self.typed, self.message = None, "", "cancelled"
-                continue
-            if self.prompt is not None:
-                if ch in "\r\n":
-                    self._send(self.prompt, runs)
-                elif ch in "\x7f\b":
-                    self.typed = self.typed[:-1]
-                elif ch.isprintable():
-                    self.typed += ch
-                continue
-            if ch == "q":
-                self.quit = True
-                return
-            if ch == "?":
-                self.help = not self.help
-            elif ch in "pu":
-                if self._run(runs) is not None:
-                    self.prompt, self.typed, self.message = {"p": "pin", "u": "unpin"}[ch], "", ""
-            elif ch == "f":
-                run = self._run(runs)
-                if run is not None:
-                    self._request(
-                        f"{'unfrozen' if run['frozen'] else 'frozen'}: tuning "
-                        f"{'resumed' if run['frozen'] else 'stopped, knobs held'}",
-                        "freeze",
-                        run_id=run["run_id"],
-                        frozen=not run["frozen"],
-                    )
-            elif ch.isprintable() and ch != " ":
-                self.message = f"no key {ch!r}: ? shows the keys"
-
-    def _run(self, runs: list[RunView]) -> RunView | None:
-        live = [r for r in runs if r["status"] not in ENDED]
-        if len(live) == 1:
-            return live[0]
-        self.message = (
-            "no running run here" if not live else f"{len(live)} runs: pin or freeze one from a view of it alone (tune --run RUN)"
-        )
-        return None
+class Controls(ViewControls):
+    """The live view's keys (:class:`~offloadctl.commands.tune_keys.ViewControls`) with this
+    command's reading of a typed pin or unpin, and its knobs in the help."""
 
     def _send(self, kind: str, runs: list[RunView]) -> None:
-        from engine.errors import ConfigError
-
         text = self.typed.strip()
         self.prompt, self.typed = None, ""
         run = self._run(runs)
@@ -511,37 +344,8 @@ class Controls:
         except ConfigError as e:
             self.message = view_error(kind, text, str(e), run["run_id"])
 
-    def _request(self, done: str, kind: str, **fields) -> None:
-        from tuner.protocol import ProtocolError
-
-        try:
-            self.conn.request(kind, **fields)
-            self.message, self.sent = done, True
-        except ProtocolError as e:
-            self.message = knob_words(str(e))
-
-    def legend(self, runs: list[RunView]):
-        from rich.text import Text
-
-        if self.prompt is not None:
-            what = "KNOB=VALUE" if self.prompt == "pin" else "KNOB"
-            return (
-                Text(f"{self.prompt} {what}: ")
-                + Text(self.typed + "_", style="bold")
-                + Text("  (Enter sends, Esc cancels)", style="dim")
-            )
-        frozen = any(r.get("frozen") for r in runs if r["status"] not in ENDED)
-        text = Text(LEGEND.format(freeze="unfreeze" if frozen else "freeze"), style="dim")
-        if self.message:
-            text.append("  " + self.message, style="yellow")
-        return text
-
-    def help_text(self):
-        import textwrap
-
-        from rich.text import Text
-
-        from engine.config import Knobs
+    def help_text(self) -> Text:
+        """What ? shows in place of the frame: the keys, and the knobs a pin takes."""
 
         knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78, subsequent_indent="  ")
         return Text(HELP.format(knobs=knobs))
@@ -551,12 +355,6 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     """Redraw the view every ``--interval`` until q or Ctrl-C, or until the runs end (a private
     daemon's run, or runs seen running here): then print their final frame and figures. On a
     terminal, keys pin, unpin and freeze the run shown (:class:`Controls`), with a legend line."""
-    from rich.console import Console, Group
-    from rich.live import Live
-    from rich.text import Text
-
-    from tuner.protocol import ProtocolError
-
     console = console or Console()
     last: list[RunView] = []
     seen_running = False
@@ -632,9 +430,7 @@ def ended_runs(last: list[RunView], socket_path: str) -> list[RunView]:
     """The runs of the last snapshot as they ended once their daemon is gone: as the daemon
     recorded their end (``tuner.service.read_ended``: the run may have ended between two
     snapshots), else interrupted."""
-    from tuner.service import read_ended
-
-    ended: dict[str, RunView] = read_ended(socket_path)
+    ended: dict[str, RunView] = service.read_ended(socket_path)
     out: list[RunView] = []
     for r in last:
         if r["status"] not in ENDED:
