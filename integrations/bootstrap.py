@@ -202,8 +202,9 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
         from report import recorder
         from tuner.client import note_stopped
 
-        note_stopped(signal.Signals(signum).name)  # the tuner's bye, sent at exit, says the run was interrupted
         rec = recorder.current()
+        # The tuner's bye, sent at exit, says the run was interrupted, at the record's iteration.
+        note_stopped(signal.Signals(signum).name, rec.iterations if rec is not None else 0)
         if rec is not None:  # the record's end line, written at exit, says the same
             rec.stopped_by = signal.Signals(signum).name
         print(

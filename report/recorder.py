@@ -175,6 +175,11 @@ class Recorder:
         self._closed = False
         self.suspended = False
 
+    @property
+    def iterations(self) -> int:
+        """Iterations written so far (one a signal cut short counts: its ``failed`` is true)."""
+        return self._iteration
+
     def suspend(self, suspended: bool = True) -> None:
         """Stop (True) or restart (False) recording between two iterations: the hooks pass calls
         straight through and the sampler takes no samples. For measuring what recording costs,

@@ -135,13 +135,15 @@ def test_the_live_view_ends_with_the_run(private_env):
     watch = _watch(run_dir)
     try:
         time.sleep(2)
-        client_module.note_stopped("SIGTERM")  # as the rank's bootstrap does when the launcher stops it
+        # As the rank's bootstrap does when the launcher stops it, with the record's count: a
+        # fifth iteration whose step the signal cut short (the engine completed 4).
+        client_module.note_stopped("SIGTERM", 5)
         rank.close()
         out, _ = _ended(watch)
         assert "int-run (interrupted)" in out, out
-        assert "int-run: interrupted by SIGTERM at iteration 4" in out, out
+        assert "int-run: interrupted by SIGTERM at iteration 5" in out, out
     finally:
-        client_module._stopped_by = None
+        client_module._stopped_by, client_module._stopped_at = None, 0
         stop()
 
     run_dir = str(private_env / "gone" / "run")

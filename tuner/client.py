@@ -49,14 +49,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("offloadctl.tuner.client")
 _stopped_by: str | None = None  # see note_stopped
+_stopped_at: int = 0  # the iterations the run's record counts at the stop (see note_stopped)
 
 
-def note_stopped(signal_name: str) -> None:
+def note_stopped(signal_name: str, iterations: int = 0) -> None:
     """Say that this process was stopped by ``signal_name`` (``"SIGINT"``): every client's
     ``bye`` from now on tells the daemon the run was interrupted, not finished. For the code
-    that catches the signal, as clients are usually closed at exit, far from it."""
-    global _stopped_by
-    _stopped_by = signal_name
+    that catches the signal, as clients are usually closed at exit, far from it. ``iterations``:
+    the run's record's count, which includes an iteration whose step the signal cut short (the
+    engine's count does not), so that the daemon ends the run at the iteration the record does."""
+    global _stopped_by, _stopped_at
+    _stopped_by, _stopped_at = signal_name, iterations
 
 
 @dataclass(frozen=True)
@@ -410,8 +413,9 @@ class TunerClient:
                 bye = {"v": API_VERSION, "type": "bye", "run_id": self.run_id, "rank": self.rank}
                 if _stopped_by:
                     bye["stopped_by"] = _stopped_by
-                if self._engine is not None:
-                    bye["steps"] = self._engine.iteration
+                steps = max(self._engine.iteration if self._engine is not None else 0, _stopped_at)
+                if steps:
+                    bye["steps"] = steps
                 sock.sendall(encode(bye))
                 self._drain_until_eof(sock, frames)
                 return
