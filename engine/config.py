@@ -139,8 +139,8 @@ class EngineConfig:
     what the paths can read during one forward and backward, measured at the second step
     (``engine.layout.read_ahead_bytes``), within the host memory budget. 0: the working buffers only."""
     pins: Mapping[str, Any] = field(default_factory=dict)
-    """Knobs the user fixed, with their values (``{"prefetch_depth": 1}``, or
-    ``{"io_concurrency[PATH]": 8}`` for one path): the engine reports them, and a tuner pins them
+    """The user's pins: :class:`KnobKey` text -> value (``{"prefetch_depth": 1}``, or
+    ``{"io_concurrency[PATH]": 8}`` for one path). The engine reports them, and a tuner holds them
     from the start, never moving them."""
 
     def __post_init__(self) -> None:
@@ -258,6 +258,76 @@ class Knobs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class KnobKey:
+    """A knob as text names it: the whole knob (``path`` None), or one path's entry of a per-path
+    knob. ``str()`` and :meth:`parse` are the one spelling of knob text ('prefetch_depth',
+    'io_concurrency[/nvme0]'), for pins, logs, records, the wire and the CLI."""
+
+    name: str
+    path: str | None = None
+
+    PATH_KNOB: ClassVar[str] = "io_concurrency"
+    """The one knob pinned per path (stripe weights are shares: they are given as a whole)."""
+    PATH_FORM: ClassVar[str] = "io_concurrency[PATH]"
+    """How messages name one path's knob."""
+
+    def __str__(self) -> str:
+        return self.name if self.path is None else f"{self.name}[{self.path}]"
+
+    @classmethod
+    def parse(cls, text: str, paths: Sequence[str] | None = None) -> "KnobKey":
+        """``'prefetch_depth'`` -> KnobKey('prefetch_depth'); ``'io_concurrency[/nvme0]'`` ->
+        KnobKey('io_concurrency', '/nvme0'). Only :attr:`PATH_KNOB` takes a [PATH]; with ``paths``,
+        it must be one of them. ConfigError naming the text otherwise."""
+        name, path = split_key(text) if isinstance(text, str) else (text, None)
+        if name not in Knobs.names():
+            near = nearest_knob(name) if isinstance(name, str) else None
+            raise ConfigError(
+                f"unknown knob {text!r}{f' (did you mean {near}?)' if near else ''}: use one of "
+                f"{', '.join(Knobs.names())}, or {cls.PATH_FORM}"
+            )
+        if path is not None:
+            if name != cls.PATH_KNOB:
+                raise ConfigError(f"knob {text!r}: only {cls.PATH_KNOB} takes a [PATH]; give {name} as a whole")
+            if paths is not None and path not in paths:
+                raise ConfigError(f"knob {text!r} names a path this run does not use (paths: {list(paths)})")
+        return cls(name, path)
+
+    @staticmethod
+    def pattern() -> str:
+        """A regular expression for knob text, whole or within larger text (the wire's check, the
+        CLI's ``RUN:KNOB=VALUE``)."""
+        return r"(%s)(\[.+\])?" % "|".join(Knobs.names())
+
+    def value_in(self, knobs: Knobs) -> Any:
+        """This knob's value in ``knobs`` (a path's concurrency: its entry, or the default)."""
+        if self.path is not None:
+            return knobs.concurrency_for(self.path)
+        value = getattr(knobs, self.name)
+        return dict(value) if isinstance(value, Mapping) else value
+
+
+def split_key(text: str) -> tuple[str, str | None]:
+    """``'io_concurrency[/nvme0]'`` -> ('io_concurrency', '/nvme0'); ``'prefetch_depth'`` ->
+    ('prefetch_depth', None). The spelling only: :meth:`KnobKey.parse` checks the names."""
+    if text.endswith("]") and "[" in text:
+        name, path = text[:-1].split("[", 1)
+        return name, path
+    return text, None
+
+
+def nearest_knob(name: str) -> str | None:
+    """The knob name closest to a mistyped ``name`` ('prefech_depth' -> 'prefetch_depth'), or
+    None when none is close (or ``name`` is one)."""
+    import difflib
+
+    if name in Knobs.names():  # not mistyped: whatever is wrong is elsewhere
+        return None
+    near = difflib.get_close_matches(name.strip().lower(), Knobs.names(), n=1, cutoff=0.6)
+    return near[0] if near else None
 
 
 def _positive_int(name: str, v: object) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.layout import payload_bytes
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class EngineFacts:
     host_staging_bytes: int = 0
     """Host bytes the budget leaves for staging buffers (``engine.host_memory.staging_room``)."""
     pins: dict[str, Any] = field(default_factory=dict)
-    """Knobs the user fixed (``EngineConfig.pins``), with their values in force: a tuner never moves them."""
+    """The user's pins (``EngineConfig.pins``), with their values in force: a tuner never moves them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,12 +117,7 @@ def facts_of(engine: SubgroupEngine) -> EngineFacts:
 
 
 def pins_in_force(pins: Mapping[str, Any], knobs: Knobs) -> dict[str, Any]:
-    """``pins`` (knob, or ``io_concurrency[PATH]``, -> value) with the values of ``knobs``: the engine
-    may run a pin lower than given (a prefetch depth the host budget cannot stage, a device
-    fraction the device has no room for), and a tuner pins what runs."""
-    out: dict[str, Any] = {}
-    for key in pins:
-        name, _, path = key.partition("[")  # only io_concurrency is pinned per path (tuner.knob_text.KnobKey)
-        value = getattr(knobs, name)
-        out[key] = knobs.concurrency_for(path[:-1]) if path else dict(value) if isinstance(value, Mapping) else value
-    return out
+    """``pins`` (:class:`KnobKey` text -> value) with the values of ``knobs``: the engine may run a
+    pin lower than given (a prefetch depth the host budget cannot stage, a device fraction the
+    device has no room for), and a tuner pins what runs."""
+    return {key: KnobKey.parse(key).value_in(knobs) for key in pins}

@@ -16,7 +16,7 @@ import torch
 
 from engine.adamw import hyper_from_group
 from engine.checkpoint import save_atomic
-from engine.config import EngineConfig, Knobs, StoragePath, resolve_host_cache, storage_paths
+from engine.config import EngineConfig, KnobKey, Knobs, StoragePath, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import ConfigError
 from engine.hooks import StepHook
@@ -134,7 +134,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         device: device lane: 'cuda', 'cpu' (tests), or None (CUDA when present).
         prefetch_depth, device_fraction, node_lock, io_concurrency: starting :class:`Knobs`
             (None: the default, 2, 0, False, 4 per path); change them later with
-            :meth:`set_knobs`. Those given are fixed: a tuner (``engine.hooks``) never moves them.
+            :meth:`set_knobs`. Those given are pinned: a tuner (``engine.hooks``) never moves them.
         host_memory_bytes: budget for everything the engine holds in host memory (state,
             staging buffers, copies: ``engine.host_memory``). None: a share of what is available.
         host_memory_floor_bytes: available memory below which the engine gives back its kept and
@@ -181,13 +181,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         paths = storage_paths(nvme_paths, remote_paths)
-        given: dict[str, Any] = {  # the knobs given: pinned
+        pins: dict[str, Any] = {  # the knobs given are pinned
             k: v
             for k, v in (("prefetch_depth", prefetch_depth), ("device_fraction", device_fraction), ("node_lock", node_lock))
             if v is not None
         }
         concurrency = {StoragePath.coerce(k, "nvme").path: v for k, v in (io_concurrency or {}).items()}
-        knobs = Knobs(**given, io_concurrency=concurrency)
+        knobs = Knobs(**pins, io_concurrency=concurrency)
+        pins.update({str(KnobKey(KnobKey.PATH_KNOB, p)): n for p, n in concurrency.items()})
         config = EngineConfig(
             subgroup_numel=subgroup_numel,
             host_cache_bytes=resolve_host_cache(host_cache_bytes, paths),
@@ -203,7 +204,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             host_memory_floor_bytes=host_memory_floor_bytes,
             read_ahead_bytes=read_ahead_bytes,
             overlap_io=overlap_io,
-            pins={**given, **{f"io_concurrency[{p}]": n for p, n in concurrency.items()}},
+            pins=pins,
         )
         self._bindings = flatten_params([g["params"] for g in self.param_groups], subgroup_numel)
         self.engine = SubgroupEngine(self._bindings, config, knobs)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.layout import STATE_BYTES_PER_ELEMENT
 from engine.telemetry import StepRecord
 from report.compare import compare_runs, limit, rolling_median, rolling_window, run_facts
@@ -218,7 +218,7 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     summary["fixed_knobs"] = (
         dict(plan["pins"])
         if "pins" in plan  # an earlier version's record names them only
-        else fixed_knob_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
+        else pin_values(plan.get("fixed_knobs") or (), plan.get("knobs") or {})
     )
     summary["shares"] = shares(med_seg, summary["median_iter_s"])
     shared = (
@@ -492,15 +492,14 @@ def host_memory_summary(steps: list[tuple[int, StepRecord]]) -> dict | None:
     }
 
 
-def fixed_knob_values(fixed, knobs: dict) -> dict:
-    """{knob: value} of the knobs the run's options fixed (``io_concurrency[PATH]`` for one path),
-    read from the knobs in force as the tuner reads them."""
+def pin_values(pins, knobs: dict) -> dict:
+    """{knob: value} of the run's options' pins (:class:`KnobKey` text) that an earlier version's
+    record names only, read from the knobs in force as the tuner reads them."""
     from engine.errors import ConfigError
-    from tuner.knob_text import KnobKey
 
     in_force = Knobs.from_dict(knobs) if knobs else Knobs()
     out = {}
-    for text in fixed:
+    for text in pins:
         try:
             out[text] = KnobKey.parse(text).value_in(in_force)
         except ConfigError:  # a record from another version: shown as it is

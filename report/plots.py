@@ -28,6 +28,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from engine.config import KnobKey, split_key  # noqa: E402
 from report.analyze import PHASES, SEGMENT_LABELS, SEGMENTS  # noqa: E402
 
 SECTIONS = ("breakdown", "timeline", "bytes", "cache", "compare")
@@ -262,12 +263,10 @@ def _knob_change_text(ch: dict) -> str:
     return text if len(text) < 70 else text[:67] + "..."
 
 
-def _knob_name(name: str) -> str:
+def _knob_name(text: str) -> str:
     """A per-path knob with its path's last part: io_concurrency[/mnt/nvme0/run] -> io_concurrency[run]."""
-    if "[" in name and name.endswith("]"):
-        base, path = name[:-1].split("[", 1)
-        return f"{base}[{path.rstrip('/').rsplit('/', 1)[-1] or path}]"
-    return name
+    name, path = split_key(text)
+    return text if path is None else str(KnobKey(name, path.rstrip("/").rsplit("/", 1)[-1] or path))
 
 
 def _short(v) -> str:

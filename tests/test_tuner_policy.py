@@ -754,7 +754,7 @@ def test_params_are_per_rank(monkeypatch):
 
 
 def test_move_and_knob_keys_read_back_what_they_write():
-    from tuner.knob_text import KnobKey
+    from engine.config import KnobKey
     from tuner.moves import RETURN, START, MoveKey
 
     for text in (

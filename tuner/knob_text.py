@@ -1,74 +1,24 @@
-"""The user's knob text, read and written in one place, and the pins made of it.
+"""The tuner's knob values, read and written in one place, and the pins made of them.
 
-A knob is named as ``prefetch_depth`` or, for one path of a per-path knob,
-``io_concurrency[/nvme0]``: a :class:`KnobKey`, whose ``str()`` and :meth:`KnobKey.parse` are
-the one spelling for logs, the wire and the CLI. A value arrives as typed (JSON text, on/off)
-or already decoded; :func:`read_value` reads it and :func:`with_value` applies it. Pins
+A knob is named by its :class:`engine.config.KnobKey` text (``prefetch_depth``, or
+``io_concurrency[/nvme0]`` for one path). A value arrives as typed (JSON text, on/off) or
+already decoded; :func:`read_value` reads it and :func:`with_value` applies it. Pins
 (:class:`Pins`) are knob keys with their values, set only through :meth:`Pins.pin`. Every
 knob and value shown to a user is written by :func:`value_text` and :func:`knobs_text`.
 
 ``offloadctl tune --pin``, the daemon's pin messages (:mod:`tuner.runs`) and the policy read
-knob text here; :class:`engine.config.Knobs` only validates the values it is built from.
+knob values here; :class:`engine.config.Knobs` only validates the values it is built from.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from engine.config import KnobKey as KnobKey  # re-exported for tuner.run_state and bench.tuner
 from engine.config import Knobs
+from engine.config import split_key as split_key  # re-exported for tuner.runs
 from engine.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class KnobKey:
-    """A knob (``path`` None), or one path's entry of a per-path knob."""
-
-    name: str
-    path: str | None = None
-
-    def __str__(self) -> str:
-        return self.name if self.path is None else f"{self.name}[{self.path}]"
-
-    @classmethod
-    def parse(cls, text: str, paths: Sequence[str] | None = None) -> "KnobKey":
-        """``'prefetch_depth'`` -> KnobKey('prefetch_depth'); ``'io_concurrency[/nvme0]'`` ->
-        KnobKey('io_concurrency', '/nvme0'). Only io_concurrency takes a [PATH] (stripe weights
-        are shares: they are given as a whole); with ``paths``, it must be one of them.
-        ConfigError naming the text otherwise."""
-        name, path = split_key(text) if isinstance(text, str) else (text, None)
-        if name not in Knobs.names():
-            near = nearest_knob(name) if isinstance(name, str) else None
-            raise ConfigError(
-                f"unknown knob {text!r}{f' (did you mean {near}?)' if near else ''}: use one of "
-                f"{', '.join(Knobs.names())}, or io_concurrency[PATH]"
-            )
-        if path is not None:
-            if name != "io_concurrency":
-                raise ConfigError(f"knob {text!r}: only io_concurrency takes a [PATH]; give {name} as a whole")
-            if paths is not None and path not in paths:
-                raise ConfigError(f"knob {text!r} names a path this run does not use (paths: {list(paths)})")
-        return cls(name, path)
-
-    def value_in(self, knobs: Knobs) -> Any:
-        """This knob's value in ``knobs`` (a path's concurrency: its entry, or the default)."""
-        if self.path is not None:
-            return knobs.concurrency_for(self.path)
-        value = getattr(knobs, self.name)
-        return dict(value) if isinstance(value, Mapping) else value
-
-
-def nearest_knob(name: str) -> str | None:
-    """The knob name closest to a mistyped ``name`` ('prefech_depth' -> 'prefetch_depth'), or
-    None when none is close (or ``name`` is one)."""
-    import difflib
-
-    if name in Knobs.names():  # not mistyped: whatever is wrong is elsewhere
-        return None
-    near = difflib.get_close_matches(name.strip().lower(), Knobs.names(), n=1, cutoff=0.6)
-    return near[0] if near else None
 
 
 def typed_knob(text: str) -> str:
@@ -78,22 +28,13 @@ def typed_knob(text: str) -> str:
     return head.rsplit(":", 1)[-1].strip()
 
 
-def split_key(text: str) -> tuple[str, str | None]:
-    """``'io_concurrency[/nvme0]'`` -> ('io_concurrency', '/nvme0'); ``'prefetch_depth'`` ->
-    ('prefetch_depth', None). The spelling only: :meth:`KnobKey.parse` checks the names."""
-    if text.endswith("]") and "[" in text:
-        name, path = text[:-1].split("[", 1)
-        return name, path
-    return text, None
-
-
 def flat_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """``Knobs.to_dict()`` with the per-path knobs spread out by :class:`KnobKey` spelling:
     ``{'prefetch_depth': 2, 'io_concurrency[/nvme0]': 8, 'stripe_weights[/nvme0]': 0.5, ...}``."""
     out: dict[str, Any] = {}
     for name, v in knobs.items():
         if isinstance(v, Mapping):
-            out.update({f"{name}[{p}]": x for p, x in v.items()})
+            out.update({str(KnobKey(name, p)): x for p, x in v.items()})
         else:
             out[name] = v
     return out
@@ -102,7 +43,7 @@ def flat_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
 def changed_knobs(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{key: (before, after)}`` of the :func:`flat_knobs` entries that differ (None: absent)."""
     a, b = flat_knobs(before), flat_knobs(after)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (k.split("[")[0], k)) if a.get(k) != b.get(k)}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b), key=lambda k: (split_key(k)[0], k)) if a.get(k) != b.get(k)}
 
 
 def value_text(value: Any) -> str:
@@ -120,14 +61,9 @@ def value_text(value: Any) -> str:
 
 
 def knobs_text(knobs: Mapping[str, Any], sep: str = " ") -> str:
-    """``KNOB=VALUE`` of each knob in ``knobs`` (a ``Knobs.to_dict()``, pins, fixed knobs) with a
+    """``KNOB=VALUE`` of each knob in ``knobs`` (a ``Knobs.to_dict()``, pins) with a
     value (a per-path knob with no path set is left out), joined by ``sep``; '-' for none."""
     return sep.join(f"{k}={value_text(v)}" for k, v in knobs.items() if v not in ({}, None)) or "-"
-
-
-def knob_pattern() -> str:
-    """A regular expression for knob text (group ``knob``), for parsers that split larger text on it."""
-    return r"(?P<knob>(?:%s)(?:\[[^\]]+\])?)" % "|".join(map(re.escape, Knobs.names()))
 
 
 def read_value(name: str, value: Any, paths: Sequence[str]) -> Any:
@@ -175,7 +111,7 @@ def with_value(knobs: Knobs, key: KnobKey, value: Any, paths: Sequence[str], has
 
 
 class Pins:
-    """The knobs a user fixed, with their values: never searched, never moved.
+    """The user's pins: knobs with their values, never searched, never moved.
 
     Keyed by :class:`KnobKey`: a whole knob, or one path's concurrency. :meth:`pin` is the one
     place a pin is set; :meth:`as_dict` is the wire's and the view's spelling."""

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import AbstractSet, Literal, Mapping, Sequence, TypedDict, cast
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs, split_key
 from tuner.conditions import io_time
 from tuner.guards import Contention, Limits
-from tuner.knob_text import KnobKey, Pins, split_key
+from tuner.knob_text import Pins
 from tuner.measurement import Sample
 from tuner.policy_config import PolicyConfig
 
@@ -299,7 +299,7 @@ class MoveSearch:
         for p in self.paths:
             if self._pinned("io_concurrency", p):
                 continue
-            c = k.concurrency_for(p)
+            c, knob = k.concurrency_for(p), KnobKey("io_concurrency", p)
             conc = dict(k.io_concurrency)
             probed = depth.get(p) if p not in self._contended else None
             probed = probed if probed is not None and probed.get("at") == c else None
@@ -309,9 +309,9 @@ class MoveSearch:
                     (
                         0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
                         Move(
-                            key=_key("io_concurrency", "+", p),
+                            key=MoveKey(knob, "+"),
                             knobs=k.replace(io_concurrency=dict(conc)),
-                            what=f"io_concurrency[{p}] {c}->{conc[p]}",
+                            what=f"{knob} {c}->{conc[p]}",
                         ),
                     )
                 )
@@ -321,9 +321,9 @@ class MoveSearch:
                     (
                         1.5 if p in self._contended else 0.03,
                         Move(
-                            key=_key("io_concurrency", "-", p),
+                            key=MoveKey(knob, "-"),
                             knobs=k.replace(io_concurrency=dict(conc)),
-                            what=f"io_concurrency[{p}] {c}->{c // 2}",
+                            what=f"{knob} {c}->{c // 2}",
                         ),
                     )
                 )

@@ -15,10 +15,10 @@ import math
 from statistics import median as _median
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
 from tuner.guards import Adaptation, Change, Limits, ModelMove
-from tuner.knob_text import KnobKey, Pins
+from tuner.knob_text import Pins
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
 from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial
@@ -74,7 +74,7 @@ class Policy:
         self._device_headroom_bytes = device_headroom_bytes
         self._iteration = -1
         self._pins = Pins()
-        self._user_values: dict[str, Any] = {}  # each knob the user pinned in this run -> the value given
+        self._user_pin_values: dict[str, Any] = {}  # each knob the user pinned in this run -> the value given
         self._frozen = False
         self._unannounced: str | None = None  # why the knobs changed outside observe(): the next one says so
         self._iters_to_discard = self.cfg.warmup_iters
@@ -115,8 +115,8 @@ class Policy:
             start = start.replace(device_fraction=0.0)
             self._note("no device lane: device_fraction set to 0", "guard")
         self._knobs = self._good_knobs = start
-        self.fixed: list[str] = []
-        """Knobs the run's options fixed (pinned from the start)."""
+        self.start_pins: list[str] = []
+        """The pins of the run's options (pinned from the start), as :class:`KnobKey` text."""
         self._pin_from_the_start(pins or {})
         if profile is not None:
             m = model_start(
@@ -202,7 +202,7 @@ class Policy:
             "contended_paths": sorted(self._adapt.contention.contended),
             "pins": self._pins.as_dict(),
             "user_set": self._user_set(),
-            "fixed": list(self.fixed),
+            "fixed": list(self.start_pins),
             "frozen": self._frozen,
             "rates": {p: round(v) for p, v in self._adapt.conditions.rates().items()},
             "adaptations": list(self._adapt.log),
@@ -263,7 +263,7 @@ class Policy:
         return self._propose("")
 
     def pin(self, knob: str, value: Any) -> None:
-        """Fix ``knob`` (a Knobs field, or ``io_concurrency[PATH]``) at ``value``; never searched."""
+        """Pin ``knob`` (:class:`KnobKey` text) at ``value``; never searched."""
 
         def device_fits(key: KnobKey, new: Knobs) -> None:
             if key.name == "device_fraction" and new.device_fraction > 0 and not self._limits.device_fits(new.device_fraction):
@@ -276,7 +276,7 @@ class Policy:
 
         key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
         knob = str(key)
-        self._user_values[knob] = key.value_in(new)
+        self._user_pin_values[knob] = key.value_in(new)
         self._ledger.trial = None
         self._ledger.unconfirmed = []  # the user's knobs now: nothing of the search's to undo
         self._good_knobs = new
@@ -288,31 +288,31 @@ class Policy:
             self._note(f"pinned {knob}={value} by the user (already in force)", "user")
 
     def _pin_from_the_start(self, pins: Mapping[str, Any]) -> None:
-        """Pin what the run's options fixed (``train`` flags, ``OffloadAdamW`` arguments; key ->
+        """Pin what the run's options set (``train`` flags, ``OffloadAdamW`` arguments; key ->
         value): the search never moves them, as it never moves a ``tune --pin``."""
         for text, value in pins.items():
             try:
                 key, value, self._knobs = self._pins.pin(text, value, self._knobs, self.paths, self.has_device)
-            except ConfigError as e:  # a fixed knob this run cannot have: the engine refused it already
+            except ConfigError as e:  # a pin this run cannot have: the engine refused it already
                 self._note(f"fixed knob {text} not pinned: {e}", "guard")
                 continue
-            self.fixed.append(str(key))
+            self.start_pins.append(str(key))
         self._good_knobs = self._knobs
-        if self.fixed:
+        if self.start_pins:
             self._note(
                 f"fixed by the run's options, never moved: "
-                f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.fixed)}",
+                f"{', '.join(f'{k}={v}' for k, v in self._pins.as_dict().items() if k in self.start_pins)}",
                 "user",
             )
 
     def _user_set(self) -> list[str]:
         """Knobs the user pinned in this run, pinned still or unpinned since, whose good value is
         still the one the user gave: the user's, not the tuner's verdict (history never learns them)."""
-        return [k for k, v in self._user_values.items() if KnobKey.parse(k, self.paths).value_in(self._good_knobs) == v]
+        return [k for k, v in self._user_pin_values.items() if KnobKey.parse(k, self.paths).value_in(self._good_knobs) == v]
 
     def unpin(self, knob: str) -> None:
         key = self._pins.unpin(knob, self.paths)
-        self.fixed = [k for k in self.fixed if k != str(key)]
+        self.start_pins = [k for k in self.start_pins if k != str(key)]
         self._ledger.failed_moves.clear()
         self._restart_measuring(keep_samples=True)
         self._note(f"unpinned {knob}: the search may change it again", "user")

@@ -25,11 +25,11 @@ import time
 from enum import IntEnum
 from typing import Any, Callable, Mapping, NoReturn
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError, OffloadError
 
 API_VERSION = 3
-"""3: ``register`` carries ``pins`` (knob -> value the run's options fixed) where 2 named them in
+"""3: ``register`` carries ``pins`` (knob -> value the run's options pinned) where 2 named them in
 ``fixed_knobs``; 2: a step record's ``update_s`` is the update phase (1 called it ``wall_s``),
 ``kernel_s`` the math."""
 MAX_FRAME_BYTES = 1 << 20
@@ -220,8 +220,8 @@ RUN_ID = Str(128, r"[^\x00-\x1f\x7f]+", min_len=1)
 RANK = Int(0, 1 << 20)
 PATH = Str(4096, min_len=1)
 KNOB_NAMES = Knobs.names()
-KNOB = Str(4200, r"(%s)(\[.+\])?" % "|".join(KNOB_NAMES))
-"""A knob to pin: a Knobs field, or ``io_concurrency[PATH]`` for one path."""
+KNOB = Str(4200, KnobKey.pattern())
+"""A knob to pin: :class:`engine.config.KnobKey` text."""
 # The wire type of each knob; the names (and their ranges) are Knobs'. A knob added there
 # without a wire type here fails at import, not at the first message.
 _KNOB_WIRE = {
@@ -277,7 +277,7 @@ CLIENT_SCHEMAS: dict[str, dict[str, tuple[Spec, bool]]] = {
         "device_headroom_bytes": (Opt(Int(0)), False),
         "subgroup_bytes": (Int(0), True),
         "iteration": (Int(0), False),
-        # knobs the run's options fixed, with their values (pinned from the start), and
+        # the pins of the run's options, with their values (held from the start), and
         # the rank's host bytes for staging buffers within its host-memory budget
         "pins": (PINS, False),
         "host_staging_bytes": (Opt(Int(0)), False),

@@ -29,7 +29,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs, nearest_knob
 from engine.errors import ConfigError
 from engine.text import printable, printable_all
 from integrations.run_dir import in_use
@@ -37,7 +37,7 @@ from offloadctl.commands.tune_keys import HELP, Keys, ViewControls, view_error
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
 from tuner import service
-from tuner.knob_text import knob_pattern, knobs_text, nearest_knob, typed_knob
+from tuner.knob_text import knobs_text, typed_knob
 from tuner.protocol import Connection, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
@@ -65,14 +65,14 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
     """``RUN:KNOB=VALUE`` -> (run, knob, value); VALUE is JSON, else taken as a string. The
     knob names anchor the split, so run ids and paths may hold ':' and '='. A value out of
     range is refused here, naming what was typed."""
-    m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern() + r"=(?P<value>.*)", spec, re.S)
+    m = re.fullmatch(rf"(?P<run>.+?):(?P<knob>{KnobKey.pattern()})=(?P<value>.*)", spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec)) if "=" in spec else None
         raise ConfigError(
             f"--pin {spec!r}: "
             + (f"no knob {typed_knob(spec)!r} (did you mean {near}?); " if near else "")
             + f"write RUN:KNOB=VALUE, e.g. myrun:prefetch_depth=4 (knobs: "
-            f"{', '.join(Knobs.names())}; io_concurrency[PATH] for one path)"
+            f"{', '.join(Knobs.names())}; {KnobKey.PATH_FORM} for one path)"
         )
     try:
         value = json.loads(m["value"])
@@ -88,7 +88,7 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
 
 def parse_unpin(spec: str) -> tuple[str, str]:
     """``RUN:KNOB`` -> (run, knob)."""
-    m = re.fullmatch(r"(?P<run>.+?):" + knob_pattern(), spec, re.S)
+    m = re.fullmatch(rf"(?P<run>.+?):(?P<knob>{KnobKey.pattern()})", spec, re.S)
     if not m:
         near = nearest_knob(typed_knob(spec))
         raise ConfigError(
@@ -347,7 +347,7 @@ class Controls(ViewControls):
     def help_text(self) -> Text:
         """What ? shows in place of the frame: the keys, and the knobs a pin takes."""
 
-        knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; io_concurrency[PATH] for one path", 78, subsequent_indent="  ")
+        knobs = textwrap.fill(f"knobs: {', '.join(Knobs.names())}; {KnobKey.PATH_FORM} for one path", 78, subsequent_indent="  ")
         return Text(HELP.format(knobs=knobs))
 
 

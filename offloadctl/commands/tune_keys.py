@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
+from engine.config import KnobKey, nearest_knob
 from offloadctl.commands.tune_view import ENDED
 from offloadctl.options import knob_words
-from tuner.knob_text import knob_pattern, nearest_knob, typed_knob
+from tuner.knob_text import typed_knob
 from tuner.protocol import ProtocolError
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def view_error(kind: str, text: str, error: str, run_id: str) -> str:
     typed, the nearest knob where the name is mistyped, and the form the prompt takes (KNOB=VALUE
     or KNOB), not the command line's RUN:KNOB=VALUE."""
     form = "KNOB=VALUE, e.g. prefetch_depth=4" if kind == "pin" else "KNOB, e.g. prefetch_depth"
-    shape = knob_pattern() + (r"=.*" if kind == "pin" else "")
+    shape = KnobKey.pattern() + (r"=.*" if kind == "pin" else "")
     if not re.fullmatch(shape, text, re.S):
         name = typed_knob(text)
         near = nearest_knob(name) if name else None
