@@ -330,6 +330,13 @@ def nearest_knob(name: str) -> str | None:
     return near[0] if near else None
 
 
+def typed_knob(text: str) -> str:
+    """The knob name in what a user typed: before '=' and any '[PATH]', after the last ':'
+    (``RUN:prefech_depth=4`` -> 'prefech_depth')."""
+    head = text.split("=", 1)[0].split("[", 1)[0]
+    return head.rsplit(":", 1)[-1].strip()
+
+
 def _positive_int(name: str, v: object) -> None:
     if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
         raise ConfigError(f"{name} must be a positive integer, got {v!r}")

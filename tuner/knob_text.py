@@ -21,13 +21,6 @@ from engine.config import split_key as split_key  # re-exported for tuner.runs
 from engine.errors import ConfigError
 
 
-def typed_knob(text: str) -> str:
-    """The knob name in what a user typed: before '=' and any '[PATH]', after the last ':'
-    (``RUN:prefech_depth=4`` -> 'prefech_depth')."""
-    head = text.split("=", 1)[0].split("[", 1)[0]
-    return head.rsplit(":", 1)[-1].strip()
-
-
 def flat_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """``Knobs.to_dict()`` with the per-path knobs spread out by :class:`KnobKey` spelling:
     ``{'prefetch_depth': 2, 'io_concurrency[/nvme0]': 8, 'stripe_weights[/nvme0]': 0.5, ...}``."""

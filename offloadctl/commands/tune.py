@@ -29,7 +29,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from engine.config import KnobKey, Knobs, nearest_knob
+from engine.config import KnobKey, Knobs, nearest_knob, typed_knob
 from engine.errors import ConfigError
 from engine.text import printable, printable_all
 from integrations.run_dir import in_use
@@ -37,7 +37,7 @@ from offloadctl.commands.tune_keys import HELP, Keys, ViewControls, view_error
 from offloadctl.commands.tune_view import ENDED, at_iteration, final_line, fitted_panels, run_panel, runs_table
 from offloadctl.options import knob_words
 from tuner import service
-from tuner.knob_text import knobs_text, typed_knob
+from tuner.knob_text import knobs_text
 from tuner.protocol import Connection, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
-from engine.config import KnobKey, nearest_knob
+from engine.config import KnobKey, nearest_knob, typed_knob
 from offloadctl.commands.tune_view import ENDED
 from offloadctl.options import knob_words
-from tuner.knob_text import typed_knob
 from tuner.protocol import ProtocolError
 
 if TYPE_CHECKING:
