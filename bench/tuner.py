@@ -64,9 +64,10 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENC
 from bench.emulate import run_emulated, tiers_root  # noqa: E402
 from engine import AdamWHyper, EngineConfig, FlatSubgroup, Knobs, StoragePath, SubgroupEngine  # noqa: E402
 from engine.buffers import payload_bytes  # noqa: E402
+from engine.config import KnobKey  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
-from tuner.knob_text import KnobKey, Pins  # noqa: E402
+from tuner.knob_text import Pins  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
 

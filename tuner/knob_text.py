@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from engine.config import KnobKey as KnobKey  # re-exported for tuner.run_state and bench.tuner
-from engine.config import Knobs
-from engine.config import split_key as split_key  # re-exported for tuner.runs
+from engine.config import KnobKey, Knobs, split_key
 from engine.errors import ConfigError
 
 

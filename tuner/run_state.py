@@ -12,10 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, TypedDict
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
-from tuner.knob_text import KnobKey, Pins
+from tuner.knob_text import Pins
 
 log = logging.getLogger("offloadctl.tuner")
 

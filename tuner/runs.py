@@ -25,12 +25,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from engine.config import Knobs
+from engine.config import Knobs, split_key
 from engine.telemetry import StepRecord
 from tuner.controls import UserControls, check_knobs_for
 from tuner.daemon_config import ServerConfig
 from tuner.history import History
-from tuner.knob_text import Pins, changed_knobs, split_key
+from tuner.knob_text import Pins, changed_knobs
 from tuner.observation import Decision, Observation
 from tuner.protocol import API_VERSION, ErrorCode, ProtocolError, knobs_from_dict
 from tuner.run_state import Rank, Run, RunFacts, RunView, encodable_view
