@@ -7,7 +7,7 @@ staging buffers, are the first updated next: each is read ahead of its update, u
 lane and written back behind it; the device tier's are updated first, on the device. Knobs set
 with :meth:`SubgroupEngine.set_knobs` apply at the next step. Here: the step, the two update
 paths, the knobs and the state's access. The parts, in ``docs/engine.md``'s reading order:
-:mod:`engine.transfers` (over :mod:`engine.staging`), :mod:`engine.host_memory`,
+:mod:`engine.transfers` (over :mod:`engine.subgroup`), :mod:`engine.host_memory`,
 :mod:`engine.device_tier`, :mod:`engine.swap_paths`, :mod:`engine.lanes`. An adapter supplies
 one :class:`SubgroupBinding` per subgroup (``OffloadAdamW``; the DeepSpeed ZeRO-3 integration).
 """
@@ -38,9 +38,9 @@ from engine.host_lane import HostLane, WeightUploader, threads_left_to_io
 from engine.host_memory import HostBudget, HostUsage
 from engine.layout import host_buffer_bytes, kept_subgroups, payload_bytes, step_order
 from engine.placement import DEVICE, HOST, place
-from engine.staging import StagingPool, Subgroup
 from engine.storage.paths import PathCounters
 from engine.streams import resolve_lane_device, streams_for
+from engine.subgroup import Subgroup
 from engine.swap_paths import SwapPaths
 from engine.telemetry import StepRecord, TelemetryLog
 from engine.transfers import PRESSURE_BUFFERS, SwapPass, Transfers, host_state
@@ -116,9 +116,10 @@ class SubgroupEngine:
                 swapped_numels=swapped_numels,
                 copies_bytes=copies_bytes,
             )
+            self._allocate()
             self.transfers = Transfers(
                 self.subgroups,
-                self._allocate(),
+                self.knobs.prefetch_depth,
                 room_bytes=self.host_memory.staging_room,
                 on_write_landed=self.read_ahead if config.overlap_io else None,
                 auto_read_ahead=config.read_ahead_bytes is None and config.overlap_io,
@@ -152,9 +153,9 @@ class SubgroupEngine:
                 config.host_memory_floor_bytes, self._lock, transfers=self.transfers, device_tier=self.device_tier
             )
 
-    def _allocate(self) -> StagingPool:
-        """Each subgroup's home (device memory, an exactly sized host buffer whose pages are
-        touched at the first step, or a swap file), and the staging pool for the swapped ones."""
+    def _allocate(self) -> None:
+        """Each subgroup's home: device memory, an exactly sized host buffer whose pages are
+        touched at the first step, or a swap file."""
         self.swap_paths.check_room(self.subgroups)
         for sg in self.subgroups:
             if sg.tier == DEVICE:
@@ -163,7 +164,6 @@ class SubgroupEngine:
                 sg.resident = StateBuffer(sg.numel)  # pinned in place only if it takes the device lane
             elif sg.tier.path_index is not None:  # swapped
                 sg.file = self.swap_paths.create_file(sg, sg.tier.path_index)
-        return StagingPool.for_swapped(self.subgroups, self.knobs.prefetch_depth)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class SubgroupEngine:
         memory pressure (the watch's flag, read at each subgroup) nothing is read ahead or kept."""
         if not tally.pressure and self.host_memory.low:
             tally.pressure = True
-            self.transfers.shrink(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
+            self.transfers.resize(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
         swaps.current = swaps.position[sg.index]
         if sg.writing:  # its write behind the last step: wait for exactly that one
             t0 = time.perf_counter()

@@ -40,8 +40,8 @@ from engine.host_memory import HostBudget
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
 from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE, HOST, device_lane_working_bytes, device_tier_prefix
-from engine.staging import Subgroup
 from engine.streams import Streams
+from engine.subgroup import Subgroup
 from engine.transfers import Transfers, host_state
 from engine.units import format_size
 

@@ -14,9 +14,9 @@ from typing import Sequence, TypedDict
 from engine.config import EngineConfig, Knobs
 from engine.layout import payload_bytes
 from engine.placement import round_trip_rate, stripe, swap_tier
-from engine.staging import Subgroup
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
+from engine.subgroup import Subgroup
 
 # What the paths moved since a snapshot (:meth:`SwapPaths.moved_since`), as StepRecord names it:
 # bytes per kind of path and per path, and per path its busy seconds and its requests' wait.

@@ -1,11 +1,11 @@
-"""The transfers of swapped state between its files and the staging pool (:class:`Transfers`):
-the reads of a step, the reads ahead of the next one, the write-behind, which staged copies give
-up their buffers, and the writes that failed.
+"""The transfers of swapped state between its files and the host staging buffers it passes
+through (:class:`Transfers`): the pool of buffers, the reads of a step, the reads ahead of the
+next one, the write-behind, which staged copies give up their buffers, and the writes that
+failed. What overlaps what, and why the result is exact, is ``docs/io-overlap.md``:
 
-The staging pool (:mod:`engine.staging`) holds the buffers and the writes in flight; this module
-decides what is read into them, and when. What overlaps what, and why the result is exact, is
-``docs/io-overlap.md``:
-
+- **The pool.** A staging buffer is free, holds a subgroup's state (``Subgroup.staged``), or is
+  being written back (read-only until the write lands). A buffer is acquired free, else from a
+  clean copy (:meth:`Transfers.acquire`), else once the oldest write-back lands.
 - **Write-behind.** A step's write-backs drain behind it, during the next forward and backward;
   whatever needs those bytes waits for exactly them (:meth:`Transfers.wait_write`). What moves
   files or buffers (a knob change, the device tier's fit, a give-back, a checkpoint) waits for all
@@ -17,24 +17,26 @@ decides what is read into them, and when. What overlaps what, and why the result
 - **Clean copies.** A buffer whose write landed keeps its subgroup's state until it is needed
   for another (:meth:`Transfers.victims` ranks them): a subgroup updated again before that reads
   nothing.
-- **Failures.** A write that fails keeps its state in memory (the pool makes it host-resident);
-  the next step or :meth:`Transfers.flush` raises it.
+- **Failures.** A write that fails keeps its state in memory: the subgroup stays in that buffer
+  as host-resident state, out of the pool; the next step or :meth:`Transfers.flush` raises it.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from engine.buffers import StateBuffer
+from engine.errors import OffloadError, StorageIOError
 from engine.layout import host_buffer_bytes, read_ahead_bytes, staging_buffers
 from engine.placement import HOST
-from engine.staging import StagingPool, Subgroup, first_state
+from engine.subgroup import Subgroup, first_state
 
 PRESSURE_BUFFERS = 2
 """Staging buffers left under memory pressure: one updating, one writing back; no read-ahead."""
@@ -67,7 +69,12 @@ class SwapPass:
 
 
 class Transfers:
-    """Reads and writes of the swapped subgroups' state through ``staging``.
+    """Reads and writes of the swapped subgroups' state through a pool of staging buffers, each
+    the size of the largest swapped subgroup, as many as the working buffers of
+    ``prefetch_depth`` need (none without swapped state). A buffer whose write landed stays with
+    its subgroup as a clean copy (``kept``, not ``dirty``) until its buffer is taken for another:
+    a later update of that subgroup reads nothing. A write that fails leaves the subgroup's state
+    in its buffer as host-resident state, out of the pool, and its error in ``failures``.
 
     ``on_write_landed`` is called (in an I/O thread) when a write-back lands and reads ahead may
     use its buffer; None without overlap. ``room_bytes`` says what the host budget leaves for
@@ -77,14 +84,21 @@ class Transfers:
     def __init__(
         self,
         subgroups: Sequence[Subgroup],
-        staging: StagingPool,
+        prefetch_depth: int,
         *,
         room_bytes: Callable[[], int],
         on_write_landed: Callable[[], object] | None,
         auto_read_ahead: bool = False,
     ) -> None:
         self.subgroups = subgroups
-        self.staging = staging
+        swapped = [sg.numel for sg in subgroups if sg.tier.swapped]
+        self.capacity_numel = max(swapped, default=0)
+        """Elements of one staging buffer (0 without swapped state)."""
+        self.pool_size = 0
+        """Staging buffers in the pool now: free, holding a subgroup, or being written back."""
+        self.free: list[StateBuffer] = []
+        self.writes: deque[tuple[Subgroup, StateBuffer, Future[None]]] = deque()
+        self.failures: list[OffloadError] = []
         self._room_bytes = room_bytes
         self._early_reads: dict[int, Future[None]] = {}  # reads ahead, taken by the next step's pass
         self.read_ahead_buffers = 0
@@ -92,23 +106,81 @@ class Transfers:
         self._read_ahead_unsized = auto_read_ahead
         self._reads_on_landing = True  # False after flush(): a write landing reads nothing ahead until the next step
         self._on_write_landed = on_write_landed
-        if on_write_landed is not None and self.swaps:
-            staging.on_landed = self._write_landed
+        self.resize(staging_buffers(prefetch_depth) if swapped else 0)
 
     @property
     def swaps(self) -> bool:
         """Whether any subgroup's state goes through staging buffers."""
-        return self.staging.capacity_numel > 0
+        return self.capacity_numel > 0
 
     @property
     def buffer_bytes(self) -> int:
         """Host memory of one staging buffer (0 without swapped state)."""
-        return self.staging.buffer_bytes
+        return host_buffer_bytes(self.capacity_numel) if self.capacity_numel else 0
 
-    @property
-    def pool_size(self) -> int:
-        """Staging buffers in the pool now."""
-        return self.staging.size
+    # -- the pool's buffers -------------------------------------------------------------------
+
+    def resize(self, n: int) -> None:
+        """Grow to ``n`` buffers, or shrink towards it by dropping free ones."""
+        while self.pool_size < n:
+            self.free.append(StateBuffer(self.capacity_numel))
+            self.pool_size += 1
+        while self.pool_size > n and self.free:
+            self.free.pop()
+            self.pool_size -= 1
+
+    def try_acquire(self, victims: Callable[[], Iterable[Subgroup]] = lambda: ()) -> StateBuffer | None:
+        """A free buffer, else that of the first clean copy among ``victims()`` (called only when
+        no buffer is free: ranking them is the costly part); None without waiting."""
+        if self.free:
+            return self.free.pop()
+        self.reap()
+        for sg in victims():
+            if sg.staged is not None and sg.kept and not sg.dirty:
+                buf, sg.staged, sg.kept = sg.staged, None, False  # its file is current
+                return buf
+        return None
+
+    def acquire(self, victims: Callable[[], Iterable[Subgroup]]) -> StateBuffer:
+        """A buffer, waiting if it must: a free one, a clean copy among ``victims()`` (the
+        subgroups whose copies may go, the one needed last first), the oldest write-back's once
+        it lands, or a dirty kept one's after writing it back."""
+        while True:
+            buf = self.try_acquire(victims)
+            if buf is not None:
+                return buf
+            if self.writes:
+                self._finish(*self.writes.popleft())
+                continue
+            dirty = [sg for sg in victims() if sg.staged is not None and sg.kept]
+            if not dirty:
+                # Only after failed writes pinned buffers in memory: grow rather than stall.
+                self.pool_size += 1
+                return StateBuffer(self.capacity_numel)
+            self.write_back(dirty[0])
+
+    def release(self, sg: Subgroup) -> None:
+        """``sg``'s buffer back to the free ones, unwritten (its file is current, or about to go)."""
+        if sg.staged is not None:
+            self.free.append(sg.staged)
+            sg.staged = None
+            sg.kept = False
+
+    def release_clean(self) -> None:
+        """Every clean copy's buffer back to the free ones."""
+        self.reap()
+        for sg in self.subgroups:
+            if sg.staged is not None and sg.kept and not sg.dirty:
+                self.release(sg)
+
+    def buffers(self) -> list[StateBuffer]:
+        """Every buffer of the pool that is not being written: free, or holding a subgroup."""
+        return self.free + [sg.staged for sg in self.subgroups if sg.staged is not None]
+
+    def host_bytes(self) -> tuple[int, int]:
+        """Host memory of the pool: (buffers not holding a kept copy, buffers holding one)."""
+        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups if sg.staged is not None and sg.kept)
+        return max(0, self.pool_size * self.buffer_bytes - kept), kept
 
     # -- the pool's size ---------------------------------------------------------------------
 
@@ -117,12 +189,12 @@ class Transfers:
         and at most one per swapped subgroup beyond the working ones. Returns the buffers added."""
         if not self.swaps or not nbytes:
             return 0
-        per = self.staging.buffer_bytes
-        room = self._room_bytes() - self.staging.size * per
+        per = self.buffer_bytes
+        room = self._room_bytes() - self.pool_size * per
         swapped = sum(1 for sg in self.subgroups if sg.tier.swapped)
-        n = max(0, min(-(-nbytes // per), room // per, swapped - self.staging.size))
+        n = max(0, min(-(-nbytes // per), room // per, swapped - self.pool_size))
         self.read_ahead_buffers = n
-        self.staging.resize(self.staging.size + n)
+        self.resize(self.pool_size + n)
         return n
 
     def size_read_ahead_once(self, fwd_bwd_s: float, read_bytes_per_s: Sequence[float]) -> int:
@@ -137,7 +209,7 @@ class Transfers:
     @property
     def read_ahead_bytes(self) -> int:
         """Host memory of the read-ahead budget's staging buffers."""
-        return self.read_ahead_buffers * self.staging.buffer_bytes
+        return self.read_ahead_buffers * self.buffer_bytes
 
     def resize_for(self, depth: int) -> None:
         """The pool for prefetch ``depth`` (at a knob change): its working buffers, and the read-ahead
@@ -145,27 +217,23 @@ class Transfers:
         Shrinking frees clean copies' buffers first, then writes kept ones out."""
         if not self.swaps:
             return
-        room = self._room_bytes() // self.staging.buffer_bytes
+        room = self._room_bytes() // self.buffer_bytes
         self.read_ahead_buffers = max(0, min(self.read_ahead_buffers, room - staging_buffers(depth)))
         size = staging_buffers(depth) + self.read_ahead_buffers
-        if size == self.staging.size or not self.staging.size:
+        if size == self.pool_size or not self.pool_size:
             return
-        self.staging.resize(size)
-        if self.staging.size > size:
-            self.staging.release_clean(self.subgroups)
-            self.staging.resize(size)
-        while self.staging.size > size:
+        self.resize(size)
+        if self.pool_size > size:
+            self.release_clean()
+            self.resize(size)
+        while self.pool_size > size:
             kept = next((sg for sg in self.subgroups if sg.staged is not None and sg.kept), None)
             if kept is None:
                 break
-            self.staging.write_back(kept)
-            self.staging.drain()  # the kept one's write has landed: its buffer is free to give up
-            self.staging.release(kept)
-            self.staging.resize(size)
-
-    def shrink(self, n: int) -> None:
-        """Down towards ``n`` buffers by dropping free ones (memory ran low within a step)."""
-        self.staging.resize(n)
+            self.write_back(kept)
+            self.wait_writes()  # the kept one's write has landed: its buffer is free to give up
+            self.release(kept)
+            self.resize(size)
 
     def give_back(self) -> None:
         """Under memory pressure, between steps: every transfer landed, kept copies newer than
@@ -173,24 +241,15 @@ class Transfers:
         self.wait_all()  # the writes behind the last step land first: a buffer is written back once
         for sg in self.subgroups:
             if sg.staged is not None and sg.dirty:
-                self.staging.write_back(sg)
-        self.staging.drain()  # the dirty copies are on storage before their buffers go
+                self.write_back(sg)
+        self.wait_writes()  # the dirty copies are on storage before their buffers go
         for sg in self.subgroups:
-            self.staging.release(sg)
-        self.staging.resize(min(self.staging.size, PRESSURE_BUFFERS))
+            self.release(sg)
+        self.resize(min(self.pool_size, PRESSURE_BUFFERS))
 
     def take_back(self, depth: int) -> None:
         """Memory is back: the working buffers of prefetch ``depth`` and the read-ahead budget's."""
-        self.staging.resize(staging_buffers(depth) + self.read_ahead_buffers)
-
-    def host_bytes(self) -> tuple[int, int]:
-        """Host memory of the pool: (buffers not holding a kept copy, buffers holding one)."""
-        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups if sg.staged is not None and sg.kept)
-        return max(0, self.staging.size * self.staging.buffer_bytes - kept), kept
-
-    def buffers(self) -> list[StateBuffer]:
-        """Every buffer of the pool that is not being written: free, or holding a subgroup."""
-        return self.staging.free + [sg.staged for sg in self.subgroups if sg.staged is not None]
+        self.resize(staging_buffers(depth) + self.read_ahead_buffers)
 
     # -- a step's reads --------------------------------------------------------------------------
 
@@ -206,7 +265,7 @@ class Transfers:
         while swaps.next_read < len(swaps.order) and swaps.next_read <= upto:
             sg = self.subgroups[swaps.order[swaps.next_read]]
             if sg.staged is None and sg.tier.swapped:
-                buf = self.staging.try_acquire(lambda: self.victims(swaps, after=swaps.next_read))
+                buf = self.try_acquire(lambda: self.victims(swaps, after=swaps.next_read))
                 if buf is None:
                     return
                 self._load(sg, buf, swaps)
@@ -217,14 +276,14 @@ class Transfers:
         read (raising its failure)."""
         fut = swaps.reads.pop(sg.index, None)
         if fut is None and sg.staged is None:
-            self._load(sg, self.staging.acquire(lambda: self.victims(swaps, exclude=sg)), swaps)
+            self._load(sg, self.acquire(lambda: self.victims(swaps, exclude=sg)), swaps)
             fut = swaps.reads.pop(sg.index, None)
         if fut is not None:
             t0 = time.perf_counter()
             try:
                 fut.result()  # the state is in the buffer before the update reads it
             except BaseException:
-                self.staging.release(sg)
+                self.release(sg)
                 raise
             swaps.read_wait_s += time.perf_counter() - t0
             swaps.misses += 1
@@ -234,22 +293,10 @@ class Transfers:
         assert sg.staged is not None  # read into, or kept in, its buffer
         return sg.staged
 
-    def wait_write(self, sg: Subgroup) -> None:
-        """Wait for exactly ``sg``'s write behind the last step, if one is in flight."""
-        self.staging.wait_write(sg)
-
-    def write_back(self, sg: Subgroup) -> None:
-        """Start writing ``sg``'s updated state to its file."""
-        self.staging.write_back(sg)
-
-    def release(self, sg: Subgroup) -> None:
-        """``sg``'s buffer back to the pool, unwritten (its file is current, or about to go)."""
-        self.staging.release(sg)
-
     def write_now(self, sg: Subgroup, sources: Sequence[torch.Tensor]) -> None:
         """Replace ``sg``'s state on storage with ``sources`` (master, exp_avg, exp_avg_sq), waiting
         for the write; a staged copy is dropped (no transfer in flight)."""
-        self.staging.release(sg)
+        self.release(sg)
         buf = StateBuffer(sg.numel, pin=False)
         for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
             dst.copy_(src)
@@ -261,7 +308,7 @@ class Transfers:
         put back."""
         self._drop_reads(swaps.reads)
         swaps.reads.clear()
-        self.staging.drain()  # no write still reads a buffer the caller may free
+        self.wait_writes()  # no write still reads a buffer the caller may free
 
     def victims(self, swaps: SwapPass, after: int = -1, exclude: Subgroup | None = None) -> list[Subgroup]:
         """Subgroups whose staged copies may give up their buffers for a subgroup needed at
@@ -287,6 +334,64 @@ class Transfers:
         else:
             swaps.reads[sg.index] = sg.swap_file.path.read(sg.swap_file, buf)
 
+    # -- the write-backs ---------------------------------------------------------------------------
+
+    def write_back(self, sg: Subgroup) -> None:
+        """Start writing ``sg``'s staged state to its file (the next one, after a restripe)."""
+        buf = sg.staged
+        assert buf is not None  # what is written back is staged
+        target = sg.next_file or sg.swap_file
+        fut = target.path.write(target, buf)
+        sg.writing, sg.kept = True, False
+        self.writes.append((sg, buf, fut))
+        if (on_landed := self._on_write_landed) is not None:
+            # In an I/O thread: its buffer may take the next read ahead (none after a flush until the next step).
+            fut.add_done_callback(lambda _: on_landed() if self._reads_on_landing else None)
+
+    def _finish(self, sg: Subgroup, buf: StateBuffer, fut: Future[None]) -> bool:
+        """A write-back that has landed (or is waited for now): the subgroup keeps its buffer as
+        a clean copy. False if it failed: the state stays in the buffer as host-resident state."""
+        sg.writing = False
+        try:
+            fut.result()
+        except StorageIOError as e:
+            # Nothing is lost: the subgroup stays in this buffer, now as host-resident state.
+            self.failures.append(e)
+            self.pool_size -= 1
+            sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
+            return False
+        if sg.next_file is not None:
+            sg.swap_file.path.remove_file(sg.swap_file)
+            sg.file, sg.next_file = sg.next_file, None
+        sg.dirty, sg.kept = False, True
+        return True
+
+    def reap(self) -> None:
+        """Finish the write-backs that have landed, without waiting."""
+        for entry in [w for w in self.writes if w[2].done()]:
+            self.writes.remove(entry)
+            self._finish(*entry)
+
+    def wait_write(self, sg: Subgroup) -> None:
+        """Wait for exactly ``sg``'s write-back (behind the last step), if one is in flight."""
+        if not sg.writing:
+            return
+        entry = next(w for w in self.writes if w[0] is sg)
+        self.writes.remove(entry)
+        self._finish(*entry)
+
+    def wait_writes(self) -> None:
+        """Wait for every write-back (without overlap, each step waits for its own); failures are
+        recorded and keep their state in memory."""
+        while self.writes:
+            self._finish(*self.writes.popleft())
+
+    def raise_write_failure(self) -> None:
+        """Raise the first write that failed since the last call (its state stayed in memory)."""
+        if self.failures:
+            err, self.failures = self.failures[0], []
+            raise err
+
     # -- between steps -----------------------------------------------------------------------------
 
     def read_ahead(self, order: Sequence[int]) -> int:
@@ -301,7 +406,7 @@ class Transfers:
             sg = self.subgroups[i]
             if sg.staged is not None or i in self._early_reads:
                 continue  # in memory already (kept, a clean copy, being written, or read)
-            buf = self.staging.try_acquire(functools.partial(self.victims, swaps, after=k))
+            buf = self.try_acquire(functools.partial(self.victims, swaps, after=k))
             if buf is None:
                 break
             self._load(sg, buf, swaps)
@@ -313,45 +418,26 @@ class Transfers:
         """The step's writes are under way: each one landing may read ahead again (after a flush)."""
         self._reads_on_landing = True
 
-    def _write_landed(self) -> None:
-        """A write-back landed (an I/O thread): its buffer may take the next read ahead."""
-        if self._reads_on_landing and self._on_write_landed is not None:  # installed only with one
-            self._on_write_landed()
-
     def flush(self) -> None:
         """Wait for the writes (raising the first that failed) and the reads ahead (their buffers
         keep what they read, as clean copies); read nothing more ahead as writes land."""
         self._reads_on_landing = False
-        self.staging.drain()  # the files hold every update before flush() returns
+        self.wait_writes()  # the files hold every update before flush() returns
         for i, fut in self._early_reads.items():
             sg = self.subgroups[i]
             try:
                 fut.result()  # the read has filled its buffer: a clean copy from now on
                 sg.kept = True  # a clean copy now
             except BaseException:
-                self.staging.release(sg)  # read again by the step, which reports the failure
+                self.release(sg)  # read again by the step, which reports the failure
         self._early_reads = {}
         self.raise_write_failure()
-
-    def wait_writes(self) -> None:
-        """Wait for every write-back (without overlap, each step waits for its own)."""
-        self.staging.drain()
-
-    def reap(self) -> None:
-        """Finish the write-backs that have landed, without waiting."""
-        self.staging.reap()
-
-    def raise_write_failure(self) -> None:
-        """Raise the first write that failed since the last call (its state stayed in memory)."""
-        if self.staging.failures:
-            err, self.staging.failures = self.staging.failures[0], []
-            raise err
 
     def wait_all(self) -> None:
         """No transfer in flight once it returns: the write-behind landed, the reads ahead put
         back (what a checkpoint, a state load, a knob change or a device release needs before it
         touches the state)."""
-        self.staging.drain()  # no write in flight: the files and buffers may change
+        self.wait_writes()  # no write in flight: the files and buffers may change
         self._drop_reads(self._early_reads)
         self._early_reads = {}
 
@@ -362,7 +448,7 @@ class Transfers:
                 fut.result()  # landed (or failed) before its buffer goes back
             except BaseException:
                 pass
-            self.staging.release(self.subgroups[i])
+            self.release(self.subgroups[i])
 
     def close(self) -> None:
         """At the engine's close: reads ahead put back, and every write-back landed (failures
@@ -370,7 +456,7 @@ class Transfers:
         self._drop_reads(self._early_reads)
         self._early_reads = {}
         try:
-            self.staging.drain()  # no write in flight when the paths close
+            self.wait_writes()  # no write in flight when the paths close
         except Exception:
             pass
 

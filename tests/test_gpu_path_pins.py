@@ -55,11 +55,11 @@ def test_a_buffer_grown_after_failed_writes_is_pinned_at_the_next_step_not_in_it
     run.step()
     path = run.engine.subgroups[0].file.path
     real_write = path.write
-    pool = run.engine.transfers.staging
+    pool = run.engine.transfers
     run.engine.transfers.wait_all()
     run.engine.transfers.read_ahead_buffers = 0  # the working buffers alone: fewer than the swapped subgroups
     run.engine.transfers.resize_for(1)
-    failing = {"left": pool.size}  # every buffer of the pool kept by a failed write: it must grow
+    failing = {"left": pool.pool_size}  # every buffer of the pool kept by a failed write: it must grow
 
     def write(sf, buf):
         if failing["left"] <= 0:
