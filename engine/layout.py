@@ -4,7 +4,7 @@ A subgroup's state is 12 bytes per element (fp32 master, exp_avg, exp_avg_sq), p
 O_DIRECT alignment, behind a 4096-byte header that holds, besides fixed fields, one CRC32 per
 I/O chunk. With swapped state a rank keeps ``2 d + 3`` staging buffers for a prefetch depth d.
 
-``engine.buffers``, ``engine.storage.swapfile``, ``engine.staging`` and ``engine.core`` build on these; the
+``engine.buffers``, ``engine.storage.swapfile``, ``engine.transfers`` and ``engine.core`` build on these; the
 performance model (``perf.layout``, ``perf.model``, ``perf.search``) imports them without
 importing torch, so ``offloadctl plan`` starts at once.
 """

@@ -78,7 +78,7 @@ def swap_traffic(
     """Forward- and reverse-order traffic of swapped subgroups ``first..N-1`` over weighted paths.
     ``K`` subgroups are kept unwritten across the step boundary; ``held`` (at least ``K``; default
     ``K``) are in staging buffers then and read nothing: the kept ones, and those whose writes
-    landed and whose buffers no read took (``engine.staging``), next to them in the order."""
+    landed and whose buffers no read took (``engine.transfers``), next to them in the order."""
     S = N - first
     M = S - K
     held = K if held is None else max(K, min(S, held))

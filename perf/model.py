@@ -433,7 +433,7 @@ def predict(profile: Profile, workload: Workload, plan: Plan) -> Prediction:
     # Swap traffic, per path and per order.
     wt = tuple(w if w > 0 else 0.0 for w in weights)
     # Traffic as if only the kept subgroups were held: the clean copies the other buffers keep
-    # (engine.staging) save up to B - K reads a step, which the model leaves out (docs/perfmodel.md).
+    # (engine.transfers) save up to B - K reads a step, which the model leaves out (docs/perfmodel.md).
     traffic = swap_traffic(lay.N, lay.D + lay.H, lay.K, lay.n, lay.n_last, wt, float(lay.f)) if lay.S else None
     storage_node = _swap_files(paths, wt, lay, wl.ranks) if lay.S else {}
 
