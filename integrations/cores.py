@@ -209,10 +209,11 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
     cores = rank_cores(given, local_rank(environ), local_size, topology, gpu_nodes)
     if not cores:
         return None
-    threads = physical_cores(cores, topology)
-    pinned = mode == "on" or threads >= MIN_BOUND_CORES
+    share = physical_cores(cores, topology)
+    pinned = mode == "on" or share >= MIN_BOUND_CORES
     if pinned:
         os.sched_setaffinity(0, cores)
+    threads = _users_threads(environ) or share
     environ["OMP_NUM_THREADS"] = str(threads)  # DeepSpeed's cpu_adam op and anything OpenMP started later
     import torch
 
@@ -223,6 +224,17 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
 
     torch.set_num_threads(threads)
     return cores if pinned else None
+
+
+def _users_threads(environ) -> int | None:
+    """The OMP_NUM_THREADS the user set before the launch (``rank_entry.USER_OMP_ENV``): it stands
+    over the share, as stock DeepSpeed's ranks keep it (torch's CPU kernels, LayerNorm's backward
+    among them, round differently at another thread count, so a run compared with stock's bit for
+    bit sets the same count on both). None where the user set none, or nothing usable."""
+    from integrations.rank_entry import USER_OMP_ENV
+
+    value = environ.get("OMP_NUM_THREADS", "")
+    return int(value) if environ.get(USER_OMP_ENV) == "1" and value.isdigit() and int(value) > 0 else None
 
 
 def describe(cores: list[int] | None) -> str:

@@ -71,6 +71,20 @@ def test_a_rank_is_bound_to_its_block_with_as_many_threads():
     assert _in_child("on", {"LOCAL_RANK": "0", "LOCAL_SIZE": "1"}) == f"{cores} {cores} {len(cores)} {len(cores)}"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_users_thread_count_stands_over_the_share():
+    """A user's OMP_NUM_THREADS (``offloadctl train`` says so in USER_OMP_ENV) is the rank's thread
+    count, as under stock DeepSpeed; the binding still picks the cores. A launcher's (torchrun's
+    1) is not the user's: the share replaces it."""
+    from integrations.rank_entry import USER_OMP_ENV
+
+    cores = sorted(os.sched_getaffinity(0))
+    mine = rank_cores(cores, 1, 2)
+    ranks = {"LOCAL_RANK": "1", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}
+    assert _in_child("on", {**ranks, USER_OMP_ENV: "1"}) == f"{mine} {mine} 3 3"
+    assert _in_child("on", {**ranks, USER_OMP_ENV: "0"}) == f"{mine} {mine} {len(mine)} {len(mine)}"
+
+
 def test_bind_off_leaves_the_process_alone():
     before = os.sched_getaffinity(0)
     assert bind_rank_cores("off", {"LOCAL_RANK": "0", "LOCAL_SIZE": "4"}) is None
