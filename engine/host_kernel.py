@@ -40,9 +40,10 @@ import torch
 from engine.adamw import AdamWHyper, DeepSpeedCpuAdam, HostKernel, adamw_update_torch_, host_kernels
 from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
+from engine.errors import ConfigError
 from engine.host_lane import HostLane, WeightUploader
 from engine.storage.machine_cache import kept_fact
-from engine.storage.native_ops import extensions_dir, import_deepspeed, load_cpu_adam
+from engine.storage.native_ops import BUILD_HINT, extensions_dir, import_deepspeed, load_cpu_adam
 from engine.streams import Streams, streams_for
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,10 @@ def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
     """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
     if choice == "auto":
         choice = chosen_host_kernel()
+    elif choice == "deepspeed" and load_cpu_adam() is None:
+        raise ConfigError(
+            f"host_adam 'deepspeed' (--host-adam deepspeed) needs DeepSpeed's cpu_adam op, which is not built here: {BUILD_HINT}"
+        )
     if choice == "deepspeed":
         return "deepspeed", DeepSpeedCpuAdam()
     return "torch", adamw_update_torch_

@@ -66,6 +66,9 @@ class ZeroEngineSettings:
     ``--device-fraction``): the rank starts from them, they win over a profile's plan, and the
     tuner never moves them (``EngineConfig.pins``)."""
     io_backend: Literal["auto", "aio", "posix"] = "auto"
+    host_adam: Literal["auto", "torch", "deepspeed"] = "auto"
+    """The host lane's AdamW kernel (``EngineConfig.host_adam``): 'deepspeed' is stock's cpu_adam,
+    for losses equal to stock's bit for bit; 'auto' the faster lane here."""
     profile: str | None = None
     """Path of a hardware profile: each rank starts from the performance model's best plan."""
     tuner_socket: str | None = None
@@ -123,6 +126,7 @@ _ENGINE_FLAGS = (
     ("--prefetch-depth", lambda z: z.pins.get("prefetch_depth")),
     ("--node-lock", lambda z: z.pins.get("node_lock")),
     ("--lane-device", lambda z: z.lane_device),
+    ("--host-adam", lambda z: z.host_adam != "auto"),
 )
 """The options of ``train`` that set the engine's settings, in the order its help gives them, each
 with whether a :class:`ZeroEngineSettings` has it given (a zero, as none, is not): ``--engine

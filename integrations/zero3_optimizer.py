@@ -224,6 +224,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             device_cache_bytes=(self.settings.device_cache_bytes if device else 0),
             auto_device_fraction=bool(device) and self.settings.auto_device_fraction,
             io_backend=self.settings.io_backend,
+            host_adam=self.settings.host_adam,
             run_dir=self.settings.run_dir,
             rank=rank,
             local_ranks=local_ranks,

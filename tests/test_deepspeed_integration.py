@@ -16,10 +16,22 @@ import torch
 from ds_runs import ACCELERATE, HF_TRAINER, LANE_ON_CPU, LANE_ON_CPU_2, SAVE, TINY, Launch, baseline, launch, ours, stock
 from helpers import ROOT, cli
 
+from engine.storage.native_ops import load_cpu_adam
+
 # Real `offloadctl train` runs, processes and signals: minutes; `pytest -m "not slow"` skips them.
 pytestmark = pytest.mark.slow
 
 SCRIPT = TINY
+
+
+@pytest.mark.skipif(load_cpu_adam() is None, reason="needs DeepSpeed's cpu_adam op")
+def test_host_adam_deepspeed_gives_stocks_losses_bit_for_bit(ds_runs):
+    """``--host-adam deepspeed``: the host lane runs stock's cpu_adam, and the losses are stock's
+    exactly, not within a tolerance (torch's fused kernel rounds differently in the last bit)."""
+    ref = ds_runs.reference(baseline(1, "bf16")).ok()
+    b = ds_runs.get(ours(1, "--dtype", "bf16", opts=("--host-adam", "deepspeed"))).ok()
+    assert "offloadctl: engine active" in b.stderr
+    assert len(b.losses) == 6 and b.losses == ref.losses, (b.losses, ref.losses)
 
 
 @pytest.mark.parametrize(

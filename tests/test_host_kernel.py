@@ -188,3 +188,14 @@ def test_one_thread_updates_in_cache_sized_chunks_and_a_team_in_large_ones():
     team, w2 = update(2)
     assert one == numel // PART_CHUNK_NUMEL and team == numel // HOST_CHUNK_NUMEL
     assert torch.equal(w1, w2)
+
+
+def test_asking_for_cpu_adam_where_it_is_not_built_is_one_clear_error(monkeypatch):
+    """``--host-adam deepspeed`` without the op: a ConfigError naming the option and the fix, not
+    a RuntimeError from inside the engine's start."""
+    from engine.errors import ConfigError
+
+    monkeypatch.setattr(host_kernel, "load_cpu_adam", lambda: None)
+    with pytest.raises(ConfigError, match=r"--host-adam deepspeed\) needs DeepSpeed's cpu_adam op.*offloadctl info --build"):
+        host_kernel.select_host_kernel.__wrapped__("deepspeed")
+    assert host_kernel.select_host_kernel.__wrapped__("torch")[0] == "torch"

@@ -161,6 +161,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "aio where it is built (default auto)",
     )
     o.add_argument(
+        "--host-adam",
+        choices=["auto", "torch", "deepspeed"],
+        default="auto",
+        help="the host lane's AdamW kernel: deepspeed (stock's cpu_adam: losses equal to stock's), torch "
+        "(torch's fused AdamW), or auto: the faster lane here, measured once (default auto)",
+    )
+    o.add_argument(
         "--profile",
         metavar="NAME|PATH",
         help="hardware profile (offloadctl profile save): start from the "
@@ -374,6 +381,7 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> Rank
             auto_device_fraction=device_fraction is None,
             lane_device=args.lane_device,
             io_backend=args.io_backend,
+            host_adam=args.host_adam,
             pins=pins,
             profile=args.profile if stock else _checked_profile(args.profile),
             tuner_socket=tuner_socket,
