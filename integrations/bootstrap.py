@@ -54,6 +54,21 @@ FAILED = "offloadctl: rank {rank} failed: "
 output filter, ``integrations.run_output``, keeps it for the run's last line)."""
 
 
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "remote process exited")
+"""How gloo's and NCCL's errors say that another rank went away in a collective: this rank's
+failure is then the other's consequence."""
+PEER_LOST_GRACE_S = 5.0
+"""How long a rank that lost a peer waits before it ends: the launcher reports the rank it finds
+ended first, and the peer that ended (a one-line refusal, status 2, tearing down after its line)
+should be that one, not this rank's connection error."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's report that another rank went away."""
+    text = str(error).lower()
+    return any(p in text for p in PEER_LOST)
+
+
 def _failed(settings, error: BaseException) -> None:
     """An error the script raised in a rank of several (its own, or a peer's loss seen in a
     collective): the traceback to the run's log, one line to the terminal (which the launcher's
@@ -268,6 +283,10 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     except Exception as e:  # noqa: BLE001 - the script's own error: its traceback to the log, one line shown
         if _world_size() == 1:
             raise
+        if peer_lost(e):
+            import time
+
+            time.sleep(PEER_LOST_GRACE_S)  # the launcher stops this rank meanwhile, having found the peer ended
         rec = recorder.current()
         if rec is not None:
             rec.error = f"{type(e).__name__}: {e}"

@@ -252,3 +252,18 @@ def test_an_ignored_exception_of_anything_else_is_shown_whole_in_order():
     assert _sorted(other + b"bye\n") == (other + b"bye\n", b"")
     cut_short = EXIT_NOISE[: EXIT_NOISE.index(b"SystemExit")]
     assert _sorted(cut_short) == (cut_short, b"")
+
+
+def test_a_peers_loss_is_told_from_a_ranks_own_error():
+    """A rank that loses its peer in a collective waits before it ends (integrations.bootstrap
+    PEER_LOST_GRACE_S), so that the launcher finds the peer ended first and the run ends with the
+    peer's line (a refusal: status 2), not with this rank's connection error (seen in a 2-rank
+    checkpoint refusal under load: 'rank 1 failed first, exit status 1: ... Connection closed by peer')."""
+    from integrations.bootstrap import peer_lost
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:58278. This is typically caused by a remote worker crashing."
+    )
+    assert peer_lost(gloo) and peer_lost(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not peer_lost(RuntimeError("CUDA out of memory")) and not peer_lost(ValueError("bad batch"))
