@@ -291,7 +291,11 @@ def test_a_fixed_prefetch_depth_stays_through_a_tuned_run_that_moves_it_otherwis
         # How soon the tuner moves a free prefetch depth depends on the noise it measures (a
         # busy machine holds longer): the free run goes until it has, the pinned one as long again.
         free = _tuned_run(sock, _mkdir(tmp_path / "a"), "free", 80, until=lambda k: k["prefetch_depth"] != 2)
-        assert any(k["prefetch_depth"] != 2 for k in free), "the tuner never moved the prefetch: nothing to keep"
+        if not any(k["prefetch_depth"] != 2 for k in free):
+            with Connection(sock) as c:  # why it held, for the failure: the policy's word and the log's
+                held = [r.get("policy") for r in c.request("snapshot", history=0)["runs"] if r["run_id"] == "free"]
+            log = open(sock + ".log").read()[-2000:]
+            raise AssertionError(f"the tuner never moved the prefetch in {len(free)} iterations: {held}\n{log}")
         fixed = _tuned_run(sock, _mkdir(tmp_path / "b"), "fixed", max(24, len(free) + 8), prefetch_depth=2)
         assert all(k["prefetch_depth"] == 2 for k in fixed), [k["prefetch_depth"] for k in fixed]
         with Connection(sock) as c:
