@@ -117,21 +117,21 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
-        """A record from :meth:`to_dict` (a telemetry file, the tuner's socket); what it derives
-        (the order, bytes per parameter) and fields it does not know are dropped; older files read
-        the same (:func:`upgrade_record`)."""
-        d = upgrade_record(d)
+        """A record as :meth:`to_dict` wrote it (the tuner's socket; a file's once
+        :func:`upgrade_record` has read it); what it derives (the order, bytes per parameter) and
+        fields it does not know are dropped."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:
-    """A record dict in today's names: files from offloadctl 0.1 name the phase ``wall_s`` and
-    the math ``update_s``; run directories outlive upgrades, so they still read."""
-    if "wall_s" not in d:
-        return d
+    """A record dict of a file in today's names, made once where run directories are read
+    (``report.load``): files from offloadctl 0.1 name the phase ``wall_s`` and the math
+    ``update_s``, and a record written before the device lane, without ``host_lane_s``, had all
+    its AdamW on the host lane. Run directories outlive upgrades, so they still read."""
     d = dict(d)
-    d["kernel_s"] = d.pop("update_s", 0.0)
-    d["update_s"] = d.pop("wall_s")
+    if "wall_s" in d:
+        d["kernel_s"], d["update_s"] = d.pop("update_s", 0.0), d.pop("wall_s")
+    d.setdefault("host_lane_s", d.get("kernel_s", 0.0))
     return d
 
 

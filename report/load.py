@@ -130,16 +130,11 @@ def read_telemetry(path: str, notes: list[str]) -> list[StepRecord]:
 
 def step_record(d, where: str) -> StepRecord:
     """One step record as a run directory's files hold it, read as today's
-    :class:`StepRecord`: older names upgraded (:func:`engine.telemetry.upgrade_record`), and a
-    record written before the device lane, without ``host_lane_s``, had all its AdamW on the
-    host lane."""
+    :class:`StepRecord` (older ones upgraded: :func:`engine.telemetry.upgrade_record`)."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: not a step record (a JSON object): the record is damaged")
-    d = upgrade_record(d)
-    if "host_lane_s" not in d:
-        d = dict(d, host_lane_s=d.get("kernel_s", 0.0))
     try:
-        return StepRecord.from_dict(d)
+        return StepRecord.from_dict(upgrade_record(d))
     except TypeError:  # a required field missing
         raise ConfigError(
             f"{where}: a step record without its times (iteration, update_s, read_wait_s, kernel_s, "

@@ -33,7 +33,7 @@ def test_a_record_survives_its_json_and_extra_fields_are_dropped():
 
 def test_a_record_in_the_old_names_reads_as_today():
     old = {"iteration": 3, "order": "reverse", "wall_s": 2.0, "read_wait_s": 0.5, "update_s": 1.25, "write_wait_s": 0.1}
-    rec = StepRecord.from_dict(old)
+    rec = StepRecord.from_dict(upgrade_record(old))
     assert (rec.update_s, rec.kernel_s) == (2.0, 1.25)
     assert upgrade_record(rec.to_dict()) == rec.to_dict()  # today's names pass unchanged
     # the tuner's wire does not require the order: the engine's parity rule fills it
