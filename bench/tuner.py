@@ -103,7 +103,7 @@ def _row(rec, decision: str | None, other: dict | None = None) -> dict:
         "update_s": rec.update_s,
         "read_wait_s": rec.read_wait_s,
         "write_wait_s": rec.write_wait_s,
-        "knobs": rec.knobs,
+        "knobs": rec.knobs.to_dict(),
         "decision": decision,
         "other_bytes_per_s": other or {},
     }
@@ -390,7 +390,7 @@ def part3(args, progress: Progress) -> dict:
                         "iteration": rec.iteration,
                         "iteration_s": it,
                         "update_s": rec.update_s,
-                        "fraction": rec.knobs["device_fraction"],
+                        "fraction": rec.knobs.device_fraction,
                         "decision": d.reason if d else None,
                     }
                 )

@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from engine.config import Knobs
+from engine.host_memory import HostUsage
 from engine.layout import forward_order
 from engine.record_files import private_opener, say_records_stopped
 
@@ -75,7 +77,8 @@ class StepRecord:
     (pinning the buffers of subgroups that moved to the device lane), the device tier's fit, the
     adapter's work for them between steps (``SubgroupEngine.setup_time``)."""
     params: int = 0
-    knobs: dict[str, Any] = field(default_factory=dict)
+    knobs: Knobs | None = None
+    """The knobs in force (None in a record made without them: ``{}`` in its JSON)."""
     start_s: float | None = None
     """``time.perf_counter()`` when the update phase started (its write wait; knob changes and the
     device tier's fit, when any, come between that and the loop): with the durations above it
@@ -83,8 +86,8 @@ class StepRecord:
     CLOCK_MONOTONIC on Linux, so it compares with other processes' on the same node. The step
     first waits for what is left of the writes behind the last step (``write_wait_s``), then its
     loop runs for ``update_s - write_wait_s - device_wait_s``, then it waits for the device."""
-    host_bytes: dict[str, int] = field(default_factory=dict)
-    """What the engine held in host memory at the step's end, by kind (``engine.host_memory.HostUsage``)."""
+    host_bytes: HostUsage | None = None
+    """What the engine held in host memory at the step's end, by kind (None, ``{}`` in JSON, before budgets)."""
     host_budget_bytes: int = 0
     """The rank's host-memory budget (0 in records written before there was one)."""
     host_pressure: bool = False
@@ -111,7 +114,9 @@ class StepRecord:
         return moved / self.params if self.params else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The record's JSON (telemetry files, run records, the tuner's socket), written here alone."""
         d = asdict(self)
+        d["knobs"], d["host_bytes"] = d["knobs"] or {}, d["host_bytes"] or {}
         d["order"], d["bytes_moved_per_param"] = self.order, self.bytes_moved_per_param
         return d
 
@@ -120,7 +125,10 @@ class StepRecord:
         """A record as :meth:`to_dict` wrote it (the tuner's socket; a file's once
         :func:`upgrade_record` has read it); what it derives (the order, bytes per parameter) and
         fields it does not know are dropped."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["knobs"] = Knobs.from_dict(kw["knobs"]) if kw.get("knobs") else None
+        kw["host_bytes"] = HostUsage(**kw["host_bytes"]) if kw.get("host_bytes") else None
+        return cls(**kw)
 
 
 def upgrade_record(d: dict[str, Any]) -> dict[str, Any]:

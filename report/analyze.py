@@ -337,12 +337,8 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
             "device": eng.device_lane_subgroups,
             "device_tier": eng.device_tier_subgroups,
         }
-        out["knobs"] = eng.knobs
-        out["host_bytes"], out["host_budget_bytes"], out["host_pressure"] = (
-            eng.host_bytes,
-            eng.host_budget_bytes,
-            eng.host_pressure,
-        )
+        as_json = eng.to_dict()  # the knobs and host bytes as the record's JSON spells them
+        out.update({k: as_json[k] for k in ("knobs", "host_bytes", "host_budget_bytes", "host_pressure")})
         out["engine_start_s"] = eng.start_s
         out["engine_update_s"] = eng.update_s
         if it.get("tuner"):
@@ -479,16 +475,16 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
 def host_memory_summary(steps: list[tuple[int, StepRecord]]) -> dict | None:
     """The engine's host memory over a run, from (iteration, its step record): the step that
     held the most, by kind, against the budget; None when no record says."""
-    held = [(i, r) for i, r in steps if r.host_bytes]
+    held = [(i, r, r.host_bytes) for i, r in steps if r.host_bytes is not None]
     if not held:
         return None
-    peak_iteration, peak = max(held, key=lambda ir: sum(ir[1].host_bytes.values()))
+    peak_iteration, peak, usage = max(held, key=lambda irh: irh[2].total)
     return {
         "budget_bytes": peak.host_budget_bytes or 0,
-        "peak_bytes": sum(peak.host_bytes.values()),
+        "peak_bytes": usage.total,
         "peak_iteration": peak_iteration,
-        "by_kind": dict(peak.host_bytes),
-        "pressure_iterations": sum(bool(r.host_pressure) for _, r in held),
+        "by_kind": usage.to_dict(),
+        "pressure_iterations": sum(bool(r.host_pressure) for _, r, _ in held),
     }
 
 

@@ -158,7 +158,7 @@ def run_facts(run: Run) -> dict:
     knobs = plan.get("knobs")
     if knobs is None:
         first = next((i.get("engine") for i in rec.iterations if i.get("engine") is not None), None)
-        knobs = first.knobs if first is not None else None
+        knobs = first.to_dict()["knobs"] if first is not None else None
     t = rec.header.get("unix_time")
     args = [a for a in init.get("argv") or [] if not a.startswith("--local_rank=")]  # the launcher's, not the user's
     return {

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.config import Knobs
 from engine.errors import ConfigError
 from engine.facts import EngineFacts
 from engine.hooks import StepHook
@@ -169,7 +170,7 @@ class Recorder:
         self._depth = 0
         self._iteration = 0
         self._engine_step = _LatestStep()
-        self._last_knobs: dict[str, Any] | None = None
+        self._last_knobs: Knobs | None = None
         self._reset_iteration()
         self._cost_s = 0.0  # time spent in the hooks' own bookkeeping
         self._closed = False

@@ -180,7 +180,7 @@ def registered_run(run_dir: str, run_id: str, nvme: str, iterations: int = 4, *,
                 write_wait_s=0.05,
                 path_bytes_read={nvme: 20_000_000},
                 path_bytes_written={nvme: 10_000_000},
-                **({"knobs": Knobs().to_dict()} if with_knobs else {}),
+                **({"knobs": Knobs()} if with_knobs else {}),
             ),
             iter_time_s=0.5,
         )

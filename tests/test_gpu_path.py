@@ -211,7 +211,7 @@ def test_lane_is_off_when_its_slots_do_not_fit(monkeypatch, swap_dir, caplog):
     run.engine.set_knobs(run.engine.knobs.replace(device_fraction=0.5))  # as --device-fraction or a tuner push
     for _ in range(2):
         rec, _ = run.step()
-        assert rec.device_lane_subgroups == 0 and rec.knobs["device_fraction"] == 0.0
+        assert rec.device_lane_subgroups == 0 and rec.knobs.device_fraction == 0.0
     assert run.engine.device_lane._slots == []  # never allocated
     run.check_numerics()
     run.engine.close()

@@ -25,7 +25,7 @@ class Recorder(StepHook):
             engine.set_knobs(engine.knobs.replace(prefetch_depth=5))
 
     def after_step(self, engine, record):
-        self.calls.append(("after", record.iteration, record.knobs["prefetch_depth"]))
+        self.calls.append(("after", record.iteration, record.knobs.prefetch_depth))
 
     def on_error(self, engine, error):
         self.calls.append(("error", str(error)))

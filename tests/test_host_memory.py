@@ -48,17 +48,17 @@ def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_
         records = opt.engine.telemetry.records
         buf = host_buffer_bytes(sub)
         for r in records:
-            total = sum(r.host_bytes.values())
+            total = r.host_bytes.total
             assert r.host_budget_bytes == budget and 0 < total <= budget, r.host_bytes
-            assert r.host_bytes["state"] == 0  # paths given, no --host-cache: no state kept in memory
+            assert r.host_bytes.state == 0  # paths given, no --host-cache: no state kept in memory
             # The working buffers and the read-ahead budget's; kept: the tail, and copies whose writes landed.
-            assert r.host_bytes["staging"] + r.host_bytes["kept"] == staging_buffers(2) * buf + r.read_ahead_bytes
-            assert r.host_bytes["kept"] >= kept_subgroups(2) * buf
+            assert r.host_bytes.staging + r.host_bytes.kept == staging_buffers(2) * buf + r.read_ahead_bytes
+            assert r.host_bytes.kept >= kept_subgroups(2) * buf
             assert not r.host_pressure
         # What the process grew by is what the engine counts, and the gradients (two fp32 copies
         # of the model's: the generator's and the one set as .grad), give or take 32 MB.
         grads = 2 * 4 * sum(p.numel() for p in model.parameters())
-        counted = sum(records[-1].host_bytes.values())
+        counted = records[-1].host_bytes.total
         assert grown <= counted + grads + (32 << 20), (grown, counted, grads)
         assert opt.engine.describe().host_memory_budget_bytes == budget
     finally:
@@ -116,8 +116,8 @@ def test_a_small_budget_starts_at_the_deepest_prefetch_it_holds(swap_dir, caplog
         feed_same_grads([(model, opt), (ref, torch.optim.AdamW(ref.parameters()))], steps=3)
         assert_params_close(model, ref)
         records = opt.engine.telemetry.records
-        assert [r.knobs["prefetch_depth"] for r in records] == [1, 1, 1]
-        assert all(sum(r.host_bytes.values()) <= r.host_budget_bytes for r in records)
+        assert [r.knobs.prefetch_depth for r in records] == [1, 1, 1]
+        assert all(r.host_bytes.total <= r.host_budget_bytes for r in records)
     finally:
         opt.close()
 
@@ -133,10 +133,10 @@ def test_a_deeper_prefetch_than_the_budget_holds_is_lowered(swap_dir, caplog):
         with caplog.at_level(logging.WARNING, logger="engine.core"):
             feed_same_grads([(model, opt)], steps=2)
         assert opt.engine.knobs.prefetch_depth == 3
-        assert [r.knobs["prefetch_depth"] for r in opt.engine.telemetry.records] == [2, 3, 3]
+        assert [r.knobs.prefetch_depth for r in opt.engine.telemetry.records] == [2, 3, 3]
         said = [m for m in caplog.messages if "prefetch_depth=8 lowered to 3" in m]
         assert len(said) == 1, caplog.messages
-        assert all(sum(r.host_bytes.values()) <= r.host_budget_bytes for r in opt.engine.telemetry.records)
+        assert all(r.host_bytes.total <= r.host_budget_bytes for r in opt.engine.telemetry.records)
     finally:
         opt.close()
 
@@ -179,7 +179,7 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
                 assert opt.engine.host_usage().staging <= 2 * buf
                 feed_same_grads(pairs, steps=3, seed=2)
                 under = opt.engine.telemetry.records[-3:]
-                assert all(r.host_pressure and r.cache_hits == 0 and r.host_bytes["kept"] == 0 for r in under)
+                assert all(r.host_pressure and r.cache_hits == 0 and r.host_bytes.kept == 0 for r in under)
             finally:
                 del hog
                 held["bytes"] = 0
@@ -259,7 +259,7 @@ def _serve(sock: str) -> subprocess.Popen:
     return proc
 
 
-def _tuned_run(sock: str, swap: str, run_id: str, iterations: int, until=None, **fixed) -> list[dict]:
+def _tuned_run(sock: str, swap: str, run_id: str, iterations: int, until=None, **fixed) -> list[Knobs]:
     """OffloadAdamW on a path capped at 40 MB/s (its reads dominate the step), tuned by the real
     policy; the knobs of every step, for ``iterations`` or until ``until(knobs)`` holds."""
     from tuner.client import TunerClient
@@ -290,14 +290,14 @@ def test_a_fixed_prefetch_depth_stays_through_a_tuned_run_that_moves_it_otherwis
     try:
         # How soon the tuner moves a free prefetch depth depends on the noise it measures (a
         # busy machine holds longer): the free run goes until it has, the pinned one as long again.
-        free = _tuned_run(sock, _mkdir(tmp_path / "a"), "free", 80, until=lambda k: k["prefetch_depth"] != 2)
-        if not any(k["prefetch_depth"] != 2 for k in free):
+        free = _tuned_run(sock, _mkdir(tmp_path / "a"), "free", 80, until=lambda k: k.prefetch_depth != 2)
+        if not any(k.prefetch_depth != 2 for k in free):
             with Connection(sock) as c:  # why it held, for the failure: the policy's word and the log's
                 held = [r.get("policy") for r in c.request("snapshot", history=0)["runs"] if r["run_id"] == "free"]
             log = open(sock + ".log").read()[-2000:]
             raise AssertionError(f"the tuner never moved the prefetch in {len(free)} iterations: {held}\n{log}")
         fixed = _tuned_run(sock, _mkdir(tmp_path / "b"), "fixed", max(24, len(free) + 8), prefetch_depth=2)
-        assert all(k["prefetch_depth"] == 2 for k in fixed), [k["prefetch_depth"] for k in fixed]
+        assert all(k.prefetch_depth == 2 for k in fixed), [k.prefetch_depth for k in fixed]
         with Connection(sock) as c:
             runs = {r["run_id"]: r for r in c.request("snapshot", history=0)["runs"]}
         assert runs["fixed"]["pins"] == {"prefetch_depth": 2} and runs["free"]["pins"] == {}

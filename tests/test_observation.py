@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from engine.config import Knobs
+from engine.host_memory import HostUsage
 from engine.telemetry import StepRecord, upgrade_record
 from tuner.observation import LaneTimes, Observation
 
@@ -25,10 +27,47 @@ def _rec(rank: int, update_s: float, **kw) -> StepRecord:
 
 
 def test_a_record_survives_its_json_and_extra_fields_are_dropped():
-    rec = _rec(0, 1.5, path_bytes_read={"/a": 10}, host_lane_s=0.3, knobs={"prefetch_depth": 2})
+    rec = _rec(0, 1.5, path_bytes_read={"/a": 10}, host_lane_s=0.3, knobs=Knobs(prefetch_depth=2))
     d = json.loads(json.dumps(rec.to_dict()))
     assert "bytes_moved_per_param" in d  # derived: written, not read back
     assert StepRecord.from_dict(d) == rec
+
+
+def test_a_records_json_spells_its_knobs_and_host_bytes_as_they_spell_themselves():
+    """The typed knobs and host bytes are written in ``to_dict()`` alone, as ``Knobs.to_dict()``
+    and ``HostUsage.to_dict()`` write them, in the record's field order; a record made without
+    them writes ``{}`` there (as the dicts the record held before), and reads back None."""
+    from dataclasses import fields
+
+    knobs = Knobs(prefetch_depth=3, io_concurrency={"/a": 8}, stripe_weights={"/a": 1.0})
+    usage = HostUsage(state=1, staging=2, kept=3, copies=4)
+    d = _rec(0, 1.0, knobs=knobs, host_bytes=usage).to_dict()
+    assert list(d) == [f.name for f in fields(StepRecord)] + ["order", "bytes_moved_per_param"]
+    assert json.dumps(d["knobs"]) == json.dumps(knobs.to_dict())
+    assert json.dumps(d["host_bytes"]) == '{"state": 1, "staging": 2, "kept": 3, "copies": 4}'
+    bare = _rec(0, 1.0).to_dict()
+    assert (bare["knobs"], bare["host_bytes"]) == ({}, {})
+    back = StepRecord.from_dict(json.loads(json.dumps(d)))
+    assert (back.knobs, back.host_bytes) == (knobs, usage)
+    assert (StepRecord.from_dict(bare).knobs, StepRecord.from_dict(bare).host_bytes) == (None, None)
+
+
+def test_the_host_memory_summary_is_the_step_that_held_the_most():
+    from report.analyze import host_memory_summary
+
+    steps = [
+        (0, _rec(0, 1.0)),  # a record from before the budget: not counted
+        (1, _rec(0, 1.0, host_bytes=HostUsage(staging=5, kept=1), host_budget_bytes=10)),
+        (2, _rec(0, 1.0, host_bytes=HostUsage(state=2, copies=1), host_budget_bytes=10, host_pressure=True)),
+    ]
+    assert host_memory_summary(steps) == {
+        "budget_bytes": 10,
+        "peak_bytes": 6,
+        "peak_iteration": 1,
+        "by_kind": {"state": 0, "staging": 5, "kept": 1, "copies": 0},
+        "pressure_iterations": 1,
+    }
+    assert host_memory_summary(steps[:1]) is None
 
 
 def test_a_record_in_the_old_names_reads_as_today():
@@ -150,7 +189,7 @@ class _OffloadEngine:
         self.hooks.append(hook)
 
     def step(self) -> None:
-        record = _lane_step(self.iteration, knobs={"prefetch_depth": 2 if self.iteration < 2 else 3})
+        record = _lane_step(self.iteration, knobs=Knobs(prefetch_depth=2 if self.iteration < 2 else 3))
         self.iteration += 1
         for hook in self.hooks:
             hook.after_step(self, record)

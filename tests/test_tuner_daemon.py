@@ -106,7 +106,7 @@ with open(a["out"], "w") as out:
         if a["world"] > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
-        out.write(json.dumps({"it": rec.iteration, "pd": rec.knobs["prefetch_depth"], "t": time.time(),
+        out.write(json.dumps({"it": rec.iteration, "pd": rec.knobs.prefetch_depth, "t": time.time(),
                               "connected": client.connected.is_set()}) + "\n")
         out.flush()
         time.sleep(0.02)
@@ -336,7 +336,7 @@ def test_late_change_applies_at_next_boundary_and_is_logged(tmp_path, policy_dir
         late_at = eng.iteration
         assert client.apply_pending(eng).prefetch_depth == 7 and client.pending_changes() == []
         rec = eng.step([AdamWHyper(lr=1e-3)])
-        assert rec.iteration == late_at and rec.knobs["prefetch_depth"] == 7
+        assert rec.iteration == late_at and rec.knobs.prefetch_depth == 7
         client.report(rec)
         run = _wait(
             lambda: [r for r in [_snapshot(sock)["slow"]] if any(e["kind"] == "late" for e in r["events"])], 10, "the late notice"
@@ -686,7 +686,7 @@ def test_offload_adamw_is_tuned_through_its_step_hook(tmp_path, policy_dir):
             if opt.engine.knobs.prefetch_depth == 6:
                 break
             time.sleep(0.02)
-        assert opt.engine.knobs.prefetch_depth == 6 and opt.telemetry[-1].knobs["prefetch_depth"] == 6
+        assert opt.engine.knobs.prefetch_depth == 6 and opt.telemetry[-1].knobs.prefetch_depth == 6
         opt.close()
         assert _wait(lambda: _snapshot(sock)["plain"]["status"] == "finished", 10, "bye at close")
     finally:

@@ -99,6 +99,31 @@ def test_runs_aggregate_ranks_and_push_one_change_to_all():
     assert omitted == [] and views[0]["history"]["iteration"] == [0, 1] and views[0]["seq"] == 1
 
 
+def test_a_ranks_knobs_reach_the_policy_typed_and_knobs_out_of_range_are_refused():
+    """The knobs a record reports are :class:`Knobs` from the wire on (the policy's, the run's
+    knobs in force); ones the schema passes but Knobs refuses are BAD_VALUE, not the daemon's failure."""
+    from tuner.runs import Runs
+
+    policies = []
+
+    def factory(start, facts):
+        policies.append(OneChange(start, facts))
+        return policies[-1]
+
+    runs = Runs(ServerConfig(socket_path="unused"), policy_factory=factory, sensors_factory=False)
+    a = Peer(1)
+    _register(runs, a, 0, world=1)
+    _telemetry(runs, a, 0, 0, 0.5)
+    assert policies[0].seen[0].knobs == Knobs() and runs.runs["r"].in_force == Knobs()
+    rec = {"iteration": 1, "update_s": 0.5, "read_wait_s": 0.0, "write_wait_s": 0.0, "kernel_s": 0.5}
+    with pytest.raises(ProtocolError) as e:
+        runs.telemetry(
+            a, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 1, "record": {**rec, "knobs": {"prefetch_depth": 65}}}
+        )
+    assert e.value.code == ErrorCode.BAD_VALUE and "prefetch_depth" in str(e.value)
+    assert len(policies[0].seen) == 1
+
+
 def _register_paths(runs, peer, paths):
     return runs.register(
         peer,

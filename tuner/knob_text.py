@@ -51,10 +51,11 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
-def knobs_text(knobs: Mapping[str, Any], sep: str = " ") -> str:
-    """``KNOB=VALUE`` of each knob in ``knobs`` (a ``Knobs.to_dict()``, pins) with a
+def knobs_text(knobs: Knobs | Mapping[str, Any] | None, sep: str = " ") -> str:
+    """``KNOB=VALUE`` of each knob in ``knobs`` (:class:`Knobs`, its ``to_dict()``, pins) with a
     value (a per-path knob with no path set is left out), joined by ``sep``; '-' for none."""
-    return sep.join(f"{k}={value_text(v)}" for k, v in knobs.items() if v not in ({}, None)) or "-"
+    values = knobs.to_dict() if isinstance(knobs, Knobs) else knobs or {}
+    return sep.join(f"{k}={value_text(v)}" for k, v in values.items() if v not in ({}, None)) or "-"
 
 
 def read_value(name: str, value: Any, paths: Sequence[str]) -> Any:

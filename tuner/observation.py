@@ -64,9 +64,9 @@ class Observation:
     device_headroom_bytes: int | None = None
     error: str | None = None
     """'oom' or a message when a rank reported an event during this iteration."""
-    knobs: Mapping[str, Any] | None = None
-    """The knobs in force for this iteration (``StepRecord.knobs``), when known. An observation
-    made under other knobs than the last decision's is ignored: the change has not arrived yet."""
+    knobs: Knobs | Mapping[str, Any] | None = None
+    """The knobs in force for this iteration (``StepRecord.knobs``; a trace's dict), when known. An
+    observation made under other knobs than the last decision's is ignored: the change has not arrived yet."""
     lanes: LaneTimes | None = None
     """The slowest rank's (the one the iteration waits for); None when the engines do not say."""
     setup_s: float = 0.0

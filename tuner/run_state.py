@@ -105,7 +105,7 @@ class Run:
     headroom: dict[int, int | None] = field(default_factory=dict)
     error: str | None = None  # an event to pass with the next observation
     policy_error: str | None = None
-    in_force: dict[str, Any] | None = None  # knobs of the latest observed iteration, as the engines report them
+    in_force: Knobs | None = None  # knobs of the latest observed iteration, as the engines report them
     in_force_since: int = 0  # first iteration observed under them
     start_change: tuple[Knobs, str, str] | None = None  # (knobs, reason, source): pushed once all ranks registered
     start_knobs: dict[str, Any] = field(default_factory=dict)

@@ -26,6 +26,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from engine.config import Knobs, split_key
+from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from tuner.controls import UserControls, check_knobs_for
 from tuner.daemon_config import ServerConfig
@@ -292,7 +293,11 @@ class Runs:
         run.max_iteration = max(run.max_iteration, i)
         if i <= run.last_observed:
             return  # late: its iteration was already aggregated without it
-        run.pending.setdefault(i, {})[msg["rank"]] = (StepRecord.from_dict(msg["record"]), msg.get("iter_time_s"))
+        try:
+            rec = StepRecord.from_dict(msg["record"])
+        except (ConfigError, TypeError) as e:  # knobs out of range, host bytes of unknown kinds: unchecked by the schema
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"record: {e}") from None
+        run.pending.setdefault(i, {})[msg["rank"]] = (rec, msg.get("iter_time_s"))
         self._aggregate_ready(run)
 
     def event(self, peer: Any, msg: dict[str, Any]) -> None:
@@ -347,7 +352,7 @@ class Runs:
                 run.run_id,
                 f"interrupted by {run.stopped_by}" if run.stopped_by else "finished",
                 run.max_iteration,
-                run.in_force or run.knobs_dict,
+                (run.in_force or run.knobs).to_dict(),
             )
             self._record_history(run)
             run.close_sensors()
@@ -391,7 +396,7 @@ class Runs:
         last good knobs less every knob pinned (by the user or the run's options) and every knob
         the user pinned and unpinned whose value the tuner never moved since; without a working
         policy, the knobs in force and nothing learned."""
-        in_force = knobs_from_dict(run.in_force) if run.in_force else run.knobs
+        in_force = run.in_force or run.knobs
         state = run.policy.state() if run.policy_ok() and callable(getattr(run.policy, "state", None)) else None
         if not state or not isinstance(state.get("good_knobs"), dict):
             return in_force, []
@@ -442,8 +447,8 @@ class Runs:
         headrooms = [h for h in run.headroom.values() if h is not None]
         # The knobs this iteration ran under; when ranks disagree (a late change), the odd one,
         # so that the policy does not take the mix for a measurement of its knobs.
-        reported = [r.knobs for r in recs if r.knobs]
-        in_force = next((k for k in reported if k != run.knobs_dict), reported[0] if reported else None)
+        reported = [r.knobs for r in recs if r.knobs is not None]
+        in_force = next((k for k in reported if k != run.knobs), reported[0] if reported else None)
         obs = Observation.from_records(
             recs,
             iter_times_s=[t for _, t in reports if t is not None],
