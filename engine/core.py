@@ -149,9 +149,7 @@ class SubgroupEngine:
             self.transfers.size_read_ahead(config.read_ahead_bytes)  # pinned, if the lane needs it, after the fit
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
         if self.transfers.swaps:
-            self.host_memory.watch(
-                config.host_memory_floor_bytes, self._lock, transfers=self.transfers, device_tier=self.device_tier
-            )
+            self.host_memory.watch(config.host_memory_floor_bytes, on_low=self._on_host_memory_low)
 
     def _allocate(self) -> None:
         """Each subgroup's home: device memory, an exactly sized host buffer whose pages are
@@ -218,7 +216,7 @@ class SubgroupEngine:
                 self.transfers.abort(swaps)
                 raise
         if tally.pressure:
-            self.host_memory.give_back()
+            self._give_back_host_memory()
         elif not self.config.overlap_io:
             self.transfers.wait_writes()  # without overlap the step's writes land before it returns
         t0 = time.perf_counter()
@@ -271,9 +269,10 @@ class SubgroupEngine:
         else:
             self.device_tier.keep_margin(self.knobs.device_fraction)  # a pass since the last step (an eval) may have come into it
         if self.host_memory.low:
-            self.host_memory.give_back()
-        elif self.host_memory.given_back:
-            self.host_memory.take_back(self.knobs.prefetch_depth)
+            self._give_back_host_memory()
+        elif self.host_memory.given_back:  # memory is back: the staging pool again, as deep as the budget holds
+            self.host_memory.took_back()
+            self.transfers.take_back(self.host_memory.affordable_depth(self.knobs.prefetch_depth, self.transfers.buffer_bytes))
         return write_wait_s
 
     def _update_swapped(self, sg: Subgroup, swaps: SwapPass, tally: _StepTally, hyper: AdamWHyper) -> None:
@@ -478,6 +477,23 @@ class SubgroupEngine:
         return HostUsage(
             state=state, staging=staging, kept=kept, copies=self.host_lane.host_bytes() + self.device_tier.host_copy_bytes()
         )
+
+    def _give_back_host_memory(self) -> None:
+        """Under pressure, between steps: free what the engine keeps beyond its working set."""
+        held = self.host_usage().total
+        self.transfers.give_back()  # every transfer landed, kept copies written back, the pool shrunk
+        self.device_tier.drop_host_copies()  # made again at the next release
+        self.host_memory.gave_back(held)
+
+    def _on_host_memory_low(self) -> None:
+        """The memory watch's thread: memory just ran low. Give back now if the engine is idle (between
+        steps, in forward and backward); a step in progress gives back at its next decision."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self.host_memory.closed:
+                    self._give_back_host_memory()
+            finally:
+                self._lock.release()
 
     # -- knobs -------------------------------------------------------------------------------------
 

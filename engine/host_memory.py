@@ -15,8 +15,8 @@ When the machine's available memory falls below a floor (:func:`default_floor`),
 :class:`PressureWatch` says so, and the engine writes back and frees the buffers it keeps
 beyond the step's working set (kept and read-ahead ones) before the kernel's OOM killer has to
 choose a process. :class:`HostBudget` is the engine's side: the budget, what the engine holds
-against it, and what it gives back and takes again. Torch-free: ``offloadctl`` reads these
-numbers without importing torch.
+against it, and the watch, which calls the engine back when memory runs low. Torch-free:
+``offloadctl`` reads these numbers without importing torch.
 """
 
 from __future__ import annotations
@@ -25,17 +25,13 @@ import logging
 import threading
 import weakref
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import psutil
 
 from engine.errors import ConfigError
 from engine.layout import deepest_prefetch, host_buffer_bytes, staging_buffers
 from engine.units import format_size, size_at_least
-
-if TYPE_CHECKING:
-    from engine.device_tier import DeviceTier
-    from engine.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +146,13 @@ class PressureWatch:
 
 
 class HostBudget:
-    """One rank's host-memory budget, held by its engine.
+    """One rank's host-memory budget, held by its engine: numbers, and the watch.
 
     ``usage`` says what the engine holds now, by kind. Under pressure (the :class:`PressureWatch`
-    started by :meth:`watch`), :meth:`give_back` frees what the engine keeps beyond a step's
-    working set (its transfers' kept and read-ahead buffers, its device tier's kept host copies),
-    said in one line; :meth:`take_back` makes the staging pool again once memory is back above
-    the floor. Both run at a step boundary, under the engine's lock.
+    started by :meth:`watch`, which calls the engine back), the engine frees what it keeps beyond
+    a step's working set and :meth:`gave_back` says so in one line; once memory is back above the
+    floor it makes its staging pool again (as deep as :meth:`affordable_depth` holds) and
+    :meth:`took_back` says so. Both at a step boundary, under the engine's lock.
     """
 
     def __init__(self, budget_bytes: int, usage: Callable[[], HostUsage]) -> None:
@@ -165,7 +161,8 @@ class HostBudget:
         self.given_back = False
         """Buffers were given back under pressure and not yet taken again."""
         self._watch: PressureWatch | None = None
-        self._closed = False
+        self.closed = False
+        """:meth:`close` began: nothing is given back from now on."""
 
     @classmethod
     def for_start(
@@ -216,14 +213,11 @@ class HostBudget:
         )
         return next(fits, 0)
 
-    def watch(self, floor_bytes: int | None, lock: threading.RLock, *, transfers: Transfers, device_tier: DeviceTier) -> None:
+    def watch(self, floor_bytes: int | None, on_low: Callable[[], None]) -> None:
         """Watch the machine's available memory against ``floor_bytes`` (None: :func:`default_floor`),
-        to give back what ``transfers`` (:class:`engine.transfers.Transfers`) and ``device_tier``
-        (:class:`engine.device_tier.DeviceTier`) keep. When memory runs low while the engine is
-        idle (``lock`` free: between steps, in forward and backward), the watch's thread gives back
-        at once; a step in progress gives back at its next decision."""
-        self._transfers, self._device_tier, self._lock = transfers, device_tier, lock
-        self._watch = PressureWatch(default_floor() if floor_bytes is None else floor_bytes, on_low=self._on_low)
+        calling ``on_low`` (a bound method: held weakly) from the watch's thread each time memory
+        runs low."""
+        self._watch = PressureWatch(default_floor() if floor_bytes is None else floor_bytes, on_low=on_low)
 
     @property
     def low(self) -> bool:
@@ -245,13 +239,11 @@ class HostBudget:
         """Whether ``extra_bytes`` more stay within the budget."""
         return self.usage().total + extra_bytes <= self.budget_bytes
 
-    def give_back(self) -> None:
-        """Under pressure, between steps: the engine frees what it keeps beyond its working set.
-        The first time since memory was last back, one line says how much."""
+    def gave_back(self, held_bytes: int) -> None:
+        """Under pressure, between steps: the engine freed what it keeps beyond its working set,
+        and held ``held_bytes`` before. The first time since memory was last back, one line says
+        how much."""
         assert self._watch is not None  # memory runs low only while it is watched
-        before = self.usage().total
-        self._transfers.give_back()  # every transfer landed, kept copies written back, the pool shrunk
-        self._device_tier.drop_host_copies()  # made again at the next release
         if not self.given_back:
             self.given_back = True
             log.warning(
@@ -259,30 +251,19 @@ class HostBudget:
                 "staging buffers; reading ahead again when memory recovers",
                 format_size(self._watch.available_bytes),
                 format_size(self._watch.floor_bytes),
-                format_size(before - self.usage().total),
+                format_size(held_bytes - self.usage().total),
             )
 
-    def take_back(self, prefetch_depth: int) -> None:
-        """Memory is back above the floor: the staging pool for ``prefetch_depth`` again, as deep as
-        the budget holds."""
+    def took_back(self) -> None:
+        """Memory is back above the floor: the engine makes its staging pool again, said in one line."""
         assert self._watch is not None  # given back only while it is watched
         self.given_back = False
-        self._transfers.take_back(self.affordable_depth(prefetch_depth, self._transfers.buffer_bytes))
         log.warning(
             "offloadctl: host memory recovered (%s available): reading ahead again", format_size(self._watch.available_bytes)
         )
 
-    def _on_low(self) -> None:
-        """The watch's thread: memory just ran low. Give back now if the engine is idle."""
-        if self._lock.acquire(blocking=False):
-            try:
-                if not self._closed:
-                    self.give_back()
-            finally:
-                self._lock.release()
-
     def close(self) -> None:
         """Stop the watch: nothing is given back from now on."""
-        self._closed = True
+        self.closed = True
         if self._watch is not None:
             self._watch.close()
