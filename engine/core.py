@@ -135,16 +135,9 @@ class SubgroupEngine:
         # would queue behind its waits for copies back, and the CPU with them.
         self.host_lane = HostLane(self.host_kernel_name, kernel, WeightUploader(self.streams))
         self.device_tier = DeviceTier(
-            self.subgroups,
-            config,
-            self.device,
-            self.device_lane,
-            self.streams,
-            self.transfers,
-            self.host_memory,
-            host_kernel_name=self.host_kernel_name,
+            self.subgroups, config, self.device, self.device_lane, self.streams, host_kernel_name=self.host_kernel_name
         )
-        self.device_tier.assign_lanes(self.knobs.device_fraction)
+        self.device_tier.assign_lanes(self.knobs.device_fraction, self.transfers.buffers)
         if config.overlap_io and config.read_ahead_bytes:
             self.transfers.size_read_ahead(config.read_ahead_bytes)  # pinned, if the lane needs it, after the fit
         self.telemetry = TelemetryLog(config.run_dir, config.rank)
@@ -180,7 +173,7 @@ class SubgroupEngine:
         except BaseException as e:
             if isinstance(e, torch.OutOfMemoryError) and self.device is not None:
                 with self._lock:  # the next step runs with a smaller tier, if the caller goes on
-                    self.device_tier.out_of_memory(e, self.knobs.device_fraction)
+                    self.device_tier.out_of_memory(e, self.knobs.device_fraction, self.transfers.buffers)
             for hook in self._hooks:
                 hook.on_error(self, e)
             raise
@@ -262,12 +255,12 @@ class SubgroupEngine:
         write_wait_s = time.perf_counter() - t0
         self.transfers.raise_write_failure()
         if fwd_bwd_s is not None and self.transfers.size_read_ahead_once(fwd_bwd_s, self.swap_paths.read_bytes_per_s):
-            self.device_tier.assign_lanes(self.knobs.device_fraction)  # pins the new buffers when the lane copies from them
+            self.device_tier.assign_lanes(self.knobs.device_fraction, self.transfers.buffers)  # pins the lane's new buffers
         self._apply_pending_knobs()
         if self.device_tier.fit_pending:
             self.fit_device_tier()
         else:
-            self.device_tier.keep_margin(self.knobs.device_fraction)  # a pass since the last step (an eval) may have come into it
+            self.device_tier.keep_margin(self.knobs.device_fraction, self.transfers.buffers)  # an eval may have come into it
         if self.host_memory.low:
             self._give_back_host_memory()
         elif self.host_memory.given_back:  # memory is back: the staging pool again, as deep as the budget holds
@@ -547,7 +540,7 @@ class SubgroupEngine:
         self.swap_paths.set_limits(knobs)
         self.transfers.resize_for(depth)
         self.swap_paths.restripe(self.subgroups, knobs, old)
-        self.device_tier.assign_lanes(knobs.device_fraction)  # last: it pins the staging pool as it now is
+        self.device_tier.assign_lanes(knobs.device_fraction, self.transfers.buffers)  # last: it pins the pool as it now is
 
     def _start_within(self, depth: int) -> None:
         """Start at prefetch ``depth``, the deepest the host memory budget holds, said in one line
@@ -580,7 +573,15 @@ class SubgroupEngine:
         """Fit the device tier and the device lane to the device memory free now: at the first
         step, or by an adapter before it (:meth:`engine.device_tier.DeviceTier.fit` says what the
         arguments mean). The fit may set the device fraction. Returns the decision, for logs."""
-        fit = self.device_tier.fit(self.knobs.device_fraction, grad_bytes_per_element, headroom_bytes, reserve_bytes)
+        fit = self.device_tier.fit(
+            self.knobs.device_fraction,
+            grad_bytes_per_element,
+            headroom_bytes,
+            reserve_bytes,
+            staging=self.transfers.buffers,
+            release_staged=self.transfers.release,
+            host_fits=self.host_memory.fits,
+        )
         if self.device is not None and fit.device_fraction != self.knobs.device_fraction:
             self.knobs = self.knobs.replace(device_fraction=fit.device_fraction)
         return fit

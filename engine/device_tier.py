@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import psutil
 import torch
@@ -36,13 +36,12 @@ from engine.device_lane import DeviceLane
 from engine.facts import DeviceFit
 from engine.gpumem import gpu_headroom_bytes, gpu_memory_left, margin_bytes_of, measure_lane_rates, reset_peak, usable_bytes
 from engine.host_kernel import host_lane_rate, node_memory_bandwidth
-from engine.host_memory import HostBudget
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
 from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE, HOST, device_lane_working_bytes, device_tier_prefix
 from engine.streams import Streams
 from engine.subgroup import Subgroup
-from engine.transfers import Transfers, host_state
+from engine.transfers import host_state
 from engine.units import format_size
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,9 @@ def requested_bytes(error: BaseException) -> int:
 
 
 class DeviceTier:
-    """The device tier and the device lane's share of ``subgroups`` (``lane`` None: no device)."""
+    """The device tier and the device lane's share of ``subgroups`` (``lane`` None: no device).
+    The engine's other parts come as arguments: ``staging()``, the staging buffers to pin when the
+    lane copies from them; at a fit, ``release_staged`` and ``host_fits`` (:meth:`fit`)."""
 
     def __init__(
         self,
@@ -67,14 +68,11 @@ class DeviceTier:
         device: torch.device | None,
         lane: DeviceLane | None,
         streams: Streams,
-        transfers: Transfers,
-        host_memory: HostBudget,
         *,
         host_kernel_name: str,
     ) -> None:
         self.subgroups, self.config, self.device, self.lane = subgroups, config, device, lane
-        self.streams, self.transfers, self.host_memory = streams, transfers, host_memory
-        self.host_kernel_name = host_kernel_name
+        self.streams, self.host_kernel_name = streams, host_kernel_name
         self.fit_pending = device is not None
         """The next step fits the tier and the lane first (the first step, and after a release)."""
         # Those the device budget placed there (placement fills it in order, skipping those that
@@ -118,9 +116,10 @@ class DeviceTier:
 
     # -- the lanes -------------------------------------------------------------------------------
 
-    def assign_lanes(self, fraction: float) -> None:
+    def assign_lanes(self, fraction: float, staging: Callable[[], Iterable[StateBuffer]]) -> None:
         """Device-lane subgroups: ``fraction`` of those outside the device tier, evenly spread.
-        Their gradients live on the device, in order, as far as what the fit left for them holds."""
+        Their gradients live on the device, in order, as far as what the fit left for them holds;
+        the buffers they copy from are pinned (those of ``staging()`` for swapped ones)."""
         self._on_device_lane, self.device_grads = lane_assignment(
             [sg.numel for sg in self.subgroups],
             [sg.tier == DEVICE for sg in self.subgroups],
@@ -138,7 +137,7 @@ class DeviceTier:
                 if sg.tier == HOST and isinstance(sg.resident, StateBuffer):
                     sg.resident.pin()
             if any(self.subgroups[i].tier.swapped for i in lane):
-                for buf in self.transfers.buffers():
+                for buf in staging():
                     buf.pin()
 
     def usable_fraction(self, fraction: float) -> float:
@@ -199,7 +198,15 @@ class DeviceTier:
     # -- the fit -----------------------------------------------------------------------------------
 
     def fit(
-        self, fraction: float, grad_bytes_per_element: int = 0, headroom_bytes: int | None = None, reserve_bytes: int = 0
+        self,
+        fraction: float,
+        grad_bytes_per_element: int = 0,
+        headroom_bytes: int | None = None,
+        reserve_bytes: int = 0,
+        *,
+        staging: Callable[[], Iterable[StateBuffer]],
+        release_staged: Callable[[Subgroup], None],
+        host_fits: Callable[[int], bool],
     ) -> DeviceFit:
         """Fit the tier and the lane to the device memory free now, at a step boundary (no
         transfer in flight); the lane at ``fraction`` unless the fit decides it.
@@ -220,7 +227,9 @@ class DeviceTier:
         - ``auto_device_fraction``: the device fraction that makes the lanes finish together
           (:func:`engine.lane_model.balanced_fraction`, on rates measured in this process);
         - device-lane gradients stay on the device as far as what is left holds them.
-        Returns the decision; its ``device_fraction`` is the lane's from now on.
+        ``release_staged(sg)`` gives a swapped subgroup's staging buffer back to the pool as it
+        moves into the tier; ``host_fits(nbytes)`` says whether the host budget keeps a host
+        buffer it left. Returns the decision; its ``device_fraction`` is the lane's from now on.
         """
         self.fit_pending = False
         if self.device is None:
@@ -237,9 +246,9 @@ class DeviceTier:
         # sync at a step's end (DeviceLane.sync): cudaHostUnregister may synchronize the device.
         with unpins_deferred():
             if self.config.device_cache_bytes is not None:
-                self._place(self._placed)  # the budget's placement (back after release())
+                self._place(self._placed, release_staged, host_fits)  # the budget's placement (back after release())
             else:
-                self._place(set(range(device_tier_prefix(cost, headroom_bytes, lane_ws))))
+                self._place(set(range(device_tier_prefix(cost, headroom_bytes, lane_ws))), release_staged, host_fits)
         used = sum(c for c, sg in zip(cost, self.subgroups) if sg.tier == DEVICE)
         rest = [sg for sg in self.subgroups if sg.tier != DEVICE]
         self.grad_bytes_per_element = grad_bytes_per_element
@@ -261,7 +270,7 @@ class DeviceTier:
             balanced = self._balanced_fraction(rest)
             if balanced is not None:
                 fraction = balanced
-        self.assign_lanes(fraction)
+        self.assign_lanes(fraction, staging)
         return DeviceFit(
             headroom_bytes=headroom_bytes,
             device_tier_subgroups=len(self.subgroups) - len(rest),
@@ -328,21 +337,21 @@ class DeviceTier:
 
     # -- moving state on and off the device ----------------------------------------------------------
 
-    def _place(self, indices: set[int]) -> None:
+    def _place(self, indices: set[int], release_staged: Callable[[Subgroup], None], host_fits: Callable[[int], bool]) -> None:
         """Keep the state of subgroups ``indices`` in device memory, the rest off it."""
         spares = []
         for sg in self.subgroups:
             if sg.index in indices and sg.tier != DEVICE:
-                spares.append((sg, self._to_device(sg)))
+                spares.append((sg, self._to_device(sg, release_staged)))
             elif sg.index not in indices and sg.tier == DEVICE:
                 self._off_device(sg)
         if self._keep_host_copies:
             # Kept for the next release(), in order, while the host budget has room.
             for sg, spare in spares:
-                if spare is not None and self.host_memory.fits(host_buffer_bytes(spare.capacity_numel)):
+                if spare is not None and host_fits(host_buffer_bytes(spare.capacity_numel)):
                     sg.host_copy = spare
 
-    def _to_device(self, sg: Subgroup) -> StateBuffer | None:
+    def _to_device(self, sg: Subgroup, release_staged: Callable[[Subgroup], None]) -> StateBuffer | None:
         """Into the tier; returns the host buffer it held there, if any."""
         state = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
         if not sg.fresh:
@@ -353,7 +362,7 @@ class DeviceTier:
         if sg.tier == HOST:
             spare, sg.resident = sg.host_buffer, None
         elif sg.tier.swapped:
-            self.transfers.release(sg)
+            release_staged(sg)
             for f in (sg.file, sg.next_file):
                 if f is not None:
                     f.path.remove_file(f)
@@ -378,7 +387,7 @@ class DeviceTier:
 
     # -- keeping the margin after the fit ----------------------------------------------------------
 
-    def keep_margin(self, fraction: float) -> None:
+    def keep_margin(self, fraction: float, staging: Callable[[], Iterable[StateBuffer]]) -> None:
         """At a step's start, between fits: where the device's peak since the last step came
         more than halfway into the margin (a pass larger than the fit saw: an evaluation with a
         bigger batch, a generation), the tier gives back what restores the whole margin
@@ -393,12 +402,13 @@ class DeviceTier:
         self._shrink(
             -left,
             fraction,
+            staging,
             f"GPU memory peaked within {format_size(max(0, margin_bytes_of(usable) + left))} "
             f"of the {format_size(usable)} this process may use since the last step "
             "(an evaluation or generation pass?)",
         )
 
-    def out_of_memory(self, error: BaseException, fraction: float) -> None:
+    def out_of_memory(self, error: BaseException, fraction: float, staging: Callable[[], Iterable[StateBuffer]]) -> None:
         """The step raised an out-of-memory error: the tier gives back what the failed allocation
         asked for and the margin (:meth:`_shrink`), so that a caller that goes on (skipping the
         batch) runs its next step with room."""
@@ -410,10 +420,11 @@ class DeviceTier:
         self._shrink(
             asked + margin,
             fraction,
+            staging,
             "out of GPU memory at the step" + (f" (it asked for {format_size(asked)} more)" if asked else ""),
         )
 
-    def _shrink(self, need_bytes: int, fraction: float, why: str) -> None:
+    def _shrink(self, need_bytes: int, fraction: float, staging: Callable[[], Iterable[StateBuffer]], why: str) -> None:
         """Move the tier's last subgroups to host memory until ``need_bytes`` are free (at least
         one), say so in one line, lay the lanes out again at ``fraction``, and count the device's
         peak afresh from here. A user's --device-cache placement loses them too: a later refit
@@ -438,7 +449,7 @@ class DeviceTier:
             format_size(freed),
             left,
         )
-        self.assign_lanes(self.usable_fraction(fraction))
+        self.assign_lanes(self.usable_fraction(fraction), staging)
         reset_peak(self.device)
 
     def release(self) -> None:
