@@ -158,14 +158,14 @@ def slower_rates(quiet: dict[str, float], beside: dict[str, float]) -> dict[str,
     return {k: min(q, beside.get(k, q)) for k, q in quiet.items()}
 
 
-def choose_host_kernel(quiet: dict[str, float], beside: dict[str, float], threads: int) -> str:
-    """The kernel whose lane is faster: by the slower of its quiet and busy rates where the lane
-    runs an OpenMP team (``threads`` > 1: a descheduled member stalls every region's barrier,
+def choose_host_kernel(quiet: dict[str, float], slower: dict[str, float], threads: int) -> str:
+    """The kernel whose lane is faster: by ``slower`` (of its quiet and busy rates,
+    :func:`slower_rates`) where the lane runs an OpenMP team (``threads`` > 1: a descheduled member stalls every region's barrier,
     DeepSpeed's lane most), by the quiet rate on one thread. There is no team to stall there,
     and beside a busy process both lanes get the core's share alone, so their busy rates differ
     by the scheduler's noise (277 against 242 M params/s, torch's the faster, one run; 647
     against 750 quiet, DeepSpeed's the faster by 16%, and the same kernel as stock's)."""
-    rank = quiet if threads <= 1 else slower_rates(quiet, beside)
+    rank = quiet if threads <= 1 else slower
     return max(rank, key=rank.__getitem__)
 
 
@@ -212,7 +212,7 @@ def chosen_host_kernel() -> str:
                 return entry
         quiet, beside = measure_host_lanes()
         rates = slower_rates(quiet, beside)  # the lane balance's
-        best = choose_host_kernel(quiet, beside, torch.get_num_threads())
+        best = choose_host_kernel(quiet, rates, torch.get_num_threads())
         log.info("host lane kernel: %s (%s)", best, ", ".join(f"{k} {v:.3g} params/s" for k, v in rates.items()))
         return {"kernel": best, "params_per_s": rates, "quiet_params_per_s": quiet}
 

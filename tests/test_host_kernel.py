@@ -130,8 +130,9 @@ def test_one_thread_chooses_by_the_quiet_lane_and_a_team_by_the_slower(choice_di
     lane, stock's kernel, where it is faster quiet); with a team, the slower rate still does. The
     lane balance's rate is the slower in both."""
     quiet, beside = {"torch": 6.0, "deepspeed": 7.0}, {"torch": 3.0, "deepspeed": 2.0}
-    assert host_kernel.choose_host_kernel(quiet, beside, 1) == "deepspeed"
-    assert host_kernel.choose_host_kernel(quiet, beside, 2) == "torch"
+    slower = host_kernel.slower_rates(quiet, beside)
+    assert host_kernel.choose_host_kernel(quiet, slower, 1) == "deepspeed"
+    assert host_kernel.choose_host_kernel(quiet, slower, 2) == "torch"
     if load_cpu_adam() is None:
         return  # the kept entry below needs both kernels
     monkeypatch.setattr(host_kernel, "measure_host_lanes", lambda: (quiet, beside))
