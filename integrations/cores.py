@@ -195,6 +195,7 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
     ``mode`` (a share of one core under ``auto``: the thread count only, :data:`MIN_BOUND_CORES`);
     the CPUs, or None when not bound. Call before torch starts its thread pool (before the user's
     script)."""
+    from integrations.rank_entry import users_threads
     from perf.plan import local_rank
     from perf.plan import local_size as launcher_local_size
 
@@ -213,7 +214,10 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
     pinned = mode == "on" or share >= MIN_BOUND_CORES
     if pinned:
         os.sched_setaffinity(0, cores)
-    threads = _users_threads(environ) or share
+    # A user's count stands, as stock DeepSpeed's ranks keep it: torch's CPU kernels (LayerNorm's
+    # backward among them) round differently at another count, so a run compared with stock's
+    # bit for bit sets the same count on both.
+    threads = users_threads(environ) or share
     environ["OMP_NUM_THREADS"] = str(threads)  # DeepSpeed's cpu_adam op and anything OpenMP started later
     import torch
 
@@ -224,17 +228,6 @@ def bind_rank_cores(mode: str, environ=os.environ, sysfs: str = SYSFS) -> list[i
 
     torch.set_num_threads(threads)
     return cores if pinned else None
-
-
-def _users_threads(environ) -> int | None:
-    """The OMP_NUM_THREADS the user set before the launch (``rank_entry.USER_OMP_ENV``): it stands
-    over the share, as stock DeepSpeed's ranks keep it (torch's CPU kernels, LayerNorm's backward
-    among them, round differently at another thread count, so a run compared with stock's bit for
-    bit sets the same count on both). None where the user set none, or nothing usable."""
-    from integrations.rank_entry import USER_OMP_ENV
-
-    value = environ.get("OMP_NUM_THREADS", "")
-    return int(value) if environ.get(USER_OMP_ENV) == "1" and value.isdigit() and int(value) > 0 else None
 
 
 def describe(cores: list[int] | None) -> str:

@@ -110,6 +110,13 @@ def is_rank(environ=None, argv=None) -> bool:
     return launcher_rank(environ) is not None
 
 
+def users_threads(environ) -> int | None:
+    """The OMP_NUM_THREADS the user set before the launch (:data:`USER_OMP_ENV`), which stands
+    over a rank's share of the cores; None where the user set none, or nothing usable."""
+    value = environ.get("OMP_NUM_THREADS", "")
+    return int(value) if environ.get(USER_OMP_ENV) == "1" and value.isdigit() and int(value) > 0 else None
+
+
 def launcher_threads(environ) -> None:
     """Drop a launcher's OMP_NUM_THREADS where the user set none (torchrun's 1 per rank): the
     rank's thread count is then its core budget (``integrations.cores.bind_rank_cores`` sets it
