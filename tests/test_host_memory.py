@@ -261,14 +261,22 @@ def _serve(sock: str) -> subprocess.Popen:
 
 def _tuned_run(sock: str, swap: str, run_id: str, iterations: int, until=None, **fixed) -> list[Knobs]:
     """OffloadAdamW on a path capped at 40 MB/s (its reads dominate the step), tuned by the real
-    policy; the knobs of every step, for ``iterations`` or until ``until(knobs)`` holds."""
+    policy; the knobs of every step, for ``iterations`` or until ``until(knobs)`` holds. Nothing is
+    read ahead during backward: on a busy machine a slow backward hid every read, the update waited
+    on no I/O, and the tuner rightly held (the knobs could change 0% of the iteration)."""
     from tuner.client import TunerClient
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     path = StoragePath(path=swap, cap_bytes_per_s=40e6, read_bytes_per_s=40e6, write_bytes_per_s=40e6)
     opt = OffloadAdamW(
-        model.parameters(), nvme_paths=[path], subgroup_numel=1 << 16, io_backend="posix", host_adam="torch", **fixed
+        model.parameters(),
+        nvme_paths=[path],
+        subgroup_numel=1 << 16,
+        io_backend="posix",
+        host_adam="torch",
+        read_ahead_bytes=0,
+        **fixed,
     )
     try:
         TunerClient.for_engine(sock, opt.engine, run_id=run_id)
