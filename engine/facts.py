@@ -7,13 +7,21 @@ decided). Frozen: they travel as they are, and ``to_dict`` is their one JSON for
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from engine.config import KnobKey, Knobs
+from engine.config import EngineConfig, KnobKey, Knobs
+from engine.host_memory import HostUsage
 from engine.layout import payload_bytes
 
 if TYPE_CHECKING:
-    from engine.core import SubgroupEngine
+    import torch
+
+    from engine.device_lane import DeviceLane
+    from engine.device_tier import DeviceTier
+    from engine.host_memory import HostBudget
+    from engine.subgroup import Subgroup
+    from engine.swap_paths import SwapPaths
+    from engine.transfers import Transfers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +54,7 @@ class EngineFacts:
     device_lane_available: bool = False
     host_memory_budget_bytes: int = 0
     """The rank's host-memory budget (``engine.host_memory``)."""
-    host_bytes: dict[str, int] = field(default_factory=dict)
+    host_bytes: HostUsage = field(default_factory=HostUsage)
     """What the engine holds in host memory now, by kind."""
     host_staging_bytes: int = 0
     """Host bytes the budget leaves for staging buffers (``engine.host_memory.staging_room``)."""
@@ -84,35 +92,55 @@ class DeviceFit:
         return asdict(self)
 
 
-def facts_of(engine: SubgroupEngine) -> EngineFacts:
-    """The plan in force of ``engine`` (a :class:`engine.core.SubgroupEngine`), from its parts."""
+class EngineParts(Protocol):
+    """What :func:`facts_of` reads of an engine (a :class:`engine.core.SubgroupEngine`): its
+    subgroups, knobs, config and device, and its parts, each for what it says of itself."""
+
+    subgroups: list[Subgroup]
+    knobs: Knobs
+    config: EngineConfig
+    device: torch.device | None
+    device_lane: DeviceLane | None
+    host_kernel_name: str
+    swap_paths: SwapPaths
+    device_tier: DeviceTier
+    host_memory: HostBudget
+    transfers: Transfers
+
+    def host_usage(self) -> HostUsage: ...
+
+
+def facts_of(engine: EngineParts) -> EngineFacts:
+    """The plan in force of ``engine``, from its parts: the placement, then what the swap paths,
+    the device tier, the host budget and the transfers each say."""
+    swap, tier, host = engine.swap_paths, engine.device_tier, engine.host_memory
     tiers: dict[str, int] = {}
     for sg in engine.subgroups:
-        key = engine.swap_paths.paths[sg.tier.path_index].path if sg.tier.path_index is not None else sg.tier.kind
+        key = swap.paths[sg.tier.path_index].path if sg.tier.path_index is not None else sg.tier.kind
         tiers[key] = tiers.get(key, 0) + payload_bytes(sg.numel)
     has_device = engine.device is not None
     return EngineFacts(
         subgroups=len(engine.subgroups),
         params=sum(sg.numel for sg in engine.subgroups),
         state_bytes_by_tier=tiers,
-        staging_buffers=engine.transfers.pool_size,
-        io_backend=engine.swap_paths.io_backend,
+        subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
         host_kernel=engine.host_kernel_name,
         device=str(engine.device) if has_device else None,
-        path_bandwidth_bytes_per_s=dict(zip((p.path for p in engine.swap_paths.paths), engine.swap_paths.round_trip_bytes_per_s)),
-        path_depth_response=dict(engine.swap_paths.depth_response),
-        knobs=engine.knobs,
-        paths=[p.path for p in engine.config.paths],
-        path_kinds={p.path: p.spec.kind for p in engine.swap_paths.paths},
         has_device=has_device,
-        subgroup_bytes=max((payload_bytes(sg.numel) for sg in engine.subgroups), default=0),
-        device_headroom_bytes=engine.device_tier.headroom_bytes() if has_device else None,
-        device_lane_bytes=engine.device_tier.lane_bytes(),
-        device_lane_available=engine.device_lane is not None and engine.device_tier.lane_has_room,
-        host_memory_budget_bytes=engine.host_memory.budget_bytes,
-        host_bytes=engine.host_usage().to_dict(),
-        host_staging_bytes=engine.host_memory.staging_room(),
+        knobs=engine.knobs,
         pins=pins_in_force(engine.config.pins, engine.knobs),
+        paths=[p.path for p in engine.config.paths],
+        io_backend=swap.io_backend,
+        path_bandwidth_bytes_per_s=dict(zip((p.path for p in swap.paths), swap.round_trip_bytes_per_s)),
+        path_depth_response=dict(swap.depth_response),
+        path_kinds={p.path: p.spec.kind for p in swap.paths},
+        device_headroom_bytes=tier.headroom_bytes() if has_device else None,
+        device_lane_bytes=tier.lane_bytes(),
+        device_lane_available=engine.device_lane is not None and tier.lane_has_room,
+        host_memory_budget_bytes=host.budget_bytes,
+        host_bytes=engine.host_usage(),
+        host_staging_bytes=host.staging_room(),
+        staging_buffers=engine.transfers.pool_size,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import json
 import logging
 import os
 import subprocess
@@ -60,7 +61,9 @@ def test_every_step_stays_in_budget_and_rss_follows_what_the_engine_counts(swap_
         grads = 2 * 4 * sum(p.numel() for p in model.parameters())
         counted = records[-1].host_bytes.total
         assert grown <= counted + grads + (32 << 20), (grown, counted, grads)
-        assert opt.engine.describe().host_memory_budget_bytes == budget
+        facts = opt.engine.describe()
+        assert facts.host_memory_budget_bytes == budget and 0 < facts.host_bytes.total <= budget
+        assert json.dumps(facts.to_dict()["host_bytes"]) == json.dumps(facts.host_bytes.to_dict())  # the run record's, as before
     finally:
         opt.close()
 
