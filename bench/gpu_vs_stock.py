@@ -970,7 +970,7 @@ def _limits(profile: str | None) -> dict:
     from perf.profile_toml import load_profile
 
     p = load_profile(profile)
-    out = {"cpu_adamw_params_per_s": p.cpu_adamw_params_per_s(), "host_memory_bytes_per_s": p.host.memory_bandwidth.value}
+    out = {"cpu_adamw_params_per_s": p.host_kernel_params_per_s(), "host_memory_bytes_per_s": p.host.memory_bandwidth.value}
     if p.gpu is not None:
         out.update(
             h2d=p.gpu.h2d_bytes_per_s.value,

@@ -44,7 +44,7 @@ from engine import AdamWHyper, EngineConfig, FlatSubgroup, StoragePath, Subgroup
 from engine.buffers import payload_bytes  # noqa: E402
 from engine.config import Knobs  # noqa: E402
 from perf.model import Plan, Workload, predict  # noqa: E402
-from perf.probe import available_cores, measure_cpu_adamw, measure_memory_bandwidth, measure_paths, probe_machine  # noqa: E402
+from perf.probe import available_cores, measure_host_kernel_rates, measure_memory_bandwidth, measure_paths, probe_machine  # noqa: E402
 from perf.profile import SCHEMA_VERSION, Figure, Host, PathProfile, Profile, Source  # noqa: E402
 
 console = Console(stderr=True)
@@ -69,7 +69,7 @@ def measure_profile(dirs: list[str], io_bytes: int, io_seconds: float, backend: 
     )
     host = Host(
         memory_bandwidth=measure_memory_bandwidth(256 << 20, 5, progress=progress),
-        adamw=measure_cpu_adamw([available_cores()], reps=5, progress=progress),
+        adamw=measure_host_kernel_rates([available_cores()], reps=5, progress=progress),
     )
     return Profile(
         schema_version=SCHEMA_VERSION,
@@ -272,7 +272,7 @@ def main() -> int:
         profile_paths={
             p.path: {op: getattr(p, f"{op}_bytes_per_s").value for op in ("read", "write", "mixed")} for p in profile.paths
         },
-        cpu_adamw_params_per_s=profile.cpu_adamw_params_per_s(),
+        cpu_adamw_params_per_s=profile.host_kernel_params_per_s(),
         memory_bytes_per_s=profile.host.memory_bandwidth.value,
     )
     _print(out)

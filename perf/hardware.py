@@ -95,7 +95,7 @@ def device_time(dev: Device, R: float, W: float, c_read: float, c_write: float, 
 
 
 def check_profile(profile: Profile) -> None:
-    if profile.cpu_adamw_params_per_s() <= 0:
+    if profile.host_kernel_params_per_s() <= 0:
         raise ConfigError(f"profile {profile.name!r} has no CPU AdamW rate: measure one with `offloadctl profile save`")
     if profile.host.memory_bandwidth.value <= 0:
         raise ConfigError(f"profile {profile.name!r} has no host memory bandwidth: measure one with `offloadctl profile save`")
@@ -123,7 +123,7 @@ def host_lane_seconds_per_param(profile: Profile, wl: "Workload") -> float:
     if lane is not None and lane.value > 0:
         return wl.ranks / lane.value
     extra_mem = (4 if wl.grad_bytes != 4 else 0) + (0 if profile.gpu else wl.weight_bytes)
-    t = wl.ranks / profile.cpu_adamw_params_per_s() + extra_mem * wl.ranks / profile.host.memory_bandwidth.value
+    t = wl.ranks / profile.host_kernel_params_per_s() + extra_mem * wl.ranks / profile.host.memory_bandwidth.value
     if profile.gpu is not None:
         t += wl.weight_bytes / profile.gpu.h2d_bytes_per_s.value  # 16-bit weights to the device, in the loop
     return t

@@ -453,15 +453,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def measure_cpu_adamw(
+def measure_host_kernel_rates(
     threads: Sequence[int] | None = None,
     numel: int = FULL.adamw_numel,
     reps: int = FULL.reps,
     *,
     progress: "ProgressFn | Progress | None" = None,
 ) -> tuple[AdamWRate, ...]:
-    """Fused CPU AdamW params/s at each thread count (default: powers of two up to the cores
-    this process may use), the faster of the engine's kernels at each. Restores the thread count."""
+    """The bare host AdamW kernel's params/s (``host.adamw``; the lane's is :func:`measure_host_lane`)
+    at each thread count (default: powers of two up to the cores this process may use), the
+    faster of the engine's kernels at each. Restores the thread count."""
     report = as_progress(progress)
     threads = sorted(set(threads or thread_counts(available_cores())))
     what = "CPU AdamW by threads"
@@ -631,7 +632,7 @@ def measure_profile(
     path_profiles = measure_paths(paths, io_bytes=sizes.io_bytes, io_seconds=sizes.io_seconds, backend=backend, progress=progress)
     host = Host(
         memory_bandwidth=measure_memory_bandwidth(sizes.memcpy_bytes, sizes.reps, progress=progress),
-        adamw=measure_cpu_adamw(numel=sizes.adamw_numel, reps=sizes.reps, progress=progress),
+        adamw=measure_host_kernel_rates(numel=sizes.adamw_numel, reps=sizes.reps, progress=progress),
         host_lane_params_per_s=measure_host_lane(sizes.adamw_numel, sizes.reps, progress=progress),
     )
     gpu = measure_gpu(sizes.gpu_bytes, sizes.gpu_adamw_numel, sizes.reps, progress=progress)

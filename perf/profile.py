@@ -56,7 +56,8 @@ class Machine:
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWRate:
-    """CPU AdamW throughput with a given number of threads."""
+    """The bare host AdamW kernel's throughput (:func:`engine.adamw.measure_host_kernels`: fp32
+    state larger than the caches, no gradient or weight copies) with a given number of threads."""
 
     threads: int
     params_per_s: Figure
@@ -67,7 +68,8 @@ class Host:
     memory_bandwidth: Figure
     """Copy bandwidth of host memory (bytes/s counted once per byte copied)."""
     adamw: tuple[AdamWRate, ...]
-    """CPU AdamW throughput by thread count, ascending threads."""
+    """The bare kernel's rate by thread count, ascending threads
+    (:meth:`Profile.host_kernel_params_per_s`); the lane's is :attr:`host_lane_params_per_s`."""
     host_lane_params_per_s: Figure | None = None
     """The engine's host lane as a step runs it, all threads: 16-bit gradients upcast and
     unscaled, fused AdamW, weights cast to 16 bits and (with a GPU) uploaded. None in profiles
@@ -160,8 +162,9 @@ class Profile:
             out.setdefault(p.device or p.device_id, []).append(p)
         return out
 
-    def cpu_adamw_params_per_s(self, threads: int | None = None) -> float:
-        """AdamW rate at ``threads`` (default: the most measured), interpolating linearly."""
+    def host_kernel_params_per_s(self, threads: int | None = None) -> float:
+        """The bare host AdamW kernel's rate (``host.adamw``) at ``threads`` (default: the most
+        measured), interpolating linearly; not the host lane's (``host.host_lane_params_per_s``)."""
         rates = sorted(self.host.adamw, key=lambda r: r.threads)
         if not rates:
             return 0.0

@@ -79,7 +79,7 @@ class _Stock:
         ranks, P = wl.ranks, wl.params_per_rank
         n = min(wl.subgroup_numel, P)
         gpu = profile.gpu
-        cpu_rate = profile.cpu_adamw_params_per_s() / ranks
+        cpu_rate = profile.host_kernel_params_per_s() / ranks
         mem_bw = profile.host.memory_bandwidth.value
         weight_s = wl.weight_bytes / (gpu.h2d_bytes_per_s.value if gpu else mem_bw / ranks)
         per_param = 1.0 / cpu_rate + weight_s + (4 * ranks / mem_bw if wl.grad_bytes != 4 else 0.0)
