@@ -16,7 +16,6 @@ from engine.layout import payload_bytes
 if TYPE_CHECKING:
     import torch
 
-    from engine.device_lane import DeviceLane
     from engine.device_tier import DeviceTier
     from engine.host_memory import HostBudget
     from engine.subgroup import Subgroup
@@ -100,7 +99,6 @@ class EngineParts(Protocol):
     knobs: Knobs
     config: EngineConfig
     device: torch.device | None
-    device_lane: DeviceLane | None
     host_kernel_name: str
     swap_paths: SwapPaths
     device_tier: DeviceTier
@@ -136,7 +134,7 @@ def facts_of(engine: EngineParts) -> EngineFacts:
         path_kinds={p.path: p.spec.kind for p in swap.paths},
         device_headroom_bytes=tier.headroom_bytes() if has_device else None,
         device_lane_bytes=tier.lane_bytes(),
-        device_lane_available=engine.device_lane is not None and tier.lane_has_room,
+        device_lane_available=has_device and tier.lane_has_room,  # the core makes a device lane where there is a device
         host_memory_budget_bytes=host.budget_bytes,
         host_bytes=engine.host_usage(),
         host_staging_bytes=host.staging_room(),
