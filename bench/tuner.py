@@ -69,6 +69,7 @@ from engine.errors import ConfigError  # noqa: E402
 from engine.layout import STATE_BYTES_PER_ELEMENT  # noqa: E402
 from tuner.knob_text import Pins  # noqa: E402
 from tuner.policy import Observation, Policy, PolicyConfig  # noqa: E402
+from tuner.run_state import RunFacts  # noqa: E402
 from tuner.sensors import Sensors  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("update_phase", os.path.join(BENCH, "update_phase.py"))
@@ -116,16 +117,14 @@ class InProcess:
         self.engine = engine
         self.paths = paths
         # What a registration would carry: the knobs the run fixed, and the spare host budget.
-        self.policy = Policy(
-            engine.knobs,
-            paths=paths,
-            has_device=False,
+        facts = RunFacts(
+            paths=tuple(paths),
             subgroup_bytes=max(payload_bytes(sg.numel) for sg in engine.subgroups),
             params=sum(sg.numel for sg in engine.subgroups),
-            pins=fixed,
+            pins=fixed or {},
             host_staging_bytes=engine.describe().host_staging_bytes,
-            config=PolicyConfig(max_prefetch_depth=max_prefetch),
         )
+        self.policy = Policy(engine.knobs, facts, PolicyConfig(max_prefetch_depth=max_prefetch))
         self.sensors = Sensors(paths, gpu=False)
 
     def step(self) -> dict:
@@ -367,9 +366,7 @@ def part3(args, progress: Progress) -> dict:
     grid = [k / 4 for k in range(5)]
     tuned = gpu_engine(numel, sub, device, 0.0)
     static = gpu_engine(numel, sub, device, grid[0])
-    policy = Policy(
-        tuned.knobs, paths=[], has_device=True, subgroup_bytes=payload_bytes(sub), params=numel, config=PolicyConfig()
-    )
+    policy = Policy(tuned.knobs, RunFacts(has_device=True, subgroup_bytes=payload_bytes(sub), params=numel), PolicyConfig())
     schedule = [(k, step) for k in range(len(grid)) for step in range(4)]
     rows, static_times = [], [[] for _ in grid]
     n = max(args.iters, len(schedule))

@@ -205,39 +205,30 @@ def test_memory_pressure_gives_back_kept_buffers_and_the_math_stays_exact(swap_d
 def test_the_tuner_keeps_within_the_spare_budget():
     from tuner.policy import Policy
     from tuner.policy_config import PolicyConfig
+    from tuner.run_state import RunFacts
 
     sub = 12 << 20
     pol = Policy(
         Knobs(),
-        paths=["/nvme0"],
-        has_device=False,
-        subgroup_bytes=sub,
-        params=10**9,
-        host_staging_bytes=5 * sub,
-        config=PolicyConfig(max_prefetch_depth=16),
+        RunFacts(paths=("/nvme0",), subgroup_bytes=sub, params=10**9, host_staging_bytes=5 * sub),
+        PolicyConfig(max_prefetch_depth=16),
     )
     assert pol._limits.prefetch_cap() == 1  # 5 buffers: depth 1 (2 * 1 + 3)
     roomy = Policy(
         Knobs(),
-        paths=["/nvme0"],
-        has_device=False,
-        subgroup_bytes=sub,
-        params=10**9,
-        host_staging_bytes=100 * sub,
-        config=PolicyConfig(max_prefetch_depth=16),
+        RunFacts(paths=("/nvme0",), subgroup_bytes=sub, params=10**9, host_staging_bytes=100 * sub),
+        PolicyConfig(max_prefetch_depth=16),
     )
     assert roomy._limits.prefetch_cap() == 16
 
 
 def test_fixed_knobs_are_pins_from_the_start():
     from tuner.policy import Policy
+    from tuner.run_state import RunFacts
 
     pol = Policy(
         Knobs(prefetch_depth=2),
-        paths=["/nvme0"],
-        has_device=False,
-        subgroup_bytes=1 << 20,
-        pins={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4},
+        RunFacts(paths=("/nvme0",), subgroup_bytes=1 << 20, pins={"prefetch_depth": 2, "io_concurrency[/nvme0]": 4}),
     )
     assert pol.pins == {"prefetch_depth": 2, "io_concurrency[/nvme0]": 4}
     assert pol.state()["fixed"] == ["prefetch_depth", "io_concurrency[/nvme0]"]

@@ -267,9 +267,9 @@ def test_the_tuner_state_line_follows_the_policys_mode():
     from offloadctl.commands.tune_view import tuner_state
     from tuner.observation import Observation
     from tuner.policy import Policy
-    from tuner.run_state import tuner_activity
+    from tuner.run_state import RunFacts, tuner_activity
 
-    pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
+    pol = Policy(Knobs(), RunFacts(paths=("/nvme",), subgroup_bytes=5_500_000, params=3_189_248))
     with open(os.path.join(ROOT, "tests", "data", "demo-trace.jsonl")) as f:
         for line in f:
             if not line.startswith("#"):

@@ -20,6 +20,7 @@ import pytest
 from engine.config import Knobs
 from tuner.conditions import Conditions, balanced_stripe, io_time, restripe
 from tuner.policy import Observation, Policy, PolicyConfig
+from tuner.run_state import RunFacts
 
 A, B = "/nvme0", "/nvme1"
 BYTES = 1.2e9  # per iteration, all paths
@@ -90,9 +91,7 @@ class TwoPaths:
 
 
 def policy(**kw) -> Policy:
-    return Policy(
-        Knobs(prefetch_depth=2), paths=[A, B], has_device=False, subgroup_bytes=120_000_000, pins={"prefetch_depth": 2}, **kw
-    )
+    return Policy(Knobs(prefetch_depth=2), RunFacts(paths=(A, B), subgroup_bytes=120_000_000, pins={"prefetch_depth": 2}), **kw)
 
 
 def slows(at: int, back: int | None = None, factor: float = 5.0):
@@ -280,7 +279,7 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
     names = [p.path for p in opt.engine.swap_paths.paths]
-    pol = Policy(opt.knobs, paths=names, has_device=False, subgroup_bytes=1_200_000, pins={"prefetch_depth": 2})
+    pol = Policy(opt.knobs, RunFacts(paths=tuple(names), subgroup_bytes=1_200_000, pins={"prefetch_depth": 2}))
     gen = torch.Generator().manual_seed(1)
     slow = opt.engine.swap_paths.paths[1]
     shares, decided = [], []
@@ -360,7 +359,6 @@ def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(t
     from engine import OffloadAdamW, StoragePath
     from tuner.client import TunerClient
     from tuner.protocol import API_VERSION, CLIENT_SCHEMAS, ProtocolError, validate
-    from tuner.run_state import RunFacts
 
     free, capped = tmp_path / "free", tmp_path / "capped"
     free.mkdir()

@@ -20,6 +20,7 @@ from engine.errors import ConfigError
 from tuner.history import History
 from tuner.observation import LaneTimes
 from tuner.policy import Observation, Policy, PolicyConfig
+from tuner.run_state import RunFacts
 from tuner.sensors import Sensors
 
 NVME, PFS = "/nvme", "/pfs"
@@ -89,9 +90,7 @@ def test_converges_from_a_poor_start_within_30_iterations():
     start = Knobs(io_concurrency={NVME: 1}, prefetch_depth=0)
     assert one_path_cost(start)[0] > 3 * best  # the start really is poor
     for seed in range(4):
-        pol = Policy(
-            start, paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(max_prefetch_depth=4)
-        )
+        pol = Policy(start, RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS), PolicyConfig(max_prefetch_depth=4))
         sim = Sim(pol, one_path_cost, seed=seed).run(30)
         assert one_path_cost(sim.knobs)[0] <= 1.1 * best, (seed, sim.knobs, pol.log[-1]["reason"])
         # Bounded steps: concurrency x2 or /2, prefetch depth by at most 2, per change.
@@ -109,11 +108,8 @@ def test_a_change_that_hurt_is_reverted_and_not_tried_again():
     start = Knobs(io_concurrency={NVME: 4}, prefetch_depth=2)
     pol = Policy(
         start,
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
     )
     sim = Sim(pol, cost, noise=0.02, seed=3).run(60)
     bad = [i for i, k in enumerate(sim.in_force) if k.concurrency_for(NVME) > 4]
@@ -129,9 +125,7 @@ def test_noise_alone_does_not_move_the_knobs_for_long():
     def flat(k, i):
         return 3.0, {NVME: 1e9}
 
-    pol = Policy(
-        Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
-    )
+    pol = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS), PolicyConfig(reexplore_every_iters=0))
     Sim(pol, flat, noise=0.05, seed=11).run(80)
     kept = [e for e in pol.log if e["reason"].startswith("kept")]
     assert len(kept) <= 1, [e["reason"] for e in kept]
@@ -186,7 +180,7 @@ def test_device_fraction_moves_to_where_the_lanes_balance():
     """From a poor start (no device lane) to the balanced split in a few moves, judged on the
     iteration, with the lanes' times as the reason; the run's total beats staying put."""
     pol = Policy(
-        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+        Knobs(), RunFacts(paths=(), has_device=True, subgroup_bytes=SUB, params=PARAMS), PolicyConfig(reexplore_every_iters=0)
     )
     sim = LaneSim(pol, None, noise=0.02, seed=1).run(30)
     reasons = [d[2] for d in sim.decisions]
@@ -201,7 +195,7 @@ def test_device_fraction_moves_to_where_the_lanes_balance():
 
 def test_a_device_lane_that_runs_out_of_memory_is_capped():
     pol = Policy(
-        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+        Knobs(), RunFacts(paths=(), has_device=True, subgroup_bytes=SUB, params=PARAMS), PolicyConfig(reexplore_every_iters=0)
     )
     sim = LaneSim(
         pol, None, noise=0.02, seed=2, errors=lambda i, k: "oom: CUDA out of memory" if k.device_fraction > 0.55 else None
@@ -214,11 +208,8 @@ def test_prefetch_depth_stays_within_the_staging_memory_cap():
     # 7 subgroups of staging memory: (2 * depth + 3) <= 7 allows depth 2, although 4 is faster.
     pol = Policy(
         Knobs(io_concurrency={NVME: 4}, prefetch_depth=0),
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=7 * SUB),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=8, host_staging_bytes=7 * SUB),
     )
     sim = Sim(pol, one_path_cost, seed=5).run(40)
     assert max(k.prefetch_depth for k in sim.in_force) == 2
@@ -236,12 +227,8 @@ def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
     # Frequent re-exploration: forgetting failed moves must not bring the bad knobs back.
     pol = Policy(
         Knobs(),
-        paths=[NVME],
-        has_device=True,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        device_headroom_bytes=10 * SUB,
-        config=PolicyConfig(reexplore_every_iters=5),
+        RunFacts(paths=(NVME,), has_device=True, subgroup_bytes=SUB, params=PARAMS, device_headroom_bytes=10 * SUB),
+        PolicyConfig(reexplore_every_iters=5),
     )
     sim = Sim(pol, cost, noise=0.02, errors=errors).run(100)
     assert sum("re-exploring" in e["reason"] for e in pol.log) >= 3
@@ -257,11 +244,7 @@ def test_error_rolls_back_to_the_last_good_knobs_and_marks_them_bad():
 def test_oom_under_the_good_knobs_lowers_the_device_lane():
     pol = Policy(
         Knobs(device_fraction=0.5),
-        paths=[NVME],
-        has_device=True,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        device_headroom_bytes=10 * SUB,
+        RunFacts(paths=(NVME,), has_device=True, subgroup_bytes=SUB, params=PARAMS, device_headroom_bytes=10 * SUB),
     )
     obs = Observation(
         iteration=0,
@@ -276,7 +259,7 @@ def test_oom_under_the_good_knobs_lowers_the_device_lane():
     assert d is not None and d.knobs.device_fraction == pytest.approx(0.4)
     assert pol.log[-1]["kind"] == "rollback"
     # A plain error with no device lane to lower changes nothing, but is logged.
-    pol2 = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    pol2 = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS))
     assert (
         pol2.observe(
             Observation(iteration=0, iter_time_s=None, update_s=1.0, read_wait_s=0.0, write_wait_s=0.0, error="disk full")
@@ -309,7 +292,7 @@ def nvme_share(k: Knobs) -> float:
 def test_contention_shifts_stripe_weight_away_and_back():
     window = range(25, 45)
     cost = two_path_cost(window)
-    pol = Policy(Knobs(), paths=[NVME, PFS], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    pol = Policy(Knobs(), RunFacts(paths=(NVME, PFS), subgroup_bytes=SUB, params=PARAMS))
     sim = Sim(pol, cost, noise=0.03, seed=1, others=lambda i: {NVME: 200e6 if i in window else 2e6, PFS: 1e6})
     sim.run(70)
     shares = [nvme_share(k) for k in sim.in_force]
@@ -341,7 +324,7 @@ def test_contention_on_the_only_path_re_measures_and_may_lower_concurrency():
         c = k.concurrency_for(NVME)
         return (2.0 + (0.4 * c if i in window else 0.0)), {NVME: 1e9}
 
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    pol = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS))
     sim = Sim(pol, cost, noise=0.02, seed=2, others=lambda i: {NVME: 300e6 if i in window else 0.0}).run(40)
     assert any(e["kind"] == "contention" for e in pol.log)
     assert sim.in_force[25].concurrency_for(NVME) < 4
@@ -350,11 +333,8 @@ def test_contention_on_the_only_path_re_measures_and_may_lower_concurrency():
 def test_pins_are_applied_and_never_searched():
     pol = Policy(
         Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=4),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=4),
     )
     sim = Sim(pol, one_path_cost, seed=0)
     sim.run(5)
@@ -372,7 +352,7 @@ def test_pins_are_applied_and_never_searched():
 
 
 def test_bad_pins_are_config_errors_naming_the_knob():
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS)
+    pol = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS))
     with pytest.raises(ConfigError, match="unknown knob 'bogus'"):
         pol.pin("bogus", 1)
     with pytest.raises(ConfigError, match="prefetch_depth"):
@@ -391,11 +371,8 @@ def test_bad_pins_are_config_errors_naming_the_knob():
 def test_freeze_ends_the_trial_and_stops_decisions():
     pol = Policy(
         Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=4),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=4),
     )
     sim = Sim(pol, one_path_cost, seed=0)
     while pol.state()["mode"] != "trial":
@@ -416,11 +393,8 @@ def test_freeze_ends_the_trial_and_stops_decisions():
 def test_observations_under_old_knobs_are_not_measured():
     pol = Policy(
         Knobs(io_concurrency={NVME: 1}, prefetch_depth=0),
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(warmup_iters=0, settle_iters=0),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(warmup_iters=0, settle_iters=0),
     )
     old = pol.knobs.to_dict()
 
@@ -457,7 +431,7 @@ def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it()
     profile = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles", "example-cpu-vm.toml")
     path = "/var/tmp/offloadctl"  # the example profile's path
     start = Knobs(io_concurrency={path: 1}, prefetch_depth=0)
-    pol = Policy(start, paths=[path], has_device=False, subgroup_bytes=SUB, params=3_000_000_000, profile=profile)
+    pol = Policy(start, RunFacts(paths=(path,), subgroup_bytes=SUB, params=3_000_000_000, profile=profile))
     plan = pol.knobs
     assert plan != start
     d = pol.observe(
@@ -490,7 +464,7 @@ def test_profile_starts_from_the_models_plan_and_measures_the_start_against_it()
 
 
 def test_profile_without_a_usable_model_falls_back_to_online_search():
-    pol = Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, profile="no-such-profile-here")
+    pol = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS, profile="no-such-profile-here"))
     assert pol.knobs == Knobs()
     assert any(e["kind"] == "model" and "not used" in e["reason"] for e in pol.log)
 
@@ -507,10 +481,7 @@ def test_policy_config_is_validated():
 def test_start_knobs_for_paths_the_run_lacks_are_dropped():
     pol = Policy(
         Knobs(io_concurrency={NVME: 8, "/gone": 2}, stripe_weights={NVME: 1.0, "/gone": 1.0}),
-        paths=[NVME, PFS],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
+        RunFacts(paths=(NVME, PFS), subgroup_bytes=SUB, params=PARAMS),
     )
     assert pol.knobs.io_concurrency == {NVME: 8} and pol.knobs.stripe_weights == {}
     assert "/gone" in pol.log[0]["reason"]
@@ -694,7 +665,7 @@ def _replay(pol: Policy, scale_waits: float = 1.0) -> list:
 def test_recorded_demo_trace_is_left_alone():
     """`make demo`'s real run: the knobs can change only the update's I/O waits, a few percent of
     the iteration. The policy holds and says why instead of exploring (at most one change)."""
-    pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
+    pol = Policy(Knobs(), RunFacts(paths=("/nvme",), subgroup_bytes=5_500_000, params=3_189_248))
     decisions = _replay(pol)
     assert len(decisions) <= 1, [d.reason for d in decisions]
     reason = pol.state()["holding_reason"]
@@ -703,7 +674,7 @@ def test_recorded_demo_trace_is_left_alone():
 
 def test_the_same_trace_with_a_slow_disk_is_tuned():
     """The same run with I/O waits ten times longer (most of the iteration): worth searching."""
-    pol = Policy(Knobs(), paths=["/nvme"], has_device=False, subgroup_bytes=5_500_000, params=3_189_248)
+    pol = Policy(Knobs(), RunFacts(paths=("/nvme",), subgroup_bytes=5_500_000, params=3_189_248))
     decisions = _replay(pol, scale_waits=10.0)
     assert decisions and pol.state()["holding_reason"] is None
     assert any(d.reason.startswith("trying") for d in decisions)
@@ -719,7 +690,7 @@ def test_a_move_that_slows_forward_backward_is_rejected():
             return 2.0 + 3.0 * self.knobs.device_fraction  # activations recomputed, allocator thrash
 
     pol = Policy(
-        Knobs(), paths=[], has_device=True, subgroup_bytes=SUB, params=PARAMS, config=PolicyConfig(reexplore_every_iters=0)
+        Knobs(), RunFacts(paths=(), has_device=True, subgroup_bytes=SUB, params=PARAMS), PolicyConfig(reexplore_every_iters=0)
     )
     sim = Pressure(pol, None, noise=0.02, seed=4).run(25)
     assert sim.knobs.device_fraction == 0.0, [d[2] for d in sim.decisions]
@@ -734,12 +705,8 @@ def test_params_are_per_rank(monkeypatch):
 
     pol = Policy(
         Knobs(),
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        ranks=4,
-        config=PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10**15),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS, ranks=4),
+        PolicyConfig(max_prefetch_depth=8, host_staging_bytes=10**15),
     )
     assert pol._limits.subgroups_per_rank() == 10 and pol._limits.prefetch_cap() == 8
     seen = {}
@@ -749,7 +716,7 @@ def test_params_are_per_rank(monkeypatch):
         raise ConfigError("stop here")
 
     monkeypatch.setattr(perf.search, "best_plan", best_plan)
-    Policy(Knobs(), paths=[NVME], has_device=False, subgroup_bytes=SUB, params=PARAMS, ranks=4, profile=object())
+    Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS, ranks=4, profile=object()))
     assert seen["per_rank"] == PARAMS
 
 
@@ -831,11 +798,8 @@ def test_a_trial_is_judged_on_its_steady_iterations_not_its_one_time_setup():
 
     pol = Policy(
         start,
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
     )
     sim = ChangeSim(pol, cost, setup, noise=0.01, seed=1).run(40)
     assert any(e["reason"].startswith(f"kept prefetch_depth 2->{better}") for e in pol.log), [e["reason"] for e in pol.log]
@@ -855,11 +819,8 @@ def test_a_kept_move_that_turns_out_slower_is_undone():
 
     pol = Policy(
         start,
-        paths=[NVME],
-        has_device=False,
-        subgroup_bytes=SUB,
-        params=PARAMS,
-        config=PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
+        RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS),
+        PolicyConfig(max_prefetch_depth=4, reexplore_every_iters=0),
     )
     sim = ChangeSim(pol, cost, noise=0.01, seed=2).run(60)
     reasons = [e["reason"] for e in pol.log]

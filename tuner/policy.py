@@ -12,8 +12,9 @@ docs/tuner-policy.md. ``Observation``, ``Decision`` and ``PolicyConfig`` are imp
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from statistics import median as _median
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
 
 from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
@@ -27,7 +28,6 @@ from tuner.policy_config import PolicyConfig
 from tuner.start_plan import known_paths, model_start
 
 if TYPE_CHECKING:
-    from perf.profile import Profile
     from tuner.run_state import RunFacts
 
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
@@ -42,36 +42,19 @@ def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
 class Policy:
     """Online search over one run's knobs; see the module docstring."""
 
-    def __init__(
-        self,
-        start: Knobs,
-        *,
-        paths: Sequence[str],
-        has_device: bool,
-        subgroup_bytes: int,
-        device_headroom_bytes: int | None = None,
-        profile: str | Profile | None = None,
-        params: int = 0,
-        ranks: int = 1,
-        pins: Mapping[str, Any] | None = None,
-        host_staging_bytes: int | None = None,
-        path_depth_response: Mapping[str, Mapping[str, float]] | None = None,
-        config: PolicyConfig | None = None,
-    ) -> None:
+    def __init__(self, start: Knobs, facts: RunFacts, config: PolicyConfig | None = None) -> None:
         if not isinstance(start, Knobs):
             raise ConfigError(f"Policy start must be engine.Knobs, got {type(start).__name__}")
-        if not (isinstance(subgroup_bytes, int) and subgroup_bytes >= 0):
-            raise ConfigError(f"Policy subgroup_bytes must be a non-negative integer, got {subgroup_bytes!r}")
-        if not (isinstance(ranks, int) and ranks >= 1):
-            raise ConfigError(f"Policy ranks must be a positive integer, got {ranks!r}")
+        if not (isinstance(facts.subgroup_bytes, int) and facts.subgroup_bytes >= 0):
+            raise ConfigError(f"Policy subgroup_bytes must be a non-negative integer, got {facts.subgroup_bytes!r}")
+        if not (isinstance(facts.ranks, int) and facts.ranks >= 1):
+            raise ConfigError(f"Policy ranks must be a positive integer, got {facts.ranks!r}")
+        facts = replace(facts, paths=tuple(dict.fromkeys(facts.paths)))  # each path once
         self.cfg = config or PolicyConfig()
-        self.paths = list(dict.fromkeys(paths))
-        self.has_device = bool(has_device)
-        self.subgroup_bytes = subgroup_bytes
-        self.params = int(params or 0)
-        self.ranks = ranks
+        self.paths, self.has_device = list(facts.paths), facts.has_device
+        self.params, self.subgroup_bytes, self.ranks = facts.params, facts.subgroup_bytes, facts.ranks
         self.log: list[dict[str, Any]] = []
-        self._device_headroom_bytes = device_headroom_bytes
+        self._device_headroom_bytes = facts.device_headroom_bytes
         self._iteration = -1
         self._pins = Pins()
         self._user_pin_values: dict[str, Any] = {}  # each knob the user pinned in this run -> the value given
@@ -93,9 +76,9 @@ class Policy:
             params=self.params,
             subgroup_bytes=self.subgroup_bytes,
             ranks=self.ranks,
-            staging_bytes=host_staging_bytes,
+            staging_bytes=facts.host_staging_bytes,
         )
-        self._adapt = Adaptation(self.paths, self.cfg, path_depth_response)  # what changed, and the response
+        self._adapt = Adaptation(self.paths, self.cfg, facts.path_depth_response)  # what changed, and the response
         self._own_start: Knobs | None = None  # the run's own start, tried against the model's plan
         self._search = MoveSearch(
             self.cfg,
@@ -117,10 +100,10 @@ class Policy:
         self._knobs = self._good_knobs = start
         self.start_pins: list[str] = []
         """The pins of the run's options (pinned from the start), as :class:`KnobKey` text."""
-        self._pin_from_the_start(pins or {})
-        if profile is not None:
+        self._pin_from_the_start(facts.pins)
+        if facts.profile is not None:
             m = model_start(
-                profile,
+                facts.profile,
                 start,
                 cfg=self.cfg,
                 limits=self._limits,
@@ -130,7 +113,7 @@ class Policy:
                 params=self.params,
                 ranks=self.ranks,
                 subgroup_bytes=self.subgroup_bytes,
-                device_headroom_bytes=device_headroom_bytes,
+                device_headroom_bytes=facts.device_headroom_bytes,
             )
             if m.dropped:
                 self._note(m.dropped, "guard")
@@ -139,24 +122,6 @@ class Policy:
             else:
                 self._knobs = self._good_knobs = m.plan
                 self._own_start, self._unannounced = start, m.note
-
-    @classmethod
-    def for_run(cls, start: Knobs, facts: RunFacts, config: PolicyConfig | None = None) -> "Policy":
-        """The policy of a run the daemon registered, from its :class:`tuner.run_state.RunFacts`."""
-        return cls(
-            start,
-            paths=facts.paths,
-            has_device=facts.has_device,
-            subgroup_bytes=facts.subgroup_bytes,
-            device_headroom_bytes=facts.device_headroom_bytes,
-            profile=facts.profile,
-            params=facts.params,
-            ranks=facts.ranks,
-            pins=facts.pins,
-            host_staging_bytes=facts.host_staging_bytes,
-            path_depth_response=facts.path_depth_response,
-            config=config,
-        )
 
     # -- public ------------------------------------------------------------------------------
 

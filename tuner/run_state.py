@@ -35,8 +35,8 @@ class RunFacts:
     """What a run's first registration says about it: read from the message once
     (:meth:`from_register`), kept by the :class:`Run` and handed as it is to the policy factory."""
 
-    ranks: int
-    params: int
+    ranks: int = 1
+    params: int = 0
     """Parameters per rank."""
     paths: tuple[str, ...] = ()
     has_device: bool = False

@@ -49,7 +49,7 @@ Handler = Callable[[Any, dict[str, Any]], dict[str, Any] | None]  # handler(peer
 def _default_policy_factory(start: Knobs, facts: RunFacts) -> Policy:
     from tuner.policy import Policy
 
-    return Policy.for_run(start, facts)
+    return Policy(start, facts)
 
 
 def _default_sensors_factory(paths: list[str]) -> Sensors:
@@ -62,7 +62,7 @@ class Runs:
     """Every run of one daemon, driven by the messages of its ranks and of the CLI.
 
     ``policy_factory(start_knobs, facts)`` makes one run's policy from its :class:`tuner.run_state.RunFacts`
-    (default ``tuner.policy.Policy.for_run``); ``sensors_factory(paths)`` its sensors (default
+    (default ``tuner.policy.Policy``); ``sensors_factory(paths)`` its sensors (default
     ``tuner.sensors.Sensors``; False: none); ``history`` is a ``tuner.history.History`` or None.
 
     The message methods take the sender (a peer) and the validated message, return the reply's
