@@ -166,9 +166,10 @@ def registered_run(run_dir: str, run_id: str, nvme: str, iterations: int = 4, *,
     from tuner import service
     from tuner.client import TunerClient
     from tuner.protocol import Connection
+    from tuner.run_state import RunFacts
 
     sock, stop = service.ensure_daemon(os.path.join(os.path.dirname(run_dir), "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
+    rank = TunerClient(sock, RunFacts(params=1000, paths=(nvme,), subgroup_bytes=12000), Knobs(), run_id=run_id, rank=0)
     assert rank.connected.wait(20)
     for i in range(iterations):
         rank.report(

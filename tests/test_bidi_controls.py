@@ -40,6 +40,7 @@ def test_the_tuner_view_shows_no_bidirectional_control(tmp_path):
     from tuner import service
     from tuner.client import TunerClient
     from tuner.protocol import Connection
+    from tuner.run_state import RunFacts
 
     nvme = str(tmp_path / f"nvme{BIDI}\x1b[31m")
     os.makedirs(nvme)
@@ -47,7 +48,7 @@ def test_the_tuner_view_shows_no_bidirectional_control(tmp_path):
     os.makedirs(run_dir)
     run_id = f"run{BIDI}1"
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run_id, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
+    rank = TunerClient(sock, RunFacts(params=1000, paths=(nvme,), subgroup_bytes=12000), Knobs(), run_id=run_id, rank=0)
     try:
         assert rank.connected.wait(20)
 

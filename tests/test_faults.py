@@ -112,10 +112,9 @@ def test_client_refuses_a_daemon_another_user_planted():
         assert start.returncode == 2 and "Traceback" not in start.stderr and "belongs to uid" in start.stderr, start.stderr
         from engine.config import Knobs
         from tuner.client import TunerClient
+        from tuner.run_state import RunFacts
 
-        client = TunerClient(
-            sock, run_id="r", rank=0, world_size=1, params=1, paths=[], knobs=Knobs(), has_device=False, subgroup_bytes=0
-        )
+        client = TunerClient(sock, RunFacts(params=1), Knobs(), run_id="r", rank=0)
         try:
             assert not client.connected.wait(3)
             assert "not trusted" in (client.last_error or "")

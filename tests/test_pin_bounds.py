@@ -27,6 +27,7 @@ def test_a_pin_past_the_wires_bounds_is_refused_and_the_run_goes_on(weight, tmp_
     from engine.config import Knobs
     from tuner import service
     from tuner.client import TunerClient
+    from tuner.run_state import RunFacts
 
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
@@ -35,7 +36,7 @@ def test_a_pin_past_the_wires_bounds_is_refused_and_the_run_goes_on(weight, tmp_
     knob, value = "stripe_weights", f'{{"{nvme}": {weight}}}'
     run = f"r{os.getpid()}-{weight}"  # the session's history keeps a run's pins by its id
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id=run, rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
+    rank = TunerClient(sock, RunFacts(params=1000, paths=(nvme,), subgroup_bytes=12000), Knobs(), run_id=run, rank=0)
     try:
         assert rank.connected.wait(20)
         wait_for(lambda: _runs(sock), 20, "the run to register")

@@ -102,13 +102,14 @@ def test_a_pin_no_rank_can_run_is_refused_by_the_daemon(tmp_path):
     from tuner import service
     from tuner.client import TunerClient
     from tuner.protocol import Connection, ErrorCode, ProtocolError
+    from tuner.run_state import RunFacts
 
     nvme = str(tmp_path / "nvme")
     os.makedirs(nvme)
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     sock, stop = service.ensure_daemon(str(tmp_path / "no-system.sock"), run_dir=run_dir)
-    rank = TunerClient(sock, run_id="r1", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000)
+    rank = TunerClient(sock, RunFacts(params=1000, paths=(nvme,), subgroup_bytes=12000), Knobs(), run_id="r1", rank=0)
     try:
         assert rank.connected.wait(20)
         wait_for(lambda: _runs(sock), 20, "the run to register")

@@ -229,8 +229,9 @@ import os, sys, time
 from engine.config import Knobs
 from engine.telemetry import StepRecord
 from tuner.client import TunerClient
-c = TunerClient({sock!r}, run_id="dead-run", rank=0, world_size=1, params=1000, paths=[{str(private_env)!r}],
-                knobs=Knobs(), subgroup_bytes=12000)
+from tuner.run_state import RunFacts
+c = TunerClient({sock!r}, RunFacts(params=1000, paths=({str(private_env)!r},), subgroup_bytes=12000), Knobs(),
+                run_id="dead-run", rank=0)
 assert c.connected.wait(20)
 for i in range(5):
     c.report(StepRecord(iteration=i, update_s=0.2, read_wait_s=0.05, kernel_s=0.1, write_wait_s=0.05),

@@ -358,7 +358,7 @@ def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(t
 
     from engine import OffloadAdamW, StoragePath
     from tuner.client import TunerClient
-    from tuner.protocol import API_VERSION, CLIENT_SCHEMAS, ProtocolError, validate
+    from tuner.protocol import CLIENT_SCHEMAS, ProtocolError, validate
 
     free, capped = tmp_path / "free", tmp_path / "capped"
     free.mkdir()
@@ -380,15 +380,7 @@ def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(t
         assert sp.read_slots._limit == 4 and sp.write_slots._limit == 4
         client = TunerClient.for_engine(str(tmp_path / "no.sock"), opt.engine, run_id="r", hook=False, connect_timeout_s=0.1)
         client.close()
-        msg = {
-            "v": API_VERSION,
-            "type": "register",
-            "run_id": "r",
-            "rank": 0,
-            "world_size": 1,
-            **client._static,
-            "knobs": facts.knobs.to_dict(),
-        }
+        msg = client.register_message()
         validate(msg, CLIENT_SCHEMAS)  # what the daemon checks first
         assert RunFacts.from_register(msg).path_depth_response == {os.path.abspath(path): r}
         with pytest.raises(ProtocolError):

@@ -5,6 +5,7 @@ commands (start/stop/status, ensure_daemon), socket activation, the CLI and the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,6 +27,7 @@ from engine.telemetry import StepRecord
 from tuner import service
 from tuner.client import TunerClient
 from tuner.protocol import Connection
+from tuner.run_state import RunFacts
 from tuner.server import bind_socket
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -357,9 +359,7 @@ def test_tune_cli_snapshot_pin_freeze_and_live_view(tmp_path):
     sock = str(tmp_path / "tuner.sock")
     daemon = _serve(sock)
     nvme = str(tmp_path)
-    client = TunerClient(
-        sock, run_id="cli-run", rank=0, world_size=1, params=1000, paths=[nvme], knobs=Knobs(), subgroup_bytes=12000
-    )
+    client = TunerClient(sock, RunFacts(params=1000, paths=(nvme,), subgroup_bytes=12000), Knobs(), run_id="cli-run", rank=0)
     cli = lambda *a: subprocess.run(
         [sys.executable, "-m", "offloadctl.cli", *a, "--socket", sock], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
@@ -639,7 +639,8 @@ def test_gpu_headroom_is_refreshed_every_step(tmp_path, policy_dir):
     )
     client = None
     try:
-        client = TunerClient.for_engine(sock, eng, run_id="room", device_headroom_bytes=1000, hook=False)
+        facts = dataclasses.replace(RunFacts.of_engine(eng.describe()), device_headroom_bytes=1000)  # at registration
+        client = TunerClient(sock, facts, eng.knobs, run_id="room", rank=0)
         assert client.connected.wait(20)
         for _ in range(4):
             rec = eng.step([AdamWHyper(lr=1e-3)])

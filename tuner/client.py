@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.config import Knobs
 from engine.errors import ConfigError, OffloadError
@@ -43,6 +43,7 @@ from tuner.protocol import (
     recv_message,
     validate,
 )
+from tuner.run_state import RunFacts
 
 if TYPE_CHECKING:
     from engine.core import SubgroupEngine
@@ -70,70 +71,53 @@ class _Change:
     reason: str
 
 
-class TunerClient:
-    """One rank's connection to the tuner daemon at ``socket_path``.
+@dataclass(frozen=True, kw_only=True)
+class ClientSettings:
+    """How a :class:`TunerClient` talks to the daemon. ``queue_size`` bounds the telemetry kept
+    while the daemon is slow or away (oldest dropped). Reconnect attempts back off from
+    ``backoff_s[0]`` to ``backoff_s[1]`` seconds. ``step_is_iteration``: the iteration is the
+    engine's step alone (benchmarks driving engines side by side)."""
 
-    ``queue_size`` bounds the telemetry kept while the daemon is slow or away (oldest dropped).
-    Reconnect attempts back off from ``backoff_s[0]`` to ``backoff_s[1]`` seconds.
-    """
+    queue_size: int = 256
+    backoff_s: tuple[float, float] = (0.05, 1.0)
+    connect_timeout_s: float = 2.0
+    step_is_iteration: bool = False
+
+
+class TunerClient:
+    """One rank (``rank``) of run ``run_id``, connected to the tuner daemon at ``socket_path``:
+    it registers the run's ``facts`` (a :class:`tuner.run_state.RunFacts`) with ``knobs`` in force."""
 
     def __init__(
         self,
         socket_path: str,
+        facts: RunFacts,
+        knobs: Knobs,
         *,
         run_id: str,
         rank: int,
-        world_size: int,
-        params: int,
-        paths: Sequence[str],
-        knobs: Knobs,
-        profile: str | dict[str, Any] | None = None,
-        has_device: bool = False,
-        device_headroom_bytes: int | None = None,
-        subgroup_bytes: int = 0,
-        pins: Mapping[str, Any] | None = None,
-        host_staging_bytes: int | None = None,
-        path_depth_response: Mapping[str, Any] | None = None,
-        queue_size: int = 256,
-        backoff_s: tuple[float, float] = (0.05, 1.0),
-        connect_timeout_s: float = 2.0,
-        step_is_iteration: bool = False,
+        settings: ClientSettings | None = None,
     ) -> None:
         try:  # what the daemon would refuse at every registration: refuse it now, once
             RUN_ID(run_id, "run_id")
             RANK(rank, "rank")
-            Int(1)(world_size, "world_size")
+            Int(1)(facts.ranks, "world_size")
         except ProtocolError as e:
             raise ConfigError(f"TunerClient: {e}") from None
-        if rank >= world_size:
-            raise ConfigError(f"TunerClient: rank {rank} must be below world_size {world_size}")
-        self.socket_path = socket_path
-        self.run_id, self.rank, self.world_size = run_id, rank, world_size
-        self._static = {
-            "params": int(params),
-            "paths": [os.path.abspath(p) for p in paths],
-            "profile": profile,
-            "has_device": bool(has_device),
-            "subgroup_bytes": int(subgroup_bytes),
-            "pins": dict(pins or {}),
-        }
-        if host_staging_bytes is not None:
-            self._static["host_staging_bytes"] = int(host_staging_bytes)
-        if path_depth_response:
-            self._static["path_depth_response"] = {os.path.abspath(p): dict(r) for p, r in path_depth_response.items()}
+        if rank >= facts.ranks:
+            raise ConfigError(f"TunerClient: rank {rank} must be below world_size {facts.ranks}")
+        self.socket_path, self.run_id, self.rank, self.facts = socket_path, run_id, rank, facts
+        self.settings = settings = settings or ClientSettings()
         self.knobs = knobs
-        self.step_is_iteration = step_is_iteration
         """The knobs in force (as last applied)."""
-        self._headroom = device_headroom_bytes
+        self._headroom = facts.device_headroom_bytes
         self._iteration = 0
         self._engine: SubgroupEngine | None = None  # the engine whose step hook this client is (for_engine)
-        self._telemetry: deque[dict[str, Any]] = deque(maxlen=queue_size)
+        self._telemetry: deque[dict[str, Any]] = deque(maxlen=settings.queue_size)
         self._control: deque[dict[str, Any]] = deque(maxlen=64)  # applied and event: never pushed out by telemetry
         self._pending: list[_Change] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._backoff = backoff_s
-        self._connect_timeout = connect_timeout_s
         self._last_report: float | None = None
         self.connected = threading.Event()
         """Set while registered with a daemon."""
@@ -162,29 +146,15 @@ class TunerClient:
         world_size: int = 1,
         profile: str | dict[str, Any] | None = None,
         hook: bool = True,
-        **kw: Any,
+        **settings: Any,
     ) -> "TunerClient":
         """A client for ``engine`` (a ``SubgroupEngine``), from what its ``describe()`` says, and
         (``hook``) registered as its step hook: knob changes applied before each step, telemetry
-        after. ``hook=False`` leaves calling :meth:`apply_pending` and :meth:`report` to the caller."""
+        after. ``hook=False`` leaves calling :meth:`apply_pending` and :meth:`report` to the caller.
+        ``settings``: those of :class:`ClientSettings`."""
         facts = engine.describe()
-        kw.setdefault("device_headroom_bytes", facts.device_headroom_bytes)
-        client = cls(
-            socket_path,
-            run_id=run_id,
-            rank=rank,
-            world_size=world_size,
-            profile=profile,
-            params=facts.params,
-            paths=facts.paths,
-            knobs=facts.knobs,
-            has_device=facts.has_device,
-            subgroup_bytes=facts.subgroup_bytes,
-            pins=facts.pins,
-            host_staging_bytes=facts.host_staging_bytes,
-            path_depth_response=facts.path_depth_response,
-            **kw,
-        )
+        run = RunFacts.of_engine(facts, ranks=world_size, profile=profile)
+        client = cls(socket_path, run, facts.knobs, run_id=run_id, rank=rank, settings=ClientSettings(**settings))
         if hook:
             engine.add_step_hook(client)
             client._engine = engine  # its completed steps go with the bye
@@ -198,7 +168,7 @@ class TunerClient:
     def after_step(self, engine: SubgroupEngine, record: StepRecord) -> None:
         # The iteration is the time between reports (forward and backward included), unless the
         # caller's loop is the step alone (benchmarks driving engines side by side).
-        self.report(record, iter_time_s=record.update_s if self.step_is_iteration else None)
+        self.report(record, iter_time_s=record.update_s if self.settings.step_is_iteration else None)
 
     def on_error(self, engine: SubgroupEngine, error: BaseException) -> None:
         self.report_event("oom" if type(error).__name__ == "OutOfMemoryError" else "error", str(error))
@@ -316,12 +286,12 @@ class TunerClient:
     # -- the background thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        delay = self._backoff[0]
+        delay = self.settings.backoff_s[0]
         while not self._closing.is_set():
             sock = None
             try:
                 sock = self._connect()
-                delay = self._backoff[0]
+                delay = self.settings.backoff_s[0]
                 self._exchange(sock)
             except (OSError, ProtocolError, ValueError) as e:
                 if str(e) != self.last_error:  # once per distinct failure, not once per retry
@@ -341,10 +311,10 @@ class TunerClient:
                     sock.close()
             if self._closing.wait(delay):
                 break
-            delay = min(delay * 2, self._backoff[1])
+            delay = min(delay * 2, self.settings.backoff_s[1])
 
     def _connect(self) -> socket.socket:
-        sock = connect_daemon(self.socket_path, self._connect_timeout)  # refuses a daemon it cannot trust
+        sock = connect_daemon(self.socket_path, self.settings.connect_timeout_s)  # refuses a daemon it cannot trust
         try:
             sock.sendall(
                 encode(
@@ -359,22 +329,7 @@ class TunerClient:
                 )
             )
             self._expect(sock, "welcome")
-            sock.sendall(
-                encode(
-                    {
-                        "v": API_VERSION,
-                        "type": "register",
-                        "id": 1,
-                        "run_id": self.run_id,
-                        "rank": self.rank,
-                        "world_size": self.world_size,
-                        **self._static,
-                        "knobs": self._target_knobs().to_dict(),
-                        "device_headroom_bytes": self._headroom,
-                        "iteration": self._iteration,
-                    }
-                )
-            )
+            sock.sendall(encode(self.register_message()))
             reply = self._expect(sock, "registered")
         except BaseException:
             sock.close()
@@ -386,6 +341,20 @@ class TunerClient:
         self.last_error = None
         log.info("rank %d: registered run %s with the tuner daemon at %s", self.rank, self.run_id, self.socket_path)
         return sock
+
+    def register_message(self) -> dict[str, Any]:
+        """The ``register`` this rank sends at each connection: its facts, where it is now."""
+        return {
+            "v": API_VERSION,
+            "type": "register",
+            "id": 1,
+            "run_id": self.run_id,
+            "rank": self.rank,
+            **self.facts.register_fields(),
+            "knobs": self._target_knobs().to_dict(),
+            "device_headroom_bytes": self._headroom,
+            "iteration": self._iteration,
+        }
 
     def _target_knobs(self) -> Knobs:
         """The knobs this rank is heading for: the last change received, else those in force. A

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Mapping, Sequence, TypedDict
 
 from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
+from engine.facts import EngineFacts
 from engine.telemetry import StepRecord
 from tuner.knob_text import Pins
 
@@ -32,8 +34,9 @@ class Rank:
 
 @dataclass(frozen=True, kw_only=True)
 class RunFacts:
-    """What a run's first registration says about it: read from the message once
-    (:meth:`from_register`), kept by the :class:`Run` and handed as it is to the policy factory."""
+    """What a run's registration says about it: made from its engine's facts by the client
+    (:meth:`of_engine`), sent (:meth:`register_fields`), read from the message once by the daemon
+    (:meth:`from_register`), kept by the :class:`Run` and handed as it is to the policy."""
 
     ranks: int = 1
     params: int = 0
@@ -51,6 +54,38 @@ class RunFacts:
     """Host bytes per rank its host-memory budget leaves for staging buffers."""
     path_depth_response: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per path of the run, how its probed rate answered twice and half its concurrency (``EngineFacts``)."""
+
+    @classmethod
+    def of_engine(cls, facts: EngineFacts, *, ranks: int = 1, profile: Any = None) -> "RunFacts":
+        """What a rank of a run of ``ranks`` registers from its engine's :class:`EngineFacts`
+        (paths made absolute, as the daemon compares them)."""
+        return cls(
+            ranks=ranks,
+            params=facts.params,
+            paths=tuple(os.path.abspath(p) for p in facts.paths),
+            has_device=facts.has_device,
+            subgroup_bytes=facts.subgroup_bytes,
+            profile=profile,
+            device_headroom_bytes=facts.device_headroom_bytes,
+            pins=dict(facts.pins),
+            host_staging_bytes=facts.host_staging_bytes,
+            path_depth_response={os.path.abspath(p): dict(r) for p, r in facts.path_depth_response.items()},
+        )
+
+    def register_fields(self) -> dict[str, Any]:
+        """These facts as the register message spells them (``device_headroom_bytes`` aside: the
+        client sends its latest)."""
+        optional = {"host_staging_bytes": self.host_staging_bytes, "path_depth_response": self.path_depth_response or None}
+        return {
+            "world_size": self.ranks,
+            "params": self.params,
+            "paths": list(self.paths),
+            "profile": self.profile,
+            "has_device": self.has_device,
+            "subgroup_bytes": self.subgroup_bytes,
+            "pins": dict(self.pins),
+            **{k: v for k, v in optional.items() if v is not None},  # sent only when known
+        }
 
     @classmethod
     def from_register(cls, msg: dict[str, Any]) -> "RunFacts":
