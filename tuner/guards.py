@@ -25,54 +25,42 @@ from tuner.conditions import Conditions, RateChange, restripe
 from tuner.measurement import Sample
 from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
+from tuner.run_state import RunFacts
 
 
 class Limits:
     """Caps on the knobs for one run. ``device_cap`` only comes down (set by the policy below the
     fraction where an OOM happened); the staging cap, host bytes per rank for staging buffers, is
-    fixed when the policy starts: the spare part of the engine's host-memory budget (``staging_bytes``,
-    from the ranks' registrations), else the config's, else a quarter of what is available now
-    shared by the ranks."""
+    fixed when the policy starts: the spare part of the engine's host-memory budget (the run's
+    ``host_staging_bytes``, from the ranks' registrations), else the config's, else a quarter of
+    what is available now shared by the ranks."""
 
-    def __init__(
-        self,
-        cfg: PolicyConfig,
-        *,
-        has_device: bool,
-        params: int,
-        subgroup_bytes: int,
-        ranks: int,
-        staging_bytes: int | None = None,
-    ) -> None:
+    def __init__(self, cfg: PolicyConfig, facts: RunFacts) -> None:
         self.cfg = cfg
-        self.has_device = has_device
-        self.params = params
-        self.subgroup_bytes = subgroup_bytes
-        self.ranks = ranks
+        self.facts = facts
         self.device_cap = 1.0
+        staging = facts.host_staging_bytes
         self.staging_cap = (
-            staging_bytes
-            if staging_bytes is not None
-            else cfg.host_staging_bytes or psutil.virtual_memory().available // 4 // ranks
+            staging if staging is not None else cfg.host_staging_bytes or psutil.virtual_memory().available // 4 // facts.ranks
         )
 
     def subgroups_per_rank(self) -> int | None:
-        if not self.params or not self.subgroup_bytes:
+        if not self.facts.params or not self.facts.subgroup_bytes:
             return None
-        return max(1, math.ceil(STATE_BYTES_PER_ELEMENT * self.params / self.subgroup_bytes))  # params are per rank
+        return max(1, math.ceil(STATE_BYTES_PER_ELEMENT * self.facts.params / self.facts.subgroup_bytes))  # params are per rank
 
     def device_fits(self, f: float) -> bool:
         """The device lane may run at fraction ``f``: there is a device, and no OOM happened at or
         below ``f``. Its memory is the engine's to keep within the headroom (tuner.policy's docstring)."""
-        return f <= 0 or (self.has_device and f <= self.device_cap + 1e-9)
+        return f <= 0 or (self.facts.has_device and f <= self.device_cap + 1e-9)
 
     def prefetch_cap(self) -> int:
         cap = self.cfg.max_prefetch_depth
         n = self.subgroups_per_rank()
         if n is not None:
             cap = min(cap, max(0, n - 1))  # deeper than the subgroups buys nothing
-        if self.subgroup_bytes:
-            cap = min(cap, max(0, deepest_prefetch(self.staging_cap // self.subgroup_bytes)))
+        if self.facts.subgroup_bytes:
+            cap = min(cap, max(0, deepest_prefetch(self.staging_cap // self.facts.subgroup_bytes)))
         return cap
 
 

@@ -20,6 +20,7 @@ from tuner.guards import Contention, Limits
 from tuner.knob_text import Pins
 from tuner.measurement import Sample
 from tuner.policy_config import PolicyConfig
+from tuner.run_state import RunFacts
 
 Plan = Literal["start", "return", "model"]
 Step = Literal["+", "-", ""]
@@ -141,21 +142,9 @@ class MoveSearch:
     with each call as a :class:`SearchState`.
     """
 
-    def __init__(
-        self,
-        cfg: PolicyConfig,
-        *,
-        paths: Sequence[str],
-        has_device: bool,
-        ranks: int,
-        limits: Limits,
-        contention: Contention,
-        pins: Pins,
-    ) -> None:
+    def __init__(self, cfg: PolicyConfig, facts: RunFacts, *, limits: Limits, contention: Contention, pins: Pins) -> None:
         self.cfg = cfg
-        self.paths = list(paths)
-        self.has_device = has_device
-        self.ranks = ranks
+        self.paths, self.has_device, self.ranks = list(facts.paths), facts.has_device, facts.ranks
         self._limits = limits
         self._contention = contention
         self._pins = pins

@@ -52,7 +52,6 @@ class Policy:
         facts = replace(facts, paths=tuple(dict.fromkeys(facts.paths)))  # each path once
         self.cfg = config or PolicyConfig()
         self.paths, self.has_device = list(facts.paths), facts.has_device
-        self.params, self.subgroup_bytes, self.ranks = facts.params, facts.subgroup_bytes, facts.ranks
         self.log: list[dict[str, Any]] = []
         self._device_headroom_bytes = facts.device_headroom_bytes
         self._iteration = -1
@@ -70,25 +69,10 @@ class Policy:
         self._ledger = Ledger()
         self._fresh = 0  # samples of the good knobs measured since the knobs last changed
         self._noise = Noise(self.cfg)
-        self._limits = Limits(
-            self.cfg,
-            has_device=self.has_device,
-            params=self.params,
-            subgroup_bytes=self.subgroup_bytes,
-            ranks=self.ranks,
-            staging_bytes=facts.host_staging_bytes,
-        )
+        self._limits = Limits(self.cfg, facts)
         self._adapt = Adaptation(self.paths, self.cfg, facts.path_depth_response)  # what changed, and the response
         self._own_start: Knobs | None = None  # the run's own start, tried against the model's plan
-        self._search = MoveSearch(
-            self.cfg,
-            paths=self.paths,
-            has_device=self.has_device,
-            ranks=self.ranks,
-            limits=self._limits,
-            contention=self._adapt.contention,
-            pins=self._pins,
-        )
+        self._search = MoveSearch(self.cfg, facts, limits=self._limits, contention=self._adapt.contention, pins=self._pins)
 
         self._knobs = self._good_knobs = start
         start, dropped = known_paths(start, self.paths, "start knobs")
@@ -102,19 +86,7 @@ class Policy:
         """The pins of the run's options (pinned from the start), as :class:`KnobKey` text."""
         self._pin_from_the_start(facts.pins)
         if facts.profile is not None:
-            m = model_start(
-                facts.profile,
-                start,
-                cfg=self.cfg,
-                limits=self._limits,
-                pins=self._pins,
-                paths=self.paths,
-                has_device=self.has_device,
-                params=self.params,
-                ranks=self.ranks,
-                subgroup_bytes=self.subgroup_bytes,
-                device_headroom_bytes=facts.device_headroom_bytes,
-            )
+            m = model_start(facts, start, cfg=self.cfg, limits=self._limits, pins=self._pins)
             if m.dropped:
                 self._note(m.dropped, "guard")
             if m.plan is None:

@@ -17,6 +17,7 @@ from tuner.policy_config import PolicyConfig
 
 if TYPE_CHECKING:
     from perf.profile import Profile
+    from tuner.run_state import RunFacts
 
 
 def known_paths(k: Knobs, paths: Sequence[str], what: str) -> tuple[Knobs, str | None]:
@@ -42,23 +43,12 @@ class ModelStart:
     """What the plan named that the run does not have (a guard's note), if anything."""
 
 
-def model_start(
-    profile: str | Profile,
-    start: Knobs,
-    *,
-    cfg: PolicyConfig,
-    limits: Limits,
-    pins: Pins,
-    paths: Sequence[str],
-    has_device: bool,
-    params: int,
-    ranks: int,
-    subgroup_bytes: int,
-    device_headroom_bytes: int | None,
-) -> ModelStart:
-    """The performance model's best plan for ``profile`` (a name, a path or a Profile) from
+def model_start(facts: RunFacts, start: Knobs, *, cfg: PolicyConfig, limits: Limits, pins: Pins) -> ModelStart:
+    """The performance model's best plan for the run's profile (a name, a path or a Profile) from
     ``start``: within the device's room and the user's pins. The model is advice: any failure
     leaves the run's own start, with the reason."""
+    profile: str | Profile = facts.profile
+    paths, ranks, subgroup_bytes = facts.paths, facts.ranks, facts.subgroup_bytes
     try:
         from perf.model import Workload
         from perf.search import best_plan
@@ -72,11 +62,11 @@ def model_start(
         staging = min(limits.staging_cap, staging_buffers(cfg.max_prefetch_depth) * subgroup_bytes) * ranks if paths else None
         # params are per rank; the model's are the whole model (it divides by ranks and nodes).
         wl = Workload(
-            params=params * ranks,
+            params=facts.params * ranks,
             ranks=ranks,
             subgroup_numel=max(1, subgroup_bytes // STATE_BYTES_PER_ELEMENT),
             host_bytes=staging,
-            gpu_headroom_bytes=device_headroom_bytes,
+            gpu_headroom_bytes=facts.device_headroom_bytes,
         )
         pred = best_plan(profile, wl, paths=list(paths))
         plan, dropped = known_paths(pred.plan.knobs, paths, "the model's plan")
@@ -85,7 +75,7 @@ def model_start(
     fit = plan.device_fraction
     while fit > 0 and not limits.device_fits(fit):
         fit = round(max(0.0, fit - cfg.device_step), 6)
-    plan = pins.apply(plan.replace(device_fraction=fit), list(paths), has_device)
+    plan = pins.apply(plan.replace(device_fraction=fit), list(paths), facts.has_device)
     name = getattr(profile, "name", profile)
     if plan == start:
         return ModelStart(None, f"the performance model's best plan for profile {name} is the starting plan", dropped)
