@@ -90,8 +90,10 @@ class TwoPaths:
         return self.shares(self.in_force[i])[p]
 
 
-def policy(**kw) -> Policy:
-    return Policy(Knobs(prefetch_depth=2), RunFacts(paths=(A, B), subgroup_bytes=120_000_000, pins={"prefetch_depth": 2}), **kw)
+def policy(**facts) -> Policy:
+    return Policy(
+        Knobs(prefetch_depth=2), RunFacts(paths=(A, B), subgroup_bytes=120_000_000, pins={"prefetch_depth": 2}, **facts)
+    )
 
 
 def slows(at: int, back: int | None = None, factor: float = 5.0):
