@@ -14,6 +14,7 @@ change late applies it at its next step boundary and tells the daemon (``applied
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -278,10 +279,8 @@ class TunerClient:
     def _wake(self) -> None:
         if self._wake_w < 0:
             return  # closed: never write to a descriptor number that may have been reused
-        try:
+        with contextlib.suppress(OSError):  # the pipe is full: the thread will wake anyway
             os.write(self._wake_w, b"\0")
-        except OSError:
-            pass  # the pipe is full: the thread will wake anyway
 
     # -- the background thread ---------------------------------------------------------------
 
@@ -390,10 +389,8 @@ class TunerClient:
                 return
             readable, _, _ = select.select((sock, self._wake_r), [], [], 1.0)
             if self._wake_r in readable:
-                try:
+                with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
-                except OSError:
-                    pass
             if sock in readable:
                 data = sock.recv(65536)
                 if not data:

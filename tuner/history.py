@@ -12,6 +12,7 @@ and other readers look at it meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -116,10 +117,9 @@ class History:
         check_db_place(self.db_path)
         try:
             os.makedirs(os.path.dirname(self.db_path), mode=0o700, exist_ok=True)
-            try:  # a new database is born the user's alone (0600), never through a link put there meanwhile
+            # A new database is born the user's alone (0600), never through a link put there meanwhile
+            with contextlib.suppress(FileExistsError):
                 os.close(os.open(self.db_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-            except FileExistsError:
-                pass
             self._db = sqlite3.connect(self.db_path, timeout=10, check_same_thread=False, isolation_level=None)
         except (OSError, sqlite3.Error) as e:
             raise ConfigError(

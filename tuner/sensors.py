@@ -13,6 +13,7 @@ utilisation, summed (utilisation averaged) over the node's GPUs, with a per-GPU 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import ModuleType
 from typing import Any, Callable, Mapping, Sequence, cast
@@ -171,7 +172,5 @@ class _NvmlGpus:
         }
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.nvml.nvmlShutdown()
-        except Exception:
-            pass

@@ -16,6 +16,7 @@ the replies and pushes it returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -70,12 +71,10 @@ class _Conn:
         self.closed = False
         self.expired = False
         sock = writer.get_extra_info("socket")
-        try:
+        with contextlib.suppress(OSError):
             self.pid, self.uid, _ = struct.unpack(
                 "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             )
-        except OSError:
-            pass
 
     def send(self, msg: dict[str, Any]) -> None:
         """Queue ``msg`` without waiting; drop the peer if it stopped reading."""
@@ -209,12 +208,10 @@ class TunerServer:
 
     def _remove_socket_file(self) -> None:
         """Unlink our socket, but not one a newer daemon has bound since."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             now = os.lstat(self.config.socket_path)
             if (now.st_dev, now.st_ino) == self._sock_ino:
                 os.unlink(self.config.socket_path)
-        except FileNotFoundError:
-            pass
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -279,10 +276,8 @@ class TunerServer:
             self._send_pushes()
             if not conn.closed:
                 conn.closed = True
-                try:
+                with contextlib.suppress(Exception):
                     await asyncio.wait_for(writer.drain(), 1.0)  # flush a final error reply
-                except Exception:
-                    pass
                 writer.close()
 
     async def _serve_conn(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
@@ -443,15 +438,13 @@ class _Heap:
 
     def __init__(self) -> None:
         self._libc, self._last = None, time.monotonic()
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
             import ctypes
 
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so no longer dynamic
             libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: fixed as well (the dynamic rule moves it too)
             self._libc = libc
-        except (OSError, AttributeError):
-            pass  # not glibc (musl, macOS): nothing to tune
 
     def trim(self) -> None:
         if self._libc is not None and time.monotonic() - self._last >= self.TRIM_EVERY_S:
@@ -469,11 +462,9 @@ def raise_fd_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft != resource.RLIM_INFINITY and soft < want:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             soft = want
-        except (ValueError, OSError):
-            pass
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 

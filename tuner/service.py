@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -82,10 +83,8 @@ def register_run(socket_path: str, run_dir: str, pid: int | None = None, run_id:
 
 
 def unregister_run(entry: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(entry)
-    except FileNotFoundError:
-        pass
 
 
 def live_runs() -> list[dict[str, Any]]:
@@ -305,21 +304,17 @@ def stop(socket_path: str | None = None, *, timeout_s: float = 10.0) -> dict[str
     welcome = probe(path)
     pid = welcome["pid"] if welcome else read_pid(pidfile)
     if welcome is not None:
-        try:
+        with contextlib.suppress(OSError, ProtocolError):
             with Connection(path, timeout_s=2.0) as c:
                 c.request("shutdown")
-        except (OSError, ProtocolError):
-            pass
     stopped = pid is not None and _wait_exit(pid, timeout_s / 2)
     if pid is not None and not stopped and _is_our_daemon(pid):
         os.kill(pid, signal.SIGTERM)
         stopped = _wait_exit(pid, timeout_s / 2)
         if not stopped:
             raise ConfigError(f"the tuner daemon (pid {pid}) did not exit on SIGTERM: kill it with `kill -9 {pid}`")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(pidfile)
-    except FileNotFoundError:
-        pass
     return {"socket": path, "pid": pid, "was_running": welcome is not None or stopped}
 
 
@@ -354,12 +349,10 @@ def ensure_daemon(
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the daemon's own check of its owner's pid still stops it
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the daemon's own check of its owner's pid still stops it
 
 
 def _tail(path: str, n: int = 400) -> str:
@@ -375,10 +368,8 @@ def _tail(path: str, n: int = 400) -> str:
 def write_pid(pidfile: str) -> None:
     """Write this process's pid to ``pidfile``, atomically: a reader never sees half of it."""
     tmp = f"{pidfile}.{os.getpid()}"
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)  # left by an earlier process of this pid
-    except FileNotFoundError:
-        pass
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         f.write(f"{os.getpid()}\n")
     os.replace(tmp, pidfile)
@@ -420,12 +411,10 @@ def _is_our_daemon(pid: int) -> bool:
 def _wait_exit(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(ChildProcessError):
             done, _ = os.waitpid(pid, os.WNOHANG)  # our child (ensure_daemon): reap it
             if done:
                 return True
-        except ChildProcessError:
-            pass
         if not pid_alive(pid):
             return True
         time.sleep(0.05)

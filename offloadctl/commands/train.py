@@ -26,6 +26,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -572,7 +573,5 @@ def _write_json(path: str, obj: dict) -> None:
         os.replace(tmp, path)
     except (OSError, ValueError) as e:
         print(f"offloadctl: warning: --json-summary {path} not written ({getattr(e, 'strerror', None) or e})", file=sys.stderr)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass

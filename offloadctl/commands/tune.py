@@ -16,6 +16,7 @@ view (or, with only those, a line per action).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -362,7 +363,7 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
     final: list[RunView] | None = None
     controls = Controls(conn)
     with keys or Keys() as keyboard, Live(console=console, auto_refresh=False, transient=True) as view:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             while not controls.quit:
                 try:
                     runs = conn.request("snapshot", run_id=args.run, history=60)["runs"]
@@ -400,8 +401,6 @@ def live(conn, args: argparse.Namespace, target: Target, console=None, keys: Key
                     if controls.quit or controls.sent or time.monotonic() >= deadline:
                         controls.sent = False
                         break
-        except KeyboardInterrupt:
-            pass
     if final is None:  # q or Ctrl-C: the last frame stays on screen, whole
         for p in fitted_panels(printable_all(last), console, height=None) if last else []:
             console.print(p)
