@@ -584,7 +584,13 @@ def test_history_round_trip_in_a_real_file(tmp_path):
         assert Knobs(**s[1]["knobs"]) == k and s[0]["update_s"] == 4.0
 
 
-def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
+def _warm_knobs(h, profile, params, ranks, **kw):
+    """The knobs of the history's warm start for a run like this, or None."""
+    warm = h.warm_start(profile, params, ranks, **kw)
+    return warm.knobs if warm is not None else None
+
+
+def test_history_warm_start_matches_profile_size_and_ranks(tmp_path):
     with History(str(tmp_path / "t.db")) as h:
 
         def rec(run, profile, params, ranks, depth, t):
@@ -596,28 +602,28 @@ def test_history_best_knobs_matches_profile_size_and_ranks(tmp_path):
         rec("d", "a100", 7e9, 8, 4, 1.0)  # another profile
         rec("e", "h100", 7e9, 4, 5, 1.0)  # other ranks
         rec("f", "h100", 7e9, 8, 6, None)  # no time: not a candidate
-        assert h.best_knobs("h100", 7e9, 8).prefetch_depth == 2
-        assert h.best_knobs("h100", 3.5e9, 8).prefetch_depth == 1  # 13e9 is more than 2x of 3.5e9
-        assert h.best_knobs("h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is the later verdict
-        assert h.best_knobs("h100", 1e9, 8) is None
-        assert h.best_knobs("v100", 7e9, 8) is None
+        assert _warm_knobs(h, "h100", 7e9, 8).prefetch_depth == 2
+        assert _warm_knobs(h, "h100", 3.5e9, 8).prefetch_depth == 1  # 13e9 is more than 2x of 3.5e9
+        assert _warm_knobs(h, "h100", 20e9, 8).prefetch_depth == 3  # b and c are within 2x; c is the later verdict
+        assert _warm_knobs(h, "h100", 1e9, 8) is None
+        assert _warm_knobs(h, "v100", 7e9, 8) is None
 
         class Prof:
             name = "a100"
 
-        assert h.best_knobs(Prof(), 7e9, 8).prefetch_depth == 4
+        assert _warm_knobs(h, Prof(), 7e9, 8).prefetch_depth == 4
 
 
-def test_history_best_knobs_keeps_only_this_runs_paths(tmp_path):
+def test_history_warm_start_keeps_only_this_runs_paths(tmp_path):
     with History(str(tmp_path / "t.db")) as h:
         h.record_run("old", "p", 1e9, 1, Knobs(io_concurrency={"/x": 8, NVME: 2}, stripe_weights={"/x": 1, NVME: 1}), 1.0)
-        k = h.best_knobs("p", 1e9, 1, paths=[NVME, PFS])
+        k = _warm_knobs(h, "p", 1e9, 1, paths=[NVME, PFS])
         # Weights for only some of this run's paths would mix with measured bandwidths: dropped.
         assert k.io_concurrency == {NVME: 2} and k.stripe_weights == {}
-        assert h.best_knobs("p", 1e9, 1, paths=[NVME]).stripe_weights == {NVME: 1}
+        assert _warm_knobs(h, "p", 1e9, 1, paths=[NVME]).stripe_weights == {NVME: 1}
         h.record_run("same-paths", "p", 1e9, 1, Knobs(io_concurrency={NVME: 16}), 2.0, paths=[NVME, PFS])
         # Slower, but on exactly this run's paths: preferred.
-        assert h.best_knobs("p", 1e9, 1, paths=[NVME, PFS]).io_concurrency == {NVME: 16}
+        assert _warm_knobs(h, "p", 1e9, 1, paths=[NVME, PFS]).io_concurrency == {NVME: 16}
 
 
 def test_history_bad_database_files_are_config_errors(tmp_path):

@@ -266,11 +266,6 @@ class History:
             knobs = knobs.replace(io_concurrency=conc, stripe_weights=weights)
         return WarmStart(run_id=run_id, knobs=knobs, learned=learned, updated_s=updated) if learned else None
 
-    def best_knobs(self, profile: object, params: int, ranks: int, *, paths: Sequence[str] | None = None) -> Knobs | None:
-        """The knobs of :meth:`warm_start` (all of them, the tuner's and any others), or None."""
-        warm = self.warm_start(profile, params, ranks, paths=paths)
-        return warm.knobs if warm is not None else None
-
     def runs(self) -> list[dict[str, Any]]:
         """Every run, newest first."""
         with self._lock:
