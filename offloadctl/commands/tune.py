@@ -30,7 +30,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from engine.config import KnobKey, Knobs, nearest_knob, typed_knob
+from engine.config import KnobKey, Knobs, nearest_knob, split_key, typed_knob
 from engine.errors import ConfigError
 from engine.text import printable, printable_all
 from integrations.run_dir import in_use
@@ -79,9 +79,10 @@ def parse_pin(spec: str) -> tuple[str, str, object]:
         value = json.loads(m["value"])
     except ValueError:
         value = m["value"]
-    if "[" not in m["knob"] and m["knob"] not in Knobs.PER_PATH:  # per-path values: the daemon knows the paths
+    name, path = split_key(m["knob"])
+    if path is None and name not in Knobs.PER_PATH:  # per-path values: the daemon knows the paths
         try:
-            Knobs().replace(**{m["knob"]: value})
+            Knobs().replace(**{name: value})
         except (ConfigError, TypeError) as e:
             raise ConfigError(f"--pin {spec!r}: {knob_words(str(e))}") from None
     return m["run"], m["knob"], value

@@ -165,7 +165,7 @@ def activity_text(activity: Activity | None) -> str:
 
 def knob_control(r: RunView) -> str:
     """Which knobs the user pinned and which the tuner may move."""
-    from engine.config import Knobs
+    from engine.config import Knobs, split_key
 
     pins = r.get("pins") or {}
     fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
@@ -175,7 +175,7 @@ def knob_control(r: RunView) -> str:
     else:
         movable = (
             ", ".join(
-                n + (" (other paths)" if any(p.startswith(n + "[") for p in pins) else "") for n in Knobs.names() if n not in pins
+                n + (" (other paths)" if n in {split_key(p)[0] for p in pins} else "") for n in Knobs.names() if n not in pins
             )
             or "none"
         )
