@@ -47,7 +47,7 @@ class Scripted:
             self.knobs = self.knobs.replace(prefetch_depth=self.knobs.prefetch_depth + 1)
             return Decision(self.knobs, "scripted: one deeper prefetch at the 3rd observation")
 
-    def pin(self, knob, value):
+    def pin(self, knob, value, check=None):
         self.knobs = self.knobs.replace(**{knob: value})
         self.pins[knob] = value
 

@@ -174,7 +174,7 @@ class PinsThenFails:
     def __init__(self, start, facts):
         self.knobs, self.pins = start, {}
 
-    def pin(self, knob, value):
+    def pin(self, knob, value, check=None):
         self.pins[knob] = value
         self.knobs = self.knobs.replace(prefetch_depth=value)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
 from tuner.history import History
 from tuner.knob_text import Pins
@@ -37,17 +37,6 @@ def check_knobs_for(knobs: Knobs, paths: Sequence[str], has_device: bool) -> Non
         KNOBS(knobs.to_dict(), "knobs")
     except ProtocolError as e:
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{e.message}, the protocol's bound that every rank checks") from None
-
-
-def _pinned(run: Run, pins: Mapping[str, Any], knobs: Knobs) -> tuple[Pins, Knobs]:
-    """``pins`` (knob text -> value, as a user gives them) set on ``knobs`` and checked, with
-    nothing of ``run`` changed: ConfigError, TypeError or ProtocolError (BAD_VALUE) on the first
-    that cannot be."""
-    own = Pins()
-    for knob, value in pins.items():
-        _, _, knobs = own.pin(knob, value, knobs, run.facts.paths, run.facts.has_device)
-    check_knobs_for(knobs, run.facts.paths, run.facts.has_device)
-    return own, knobs
 
 
 class UserControls:
@@ -74,16 +63,19 @@ class UserControls:
     def pin(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
         knob, value = msg["knob"], msg["value"]
+
+        def wire(_: KnobKey, new: Knobs) -> None:  # checked before the policy (or the run) keeps it
+            check_knobs_for(new, run.facts.paths, run.facts.has_device)
+
         try:
-            _pinned(run, {knob: value}, run.knobs)  # checked before the policy (or the run) keeps it
             if run.policy_ok():  # the policy owns the pins: it ends a trial of the knob, and never searches it
-                run.policy.pin(knob, value)
+                run.policy.pin(knob, value, check=wire)
                 knobs = run.policy.knobs
             else:
-                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.facts.paths, run.facts.has_device)
+                _, _, knobs = run.own_pins.pin(knob, value, run.knobs, run.facts.paths, run.facts.has_device, check=wire)
         except (ConfigError, TypeError, ProtocolError) as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
-        check_knobs_for(knobs, run.facts.paths, run.facts.has_device)
+        check_knobs_for(knobs, run.facts.paths, run.facts.has_device)  # whatever the policy made of it
         self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
         self._save(run)
         return {"type": "ok", "knobs": run.knobs_dict}
@@ -145,8 +137,11 @@ class UserControls:
         if not saved:
             return
         pins, frozen = saved
-        try:
-            own, target = _pinned(run, pins, knobs)
+        try:  # every pin checked whole before the policy (or the run) keeps any
+            own, target = Pins(), knobs
+            for knob, value in pins.items():
+                _, _, target = own.pin(knob, value, target, run.facts.paths, run.facts.has_device)
+            check_knobs_for(target, run.facts.paths, run.facts.has_device)
             if run.policy_ok():
                 for knob, value in pins.items():
                     run.policy.pin(knob, value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from statistics import median as _median
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
@@ -199,10 +199,13 @@ class Policy:
             return None
         return self._propose("")
 
-    def pin(self, knob: str, value: Any) -> None:
-        """Pin ``knob`` (:class:`KnobKey` text) at ``value``; never searched."""
+    def pin(self, knob: str, value: Any, check: Callable[[KnobKey, Knobs], None] | None = None) -> None:
+        """Pin ``knob`` (:class:`KnobKey` text) at ``value``; never searched. ``check(key,
+        new_knobs)`` may refuse it (as :meth:`tuner.knob_text.Pins.pin`) before anything is kept."""
 
-        def device_fits(key: KnobKey, new: Knobs) -> None:
+        def allowed(key: KnobKey, new: Knobs) -> None:
+            if check is not None:
+                check(key, new)
             if key.name == "device_fraction" and new.device_fraction > 0 and not self._limits.device_fits(new.device_fraction):
                 why = (
                     "this run has no device lane"
@@ -211,7 +214,7 @@ class Policy:
                 )
                 raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: {why}; pin a smaller fraction")
 
-        key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=device_fits)
+        key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=allowed)
         knob = str(key)
         self._user_pin_values[knob] = key.value_in(new)
         self._ledger.trial = None
