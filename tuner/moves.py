@@ -149,13 +149,6 @@ class MoveSearch:
         self._contention = contention
         self._pins = pins
 
-    @property
-    def _contended(self) -> set[str]:
-        return self._contention.contended
-
-    def _pinned(self, name: str, path: str | None = None) -> bool:
-        return self._pins.covers(name, path)
-
     def stats(self, baseline: Sequence[Sample]) -> BaselineStats:
         """Medians over the baseline: where the update time goes, and each path's share of bytes."""
         b = baseline[-5:]
@@ -178,7 +171,7 @@ class MoveSearch:
         keys = {_key("prefetch_depth", "+"), _key("prefetch_depth", "-"), _key("node_lock", "")}
         for p in self.paths:
             keys |= {_key("io_concurrency", "+", p), _key("io_concurrency", "-", p)}
-            if p not in self._contended:
+            if p not in self._contention.contended:
                 keys.add(_key("stripe_weights", "-", p))
         return keys
 
@@ -191,7 +184,7 @@ class MoveSearch:
         knob, stats = move.key.knob, self.stats(baseline)
         if (
             knob is not None
-            and knob.path in self._contended
+            and knob.path in self._contention.contended
             and (knob.name == "stripe_weights" or (knob.name == "io_concurrency" and move.key.step == "-"))
         ):
             return ": that path is contended"
@@ -203,12 +196,12 @@ class MoveSearch:
         """The best move not failed, not to knobs that caused an error, and not to the good knobs
         themselves; and whether the way back to ``state.return_to`` is done (no step is left)."""
         candidates, back_done = self._candidates(state)
-        scored = sorted(candidates, key=lambda sm: -sm[0])
-        for _, m in scored:
-            if m.key in state.failed_moves or m.knobs == state.good_knobs or knobs_key(m.knobs) in state.bad_knobs:
-                continue
-            return m, back_done
-        return None, back_done
+        untried = (
+            m
+            for _, m in sorted(candidates, key=lambda sm: -sm[0])
+            if m.key not in state.failed_moves and m.knobs != state.good_knobs and knobs_key(m.knobs) not in state.bad_knobs
+        )
+        return next(untried, None), back_done
 
     def _candidates(self, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
         """Every move worth trying from the good knobs, each with its score (higher: sooner);
@@ -253,7 +246,7 @@ class MoveSearch:
 
     def _prefetch_moves(self, k: Knobs, read_share: float) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
-        if self.paths and not self._pinned("prefetch_depth"):  # prefetch only matters with state on storage
+        if self.paths and not self._pins.covers("prefetch_depth"):  # prefetch only matters with state on storage
             d = k.prefetch_depth
             up = min(d + (2 if read_share > 0.3 else 1), self._limits.prefetch_cap())
             if up > d:
@@ -286,11 +279,11 @@ class MoveSearch:
         (half the requests cannot serve it faster than the probe showed at full depth)."""
         out: list[tuple[float, Move]] = []
         for p in self.paths:
-            if self._pinned("io_concurrency", p):
+            if self._pins.covers("io_concurrency", p):
                 continue
             c, knob = k.concurrency_for(p), KnobKey("io_concurrency", p)
             conc = dict(k.io_concurrency)
-            probed = depth.get(p) if p not in self._contended else None
+            probed = depth.get(p) if p not in self._contention.contended else None
             probed = probed if probed is not None and probed.get("at") == c else None
             if c < 64 and (probed is None or probed.get("double", 0.0) >= 1 + self.cfg.depth_gain):
                 conc[p] = min(64, 2 * c)
@@ -308,7 +301,7 @@ class MoveSearch:
                 conc[p] = c // 2
                 out.append(
                     (
-                        1.5 if p in self._contended else 0.03,
+                        1.5 if p in self._contention.contended else 0.03,
                         Move(
                             key=MoveKey(knob, "-"),
                             knobs=k.replace(io_concurrency=dict(conc)),
@@ -325,15 +318,15 @@ class MoveSearch:
         the paths' balance at those rates says may shorten their time (a step away from a
         balanced stripe only unbalances it: no trial spent on it), but away from a contended path."""
         out: list[tuple[float, Move]] = []
-        if len(self.paths) > 1 and not self._pinned("stripe_weights") and (w := self.weights_of(k, shares)):
+        if len(self.paths) > 1 and not self._pins.covers("stripe_weights") and (w := self.weights_of(k, shares)):
             known = set(rates) == set(self.paths)
             for p in self.paths:
                 new = self._shift_away(w, p)
                 # A contended path's rate moves with our share of its queue: no prediction holds.
-                if new is None or (known and p not in self._contended and io_time(new, rates) >= io_time(w, rates)):
+                if new is None or (known and p not in self._contention.contended and io_time(new, rates) >= io_time(w, rates)):
                     continue
-                calm_elsewhere = any(q not in self._contended for q in self.paths if q != p)
-                score = 2.0 if p in self._contended and calm_elsewhere else 0.05 + 0.3 * io_share
+                calm_elsewhere = any(q not in self._contention.contended for q in self.paths if q != p)
+                score = 2.0 if p in self._contention.contended and calm_elsewhere else 0.05 + 0.3 * io_share
                 out.append(
                     (
                         score,
@@ -348,7 +341,7 @@ class MoveSearch:
 
     def _device_moves(self, k: Knobs, io_share: float, state: SearchState) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
-        if self.has_device and not self._pinned("device_fraction"):
+        if self.has_device and not self._pins.covers("device_fraction"):
             f = k.device_fraction
             target = self._balanced_fraction(state)
             if target is not None:
@@ -387,7 +380,7 @@ class MoveSearch:
         return out
 
     def _node_lock_moves(self, k: Knobs, io_share: float) -> list[tuple[float, Move]]:
-        if self.ranks > 1 and not self._pinned("node_lock"):
+        if self.ranks > 1 and not self._pins.covers("node_lock"):
             return [
                 (
                     0.1 + 0.5 * io_share,
@@ -468,24 +461,24 @@ class MoveSearch:
     def step_toward(self, k: Knobs, target: Knobs, state: SearchState) -> Knobs:
         """One bounded move of every searchable knob from ``k`` toward ``target``."""
         out = k
-        if not self._pinned("prefetch_depth"):
+        if not self._pins.covers("prefetch_depth"):
             d, t = k.prefetch_depth, target.prefetch_depth
             out = out.replace(prefetch_depth=min(d + max(-2, min(2, t - d)), max(d, self._limits.prefetch_cap())))
-        if not self._pinned("device_fraction"):
+        if not self._pins.covers("device_fraction"):
             f, to = k.device_fraction, target.device_fraction
             f2 = round(f + max(-self.cfg.device_step, min(self.cfg.device_step, to - f)), 6)
             if f2 <= f or (f2 <= self._limits.device_cap and self._limits.device_fits(f2)):  # the headroom may have shrunk since
                 out = out.replace(device_fraction=f2)
         conc = dict(out.io_concurrency)
         for p in self.paths:
-            if self._pinned("io_concurrency", p):
+            if self._pins.covers("io_concurrency", p):
                 continue
             c, t = k.concurrency_for(p), target.concurrency_for(p)
             conc[p] = min(t, 2 * c) if t > c else max(t, c // 2)
             if conc[p] == t and p not in target.io_concurrency:
                 del conc[p]  # back to the engine's default, as the target has it
-        out = out.replace(io_concurrency=conc, node_lock=target.node_lock if not self._pinned("node_lock") else k.node_lock)
-        if len(self.paths) > 1 and not self._pinned("stripe_weights") and k.stripe_weights != target.stripe_weights:
+        out = out.replace(io_concurrency=conc, node_lock=target.node_lock if not self._pins.covers("node_lock") else k.node_lock)
+        if len(self.paths) > 1 and not self._pins.covers("stripe_weights") and k.stripe_weights != target.stripe_weights:
             cur = self.weights_of(k, self.stats(state.baseline).get("shares", {}))
             tgt = self.weights_of(target, state.shares_before_contention)
             if cur and tgt:
