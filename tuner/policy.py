@@ -103,10 +103,6 @@ class Policy:
         return self._knobs
 
     @property
-    def frozen(self) -> bool:
-        return self._frozen
-
-    @property
     def pins(self) -> dict[str, Any]:
         """The user's pins, as the wire spells them: ``{'io_concurrency[/nvme0]': 8, ...}``."""
         return self._pins.as_dict()
@@ -162,10 +158,8 @@ class Policy:
             return None
         if obs.error:
             return self._on_error(obs.error)
-        if change:
-            d = self._on_conditions(change)
-            if d is not None:
-                return d
+        if change and (d := self._on_conditions(change)) is not None:
+            return d
         if obs.knobs is not None and _as_knobs(obs.knobs) != self._knobs:
             return None  # measured under earlier knobs: the last change has not reached the engine yet
         if self._iters_to_discard > 0:
@@ -175,17 +169,13 @@ class Policy:
             return None  # no usable figure (a rank sent garbage, or nothing was updated)
         if (trial := self._ledger.trial) is not None:
             return self._rule_on_trial(trial, s)
-        if self._adapt.check_stripe():
-            d = self._model_move(
-                "the stripe does not match the paths' measured rates", list(self._ledger.baseline[-2:]) + [s], quiet=True
-            )
-            if d is not None:
-                return d
+        why = "the stripe does not match the paths' measured rates"
+        if self._adapt.check_stripe() and (d := self._model_move(why, [*self._ledger.baseline[-2:], s], quiet=True)) is not None:
+            return d
         self._ledger.baseline.append(s)
         if self._knobs == self._good_knobs:
             self._fresh += 1
-        d = self._confirm_kept()
-        if d is not None:
+        if (d := self._confirm_kept()) is not None:
             return d
         if self._holding_since is not None:
             return self._hold()
@@ -360,18 +350,16 @@ class Policy:
         move = t.move
         if move.key == MODEL:
             self._adapt.judged(ruling.keep, figures.split(", threshold")[0])
+        if move.key == START:  # kept or not, the run's own start has been tried against the plan
+            self._own_start = None
         if ruling.keep:
             # The start and the way back are judged against a plan, not kept over it.
             self._ledger.kept(move, self._good_knobs, base, confirm=move.key not in (START, RETURN))
             self._good_knobs, self._ledger.baseline = move.knobs, list(t.samples)
-            if move.key == START:
-                self._own_start = None
             if move.key == MODEL:  # the paths balanced on measured rates: a trial of an I/O knob is noisier evidence
                 self._ledger.failed_moves |= self._search.io_move_keys()
             return self._propose(f"kept {move.what} ({figures}); ")
         self._ledger.reverted(move)
-        if move.key == START:
-            self._own_start = None
         if move.key == RETURN:
             self._adapt.return_to = None
         return self._propose(f"reverted {move.what} ({figures}); ", reverting=move)
@@ -487,10 +475,9 @@ class Policy:
         if change.rates:
             self._noise = Noise(self.cfg)
         abandoned, self._ledger.trial = (self._ledger.trial.move.what if self._ledger.trial else None), None
-        if change.rates and model:
-            d = self._model_move(desc, list(self._adapt.recent)[-self.cfg.change_iters :], abandoned)
-            if d is not None:
-                return d
+        recent = list(self._adapt.recent)[-self.cfg.change_iters :]  # the iterations that showed the change
+        if change.rates and model and (d := self._model_move(desc, recent, abandoned)) is not None:
+            return d
         self._restart_measuring()
         self._samples_wanted = self.cfg.rebaseline_iters
         if abandoned is not None:
