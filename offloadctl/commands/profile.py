@@ -155,10 +155,6 @@ def _unit(key: str) -> str:
     return "params/s" if key.startswith(("host.adamw", "gpu.adamw")) else "B/s"
 
 
-def _human(v: float | None, unit: str) -> str:
-    return format_rate(v, unit)
-
-
 def _gb_per_s(v: float | None) -> str:
     """Bytes/s as a number of GB/s, for a column headed GB/s."""
     if v is None:
@@ -297,7 +293,7 @@ def _show(args: argparse.Namespace) -> int:
     con.print()
     items = figures(p, sweep=args.sweep)
     t = _table("figure", "value", "how (when)")
-    values = {key: _human(f.value, _unit(key)) for key, f in items.items()}
+    values = {key: format_rate(f.value, _unit(key)) for key, f in items.items()}
     key_width = max(map(len, items), default=0)
     value_width = max(map(len, values.values()), default=0)
     # The figure's name on one line, if that leaves the explanation a column worth reading.
@@ -429,6 +425,6 @@ def _diff(args: argparse.Namespace) -> int:
     t = _table("figure", "A", "B", "B / A")
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        _row(t, r["key"], _human(r["a"], r["unit"]), _human(r["b"], r["unit"]), ratio)
+        _row(t, r["key"], format_rate(r["a"], r["unit"]), format_rate(r["b"], r["unit"]), ratio)
     con.print(t)
     return 0

@@ -301,7 +301,6 @@ def _check_inputs(args: argparse.Namespace) -> None:
         lc.check_launcher_name(kind)
         if kind in lc.BUILT:
             lc.refuse_deepspeed_options(values, f"{kind} (--launcher {kind})", allowed=lc.BUILT_TAKES)
-    if program is None:
         _check_script(args)
     launcher.check_launcher_values(values)
     if args.json_summary:  # a path that cannot take the file: said now, not after the run

@@ -173,15 +173,11 @@ def _target_in(run_dir: str, wait_s: float = 30.0) -> Target:
     """The daemon of the run in ``run_dir``; while that run is starting (its run dir taken, its
     daemon not up yet), waited for up to ``wait_s``; a daemon that was up and is gone, at once."""
     own = os.path.join(run_dir, "tuner", "tuner.sock")
-    if not os.path.lexists(run_dir):
-        raise ConfigError(
-            f"--run-dir {run_dir} does not exist: give the run dir an `offloadctl train` start line "
-            "names, or leave --run-dir out to list the live runs"
-        )
     if not os.path.isdir(run_dir):
+        what = "is not a directory" if os.path.lexists(run_dir) else "does not exist"
         raise ConfigError(
-            f"--run-dir {run_dir} is not a directory: give the run dir an `offloadctl train` start "
-            "line names, or leave --run-dir out to list the live runs"
+            f"--run-dir {run_dir} {what}: give the run dir an `offloadctl train` start line "
+            "names, or leave --run-dir out to list the live runs"
         )
     deadline = time.monotonic() + wait_s
     while True:

@@ -261,8 +261,7 @@ def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
                 str(bw["concurrency"]),
             )
         body.append(paths)
-    for a in (policy.get("adaptations") or [])[-2:]:
-        body.append(Text("conditions: " + adaptation_text(a)))
+    body.extend(Text("conditions: " + adaptation_text(a)) for a in (policy.get("adaptations") or [])[-2:])
     gpu = sensors.get("gpu")
     if isinstance(gpu, dict) and gpu:
         body.append(Text("GPU/PCIe: " + ", ".join(f"{k}={_num(v)}" for k, v in gpu.items() if not isinstance(v, (dict, list)))))
