@@ -76,9 +76,7 @@ class UserControls:
         except (ConfigError, TypeError, ProtocolError) as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"cannot pin {knob}={value!r}: {e}") from None
         check_knobs_for(knobs, run.facts.paths, run.facts.has_device)  # whatever the policy made of it
-        self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
-        self._save(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
+        return self._user_change(run, knobs, f"{knob} pinned to {value!r} by the user")
 
     def unpin(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
@@ -90,9 +88,7 @@ class UserControls:
                 run.own_pins.unpin(knob, run.facts.paths)
         except ConfigError as e:
             raise ProtocolError(ErrorCode.BAD_VALUE, str(e)) from None
-        self._user_change(run, run.knobs, f"{knob} unpinned by the user")
-        self._save(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
+        return self._user_change(run, run.knobs, f"{knob} unpinned by the user")
 
     def freeze(self, msg: dict[str, Any]) -> dict[str, Any]:
         run = self._run_for_cli(msg)
@@ -101,27 +97,28 @@ class UserControls:
         if run.policy_ok():
             run.policy.freeze(run.frozen)  # freezing mid-trial goes back to the last good knobs
             knobs = run.policy.knobs
-        self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
-        self._save(run)
-        return {"type": "ok", "knobs": run.knobs_dict}
+        return self._user_change(run, knobs, f"tuning {'frozen' if run.frozen else 'resumed'} by the user")
 
-    def _user_change(self, run: Run, knobs: Knobs, reason: str) -> None:
-        """Push ``knobs`` now if they differ; log the request either way."""
+    def _user_change(self, run: Run, knobs: Knobs, reason: str) -> dict[str, Any]:
+        """Push ``knobs`` now if they differ, log the request either way, and save the controls;
+        the reply to the CLI."""
         if knobs != run.knobs:
             self._change(run, knobs, reason, source="user")
-            return
-        log.info("run %s: %s", run.run_id, reason)
-        run.decisions.append(
-            {
-                "time": time.time(),
-                "iteration": run.max_iteration,
-                "seq": run.seq,
-                "apply_at": None,
-                "knobs": run.knobs_dict,
-                "source": "user",
-                "reason": reason,
-            }
-        )
+        else:
+            log.info("run %s: %s", run.run_id, reason)
+            run.decisions.append(
+                {
+                    "time": time.time(),
+                    "iteration": run.max_iteration,
+                    "seq": run.seq,
+                    "apply_at": None,
+                    "knobs": run.knobs_dict,
+                    "source": "user",
+                    "reason": reason,
+                }
+            )
+        self._save(run)
+        return {"type": "ok", "knobs": run.knobs_dict}
 
     # -- kept across a daemon restart --------------------------------------------------------
 
