@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from engine.config import Knobs
 from engine.errors import ConfigError
+from tuner.knob_text import known_paths
 from tuner.own_files import foreign_file_problem, shared_dir_problem
 
 SCHEMA_VERSION = 2
@@ -258,12 +259,9 @@ class History:
         knobs = Knobs.from_dict(json.loads(knobs_json))
         learned = tuple(n for n in json.loads(learned_json) if n in Knobs.names())
         if want is not None:
-            conc = {p: v for p, v in knobs.io_concurrency.items() if p in want}
-            weights = {p: v for p, v in knobs.stripe_weights.items() if p in want}
-            if set(weights) != want:
-                weights = {}  # partial weights would mix with the engine's measured bandwidths
+            knobs, _ = known_paths(knobs, sorted(want), "the history's knobs")
+            if set(knobs.stripe_weights) != want:  # partial weights were dropped: none learned
                 learned = tuple(n for n in learned if n != "stripe_weights")
-            knobs = knobs.replace(io_concurrency=conc, stripe_weights=weights)
         return WarmStart(run_id=run_id, knobs=knobs, learned=learned, updated_s=updated) if learned else None
 
     def runs(self) -> list[dict[str, Any]]:

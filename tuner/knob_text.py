@@ -102,6 +102,18 @@ def with_value(knobs: Knobs, key: KnobKey, value: Any, paths: Sequence[str], has
     return out
 
 
+def known_paths(k: Knobs, paths: Sequence[str], what: str) -> tuple[Knobs, str | None]:
+    """``k`` less entries for paths this run does not have (the engine would refuse them), and
+    the note that says what was dropped (None when nothing was)."""
+    conc = {p: v for p, v in k.io_concurrency.items() if p in paths}
+    weights = {p: v for p, v in k.stripe_weights.items() if p in paths}
+    if len(weights) != len(paths):
+        weights = {}  # partial weights would mix with the engine's measured bandwidths
+    dropped = (set(k.io_concurrency) - set(conc)) | (set(k.stripe_weights) - set(weights))
+    note = f"{what} name paths this run does not use, or not all of them: dropped {sorted(dropped)}" if dropped else None
+    return k.replace(io_concurrency=conc, stripe_weights=weights), note
+
+
 class Pins:
     """The user's pins: knobs with their values, never searched, never moved.
 

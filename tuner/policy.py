@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
 from tuner.guards import Adaptation, Change, Limits, ModelMove
-from tuner.knob_text import Pins
+from tuner.knob_text import Pins, known_paths
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
 from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
-from tuner.start_plan import known_paths, model_start
+from tuner.start_plan import model_start
 
 if TYPE_CHECKING:
     from tuner.run_state import RunFacts

@@ -1,35 +1,23 @@
 """Where a run's search starts: its own knobs less what names paths it does not have
-(:func:`known_paths`), or the performance model's best plan for a hardware profile
+(:func:`tuner.knob_text.known_paths`), or the performance model's best plan for a hardware profile
 (:func:`model_start`). Pure functions: :class:`tuner.policy.Policy` applies what they return
 and logs their notes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from engine.config import Knobs
 from engine.layout import STATE_BYTES_PER_ELEMENT, staging_buffers
 from tuner.guards import Limits
-from tuner.knob_text import Pins
+from tuner.knob_text import Pins, known_paths
 from tuner.moves import diff
 from tuner.policy_config import PolicyConfig
 
 if TYPE_CHECKING:
     from perf.profile import Profile
     from tuner.run_state import RunFacts
-
-
-def known_paths(k: Knobs, paths: Sequence[str], what: str) -> tuple[Knobs, str | None]:
-    """``k`` less entries for paths this run does not have (the engine would refuse them), and
-    the note that says what was dropped (None when nothing was)."""
-    conc = {p: v for p, v in k.io_concurrency.items() if p in paths}
-    weights = {p: v for p, v in k.stripe_weights.items() if p in paths}
-    if len(weights) != len(paths):
-        weights = {}  # partial weights would mix with the engine's measured bandwidths
-    dropped = (set(k.io_concurrency) - set(conc)) | (set(k.stripe_weights) - set(weights))
-    note = f"{what} name paths this run does not use, or not all of them: dropped {sorted(dropped)}" if dropped else None
-    return k.replace(io_concurrency=conc, stripe_weights=weights), note
 
 
 @dataclass(frozen=True)
