@@ -77,26 +77,25 @@ class Ledger:
         t.samples.append(s)
         xs = [x.cost for x in t.samples]
         base = median([x.cost for x in self.baseline[-5:]])
-        thr = threshold
         n = len(xs)
         keep = None
         if t.move.lenient:
-            if n >= 2 and all(x > base * (1 + 2 * thr) for x in xs):
+            if n >= 2 and all(x > base * (1 + 2 * threshold) for x in xs):
                 keep = False
-            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
+            elif n >= 2 and all(x < base * (1 - 2 * threshold) for x in xs):
                 keep = True  # clearly better: no need to wait for the window
             elif n >= window:
-                keep = median(xs) <= base * (1 + thr)
+                keep = median(xs) <= base * (1 + threshold)
         else:
-            if n == 1 and xs[0] > base * (1 + max(0.25, 3 * thr)):
+            if n == 1 and xs[0] > base * (1 + max(0.25, 3 * threshold)):
                 keep = False  # clearly worse: no need to wait for the window
-            elif n >= 2 and all(x < base * (1 - 2 * thr) for x in xs):
+            elif n >= 2 and all(x < base * (1 - 2 * threshold) for x in xs):
                 keep = True  # clearly better
-            elif n >= 2 and all(x > base * (1 + thr) for x in xs):
+            elif n >= 2 and all(x > base * (1 + threshold) for x in xs):
                 keep = False
             elif n >= window:
-                keep = median(xs) < base * (1 - thr)
-        return None if keep is None else Ruling(keep, base, tuple(xs), thr)
+                keep = median(xs) < base * (1 - threshold)
+        return None if keep is None else Ruling(keep, base, tuple(xs), threshold)
 
     def remeasure(self, keep_samples: bool = False) -> None:
         """The good knobs are measured again (their samples dropped unless ``keep_samples``)."""
