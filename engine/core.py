@@ -40,7 +40,7 @@ from engine.layout import host_buffer_bytes, kept_subgroups, payload_bytes, step
 from engine.placement import DEVICE, HOST, place
 from engine.storage.paths import PathCounters
 from engine.streams import resolve_lane_device, streams_for
-from engine.subgroup import Subgroup
+from engine.subgroup import InHost, OnDevice, Placed, Stage, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 from engine.telemetry import StepRecord, TelemetryLog
 from engine.transfers import PRESSURE_BUFFERS, SwapPass, Transfers, host_state
@@ -96,7 +96,7 @@ class SubgroupEngine:
             path_weights=self.swap_paths.stripe_weights(self.knobs),
         )
         placed = list(zip(bindings, placement.tiers))
-        self.subgroups = [Subgroup(i, b, t, [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)]
+        self.subgroups = [Subgroup(i, b, Placed(t), [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)]
         try:
             weights_on_device = any(w is not None and w.device.type != "cpu" for w in map(flat_weights_of, bindings))
             state_numels = [b.numel for b, t in placed if t == HOST]
@@ -150,11 +150,11 @@ class SubgroupEngine:
         self.swap_paths.check_room(self.subgroups)
         for sg in self.subgroups:
             if sg.tier == DEVICE:
-                sg.resident = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
+                sg.home = OnDevice(torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device))
             elif sg.tier == HOST:
-                sg.resident = StateBuffer(sg.numel)  # pinned in place only if it takes the device lane
-            elif sg.tier.path_index is not None:  # swapped
-                sg.file = self.swap_paths.create_file(sg, sg.tier.path_index)
+                sg.home = InHost(StateBuffer(sg.numel))  # pinned in place only if it takes the device lane
+            elif (p := sg.tier.path_index) is not None:  # swapped
+                sg.home = Swapped(p, self.swap_paths.create_file(sg, p))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -201,10 +201,10 @@ class SubgroupEngine:
                     tally.kernel_s += time.perf_counter() - t0
                 for i in step_order(len(self.subgroups), self.iteration):
                     sg = self.subgroups[i]
-                    if sg.tier.swapped:
+                    if isinstance(sg.home, Swapped):
                         self._update_swapped(sg, swaps, tally, hypers[sg.binding.group])
-                    elif sg.tier == HOST:
-                        self._update_resident(sg, tally, hypers[sg.binding.group])
+                    elif isinstance(sg.home, InHost):
+                        self._update_resident(sg, sg.home.buffer, tally, hypers[sg.binding.group])
             except BaseException:
                 self.transfers.abort(swaps)
                 raise
@@ -275,18 +275,18 @@ class SubgroupEngine:
             tally.pressure = True
             self.transfers.resize(PRESSURE_BUFFERS)  # the free ones now; the rest at the step's end
         swaps.current = swaps.position[sg.index]
-        if sg.writing:  # its write behind the last step: wait for exactly that one
+        if sg.stage is Stage.WRITING:  # its write behind the last step: wait for exactly that one
             t0 = time.perf_counter()
             self.transfers.wait_write(sg)
             swaps.read_wait_s += time.perf_counter() - t0
-            if not sg.tier.swapped:  # the write failed: its state stays in memory (raised next step)
-                self._update_resident(sg, tally, hyper)
+            if isinstance(sg.home, InHost):  # the write failed: its state stays in memory (raised next step)
+                self._update_resident(sg, sg.home.buffer, tally, hyper)
                 return
         depth = 0 if tally.pressure else self.knobs.prefetch_depth
         self.transfers.prefetch(swaps, swaps.current + depth)
         buf = self.transfers.stage(sg, swaps)
         self._run_update(sg, buf, hyper, tally, time.perf_counter())
-        sg.dirty = True
+        sg.swap.updated()
         # The tail stays in its buffers, unwritten: it is the head of the next step's (reversed)
         # order. As much of it as the pool holds beside the working buffers (at least depth + 1),
         # so the next step's first reads start at once instead of waiting for write-backs, and
@@ -295,13 +295,13 @@ class SubgroupEngine:
         if swaps.current < len(swaps.order) - keep:
             self.transfers.write_back(sg)
         else:
-            sg.kept = True
+            sg.swap.keep()
 
-    def _update_resident(self, sg: Subgroup, tally: _StepTally, hyper: AdamWHyper) -> None:
-        """One subgroup whose state is in host memory (its first state counted in the update)."""
+    def _update_resident(self, sg: Subgroup, buf: StateBuffer, tally: _StepTally, hyper: AdamWHyper) -> None:
+        """One subgroup whose state is in host buffer ``buf`` (its first state counted in the update)."""
         t0 = time.perf_counter()
-        sg.start_state(sg.host_buffer)
-        self._run_update(sg, sg.host_buffer, hyper, tally, t0)
+        sg.start_state(buf)
+        self._run_update(sg, buf, hyper, tally, t0)
 
     def _run_update(self, sg: Subgroup, state: StateBuffer, hyper: AdamWHyper, tally: _StepTally, t0: float) -> None:
         """AdamW on ``state`` on the subgroup's lane; the time since ``t0`` is the step's kernel time."""
@@ -462,11 +462,7 @@ class SubgroupEngine:
     def host_usage(self) -> HostUsage:
         """What the engine holds in host memory now, by kind (``engine.host_memory``)."""
         staging, kept = self.transfers.host_bytes()
-        state = sum(
-            host_buffer_bytes(sg.resident.capacity_numel)
-            for sg in self.subgroups
-            if sg.tier == HOST and isinstance(sg.resident, StateBuffer)
-        )
+        state = sum(host_buffer_bytes(sg.home.buffer.capacity_numel) for sg in self.subgroups if isinstance(sg.home, InHost))
         return HostUsage(
             state=state, staging=staging, kept=kept, copies=self.host_lane.host_bytes() + self.device_tier.host_copy_bytes()
         )
@@ -629,11 +625,11 @@ class SubgroupEngine:
             sg = self.subgroups[index]
             sources = (master.detach(), exp_avg.detach(), exp_avg_sq.detach())
             sg.steps[:] = list(steps)
-            if sg.tier == DEVICE:
-                for dst, src in zip(torch.split(sg.device_state, sg.numel), sources):
+            if isinstance(sg.home, OnDevice):
+                for dst, src in zip(torch.split(sg.home.state, sg.numel), sources):
                     dst.copy_(src)
-            elif sg.tier == HOST:
-                buf = sg.host_buffer
+            elif isinstance(sg.home, InHost):
+                buf = sg.home.buffer
                 for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
                     dst.copy_(src)
             else:

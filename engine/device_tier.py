@@ -38,9 +38,9 @@ from engine.gpumem import gpu_headroom_bytes, gpu_memory_left, margin_bytes_of, 
 from engine.host_kernel import host_lane_rate, node_memory_bandwidth
 from engine.lane_model import LaneRates, balanced_fraction, lane_assignment, memory_share
 from engine.layout import host_buffer_bytes, payload_bytes
-from engine.placement import DEVICE, HOST, device_lane_working_bytes, device_tier_prefix
+from engine.placement import DEVICE, device_lane_working_bytes, device_tier_prefix
 from engine.streams import Streams
-from engine.subgroup import Subgroup
+from engine.subgroup import InHost, OnDevice, Subgroup, Swapped
 from engine.transfers import host_state
 from engine.units import format_size
 
@@ -134,8 +134,8 @@ class DeviceTier:
             # after the fit, which may move these subgroups to the device.
             for i in lane:
                 sg = self.subgroups[i]
-                if sg.tier == HOST and isinstance(sg.resident, StateBuffer):
-                    sg.resident.pin()
+                if isinstance(sg.home, InHost):
+                    sg.home.buffer.pin()
             if any(self.subgroups[i].tier.swapped for i in lane):
                 for buf in staging():
                     buf.pin()
@@ -178,21 +178,22 @@ class DeviceTier:
         """Queue the update of every subgroup in the tier on the lane's resident stream, its first
         state made there first: it runs on the device while the host feeds the lanes."""
         for sg in self.subgroups:
-            if sg.tier == DEVICE:
-                self.start_state(sg)
-                self._lane.update_resident(sg.device_state, sg.binding, sg.steps, hypers[sg.binding.group])
+            if isinstance(sg.home, OnDevice):
+                self.start_state(sg, sg.home.state)
+                self._lane.update_resident(sg.home.state, sg.binding, sg.steps, hypers[sg.binding.group])
 
-    def start_state(self, sg: Subgroup) -> None:
-        """A tier subgroup's first state, on the device; nothing once it has state."""
+    def start_state(self, sg: Subgroup, state: torch.Tensor) -> None:
+        """A tier subgroup's first state, in its device ``state``; nothing once it has state."""
         if sg.fresh:
-            self._lane.seed_resident(sg.device_state, sg.binding)
+            self._lane.seed_resident(state, sg.binding)
             sg.fresh = False
 
     def state_copy(self, sg: Subgroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of a tier subgroup's (master, exp_avg, exp_avg_sq) on the CPU."""
-        self.start_state(sg)
+        assert isinstance(sg.home, OnDevice), f"subgroup {sg.index} is not on the device"
+        self.start_state(sg, sg.home.state)
         self._lane.sync()  # its updates on the resident stream have finished
-        master, exp_avg, exp_avg_sq = (t.detach().to("cpu", copy=True) for t in torch.split(sg.device_state, sg.numel))
+        master, exp_avg, exp_avg_sq = (t.detach().to("cpu", copy=True) for t in torch.split(sg.home.state, sg.numel))
         return master, exp_avg, exp_avg_sq
 
     # -- the fit -----------------------------------------------------------------------------------
@@ -342,48 +343,44 @@ class DeviceTier:
         spares = []
         for sg in self.subgroups:
             if sg.index in indices and sg.tier != DEVICE:
-                spares.append((sg, self._to_device(sg, release_staged)))
+                spares.append(self._to_device(sg, release_staged))
             elif sg.index not in indices and sg.tier == DEVICE:
                 self._off_device(sg)
         if self._keep_host_copies:
             # Kept for the next release(), in order, while the host budget has room.
-            for sg, spare in spares:
+            for home, spare in spares:
                 if spare is not None and host_fits(host_buffer_bytes(spare.capacity_numel)):
-                    sg.host_copy = spare
+                    home.host_copy = spare
 
-    def _to_device(self, sg: Subgroup, release_staged: Callable[[Subgroup], None]) -> StateBuffer | None:
-        """Into the tier; returns the host buffer it held there, if any."""
+    def _to_device(self, sg: Subgroup, release_staged: Callable[[Subgroup], None]) -> tuple[OnDevice, StateBuffer | None]:
+        """Into the tier; returns its home there and the host buffer it held, if any."""
         state = torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device)
         if not sg.fresh:
             view = host_state(sg)
             view.wait_ready()  # a device-lane copy back into it has landed
             state.copy_(view.state)
-        spare = None
-        if sg.tier == HOST:
-            spare, sg.resident = sg.host_buffer, None
-        elif sg.tier.swapped:
+        spare = sg.home.buffer if isinstance(sg.home, InHost) else None
+        if isinstance(sg.home, Swapped):
             release_staged(sg)
-            for f in (sg.file, sg.next_file):
+            for f in (sg.home.file, sg.home.next_file):
                 if f is not None:
                     f.path.remove_file(f)
-            sg.file = sg.next_file = None
-            sg.dirty = sg.kept = False
-        sg.tier, sg.resident = DEVICE, state
-        return spare
+        sg.home = home = OnDevice(state)
+        return home, spare
 
     def _off_device(self, sg: Subgroup) -> None:
         """Out of the tier, into host memory (whatever the host budget says): into the buffer it
         left at its last release when there is one, pinned, so that the copy runs at PCIe speed
         (a pageable one runs through the driver's bounce buffer, at a fraction of it)."""
-        buf, sg.host_copy = sg.host_copy, None
-        if buf is None:
-            buf = StateBuffer(sg.numel)
+        home = sg.home
+        assert isinstance(home, OnDevice), f"subgroup {sg.index} is not on the device"
+        buf = home.host_copy if home.host_copy is not None else StateBuffer(sg.numel)
         if self.streams.pins_host_memory:
             buf.pin()  # once per buffer (about 0.1 s per GB), not once per cycle
         if not sg.fresh:
             self._lane.sync()  # the tier's last update on the resident stream has finished
-            buf.state.copy_(sg.device_state[: 3 * sg.numel])
-        sg.tier, sg.resident = HOST, buf
+            buf.state.copy_(home.state[: 3 * sg.numel])
+        sg.home = InHost(buf)
 
     # -- keeping the margin after the fit ----------------------------------------------------------
 
@@ -475,8 +472,10 @@ class DeviceTier:
     def drop_host_copies(self) -> None:
         """Free the tier's kept host buffers (memory pressure): the next release makes them again."""
         for sg in self.subgroups:
-            sg.host_copy = None
+            if isinstance(sg.home, OnDevice):
+                sg.home.host_copy = None
 
     def host_copy_bytes(self) -> int:
         """Host memory of the tier's kept host buffers."""
-        return sum(host_buffer_bytes(sg.host_copy.capacity_numel) for sg in self.subgroups if sg.host_copy is not None)
+        copies = [sg.home.host_copy for sg in self.subgroups if isinstance(sg.home, OnDevice)]
+        return sum(host_buffer_bytes(c.capacity_numel) for c in copies if c is not None)

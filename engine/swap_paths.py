@@ -13,7 +13,7 @@ from typing import Sequence, TypedDict
 
 from engine.config import EngineConfig, Knobs
 from engine.layout import payload_bytes
-from engine.placement import round_trip_rate, stripe, swap_tier
+from engine.placement import round_trip_rate, stripe
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.subgroup import Subgroup
@@ -153,17 +153,18 @@ class SwapPaths:
         for sg, p in zip(swapped, targets):
             if p == sg.tier.path_index:
                 continue
-            if sg.next_file is not None:
-                sg.next_file.path.remove_file(sg.next_file)
-                sg.next_file = None
-            sg.tier = swap_tier(p)
-            if sg.swap_file.path is self.paths[p]:
+            home = sg.swap
+            if home.next_file is not None:
+                home.next_file.path.remove_file(home.next_file)
+                home.next_file = None
+            home.path_index = p
+            if home.file.path is self.paths[p]:
                 continue  # back on the path that holds its state (a move not yet done): nothing to move
             if sg.fresh:  # nothing on storage yet: move the empty file now
-                sg.swap_file.path.remove_file(sg.swap_file)
-                sg.file = self.create_file(sg, p)
+                home.file.path.remove_file(home.file)
+                home.file = self.create_file(sg, p)
             else:
-                sg.next_file = self.create_file(sg, p)
+                home.next_file = self.create_file(sg, p)
 
     def counters(self) -> list[PathCounters]:
         """Each path's counters so far (bytes, busy times, queue wait)."""

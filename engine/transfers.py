@@ -3,8 +3,9 @@ through (:class:`Transfers`): the pool of buffers, the reads of a step, the read
 next one, the write-behind, which staged copies give up their buffers, and the writes that
 failed. What overlaps what, and why the result is exact, is ``docs/io-overlap.md``:
 
-- **The pool.** A staging buffer is free, holds a subgroup's state (``Subgroup.staged``), or is
-  being written back (read-only until the write lands). A buffer is acquired free, else from a
+- **The pool.** A staging buffer is free, or holds a swapped subgroup's state (``Swapped.staged``,
+  at a :class:`~engine.subgroup.Stage` of its round trip: being written back, it is read-only until
+  the write lands). A buffer is acquired free, else from a
   clean copy (:meth:`Transfers.acquire`), else once the oldest write-back lands.
 - **Write-behind.** A step's write-backs drain behind it, during the next forward and backward;
   whatever needs those bytes waits for exactly them (:meth:`Transfers.wait_write`). What moves
@@ -35,8 +36,7 @@ import torch
 from engine.buffers import StateBuffer
 from engine.errors import OffloadError, StorageIOError
 from engine.layout import host_buffer_bytes, read_ahead_bytes, staging_buffers
-from engine.placement import HOST
-from engine.subgroup import Subgroup, first_state
+from engine.subgroup import DIRTY, KEPT, InHost, Stage, Subgroup, Swapped, first_state
 
 PRESSURE_BUFFERS = 2
 """Staging buffers left under memory pressure: one updating, one writing back; no read-ahead."""
@@ -72,7 +72,7 @@ class Transfers:
     """Reads and writes of the swapped subgroups' state through a pool of staging buffers, each
     the size of the largest swapped subgroup, as many as the working buffers of
     ``prefetch_depth`` need (none without swapped state). A buffer whose write landed stays with
-    its subgroup as a clean copy (``kept``, not ``dirty``) until its buffer is taken for another:
+    its subgroup as a clean copy (``KEPT_CLEAN``) until its buffer is taken for another:
     a later update of that subgroup reads nothing. A write that fails leaves the subgroup's state
     in its buffer as host-resident state, out of the pool, and its error in ``failures``.
 
@@ -97,7 +97,7 @@ class Transfers:
         self.pool_size = 0
         """Staging buffers in the pool now: free, holding a subgroup, or being written back."""
         self.free: list[StateBuffer] = []
-        self.writes: deque[tuple[Subgroup, StateBuffer, Future[None]]] = deque()
+        self.writes: deque[tuple[Subgroup, Future[None]]] = deque()
         self.failures: list[OffloadError] = []
         self._room_bytes = room_bytes
         self._early_reads: dict[int, Future[None]] = {}  # reads ahead, taken by the next step's pass
@@ -136,9 +136,8 @@ class Transfers:
             return self.free.pop()
         self.reap()
         for sg in victims():
-            if sg.staged is not None and sg.kept and not sg.dirty:
-                buf, sg.staged, sg.kept = sg.staged, None, False  # its file is current
-                return buf
+            if sg.stage is Stage.KEPT_CLEAN:
+                return sg.swap.release()  # its file is current
         return None
 
     def acquire(self, victims: Callable[[], Iterable[Subgroup]]) -> StateBuffer:
@@ -152,7 +151,7 @@ class Transfers:
             if self.writes:
                 self._finish(*self.writes.popleft())
                 continue
-            dirty = [sg for sg in victims() if sg.staged is not None and sg.kept]
+            dirty = [sg for sg in victims() if sg.stage in KEPT]
             if not dirty:
                 # Only after failed writes pinned buffers in memory: grow rather than stall.
                 self.pool_size += 1
@@ -162,24 +161,22 @@ class Transfers:
     def release(self, sg: Subgroup) -> None:
         """``sg``'s buffer back to the free ones, unwritten (its file is current, or about to go)."""
         if sg.staged is not None:
-            self.free.append(sg.staged)
-            sg.staged = None
-            sg.kept = False
+            self.free.append(sg.swap.release())
 
     def release_clean(self) -> None:
         """Every clean copy's buffer back to the free ones."""
         self.reap()
         for sg in self.subgroups:
-            if sg.staged is not None and sg.kept and not sg.dirty:
+            if sg.stage is Stage.KEPT_CLEAN:
                 self.release(sg)
 
     def buffers(self) -> list[StateBuffer]:
         """Every buffer of the pool that is not being written: free, or holding a subgroup."""
-        return self.free + [sg.staged for sg in self.subgroups if sg.staged is not None]
+        return self.free + [st.buffer for sg in self.subgroups if (st := sg.staged) is not None]
 
     def host_bytes(self) -> tuple[int, int]:
         """Host memory of the pool: (buffers not holding a kept copy, buffers holding one)."""
-        kept = sum(host_buffer_bytes(sg.staged.capacity_numel) for sg in self.subgroups if sg.staged is not None and sg.kept)
+        kept = sum(host_buffer_bytes(st.buffer.capacity_numel) for sg in self.subgroups if (st := sg.staged) and st.stage in KEPT)
         return max(0, self.pool_size * self.buffer_bytes - kept), kept
 
     # -- the pool's size ---------------------------------------------------------------------
@@ -227,7 +224,7 @@ class Transfers:
             self.release_clean()
             self.resize(size)
         while self.pool_size > size:
-            kept = next((sg for sg in self.subgroups if sg.staged is not None and sg.kept), None)
+            kept = next((sg for sg in self.subgroups if sg.stage in KEPT), None)
             if kept is None:
                 break
             self.write_back(kept)
@@ -240,7 +237,7 @@ class Transfers:
         their files written back, and every buffer beyond :data:`PRESSURE_BUFFERS` freed."""
         self.wait_all()  # the writes behind the last step land first: a buffer is written back once
         for sg in self.subgroups:
-            if sg.staged is not None and sg.dirty:
+            if sg.stage in DIRTY:
                 self.write_back(sg)
         self.wait_writes()  # the dirty copies are on storage before their buffers go
         for sg in self.subgroups:
@@ -264,7 +261,7 @@ class Transfers:
         """Start reads for positions up to ``upto`` of ``swaps``, while buffers are free."""
         while swaps.next_read < len(swaps.order) and swaps.next_read <= upto:
             sg = self.subgroups[swaps.order[swaps.next_read]]
-            if sg.staged is None and sg.tier.swapped:
+            if isinstance(sg.home, Swapped) and sg.home.staged is None:
                 buf = self.try_acquire(lambda: self.victims(swaps, after=swaps.next_read))
                 if buf is None:
                     return
@@ -287,11 +284,9 @@ class Transfers:
                 raise
             swaps.read_wait_s += time.perf_counter() - t0
             swaps.misses += 1
-        elif sg.kept:
+        elif sg.stage in KEPT:
             swaps.hits += 1
-        sg.kept = False
-        assert sg.staged is not None  # read into, or kept in, its buffer
-        return sg.staged
+        return sg.swap.take()  # read into, or kept in, its buffer
 
     def write_now(self, sg: Subgroup, sources: Sequence[torch.Tensor]) -> None:
         """Replace ``sg``'s state on storage with ``sources`` (master, exp_avg, exp_avg_sq), waiting
@@ -300,8 +295,7 @@ class Transfers:
         buf = StateBuffer(sg.numel, pin=False)
         for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
             dst.copy_(src)
-        sg.swap_file.path.write(sg.swap_file, buf).result()  # on storage before the load returns
-        sg.dirty = sg.kept = False
+        sg.swap.file.path.write(sg.swap.file, buf).result()  # on storage before the load returns
 
     def abort(self, swaps: SwapPass) -> None:
         """After an error in the step: every transfer finishes, and reads nobody will check are
@@ -320,61 +314,54 @@ class Transfers:
             k = swaps.position[sg.index]
             return k if k >= swaps.current else 2 * n - 1 - k
 
-        cands = [
-            sg for sg in self.subgroups if sg.staged is not None and sg.kept and sg is not exclude and sg.index in swaps.position
-        ]
+        cands = [sg for sg in self.subgroups if sg.stage in KEPT and sg is not exclude and sg.index in swaps.position]
         return sorted((sg for sg in cands if need(sg) > after), key=need, reverse=True)
 
     def _load(self, sg: Subgroup, buf: StateBuffer, swaps: SwapPass) -> None:
         """``sg`` into ``buf``: its first state made there, or a read of its file started."""
-        sg.staged = buf
+        home = sg.swap
+        home.load(buf)
         buf.bind(sg.numel)
         if sg.fresh:
             sg.start_state(buf)
         else:
-            swaps.reads[sg.index] = sg.swap_file.path.read(sg.swap_file, buf)
+            swaps.reads[sg.index] = home.file.path.read(home.file, buf)
 
     # -- the write-backs ---------------------------------------------------------------------------
 
     def write_back(self, sg: Subgroup) -> None:
         """Start writing ``sg``'s staged state to its file (the next one, after a restripe)."""
-        buf = sg.staged
-        assert buf is not None  # what is written back is staged
-        target = sg.next_file or sg.swap_file
+        target, buf = sg.swap.write()
         fut = target.path.write(target, buf)
-        sg.writing, sg.kept = True, False
-        self.writes.append((sg, buf, fut))
+        self.writes.append((sg, fut))
         if (on_landed := self._on_write_landed) is not None:
             # In an I/O thread: its buffer may take the next read ahead (none after a flush until the next step).
             fut.add_done_callback(lambda _: on_landed() if self._reads_on_landing else None)
 
-    def _finish(self, sg: Subgroup, buf: StateBuffer, fut: Future[None]) -> bool:
+    def _finish(self, sg: Subgroup, fut: Future[None]) -> bool:
         """A write-back that has landed (or is waited for now): the subgroup keeps its buffer as
         a clean copy. False if it failed: the state stays in the buffer as host-resident state."""
-        sg.writing = False
         try:
             fut.result()
         except StorageIOError as e:
             # Nothing is lost: the subgroup stays in this buffer, now as host-resident state.
             self.failures.append(e)
             self.pool_size -= 1
-            sg.tier, sg.resident, sg.staged, sg.kept = HOST, buf, None, False
+            sg.home = sg.swap.write_failed()
             return False
-        if sg.next_file is not None:
-            sg.swap_file.path.remove_file(sg.swap_file)
-            sg.file, sg.next_file = sg.next_file, None
-        sg.dirty, sg.kept = False, True
+        if (left := sg.swap.landed()) is not None:  # restriped: its state is in its next file now
+            left.path.remove_file(left)
         return True
 
     def reap(self) -> None:
         """Finish the write-backs that have landed, without waiting."""
-        for entry in [w for w in self.writes if w[2].done()]:
+        for entry in [w for w in self.writes if w[1].done()]:
             self.writes.remove(entry)
             self._finish(*entry)
 
     def wait_write(self, sg: Subgroup) -> None:
         """Wait for exactly ``sg``'s write-back (behind the last step), if one is in flight."""
-        if not sg.writing:
+        if sg.stage is not Stage.WRITING:
             return
         entry = next(w for w in self.writes if w[0] is sg)
         self.writes.remove(entry)
@@ -427,7 +414,7 @@ class Transfers:
             sg = self.subgroups[i]
             try:
                 fut.result()  # the read has filled its buffer: a clean copy from now on
-                sg.kept = True  # a clean copy now
+                sg.swap.read_landed()
             except BaseException:
                 self.release(sg)  # read again by the step, which reports the failure
         self._early_reads = {}
@@ -465,14 +452,15 @@ def host_state(sg: Subgroup) -> StateBuffer:
     """``sg``'s state in host memory, to read, at a step boundary (no transfer in flight): where
     it lives (its first state made there), its staged copy, or a copy read from its file now (a
     copy of its first state when it has none yet)."""
-    if sg.tier == HOST:
-        sg.start_state(sg.host_buffer)
-        return sg.host_buffer
-    if sg.staged is not None:
-        return sg.staged
+    if isinstance(sg.home, InHost):
+        sg.start_state(sg.home.buffer)
+        return sg.home.buffer
+    home = sg.swap
+    if home.staged is not None:
+        return home.staged.buffer
     buf = StateBuffer(sg.numel, pin=False)
     if sg.fresh:
         first_state(sg.binding, buf)  # a copy to read: the subgroup's own first state is made at its update
     else:
-        sg.swap_file.path.read(sg.swap_file, buf).result()  # the copy is whole before it is read
+        home.file.path.read(home.file, buf).result()  # the copy is whole before it is read
     return buf

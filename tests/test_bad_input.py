@@ -16,6 +16,7 @@ import torch
 from helpers import IS_ROOT, assert_params_close, cli, feed_same_grads, make_model, mounted, needs_root, reference_pair
 
 from engine import ConfigError, CorruptSwapFileError, Knobs, OffloadAdamW, StorageIOError, StoragePathError
+from engine.subgroup import KEPT
 
 SUB = 700
 
@@ -80,7 +81,7 @@ def test_disk_filling_mid_run_keeps_state():
     copy-on-write file systems). Only files whose state is newer in memory are thinned."""
     with mounted("tmpfs", "size=4m") as d:
         model, opt, ref, ref_opt = reference_pair(lambda m: _opt(m, d), 2)
-        kept = [sg.file.filename for sg in opt.engine.subgroups if sg.kept]
+        kept = [sg.swap.file.filename for sg in opt.engine.subgroups if sg.stage in KEPT]
         assert kept, "the alternating order keeps the last subgroups in memory"
         for f in kept:
             fd = os.open(f, os.O_RDWR)
@@ -119,7 +120,7 @@ def test_corrupt_swap_file_is_an_error(damage, backend, swap_dir):
     )
     opt.flush()
     sg = next(s for s in opt.engine.subgroups if s.staged is None and not s.fresh)
-    with open(sg.file.filename, "r+b") as f:
+    with open(sg.swap.file.filename, "r+b") as f:
         if damage == "flip":
             f.seek(4096 + 100)
             b = f.read(1)
@@ -127,7 +128,7 @@ def test_corrupt_swap_file_is_an_error(damage, backend, swap_dir):
             f.write(bytes([b[0] ^ 0xFF]))
         else:
             f.truncate(4096)
-    with pytest.raises(CorruptSwapFileError, match=sg.file.filename):
+    with pytest.raises(CorruptSwapFileError, match=sg.swap.file.filename):
         feed_same_grads([(model, opt), (ref, ref_opt)], 1)
     opt.close()
 

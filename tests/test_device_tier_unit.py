@@ -8,18 +8,21 @@ What needs a device's memory figures (the margin, a pass into it) is
 from __future__ import annotations
 
 import logging
+import os
 
+import pytest
 import torch
 
 from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
-from engine.config import EngineConfig
+from engine.config import EngineConfig, Knobs, StoragePath
 from engine.device_lane import DeviceLane
 from engine.device_tier import DeviceTier
 from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE, HOST, Tier, device_lane_working_bytes, swap_tier
 from engine.streams import HostStreams
-from engine.subgroup import Subgroup
+from engine.subgroup import InHost, OnDevice, Placed, Subgroup, Swapped
+from engine.swap_paths import SwapPaths
 
 CPU = torch.device("cpu")
 N = 1000  # elements per subgroup
@@ -58,24 +61,36 @@ class Pool:
 
     def release(self, sg: Subgroup) -> None:
         self.released.append(sg.index)
-        sg.staged = None
+        sg.swap.release()
 
 
-def subgroup(i: int, tier: Tier) -> Subgroup:
-    sg = Subgroup(i, FlatSubgroup(torch.zeros(N)), tier, [0])
+@pytest.fixture
+def paths(swap_dir):
+    """The storage path of the swapped subgroups' files (bandwidth declared: no probe)."""
+    path = StoragePath(path=swap_dir, read_bytes_per_s=1e9, write_bytes_per_s=1e9)
+    paths = SwapPaths(EngineConfig(paths=(path,), host_cache_bytes=0, io_backend="posix"), Knobs())
+    yield paths
+    paths.close()
+
+
+def subgroup(i: int, tier: Tier, paths: SwapPaths | None = None) -> Subgroup:
+    sg = Subgroup(i, FlatSubgroup(torch.zeros(N)), Placed(tier), [0])
     if tier == HOST:
-        sg.resident = StateBuffer(N)
+        sg.home = InHost(StateBuffer(N))
     elif tier == DEVICE:
-        sg.resident = torch.empty(3 * N)
+        sg.home = OnDevice(torch.empty(3 * N))
     else:
-        sg.staged, sg.kept = StateBuffer(N), True
+        assert paths is not None, "a swapped subgroup has a swap file"
+        sg.home = Swapped(0, paths.create_file(sg, 0))
+        sg.swap.load(StateBuffer(N))
+        sg.swap.read_landed()  # a clean copy in its staging buffer
     return sg
 
 
-def make_tier(tiers: list[Tier], *, device_cache_bytes: int | None = None, streams=None) -> DeviceTier:
+def make_tier(tiers: list[Tier], *, device_cache_bytes: int | None = None, streams=None, paths=None) -> DeviceTier:
     streams = streams or HostStreams(CPU)
     config = EngineConfig(device="cpu", device_cache_bytes=device_cache_bytes)
-    subgroups = [subgroup(i, t) for i, t in enumerate(tiers)]
+    subgroups = [subgroup(i, t, paths) for i, t in enumerate(tiers)]
     return DeviceTier(subgroups, config, CPU, DeviceLane(streams, N), streams, host_kernel_name="torch")
 
 
@@ -125,28 +140,29 @@ def test_a_fit_without_room_for_the_lanes_slots_turns_the_lane_off_and_says_so_o
     assert len(caplog.messages) == 1 and "device lane off" in caplog.messages[0]
 
 
-def test_a_fit_gives_a_swapped_subgroups_staging_buffer_back_and_keeps_host_copies_as_the_budget_says():
+def test_a_fit_gives_a_swapped_subgroups_staging_buffer_back_and_keeps_host_copies_as_the_budget_says(paths):
     """Into the tier, a swapped subgroup's staging buffer goes back to the pool. After a first
     release, the host buffers the refit frees are kept for the next release, each as far as the
     host budget says it fits."""
-    tier = make_tier([HOST, HOST, swap_tier(0)])
+    tier = make_tier([HOST, HOST, swap_tier(0)], paths=paths)
     pool, asked = Pool(), []
+    swap_file = tier.subgroups[2].swap.file.filename
     fit(tier, pool, headroom_bytes=3 * STATE + LANE, host_fits=lambda n: asked.append(n) or True)
     assert tiers_of(tier) == ["device"] * 3
-    assert pool.released == [2] and not tier.subgroups[2].kept
+    assert pool.released == [2] and not os.path.exists(swap_file)  # its file goes with it
     assert asked == []  # nothing kept before a first release
     tier.release()
     assert tiers_of(tier) == ["host"] * 3 and tier.fit_pending
     fit(tier, pool, headroom_bytes=3 * STATE + LANE, host_fits=lambda n: asked.append(n) or len(asked) == 1)
     assert asked == [host_buffer_bytes(N)] * 3
-    assert [sg.host_copy is not None for sg in tier.subgroups] == [True, False, False]
+    assert [isinstance(sg.home, OnDevice) and sg.home.host_copy is not None for sg in tier.subgroups] == [True, False, False]
     assert tier.host_copy_bytes() == host_buffer_bytes(N)
     tier.drop_host_copies()
     assert tier.host_copy_bytes() == 0
 
 
-def test_the_lanes_pin_the_staging_pool_when_a_swapped_subgroup_is_on_the_device_lane():
-    tier = make_tier([HOST, swap_tier(0), swap_tier(0)], streams=PinningStreams(CPU))
+def test_the_lanes_pin_the_staging_pool_when_a_swapped_subgroup_is_on_the_device_lane(paths):
+    tier = make_tier([HOST, swap_tier(0), swap_tier(0)], streams=PinningStreams(CPU), paths=paths)
     pool = Pool()
     tier.assign_lanes(1.0, pool.buffers)  # before the first fit: it may move them to the device
     assert pool.pins == []
@@ -156,7 +172,7 @@ def test_the_lanes_pin_the_staging_pool_when_a_swapped_subgroup_is_on_the_device
     pool.pins.clear()
     tier.assign_lanes(0.0, pool.buffers)
     assert pool.pins == []  # no subgroup on the lane: nothing to pin
-    plain = make_tier([swap_tier(0)] * 2)  # pageable copies: nothing is pinned
+    plain = make_tier([swap_tier(0)] * 2, paths=paths)  # pageable copies: nothing is pinned
     fit(plain, pool, 1.0, headroom_bytes=LANE)
     assert pool.calls == 1 and pool.pins == []  # the pool was asked for its buffers once: at the fit
 

@@ -16,6 +16,7 @@ from test_gpu_path import NUMELS, _Run
 import engine.device_lane
 from engine.buffers import StateBuffer
 from engine.errors import StorageIOError
+from engine.subgroup import InHost
 
 
 class _Pins:
@@ -53,7 +54,7 @@ def test_a_buffer_grown_after_failed_writes_is_pinned_at_the_next_step_not_in_it
     run = _Run(monkeypatch, swap_dir, host_cache_bytes=0, fraction=1.0)
     run.step()
     run.step()
-    path = run.engine.subgroups[0].file.path
+    path = run.engine.subgroups[0].swap.file.path
     real_write = path.write
     pool = run.engine.transfers
     run.engine.transfers.wait_all()
@@ -183,7 +184,7 @@ def test_a_refit_inside_a_step_unpins_the_buffers_it_frees_after_the_lane_sync(m
     run.engine.fit_device_tier(headroom_bytes=_lane_bytes(run.engine.device_lane) + STATE[0] + 1)
     run.step()
     run.step()
-    host = [sg.resident for sg in run.engine.subgroups if sg.tier.kind == "host"]
+    host = [sg.home.buffer for sg in run.engine.subgroups if isinstance(sg.home, InHost)]
     assert host and all(b.pinned for b in host)
     del host
     events.clear()

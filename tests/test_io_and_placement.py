@@ -18,6 +18,7 @@ from engine.placement import DEVICE, HOST, device_lane_mask, place, stripe, swap
 from engine.storage.io_backends import DeepSpeedAIO, PosixDirectIO
 from engine.storage.limits import NodeLock, RateLimiter, ResizableSemaphore
 from engine.storage.paths import SwapPath
+from engine.subgroup import Stage
 
 
 @pytest.mark.parametrize("backend", [PosixDirectIO, DeepSpeedAIO])
@@ -228,7 +229,7 @@ def test_a_read_ahead_budget_keeps_the_steps_tail_unwritten(swap_dir):
     transfers, issued, unwritten_hits = opt.engine.transfers, [], []
     write_back, stage = transfers.write_back, transfers.stage
     transfers.write_back = lambda sg: (issued.append(sg.index), write_back(sg))[1]
-    transfers.stage = lambda sg, swaps: (unwritten_hits.append(sg.kept and sg.dirty), stage(sg, swaps))[1]
+    transfers.stage = lambda sg, swaps: (unwritten_hits.append(sg.stage is Stage.KEPT_DIRTY), stage(sg, swaps))[1]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     try:
         assert transfers.pool_size == 11
@@ -239,7 +240,7 @@ def test_a_read_ahead_budget_keeps_the_steps_tail_unwritten(swap_dir):
             feed_same_grads([(model, opt), (ref, ref_opt)], 1, seed=t + 1)
             per_step.append((len(issued), sum(unwritten_hits)))
         assert_params_close(model, ref)
-        unwritten = [sg for sg in opt.engine.subgroups if sg.kept and sg.dirty]  # the tail the last step kept
+        unwritten = [sg for sg in opt.engine.subgroups if sg.stage is Stage.KEPT_DIRTY]  # the tail the last step kept
         assert len(unwritten) == 11 - 2 - 2 > kept_subgroups(2)
         assert per_step[1:] == [(17 - 7, 7)] * 4  # (14, 3) before
         for rec in opt.telemetry[1:]:

@@ -401,7 +401,7 @@ def test_stripe_change_reverted_before_the_move_keeps_state(swap_dirs, backend):
         assert_params_close(model, ref)
     for sg in opt.engine.subgroups:
         if sg.tier.swapped:
-            assert os.path.exists(sg.file.filename), f"subgroup {sg.index}'s swap file was removed"
+            assert os.path.exists(sg.swap.file.filename), f"subgroup {sg.index}'s swap file was removed"
     opt.close()
 
 

@@ -453,6 +453,7 @@ def test_the_models_layout_is_the_engines(tmp_path):
     from engine.layout import kept_subgroups, staging_buffers
     from engine.placement import device_lane_mask
     from engine.storage import swapfile
+    from engine.subgroup import Stage
     from perf import layout
 
     for numel in (1, 1000, 341, 10_000_000, 123_456_789, 10**10):
@@ -475,7 +476,7 @@ def test_the_models_layout_is_the_engines(tmp_path):
         try:
             assert eng.describe().staging_buffers == staging_buffers(depth)
             eng.step([AdamWHyper(lr=1e-3)])
-            kept = sum(sg.kept and sg.dirty for sg in eng.subgroups)  # the tail, not the copies of landed writes
+            kept = sum(sg.stage is Stage.KEPT_DIRTY for sg in eng.subgroups)  # the tail, not the copies of landed writes
             assert kept == min(n, kept_subgroups(depth)), (depth, kept)
         finally:
             eng.close()

@@ -17,7 +17,7 @@ from engine.config import EngineConfig, Knobs, StoragePath
 from engine.errors import StorageIOError
 from engine.layout import payload_bytes
 from engine.placement import HOST, swap_tier
-from engine.subgroup import Subgroup
+from engine.subgroup import InHost, Placed, Stage, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 from engine.transfers import Transfers
 
@@ -35,8 +35,8 @@ def swapped(swap_dir):
     paths = SwapPaths(EngineConfig(paths=(path,), host_cache_bytes=0, io_backend="posix"), Knobs())
     subgroups = []
     for i in range(N):
-        sg = Subgroup(i, FlatSubgroup(torch.zeros(NUMEL)), swap_tier(0), [0])
-        sg.file = paths.create_file(sg, 0)
+        sg = Subgroup(i, FlatSubgroup(torch.zeros(NUMEL)), Placed(swap_tier(0)), [0])
+        sg.home = Swapped(0, paths.create_file(sg, 0))
         subgroups.append(sg)
     transfers = Transfers(subgroups, DEPTH, room_bytes=lambda: 1 << 40, on_write_landed=None)
     for sg in subgroups:
@@ -47,10 +47,15 @@ def swapped(swap_dir):
     paths.close()
 
 
+def _buffer(sg: Subgroup) -> StateBuffer | None:
+    """The staging buffer holding ``sg``'s state, if one does."""
+    return None if sg.staged is None else sg.staged.buffer
+
+
 def _on_file(sg: Subgroup) -> StateBuffer:
     """What ``sg``'s file holds, read now into a buffer of its own."""
     buf = StateBuffer(sg.numel)
-    sg.swap_file.path.read(sg.swap_file, buf).result()
+    sg.swap.file.path.read(sg.swap.file, buf).result()
     return buf
 
 
@@ -58,7 +63,7 @@ def _updated(transfers: Transfers, sg: Subgroup, master: float) -> StateBuffer:
     """``sg`` staged in a step and updated to ``master`` (not yet written back)."""
     buf = transfers.stage(sg, transfers.begin_step(range(N)))
     buf.master.fill_(master)
-    sg.dirty = True
+    sg.swap.updated()
     return buf
 
 
@@ -75,9 +80,9 @@ def test_a_write_back_lands_and_leaves_a_clean_kept_copy_that_the_next_update_re
     sg = sgs[0]
     buf = _updated(transfers, sg, 7.0)
     transfers.write_back(sg)
-    assert sg.writing and not sg.kept  # the buffer is read-only until the write lands
+    assert sg.stage is Stage.WRITING  # the buffer is read-only until the write lands
     transfers.wait_writes()
-    assert not sg.writing and sg.kept and not sg.dirty and sg.staged is buf
+    assert sg.stage is Stage.KEPT_CLEAN and _buffer(sg) is buf
     assert torch.equal(_on_file(sg).master, torch.full((NUMEL,), 7.0))
     assert torch.equal(_on_file(sg).exp_avg, torch.full((NUMEL,), 10.0))
     swaps = transfers.begin_step(range(N))
@@ -88,13 +93,13 @@ def test_a_write_back_lands_and_leaves_a_clean_kept_copy_that_the_next_update_re
 def test_a_restriped_write_back_moves_the_state_to_its_next_file_when_it_lands(swapped):
     transfers, sgs = swapped
     sg = sgs[1]
-    old = sg.swap_file
+    old = sg.swap.file
     new = old.path.create_file(N + sg.index, sg.numel, payload_bytes(sg.numel), EngineConfig().io_chunk_bytes)
-    sg.next_file = new  # as SwapPaths.restripe leaves it: the state moves at its next write
+    sg.swap.next_file = new  # as SwapPaths.restripe leaves it: the state moves at its next write
     _updated(transfers, sg, 8.0)
     transfers.write_back(sg)
     transfers.wait_write(sg)
-    assert sg.file is new and sg.next_file is None and sg.kept
+    assert sg.swap.file is new and sg.swap.next_file is None and sg.stage is Stage.KEPT_CLEAN
     assert not os.path.exists(old.filename)
     assert torch.equal(_on_file(sg).master, torch.full((NUMEL,), 8.0))
 
@@ -113,13 +118,13 @@ def test_victims_rank_the_copy_needed_last_first(swapped):
     # order (1 last), after 4 and 3 of this step.
     swaps.current = 3
     assert [sg.index for sg in transfers.victims(swaps)] == [1, 2, 4, 3]
-    sgs[2].kept = False  # being updated, or written back: not a copy that may go
+    sgs[2].swap.take()  # being updated: not a copy that may go
     assert [sg.index for sg in transfers.victims(swaps)] == [1, 4, 3]
 
 
 def test_acquire_waits_for_the_oldest_write_when_no_buffer_is_free(swapped, monkeypatch):
     transfers, sgs = swapped
-    path = sgs[0].swap_file.path
+    path = sgs[0].swap.file.path
     real_write = path.write
     writes: list[tuple[Future, object, StateBuffer]] = []
 
@@ -152,8 +157,8 @@ def test_acquire_waits_for_the_oldest_write_when_no_buffer_is_free(swapped, monk
     try:
         got = transfers.acquire(victims)
         assert got is bufs[0]
-        assert sgs[0].staged is None and not sgs[0].writing
-        assert sgs[1].writing and sgs[2].writing  # not waited for
+        assert sgs[0].staged is None
+        assert sgs[1].stage is Stage.WRITING and sgs[2].stage is Stage.WRITING  # not waited for
         assert torch.equal(_on_file(sgs[0]).master, torch.full((NUMEL,), 50.0))
     finally:
         for t in timers:
@@ -168,15 +173,15 @@ def test_acquire_takes_the_free_buffers_then_a_clean_copy_without_waiting(swappe
     buf = _clean_copy(transfers, sgs[3])
     free = list(transfers.free)
     assert [transfers.acquire(lambda: [sgs[3]]) for _ in free] == free[::-1]
-    assert sgs[3].staged is buf and sgs[3].kept  # the free ones went first
+    assert _buffer(sgs[3]) is buf and sgs[3].stage is Stage.KEPT_CLEAN  # the free ones went first
     assert transfers.acquire(lambda: [sgs[3]]) is buf
-    assert sgs[3].staged is None and not sgs[3].kept
+    assert sgs[3].staged is None
 
 
 def test_a_failed_write_keeps_the_state_in_memory_and_is_raised_once(swapped, monkeypatch):
     transfers, sgs = swapped
     sg = sgs[2]
-    path = sg.swap_file.path
+    path = sg.swap.file.path
 
     def failing_write(sf, buf):
         f: Future = Future()
@@ -189,7 +194,7 @@ def test_a_failed_write_keeps_the_state_in_memory_and_is_raised_once(swapped, mo
     transfers.write_back(sg)
     transfers.wait_writes()
     # The state is where the update left it, now host-resident, and its buffer out of the pool.
-    assert sg.tier == HOST and sg.host_buffer is buf and sg.staged is None and not sg.writing
+    assert sg.tier == HOST and isinstance(sg.home, InHost) and sg.home.buffer is buf
     assert torch.equal(buf.master, torch.full((NUMEL,), 9.0))
     assert transfers.pool_size == size - 1 and buf not in transfers.buffers()
     with pytest.raises(StorageIOError, match="injected"):
@@ -202,12 +207,12 @@ def test_read_ahead_reads_into_free_buffers_only_for_subgroups_needed_before_the
     for i in (1, 4):
         _clean_copy(transfers, sgs[i])
     (free,) = transfers.free  # three buffers: the two copies and one free
-    kept_1 = sgs[1].staged
+    kept_1 = _buffer(sgs[1])
     assert transfers.read_ahead(range(N)) == 2
     # 0 into the free buffer; 1 is in memory already; 2 into 4's buffer (needed after it); 3 not:
     # the only copy left, 1's, is needed before it.
-    assert sgs[0].staged is free
-    assert sgs[1].staged is kept_1 and sgs[1].kept
+    assert _buffer(sgs[0]) is free
+    assert _buffer(sgs[1]) is kept_1 and sgs[1].stage is Stage.KEPT_CLEAN
     assert sgs[2].staged is not None and sgs[4].staged is None
     assert sgs[3].staged is None
     swaps = transfers.begin_step(range(N))
