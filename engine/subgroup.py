@@ -189,8 +189,7 @@ class Subgroup:
     @property
     def stage(self) -> Stage | None:
         """Its staged copy's stage, or None."""
-        st = self.staged
-        return None if st is None else st.stage
+        return st.stage if (st := self.staged) is not None else None
 
     def start_state(self, buf: StateBuffer) -> None:
         """Its first state, in host buffer ``buf`` where it is first needed; nothing once it has state."""

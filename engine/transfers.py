@@ -5,8 +5,8 @@ failed. What overlaps what, and why the result is exact, is ``docs/io-overlap.md
 
 - **The pool.** A staging buffer is free, or holds a swapped subgroup's state (``Swapped.staged``,
   at a :class:`~engine.subgroup.Stage` of its round trip: being written back, it is read-only until
-  the write lands). A buffer is acquired free, else from a
-  clean copy (:meth:`Transfers.acquire`), else once the oldest write-back lands.
+  the write lands). A buffer is acquired free, else from a clean copy (:meth:`Transfers.acquire`),
+  else once the oldest write-back lands.
 - **Write-behind.** A step's write-backs drain behind it, during the next forward and backward;
   whatever needs those bytes waits for exactly them (:meth:`Transfers.wait_write`). What moves
   files or buffers (a knob change, the device tier's fit, a give-back, a checkpoint) waits for all
