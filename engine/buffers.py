@@ -71,10 +71,8 @@ def _unregister(ptr: int) -> None:
     # references are cleared (and this runs) before the storage's memory is freed.
     _registered.discard(ptr)
     _finalizers.pop(ptr, None)
-    try:
+    with contextlib.suppress(Exception):  # interpreter shutdown: the driver releases it with the process
         _host_unregister(ptr)
-    except Exception:  # interpreter shutdown: the driver releases it with the process
-        pass
 
 
 def pin_in_place(t: torch.Tensor) -> bool:

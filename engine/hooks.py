@@ -17,6 +17,7 @@ own errors (the tuner client does).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 if TYPE_CHECKING:
@@ -47,7 +48,5 @@ def close_hooks(hooks: Iterable[StepHook]) -> None:
     for hook in hooks:
         close = getattr(hook, "close", None)
         if close is not None:
-            try:
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:
-                pass

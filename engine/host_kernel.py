@@ -278,10 +278,8 @@ def _copy_bandwidth_on(cpus: set[int]) -> tuple[float, int]:
     process gets: it widens its affinity to them first, and the kernel clips that to its cpuset
     (or refuses it): then it measures on what it has. Never starts a process."""
     if hasattr(os, "sched_setaffinity") and set(os.sched_getaffinity(0)) != cpus:
-        try:
+        with contextlib.suppress(OSError):  # none of them in this process's cpuset: measured on its own CPUs
             os.sched_setaffinity(0, cpus)
-        except OSError:
-            pass  # none of them in this process's cpuset: measured on its own CPUs
     have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else len(cpus)
     from engine.gpumem import measure_memory_bandwidth
 

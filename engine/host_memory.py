@@ -21,6 +21,7 @@ against it, and the watch, which calls the engine back when memory runs low. Tor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -133,10 +134,8 @@ class PressureWatch:
             if callback is None:
                 return  # its engine was freed without close()
             if self.check():
-                try:
+                with contextlib.suppress(Exception):  # the step sees the pressure too; the thread must not die
                     callback()
-                except Exception:  # the step sees the pressure too; the thread must not die
-                    pass
             del callback  # not held while waiting: the engine stays collectable
 
     def close(self) -> None:

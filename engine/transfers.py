@@ -24,6 +24,7 @@ failed. What overlaps what, and why the result is exact, is ``docs/io-overlap.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import deque
@@ -431,10 +432,8 @@ class Transfers:
     def _drop_reads(self, reads: dict[int, Future[None]]) -> None:
         """Let ``reads`` land, unchecked, and put their buffers back."""
         for i, fut in reads.items():
-            try:
+            with contextlib.suppress(BaseException):
                 fut.result()  # landed (or failed) before its buffer goes back
-            except BaseException:
-                pass
             self.release(self.subgroups[i])
 
     def close(self) -> None:
@@ -442,10 +441,8 @@ class Transfers:
         ignored: the files go with their paths)."""
         self._drop_reads(self._early_reads)
         self._early_reads = {}
-        try:
+        with contextlib.suppress(Exception):
             self.wait_writes()  # no write in flight when the paths close
-        except Exception:
-            pass
 
 
 def host_state(sg: Subgroup) -> StateBuffer:

@@ -8,6 +8,7 @@ and ``concurrency`` writes at a time, paced by the path's bandwidth cap, and und
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -166,10 +167,8 @@ class SwapPath:
 
     def remove_file(self, sf: SwapFile) -> None:
         os.close(sf.fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(sf.filename)
-        except OSError:
-            pass
         self._files.remove(sf)
 
     # -- transfers ---------------------------------------------------------------------------

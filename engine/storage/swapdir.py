@@ -21,6 +21,7 @@ may rename anyone's entries) is refused too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -193,10 +194,8 @@ def remove_stale_swap_dirs(path: str) -> list[str]:
 
 def remove_swap_dir(d: str) -> None:
     shutil.rmtree(d, ignore_errors=True)
-    try:
+    with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(d))  # this user's offloadctl-swap-<uid>/ folder, once empty
-    except OSError:
-        pass
 
 
 def _age_s(d: str) -> float:

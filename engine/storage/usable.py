@@ -8,6 +8,7 @@ which is aligned as O_DIRECT needs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -63,7 +64,5 @@ def check_usable(path: str) -> None:
             f"the page cache: use a path on ext4, xfs or a parallel file system, not ramfs or overlayfs"
         ) from None
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(probe)
-        except OSError:
-            pass
