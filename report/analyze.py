@@ -180,6 +180,7 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
     summary["world_size"] = world
     summary.update(_throughput(steady, iters, summary["median_iter_s"], world))
     med_seg = summary["median_segments_s"]
+    window = rolling_window(len(iters))
     result = {
         "label": run.label,
         "path": run.path,
@@ -205,12 +206,11 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
         "knob_changes": _knob_changes(iters),
         "timeline": _timeline(run, chosen, tiers),
         "recorder": _recorder_cost(rec, iters),
+        "knob_series": _knob_series(iters),
+        "facts": run_facts(run),
+        "loss_recorded": any(i.get("loss") is not None for i in iters),
+        "rolling_median_iter_s": {"window": window, "values": rolling_median([i["iter_s"] for i in iters], window)},
     }
-    result["knob_series"] = _knob_series(iters)
-    result["facts"] = run_facts(run)
-    result["loss_recorded"] = any(i.get("loss") is not None for i in iters)
-    window = rolling_window(len(iters))
-    result["rolling_median_iter_s"] = {"window": window, "values": rolling_median([i["iter_s"] for i in iters], window)}
     summary["host_memory"] = host_memory_summary(
         [(i["iteration"], it["engine"]) for i, it in zip(iters, rec.iterations) if it.get("engine") is not None]
     )
@@ -234,14 +234,15 @@ def analyze_run(run: Run, iteration: int | None = None) -> dict:
 def _throughput(steady: list[dict], iters: list[dict], median_iter_s: float, world: int) -> dict:
     """Samples and tokens per iteration (this rank's forward inputs) and per second over all
     ranks (data parallel: every rank takes as many), and the iterations' total time."""
-    out = {"total_s": iters[-1]["t_end"] - iters[0]["t_start"]}
     samples = _median(i.get("samples") for i in steady)
     tokens = _median(i.get("tokens") for i in steady)
-    out["samples_per_iteration"] = samples or None
-    out["tokens_per_iteration"] = tokens or None
-    out["samples_per_s"] = samples * world / median_iter_s if samples and median_iter_s else None
-    out["tokens_per_s"] = tokens * world / median_iter_s if tokens and median_iter_s else None
-    return out
+    return {
+        "total_s": iters[-1]["t_end"] - iters[0]["t_start"],
+        "samples_per_iteration": samples or None,
+        "tokens_per_iteration": tokens or None,
+        "samples_per_s": samples * world / median_iter_s if samples and median_iter_s else None,
+        "tokens_per_s": tokens * world / median_iter_s if tokens and median_iter_s else None,
+    }
 
 
 # -- per iteration ---------------------------------------------------------------------------
@@ -325,22 +326,25 @@ def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict
         out.update(_run_and_others(it["io_self"], out["disk_bytes_per_param"], params_rank))
     if eng is not None:
         kinds = sorted(set(eng.bytes_read) | set(eng.bytes_written))
-        out["engine_bytes"] = {k: {"read": eng.bytes_read.get(k, 0), "written": eng.bytes_written.get(k, 0)} for k in kinds}
+        engine_bytes = {k: {"read": eng.bytes_read.get(k, 0), "written": eng.bytes_written.get(k, 0)} for k in kinds}
         p = eng.params
-        out["engine_bytes_per_param"] = (
-            {k: {d: v / p for d, v in rw.items()} for k, rw in out["engine_bytes"].items()} if p else {}
+        out.update(
+            engine_bytes=engine_bytes,
+            engine_bytes_per_param={k: {d: v / p for d, v in rw.items()} for k, rw in engine_bytes.items()} if p else {},
+            engine_iteration=eng.iteration,
+            cache={"hits": eng.cache_hits, "misses": eng.cache_misses},
+            lanes={
+                "host": eng.host_lane_subgroups,
+                "device": eng.device_lane_subgroups,
+                "device_tier": eng.device_tier_subgroups,
+            },
+            knobs=eng.knobs.to_dict() if eng.knobs else {},
+            host_bytes=eng.host_bytes.to_dict() if eng.host_bytes else {},
+            host_budget_bytes=eng.host_budget_bytes,
+            host_pressure=eng.host_pressure,
+            engine_start_s=eng.start_s,
+            engine_update_s=eng.update_s,
         )
-        out["engine_iteration"] = eng.iteration
-        out["cache"] = {"hits": eng.cache_hits, "misses": eng.cache_misses}
-        out["lanes"] = {
-            "host": eng.host_lane_subgroups,
-            "device": eng.device_lane_subgroups,
-            "device_tier": eng.device_tier_subgroups,
-        }
-        as_json = eng.to_dict()  # the knobs and host bytes as the record's JSON spells them
-        out.update({k: as_json[k] for k in ("knobs", "host_bytes", "host_budget_bytes", "host_pressure")})
-        out["engine_start_s"] = eng.start_s
-        out["engine_update_s"] = eng.update_s
         if it.get("tuner"):
             out["tuner"] = it["tuner"]
     return out
