@@ -157,8 +157,8 @@ def run_facts(run: Run) -> dict:
     plan = init.get("engine_plan") or {}
     knobs = plan.get("knobs")
     if knobs is None:
-        first = next((i.get("engine") for i in rec.iterations if i.get("engine") is not None), None)
-        knobs = first.to_dict()["knobs"] if first is not None else None
+        first = next((i["engine"] for i in rec.iterations if i.get("engine") is not None), None)
+        knobs = None if first is None else first.knobs.to_dict() if first.knobs else {}
     t = rec.header.get("unix_time")
     args = [a for a in init.get("argv") or [] if not a.startswith("--local_rank=")]  # the launcher's, not the user's
     return {
