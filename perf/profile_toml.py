@@ -283,7 +283,9 @@ def _convert(v: Any, tp: Any, key: str) -> Any:
 def _convert_dataclass(v: Any, cls: type, key: str) -> Any:
     if not isinstance(v, Mapping):
         raise _SchemaError(
-            key, f"must be a table, got {_kind(v)} {v!r}", f"write a table with keys {', '.join(_field_names(cls))}"
+            key,
+            f"must be a table, got {_kind(v)} {v!r}",
+            f"write a table with keys {', '.join(f.name for f in dataclasses.fields(cls))}",
         )
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -348,10 +350,6 @@ def _check_time(s: str, key: str, *, required: bool) -> None:
         ) from None
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 def _required(cls: type) -> list[str]:
     return [
         f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -365,12 +363,7 @@ def profile_to_dict(p: Any) -> Any:
     """Plain TOML-ready data of a profile (or any part of it): dataclasses become dicts in field
     order, tuples become lists, and None (an absent optional table) is left out."""
     if dataclasses.is_dataclass(p) and not isinstance(p, type):
-        out = {}
-        for f in dataclasses.fields(p):
-            v = getattr(p, f.name)
-            if v is not None:
-                out[f.name] = profile_to_dict(v)
-        return out
+        return {f.name: profile_to_dict(getattr(p, f.name)) for f in dataclasses.fields(p) if getattr(p, f.name) is not None}
     if isinstance(p, (tuple, list)):
         return [profile_to_dict(x) for x in p]
     return p
