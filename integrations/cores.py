@@ -169,10 +169,11 @@ def rank_cores(
     if len(cores) < local_size:
         return [cpus[local_rank % len(cpus)]]
     nodes = sorted({p.node for p in cores})
-    if gpu_nodes is not None and len(gpu_nodes) >= local_size and all(n in nodes for n in gpu_nodes[:local_size]):
-        node_of = list(gpu_nodes[:local_size])
-    else:
-        node_of = [nodes[r * len(nodes) // local_size] for r in range(local_size)]
+    node_of = (
+        list(gpu_nodes[:local_size])
+        if gpu_nodes is not None and len(gpu_nodes) >= local_size and all(n in nodes for n in gpu_nodes[:local_size])
+        else [nodes[r * len(nodes) // local_size] for r in range(local_size)]
+    )
     peers = [r for r in range(local_size) if node_of[r] == node_of[local_rank]]
     mine = sorted(p for p in cores if p.node == node_of[local_rank])
     if len(mine) < len(peers):  # more ranks on that node than it has cores: the node split ignored

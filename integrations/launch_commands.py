@@ -169,10 +169,11 @@ def built_command(kind: str, values: Mapping[str, object], script: str, script_a
     which = BUILT.index(kind)
     per_node = int(str(get("--num_gpus") or local_slots()))
     nodes = int(str(get("--num_nodes") or 1))
-    if kind == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(per_node)]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(per_node * nodes)]
+    cmd = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(per_node)]
+        if kind == "torchrun"
+        else [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", str(per_node * nodes)]
+    )
     for flag, spelled in BUILT_SPELLING.items():
         v = get(flag)
         if v is True:

@@ -271,10 +271,11 @@ def _device_labels(tiers: list[dict]) -> dict[str, str]:
 def _iteration(run: Run, it: dict, prev: dict | None, tiers: list[dict]) -> dict:
     spans = it.get("spans") or []
     sums = it.get("sums") or {}
-    if prev is not None:
-        t_start = prev["t_end"]
-    else:
-        t_start = min((s[1] for s in spans), default=it["t_end"] - sum(sums.get(p, 0.0) for p in PHASES[:3]))
+    t_start = (
+        prev["t_end"]
+        if prev is not None
+        else min((s[1] for s in spans), default=it["t_end"] - sum(sums.get(p, 0.0) for p in PHASES[:3]))
+    )
     iter_s = max(it["t_end"] - t_start, 1e-9)
     phases = {p: sums.get(p, 0.0) for p in PHASES[:3]}
     measured = sum(phases.values())

@@ -555,9 +555,7 @@ def cache_and_knobs(runs: list[dict]):
     runs = [r for r in runs if _has_cache(r)]
     names_of = [[n for n in (run.get("knob_series") or {}) if n != "iteration"] for run in runs]
     knob_rows = [len(names) if len(names) > 1 else 0 for names in names_of]
-    ratios = []
-    for k in knob_rows:
-        ratios += [2.2] + [0.8] * k
+    ratios = [r for k in knob_rows for r in [2.2] + [0.8] * k]
     fig, grid = plt.subplots(
         len(ratios), 1, figsize=(WIDTH_IN, 1.0 + sum(ratios)), squeeze=False, gridspec_kw={"height_ratios": ratios}
     )
