@@ -447,16 +447,12 @@ def _stop_run(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
         tree = []
     ranks = [p for p in tree if _is_rank(p)]
     for p in ranks + [p for p in reversed(tree) if p not in ranks]:  # ranks first: no launcher reports them failed first
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signum if p in ranks else signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(tree, timeout=STOP_GRACE_S)
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     proc.wait()
 
 
@@ -510,7 +506,7 @@ def remove_stale_shm_buffers() -> int:
     mine = [
         f
         for f in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*")
-        if _owned(f) and not _younger_than(f, now - SHM_STALE_AFTER_S)
+        if _owned_and_older(f, now - SHM_STALE_AFTER_S)
     ]
     if not mine:
         return 0
@@ -527,26 +523,18 @@ def remove_stale_shm_buffers() -> int:
     return _unlink_all(f for f in mine if f not in in_use)
 
 
-def _younger_than(path: str, since: float) -> bool:
+def _owned_and_older(path: str, since: float) -> bool:
     try:
-        return os.stat(path).st_mtime > since
+        st = os.stat(path)
     except OSError:
-        return True  # gone already: nothing to remove
+        return False  # gone already: nothing to remove
+    return st.st_uid == os.getuid() and st.st_mtime <= since
 
 
 def _unlink_all(paths) -> int:
     removed = 0
     for f in paths:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(f)
             removed += 1
-        except OSError:
-            pass
     return removed
-
-
-def _owned(path: str) -> bool:
-    try:
-        return os.stat(path).st_uid == os.getuid()
-    except OSError:
-        return False
