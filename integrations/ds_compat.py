@@ -26,6 +26,7 @@ where that is missing (a test keeps the two equal).
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib
 import inspect
@@ -309,10 +310,8 @@ def _fail(version: str, requirement: str, faults: list[str]) -> ConfigError:
 def _resolve(path: str, ds_name: str):
     """The class or module at ``path`` (a path under ``deepspeed``), or None."""
     path = ds_name + path[len("deepspeed") :]
-    try:
+    with contextlib.suppress(ImportError):
         return importlib.import_module(path)
-    except ImportError:
-        pass
     module, _, name = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module), name, None)

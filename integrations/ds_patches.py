@@ -60,6 +60,7 @@ compares with the installed DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -184,10 +185,8 @@ class _ToLog(logging.Filter):
         if record.levelno >= logging.ERROR:
             return True
         if self.log is not None:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self.log.write((self.formatter.format(record) + "\n").encode())
-            except (OSError, ValueError):
-                pass
         return False
 
 
@@ -228,10 +227,8 @@ def route_deepspeed_warnings(log) -> None:
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if from_deepspeed():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 log.write(warnings.formatwarning(message, category, filename, lineno, line).encode())
-            except (OSError, ValueError):
-                pass
             return
         shown(message, category, filename, lineno, file, line)
 

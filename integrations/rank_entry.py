@@ -24,6 +24,7 @@ set it. Where the user did not, the rank's thread count is its core budget
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -162,14 +163,10 @@ def _end_interpreter(status: int) -> None:
     import atexit
     import threading
 
-    try:
+    with contextlib.suppress(Exception):  # the exit goes on
         threading._shutdown()  # type: ignore[attr-defined]  # private, not in typeshed; non-daemon threads joined, as at the interpreter's exit
-    except Exception:  # noqa: BLE001 - the exit goes on
-        pass
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
     os._exit(status)

@@ -19,6 +19,7 @@ Three places do the sorting, because DeepSpeed speaks from three kinds of proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -441,18 +442,14 @@ class OutputFilter:
         return any(s.startswith(text) or text.startswith(s) for s in starts) and len(text) < 200
 
     def _show(self, data: bytes) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             self.shown.write(data)
             self.shown.flush()
-        except (OSError, ValueError):
-            pass
 
     def _log(self, data: bytes) -> None:
         if self.log is not None:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self.log.write(data.replace(b"\r\n", b"\n"))
-            except (OSError, ValueError):
-                pass
 
 
 def _torch_log_prefix(text: bytes) -> bool:
@@ -510,10 +507,8 @@ class LauncherOutput:
             t.join(timeout)
         for f in self.filters:
             f.close()
-        try:
+        with contextlib.suppress(OSError):
             self.log.close()
-        except OSError:
-            pass
 
     @property
     def hidden_lines(self) -> int:
@@ -538,11 +533,9 @@ def _terminal_pair(like) -> tuple[int, int]:
     import termios
 
     ours, child = pty.openpty()
-    try:
+    with contextlib.suppress(OSError):
         size = fcntl.ioctl(like.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
         fcntl.ioctl(child, termios.TIOCSWINSZ, size)
-    except OSError:
-        pass
     return ours, child
 
 

@@ -15,6 +15,7 @@ reports progress through a callback ``progress(what, done, total)`` or a ``rich`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -125,14 +126,12 @@ def as_progress(progress: "ProgressFn | Progress | None") -> ProgressFn:
 
 
 def cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() in ("model name", "Processor", "cpu model") and value.strip():
                     return value.strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown"
 
 

@@ -3,6 +3,7 @@ the line of the key at fault (:func:`key_lines`, :func:`line_for`)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Mapping
 
@@ -33,10 +34,8 @@ def key_lines(text: str) -> dict[str, int]:
     (``host``, ``paths[1]``, ``paths[1].read_bytes_per_s.value``). Best effort: what it cannot
     follow is left out, and errors then name the nearest enclosing key's line."""
     sc = _KeyScanner(text)
-    try:
+    with contextlib.suppress(IndexError, ValueError):
         sc.document()
-    except (IndexError, ValueError):
-        pass
     return sc.lines
 
 

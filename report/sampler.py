@@ -7,6 +7,7 @@ Series that cannot be measured are left out of the header's columns, not written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -76,10 +77,8 @@ class Sampler(threading.Thread):
             except OSError as e:
                 stop_writing(self._file, e)
         if self._nvml is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml[0].nvmlShutdown()
-            except Exception:
-                pass
 
     def run(self) -> None:
         rows: list[str] = []
@@ -153,10 +152,8 @@ class Sampler(threading.Thread):
 
     def _rss(self) -> int | None:
         if self._statm is not None:
-            try:
+            with contextlib.suppress(OSError, IndexError, ValueError):
                 return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
-            except (OSError, IndexError, ValueError):
-                pass
         try:
             import psutil
 
@@ -183,26 +180,20 @@ def _own_nvml(cuda_device):
     if opened is None:
         return None
     nvml, handles = opened
-    try:
+    with contextlib.suppress(Exception):
         import torch
 
         props = torch.cuda.get_device_properties(cuda_device)
         uuid = getattr(props, "uuid", None)
         if uuid is not None:
-            try:
+            with contextlib.suppress(Exception):
                 return nvml, nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-            except Exception:
-                pass
         bus = getattr(props, "pci_bus_id", None)
         if bus is not None:
             bus_id = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
             return nvml, nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
-    except Exception:
-        pass
-    try:
+    with contextlib.suppress(Exception):
         nvml.nvmlShutdown()
-    except Exception:
-        pass
     return None
 
 
@@ -213,7 +204,5 @@ def stop_writing(f, e: OSError) -> None:
     try:
         f.close()
     except OSError:
-        try:
+        with contextlib.suppress(OSError):
             f.close()  # a close whose flush failed leaves the file open: the second closes it
-        except OSError:
-            pass
