@@ -420,6 +420,18 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
+def _tier_means(steady: list[dict], key: str) -> dict:
+    """The iterations' ``key`` ({phase: {tier: {"read", "written"}}} bytes/param), the mean over
+    the steady iterations (absent counts as 0)."""
+    keys = {(ph, t) for i in steady for ph, d in (i.get(key) or {}).items() for t in d}
+    out: dict = {}
+    for ph, t in sorted(keys):
+        out.setdefault(ph, {})[t] = {
+            d: _mean((i.get(key) or {}).get(ph, {}).get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")
+        }
+    return out
+
+
 def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: bool) -> dict:
     s = {
         "iterations": len(iters),
@@ -431,24 +443,10 @@ def _summary(steady: list[dict], iters: list[dict], median: dict, has_devices: b
         "mean_iter_s": statistics.fmean(i["iter_s"] for i in steady),
         "median_measured_share": _median(i["measured_share"] for i in steady),
     }
-    # Disk bytes/param per phase and tier, mean over steady iterations (absent counts as 0).
-    keys = {(ph, t) for i in steady for ph, d in i["disk_bytes_per_param"].items() for t in d}
-    disk: dict = {}
-    for ph, t in sorted(keys):
-        disk.setdefault(ph, {})[t] = {
-            d: _mean(i["disk_bytes_per_param"].get(ph, {}).get(t, {}).get(d, 0.0) for i in steady) for d in ("read", "written")
-        }
-    s["disk_bytes_per_param"] = disk
+    s["disk_bytes_per_param"] = disk = _tier_means(steady, "disk_bytes_per_param")
     if any(i.get("disk_bytes_per_param_update_parts") for i in steady):
         # The update's bytes by part (stock ZeRO-3): where in the step the gradients' round trip falls.
-        keys = {(ph, t) for i in steady for ph, d in (i.get("disk_bytes_per_param_update_parts") or {}).items() for t in d}
-        parts: dict = {}
-        for ph, t in sorted(keys):
-            parts.setdefault(ph, {})[t] = {
-                d: _mean((i.get("disk_bytes_per_param_update_parts") or {}).get(ph, {}).get(t, {}).get(d, 0.0) for i in steady)
-                for d in ("read", "written")
-            }
-        s["disk_bytes_per_param_update_parts"] = parts
+        s["disk_bytes_per_param_update_parts"] = _tier_means(steady, "disk_bytes_per_param_update_parts")
     s["disk_bytes_per_param_total"] = (
         sum(v for d in disk.values() for rw in d.values() for v in rw.values()) if has_devices else None
     )
