@@ -139,6 +139,11 @@ class Swapped:
         old, self.file, self.next_file = self.file, self.next_file, None
         return old
 
+    def write_unsent(self) -> None:
+        """Its write-back was not made (the submit, or waiting for it, raised other than a storage
+        error): the copy is again newer than its file, and not being written."""
+        self._move(Stage.UPDATED, Stage.WRITING)
+
     def write_failed(self) -> InHost:
         """Its write-back failed: its home from now on, its state kept in the buffer."""
         return InHost(self._move(None, Stage.WRITING))

@@ -333,7 +333,11 @@ class Transfers:
     def write_back(self, sg: Subgroup) -> None:
         """Start writing ``sg``'s staged state to its file (the next one, after a restripe)."""
         target, buf = sg.swap.write()
-        fut = target.path.write(target, buf)
+        try:
+            fut = target.path.write(target, buf)
+        except BaseException:
+            sg.swap.write_unsent()
+            raise
         self.writes.append((sg, fut))
         if (on_landed := self._on_write_landed) is not None:
             # In an I/O thread: its buffer may take the next read ahead (none after a flush until the next step).
@@ -350,6 +354,9 @@ class Transfers:
             self.pool_size -= 1
             sg.home = sg.swap.write_failed()
             return False
+        except BaseException:
+            sg.swap.write_unsent()  # an unexpected error, raised: the copy stays staged and dirty
+            raise
         if (left := sg.swap.landed()) is not None:  # restriped: its state is in its next file now
             left.path.remove_file(left)
         return True
@@ -392,8 +399,8 @@ class Transfers:
         started = 0
         for k, i in enumerate(swaps.order):
             sg = self.subgroups[i]
-            if sg.staged is not None or i in self._early_reads:
-                continue  # in memory already (kept, a clean copy, being written, or read)
+            if not isinstance(sg.home, Swapped) or sg.staged is not None or i in self._early_reads:
+                continue  # in memory already (kept, a clean copy, being written, or read; host-resident after a failed write)
             buf = self.try_acquire(functools.partial(self.victims, swaps, after=k))
             if buf is None:
                 break

@@ -202,6 +202,51 @@ def test_a_failed_write_keeps_the_state_in_memory_and_is_raised_once(swapped, mo
     transfers.raise_write_failure()  # raised once
 
 
+def test_a_write_that_fails_during_a_read_ahead_leaves_its_subgroup_in_host_memory(swapped, monkeypatch):
+    """Review of e0fbad6: the read ahead's first buffer reaps a failed write; the subgroup it
+    leaves in host memory, later in the order, is skipped, not read into a buffer of the pool."""
+    transfers, sgs = swapped
+    sg = sgs[3]
+    for i in (1, 4):
+        _clean_copy(transfers, sgs[i])
+    failed: Future = Future()
+    failed.set_exception(StorageIOError("injected"))
+    buf = _updated(transfers, sg, 9.0)  # the third buffer: none is free now
+    monkeypatch.setattr(sg.swap.file.path, "write", lambda sf, b: failed)
+    transfers.write_back(sg)  # landed (failed), not yet reaped
+    # 0 takes 4's clean copy (needed last), reaping 3's write first; 3 is skipped; 1 is in memory.
+    assert transfers.read_ahead([0, 3, 1, 4]) == 1
+    assert sgs[0].staged is not None and sgs[4].staged is None
+    assert isinstance(sg.home, InHost) and sg.home.buffer is buf and buf not in transfers.buffers()
+    assert torch.equal(buf.master, torch.full((NUMEL,), 9.0))
+    with pytest.raises(StorageIOError, match="injected"):
+        transfers.raise_write_failure()
+
+
+def test_an_unexpected_write_error_leaves_the_copy_dirty_and_not_being_written(swapped, monkeypatch):
+    """Review of e0fbad6: an error other than a storage error, from the submit or from the write,
+    is raised with the copy as it was before the write began (staged, newer than its file)."""
+    transfers, sgs = swapped
+    sg = sgs[1]
+    path = sg.swap.file.path
+    _updated(transfers, sg, 7.0)
+
+    def refused(sf, b):
+        raise RuntimeError("executor shut down")
+
+    monkeypatch.setattr(path, "write", refused)
+    with pytest.raises(RuntimeError, match="executor"):
+        transfers.write_back(sg)
+    assert sg.stage is Stage.UPDATED
+    broken: Future = Future()
+    broken.set_exception(ValueError("not a storage error"))
+    monkeypatch.setattr(path, "write", lambda sf, b: broken)
+    transfers.write_back(sg)
+    with pytest.raises(ValueError, match="not a storage error"):
+        transfers.wait_writes()
+    assert sg.stage is Stage.UPDATED and isinstance(sg.home, Swapped)
+
+
 def test_read_ahead_reads_into_free_buffers_only_for_subgroups_needed_before_the_copies_they_displace(swapped):
     transfers, sgs = swapped
     for i in (1, 4):
