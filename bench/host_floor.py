@@ -46,7 +46,7 @@ BYTES_PER_PARAM = 28  # engine.host_kernel.HOST_LANE_BYTES_PER_PARAM: what the u
 SUB_GROUP_SIZE = "20000000"
 
 
-def commands(size: str, ranks: int) -> dict[str, list[str]]:
+def commands(size: str, ranks: int, ours_opts: list[str]) -> dict[str, list[str]]:
     script = [SCRIPT, "--size", size, "--sub-group-size", SUB_GROUP_SIZE, "--offload", "cpu"]
     return {
         "stock": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", PORT, *script],
@@ -61,6 +61,7 @@ def commands(size: str, ranks: int) -> dict[str, list[str]]:
             PORT,
             "--tuner",
             "auto",
+            *ours_opts,
             *script,
         ],
     }
@@ -81,8 +82,9 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 4) -> float:
     return best
 
 
-def run_pairs(size: str, ranks: int, pairs: int, iters: int, timeout_s: float, work: str, out: dict, save) -> dict:
-    cmds = commands(size, ranks)
+def run_pairs(size: str, ranks: int, args: argparse.Namespace, work: str, out: dict, save) -> dict:
+    pairs, iters, timeout_s = args.pairs, args.iters, args.run_timeout
+    cmds = commands(size, ranks, args.ours_opt)
     key = f"{size} x{ranks}"
     cell = out["cells"].setdefault(key, {"size": size, "ranks": ranks, "pairs": []})
     for k in range(pairs):
@@ -137,6 +139,9 @@ def main() -> int:
     ap.add_argument("--sizes", nargs="+", default=["cpu", "cpu-deep"], help="bench/gpt_zero3.py sizes")
     ap.add_argument("--run-timeout", type=float, default=600)
     ap.add_argument("--json", help="write the figures here (after every run)")
+    ap.add_argument(
+        "--ours-opt", action="append", default=[], metavar="OPT", help="an option of ours' `offloadctl train`, repeatable"
+    )
     args = ap.parse_args()
     out: dict = {
         "machine": {
@@ -163,7 +168,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="host-floor-")
     for size in args.sizes:
         for ranks in args.ranks:
-            run_pairs(size, ranks, args.pairs, args.iters, args.run_timeout, work, out, save)
+            run_pairs(size, ranks, args, work, out, save)
     print()
     print(
         "| shape, ranks | pairs (stock / ours: step; iteration) | step median (min) | iteration median (min) "

@@ -105,8 +105,10 @@ class EngineConfig:
     io_chunk_bytes: int = 8 << 20
     """Size of one I/O request. A subgroup's transfer is split into chunks that run in
     parallel up to the path's concurrency."""
-    host_adam: Literal["auto", "torch", "deepspeed"] = "auto"
-    """Host-lane AdamW kernel. 'auto' measures both once per process and takes the faster."""
+    host_adam: Literal["auto", "fastest", "torch", "deepspeed"] = "auto"
+    """Host-lane AdamW kernel. 'auto': DeepSpeed's cpu_adam where the op is built (stock's: the
+    losses are stock's bit for bit), else torch's; 'fastest': the faster lane on this machine,
+    measured once and kept (:mod:`engine.host_kernel`)."""
     verify_checksums: bool = True
     """Check each swap file's CRC32 on read. Costs about 0.4 s per GB of one core (zlib, 2.7 GB/s
     measured on this project's CI machine), in the I/O threads."""
@@ -159,8 +161,8 @@ class EngineConfig:
             raise ConfigError(f"pins must map knob names as text to values, got {self.pins!r}")
         if self.io_backend not in ("auto", "aio", "posix"):
             raise ConfigError(f"io_backend must be 'auto', 'aio' or 'posix', got {self.io_backend!r}")
-        if self.host_adam not in ("auto", "torch", "deepspeed"):
-            raise ConfigError(f"host_adam must be 'auto', 'torch' or 'deepspeed', got {self.host_adam!r}")
+        if self.host_adam not in ("auto", "fastest", "torch", "deepspeed"):
+            raise ConfigError(f"host_adam must be 'auto', 'fastest', 'torch' or 'deepspeed', got {self.host_adam!r}")
         _positive_int("io_chunk_bytes", self.io_chunk_bytes)
         if self.io_chunk_bytes % 4096:
             raise ConfigError(f"io_chunk_bytes must be a multiple of 4096 (O_DIRECT), got {self.io_chunk_bytes}")

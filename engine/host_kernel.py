@@ -17,9 +17,13 @@ timing is the host-lane rate the lane balance uses
 (:mod:`engine.lane_model`), measured with the threads this process runs (its share of the node's
 cores under ``offloadctl train``).
 
-The two kernels round differently in the last bit, so the choice is measured once per machine
-and environment and kept in a file (``KERNEL_CHOICE_FILE``, beside the built ops): every rank,
-every run and every resume then takes the same kernel, and the same seed gives the same losses.
+The two kernels round differently in the last bit. So the default, ``auto``, takes no timing:
+it runs DeepSpeed's kernel wherever the op is built, the kernel stock ZeRO-3 offload runs, so a
+user who switches from stock gets stock's losses bit for bit (and torch's where it is not built).
+``fastest`` takes the faster lane, measured once per machine and environment and kept in a file
+(``KERNEL_CHOICE_FILE``, beside the built ops): every rank, every run and every resume then takes
+the same kernel, and the same seed gives the same losses. The kept rates are also the lane
+balance's for either kernel.
 """
 
 from __future__ import annotations
@@ -173,9 +177,10 @@ _measured_rates: dict[str, float] = {}
 
 
 def host_lane_rate(name: str) -> float:
-    """Params/s of the host lane with kernel ``name`` in this process (kept, or measured once)."""
+    """Params/s of the host lane with kernel ``name`` with this process's threads: kept with the
+    fastest lane's choice (:func:`chosen_host_kernel`), or measured once per machine there."""
     if name not in _measured_rates:
-        _measured_rates.update(slower_rates(*measure_host_lanes()))
+        chosen_host_kernel()
     return _measured_rates.get(name, 0.0)
 
 
@@ -201,7 +206,7 @@ def _machine_key() -> str:
 
 
 def chosen_host_kernel() -> str:
-    """The kernel of the faster host lane on this machine: kept in ``KERNEL_CHOICE_FILE``
+    """The kernel of the faster host lane on this machine (``--host-adam fastest``): kept in ``KERNEL_CHOICE_FILE``
     (:func:`engine.storage.machine_cache.kept_fact`), or measured once and kept there."""
 
     def decide(entry: object) -> dict[str, Any]:
@@ -223,8 +228,11 @@ def chosen_host_kernel() -> str:
 
 @functools.lru_cache(maxsize=None)
 def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
-    """The host-lane kernel for ``choice`` ('auto', 'torch', 'deepspeed'), as (name, callable)."""
+    """The host-lane kernel for ``choice`` ('auto', 'fastest', 'torch', 'deepspeed'), as (name,
+    callable). 'auto' is stock's kernel where it is built (see the module's doc)."""
     if choice == "auto":
+        choice = "deepspeed" if load_cpu_adam() is not None else "torch"
+    elif choice == "fastest":
         choice = chosen_host_kernel()
     elif choice == "deepspeed" and load_cpu_adam() is None:
         raise ConfigError(

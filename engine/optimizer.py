@@ -171,7 +171,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         read_ahead_bytes: int | None = None,
         overlap_io: bool = True,
         io_backend: Literal["auto", "aio", "posix"] = "auto",
-        host_adam: Literal["auto", "torch", "deepspeed"] = "auto",
+        host_adam: Literal["auto", "fastest", "torch", "deepspeed"] = "auto",
         verify_checksums: bool = True,
         run_dir: str | None = None,
         rank: int = 0,

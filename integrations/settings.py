@@ -66,9 +66,9 @@ class ZeroEngineSettings:
     ``--device-fraction``): the rank starts from them, they win over a profile's plan, and the
     tuner never moves them (``EngineConfig.pins``)."""
     io_backend: Literal["auto", "aio", "posix"] = "auto"
-    host_adam: Literal["auto", "torch", "deepspeed"] = "auto"
-    """The host lane's AdamW kernel (``EngineConfig.host_adam``): 'deepspeed' is stock's cpu_adam,
-    for losses equal to stock's bit for bit; 'auto' the faster lane here."""
+    host_adam: Literal["auto", "fastest", "torch", "deepspeed"] = "auto"
+    """The host lane's AdamW kernel (``EngineConfig.host_adam``): 'auto' is stock's cpu_adam where
+    it is built, for losses equal to stock's bit for bit; 'fastest' the faster lane here."""
     profile: str | None = None
     """Path of a hardware profile: each rank starts from the performance model's best plan."""
     tuner_socket: str | None = None

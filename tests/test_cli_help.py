@@ -107,6 +107,6 @@ def test_info_reads_as_a_user_would(monkeypatch, capsys):
     text = console.export_text()
     assert all(len(line) <= 80 for line in text.splitlines())
     assert not any(key in text for key in data if "_" in key)  # no internal keys
-    # The kernel runs use is the one the whole loop timed faster, kept: the table says so, and why.
+    # The kernel runs use, and the whole loop's rate with it, kept: the table says so, and why.
     flat = re.sub(r"[\s│]+", " ", text)
     assert "DeepSpeed 350M params/s" in flat and "kept" in flat and "165M params/s" in flat, flat

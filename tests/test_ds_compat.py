@@ -224,7 +224,6 @@ def test_info_fails_with_the_one_line(stage3, monkeypatch, capsys):
     from offloadctl.commands import info
 
     monkeypatch.setattr(engine.adamw, "measure_host_kernels", lambda: {"torch": 1.0})
-    monkeypatch.setattr(engine.host_kernel, "chosen_host_kernel", lambda: "torch")
     monkeypatch.setattr(engine.host_kernel, "host_lane_rate", lambda name: 1.0)
     monkeypatch.setattr(stage3, "_post_step", lambda self: None)
     for as_json in (True, False):

@@ -202,3 +202,18 @@ def test_asking_for_cpu_adam_where_it_is_not_built_is_one_clear_error(monkeypatc
     with pytest.raises(ConfigError, match=r"--host-adam deepspeed\) needs DeepSpeed's cpu_adam op.*offloadctl info --build"):
         host_kernel.select_host_kernel.__wrapped__("deepspeed")
     assert host_kernel.select_host_kernel.__wrapped__("torch")[0] == "torch"
+
+
+def test_auto_is_stocks_kernel_where_built_and_fastest_the_kept_choice(choice_dir, monkeypatch):
+    """'auto' takes no timing: DeepSpeed's cpu_adam where it loads (stock's kernel: stock's losses),
+    torch's where it does not; 'fastest' is the kept choice of the faster lane, whichever it is."""
+    monkeypatch.setattr(host_kernel, "measure_host_lanes", _no_measuring)
+    select = host_kernel.select_host_kernel.__wrapped__
+    if load_cpu_adam() is not None:
+        assert select("auto")[0] == "deepspeed"
+    monkeypatch.setattr(host_kernel, "load_cpu_adam", lambda: None)
+    assert select("auto")[0] == "torch"
+    (choice_dir / host_kernel.KERNEL_CHOICE_FILE).write_text(
+        json.dumps({host_kernel._machine_key(): {"kernel": "torch", "params_per_s": {"torch": 3.0}}})
+    )
+    assert select("fastest")[0] == "torch" and host_kernel.host_lane_rate("torch") == 3.0

@@ -33,7 +33,7 @@ def collect() -> dict:
     from engine.adamw import host_kernels as ops_kernels
     from engine.adamw import measure_host_kernels
     from engine.errors import ConfigError
-    from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, chosen_host_kernel, host_lane_rate, node_memory_bandwidth
+    from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, host_lane_rate, node_memory_bandwidth, select_host_kernel
     from engine.storage.native_ops import OPS, import_deepspeed, op_state
     from integrations import ds_compat
     from offloadctl import __version__
@@ -58,9 +58,9 @@ def collect() -> dict:
         "native_ops": {name: op.to_json() for name, op in ops.items()},
         "io_backends": ["aio", "posix"] if ops["async_io"].state == "built" else ["posix"],
         "host_adamw_params_per_s": measure_host_kernels(),
-        # What runs take: the kernel of the faster host lane (its whole loop timed once per machine
-        # and environment, then kept: same seed, same losses), and that lane's rate.
-        "host_adamw_kernel": (kernel := chosen_host_kernel()),
+        # What runs take by default (--host-adam auto: stock's kernel where its op is built, so
+        # stock's losses), and that lane's rate, timed once per machine and kept.
+        "host_adamw_kernel": (kernel := select_host_kernel("auto")[0]),
         "host_lane_params_per_s": host_lane_rate(kernel),
         # The loop's rate with every kernel, as the choice compared them (kept with it).
         "host_lane_params_per_s_by_kernel": {k: host_lane_rate(k) for k in ops_kernels()},
@@ -138,10 +138,12 @@ def info_table(data: dict):
     loops = data.get("host_lane_params_per_s_by_kernel") or {kernel: data["host_lane_params_per_s"]}
     t.add_row(
         "runs use",
-        f"{names.get(kernel, kernel)}, the faster in the whole host update loop (unscale, AdamW, "
-        f"weight copy; 4 subgroups), timed with each kernel once on this machine: "
+        f"{names.get(kernel, kernel)}, "
+        + ("stock's kernel, for stock's losses" if kernel == "deepspeed" else "DeepSpeed's op not being built")
+        + "; the whole host update loop (unscale, AdamW, weight copy; 4 subgroups), timed with each "
+        "kernel once on this machine: "
         + ", ".join(f"{names.get(n, n)} {rate(r)}" for n, r in loops.items())
-        + "; kept [1], so every rank and run takes the same kernel and a seed repeats its losses",
+        + "; kept [1], for the lane balance and --host-adam fastest",
     )
     files = [("[1]", os.path.join(extensions_dir(), KERNEL_CHOICE_FILE))]
     bw = data.get("host_memory_bytes_per_s")

@@ -163,10 +163,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     o.add_argument(
         "--host-adam",
-        choices=["auto", "torch", "deepspeed"],
+        choices=["auto", "fastest", "torch", "deepspeed"],
         default="auto",
         help="the host lane's AdamW kernel: deepspeed (stock's cpu_adam: losses equal to stock's), torch "
-        "(torch's fused AdamW), or auto: the faster lane here, measured once (default auto)",
+        "(torch's fused AdamW), fastest (the faster lane here, measured once), or auto: deepspeed where "
+        "its op is built, else torch (default auto)",
     )
     o.add_argument(
         "--profile",
