@@ -53,7 +53,6 @@ class Policy:
         self.cfg = config or PolicyConfig()
         self.paths, self.has_device = list(facts.paths), facts.has_device
         self.log: list[dict[str, Any]] = []
-        self._device_headroom_bytes = facts.device_headroom_bytes
         self._iteration = -1
         self._pins = Pins()
         self._user_pin_values: dict[str, Any] = {}  # each knob the user pinned in this run -> the value given
@@ -62,7 +61,6 @@ class Policy:
         self._iters_to_discard = self.cfg.warmup_iters
         self._samples_wanted = self.cfg.window  # samples of the good knobs wanted before the next move
         self._holding_since: int | None = None  # iteration the search ran out of moves
-        self._holding_cost: float | None = None  # median cost (iteration) of the hold's first window
         self._held: list[float] = []  # costs measured while holding (the first window is its level)
         self._hold_why: str | None = None  # why it holds with moves left (a model-guided re-stripe settled them)
         self._negligible_why: str | None = None  # why the policy holds without searching (update too small to matter)
@@ -144,8 +142,6 @@ class Policy:
     def observe(self, obs: Observation) -> Decision | None:
         """Take one iteration's figures; return new knobs when they should change."""
         self._iteration = obs.iteration
-        if obs.device_headroom_bytes is not None:
-            self._device_headroom_bytes = obs.device_headroom_bytes
         usable = isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0
         s = Sample.of(obs, self.paths) if usable else None
         change = self._adapt.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None, s)
@@ -308,7 +304,7 @@ class Policy:
         if move is None:
             self._holding_since, self._held = self._iteration, []
             recent = self._ledger.baseline[-self.cfg.window :]
-            self._holding_cost = _median([s.cost for s in recent]) if recent else None
+            cost = _median([s.cost for s in recent]) if recent else None  # the hold's level, for the log
             self._hold_why = (
                 "the stripe balances the paths at their rates now: the I/O knobs wait for the next re-exploration"
                 if self._ledger.last_kept == MODEL
@@ -319,11 +315,7 @@ class Policy:
             left = self._hold_why or (
                 f"no move left to try: none gained more than {100 * self._noise.threshold():.0f}% (this run's noise threshold)"
             )
-            msg = (
-                prefix + f"{left}; holding at {self._cost_name()} {self._holding_cost:.3f} s"
-                if self._holding_cost
-                else prefix + "holding"
-            )
+            msg = prefix + f"{left}; holding at {self._cost_name()} {cost:.3f} s" if cost else prefix + "holding"
             if self._knobs != self._good_knobs:
                 return self._decide(self._good_knobs, msg, "revert")
             self._note(msg, "hold")
@@ -400,15 +392,13 @@ class Policy:
         # Its level: its own first window, not a trial's few samples; a rise: over two windows after
         # it (one noisy window starts no search; a path that slows is a change of conditions).
         self._held = (self._held + [recent[-1]])[: 2 * w + 1]
-        self._holding_cost = _median(self._held[:w])
+        level = _median(self._held[:w])
         risen = _median([s.cost for s in self._ledger.baseline[-2 * w :]])
-        if len(self._held) > 2 * w and risen > self._holding_cost * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
+        if len(self._held) > 2 * w and risen > level * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             self._ledger.failed_moves.clear()
             self._holding_since = None
             self._ledger.baseline = self._ledger.baseline[-w:]
-            return self._propose(
-                f"{self._cost_name()} rose {100 * (risen / self._holding_cost - 1):.0f}% while holding; re-exploring; "
-            )
+            return self._propose(f"{self._cost_name()} rose {100 * (risen / level - 1):.0f}% while holding; re-exploring; ")
         every = self.cfg.reexplore_every_iters
         if every and self._holding_since is not None and self._iteration - self._holding_since >= every:
             self._ledger.failed_moves.clear()
