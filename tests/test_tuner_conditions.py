@@ -348,7 +348,7 @@ def test_a_path_that_changed_is_tried_again_whatever_its_probe_said():
     sim = TwoPaths(policy(path_depth_response=depth(1.0)), slows(30)).run(45)
     assert [d for d in sim.decisions if d[0] >= 30], "the change was not acted on"
     assert not [d for d in sim.decisions if d[0] < 30 and "io_concurrency" in d[2]], sim.decisions
-    assert set(sim.policy._search_state().depth_response) == {A}
+    assert set(sim.policy._adapt.depth_response) == {A}
 
 
 def test_the_engine_probes_how_each_path_answers_depth_and_restores_its_limits(tmp_path):

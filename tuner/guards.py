@@ -69,18 +69,16 @@ class Contention:
 
     def __init__(self, paths: Sequence[str], cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.paths = list(paths)
         self.contended: set[str] = set()
-        self._others: dict[str, deque[float]] = {p: deque(maxlen=3) for p in self.paths}
-        self._ours: dict[str, deque[float]] = {p: deque(maxlen=8) for p in self.paths}
+        self._others: dict[str, deque[float]] = {p: deque(maxlen=3) for p in paths}
+        self._ours: dict[str, deque[float]] = {p: deque(maxlen=8) for p in paths}
 
     def track(self, obs: Observation) -> list[tuple[str, bool, float]]:
         """Update each path's contended state; return (path, appeared, others' bytes/s) changes."""
         changes = []
-        for p in self.paths:
+        for p, hist in self._others.items():
             other = float(obs.path_other_bytes_per_s.get(p, 0.0) or 0.0)
             ours = obs.path_read_bytes_per_s.get(p, 0.0) + obs.path_write_bytes_per_s.get(p, 0.0)
-            hist = self._others[p]
             hist.append(other)
             if p not in self.contended:
                 self._ours[p].append(ours)
@@ -139,21 +137,18 @@ class ModelMove:
 class Adaptation:
     """What changed, and what the tuner did about it, for one run (see the module docstring).
 
-    ``depth_response``: how each path's probe answered more and fewer requests in flight, until
-    its rate changes."""
+    ``depth_response``: how each path's probe answered more and fewer requests in flight (the
+    run's ``path_depth_response``), until its rate changes."""
 
-    def __init__(
-        self, paths: Sequence[str], cfg: PolicyConfig, depth_response: Mapping[str, Mapping[str, float]] | None = None
-    ) -> None:
+    def __init__(self, facts: RunFacts, cfg: PolicyConfig) -> None:
         self.cfg = cfg
-        self.paths = list(paths)
-        self.contention = Contention(self.paths, cfg)
-        self.conditions = Conditions(self.paths, cfg)
+        self.contention = Contention(facts.paths, cfg)
+        self.conditions = Conditions(facts.paths, cfg)
         self.recent: deque[Sample] = deque(maxlen=8)
         """Every usable sample, whatever its knobs: a change's baseline."""
         self.stripe_checked = False
         """The stripe checked against the paths' first measured rates."""
-        self.depth_response = {p: dict(r) for p, r in (depth_response or {}).items() if p in self.paths}
+        self.depth_response = {p: dict(r) for p, r in facts.path_depth_response.items() if p in facts.paths}
         self.log: deque[dict[str, Any]] = deque(maxlen=20)
         """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
         none made, and why in ``effect``), effect (its measured result once judged)."""
@@ -201,7 +196,7 @@ class Adaptation:
 
     def can_restripe(self, stripe_pinned: bool) -> bool:
         """The model may move the stripe: two paths or more, not pinned, every rate known."""
-        return len(self.paths) >= 2 and not stripe_pinned and self.conditions.known()
+        return len(self.conditions.paths) >= 2 and not stripe_pinned and self.conditions.known()
 
     def restripe(
         self, why: str, good_knobs: Knobs, shares: Mapping[str, float], iteration: int, *, quiet: bool = False

@@ -12,15 +12,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from statistics import median
-from typing import AbstractSet, Literal, Mapping, Sequence, TypedDict, cast
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence, TypedDict, cast
 
 from engine.config import KnobKey, Knobs, split_key
 from tuner.conditions import io_time
-from tuner.guards import Contention, Limits
+from tuner.guards import Adaptation, Limits
 from tuner.knob_text import Pins
 from tuner.measurement import Sample
 from tuner.policy_config import PolicyConfig
 from tuner.run_state import RunFacts
+
+if TYPE_CHECKING:
+    from tuner.ledger import Ledger  # which imports the moves
 
 Plan = Literal["start", "return", "model"]
 Step = Literal["+", "-", ""]
@@ -99,33 +102,6 @@ def diff(a: Knobs, b: Knobs) -> str:
     return ", ".join(parts) or "no change"
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchState:
-    """What a search starts from: the policy's state at the time, passed in whole."""
-
-    good_knobs: Knobs
-    """The knobs moves start from."""
-    baseline: Sequence[Sample]
-    """Their measurements, oldest first."""
-    failed_moves: AbstractSet[MoveKey]
-    """Moves that did not help, since the last re-exploration."""
-    bad_knobs: AbstractSet[str]
-    """Knob settings (:func:`knobs_key`) that caused an error."""
-    last_kept: MoveKey | None
-    """The move that just helped (momentum)."""
-    own_start: Knobs | None
-    """The run's own starting knobs, while they are still to be tried against the model's plan."""
-    return_to: Knobs | None
-    """The plan from before contention, while the way back is not done."""
-    shares_before_contention: Mapping[str, float]
-    """Byte shares per path when contention appeared (the engine's default weights then)."""
-    path_rates: Mapping[str, float] = field(default_factory=dict)
-    """Each path's measured rate now (:class:`tuner.conditions.Conditions`); {} until every path's is known."""
-    depth_response: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    """Per path whose conditions have not changed since: how its probe at start answered twice and
-    half its concurrency (``EngineFacts.path_depth_response``)."""
-
-
 class BaselineStats(TypedDict, total=False):
     """:meth:`MoveSearch.stats`: each phase's share of the update, each path's share of the bytes ({} without samples)."""
 
@@ -137,16 +113,17 @@ class BaselineStats(TypedDict, total=False):
 class MoveSearch:
     """The moves worth trying from the good knobs, ranked, for one run's policy.
 
-    It keeps no state of its own: the run's facts and guard rails (``limits``, ``contention``,
-    ``pins``, objects the policy keeps current) are given once; the policy's search state comes
-    with each call as a :class:`SearchState`.
+    It keeps no state of its own: the run's facts and guard rails (``limits``, ``adapt``: what
+    changed and the tuner's response to it, ``pins``: objects the policy keeps current) are
+    given once; the good knobs, the trials' :class:`tuner.ledger.Ledger` and the run's own start
+    come with each call.
     """
 
-    def __init__(self, cfg: PolicyConfig, facts: RunFacts, *, limits: Limits, contention: Contention, pins: Pins) -> None:
+    def __init__(self, cfg: PolicyConfig, facts: RunFacts, *, limits: Limits, adapt: Adaptation, pins: Pins) -> None:
         self.cfg = cfg
-        self.paths, self.has_device, self.ranks = list(facts.paths), facts.has_device, facts.ranks
+        self.facts = facts
         self._limits = limits
-        self._contention = contention
+        self._adapt = adapt
         self._pins = pins
 
     def stats(self, baseline: Sequence[Sample]) -> BaselineStats:
@@ -155,7 +132,7 @@ class MoveSearch:
         if not b:
             return {}
         upd = median([s.update_s for s in b]) or 1e-9
-        moved = {p: median([s.path_bytes_per_s.get(p, 0.0) for s in b]) for p in self.paths}
+        moved = {p: median([s.path_bytes_per_s.get(p, 0.0) for s in b]) for p in self.facts.paths}
         total = sum(moved.values())
         return {
             "read_share": min(1.0, median([s.read_wait_s for s in b]) / upd),
@@ -169,9 +146,9 @@ class MoveSearch:
         away from a contended path, whose rate depends on how much we send it (another job's
         requests share it by queue depth), which only a trial can tell."""
         keys = {_key("prefetch_depth", "+"), _key("prefetch_depth", "-"), _key("node_lock", "")}
-        for p in self.paths:
+        for p in self.facts.paths:
             keys |= {_key("io_concurrency", "+", p), _key("io_concurrency", "-", p)}
-            if p not in self._contention.contended:
+            if p not in self._adapt.contention.contended:
                 keys.add(_key("stripe_weights", "-", p))
         return keys
 
@@ -184,7 +161,7 @@ class MoveSearch:
         knob, stats = move.key.knob, self.stats(baseline)
         if (
             knob is not None
-            and knob.path in self._contention.contended
+            and knob.path in self._adapt.contention.contended
             and (knob.name == "stripe_weights" or (knob.name == "io_concurrency" and move.key.step == "-"))
         ):
             return ": that path is contended"
@@ -192,43 +169,47 @@ class MoveSearch:
             return ""
         return f" (read wait {100 * stats['read_share']:.0f}%, write wait {100 * stats['write_share']:.0f}% of the update)"
 
-    def next_move(self, state: SearchState) -> tuple[Move | None, bool]:
-        """The best move not failed, not to knobs that caused an error, and not to the good knobs
-        themselves; and whether the way back to ``state.return_to`` is done (no step is left)."""
-        candidates, back_done = self._candidates(state)
+    def next_move(self, good: Knobs, ledger: Ledger, own_start: Knobs | None) -> tuple[Move | None, bool]:
+        """The best move from the ``good`` knobs not failed, not to knobs that caused an error
+        (``ledger``), and not to the good knobs themselves (``own_start``: the run's own start,
+        while it is to be tried against the model's plan); and whether the way back to
+        ``adapt.return_to`` is done (no step is left)."""
+        candidates, back_done = self._candidates(good, ledger, own_start)
         untried = (
             m
             for _, m in sorted(candidates, key=lambda sm: -sm[0])
-            if m.key not in state.failed_moves and m.knobs != state.good_knobs and knobs_key(m.knobs) not in state.bad_knobs
+            if m.key not in ledger.failed_moves and m.knobs != good and knobs_key(m.knobs) not in ledger.bad_knobs
         )
         return next(untried, None), back_done
 
-    def _candidates(self, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
-        """Every move worth trying from the good knobs, each with its score (higher: sooner);
-        and whether the way back is done."""
-        k, stats = state.good_knobs, self.stats(state.baseline)
+    def _candidates(self, k: Knobs, ledger: Ledger, own_start: Knobs | None) -> tuple[list[tuple[float, Move]], bool]:
+        """Every move worth trying from the good knobs ``k``, each with its score (higher:
+        sooner); and whether the way back is done."""
+        stats = self.stats(ledger.baseline)
         read_share = stats.get("read_share", 0.0)
         io_share = min(1.0, read_share + stats.get("write_share", 0.0))
         shares = stats.get("shares", {})
         # In this order: sorting by score is stable, so ties go to the earlier kind of move.
-        planned, back_done = self._planned_moves(k, state)
+        planned, back_done = self._planned_moves(k, ledger.baseline, own_start)
         out = [
             *planned,
             *self._prefetch_moves(k, read_share),
-            *self._concurrency_moves(k, io_share, shares, state.depth_response),
-            *self._stripe_moves(k, io_share, shares, state.path_rates),
-            *self._device_moves(k, io_share, state),
+            *self._concurrency_moves(k, io_share, shares),
+            *self._stripe_moves(k, io_share, shares),
+            *self._device_moves(k, io_share, ledger.baseline),
             *self._node_lock_moves(k, io_share),
         ]
-        return [(s + (1.0 if m.key == state.last_kept else 0.0), m) for s, m in out], back_done
+        return [(s + (1.0 if m.key == ledger.last_kept else 0.0), m) for s, m in out], back_done
 
-    def _planned_moves(self, k: Knobs, state: SearchState) -> tuple[list[tuple[float, Move]], bool]:
+    def _planned_moves(
+        self, k: Knobs, baseline: Sequence[Sample], own_start: Knobs | None
+    ) -> tuple[list[tuple[float, Move]], bool]:
         """Back toward the plan from before contention (and whether no step is left); the run's
         own start against the model's plan."""
         out: list[tuple[float, Move]] = []
         back_done = False
-        if state.return_to is not None:
-            back = self.step_toward(k, state.return_to, state)
+        if self._adapt.return_to is not None:
+            back = self.step_toward(k, self._adapt.return_to, baseline)
             if back != k:
                 out.append(
                     (
@@ -240,13 +221,13 @@ class MoveSearch:
                 )
             else:
                 back_done = True
-        if state.own_start is not None:
-            out.append((2.5, Move(key=START, knobs=state.own_start, what=f"the starting knobs ({diff(k, state.own_start)})")))
+        if own_start is not None:
+            out.append((2.5, Move(key=START, knobs=own_start, what=f"the starting knobs ({diff(k, own_start)})")))
         return out, back_done
 
     def _prefetch_moves(self, k: Knobs, read_share: float) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
-        if self.paths and not self._pins.covers("prefetch_depth"):  # prefetch only matters with state on storage
+        if self.facts.paths and not self._pins.covers("prefetch_depth"):  # prefetch only matters with state on storage
             d = k.prefetch_depth
             up = min(d + (2 if read_share > 0.3 else 1), self._limits.prefetch_cap())
             if up > d:
@@ -271,25 +252,24 @@ class MoveSearch:
                 )
         return out
 
-    def _concurrency_moves(
-        self, k: Knobs, io_share: float, shares: Mapping[str, float], depth: Mapping[str, Mapping[str, float]]
-    ) -> list[tuple[float, Move]]:
+    def _concurrency_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
         """Twice or half the requests in flight on one path; where the path's probe at start
-        answered at this concurrency and no one else shares it, only a rise the probe says gains
-        (half the requests cannot serve it faster than the probe showed at full depth)."""
+        answered at this concurrency (``adapt.depth_response``) and no one else shares it, only a
+        rise the probe says gains (half the requests cannot serve it faster than the probe showed
+        at full depth)."""
         out: list[tuple[float, Move]] = []
-        for p in self.paths:
+        for p in self.facts.paths:
             if self._pins.covers("io_concurrency", p):
                 continue
             c, knob = k.concurrency_for(p), KnobKey("io_concurrency", p)
             conc = dict(k.io_concurrency)
-            probed = depth.get(p) if p not in self._contention.contended else None
+            probed = self._adapt.depth_response.get(p) if p not in self._adapt.contention.contended else None
             probed = probed if probed is not None and probed.get("at") == c else None
             if c < 64 and (probed is None or probed.get("double", 0.0) >= 1 + self.cfg.depth_gain):
                 conc[p] = min(64, 2 * c)
                 out.append(
                     (
-                        0.1 + io_share * shares.get(p, 1.0 / len(self.paths)),
+                        0.1 + io_share * shares.get(p, 1.0 / len(self.facts.paths)),
                         Move(
                             key=MoveKey(knob, "+"),
                             knobs=k.replace(io_concurrency=dict(conc)),
@@ -301,7 +281,7 @@ class MoveSearch:
                 conc[p] = c // 2
                 out.append(
                     (
-                        1.5 if p in self._contention.contended else 0.03,
+                        1.5 if p in self._adapt.contention.contended else 0.03,
                         Move(
                             key=MoveKey(knob, "-"),
                             knobs=k.replace(io_concurrency=dict(conc)),
@@ -311,22 +291,23 @@ class MoveSearch:
                 )
         return out
 
-    def _stripe_moves(
-        self, k: Knobs, io_share: float, shares: Mapping[str, float], rates: Mapping[str, float]
-    ) -> list[tuple[float, Move]]:
+    def _stripe_moves(self, k: Knobs, io_share: float, shares: Mapping[str, float]) -> list[tuple[float, Move]]:
         """Weight away from one path, for each path; with every path's rate known, only the steps
         the paths' balance at those rates says may shorten their time (a step away from a
         balanced stripe only unbalances it: no trial spent on it), but away from a contended path."""
         out: list[tuple[float, Move]] = []
-        if len(self.paths) > 1 and not self._pins.covers("stripe_weights") and (w := self.weights_of(k, shares)):
-            known = set(rates) == set(self.paths)
-            for p in self.paths:
+        if len(self.facts.paths) > 1 and not self._pins.covers("stripe_weights") and (w := self.weights_of(k, shares)):
+            known = self._adapt.conditions.known()
+            rates = self._adapt.conditions.rates()
+            for p in self.facts.paths:
                 new = self._shift_away(w, p)
                 # A contended path's rate moves with our share of its queue: no prediction holds.
-                if new is None or (known and p not in self._contention.contended and io_time(new, rates) >= io_time(w, rates)):
+                if new is None or (
+                    known and p not in self._adapt.contention.contended and io_time(new, rates) >= io_time(w, rates)
+                ):
                     continue
-                calm_elsewhere = any(q not in self._contention.contended for q in self.paths if q != p)
-                score = 2.0 if p in self._contention.contended and calm_elsewhere else 0.05 + 0.3 * io_share
+                calm_elsewhere = any(q not in self._adapt.contention.contended for q in self.facts.paths if q != p)
+                score = 2.0 if p in self._adapt.contention.contended and calm_elsewhere else 0.05 + 0.3 * io_share
                 out.append(
                     (
                         score,
@@ -339,11 +320,11 @@ class MoveSearch:
                 )
         return out
 
-    def _device_moves(self, k: Knobs, io_share: float, state: SearchState) -> list[tuple[float, Move]]:
+    def _device_moves(self, k: Knobs, io_share: float, baseline: Sequence[Sample]) -> list[tuple[float, Move]]:
         out: list[tuple[float, Move]] = []
-        if self.has_device and not self._pins.covers("device_fraction"):
+        if self.facts.has_device and not self._pins.covers("device_fraction"):
             f = k.device_fraction
-            target = self._balanced_fraction(state)
+            target = self._balanced_fraction(k, baseline)
             if target is not None:
                 t, why = target
                 t = min(t, self._limits.device_cap)
@@ -380,7 +361,7 @@ class MoveSearch:
         return out
 
     def _node_lock_moves(self, k: Knobs, io_share: float) -> list[tuple[float, Move]]:
-        if self.ranks > 1 and not self._pins.covers("node_lock"):
+        if self.facts.ranks > 1 and not self._pins.covers("node_lock"):
             return [
                 (
                     0.1 + 0.5 * io_share,
@@ -393,7 +374,7 @@ class MoveSearch:
             ]
         return []
 
-    def _balanced_fraction(self, state: SearchState) -> tuple[float, str] | None:
+    def _balanced_fraction(self, k: Knobs, baseline: Sequence[Sample]) -> tuple[float, str] | None:
         """Where the lanes' measured times say the device fraction should go (steps of 0.05),
         and why; None without lane times, or when no subgroup is outside the device tier.
 
@@ -404,7 +385,7 @@ class MoveSearch:
         GPU kept up and its rate is only known to be enough: one ``device_step`` more (runs
         start from the engine's measured balance, so this is a refinement). No device lane yet:
         half the subgroups, once."""
-        lanes = [x.lanes for x in state.baseline[-self.cfg.window :] if x.lanes is not None]
+        lanes = [x.lanes for x in baseline[-self.cfg.window :] if x.lanes is not None]
         if not lanes:
             return None
         host_s = median([x.host_lane_s for x in lanes])
@@ -413,8 +394,8 @@ class MoveSearch:
         rest = host_n + lane_n
         if rest <= 0:
             return None
-        upd = median([x.update_s for x in state.baseline[-self.cfg.window :]])
-        f = state.good_knobs.device_fraction
+        upd = median([x.update_s for x in baseline[-self.cfg.window :]])
+        f = k.device_fraction
         if lane_n > 0 and host_n > 0 and wait > 0.05 * upd and host_s > 0:
             r_dev, r_host = lane_n / upd, host_n / host_s
             t = r_dev / (r_dev + r_host)
@@ -437,8 +418,8 @@ class MoveSearch:
     def weights_of(self, k: Knobs, shares: Mapping[str, float]) -> dict[str, float] | None:
         """Current stripe weights as shares summing to 1: the knobs', else the observed byte shares
         (the engine's default weights are its measured bandwidths, which the policy cannot see)."""
-        if all(p in k.stripe_weights for p in self.paths):
-            w = {p: float(k.stripe_weights[p]) for p in self.paths}
+        if all(p in k.stripe_weights for p in self.facts.paths):
+            w = {p: float(k.stripe_weights[p]) for p in self.facts.paths}
         elif shares and sum(shares.values()) > 0:
             w = dict(shares)
         else:
@@ -447,7 +428,7 @@ class MoveSearch:
         return {p: v / total for p, v in w.items()} if total > 0 else None
 
     def _shift_away(self, w: dict[str, float], p: str) -> dict[str, float] | None:
-        others = [q for q in self.paths if q != p]
+        others = [q for q in self.facts.paths if q != p]
         if w[p] <= 1e-6 or not others:
             return None
         d = self.cfg.stripe_step * w[p]
@@ -458,8 +439,9 @@ class MoveSearch:
             out[q] += d * (w[q] / rest if rest > 0 else 1 / len(others))
         return {q: round(v, 4) for q, v in out.items()}
 
-    def step_toward(self, k: Knobs, target: Knobs, state: SearchState) -> Knobs:
-        """One bounded move of every searchable knob from ``k`` toward ``target``."""
+    def step_toward(self, k: Knobs, target: Knobs, baseline: Sequence[Sample]) -> Knobs:
+        """One bounded move of every searchable knob from ``k`` toward ``target`` (its stripe
+        weights, when the engine's, as the byte shares when contention appeared)."""
         out = k
         if not self._pins.covers("prefetch_depth"):
             d, t = k.prefetch_depth, target.prefetch_depth
@@ -470,7 +452,7 @@ class MoveSearch:
             if f2 <= f or (f2 <= self._limits.device_cap and self._limits.device_fits(f2)):  # the headroom may have shrunk since
                 out = out.replace(device_fraction=f2)
         conc = dict(out.io_concurrency)
-        for p in self.paths:
+        for p in self.facts.paths:
             if self._pins.covers("io_concurrency", p):
                 continue
             c, t = k.concurrency_for(p), target.concurrency_for(p)
@@ -478,18 +460,21 @@ class MoveSearch:
             if conc[p] == t and p not in target.io_concurrency:
                 del conc[p]  # back to the engine's default, as the target has it
         out = out.replace(io_concurrency=conc, node_lock=target.node_lock if not self._pins.covers("node_lock") else k.node_lock)
-        if len(self.paths) > 1 and not self._pins.covers("stripe_weights") and k.stripe_weights != target.stripe_weights:
-            cur = self.weights_of(k, self.stats(state.baseline).get("shares", {}))
-            tgt = self.weights_of(target, state.shares_before_contention)
+        if len(self.facts.paths) > 1 and not self._pins.covers("stripe_weights") and k.stripe_weights != target.stripe_weights:
+            cur = self.weights_of(k, self.stats(baseline).get("shares", {}))
+            tgt = self.weights_of(target, self._adapt.shares_before_contention)
             if cur and tgt:
                 # Paths losing weight lose at most stripe_step of theirs; the gainers share it.
-                delta = {p: tgt[p] - cur[p] for p in self.paths}
-                loss = {p: min(-delta[p], self.cfg.stripe_step * cur[p]) for p in self.paths if delta[p] < 0}
+                delta = {p: tgt[p] - cur[p] for p in self.facts.paths}
+                loss = {p: min(-delta[p], self.cfg.stripe_step * cur[p]) for p in self.facts.paths if delta[p] < 0}
                 if all(loss[p] >= -delta[p] - 1e-9 for p in loss):
                     out = out.replace(stripe_weights=dict(target.stripe_weights))  # within one step: exactly there
                 else:
                     moved, gain = sum(loss.values()), sum(v for v in delta.values() if v > 0)
-                    new = {p: cur[p] - loss.get(p, 0.0) + (moved * delta[p] / gain if delta[p] > 0 else 0.0) for p in self.paths}
+                    new = {
+                        p: cur[p] - loss.get(p, 0.0) + (moved * delta[p] / gain if delta[p] > 0 else 0.0)
+                        for p in self.facts.paths
+                    }
                     out = out.replace(stripe_weights={p: round(v, 4) for p, v in new.items()})
         return out
 

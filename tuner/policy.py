@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from statistics import median as _median
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from engine.config import KnobKey, Knobs
 from engine.errors import ConfigError
@@ -22,13 +22,11 @@ from tuner.guards import Adaptation, Change, Limits, ModelMove
 from tuner.knob_text import Pins, known_paths
 from tuner.ledger import Ledger
 from tuner.measurement import Noise, Sample, negligible
-from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, SearchState, Trial
+from tuner.moves import MODEL, RETURN, START, Move, MoveSearch, Trial
 from tuner.observation import Decision, Observation
 from tuner.policy_config import PolicyConfig
+from tuner.run_state import RunFacts
 from tuner.start_plan import model_start
-
-if TYPE_CHECKING:
-    from tuner.run_state import RunFacts
 
 __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 
@@ -51,7 +49,7 @@ class Policy:
             raise ConfigError(f"Policy ranks must be a positive integer, got {facts.ranks!r}")
         facts = replace(facts, paths=tuple(dict.fromkeys(facts.paths)))  # each path once
         self.cfg = config or PolicyConfig()
-        self.paths, self.has_device = list(facts.paths), facts.has_device
+        self.facts = facts
         self.log: list[dict[str, Any]] = []
         self._iteration = -1
         self._pins = Pins()
@@ -68,15 +66,15 @@ class Policy:
         self._fresh = 0  # samples of the good knobs measured since the knobs last changed
         self._noise = Noise(self.cfg)
         self._limits = Limits(self.cfg, facts)
-        self._adapt = Adaptation(self.paths, self.cfg, facts.path_depth_response)  # what changed, and the response
+        self._adapt = Adaptation(facts, self.cfg)  # what changed, and the response
         self._own_start: Knobs | None = None  # the run's own start, tried against the model's plan
-        self._search = MoveSearch(self.cfg, facts, limits=self._limits, contention=self._adapt.contention, pins=self._pins)
+        self._search = MoveSearch(self.cfg, facts, limits=self._limits, adapt=self._adapt, pins=self._pins)
 
         self._knobs = self._good_knobs = start
-        start, dropped = known_paths(start, self.paths, "start knobs")
+        start, dropped = known_paths(start, self.facts.paths, "start knobs")
         if dropped:
             self._note(dropped, "guard")
-        if not self.has_device and start.device_fraction > 0:
+        if not self.facts.has_device and start.device_fraction > 0:
             start = start.replace(device_fraction=0.0)
             self._note("no device lane: device_fraction set to 0", "guard")
         self._knobs = self._good_knobs = start
@@ -143,7 +141,7 @@ class Policy:
         """Take one iteration's figures; return new knobs when they should change."""
         self._iteration = obs.iteration
         usable = isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0
-        s = Sample.of(obs, self.paths) if usable else None
+        s = Sample.of(obs, self.facts.paths) if usable else None
         change = self._adapt.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None, s)
         if self._unannounced is not None:  # user requests apply even while frozen
             reason, self._unannounced = self._unannounced, None
@@ -195,12 +193,12 @@ class Policy:
             if key.name == "device_fraction" and new.device_fraction > 0 and not self._limits.device_fits(new.device_fraction):
                 why = (
                     "this run has no device lane"
-                    if not self.has_device
+                    if not self.facts.has_device
                     else f"it ran out of GPU memory above {self._limits.device_cap:g}"
                 )
                 raise ConfigError(f"cannot pin device_fraction={new.device_fraction}: {why}; pin a smaller fraction")
 
-        key, value, new = self._pins.pin(knob, value, self._good_knobs, self.paths, self.has_device, check=allowed)
+        key, value, new = self._pins.pin(knob, value, self._good_knobs, self.facts.paths, self.facts.has_device, check=allowed)
         knob = str(key)
         self._user_pin_values[knob] = key.value_in(new)
         self._ledger.trial = None
@@ -218,7 +216,7 @@ class Policy:
         value): the search never moves them, as it never moves a ``tune --pin``."""
         for text, value in pins.items():
             try:
-                key, value, self._knobs = self._pins.pin(text, value, self._knobs, self.paths, self.has_device)
+                key, value, self._knobs = self._pins.pin(text, value, self._knobs, self.facts.paths, self.facts.has_device)
             except ConfigError as e:  # a pin this run cannot have: the engine refused it already
                 self._note(f"fixed knob {text} not pinned: {e}", "guard")
                 continue
@@ -234,10 +232,10 @@ class Policy:
     def _user_set(self) -> list[str]:
         """Knobs the user pinned in this run, pinned still or unpinned since, whose good value is
         still the one the user gave: the user's, not the tuner's verdict (history never learns them)."""
-        return [k for k, v in self._user_pin_values.items() if KnobKey.parse(k, self.paths).value_in(self._good_knobs) == v]
+        return [k for k, v in self._user_pin_values.items() if KnobKey.parse(k, self.facts.paths).value_in(self._good_knobs) == v]
 
     def unpin(self, knob: str) -> None:
-        key = self._pins.unpin(knob, self.paths)
+        key = self._pins.unpin(knob, self.facts.paths)
         self.start_pins = [k for k in self.start_pins if k != str(key)]
         self._ledger.failed_moves.clear()
         self._restart_measuring(keep_samples=True)
@@ -295,7 +293,9 @@ class Policy:
             # The baseline is old after several reverts: measure the good knobs again first.
             self._restart_measuring()
             return self._decide(self._good_knobs, prefix + "measuring the last good knobs again before further moves", "revert")
-        move = self._next_move()
+        move, back_done = self._search.next_move(self._good_knobs, self._ledger, self._own_start)
+        if back_done:
+            self._adapt.return_to = None
         if move is not None and reverting is not None and move.key.family() == reverting.key.family():
             # Going straight from one trial to the next on the same knob would be two steps in
             # one change: back to the good knobs first, then the next move after one sample.
@@ -415,7 +415,7 @@ class Policy:
         return negligible(
             self._ledger.baseline[-self.cfg.window :],
             self.cfg,
-            has_device=self.has_device,
+            has_device=self.facts.has_device,
             threshold=self._noise.threshold(),
             kept=self._ledger.kept_total,
             factor=factor,
@@ -497,25 +497,3 @@ class Policy:
         self._ledger.baseline = baseline
         self._ledger.trial = Trial(Move(key=MODEL, knobs=m.knobs, lenient=True, what=m.what))
         return self._decide(m.knobs, m.reason + (f"; trial of {abandoned} abandoned" if abandoned else ""), "model")
-
-    # -- asking the search ----------------------------------------------------------------------
-
-    def _search_state(self) -> SearchState:
-        return SearchState(
-            good_knobs=self._good_knobs,
-            baseline=self._ledger.baseline,
-            failed_moves=self._ledger.failed_moves,
-            bad_knobs=self._ledger.bad_knobs,
-            last_kept=self._ledger.last_kept,
-            own_start=self._own_start,
-            return_to=self._adapt.return_to,
-            shares_before_contention=self._adapt.shares_before_contention,
-            path_rates=self._adapt.conditions.rates() if self._adapt.conditions.known() else {},
-            depth_response=self._adapt.depth_response,
-        )
-
-    def _next_move(self) -> Move | None:
-        move, back_done = self._search.next_move(self._search_state())
-        if back_done:
-            self._adapt.return_to = None
-        return move
