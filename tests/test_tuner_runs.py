@@ -221,3 +221,37 @@ def test_a_knob_pinned_then_unpinned_and_left_there_is_still_the_users(tmp_path)
         assert row["knobs"]["prefetch_depth"] == 5
         assert "prefetch_depth" not in row["learned"] and "node_lock" in row["learned"], row
         assert history.warm_start(None, 1000, 1) is None or "prefetch_depth" not in history.warm_start(None, 1000, 1).learned
+
+
+def test_the_record_schema_checks_every_field_the_daemon_reads(monkeypatch):
+    """Each field of a telemetry record that the daemon reads, as it aggregates an iteration for
+    the real policy, is one the wire's schema checks: a rank's wrong-typed value is its SCHEMA
+    error, not the daemon's failure on that iteration."""
+    import dataclasses
+
+    import tuner.runs
+    from engine.telemetry import StepRecord
+    from tuner.protocol import API_VERSION, CLIENT_SCHEMAS, validate
+    from tuner.runs import Runs
+
+    names, read = {f.name for f in dataclasses.fields(StepRecord)}, set()
+
+    class Spy(StepRecord):
+        def __getattribute__(self, name):
+            if name in names:
+                read.add(name)
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(tuner.runs, "StepRecord", Spy)
+    runs = Runs(ServerConfig(socket_path="unused"), sensors_factory=False)
+    a = Peer(1)
+    _register_paths(runs, a, ["/nvme0"])
+    rec = {"iteration": 0, "update_s": 0.5, "read_wait_s": 0.1, "write_wait_s": 0.0, "kernel_s": 0.4}
+    runs.telemetry(a, {"type": "telemetry", "run_id": "r", "rank": 0, "iteration": 0, "record": rec, "iter_time_s": 1.0})
+    assert runs.runs["r"].policy_error is None and runs.runs["r"].last_observed == 0
+    assert {"update_s", "path_bytes_read", "path_read_busy_s", "setup_s", "knobs"} <= read, read
+    for name in sorted(read):
+        msg = {"v": API_VERSION, "type": "telemetry", "run_id": "r", "rank": 0, "iteration": 0, "record": {**rec, name: "x"}}
+        with pytest.raises(ProtocolError) as e:
+            validate(msg, CLIENT_SCHEMAS)
+        assert e.value.code == ErrorCode.SCHEMA and f"telemetry.record.{name}" in str(e.value), name
