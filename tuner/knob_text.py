@@ -13,7 +13,7 @@ knob values here; :class:`engine.config.Knobs` only validates the values it is b
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from engine.config import KnobKey, Knobs, split_key
 from engine.errors import ConfigError
@@ -169,12 +169,6 @@ class Pins:
         out = cls()
         out._values = {KnobKey.parse(k): v for k, v in pins.items()}
         return out
-
-    def __iter__(self) -> Iterator[KnobKey]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
 
 
 def adaptation_text(a: Mapping[str, Any]) -> str:
