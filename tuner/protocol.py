@@ -207,9 +207,7 @@ def Obj(fields: dict[str, tuple[Spec, bool]], *, extra: bool = False) -> Spec:
             elif required:
                 raise ProtocolError(ErrorCode.SCHEMA, f"{where}.{name} is missing")
         if not extra and not known.issuperset(v):
-            unknown = set(v) - known
-            if unknown:
-                raise ProtocolError(ErrorCode.SCHEMA, f"{where} has unknown field(s) {sorted(unknown)}")
+            raise ProtocolError(ErrorCode.SCHEMA, f"{where} has unknown field(s) {sorted(set(v) - known)}")
         return v
 
     return check
