@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
 import resource
@@ -46,9 +47,9 @@ from tuner.protocol import (
     encode,
     validate,
 )
-from tuner.run_state import Run
+from tuner.run_state import Run, encodable_view
 from tuner.runs import Handler, PolicyFactory, Runs, SensorsFactory
-from tuner.service import pid_alive, private_dir
+from tuner.service import endedfile_for, pid_alive, private_dir, read_ended
 
 __all__ = ["ServerConfig", "TunerServer", "bind_socket", "raise_fd_limit", "serve"]
 
@@ -116,29 +117,12 @@ class _Conn:
 
 
 class TunerServer:
-    """The daemon's listening socket and connections, and its :class:`tuner.runs.Runs`;
-    :func:`serve` runs one.
+    """The daemon's listening socket and connections, and the :class:`tuner.runs.Runs` it hands
+    the messages about runs to; :func:`serve` makes and runs one."""
 
-    The keywords (``policy_factory``, ``sensors_factory``, ``history``) are those of
-    :class:`tuner.runs.Runs`.
-    """
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        *,
-        policy_factory: PolicyFactory | None = None,
-        sensors_factory: SensorsFactory | Literal[False] | None = None,
-        history: History | None = None,
-    ) -> None:
+    def __init__(self, config: ServerConfig, runs: Runs) -> None:
         self.config = config
-        self.runs = Runs(
-            config,
-            policy_factory=policy_factory,
-            sensors_factory=sensors_factory,
-            history=history,
-            on_end=_ended_runs_writer(config.socket_path),
-        )
+        self.runs = runs
         # Message type -> handler(conn, msg): the daemon's own, then those about runs.
         self._handlers: dict[str, Handler] = {
             "ping": self._on_ping,
@@ -556,11 +540,6 @@ def _ended_runs_writer(socket_path: str) -> Callable[[Run], None]:
     reads how it ended once this daemon is gone."""
 
     def record(run: Run) -> None:
-        import json
-
-        from tuner.run_state import encodable_view
-        from tuner.service import endedfile_for, read_ended
-
         view, _ = encodable_view(run, 60, 256 * 1024)
         ended = read_ended(socket_path)
         ended.pop(run.run_id, None)
@@ -582,10 +561,19 @@ def serve(
     history: History | None = None,
     ready: Callable[[TunerServer], None] | None = None,
 ) -> int:
-    """Run the daemon in this process until SIGTERM, SIGINT or a ``shutdown`` message."""
+    """Run the daemon in this process until SIGTERM, SIGINT or a ``shutdown`` message. The
+    keywords but ``ready`` (called with the server once it listens) are those of
+    :class:`tuner.runs.Runs`."""
 
     async def main() -> None:
-        server = TunerServer(config, policy_factory=policy_factory, sensors_factory=sensors_factory, history=history)
+        runs = Runs(
+            config,
+            policy_factory=policy_factory,
+            sensors_factory=sensors_factory,
+            history=history,
+            on_end=_ended_runs_writer(config.socket_path),
+        )
+        server = TunerServer(config, runs)
         server.heap = _Heap()  # the daemon's own process: its malloc is ours to set
         await server.start()
         loop = asyncio.get_running_loop()
