@@ -109,9 +109,6 @@ class Runs:
         out, self._outbox = self._outbox, []
         return out
 
-    def _push(self, peer: Any, msg: dict[str, Any]) -> None:
-        self._outbox.append((peer, msg))
-
     def any_running(self) -> bool:
         return any(r.status == "running" for r in self.runs.values())
 
@@ -143,13 +140,12 @@ class Runs:
         if rank >= world:
             raise ProtocolError(ErrorCode.BAD_VALUE, f"rank {rank} is not below world_size {world}")
         knobs = knobs_from_dict(msg["knobs"])
-        paths = tuple(msg["paths"])
-        check_knobs_for(knobs, paths, msg["has_device"])
+        check_knobs_for(knobs, msg["paths"], msg["has_device"])
         run = self.runs.get(run_id)
         if run is not None and run.status == "finished":
             run = None  # a run id used again after its end: a new run
         if run is None:
-            run = self._new_run(msg, knobs, paths)
+            run = self._new_run(msg, knobs)
         elif run.facts.ranks != world:
             raise ProtocolError(
                 ErrorCode.BAD_VALUE,
@@ -166,7 +162,7 @@ class Runs:
         if knobs != run.knobs:
             if run.apply_at is not None and run.apply_at > run.max_iteration:
                 # A change no rank has reached yet: this rank takes it at the same iteration as the others.
-                self._push(peer, self._knobs_message(run))
+                self._outbox.append((peer, self._knobs_message(run)))
             else:
                 log.warning(
                     "run %s: rank %d registered with knobs %s, not the run's %s; resynchronizing every rank",
@@ -193,26 +189,28 @@ class Runs:
         self._peer_ranks.setdefault(peer, set()).add((run.run_id, rank))
         log.info("run %s: rank %d/%d registered (pid %s)", run.run_id, rank, run.facts.ranks, getattr(peer, "pid", None))
 
-    def _new_run(self, msg: dict[str, Any], knobs: Knobs, paths: tuple[str, ...]) -> Run:
+    def _new_run(self, msg: dict[str, Any], knobs: Knobs) -> Run:
         self._make_room(msg["run_id"])
         run = Run(
             run_id=msg["run_id"], facts=RunFacts.from_register(msg), knobs=knobs, history=deque(maxlen=self.config.history_points)
         )
         self.runs[run.run_id] = run
-        from_history = self._warm_start(run, knobs, paths)
+        from_history = self._warm_start(run, knobs)
         start = from_history if from_history is not None else knobs
         try:
             run.policy = self.policy_factory(start, run.facts)
         except Exception as e:
             run.policy_error = f"policy failed to start: {e}"
             log.exception("run %s: policy failed to start; the run keeps its knobs", run.run_id)
-        if self.sensors_factory and paths:
+        if self.sensors_factory and run.facts.paths:
             try:
-                run.sensors = self.sensors_factory(list(paths))
+                run.sensors = self.sensors_factory(list(run.facts.paths))
             except Exception as e:
                 log.warning("run %s: no sensors: %s", run.run_id, e)
         run.sensor_at = time.monotonic()
-        log.info("run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(paths))
+        log.info(
+            "run %s: new, %d rank(s), %d params, paths %s", run.run_id, run.facts.ranks, run.facts.params, list(run.facts.paths)
+        )
         if from_history is not None and run.start_from is not None:  # pushed once every rank is here to take it at once
             said = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in run.start_from["knobs"].items())
             run.start_change = (
@@ -239,7 +237,7 @@ class Runs:
         del self.runs[oldest.run_id]
         oldest.close_sensors()
 
-    def _warm_start(self, run: Run, knobs: Knobs, paths: tuple[str, ...]) -> Knobs | None:
+    def _warm_start(self, run: Run, knobs: Knobs) -> Knobs | None:
         """``knobs`` with the tuner's latest verdict for runs like this one
         (:meth:`tuner.history.History.warm_start`) in place of the knobs it chose there, except
         those this run's own options fix; None when history has nothing usable here that
@@ -247,7 +245,7 @@ class Runs:
         if self.history is None:
             return None
         try:
-            warm = self.history.warm_start(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(paths))
+            warm = self.history.warm_start(run.facts.profile, run.facts.params, run.facts.ranks, paths=list(run.facts.paths))
             if warm is None:
                 return None
             fixed = {split_key(k)[0] for k in run.facts.pins}
@@ -566,7 +564,7 @@ class Runs:
         msg = self._knobs_message(run)
         for r in run.ranks.values():
             if r.peer is not None:
-                self._push(r.peer, msg)
+                self._outbox.append((r.peer, msg))
 
     @staticmethod
     def _knobs_message(run: Run) -> dict[str, Any]:
