@@ -33,10 +33,6 @@ __all__ = ["Decision", "LOG_ENTRIES", "Observation", "Policy", "PolicyConfig"]
 LOG_ENTRIES = 1000
 
 
-def _as_knobs(k: Knobs | Mapping[str, Any]) -> Knobs:
-    return k if isinstance(k, Knobs) else Knobs.from_dict(dict(k))
-
-
 class Policy:
     """Online search over one run's knobs; see the module docstring."""
 
@@ -142,7 +138,8 @@ class Policy:
         self._iteration = obs.iteration
         usable = isinstance(obs.update_s, (int, float)) and math.isfinite(obs.update_s) and obs.update_s > 0
         s = Sample.of(obs, self.facts.paths) if usable else None
-        change = self._adapt.track(obs, _as_knobs(obs.knobs) if obs.knobs is not None else None, s)
+        in_force = obs.knobs if obs.knobs is None or isinstance(obs.knobs, Knobs) else Knobs.from_dict(dict(obs.knobs))
+        change = self._adapt.track(obs, in_force, s)
         if self._unannounced is not None:  # user requests apply even while frozen
             reason, self._unannounced = self._unannounced, None
             if change and not self._frozen:
@@ -154,7 +151,7 @@ class Policy:
             return self._on_error(obs.error)
         if change and (d := self._on_conditions(change)) is not None:
             return d
-        if obs.knobs is not None and _as_knobs(obs.knobs) != self._knobs:
+        if in_force is not None and in_force != self._knobs:
             return None  # measured under earlier knobs: the last change has not reached the engine yet
         if self._iters_to_discard > 0:
             self._iters_to_discard -= 1
