@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import Knobs
+from engine.config import KnobKey, Knobs
 from tuner.ledger import Ledger, Ruling
 from tuner.measurement import Sample
 from tuner.moves import Move, MoveKey, Trial, knobs_key
 
 THR, WINDOW = 0.05, 3
-UP, DOWN = MoveKey.parse("prefetch_depth+"), MoveKey.parse("prefetch_depth-")
+UP, DOWN = MoveKey(KnobKey("prefetch_depth"), "+"), MoveKey(KnobKey("prefetch_depth"), "-")
 GOOD, DEEPER = Knobs(prefetch_depth=2), Knobs(prefetch_depth=3)
 
 
@@ -74,7 +74,7 @@ def test_kept_and_reverted_moves_in_the_ledger():
     ledger.kept(Move(key=UP, knobs=DEEPER, what="up"), GOOD, 1.0, confirm=True)
     assert (ledger.kept_total, ledger.reverts, ledger.last_kept, ledger.failed_moves) == (1, 0, UP, {DOWN})
     assert [(k.move.key, k.before, k.before_cost) for k in ledger.unconfirmed] == [(UP, GOOD, 1.0)]
-    node_lock = MoveKey.parse("node_lock")
+    node_lock = MoveKey(KnobKey("node_lock"))
     ledger.reverted(Move(key=node_lock, knobs=GOOD.replace(node_lock=True), what="lock"))
     assert (ledger.reverts, ledger.last_kept, ledger.failed_moves) == (1, None, {DOWN, node_lock})
     ledger.errored(DEEPER)

@@ -726,26 +726,29 @@ def test_params_are_per_rank(monkeypatch):
     assert seen["per_rank"] == PARAMS
 
 
-def test_move_and_knob_keys_read_back_what_they_write():
+def test_move_keys_spell_their_knob_and_way_and_knob_keys_read_back_what_they_write():
     from engine.config import KnobKey
-    from tuner.moves import RETURN, START, MoveKey
+    from tuner.moves import MODEL, RETURN, START, MoveKey
 
-    for text in (
-        "prefetch_depth+",
-        "prefetch_depth-",
-        "io_concurrency[/a+b]-",
-        "stripe_weights[/p]-",
-        "node_lock",
-        "device_fraction+",
-        "start",
-        "return",
-    ):
-        assert str(MoveKey.parse(text)) == text
-    assert MoveKey.parse("start") == START and MoveKey.parse("return") == RETURN
-    assert MoveKey.parse("io_concurrency[/p]+").opposite() == MoveKey.parse("io_concurrency[/p]-")
-    assert MoveKey.parse("node_lock").opposite() is None and START.opposite() is None
-    assert MoveKey.parse("stripe_weights[/a]-").family() == MoveKey.parse("stripe_weights[/b]-").family()
-    assert MoveKey.parse("io_concurrency[/a]-").family() != MoveKey.parse("io_concurrency[/b]+").family()
+    def key(name, step="", path=None):
+        return MoveKey(KnobKey(name, path), step)
+
+    spelled = {
+        key("prefetch_depth", "+"): "prefetch_depth+",
+        key("prefetch_depth", "-"): "prefetch_depth-",
+        key("io_concurrency", "-", "/a+b"): "io_concurrency[/a+b]-",
+        key("stripe_weights", "-", "/p"): "stripe_weights[/p]-",
+        key("node_lock"): "node_lock",
+        key("device_fraction", "+"): "device_fraction+",
+        START: "start",
+        RETURN: "return",
+        MODEL: "model",
+    }
+    assert {k: str(k) for k in spelled} == spelled
+    assert key("io_concurrency", "+", "/p").opposite() == key("io_concurrency", "-", "/p")
+    assert key("node_lock").opposite() is None and START.opposite() is None
+    assert key("stripe_weights", "-", "/a").family() == key("stripe_weights", "-", "/b").family()
+    assert key("io_concurrency", "-", "/a").family() != key("io_concurrency", "+", "/b").family()
     assert KnobKey.parse("io_concurrency[/x=y:z]", ["/x=y:z"]) == KnobKey("io_concurrency", "/x=y:z")
     assert str(KnobKey("io_concurrency", "/x")) == "io_concurrency[/x]"
 

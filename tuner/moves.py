@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from statistics import median
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence, TypedDict, cast
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence, TypedDict
 
-from engine.config import KnobKey, Knobs, split_key
+from engine.config import KnobKey, Knobs
 from tuner.conditions import io_time
 from tuner.guards import Adaptation, Limits
 from tuner.knob_text import Pins
@@ -35,7 +35,7 @@ class MoveKey:
     changes and which way (``''``: a toggle), or a whole plan (``plan``, and no knob).
 
     ``str()`` spells it ('prefetch_depth+', 'io_concurrency[/p]-', 'stripe_weights[/p]-' (weight
-    away from /p), 'node_lock', 'start', 'return', 'model'); :meth:`parse` reads that back."""
+    away from /p), 'node_lock', 'start', 'return', 'model'), for the log."""
 
     knob: KnobKey | None = None
     step: Step = ""
@@ -43,13 +43,6 @@ class MoveKey:
 
     def __str__(self) -> str:
         return self.plan if self.plan is not None else f"{self.knob}{self.step}"
-
-    @classmethod
-    def parse(cls, text: str) -> "MoveKey":
-        if text in ("start", "return", "model"):
-            return cls(plan=cast(Plan, text))
-        step: Step = "+" if text.endswith("+") else "-" if text.endswith("-") else ""
-        return cls(KnobKey(*split_key(text[:-1] if step else text)), step)
 
     def family(self) -> "MoveKey":
         """The knob a move changes, less the direction: one path's concurrency, or all the stripe
