@@ -182,6 +182,36 @@ class PinsThenFails:
         raise RuntimeError("lost")
 
 
+class PinsAnyway:
+    """A factory's policy that ignores the wire's check and makes a device fraction of any pin."""
+
+    def __init__(self, start, facts):
+        self.knobs, self.pins = start, {}
+
+    def pin(self, knob, value, check=None):
+        self.pins[knob] = value
+        self.knobs = self.knobs.replace(device_fraction=0.5)
+
+    def observe(self, obs):
+        return None
+
+
+def test_a_pin_a_policy_makes_knobs_no_rank_can_run_of_is_refused():
+    """The wire's check before the policy keeps a pin is the policy's to call; what the policy made
+    of the pin is checked again, so that no rank is sent knobs it refuses (here a device fraction
+    for a run without a device lane)."""
+    from tuner.runs import Runs
+
+    runs = Runs(ServerConfig(socket_path="unused"), policy_factory=PinsAnyway, sensors_factory=False)
+    a = Peer(1)
+    _register_paths(runs, a, ["/nvme0"])
+    runs.take_outbox()
+    with pytest.raises(ProtocolError) as e:
+        runs.controls.pin({"type": "pin", "run_id": "r", "knob": "prefetch_depth", "value": 5})
+    assert e.value.code == ErrorCode.BAD_VALUE and "device_fraction" in str(e.value)
+    assert runs.runs["r"].knobs == Knobs() and runs.take_outbox() == []
+
+
 def test_a_failed_policy_s_pins_stay_with_the_run():
     from tuner.runs import Runs
 
