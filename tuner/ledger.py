@@ -79,18 +79,16 @@ class Ledger:
         base = median([x.cost for x in self.baseline[-5:]])
         n = len(xs)
         keep = None
-        if t.move.lenient:
+        if n >= 2 and all(x < base * (1 - 2 * threshold) for x in xs):
+            keep = True  # clearly better: no need to wait for the window
+        elif t.move.lenient:
             if n >= 2 and all(x > base * (1 + 2 * threshold) for x in xs):
                 keep = False
-            elif n >= 2 and all(x < base * (1 - 2 * threshold) for x in xs):
-                keep = True  # clearly better: no need to wait for the window
             elif n >= window:
                 keep = median(xs) <= base * (1 + threshold)
         else:
             if n == 1 and xs[0] > base * (1 + max(0.25, 3 * threshold)):
                 keep = False  # clearly worse: no need to wait for the window
-            elif n >= 2 and all(x < base * (1 - 2 * threshold) for x in xs):
-                keep = True  # clearly better
             elif n >= 2 and all(x > base * (1 + threshold) for x in xs):
                 keep = False
             elif n >= window:
