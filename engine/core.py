@@ -37,10 +37,10 @@ from engine.host_kernel import select_host_kernel
 from engine.host_lane import HostLane, WeightUploader, threads_left_to_io
 from engine.host_memory import HostBudget, HostUsage
 from engine.layout import host_buffer_bytes, kept_subgroups, payload_bytes, step_order
-from engine.placement import DEVICE, HOST, place
+from engine.placement import DEVICE, HOST, Tier, place
 from engine.storage.paths import PathCounters
 from engine.streams import resolve_lane_device, streams_for
-from engine.subgroup import InHost, OnDevice, Placed, Stage, Subgroup, Swapped
+from engine.subgroup import Home, InHost, OnDevice, Stage, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 from engine.telemetry import StepRecord, TelemetryLog
 from engine.transfers import PRESSURE_BUFFERS, SwapPass, Transfers, host_state
@@ -96,7 +96,6 @@ class SubgroupEngine:
             path_weights=self.swap_paths.stripe_weights(self.knobs),
         )
         placed = list(zip(bindings, placement.tiers))
-        self.subgroups = [Subgroup(i, b, Placed(t), [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)]
         try:
             weights_on_device = any(w is not None and w.device.type != "cpu" for w in map(flat_weights_of, bindings))
             state_numels = [b.numel for b, t in placed if t == HOST]
@@ -116,7 +115,10 @@ class SubgroupEngine:
                 swapped_numels=swapped_numels,
                 copies_bytes=copies_bytes,
             )
-            self._allocate()
+            self.swap_paths.check_room(placement.tiers, [b.numel for b in bindings])
+            self.subgroups = [
+                Subgroup(i, b, self._home(i, b.numel, t), [0] * len(b.slice_numels)) for i, (b, t) in enumerate(placed)
+            ]
             self.transfers = Transfers(
                 self.subgroups,
                 self.knobs.prefetch_depth,
@@ -144,17 +146,14 @@ class SubgroupEngine:
         if self.transfers.swaps:
             self.host_memory.watch(config.host_memory_floor_bytes, on_low=self._on_host_memory_low)
 
-    def _allocate(self) -> None:
-        """Each subgroup's home: device memory, an exactly sized host buffer whose pages are
-        touched at the first step, or a swap file."""
-        self.swap_paths.check_room(self.subgroups)
-        for sg in self.subgroups:
-            if sg.tier == DEVICE:
-                sg.home = OnDevice(torch.empty(3 * sg.numel, dtype=torch.float32, device=self.device))
-            elif sg.tier == HOST:
-                sg.home = InHost(StateBuffer(sg.numel))  # pinned in place only if it takes the device lane
-            elif (p := sg.tier.path_index) is not None:  # swapped
-                sg.home = Swapped(p, self.swap_paths.create_file(sg, p))
+    def _home(self, index: int, numel: int, tier: Tier) -> Home:
+        """Subgroup ``index``'s home in ``tier``: a swap file, device memory, or an exactly sized
+        host buffer whose pages are touched at the first step."""
+        if tier.path_index is not None:
+            return Swapped(tier.path_index, self.swap_paths.create_file(index, numel, tier.path_index))
+        if tier == DEVICE:
+            return OnDevice(torch.empty(3 * numel, dtype=torch.float32, device=self.device))
+        return InHost(StateBuffer(numel))  # pinned in place only if it takes the device lane
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -625,15 +624,12 @@ class SubgroupEngine:
             sg = self.subgroups[index]
             sources = (master.detach(), exp_avg.detach(), exp_avg_sq.detach())
             sg.steps[:] = list(steps)
-            if isinstance(sg.home, OnDevice):
-                for dst, src in zip(torch.split(sg.home.state, sg.numel), sources):
-                    dst.copy_(src)
-            elif isinstance(sg.home, InHost):
-                buf = sg.home.buffer
-                for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), sources):
-                    dst.copy_(src)
-            else:
+            if isinstance(sg.home, Swapped):
                 self.transfers.write_now(sg, sources)
+            else:  # master, exp_avg and exp_avg_sq back to back, on the device or in a host buffer
+                state = sg.home.state if isinstance(sg.home, OnDevice) else sg.home.buffer.state
+                for dst, src in zip(torch.split(state, sg.numel), sources):
+                    dst.copy_(src)
             sg.fresh = False
 
     # -- lifecycle -------------------------------------------------------------------------------

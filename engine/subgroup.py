@@ -81,13 +81,6 @@ class InHost:
     tier: ClassVar[Tier] = HOST
 
 
-@dataclass(frozen=True)
-class Placed:
-    """The placement's tier, before the engine's start allocates its home (and in no step)."""
-
-    tier: Tier
-
-
 @dataclass
 class Swapped:
     """In a swap file on storage path ``path_index``: ``file``, or ``next_file`` from its next write
@@ -155,7 +148,7 @@ class Swapped:
         return self._move(None, Stage.HELD, Stage.UPDATED, Stage.KEPT_DIRTY, Stage.KEPT_CLEAN)
 
 
-Home: TypeAlias = OnDevice | InHost | Swapped | Placed
+Home: TypeAlias = OnDevice | InHost | Swapped
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Sequence, TypedDict
 
 from engine.config import EngineConfig, Knobs
 from engine.layout import payload_bytes
-from engine.placement import round_trip_rate, stripe
+from engine.placement import Tier, round_trip_rate, stripe
 from engine.storage.io_backends import open_backend
 from engine.storage.paths import PathCounters, SwapFile, SwapPath, check_usable, measure_bandwidth
 from engine.subgroup import Subgroup
@@ -105,7 +105,7 @@ class SwapPaths:
         """Each path's share of the swapped bytes under ``knobs``: its weight, else its round trip rate."""
         return [knobs.stripe_weights.get(p.path, bw) for p, bw in zip(self.paths, self.round_trip_bytes_per_s)]
 
-    def check_room(self, subgroups: Sequence[Subgroup]) -> None:
+    def check_room(self, tiers: Sequence[Tier], numels: Sequence[int]) -> None:
         """StoragePathError where a path has less free space than the swap files this rank is
         about to allocate there: said before the first, with the whole size the run needs there
         and the options that change it (rather than the one file that did not fit)."""
@@ -114,9 +114,9 @@ class SwapPaths:
         from engine.units import format_size, size_at_least
 
         need = [0] * len(self.paths)
-        for sg in subgroups:
-            if sg.tier.path_index is not None:  # swapped
-                need[sg.tier.path_index] += HEADER_BYTES + payload_bytes(sg.numel)
+        for tier, numel in zip(tiers, numels):
+            if tier.path_index is not None:  # swapped
+                need[tier.path_index] += HEADER_BYTES + payload_bytes(numel)
         for p, n in zip(self.paths, need):
             free = p.free_bytes()
             if n > free:
@@ -128,8 +128,9 @@ class SwapPaths:
                     f"or more (host_cache_bytes, now {format_size(cache)})"
                 )
 
-    def create_file(self, sg: Subgroup, path_index: int) -> SwapFile:
-        return self.paths[path_index].create_file(sg.index, sg.numel, payload_bytes(sg.numel), self.config.io_chunk_bytes)
+    def create_file(self, index: int, numel: int, path_index: int) -> SwapFile:
+        """Subgroup ``index``'s swap file (``numel`` elements) on path ``path_index``."""
+        return self.paths[path_index].create_file(index, numel, payload_bytes(numel), self.config.io_chunk_bytes)
 
     def check_stripe(self, subgroups: Sequence[Subgroup], knobs: Knobs, in_force: Knobs) -> None:
         """Raise :class:`ConfigError` if ``knobs`` would stripe the swapped subgroups where they
@@ -162,9 +163,9 @@ class SwapPaths:
                 continue  # back on the path that holds its state (a move not yet done): nothing to move
             if sg.fresh:  # nothing on storage yet: move the empty file now
                 home.file.path.remove_file(home.file)
-                home.file = self.create_file(sg, p)
+                home.file = self.create_file(sg.index, sg.numel, p)
             else:
-                home.next_file = self.create_file(sg, p)
+                home.next_file = self.create_file(sg.index, sg.numel, p)
 
     def counters(self) -> list[PathCounters]:
         """Each path's counters so far (bytes, busy times, queue wait)."""

@@ -21,7 +21,7 @@ from engine.device_tier import DeviceTier
 from engine.layout import host_buffer_bytes, payload_bytes
 from engine.placement import DEVICE, HOST, Tier, device_lane_working_bytes, swap_tier
 from engine.streams import HostStreams
-from engine.subgroup import InHost, OnDevice, Placed, Subgroup, Swapped
+from engine.subgroup import InHost, OnDevice, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 
 CPU = torch.device("cpu")
@@ -74,16 +74,15 @@ def paths(swap_dir):
 
 
 def subgroup(i: int, tier: Tier, paths: SwapPaths | None = None) -> Subgroup:
-    sg = Subgroup(i, FlatSubgroup(torch.zeros(N)), Placed(tier), [0])
+    binding = FlatSubgroup(torch.zeros(N))
     if tier == HOST:
-        sg.home = InHost(StateBuffer(N))
-    elif tier == DEVICE:
-        sg.home = OnDevice(torch.empty(3 * N))
-    else:
-        assert paths is not None, "a swapped subgroup has a swap file"
-        sg.home = Swapped(0, paths.create_file(sg, 0))
-        sg.swap.load(StateBuffer(N))
-        sg.swap.read_landed()  # a clean copy in its staging buffer
+        return Subgroup(i, binding, InHost(StateBuffer(N)), [0])
+    if tier == DEVICE:
+        return Subgroup(i, binding, OnDevice(torch.empty(3 * N)), [0])
+    assert paths is not None, "a swapped subgroup has a swap file"
+    sg = Subgroup(i, binding, Swapped(0, paths.create_file(i, N, 0)), [0])
+    sg.swap.load(StateBuffer(N))
+    sg.swap.read_landed()  # a clean copy in its staging buffer
     return sg
 
 

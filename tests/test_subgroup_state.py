@@ -12,7 +12,7 @@ from engine.binding import FlatSubgroup
 from engine.buffers import StateBuffer
 from engine.config import EngineConfig, Knobs, StoragePath
 from engine.placement import DEVICE, HOST, swap_tier
-from engine.subgroup import DIRTY, KEPT, InHost, OnDevice, Placed, Stage, Subgroup, Swapped
+from engine.subgroup import DIRTY, KEPT, InHost, OnDevice, Stage, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 
 NUMEL = 1024
@@ -29,9 +29,7 @@ def paths(swap_dir):
 @pytest.fixture
 def sg(paths):
     """A subgroup swapped to its file on path 0, nothing staged."""
-    sg = Subgroup(3, FlatSubgroup(torch.zeros(NUMEL)), Placed(swap_tier(0)), [0])
-    sg.home = Swapped(0, paths.create_file(sg, 0))
-    return sg
+    return Subgroup(3, FlatSubgroup(torch.zeros(NUMEL)), Swapped(0, paths.create_file(3, NUMEL, 0)), [0])
 
 
 def _held(sg: Subgroup) -> StateBuffer:
@@ -51,7 +49,6 @@ def test_the_tier_is_the_homes(sg):
         _ = sg.swap
     sg.home = OnDevice(torch.empty(3 * NUMEL))
     assert sg.tier == DEVICE and sg.home.host_copy is None
-    assert Subgroup(0, sg.binding, Placed(HOST), [0]).tier == HOST
 
 
 def test_a_round_trip_through_its_staging_buffer(sg):
@@ -86,7 +83,7 @@ def test_a_read_ahead_that_landed_is_a_clean_copy(sg):
 
 def test_a_restriped_write_goes_to_the_next_file_which_becomes_its_file(sg, paths):
     old = sg.swap.file
-    sg.swap.next_file = new = paths.create_file(sg, 0)
+    sg.swap.next_file = new = paths.create_file(sg.index, sg.numel, 0)
     buf = _held(sg)
     sg.swap.updated()
     assert sg.swap.write() == (new, buf)

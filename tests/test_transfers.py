@@ -16,8 +16,8 @@ from engine.buffers import StateBuffer
 from engine.config import EngineConfig, Knobs, StoragePath
 from engine.errors import StorageIOError
 from engine.layout import payload_bytes
-from engine.placement import HOST, swap_tier
-from engine.subgroup import InHost, Placed, Stage, Subgroup, Swapped
+from engine.placement import HOST
+from engine.subgroup import InHost, Stage, Subgroup, Swapped
 from engine.swap_paths import SwapPaths
 from engine.transfers import Transfers
 
@@ -35,9 +35,7 @@ def swapped(swap_dir):
     paths = SwapPaths(EngineConfig(paths=(path,), host_cache_bytes=0, io_backend="posix"), Knobs())
     subgroups = []
     for i in range(N):
-        sg = Subgroup(i, FlatSubgroup(torch.zeros(NUMEL)), Placed(swap_tier(0)), [0])
-        sg.home = Swapped(0, paths.create_file(sg, 0))
-        subgroups.append(sg)
+        subgroups.append(Subgroup(i, FlatSubgroup(torch.zeros(NUMEL)), Swapped(0, paths.create_file(i, NUMEL, 0)), [0]))
     transfers = Transfers(subgroups, DEPTH, room_bytes=lambda: 1 << 40, on_write_landed=None)
     for sg in subgroups:
         transfers.write_now(sg, [torch.full((NUMEL,), float(v)) for v in (sg.index, 10 + sg.index, 20 + sg.index)])
