@@ -159,17 +159,16 @@ class DeviceTier:
         device fraction set for the next step, not yet applied: the one ``in_force`` now), those
         of the lanes it will make."""
         grads = self.device_grads
-        if next_fraction is None or self.fit_pending:
-            return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in grads]
-        fraction = next_fraction if self.lane_has_room else 0.0  # as usable_fraction() will
-        if fraction != in_force:
-            _, grads = lane_assignment(
-                [sg.numel for sg in self.subgroups],
-                [sg.tier == DEVICE for sg in self.subgroups],
-                fraction,
-                grad_budget_bytes=self.lane_grad_budget_bytes,
-                grad_bytes=self.grad_bytes_per_element,
-            )
+        if next_fraction is not None and not self.fit_pending:
+            fraction = next_fraction if self.lane_has_room else 0.0  # as usable_fraction() will
+            if fraction != in_force:
+                _, grads = lane_assignment(
+                    [sg.numel for sg in self.subgroups],
+                    [sg.tier == DEVICE for sg in self.subgroups],
+                    fraction,
+                    grad_budget_bytes=self.lane_grad_budget_bytes,
+                    grad_bytes=self.grad_bytes_per_element,
+                )
         return [sg.index for sg in self.subgroups if sg.tier == DEVICE or sg.index in grads]
 
     # -- the tier's update ------------------------------------------------------------------------

@@ -25,7 +25,6 @@ failed. What overlaps what, and why the result is exact, is ``docs/io-overlap.md
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -164,13 +163,6 @@ class Transfers:
         if sg.staged is not None:
             self.free.append(sg.swap.release())
 
-    def release_clean(self) -> None:
-        """Every clean copy's buffer back to the free ones."""
-        self.reap()
-        for sg in self.subgroups:
-            if sg.stage is Stage.KEPT_CLEAN:
-                self.release(sg)
-
     def buffers(self) -> list[StateBuffer]:
         """Every buffer of the pool that is not being written: free, or holding a subgroup."""
         return self.free + [st.buffer for sg in self.subgroups if (st := sg.staged) is not None]
@@ -221,8 +213,11 @@ class Transfers:
         if size == self.pool_size or not self.pool_size:
             return
         self.resize(size)
-        if self.pool_size > size:
-            self.release_clean()
+        if self.pool_size > size:  # every clean copy's buffer back to the free ones
+            self.reap()
+            for sg in self.subgroups:
+                if sg.stage is Stage.KEPT_CLEAN:
+                    self.release(sg)
             self.resize(size)
         while self.pool_size > size:
             kept = next((sg for sg in self.subgroups if sg.stage in KEPT), None)
@@ -302,7 +297,6 @@ class Transfers:
         """After an error in the step: every transfer finishes, and reads nobody will check are
         put back."""
         self._drop_reads(swaps.reads)
-        swaps.reads.clear()
         self.wait_writes()  # no write still reads a buffer the caller may free
 
     def victims(self, swaps: SwapPass, after: int = -1, exclude: Subgroup | None = None) -> list[Subgroup]:
@@ -343,9 +337,9 @@ class Transfers:
             # In an I/O thread: its buffer may take the next read ahead (none after a flush until the next step).
             fut.add_done_callback(lambda _: on_landed() if self._reads_on_landing else None)
 
-    def _finish(self, sg: Subgroup, fut: Future[None]) -> bool:
+    def _finish(self, sg: Subgroup, fut: Future[None]) -> None:
         """A write-back that has landed (or is waited for now): the subgroup keeps its buffer as
-        a clean copy. False if it failed: the state stays in the buffer as host-resident state."""
+        a clean copy; if it failed, the state stays in the buffer as host-resident state."""
         try:
             fut.result()
         except StorageIOError as e:
@@ -353,13 +347,12 @@ class Transfers:
             self.failures.append(e)
             self.pool_size -= 1
             sg.home = sg.swap.write_failed()
-            return False
+            return
         except BaseException:
             sg.swap.write_unsent()  # an unexpected error, raised: the copy stays staged and dirty
             raise
         if (left := sg.swap.landed()) is not None:  # restriped: its state is in its next file now
             left.path.remove_file(left)
-        return True
 
     def reap(self) -> None:
         """Finish the write-backs that have landed, without waiting."""
@@ -396,18 +389,9 @@ class Transfers:
         if not self.swaps:
             return 0
         swaps = SwapPass.of(order)
-        started = 0
-        for k, i in enumerate(swaps.order):
-            sg = self.subgroups[i]
-            if not isinstance(sg.home, Swapped) or sg.staged is not None or i in self._early_reads:
-                continue  # in memory already (kept, a clean copy, being written, or read; host-resident after a failed write)
-            buf = self.try_acquire(functools.partial(self.victims, swaps, after=k))
-            if buf is None:
-                break
-            self._load(sg, buf, swaps)
-            started += 1
+        self.prefetch(swaps, len(swaps.order))  # those staged already (read ahead, kept) are passed over
         self._early_reads.update(swaps.reads)
-        return started
+        return len(swaps.reads)
 
     def step_ended(self) -> None:
         """The step's writes are under way: each one landing may read ahead again (after a flush)."""
@@ -434,20 +418,19 @@ class Transfers:
         touches the state)."""
         self.wait_writes()  # no write in flight: the files and buffers may change
         self._drop_reads(self._early_reads)
-        self._early_reads = {}
 
     def _drop_reads(self, reads: dict[int, Future[None]]) -> None:
-        """Let ``reads`` land, unchecked, and put their buffers back."""
+        """Let ``reads`` land, unchecked, and put their buffers back; ``reads`` is emptied."""
         for i, fut in reads.items():
             with contextlib.suppress(BaseException):
                 fut.result()  # landed (or failed) before its buffer goes back
             self.release(self.subgroups[i])
+        reads.clear()
 
     def close(self) -> None:
         """At the engine's close: reads ahead put back, and every write-back landed (failures
         ignored: the files go with their paths)."""
         self._drop_reads(self._early_reads)
-        self._early_reads = {}
         with contextlib.suppress(Exception):
             self.wait_writes()  # no write in flight when the paths close
 
