@@ -17,6 +17,7 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -222,45 +223,39 @@ class SwapPath:
     def _write_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
         # The CRC is taken in this I/O thread, off the update's critical path.
         crc = swapfile.crc32(view) if payload else 0
-        queued = time.perf_counter()
-        with self.write_slots.slot(number), self.node_lock:
-            self._in_service("w", queued)
-            try:
-                self.write_pacer.acquire(view.numel())
-                self.backend.pwrite(sf.fd, sf.filename, view, offset)
-            finally:
-                self._served("w", view.numel())
+        with self._request("w", number, view.numel()):
+            self.backend.pwrite(sf.fd, sf.filename, view, offset)
         return crc
 
     def _read_chunk(self, sf: SwapFile, view: torch.Tensor, offset: int, payload: bool, number: int) -> int:
-        queued = time.perf_counter()
-        with self.read_slots.slot(number), self.node_lock:
-            self._in_service("r", queued)
-            try:
-                self.read_pacer.acquire(view.numel())
-                self.backend.pread(sf.fd, sf.filename, view, offset)
-            finally:
-                self._served("r", view.numel())
+        with self._request("r", number, view.numel()):
+            self.backend.pread(sf.fd, sf.filename, view, offset)
         return swapfile.crc32(view) if payload and self.verify_checksums else 0
 
-    def _in_service(self, direction: str, queued: float) -> None:
-        """A request of ``direction`` ('r', 'w') got its slot (it waited since ``queued``)."""
-        now = time.perf_counter()
-        with self._counter_lock:
-            self.counters.queue_wait_s += now - queued
-            self._busy[direction].enter(now)
-
-    def _served(self, direction: str, nbytes: int) -> None:
-        """A request of ``direction`` left the device (``nbytes`` moved; 0 would not count: it failed)."""
-        now = time.perf_counter()
-        with self._counter_lock:
-            busy = self._busy[direction].leave(now)
-            if direction == "r":
-                self.counters.read_busy_s += busy
-                self.counters.bytes_read += nbytes
-            else:
-                self.counters.write_busy_s += busy
-                self.counters.bytes_written += nbytes
+    @contextlib.contextmanager
+    def _request(self, direction: str, number: int, nbytes: int) -> Iterator[None]:
+        """One request of ``direction`` ('r', 'w') of transfer ``number``, ``nbytes`` long, in the
+        device's hands: its slot and the node lock taken (the wait counted), paced by the cap, and
+        its bytes and busy time counted as it leaves."""
+        queued = time.perf_counter()
+        with (self.read_slots if direction == "r" else self.write_slots).slot(number), self.node_lock:
+            now = time.perf_counter()
+            with self._counter_lock:
+                self.counters.queue_wait_s += now - queued
+                self._busy[direction].enter(now)
+            try:
+                (self.read_pacer if direction == "r" else self.write_pacer).acquire(nbytes)
+                yield
+            finally:  # it left the device
+                now = time.perf_counter()
+                with self._counter_lock:
+                    busy = self._busy[direction].leave(now)
+                    if direction == "r":
+                        self.counters.read_busy_s += busy
+                        self.counters.bytes_read += nbytes
+                    else:
+                        self.counters.write_busy_s += busy
+                        self.counters.bytes_written += nbytes
 
     def snapshot(self) -> PathCounters:
         """The counters now, the busy intervals still open counted up to now (a step's reading)."""
