@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 
@@ -90,15 +90,6 @@ def measure_chunk_costs(numel: int = PART_CHUNK_NUMEL, reps: int = 3) -> tuple[f
     chunk(numel)  # first touch of the buffers
     overhead = min(chunk(16) for _ in range(20))
     return overhead, min(chunk(numel) for _ in range(reps))
-
-
-def gather_grads(out: torch.Tensor, grads: Sequence[torch.Tensor | None], offsets: list[int], a: int, b: int) -> None:
-    """Copy the gradient elements [a, b) of the subgroup (across slices) into ``out`` (fp32)."""
-    for k, g in enumerate(grads):
-        lo, hi = max(a, offsets[k]), min(b, offsets[k + 1])
-        if g is None or lo >= hi:
-            continue
-        out[lo - a : hi - a].copy_(g[lo - offsets[k] : hi - offsets[k]], non_blocking=True)
 
 
 _OWN_THREADS: list[Callable[[int], object] | None] = []  # [omp_set_num_threads or None], found once
@@ -308,8 +299,9 @@ def host_update(
                     )  # the next chunk's copy runs meanwhile
                     assert handle is not None  # this chunk's, fetched a chunk ahead
                     reader.gather(handle, g, grads, a, b)
-                else:
-                    gather_grads(g, per_slice, offsets, a, b)
+                else:  # the gradient elements [a, b), across slices, upcast into the scratch
+                    for k, lo, hi, src in grads.slices_in(a, b):
+                        g[lo - a : hi - a].copy_(grads.source(k, lo, hi, src), non_blocking=True)
                 if scale != 1.0:
                     g.mul_(scale)  # DeepSpeed's math: fp32 gradient * (1 / combined scale)
             kernel(AdamWSlices([master[a:b]], [g], [exp_avg[a:b]], [exp_avg_sq[a:b]], [step_of[i]]), hyper)
