@@ -101,11 +101,11 @@ class SubgroupEngine:
             state_numels = [b.numel for b, t in placed if t == HOST]
             swapped_numels = [b.numel for b, t in placed if t.swapped]
             copies_bytes = HostLane.start_bytes(max((b.numel for b in bindings), default=0), weights_on_device)
-            if "prefetch_depth" not in config.pins:
+            if "prefetch_depth" not in config.pins:  # the tuner may go deeper later, as far as the budget allows
                 depth = HostBudget.start_depth(
                     config.host_memory_bytes, self.knobs.prefetch_depth, state_numels, swapped_numels, copies_bytes
                 )
-                self._start_within(depth)
+                self.knobs = self.knobs.replace(prefetch_depth=depth)
             self.host_memory = HostBudget.for_start(  # before allocating: a refusal costs nothing
                 config.host_memory_bytes,
                 usage=self.host_usage,
@@ -536,19 +536,6 @@ class SubgroupEngine:
         self.transfers.resize_for(depth)
         self.swap_paths.restripe(self.subgroups, knobs, old)
         self.device_tier.assign_lanes(knobs.device_fraction, self.transfers.buffers)  # last: it pins the pool as it now is
-
-    def _start_within(self, depth: int) -> None:
-        """Start at prefetch ``depth``, the deepest the host memory budget holds, said in one line
-        where it is below the knobs' (the tuner may go deeper later, as far as the budget allows)."""
-        if depth < self.knobs.prefetch_depth:
-            log.warning(
-                "offloadctl: prefetch_depth=%d lowered to %d at the start: deeper staging does not fit the host memory "
-                "budget (%s)",
-                self.knobs.prefetch_depth,
-                depth,
-                format_size(self.config.host_memory_bytes or 0),
-            )
-            self.knobs = self.knobs.replace(prefetch_depth=depth)
 
     def _knobs_refusal(self, knobs: Knobs) -> str | None:
         """Why ``knobs`` cannot run in this engine (what ``set_knobs`` checks, and the stripe of

@@ -202,7 +202,7 @@ class HostBudget:
     ) -> int:
         """The deepest prefetch up to ``prefetch_depth`` whose start fits the budget given: a prefetch
         depth nobody pinned yields to a small ``--host-memory`` (0 when even that does not fit; the
-        start then refuses with depth 0's needs)."""
+        start then refuses with depth 0's needs), said in one line where it is lower."""
         if given_bytes is None:
             return prefetch_depth
         fits = (
@@ -210,7 +210,16 @@ class HostBudget:
             for d in range(prefetch_depth, -1, -1)
             if start_usage(d, state_numels, swapped_numels, copies_bytes).total <= given_bytes
         )
-        return next(fits, 0)
+        depth = next(fits, 0)
+        if depth < prefetch_depth:
+            log.warning(
+                "offloadctl: prefetch_depth=%d lowered to %d at the start: deeper staging does not fit the host memory "
+                "budget (%s)",
+                prefetch_depth,
+                depth,
+                format_size(given_bytes),
+            )
+        return depth
 
     def watch(self, floor_bytes: int | None, on_low: Callable[[], None]) -> None:
         """Watch the machine's available memory against ``floor_bytes`` (None: :func:`default_floor`),

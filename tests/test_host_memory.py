@@ -110,7 +110,7 @@ def test_a_small_budget_starts_at_the_deepest_prefetch_it_holds(swap_dir, caplog
     sub = 500
     model, ref = make_model(), make_model()
     # Staging for depth 1 (5 buffers) and the copies, not for depth 2 (7).
-    with caplog.at_level(logging.WARNING, logger="engine.core"):
+    with caplog.at_level(logging.WARNING, logger="engine.host_memory"):
         opt = _within_buffers(model, swap_dir, sub, 5)
     try:
         assert opt.engine.knobs.prefetch_depth == 1
