@@ -127,15 +127,9 @@ class CudaStreams:
         torch.cuda.synchronize(self.device)
 
 
-class _DoneEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
 class _HostStream:
+    """The host's one stream, and every event on it: work is done as it is queued."""
+
     def wait_event(self, event: Event) -> None:
         pass
 
@@ -144,6 +138,9 @@ class _HostStream:
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
 
 class HostStreams:
@@ -165,7 +162,7 @@ class HostStreams:
         return contextlib.nullcontext()
 
     def record(self, stream: Stream, event: Event | None = None) -> Event:
-        return event if event is not None else _DoneEvent()
+        return event if event is not None else self._stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)

@@ -70,17 +70,17 @@ class SwapPaths:
         if config.paths and config.host_cache_bytes is not None:
             backend = open_backend(config.io_backend)
             self.io_backend = backend.name
-            for spec in config.paths:
-                self.paths.append(
-                    SwapPath(
-                        spec,
-                        backend,
-                        concurrency=knobs.concurrency_for(spec.path),
-                        node_lock=knobs.node_lock,
-                        verify_checksums=config.verify_checksums,
-                        rank=config.rank,
-                    )
+            self.paths = [
+                SwapPath(
+                    spec,
+                    backend,
+                    concurrency=knobs.concurrency_for(spec.path),
+                    node_lock=knobs.node_lock,
+                    verify_checksums=config.verify_checksums,
+                    rank=config.rank,
                 )
+                for spec in config.paths
+            ]
             rates = [self._rates_of(p, knobs) for p in self.paths]
             self.read_bytes_per_s = [r for r, _ in rates]
             self.round_trip_bytes_per_s = [round_trip_rate(r, w) for r, w in rates]
