@@ -40,7 +40,7 @@ def test_semaphore_limits_in_flight_and_resizes():
     sem, peak, now, lock = ResizableSemaphore(2), [0], [0], threading.Lock()
 
     def work():
-        with sem:
+        with sem.slot():
             with lock:
                 now[0] += 1
                 peak[0] = max(peak[0], now[0])

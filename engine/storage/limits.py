@@ -70,12 +70,6 @@ class ResizableSemaphore:
         finally:
             self.release()
 
-    def __enter__(self) -> None:
-        self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 class RateLimiter:
     """Paces requests so that bytes per second stay under a cap (None: no cap).
@@ -125,7 +119,6 @@ class NodeLock:
         self._users = 0
         self._acquiring = False
         self._fd: int | None = None
-        self.wait_s = 0.0  # time spent waiting for other processes, for telemetry
 
     def __enter__(self) -> None:
         if not self.enabled:
@@ -137,7 +130,6 @@ class NodeLock:
                 self._users += 1
                 return
             self._acquiring = True
-        t0 = time.perf_counter()
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -147,7 +139,6 @@ class NodeLock:
                 self._cond.notify_all()
             raise
         with self._cond:
-            self.wait_s += time.perf_counter() - t0
             self._fd, self._users, self._acquiring = fd, 1, False
             self._cond.notify_all()
 
