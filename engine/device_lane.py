@@ -158,9 +158,8 @@ class DeviceLane:
                 if previous is not None:
                     self.h2d.wait_event(previous)  # the buffer holds its last copy back
                     previous = None
-                self.streams.copy(master, buf.master[a:b])
-                self.streams.copy(exp_avg, buf.exp_avg[a:b])
-                self.streams.copy(exp_avg_sq, buf.exp_avg_sq[a:b])
+                for dst, src in zip((master, exp_avg, exp_avg_sq), (buf.master, buf.exp_avg, buf.exp_avg_sq)):
+                    self.streams.copy(dst, src[a:b])
                 uploaded = self._upload_grads(grads, a, b, slot)
                 slot.loaded = self.streams.record(self.h2d, slot.loaded)
             with self.streams.use(self.compute):
@@ -175,9 +174,8 @@ class DeviceLane:
                 slot.updated = self.streams.record(self.compute, slot.updated)
             with self.streams.use(self.d2h):
                 self.d2h.wait_event(slot.updated)  # the chunk's update is done
-                self.streams.copy(buf.master[a:b], master)
-                self.streams.copy(buf.exp_avg[a:b], exp_avg)
-                self.streams.copy(buf.exp_avg_sq[a:b], exp_avg_sq)
+                for dst, src in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), (master, exp_avg, exp_avg_sq)):
+                    self.streams.copy(dst[a:b], src)
                 if host_flat is not None:
                     self.streams.copy(host_flat[a:b], weights)
                 slot.free = self.streams.record(self.d2h, slot.free)
