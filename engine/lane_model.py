@@ -84,14 +84,13 @@ def lane_times(load: LaneLoad, rates: LaneRates) -> dict[str, float]:
     c = min(load.chunk_numel, load.staged_params)
     fill_in, fill_out = s * c / rates.h2d_bytes_per_s, s * c / rates.d2h_bytes_per_s
     host_mem = load.host_params * (HOST_LANE_STATE_BYTES + load.grad_bytes + load.weight_bytes)
-    out = {
+    return {
         "host": load.host_params / rates.host_lane_params_per_s if load.host_params else 0.0,
         "h2d": h2d / rates.h2d_bytes_per_s + fill_out,
         "d2h": d2h / rates.d2h_bytes_per_s + fill_in,
         "gpu": (load.staged_params + load.resident_params) / rates.gpu_adamw_params_per_s + fill_in + fill_out,
         "memory": (host_mem + h2d + d2h) / rates.memory_bytes_per_s if rates.memory_bytes_per_s else 0.0,
     }
-    return out
 
 
 def lanes_seconds(load: LaneLoad, rates: LaneRates) -> float:
