@@ -291,12 +291,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # -- state dict: the format of torch.optim.AdamW, plus 'master' for non-fp32 params --------
 
     def _param_index(self) -> dict[int, int]:
-        ids, i = {}, 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                ids[id(p)] = i
-                i += 1
-        return ids
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {id(p): i for i, p in enumerate(params)}
 
     def state_dict(self) -> dict[str, Any]:
         index = self._param_index()
@@ -334,9 +330,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         saved_index = [i for s in groups for i in s["params"]]
         mine = self._param_index()
         state = state_dict.get("state", {})
-        by_param = {}
-        for p_id, saved_i in zip(mine, saved_index):
-            by_param[p_id] = state.get(saved_i)
+        by_param = {p_id: state.get(saved_i) for p_id, saved_i in zip(mine, saved_index)}
         for k, b in enumerate(self._bindings):
             n = b.numel
             master, m, v = torch.empty(n), torch.zeros(n), torch.zeros(n)
