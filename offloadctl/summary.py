@@ -21,10 +21,11 @@ from rich.table import Table
 from engine.errors import ConfigError
 from engine.telemetry import StepRecord
 from engine.units import format_seconds
+from offloadctl.commands.tune_view import held_text
 from report.analyze import analyze_run, bottleneck, engine_segments, host_memory_summary, shares, storage_name
 from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
-from tuner.knob_text import knobs_text
+from tuner.knob_text import adaptation_text, changed_knobs, knobs_text, value_text
 
 if TYPE_CHECKING:
     from tuner.run_state import Activity, RunView
@@ -63,8 +64,6 @@ def tuner_lines(view: RunView) -> list[str]:
     (``tuner.service.run_view``): every knob that ended other than it started, from what to
     what and who changed it (history names the earlier run), then what the tuner is doing.
     Wrapped to :data:`WIDTH`."""
-    from tuner.knob_text import adaptation_text, changed_knobs, value_text
-
     start = view.get("start_knobs") or {}
     changed = changed_knobs(start, view.get("knobs") or {}) if start else {}
     by = view.get("changed_by") or {}
@@ -86,8 +85,6 @@ def tuner_lines(view: RunView) -> list[str]:
     }.get(mode, "done")
     if mode == "holding" and not why:
         why = "no move left to try"
-    from offloadctl.commands.tune_view import held_text
-
     why = held_text(why)
     head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
     changes = [f"tuner: {adaptation_text(a)}" for a in ((view.get("policy") or {}).get("adaptations") or [])[-3:]]
@@ -111,8 +108,6 @@ def run_summary_figures(
     the time went (shares of the median iteration), why (the bottleneck sentence), the bytes it
     moved per parameter, and the tuner's changes (knob, from, to, by whom). Seconds and bytes;
     None where a figure is unknown."""
-    from tuner.knob_text import changed_knobs
-
     out: dict = {
         "format": SUMMARY_FORMAT,
         "version": SUMMARY_VERSION,

@@ -18,9 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import sys
 import textwrap
 
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from engine.config import Knobs
+from engine.errors import ConfigError
 from engine.units import format_count, format_seconds, format_size, tidy_numbers
 from offloadctl.options import add_size_epilog, add_size_option, size_bytes
 
@@ -32,8 +41,6 @@ HELP_WIDTH = 79
 
 def parse_params(text: str) -> int:
     """``7e9``, ``7B``, ``1.5T``, ``70M``, ``350K`` or a plain integer, as a parameter count."""
-    from engine.errors import ConfigError
-
     m = _PARAMS_RE.match(str(text))
     value = float(m.group(1)) * _SUFFIX[m.group(2).upper()] if m else math.nan
     if not (math.isfinite(value) and value >= 1):
@@ -88,8 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def no_profile_text() -> str:
     """What to do without --profile: the user's saved profiles, how to measure one, the examples."""
-    import os
-
     from perf.profile_toml import list_profiles, profile_dir
 
     mine = list_profiles(profile_dir())
@@ -111,7 +116,6 @@ def fill_paragraphs(text: str, width: int = HELP_WIDTH) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.errors import ConfigError
     from perf.model import Workload
     from perf.nofit import no_fit
     from perf.profile_toml import load_profile
@@ -156,8 +160,6 @@ def run(args: argparse.Namespace) -> int:
 def _no_fit(args: argparse.Namespace, profile, wl, nf) -> int:
     """No plan fits: each plan's needs per node against what the node has, what fails, and what
     to add, as a table (or JSON); then one line on stderr, and exit status 2."""
-    import sys
-
     if args.json:
         print(
             json.dumps(
@@ -195,11 +197,6 @@ _FAILS = {"host": "host memory", "no path": "a storage path", "no GPU": "a GPU",
 
 
 def _print_no_fit(profile, wl, nf) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     con = Console(highlight=False)
     ranks = f"{wl.ranks} rank{'s' if wl.ranks != 1 else ''} per node x {wl.nodes} node{'s' if wl.nodes != 1 else ''}"
     con.print(
@@ -328,9 +325,6 @@ def ranked(preds: list) -> list:
 
 
 def _print(profile, wl, preds) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-
     con = Console(highlight=False)
     rows = ranked(preds)
     best = preds[0]
@@ -369,12 +363,6 @@ def _print(profile, wl, preds) -> None:
 
 def _table(rows, best, *, settings: bool, times: bool):
     """The plans as a table: where state lives and the times (``times``), the knobs (``settings``)."""
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
-
-    from engine.config import Knobs
-
     tab = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     columns = ["plan"]
     if times:
@@ -419,8 +407,6 @@ def _table(rows, best, *, settings: bool, times: bool):
 
 def _width(renderable) -> int:
     """Columns ``renderable`` takes when nothing is wrapped."""
-    from rich.console import Console
-
     wide = Console(width=1000, file=None, record=False, color_system=None)
     with wide.capture() as cap:
         wide.print(renderable)

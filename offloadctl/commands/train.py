@@ -46,6 +46,7 @@ from offloadctl.commands.plan import parse_params
 from offloadctl.commands.train_text import dry_run_output, ending_note, start_line, storage_notes, tuner_stopped_line
 from offloadctl.options import add_size_epilog, add_size_option, knob_words, size_bytes
 from report.recorder import ENGINES, RecorderConfig
+from tuner.service import ensure_daemon, logfile_for, probe, run_view
 
 # perf's model and profiles, the tuner's daemon and the summary (rich, report/) are imported
 # where they are used: `offloadctl --help` and completion import every command.
@@ -507,13 +508,17 @@ def _claim_run_dir(args: argparse.Namespace, launch: launcher.Launch):
 
 
 def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
+    from offloadctl.summary import (
+        print_run_summary,
+        run_summary_figures,
+        tuner_lines,
+    )  # not at the top: report.render only for a run that ran
+
     run_dir = launch.settings.run_dir
     assert run_dir is not None  # build() gives every launch one
     launcher.remove_stale_shm_buffers()  # what killed runs left behind
     stop_tuner = None
     if launch.tuner == "auto":
-        from tuner.service import ensure_daemon
-
         socket_path, stop_tuner = ensure_daemon(run_dir=run_dir, run_id=launch.settings.zero.run_id)
         launch = launch.with_tuner_socket(socket_path)
     settings = launch.settings
@@ -529,29 +534,20 @@ def _run(args: argparse.Namespace, launch: launcher.Launch) -> int:
             print(note, file=sys.stderr)
         ended = rc == 0 or stopped_by is not None
         if ended:  # how fast and why: first, before any pointer
-            from offloadctl.summary import print_run_summary
-
             print_run_summary(run_dir, rank=0)
         tuner_socket, view = settings.zero.tuner_socket, None
         if tuner_socket and ended:
-            from offloadctl.summary import tuner_lines
-            from tuner.service import run_view
-
             assert settings.zero.run_id is not None  # rank_settings gives every run one
             view = run_view(tuner_socket, settings.zero.run_id)
             if view:
                 print("\n".join(tuner_lines(view)))
             else:
-                from tuner.service import logfile_for, probe
-
                 if probe(tuner_socket, timeout_s=1.0) is None:
                     print(tuner_stopped_line(tuner_socket, logfile_for(tuner_socket)))
         recorded = bool(settings.recorder) and recorded_iterations(run_dir)
         if recorded:  # nothing to report: no pointer to a refusal
             print(f"recorded: offloadctl report {run_dir}")
         if args.json_summary:
-            from offloadctl.summary import run_summary_figures
-
             figures = run_summary_figures(
                 run_dir, rank=0, exit_status=rc, tuner_view=view, stopped_by=stopped_by.name if stopped_by is not None else None
             )

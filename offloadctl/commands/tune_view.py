@@ -4,8 +4,21 @@ runs' views (:class:`tuner.run_state.RunView`), worded here."""
 
 from __future__ import annotations
 
+import re
+import statistics
+import textwrap
 from typing import TYPE_CHECKING
 
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from engine.config import Knobs, split_key
+from engine.errors import ConfigError
+from engine.units import format_seconds
+from report.analyze import analyze_run
+from report.load import load_run
 from tuner.knob_text import adaptation_text, knobs_text, value_text
 
 if TYPE_CHECKING:
@@ -34,8 +47,6 @@ def final_line(r: RunView, run_dir: str | None = None) -> str:
     what the tuner does with it. The iteration time is the run's summary's (the median of every
     iteration but the first, from the run's record in ``run_dir``); without the record, the
     median of the last 20 the tuner saw, said as such."""
-    from engine.units import format_seconds
-
     pace = ""
     recorded = recorded_median(run_dir) if run_dir else None
     if recorded is not None:
@@ -44,7 +55,7 @@ def final_line(r: RunView, run_dir: str | None = None) -> str:
         times = [t for t in r["history"]["iter_time_s"][-20:] if t is not None]
         if times:
             pace = (
-                f"; {format_seconds(_median(times))}/iteration (median of the last {len(times)} the tuner saw; "
+                f"; {format_seconds(statistics.median(times))}/iteration (median of the last {len(times)} the tuner saw; "
                 f"the run's summary takes all but the first)"
             )
     activity = activity_text(r.get("verdict"))
@@ -54,10 +65,6 @@ def final_line(r: RunView, run_dir: str | None = None) -> str:
 def recorded_median(run_dir: str) -> tuple[float, int] | None:
     """(median iteration time, iterations it is of) as the run's summary and report give them,
     from the record in ``run_dir``; None where it holds none that reports."""
-    from engine.errors import ConfigError
-    from report.analyze import analyze_run
-    from report.load import load_run
-
     try:
         s = analyze_run(load_run(run_dir))["summary"]
     except (ConfigError, OSError, ValueError, KeyError):
@@ -68,9 +75,6 @@ def recorded_median(run_dir: str) -> tuple[float, int] | None:
 def held_text(reason: str) -> str:
     """The tuner's 'holding at iteration 0.309 s' said as what it is: the median of the last
     iterations it measured before it settled, not the run's median."""
-    import re
-
-    from engine.units import format_seconds
     from tuner.policy_config import PolicyConfig
 
     window = PolicyConfig().window
@@ -81,11 +85,6 @@ def held_text(reason: str) -> str:
         ),
         reason,
     )
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 # -- rendering --------------------------------------------------------------------------------------
@@ -107,20 +106,12 @@ def _rate(b: float | None) -> str:
 
 def _secs(s: float | None) -> str:
     """Seconds as the end-of-run summary and the report write them: '561 ms', '1.13 s'."""
-    from engine.units import format_seconds
-
     return "-" if s is None else format_seconds(s)
 
 
 def runs_table(runs: list[RunView], width: int = 80):
     """The runs of a snapshot, for ``tune --once``: a line each (status, ranks, iteration,
     iteration time), then its knobs, wrapped whole to ``width`` (never cut)."""
-    import textwrap
-
-    from rich.text import Text
-
-    from engine.units import format_seconds
-
     out = Text("tuner runs" + ("" if runs else ": none"), style="bold")
     for r in runs:
         status = (ended_text(r) if r["status"] in ENDED else r["status"]) + (" (frozen)" if r["frozen"] else "")
@@ -165,8 +156,6 @@ def activity_text(activity: Activity | None) -> str:
 
 def knob_control(r: RunView) -> str:
     """Which knobs the user pinned and which the tuner may move."""
-    from engine.config import Knobs, split_key
-
     pins = r.get("pins") or {}
     fixed = set((r.get("policy") or {}).get("fixed") or ())  # by the run's own options, not tune --pin
     pinned = ", ".join(f"{k}={value_text(v)}" + (" (run option)" if k in fixed else "") for k, v in pins.items()) or "none"
@@ -198,11 +187,6 @@ def fitted_panels(runs: list[RunView], console, height: int | None = -1) -> list
 def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
     """One run of a snapshot: what the tuner is doing, knobs, the iteration time (its phases and
     its recent history), per-path traffic, PCIe, and the latest knob changes."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
-
     ph = r.get("phases") or {}
     it = ph.get("iter_time_s")
     observed = ph.get("iteration")
