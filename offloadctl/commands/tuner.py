@@ -14,10 +14,24 @@ root); the default history is $XDG_STATE_HOME/offloadctl/tuner.db.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
+
+from engine.errors import ConfigError, OffloadError
+from tuner.service import (
+    default_db_path,
+    default_socket_path,
+    register_run,
+    release_pid,
+    start,
+    status,
+    stop,
+    unregister_run,
+    write_pid,
+)
 
 NOT_RUNNING = 3  # like `systemctl status` for an inactive unit
 
@@ -89,9 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from engine.errors import OffloadError
     from tuner.server import ServerConfig, serve
-    from tuner.service import default_db_path, default_socket_path, register_run, release_pid, unregister_run, write_pid
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
@@ -137,10 +149,6 @@ def _open_history(db: str):
 
 
 def _load_factory(spec: str):
-    import importlib
-
-    from engine.errors import ConfigError
-
     module, _, attr = spec.partition(":")
     try:
         return getattr(importlib.import_module(module), attr or "Policy")
@@ -149,35 +157,27 @@ def _load_factory(spec: str):
 
 
 def _start(args: argparse.Namespace) -> int:
-    from tuner.service import start
-
     info = start(args.socket, db_path=args.db)
     info.pop("process", None)
-    if args.json:
-        print(json.dumps(info, indent=2))
-    elif info["already_running"]:
-        print(f"tuner daemon already running at {info['socket']} (pid {info['pid']})")
-    else:
-        print(f"tuner daemon started at {info['socket']} (pid {info['pid']}, log {info['log']})")
-    return 0
+    if info["already_running"]:
+        return _said(args, info, "tuner daemon already running at {socket} (pid {pid})")
+    return _said(args, info, "tuner daemon started at {socket} (pid {pid}, log {log})")
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from tuner.service import stop
-
     info = stop(args.socket)
-    if args.json:
-        print(json.dumps(info, indent=2))
-    elif info["was_running"]:
-        print(f"tuner daemon at {info['socket']} stopped (pid {info['pid']})")
-    else:
-        print(f"no tuner daemon at {info['socket']}")
+    return _said(
+        args, info, "tuner daemon at {socket} stopped (pid {pid})" if info["was_running"] else "no tuner daemon at {socket}"
+    )
+
+
+def _said(args: argparse.Namespace, info: dict, text: str) -> int:
+    """``info`` as JSON with --json, else ``text`` filled from it."""
+    print(json.dumps(info, indent=2) if args.json else text.format(**info))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from tuner.service import status
-
     info = status(args.socket)
     if args.json:
         print(json.dumps(info, indent=2))
