@@ -20,6 +20,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from engine.errors import ConfigError
+from integrations import rank_entry
+from integrations.launcher import LAUNCHER_OPTIONS, free_port, option_dest
 
 PROGRAMS = (
     "torchrun",
@@ -96,8 +98,6 @@ def refuse_deepspeed_options(values: Mapping[str, object], beside: str, allowed:
     """ConfigError naming the first of DeepSpeed's launcher options given in ``values`` (parsed,
     by ``launcher.option_dest``) that ``beside`` (a launch that is not DeepSpeed's runner) does
     not take."""
-    from integrations.launcher import LAUNCHER_OPTIONS, option_dest
-
     for flags, _ in LAUNCHER_OPTIONS:
         if values.get(option_dest(flags)) not in (None, False) and flags[0] not in allowed:
             raise ConfigError(
@@ -163,8 +163,6 @@ def built_command(kind: str, values: Mapping[str, object], script: str, script_a
     """The ``--launcher torchrun|accelerate`` command: that launcher started by this interpreter
     (``python -m``), with DeepSpeed's options of the same meaning in its spelling, then
     ``--launcher_args`` as given, then the script and its arguments."""
-    from integrations.launcher import option_dest
-
     get = lambda flag: values.get(option_dest((flag,)))  # noqa: E731
     which = BUILT.index(kind)
     per_node = int(str(get("--num_gpus") or local_slots()))
@@ -190,8 +188,6 @@ def hook_env(settings_json: str, *, direct: bool) -> dict[str, str]:
     (then it stands in every rank). With ``direct`` (``python script.py``: the launch's own
     interpreter is the one rank), a world of one, as a launcher would describe it, where the
     environment does not describe one already: DeepSpeed would otherwise look for MPI."""
-    from integrations import rank_entry
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [HOOK_DIR, root, os.environ.get("PYTHONPATH")])),
@@ -199,8 +195,6 @@ def hook_env(settings_json: str, *, direct: bool) -> dict[str, str]:
         rank_entry.USER_OMP_ENV: "1" if "OMP_NUM_THREADS" in os.environ else "0",
     }
     if direct and "RANK" not in os.environ:
-        from integrations.launcher import free_port
-
         env.update(
             RANK="0",
             LOCAL_RANK="0",

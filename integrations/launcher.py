@@ -25,7 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from integrations import bootstrap
+import psutil
+
+from engine.errors import ConfigError
+from integrations import bootstrap, rank_entry
 from integrations.run_output import LauncherOutput
 from integrations.settings import RankSettings
 
@@ -89,7 +92,6 @@ def check_launcher_values(values: Mapping[str, object]) -> None:
     """The launcher options whose values DeepSpeed's launcher takes without a word and then
     misuses (a port out of range fails deep in a rank; 0 or fewer GPUs runs as 1): ConfigError
     in one line naming the option."""
-    from engine.errors import ConfigError
 
     def whole(flag: str, lo: int, hi: int | None, what: str) -> None:
         v = values.get(option_dest((flag,)))
@@ -115,8 +117,6 @@ def rendezvous_port(values: Mapping[str, object]) -> object:
     traceback ending in EADDRINUSE: without ``--master_port``, DeepSpeed's 29500 where it is
     free, else another free one (two runs on one machine); with one, ConfigError in one line
     where it is in use. Elsewhere (several nodes: the port is the master node's) the value as given."""
-    from engine.errors import ConfigError
-
     given = values.get(option_dest(("--master_port",)))
     if not _local_launch(values):
         return given
@@ -156,8 +156,6 @@ def _local_launch(values: Mapping[str, object]) -> bool:
 def free_port() -> str:
     """A rendezvous port nothing listens on here now: :data:`DEFAULT_MASTER_PORT` where it is free,
     else another, drawn at random (two launches at once differ); ConfigError where none is."""
-    from engine.errors import ConfigError
-
     if not _port_in_use(int(DEFAULT_MASTER_PORT)):
         return DEFAULT_MASTER_PORT
     import random
@@ -206,7 +204,6 @@ def resolved_launch(command: Sequence[str], env: Mapping[str, str]) -> dict:
     (``deepspeed.launcher.launch``, locally or with ``--no_ssh``) or the pdsh, mpirun or srun
     command of ``--launcher``, each carrying the bootstrap in place of the script. For
     ``--dry-run``: ``{"command": [...]}``, or ``{"error": "..."}`` where DeepSpeed's runner refuses."""
-    import contextlib
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs to stdout as it imports: not into --json
@@ -364,9 +361,7 @@ class Launch:
         """The launch with the ranks pointed at ``socket_path``."""
         settings = self.settings.with_tuner_socket(socket_path)
         if self.hooked:
-            from integrations.rank_entry import SETTINGS_ENV
-
-            return replace(self, env={**self.env, SETTINGS_ENV: json.dumps(settings.to_json())}, settings=settings)
+            return replace(self, env={**self.env, rank_entry.SETTINGS_ENV: json.dumps(settings.to_json())}, settings=settings)
         return replace(self, command=tuple(with_rank_settings(self.command, settings)), settings=settings)
 
     def to_json(self) -> dict:
@@ -439,8 +434,6 @@ def _stop_run(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
     stopped us (``signum``: they unwind on SIGINT, SIGTERM and SIGHUP alike, and record which,
     so a Ctrl-C is recorded as SIGINT, not as the SIGTERM DeepSpeed's launcher then sends), then
     SIGTERM to the launchers; wait until all are gone, SIGKILL what is left after ``STOP_GRACE_S``."""
-    import psutil
-
     try:
         tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
     except psutil.NoSuchProcess:
@@ -463,10 +456,6 @@ def _is_rank(p) -> bool:
     the bootstrap too, as its own argument (``-m deepspeed.launcher.launch ... bootstrap.py``):
     it is a launcher, and gets SIGTERM (its handler stops its ranks and logs it), not the run's
     signal, which as SIGHUP would end it before it could; so do torchrun and Accelerate."""
-    import psutil
-
-    from integrations import rank_entry
-
     try:
         argv = p.cmdline()
     except (psutil.Error, OSError):
