@@ -124,7 +124,7 @@ def load_run(path: str, rank: int | None = None, label: str | None = None) -> Ru
 def read_telemetry(path: str, notes: list[str]) -> list[StepRecord]:
     """The engine's ``telemetry-rank<R>.jsonl``, a step a line (a last line cut short skipped,
     with a note); :class:`ConfigError` naming the file and line where a line is no step record."""
-    values, _ = _json_lines(path, notes)
+    values = _json_lines(path, notes)
     return [step_record(v, f"{path}:{i}") for i, v in enumerate(values, 1)]
 
 
@@ -151,9 +151,9 @@ def _not_finite(name: str):
     raise _NotFinite(name)
 
 
-def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
+def _json_lines(path: str, notes: list[str]) -> list:
     """Every JSON line of ``path``; a last line cut short (a crash mid-write) is skipped with a
-    note, a bad line before it is an error. Returns (values, line count)."""
+    note, a bad line before it is an error."""
     with open(path, "rb") as f:
         data = f.read()
     lines = data.split(b"\n")
@@ -182,7 +182,7 @@ def _json_lines(path: str, notes: list[str]) -> tuple[list, int]:
                 f"{path}:{i}: not a JSON line: the record is damaged (or not offloadctl's); "
                 f"nothing after a damaged line can be trusted"
             ) from None
-    return out, len(lines)
+    return out
 
 
 def _load_record(path: str, rank: int) -> RankRecord:
@@ -190,7 +190,7 @@ def _load_record(path: str, rank: int) -> RankRecord:
     if os.path.getsize(path) == 0:
         raise ConfigError(f"{path} is empty: the run stopped before it started recording")
     try:
-        values, _ = _json_lines(path, notes)
+        values = _json_lines(path, notes)
     except ConfigError as e:
         if ":1:" in str(e):  # not even a header: someone else's file of that name
             raise ConfigError(f"{path} is not an offloadctl record (its first line is not JSON)") from None
@@ -232,7 +232,7 @@ def _load_samples(path: str, rec: RankRecord) -> None:
             rec.notes.append(f"{os.path.basename(path)} is missing: no sampled series")
         return
     try:
-        values, _ = _json_lines(path, rec.notes)
+        values = _json_lines(path, rec.notes)
     except ConfigError as e:
         rec.notes.append(f"sampled series left out: {e}")
         return
