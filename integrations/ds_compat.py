@@ -33,6 +33,7 @@ import inspect
 from dataclasses import dataclass
 
 from engine.errors import ConfigError
+from engine.storage.native_ops import import_deepspeed
 
 DEEPSPEED_REQUIREMENT = "deepspeed>=0.19.8,<0.20"
 """Used only without offloadctl's package metadata (running from a bare checkout)."""
@@ -507,8 +508,6 @@ def check_deepspeed(ds_module=None) -> None:
 
     requirement = supported_requirement()
     if ds_module is None:
-        from engine.storage.native_ops import import_deepspeed
-
         try:
             ds_module = import_deepspeed()
         except Exception as e:  # noqa: BLE001 - any import failure reads the same to the user
@@ -564,7 +563,5 @@ def copied_source_matches(owner: str, name: str) -> bool:
 
 def integration_status() -> str:
     """``ok (DeepSpeed X)``, for ``offloadctl info``; raises what :func:`check_deepspeed` raises."""
-    from engine.storage.native_ops import import_deepspeed
-
     check_deepspeed()
     return f"ok (DeepSpeed {import_deepspeed().__version__})"

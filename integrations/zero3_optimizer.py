@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 
+import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT, PARTITION_COUNT, ZERO_STAGE
@@ -41,10 +42,10 @@ from engine.config import EngineConfig, Knobs, resolve_host_cache, storage_paths
 from engine.core import SubgroupEngine
 from engine.errors import CheckpointError, ConfigError
 from engine.streams import resolve_lane_device
-from integrations import ds_compat
-from integrations.checkpoints import SAVED_AT_STEP
+from integrations import checkpoints, ds_compat
 from integrations.ds_config_check import refuse_nvme_without_path
 from integrations.settings import ZeroEngineSettings
+from perf.plan import local_rank, node_layout, plan_for_rank
 
 
 class ZeroPartitionSubgroup:
@@ -199,10 +200,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self.tuner_client = self._connect_tuner()
 
     def _engine_config(self) -> tuple[EngineConfig, Knobs]:
-        import deepspeed.comm as dist
-
-        from perf.plan import node_layout
-
         rank = dist.get_rank() if dist.is_initialized() else 0
         local_ranks, _ = node_layout(dist.get_world_size() if dist.is_initialized() else 1)
         nvme = list(self.settings.nvme_paths) or ([self._ds_nvme_path] if self._ds_nvme_path else [])
@@ -237,10 +234,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     def _rank_plan(self, paths, **measured):
         """The performance model's plan for this rank's real partition (``--profile``)."""
-        import deepspeed.comm as dist
-
-        from perf.plan import plan_for_rank
-
         world = dist.get_world_size() if dist.is_initialized() else 1
         return plan_for_rank(
             self.settings.profile,
@@ -311,9 +304,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def _connect_tuner(self):
         if not self.settings.tuner_socket:
             return None
-        import deepspeed.comm as dist
-
-        from perf.plan import local_rank, node_layout
         from tuner.client import TunerClient
 
         # The daemon is per node (a Unix socket), so it sees this node's ranks: local rank and size.
@@ -532,7 +522,7 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             PARTITION_COUNT: self.partition_count,
             OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups},
             FP32_FLAT_GROUPS: masters,
-            SAVED_AT_STEP: getattr(self, "checkpoint_global_steps", None),
+            checkpoints.SAVED_AT_STEP: getattr(self, "checkpoint_global_steps", None),
         }  # which model states it goes with
 
     def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
@@ -557,10 +547,6 @@ class OffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         """CheckpointError unless every subgroup of ``state_dict`` matches this run's: the check
         comes first, so a load that fails changes nothing in the engine's tiers: the model's shapes
         (``param_shapes``, where the preflight found the folder), then this rank's partition sizes."""
-        import deepspeed.comm as dist
-
-        from integrations import checkpoints
-
         rank = dist.get_rank(group=self.dp_process_group) if dist.is_initialized() else 0
         folder = checkpoints.loading_folder()
         if folder is not None:
