@@ -206,21 +206,19 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_KINDS: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),  # before int: a bool is an int
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (Mapping, "a table"),
+    (list, "an array"),
+)
+
+
 def _kind(v: Any) -> str:
     """How a TOML value is called in messages."""
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a float"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, Mapping):
-        return "a table"
-    if isinstance(v, list):
-        return "an array"
-    return f"a {type(v).__name__}"
+    return next((word for t, word in _KINDS if isinstance(v, t)), f"a {type(v).__name__}")
 
 
 def _convert(v: Any, tp: Any, key: str) -> Any:
