@@ -14,8 +14,9 @@ import json
 import os
 import sys
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, Group
+from rich.table import Column, Table
+from rich.text import Text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,10 +113,6 @@ def run(args: argparse.Namespace) -> int:
 
 def info_table(data: dict):
     """The table, then the files it names (whole, one per line: a path is never cut in a cell)."""
-    from rich.console import Group
-    from rich.table import Column
-    from rich.text import Text
-
     from engine.host_kernel import HOST_LANE_BYTES_PER_PARAM, KERNEL_CHOICE_FILE, MEMORY_BANDWIDTH_FILE
     from engine.storage.native_ops import extensions_dir
     from engine.units import format_rate
