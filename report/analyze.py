@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 
 from engine.config import KnobKey, Knobs
+from engine.errors import ConfigError
 from engine.layout import STATE_BYTES_PER_ELEMENT
 from engine.telemetry import StepRecord
 from report.compare import compare_runs, limit, rolling_median, rolling_window, run_facts
@@ -392,8 +393,6 @@ def _disk_bytes(io: dict, tiers: list[dict], parts: bool = False) -> dict:
 
 
 def _choose(iters: list[dict], iteration: int, run: Run) -> dict:
-    from engine.errors import ConfigError
-
     for i in iters:
         if i["iteration"] == iteration:
             return i
@@ -494,8 +493,6 @@ def host_memory_summary(steps: list[tuple[int, StepRecord]]) -> dict | None:
 def pin_values(pins, knobs: dict) -> dict:
     """{knob: value} of the run's options' pins (:class:`KnobKey` text) that an earlier version's
     record names only, read from the knobs in force as the tuner reads them."""
-    from engine.errors import ConfigError
-
     in_force = Knobs.from_dict(knobs) if knobs else Knobs()
     out = {}
     for text in pins:

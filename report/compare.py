@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 
+from engine.units import format_seconds, format_size
 from report.load import Run
 
 UNTOUCHED = ("forward", "backward")
@@ -58,8 +60,6 @@ def compare_runs(base: dict, run: dict) -> dict:
     differ = [ph for ph in UNTOUCHED if phases[ph]["beyond_noise"]]
     machine = None
     if differ:
-        from engine.units import format_seconds
-
         said = ", ".join(
             f"{ph} {format_seconds(phases[ph]['base']['median_s'])} vs "
             f"{format_seconds(phases[ph]['run']['median_s'])} ({100 * phases[ph]['relative']:+.0f}%, "
@@ -140,8 +140,6 @@ def run_facts(run: Run) -> dict:
     """What a run was: the command that started it (its options apart), the script's arguments,
     the tier layout, the knobs at start, the versions, the date and host; None where the run's
     record does not say (recorded by an older offloadctl, or a rank not started from here)."""
-    import time as _time
-
     rec, init = run.record, run.record.init
     command = init.get("command")
     options = None
@@ -169,7 +167,7 @@ def run_facts(run: Run) -> dict:
         "layout": layout_text(init, plan),
         "knobs_at_start": knobs,
         "versions": init.get("versions"),
-        "date": _time.strftime("%Y-%m-%d %H:%M:%S %Z", _time.localtime(t)) if t else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t)) if t else None,
         "host": rec.header.get("host"),
         "world_size": rec.header.get("world_size"),
     }
@@ -177,8 +175,6 @@ def run_facts(run: Run) -> dict:
 
 def layout_text(init: dict, plan: dict) -> str:
     """Where the optimizer state lives, in words: '1.2 GB host, 3.4 GB on /nvme0 (nvme)'."""
-    from engine.units import format_size
-
     kinds = {t["path"]: t["kind"] for t in init.get("tiers") or []}
     by_tier = plan.get("state_bytes_by_tier") or {}
     if by_tier:
