@@ -43,12 +43,6 @@ def _rank() -> int:
     return launcher_rank() or 0
 
 
-def _world_size() -> int:
-    from perf.plan import launcher_world_size
-
-    return launcher_world_size()
-
-
 FAILED = "offloadctl: rank {rank} failed: "
 """How a rank of several begins the one line of an error it did not expect (the launcher's
 output filter, ``integrations.run_output``, keeps it for the run's last line)."""
@@ -237,6 +231,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
+    from perf.plan import launcher_world_size
     from report import recorder
 
     state = {"engaged": 0}
@@ -281,7 +276,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
             print(f"offloadctl: {printable(str(e))}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - the script's own error: its traceback to the log, one line shown
-        if _world_size() == 1:
+        if launcher_world_size() == 1:
             raise
         if peer_lost(e):
             import time
