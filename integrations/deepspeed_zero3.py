@@ -9,7 +9,8 @@ rank's :class:`ZeroEngineSettings` (``integrations.settings``) by ``optimizer_cl
 
 from __future__ import annotations
 
-from integrations import ds_compat
+from engine.storage.native_ops import import_deepspeed, prepare_deepspeed_loads
+from integrations import ds_compat, ds_patches
 from integrations.settings import ZeroEngineSettings
 
 
@@ -20,9 +21,6 @@ def _keep_deepspeed_from_compiling() -> None:
     built is kept from DeepSpeed: the shm comm op is marked incompatible (torch.distributed's
     all-reduce is used), and without cpu_adam DeepSpeed builds torch's AdamW instead: the engine
     takes only the param groups and hyperparameters from that optimizer and never steps it."""
-    from engine.storage.native_ops import prepare_deepspeed_loads
-    from integrations import ds_patches
-
     ops = prepare_deepspeed_loads()
     if ops["deepspeed_shm_comm"].fallback is not None:
         ds_patches.keep_ops_from_deepspeed(["deepspeed_shm_comm"])
@@ -32,12 +30,9 @@ def _keep_deepspeed_from_compiling() -> None:
 
 def install(settings: ZeroEngineSettings):
     """Make ``deepspeed.initialize`` build the engine's optimizer for ZeRO stage 3."""
-    from engine.storage.native_ops import import_deepspeed
-
     ds = import_deepspeed()
     ds_compat.check_deepspeed(ds)
     _keep_deepspeed_from_compiling()
-    from integrations import ds_patches
     from integrations.zero3_optimizer import optimizer_class
 
     cls = optimizer_class(settings)
