@@ -10,7 +10,6 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from rich.console import Group
-from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
@@ -187,6 +186,8 @@ def fitted_panels(runs: list[RunView], console, height: int | None = -1) -> list
 def run_panel(r: RunView, *, width: int | None = None, decisions: int = 6):
     """One run of a snapshot: what the tuner is doing, knobs, the iteration time (its phases and
     its recent history), per-path traffic, PCIe, and the latest knob changes."""
+    from rich.panel import Panel  # only for the live view: not loaded with the CLI
+
     ph = r.get("phases") or {}
     it = ph.get("iter_time_s")
     observed = ph.get("iteration")
