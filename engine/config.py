@@ -106,9 +106,9 @@ class EngineConfig:
     """Size of one I/O request. A subgroup's transfer is split into chunks that run in
     parallel up to the path's concurrency."""
     host_adam: Literal["auto", "fastest", "torch", "deepspeed"] = "auto"
-    """Host-lane AdamW kernel. 'auto': DeepSpeed's cpu_adam where the op is built (stock's: the
-    losses are stock's bit for bit), else torch's; 'fastest': the faster lane on this machine,
-    measured once and kept (:mod:`engine.host_kernel`)."""
+    """Host-lane AdamW kernel. 'auto': without a device lane, DeepSpeed's cpu_adam where the op is
+    built (stock's: the losses are stock's bit for bit), else torch's; with one, 'fastest': the
+    faster lane on this machine, measured once and kept (:mod:`engine.host_kernel`)."""
     verify_checksums: bool = True
     """Check each swap file's CRC32 on read. Costs about 0.4 s per GB of one core (zlib, 2.7 GB/s
     measured on this project's CI machine), in the I/O threads."""

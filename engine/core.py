@@ -129,7 +129,7 @@ class SubgroupEngine:
         except BaseException:
             self.close()
             raise
-        self.host_kernel_name, kernel = select_host_kernel(config.host_adam)
+        self.host_kernel_name, kernel = select_host_kernel(config.host_adam, device_lane=self.device is not None)
         self.streams = streams_for(self.device if self.device is not None else torch.device("cpu"))
         capacity = max((sg.numel for sg in self.subgroups), default=0)
         self.device_lane = DeviceLane(self.streams, capacity) if self.device is not None else None

@@ -17,10 +17,12 @@ timing is the host-lane rate the lane balance uses
 (:mod:`engine.lane_model`), measured with the threads this process runs (its share of the node's
 cores under ``offloadctl train``).
 
-The two kernels round differently in the last bit. So the default, ``auto``, takes no timing:
-it runs DeepSpeed's kernel wherever the op is built, the kernel stock ZeRO-3 offload runs, so a
-user who switches from stock gets stock's losses bit for bit (and torch's where it is not built).
-``fastest`` takes the faster lane, measured once per machine and environment and kept in a file
+The two kernels round differently in the last bit. So the default, ``auto``, takes no timing
+where every update runs on the host: it runs DeepSpeed's kernel wherever the op is built, the
+kernel stock ZeRO-3 offload runs, so a user who switches from stock gets stock's losses bit for
+bit (and torch's where it is not built). Beside a device lane, whose updates round as the GPU's
+AdamW does, the losses are not stock's whichever kernel the host runs, and ``auto`` is
+``fastest``: the faster lane, measured once per machine and environment and kept in a file
 (``KERNEL_CHOICE_FILE``, beside the built ops): every rank, every run and every resume then takes
 the same kernel, and the same seed gives the same losses. The kept rates are also the lane
 balance's for either kernel.
@@ -227,12 +229,13 @@ def chosen_host_kernel() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def select_host_kernel(choice: str = "auto") -> tuple[str, HostKernel]:
+def select_host_kernel(choice: str = "auto", device_lane: bool = False) -> tuple[str, HostKernel]:
     """The host-lane kernel for ``choice`` ('auto', 'fastest', 'torch', 'deepspeed'), as (name,
-    callable). 'auto' is stock's kernel where it is built (see the module's doc)."""
-    if choice == "auto":
+    callable). 'auto' is stock's kernel where it is built, 'fastest' beside a ``device_lane``
+    (see the module's doc)."""
+    if choice == "auto" and not device_lane:
         choice = "deepspeed" if load_cpu_adam() is not None else "torch"
-    elif choice == "fastest":
+    elif choice in ("auto", "fastest"):
         choice = chosen_host_kernel()
     elif choice == "deepspeed" and load_cpu_adam() is None:
         raise ConfigError(

@@ -68,7 +68,8 @@ class ZeroEngineSettings:
     io_backend: Literal["auto", "aio", "posix"] = "auto"
     host_adam: Literal["auto", "fastest", "torch", "deepspeed"] = "auto"
     """The host lane's AdamW kernel (``EngineConfig.host_adam``): 'auto' is stock's cpu_adam where
-    it is built, for losses equal to stock's bit for bit; 'fastest' the faster lane here."""
+    it is built and no GPU lane runs, for losses equal to stock's bit for bit; 'fastest' (and
+    'auto' beside a GPU lane) the faster lane here."""
     profile: str | None = None
     """Path of a hardware profile: each rank starts from the performance model's best plan."""
     tuner_socket: str | None = None

@@ -503,8 +503,8 @@ def measure_host_lane(
     report = as_progress(progress)
     what = "host lane (integrated)"
     report(what, 0, 1)
-    name, kernel = select_host_kernel("auto")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    name, kernel = select_host_kernel("auto", device_lane=dev.type == "cuda")
     rate = time_host_lane({name: kernel}, numel, reps, streams=streams_for(dev))[name]
     report(what, 1, 1)
     where = "uploaded to the GPU" if dev.type == "cuda" else "in host memory"

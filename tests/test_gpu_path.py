@@ -363,7 +363,7 @@ def test_host_lane_leaves_a_core_to_the_io_threads(monkeypatch, swap_dir, host_c
         seen.append(torch.get_num_threads())
         adamw_update_torch_(s, hp)
 
-    monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice: ("torch", kernel))
+    monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice, **_: ("torch", kernel))
     threads = torch.get_num_threads()
     cfg = EngineConfig(
         host_cache_bytes=host_cache, paths=(StoragePath(path=swap_dir),), host_adam="torch", io_backend="posix", io_cores=io_cores
@@ -799,7 +799,7 @@ def test_host_lane_threads_update_their_own_parts_on_one_thread_each(monkeypatch
         seen.append((threading.get_ident(), torch.get_num_threads()))
         adamw_update_torch_(s, hp)
 
-    monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice: ("torch", kernel))
+    monkeypatch.setattr(engine.core, "select_host_kernel", lambda choice, **_: ("torch", kernel))
     threads = torch.get_num_threads()
     n = 3 * PART_CHUNK_NUMEL + 1000
     gen = torch.Generator().manual_seed(0)

@@ -205,15 +205,17 @@ def test_asking_for_cpu_adam_where_it_is_not_built_is_one_clear_error(monkeypatc
 
 
 def test_auto_is_stocks_kernel_where_built_and_fastest_the_kept_choice(choice_dir, monkeypatch):
-    """'auto' takes no timing: DeepSpeed's cpu_adam where it loads (stock's kernel: stock's losses),
-    torch's where it does not; 'fastest' is the kept choice of the faster lane, whichever it is."""
+    """Without a device lane 'auto' takes no timing: DeepSpeed's cpu_adam where it loads (stock's
+    kernel: stock's losses), torch's where it does not. 'fastest', and 'auto' beside a device
+    lane, is the kept choice of the faster lane, whichever it is."""
     monkeypatch.setattr(host_kernel, "measure_host_lanes", _no_measuring)
     select = host_kernel.select_host_kernel.__wrapped__
-    if load_cpu_adam() is not None:
+    have_ds = load_cpu_adam() is not None
+    if have_ds:
         assert select("auto")[0] == "deepspeed"
+        kept = {"kernel": "torch", "params_per_s": {"torch": 3.0, "deepspeed": 2.0}}
+        (choice_dir / host_kernel.KERNEL_CHOICE_FILE).write_text(json.dumps({host_kernel._machine_key(): kept}))
+        assert select("auto", device_lane=True)[0] == "torch" == select("fastest")[0]
+        assert host_kernel.host_lane_rate("deepspeed") == 2.0  # the kept rates serve the lane balance
     monkeypatch.setattr(host_kernel, "load_cpu_adam", lambda: None)
     assert select("auto")[0] == "torch"
-    (choice_dir / host_kernel.KERNEL_CHOICE_FILE).write_text(
-        json.dumps({host_kernel._machine_key(): {"kernel": "torch", "params_per_s": {"torch": 3.0}}})
-    )
-    assert select("fastest")[0] == "torch" and host_kernel.host_lane_rate("torch") == 3.0

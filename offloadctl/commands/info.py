@@ -61,7 +61,7 @@ def collect() -> dict:
         "host_adamw_params_per_s": measure_host_kernels(),
         # What runs take by default (--host-adam auto: stock's kernel where its op is built, so
         # stock's losses), and that lane's rate, timed once per machine and kept.
-        "host_adamw_kernel": (kernel := select_host_kernel("auto")[0]),
+        "host_adamw_kernel": (kernel := select_host_kernel("auto", device_lane=torch.cuda.is_available())[0]),
         "host_lane_params_per_s": host_lane_rate(kernel),
         # The loop's rate with every kernel, as the choice compared them (kept with it).
         "host_lane_params_per_s_by_kernel": {k: host_lane_rate(k) for k in ops_kernels()},
@@ -136,7 +136,13 @@ def info_table(data: dict):
     t.add_row(
         "runs use",
         f"{names.get(kernel, kernel)}, "
-        + ("stock's kernel, for stock's losses" if kernel == "deepspeed" else "DeepSpeed's op not being built")
+        + (
+            "the faster lane: beside a GPU lane the losses are not stock's whatever the host runs"
+            if data["cuda"]
+            else "stock's kernel, for stock's losses"
+            if kernel == "deepspeed"
+            else "DeepSpeed's op not being built"
+        )
         + "; the whole host update loop (unscale, AdamW, weight copy; 4 subgroups), timed with each "
         "kernel once on this machine: "
         + ", ".join(f"{names.get(n, n)} {rate(r)}" for n, r in loops.items())

@@ -167,8 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "fastest", "torch", "deepspeed"],
         default="auto",
         help="the host lane's AdamW kernel: deepspeed (stock's cpu_adam: losses equal to stock's), torch "
-        "(torch's fused AdamW), fastest (the faster lane here, measured once), or auto: deepspeed where "
-        "its op is built, else torch (default auto)",
+        "(torch's fused AdamW), fastest (the faster lane here, measured once), or auto: fastest beside a "
+        "GPU lane, else deepspeed where its op is built (default auto)",
     )
     o.add_argument(
         "--profile",
