@@ -138,7 +138,7 @@ def info_table(data: dict):
         f"{names.get(kernel, kernel)}, "
         + (
             "the faster lane: beside a GPU lane the losses are not stock's whatever the host runs"
-            if data["cuda"]
+            if data.get("cuda")
             else "stock's kernel, for stock's losses"
             if kernel == "deepspeed"
             else "DeepSpeed's op not being built"
