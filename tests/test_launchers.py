@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
+from ds_runs import EXIT_ABORT
 from helpers import ROOT, cli, env_with_root, free_port, wait_for
 
 SCRIPTS = os.path.join(ROOT, "tests", "ds_scripts")
@@ -51,9 +53,16 @@ def _assert_losses_equal(ours: dict, stock: dict) -> None:
         assert ours[step] == pytest.approx(stock[step], rel=1e-4), (step, ours, stock)
 
 
-def _stock(command: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """A launch command without offloadctl: stock DeepSpeed."""
+def _stock(command: list[str], timeout: float = 600, finished: str | None = None, times: int = 1) -> subprocess.CompletedProcess:
+    """A launch command without offloadctl: stock DeepSpeed. With ``finished``, text printed
+    ``times`` once every rank is through: a run that printed it and then aborted in the
+    interpreter's exit (``EXIT_ABORT``, stock's gloo teardown race, no offloadctl code in the
+    process) counts as finished, as ``ds_runs.Finished.ok`` counts it, with a warning."""
     r = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env_with_root(**ENV))
+    done = finished is not None and r.stdout.count(finished) >= times
+    if r.returncode and done and EXIT_ABORT in r.stdout + r.stderr:
+        warnings.warn(f"stock aborted at exit after {finished!r} ({EXIT_ABORT!r}); its results are used", stacklevel=2)
+        return r
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -112,7 +121,8 @@ def community(once, tmp_path_factory):
                 str(d / "model"),
             ]
             launch = ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *args]
-            r = _stock([*TORCHRUN, *launch[1:]]) if who == "stock" else _ours(d / "run", *launch)
+            # "saved:" follows save_model, a collective of every rank.
+            r = _stock([*TORCHRUN, *launch[1:]], finished="saved:") if who == "stock" else _ours(d / "run", *launch)
             runs[who] = {"dir": str(d), "stderr": r.stderr, "stdout": r.stdout}
         d = base / "resumed"
         d.mkdir()
@@ -257,7 +267,9 @@ def stock_tiny(once, tmp_path_factory):
                 "3",
                 "--losses-out",
                 str(d / "l.jsonl"),
-            ]
+            ],
+            finished="train_tiny: rank ",
+            times=2,
         )
         return _losses(d / "l.jsonl")
 
