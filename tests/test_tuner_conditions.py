@@ -311,7 +311,15 @@ def test_a_real_engine_whose_path_slows_is_restriped_and_stays_exact(tmp_path):
         # during one is seen only after it.
         assert model_moves and 8 <= model_moves[0][0] <= 8 + 9, decided
         assert re.search(rf"path {re.escape(names[1])}( writes slowed from| slowed: )", model_moves[0][1])
-        assert max(shares[:8]) > 0.35 and statistics.median(shares[-4:]) < 0.3, (shares, decided)
+        # The slow path's share of the bytes falls to the balance at the rates the policy measured
+        # (a share in proportion to each path's rate): about a sixth at the pacers' 40 and 8 MB/s.
+        # Under a full test run the disk beneath the pacers can deliver less than 40 MB/s, so the
+        # test holds the engine to the policy's own rates, as they were measured.
+        rates = pol.state()["rates"]
+        balanced = rates[names[1]] / (rates[names[0]] + rates[names[1]])
+        after = statistics.median(shares[-4:])
+        assert balanced < 0.4 and max(shares[:8]) > 0.35 and after < max(shares[:8]) - 0.1, (shares, rates, decided)
+        assert abs(after - balanced) < 0.12, (after, balanced, shares, rates, decided)  # subgroups are a tenth each
         assert_params_close(model, ref)
     finally:
         opt.engine.close()
