@@ -30,3 +30,14 @@ def printable_all(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [printable_all(v) for v in obj]
     return obj
+
+
+def say_line(text: str) -> None:
+    """``text`` and its newline to stderr in one write. Ranks run unbuffered (``python -u``,
+    as torchrun and DeepSpeed's launcher start them), where ``print`` writes the newline apart:
+    another process's write (torchrun's traceback as it stops) can land between the two, and
+    the launcher's filter then reads a line of each process's bytes."""
+    import sys
+
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -80,13 +80,11 @@ def _failed(settings, error: BaseException) -> None:
             print(text, file=sys.stderr, end="")
     else:
         print(text, file=sys.stderr, end="")
-    from engine.text import printable
+    from engine.text import printable, say_line
 
     first = " ".join(printable(str(error)).split())
     first = first if len(first) <= 300 else first[:297] + "..."
-    # One write, newline included: the launcher's filter takes the line whole.
-    sys.stderr.write(FAILED.format(rank=_rank()) + f"{type(error).__name__}: {first}\n")
-    sys.stderr.flush()
+    say_line(FAILED.format(rank=_rank()) + f"{type(error).__name__}: {first}")
 
 
 class Stopped(BaseException):
@@ -208,6 +206,7 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
     except (Stopped, KeyboardInterrupt) as e:
         _ignore_later_signals()  # the swap files are removed at exit: let nothing cut that short
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        from engine.text import say_line
         from report import recorder
         from tuner.client import note_stopped
 
@@ -216,11 +215,7 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
         note_stopped(signal.Signals(signum).name, rec.iterations if rec is not None else 0)
         if rec is not None:  # the record's end line, written at exit, says the same
             rec.stopped_by = signal.Signals(signum).name
-        print(
-            f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_line(f"offloadctl: rank {_rank()} stopped by {signal.Signals(signum).name}; removing its swap files")
         return 128 + signum
 
 
@@ -231,6 +226,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
+    from engine.text import printable, say_line
     from perf.plan import launcher_world_size
     from report import recorder
 
@@ -259,7 +255,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
                 )
             state["engaged"] += 1
             if _rank() == 0:
-                print(_banner(engine.optimizer, describe_cores(cores), settings.run_dir), file=sys.stderr, flush=True)
+                say_line(_banner(engine.optimizer, describe_cores(cores), settings.run_dir))
 
         import_deepspeed()  # first, so that the recorder's atexit (registered next) runs before DeepSpeed's
 
@@ -271,9 +267,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
             _run_script(program, args)
     except OffloadError as e:
         if _rank() == 0 or not getattr(e, "every_rank", False):  # the same line from every rank: once
-            from engine.text import printable
-
-            print(f"offloadctl: {printable(str(e))}", file=sys.stderr, flush=True)
+            say_line(f"offloadctl: {printable(str(e))}")
         return 2
     except Exception as e:  # noqa: BLE001 - the script's own error: its traceback to the log, one line shown
         if launcher_world_size() == 1:
@@ -288,10 +282,9 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
         _failed(settings, e)
         return 1
     if not state["engaged"]:
-        print(
+        say_line(
             f"offloadctl: {program} finished without calling deepspeed.initialize, so the engine never ran: "
-            f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)",
-            file=sys.stderr,
+            f"call deepspeed.initialize (directly, or through Hugging Face Trainer or Accelerate)"
         )
         return 2
     return 0

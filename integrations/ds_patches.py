@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterable
 
 from engine.errors import CheckpointError, OffloadError
 from engine.storage.native_ops import import_deepspeed
+from engine.text import say_line
 from integrations import checkpoints, ds_compat
 
 ENGINE_PHASES = (("forward", "forward"), ("backward", "backward"), ("step", "update"))
@@ -106,7 +107,7 @@ def wrap_initialize(check: Callable[[object], None], recorder=None, *, rank: int
             try:
                 attach_recorder(engine, recorder)
             except Exception as e:  # recording must never stop training
-                print(f"offloadctl: recording off in rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                say_line(f"offloadctl: recording off in rank {rank}: {type(e).__name__}: {e}")
         return result
 
     deepspeed.initialize = initialize

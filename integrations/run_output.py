@@ -324,8 +324,10 @@ class OutputFilter:
             taken = text[:1] in (b" ", b"\t") or text.startswith((b"Message: ", b"Arguments: "))
         elif part == "frames":
             taken = True
-            if text[:1] not in (b" ", b"\t"):
-                self._traceback_part = "after"  # the exception's line
+            if text[:1] not in (b" ", b"\t") and bare:
+                # the exception's line; a blank line among the frames is another process's
+                # newline (a rank's, written apart from its line) and changes nothing
+                self._traceback_part = "after"
         elif part in ("after", "chained"):
             # what follows its exception's line: blank lines, the line that chains the next
             # traceback to it (then that traceback), or torch elastic's table of failures

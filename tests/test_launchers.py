@@ -832,6 +832,68 @@ def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
     assert shown.getvalue() == users + b"bye\n"
 
 
+def test_a_ranks_line_is_written_with_its_newline_in_one_write(monkeypatch):
+    """As ``python -u`` writes stderr (write-through, unbuffered): ``say_line`` hands the line
+    and its newline over in one write, where ``print`` makes two."""
+    import io
+
+    from engine.text import say_line
+
+    class Writes(io.RawIOBase):
+        def __init__(self):
+            self.calls: list[bytes] = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.calls.append(bytes(b))
+            return len(b)
+
+    raw = Writes()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, write_through=True))
+    say_line("offloadctl: rank 1 stopped by SIGINT; removing its swap files")
+    assert raw.calls == [b"offloadctl: rank 1 stopped by SIGINT; removing its swap files\n"]
+    print("x", file=sys.stderr, flush=True)
+    assert raw.calls[1:] == [b"x", b"\n"]  # the way that let torchrun's bytes in between
+
+
+def test_a_ranks_newline_written_apart_inside_torchruns_traceback_leaves_it_whole():
+    """A rank run unbuffered wrote its stop line and its newline apart (``print`` under
+    ``python -u``), and torchrun's frame landed between them: the frame ends the rank's line,
+    and the rank's newline comes as a blank line among torchrun's frames. That blank line is
+    not the traceback's end: the rest of it (its frames, the SignalException of offloadctl's
+    SIGTERM) goes to the log with it, as it came."""
+    import io
+
+    from integrations.run_output import OutputFilter
+
+    head = (
+        b"Traceback (most recent call last):\n"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run\n'
+        b"    time.sleep(monitor_interval)\n"
+    )
+    merged = (
+        b"offloadctl: rank 1 stopped by SIGINT; removing its swap files"
+        b'  File "/v/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86, in '
+        b"_terminate_process_handler\n"
+    )
+    tail = (
+        b"\n"
+        b'    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)\n'
+        b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15\n"
+    )
+    data = b"step 3\n" + head + merged + tail
+    for cut in range(1, len(data), 11):
+        shown, log = io.BytesIO(), io.BytesIO()
+        f = OutputFilter(shown, log)
+        f.feed(data[:cut])
+        f.feed(data[cut:])
+        f.close()
+        assert shown.getvalue() == b"step 3\n", cut
+        assert log.getvalue() == merged + head + tail, cut
+
+
 def test_a_ranks_line_written_into_torchruns_traceback_leaves_it_whole():
     """Every process of the run writes to one stream: a rank's line of its stop can land between
     the frames of torchrun's traceback (Ctrl-C, then offloadctl's SIGTERM to torchrun as it
