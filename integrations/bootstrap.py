@@ -222,11 +222,11 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
 def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     from engine.errors import OffloadError
     from engine.storage.native_ops import import_deepspeed
+    from engine.text import printable, say_line
     from integrations import ds_patches
     from integrations.cores import bind_rank_cores
     from integrations.cores import describe as describe_cores
     from integrations.deepspeed_zero3 import install
-    from engine.text import printable, say_line
     from perf.plan import launcher_world_size
     from report import recorder
 
