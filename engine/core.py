@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from engine import heap
 from engine.adamw import AdamWHyper
 from engine.binding import SubgroupBinding, flat_weights_of
 from engine.buffers import StateBuffer
@@ -471,6 +472,7 @@ class SubgroupEngine:
         held = self.host_usage().total
         self.transfers.give_back()  # every transfer landed, kept copies written back, the pool shrunk
         self.device_tier.drop_host_copies()  # made again at the next release
+        heap.release_freed()  # what the C library kept of it, and of the script's own frees
         self.host_memory.gave_back(held)
 
     def _on_host_memory_low(self) -> None:

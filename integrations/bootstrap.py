@@ -220,6 +220,7 @@ def run_rank(settings, program: str, args: list[str], *, module: bool = False) -
 
 
 def _run_program(settings, program: str, args: list[str], module: bool) -> int:
+    from engine import heap
     from engine.errors import OffloadError
     from engine.storage.native_ops import import_deepspeed
     from engine.text import printable, say_line
@@ -233,6 +234,7 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
     state = {"engaged": 0}
     try:
         cores = bind_rank_cores(settings.bind_cores)  # before torch starts its threads
+        kept = not settings.stock and settings.host_heap == "keep" and heap.keep_freed()  # before torch allocates
         # --engine stock: DeepSpeed's own optimizer, recorded only.
         cls = None if settings.stock else install(settings.zero)
 
@@ -253,6 +255,9 @@ def _run_program(settings, program: str, args: list[str], module: bool) -> int:
                     "the offloadctl engine did not engage (DeepSpeed built "
                     f"{type(engine.optimizer).__name__}): check that zero_optimization has offload_optimizer"
                 )
+            if kept:
+                heap.release_freed()  # what building the model and its partitions left free
+                engine.optimizer.offload_engine.add_step_hook(heap.KeptHeapWatch())
             state["engaged"] += 1
             if _rank() == 0:
                 say_line(_banner(engine.optimizer, describe_cores(cores), settings.run_dir))

@@ -143,6 +143,10 @@ class RankSettings:
     ``train --dry-run`` prints)."""
     bind_cores: str = "auto"
     """Each rank on its share of the node's cores (``integrations.cores``): 'auto', 'on', 'off'."""
+    host_heap: str = "keep"
+    """'keep': the rank's C library keeps what it frees for its next allocations (``engine.heap``);
+    'system': its default, freed memory goes back at once. Not with ``engine='stock'``, which
+    runs as DeepSpeed does."""
     engine: str = "offloadctl"
     """'offloadctl' (the engine is installed) or 'stock' (DeepSpeed's own optimizer, recorded only)."""
     recorder: RecorderConfig | None = None

@@ -31,6 +31,7 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Coroutine, Literal
 
+from engine import heap
 from engine.errors import ConfigError
 from engine.version import VERSION
 from tuner.daemon_config import ServerConfig
@@ -421,19 +422,13 @@ class _Heap:
     TRIM_EVERY_S = 60.0
 
     def __init__(self) -> None:
-        self._libc, self._last = None, time.monotonic()
-        with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so no longer dynamic
-            libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: fixed as well (the dynamic rule moves it too)
-            self._libc = libc
+        self._last = time.monotonic()
+        heap.bound(mmap_threshold=128 * 1024, trim_threshold=1 << 20)
 
     def trim(self) -> None:
-        if self._libc is not None and time.monotonic() - self._last >= self.TRIM_EVERY_S:
+        if time.monotonic() - self._last >= self.TRIM_EVERY_S:
             self._last = time.monotonic()
-            self._libc.malloc_trim(0)
+            heap.release_freed()
 
 
 FD_RESERVE = 64

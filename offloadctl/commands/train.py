@@ -145,6 +145,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "unless --bind_cores_to_rank binds them)",
     )
     o.add_argument(
+        "--host-heap",
+        choices=["keep", "system"],
+        default="keep",
+        help="keep: each rank reuses the host memory it frees, instead of the C library handing it "
+        "back and the kernel zeroing it again every iteration (it goes back after start-up and under "
+        "memory pressure); system: the C library's default (default keep; --engine stock runs as "
+        "DeepSpeed does)",
+    )
+    o.add_argument(
         "--run-dir",
         metavar="DIR",
         help="where the run's records, telemetry and logs go, private to you "
@@ -399,6 +408,7 @@ def rank_settings(args: argparse.Namespace, *, tuner_socket: str | None) -> Rank
     return RankSettings(
         zero=zero,
         bind_cores="off" if args.bind_cores == "auto" and ds_binds else args.bind_cores,
+        host_heap=args.host_heap,
         engine=args.engine,
         recorder=record,
         verbose=args.verbose,
