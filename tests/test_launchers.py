@@ -789,6 +789,20 @@ def test_a_stop_signal_while_a_rank_reports_its_error_is_no_traceback(launcher, 
         assert "offloadctl: rank 1 failed first" in r.stderr and "stopped by SIGTERM" in r.stderr, r.stderr[-3000:]
 
 
+def _filtered_in_two(data: bytes, cut: int) -> tuple[bytes, bytes]:
+    """What the filter shows and logs of ``data`` handed over in two reads, split at ``cut``."""
+    import io
+
+    from integrations.run_output import OutputFilter
+
+    shown, log = io.BytesIO(), io.BytesIO()
+    f = OutputFilter(shown, log)
+    f.feed(data[:cut])
+    f.feed(data[cut:])
+    f.close()
+    return shown.getvalue(), log.getvalue()
+
+
 def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
     """Ctrl-C's SIGINT can reach torch elastic's agent while its logger writes: the signal
     handler's SignalException inside the handler's write makes Python's logging print its own
@@ -818,12 +832,7 @@ def test_a_logging_error_of_torchruns_agent_on_ctrl_c_goes_to_the_log():
     end = b"offloadctl: stopped by SIGINT: ranks stopped, their swap files removed\n"
     data = b"step 3\n" + block + end
     for cut in range(1, len(data), 7):
-        shown, log = io.BytesIO(), io.BytesIO()
-        f = OutputFilter(shown, log)
-        f.feed(data[:cut])
-        f.feed(data[cut:])
-        f.close()
-        assert (shown.getvalue(), log.getvalue()) == (b"step 3\n" + end, block), cut
+        assert _filtered_in_two(data, cut) == (b"step 3\n" + end, block), cut
     users = block.replace(b"torch/distributed/elastic", b"home/me").replace(b"/v/bin/torchrun", b"/home/me/t.py")
     shown, log = io.BytesIO(), io.BytesIO()
     f = OutputFilter(shown, log)
@@ -864,9 +873,6 @@ def test_a_ranks_newline_written_apart_inside_torchruns_traceback_leaves_it_whol
     and the rank's newline comes as a blank line among torchrun's frames. That blank line is
     not the traceback's end: the rest of it (its frames, the SignalException of offloadctl's
     SIGTERM) goes to the log with it, as it came."""
-    import io
-
-    from integrations.run_output import OutputFilter
 
     head = (
         b"Traceback (most recent call last):\n"
@@ -885,13 +891,7 @@ def test_a_ranks_newline_written_apart_inside_torchruns_traceback_leaves_it_whol
     )
     data = b"step 3\n" + head + merged + tail
     for cut in range(1, len(data), 11):
-        shown, log = io.BytesIO(), io.BytesIO()
-        f = OutputFilter(shown, log)
-        f.feed(data[:cut])
-        f.feed(data[cut:])
-        f.close()
-        assert shown.getvalue() == b"step 3\n", cut
-        assert log.getvalue() == merged + head + tail, cut
+        assert _filtered_in_two(data, cut) == (b"step 3\n", merged + head + tail), cut
 
 
 def test_a_ranks_line_written_into_torchruns_traceback_leaves_it_whole():
