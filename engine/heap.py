@@ -28,8 +28,9 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 from typing import TYPE_CHECKING
+
+import psutil
 
 from engine.hooks import StepHook
 
@@ -82,11 +83,6 @@ def release_freed() -> None:
         libc.malloc_trim(0)
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class KeptHeapWatch(StepHook):
     """A step hook (``engine.hooks``) for a rank whose heap is kept (:func:`keep_freed`): after
     :data:`SETTLE_STEPS` steps it takes the resident bytes the engine does not hold as the
@@ -103,16 +99,16 @@ class KeptHeapWatch(StepHook):
         self.releases = 0
         self.given_up = False
 
-    def _outside_engine(self, engine: SubgroupEngine) -> int:
-        return _resident_bytes() - int(engine.host_usage().total)
-
     def after_step(self, engine: SubgroupEngine, record: StepRecord) -> None:
         if self.given_up:
             return
         self.steps += 1
-        if self.steps == self.SETTLE_STEPS:
-            self.settled_bytes = self._outside_engine(engine)
-        if self.settled_bytes is None or self._outside_engine(engine) <= self.settled_bytes * self.GROWTH:
+        if self.steps < self.SETTLE_STEPS:
+            return
+        outside_engine = psutil.Process().memory_info().rss - int(engine.host_usage().total)
+        if self.settled_bytes is None:
+            self.settled_bytes = outside_engine
+        if outside_engine <= self.settled_bytes * self.GROWTH:
             return
         self.releases += 1
         release_freed()
@@ -132,6 +128,5 @@ def restore_default() -> None:
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_THRESHOLD)
-        libc.malloc_trim(0)
+        bound(GLIBC_THRESHOLD, GLIBC_THRESHOLD)
+        release_freed()

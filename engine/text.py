@@ -6,6 +6,7 @@ without the bidirectional controls that make a terminal show text in another ord
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -37,7 +38,5 @@ def say_line(text: str) -> None:
     as torchrun and DeepSpeed's launcher start them), where ``print`` writes the newline apart:
     another process's write (torchrun's traceback as it stops) can land between the two, and
     the launcher's filter then reads a line of each process's bytes."""
-    import sys
-
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
