@@ -231,8 +231,18 @@ def test_a_stripe_that_misses_the_measured_rates_at_start_is_balanced_once():
     path's rate is known, a stripe far from their balance is moved there, once."""
     sim = TwoPaths(policy(), lambda i: {A: FAST, B: FAST / 4}).run(30)
     moves = [d for d in sim.decisions if "the stripe does not match the paths' measured rates" in d[2]]
-    assert len(moves) == 1 and moves[0][0] <= 8
+    assert len(moves) == 1 and moves[0][0] <= 12  # once two windows of rates agree
     assert 0.15 <= sim.slow_share(20) <= 0.25
+
+
+def test_rates_still_drifting_at_start_are_not_taken_for_the_paths():
+    """A run's first iterations fill caches and queues: one path reads slow at first and comes up
+    to the other's rate over a few iterations. The start's check waits for two windows of rates
+    that agree, so a quiet run of two equal paths is not re-striped for its warm-up (it was, to a
+    third of the bytes on the warming path, from its first three rates)."""
+    sim = TwoPaths(policy(), lambda i: {A: FAST, B: FAST * min(1.0, 0.3 + 0.1 * i)}).run(30)
+    assert not [d for d in sim.decisions if "the stripe does not match the paths' measured rates" in d[2]], sim.decisions
+    assert all(k.stripe_weights in ({}, None) or abs(sim.shares(k)[B] - 0.5) < 0.05 for k in sim.in_force), sim.decisions
 
 
 def test_the_model_balances_the_paths_times():

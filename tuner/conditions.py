@@ -38,6 +38,11 @@ NOISE_FLOOR = 0.03
 """Smallest relative noise a path's rate is credited with (a quiet emulated tier shows ~1%)."""
 REFERENCE_SAMPLES = 5
 """Rates within the band that the reference is the median of (it follows slow drift)."""
+STEADY_AGREEMENT = 0.1
+"""The start's rates have settled when two consecutive windows of ``change_iters`` iterations
+under the same knobs agree within this, per path (:meth:`Conditions.steady_rates`): a run's first
+iterations fill caches and queues, and a reference taken from them can miss the steady rate by
+more than the band (a quiet run was re-striped at start for it)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,10 @@ class Conditions:
         self.paths = list(paths)
         self._refs: dict[tuple[str, str], dict[IoKey | None, _Reference]] = {(p, d): {} for p in self.paths for d in _DIRECTIONS}
         self._now: dict[tuple[str, str], float] = {}
+        self._steady: dict[str, list[float]] = {p: [] for p in self.paths}
+        """Each path's round trip per iteration under the same knobs, the last two windows."""
+        self._steady_key: tuple[IoKey, ...] | None = None
+        self._steady_skip = 1
 
     def rates(self) -> dict[str, float]:
         """Each path's round-trip bytes/s now (as last measured), for the paths measured so far; a
@@ -112,9 +121,38 @@ class Conditions:
         """Every path's rate has been measured (the model can weigh all of them)."""
         return len(self.rates()) == len(self.paths) > 0
 
+    def steady_rates(self) -> dict[str, float] | None:
+        """Each path's round trip once it has settled: the later window's median when the last
+        two windows of ``change_iters`` iterations under the same knobs agree within
+        :data:`STEADY_AGREEMENT` for every path; None while any path still drifts."""
+        n = self.cfg.change_iters
+        out = {}
+        for p, xs in self._steady.items():
+            if len(xs) < 2 * n:
+                return None
+            early, late = statistics.median(xs[:n]), statistics.median(xs[n:])
+            if abs(math.log(late / early)) > math.log1p(STEADY_AGREEMENT):
+                return None
+            out[p] = late
+        return out if out else None
+
+    def _track_steady(self, obs: Observation, knobs: Knobs | None) -> None:
+        key = tuple(_io_key(knobs, p) for p in self.paths) if knobs is not None else self._steady_key
+        if key != self._steady_key:  # other knobs, other rates: start again, past their first iteration
+            self._steady_key, self._steady, self._steady_skip = key, {p: [] for p in self.paths}, 1
+        if self._steady_skip > 0:
+            self._steady_skip -= 1
+            return
+        for p, xs in self._steady.items():
+            r, w = obs.path_read_rate.get(p, 0.0), obs.path_write_rate.get(p, 0.0)
+            if r > 0 or w > 0:
+                xs.append(round_trip_rate(r or w, w or r))
+                del xs[: -2 * self.cfg.change_iters]
+
     def track(self, obs: Observation, knobs: Knobs | None) -> list[RateChange]:
         """Take one iteration's rates; return the paths whose rate changed. ``knobs``: those in
         force for the iteration (None: unknown, taken as the same as before)."""
+        self._track_steady(obs, knobs)
         changes = []
         for p in self.paths:
             moved: dict[str, tuple[float, float]] = {}

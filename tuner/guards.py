@@ -27,6 +27,11 @@ from tuner.observation import Observation
 from tuner.policy_config import PolicyConfig
 from tuner.run_state import RunFacts
 
+STEADY_WAIT_WINDOWS = 4
+"""The start's check of the stripe waits this many windows of ``change_iters`` iterations for
+the rates to settle (:meth:`tuner.conditions.Conditions.steady_rates`); rates that never do are
+no ground for a start move (a change of conditions still re-stripes)."""
+
 
 class Limits:
     """Caps on the knobs for one run. ``device_cap`` only comes down (set by the policy below the
@@ -147,7 +152,9 @@ class Adaptation:
         self.recent: deque[Sample] = deque(maxlen=8)
         """Every usable sample, whatever its knobs: a change's baseline."""
         self.stripe_checked = False
-        """The stripe checked against the paths' first measured rates."""
+        """The stripe checked against the paths' first steady rates."""
+        self.unsettled_iters = 0
+        """Iterations the start's check has waited for the rates to settle."""
         self.depth_response = {p: dict(r) for p, r in facts.path_depth_response.items() if p in facts.paths}
         self.log: deque[dict[str, Any]] = deque(maxlen=20)
         """Each change of conditions and what the tuner did about it: iteration, cause, move (None:
@@ -168,12 +175,22 @@ class Adaptation:
         return change
 
     def check_stripe(self) -> bool:
-        """True once, when every path's rate is first known: the stripe at start came from a
-        probe, or the user, and is checked against the rates then."""
+        """True once, when every path's rate is first known and has settled: the stripe at start
+        came from a probe, or the user, and is checked against the rates then. Rates still
+        unsettled after :data:`STEADY_WAIT_WINDOWS` windows: the start check is given up."""
         if self.stripe_checked or not self.conditions.known():
+            return False
+        if self.conditions.steady_rates() is None:
+            self.unsettled_iters += 1
+            self.stripe_checked = self.unsettled_iters >= STEADY_WAIT_WINDOWS * self.cfg.change_iters
             return False
         self.stripe_checked = True
         return True
+
+    def awaiting_steady_rates(self, stripe_pinned: bool) -> bool:
+        """The start's check of the stripe is still to come: the search waits for it, since a
+        trial's other knobs would start the rates' windows again."""
+        return not self.stripe_checked and self.can_restripe(stripe_pinned)
 
     def respond(self, change: Change, good_knobs: Knobs, shares: Mapping[str, float]) -> None:
         """Keep what ``change`` makes the tuner head for or forget: when contention appears, the

@@ -164,6 +164,8 @@ class Policy:
         if self._adapt.check_stripe() and (d := self._model_move(why, [*self._ledger.baseline[-2:], s], quiet=True)) is not None:
             return d
         self._ledger.baseline.append(s)
+        if self._adapt.awaiting_steady_rates(self._pins.covers("stripe_weights")):
+            return None  # the start's check of the stripe first: a trial now would restart its windows
         if self._knobs == self._good_knobs:
             self._fresh += 1
         if (d := self._confirm_kept()) is not None:
