@@ -840,3 +840,45 @@ def test_a_kept_move_that_turns_out_slower_is_undone():
     assert max(tail) <= 1.0  # ended no slower than the knobs it started from
     # What it says agrees with what it did: no kept move is left standing that it undid.
     assert pol.state()["good_knobs"]["prefetch_depth"] == 2
+
+
+def _holding_run(rise_in_update: bool, seed: int) -> tuple[Policy, list]:
+    """A run the policy holds on (its only knobs gain nothing: one path at 200 MB/s both ways,
+    whatever they are), whose iteration rises 40% from iteration 40 for good: in forward and
+    backward (another process on the CPUs), or in the update phase."""
+    pol = Policy(Knobs(), RunFacts(paths=(NVME,), subgroup_bytes=SUB, params=PARAMS), PolicyConfig(reexplore_every_iters=0))
+    rnd = random.Random(seed)
+    decisions = []
+    for i in range(90):
+        later = i >= 40
+        upd = (1.0 + (0.6 if later and rise_in_update else 0.0)) * rnd.lognormvariate(0, 0.02)
+        fwd = (0.5 + (0.0 if rise_in_update or not later else 0.6)) * rnd.lognormvariate(0, 0.02)
+        obs = Observation(
+            iteration=i,
+            iter_time_s=fwd + upd,
+            update_s=upd,
+            read_wait_s=0.3 * upd,
+            write_wait_s=0.05 * upd,
+            path_read_bytes_per_s={NVME: 1e8},
+            path_write_bytes_per_s={NVME: 1e8},
+            path_read_rate={NVME: 2e8 * rnd.lognormvariate(0, 0.02)},
+            path_write_rate={NVME: 2e8 * rnd.lognormvariate(0, 0.02)},
+        )
+        if (d := pol.observe(obs)) is not None:
+            decisions.append((i, d.reason))
+    return pol, decisions
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rise_in_forward_and_backward_alone_starts_no_search(seed):
+    """Every knob acts on the update phase: an iteration that grows in forward and backward (the
+    host's own noise, another job on the CPUs) is held through, said once, and the hold's level
+    follows it; the same rise in the update phase re-explores."""
+    pol, decisions = _holding_run(rise_in_update=False, seed=seed)
+    assert pol.state()["mode"] == "holding"
+    assert not [r for i, r in decisions if i >= 40], decisions
+    said = [e for e in pol.log if "in forward and backward" in e["reason"]]
+    assert len(said) == 1, [e["reason"] for e in pol.log]
+    assert said[0]["iteration"] < 70  # noticed within three windows
+    pol, decisions = _holding_run(rise_in_update=True, seed=seed)
+    assert any("while holding; re-exploring" in r for i, r in decisions if i >= 40), [e["reason"] for e in pol.log]

@@ -55,7 +55,7 @@ class Policy:
         self._iters_to_discard = self.cfg.warmup_iters
         self._samples_wanted = self.cfg.window  # samples of the good knobs wanted before the next move
         self._holding_since: int | None = None  # iteration the search ran out of moves
-        self._held: list[float] = []  # costs measured while holding (the first window is its level)
+        self._held: list[Sample] = []  # samples measured while holding (the first window is its level)
         self._hold_why: str | None = None  # why it holds with moves left (a model-guided re-stripe settled them)
         self._negligible_why: str | None = None  # why the policy holds without searching (update too small to matter)
         self._ledger = Ledger()
@@ -390,10 +390,23 @@ class Policy:
             return None  # holding: nothing the knobs change is worth measuring
         # Its level: its own first window, not a trial's few samples; a rise: over two windows after
         # it (one noisy window starts no search; a path that slows is a change of conditions).
-        self._held = (self._held + [recent[-1]])[: 2 * w + 1]
-        level = _median(self._held[:w])
-        risen = _median([s.cost for s in self._ledger.baseline[-2 * w :]])
+        self._held = (self._held + [self._ledger.baseline[-1]])[: 2 * w + 1]
+        level, risen = _median([s.cost for s in self._held[:w]]), _median([s.cost for s in self._ledger.baseline[-2 * w :]])
         if len(self._held) > 2 * w and risen > level * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
+            # Every knob acts on the update phase: a rise that forward and backward account for
+            # (another process on the CPUs, the host's own noise) is no move's to undo, and a
+            # trial then could only be judged on that noise. Its level becomes the hold's.
+            update_rise = _median([s.update_s for s in self._ledger.baseline[-2 * w :]]) - _median(
+                [s.update_s for s in self._held[:w]]
+            )
+            if update_rise < (risen - level) / 2:
+                self._held = []
+                self._note(
+                    f"{self._cost_name()} rose {100 * (risen / level - 1):.0f}% while holding, in forward and backward "
+                    f"(update {update_rise:+.3f} s): no knob acts there; holding at the new level",
+                    "hold",
+                )
+                return None
             self._ledger.failed_moves.clear()
             self._holding_since = None
             self._ledger.baseline = self._ledger.baseline[-w:]
