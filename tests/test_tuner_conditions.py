@@ -32,9 +32,18 @@ class TwoPaths:
     """A run whose paths' read and write rates are ``rates(i)``, per path, at iteration ``i``."""
 
     def __init__(
-        self, policy: Policy, rates, *, noise: float = 0.03, seed: int = 0, conc_speedup: float = 1.0, others=lambda i: {}
+        self,
+        policy: Policy,
+        rates,
+        *,
+        noise: float = 0.03,
+        seed: int = 0,
+        conc_speedup: float = 1.0,
+        others=lambda i: {},
+        seen=lambda i: {},
     ) -> None:
         self.policy, self.rates, self.noise, self.others = policy, rates, noise, others
+        self.seen = seen  # per path, a factor on the measured rates alone: a regime the step does not wait on
         self.rnd = random.Random(seed)
         self.knobs = policy.knobs
         self.conc_speedup = conc_speedup
@@ -57,7 +66,7 @@ class TwoPaths:
         rate = {p: self.path_rate(k, p, i) for p in (A, B)}
         io = max(shares[p] * BYTES / rate[p] for p in (A, B))  # a round trip: half read, half written, at `rate` each
         it = (COMPUTE_S + io) * self.rnd.lognormvariate(0, self.noise)
-        n = {p: self.rnd.lognormvariate(0, self.noise) for p in (A, B)}
+        n = {p: self.rnd.lognormvariate(0, self.noise) * self.seen(i).get(p, 1.0) for p in (A, B)}
         obs = Observation(
             iteration=i,
             iter_time_s=it,
@@ -348,6 +357,22 @@ def test_a_quiet_run_whose_probe_showed_no_gain_from_depth_changes_no_knob():
     assert sim.decisions == []
     assert "no move worth a trial" in sim.policy.state()["holding_reason"]  # what the summary and live view say
     assert any("no move worth a trial" in e["reason"] for e in sim.policy.log if e["kind"] == "hold"), sim.policy.log
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rate_that_swings_without_the_step_feeling_it_forgets_nothing(seed):
+    """(d) as the emulated tiers ran it: both quiet paths' busy-time rates rise 1.8x together for
+    a stretch of iterations (reads served in a faster regime) while the step takes as long as
+    before. It is a change of the paths' rates, said, but not of anything the step waits on:
+    the start's probes stand, no trial is spent, no knob changes (the old policy forgot the
+    probes and tried concurrency 4 -> 8 and 4 -> 2)."""
+    swing = lambda i: {A: 1.8, B: 1.8} if 20 <= i < 30 else {}  # noqa: E731
+    sim = TwoPaths(policy(path_depth_response=depth(1.02)), lambda i: {A: FAST, B: FAST}, seed=seed, seen=swing).run(60)
+    said = [e["reason"] for e in sim.policy.log if "sped up" in e["reason"]]
+    assert said and all("the step did not feel it" in r for r in said), sim.policy.log
+    assert sim.decisions == [], sim.decisions
+    assert set(sim.policy._adapt.depth_response) == {A, B}
+    assert any("the step did not feel it" in (a["effect"] or "") for a in sim.policy.state()["adaptations"])
 
 
 def test_a_path_whose_probe_gained_from_depth_is_tried_deeper():

@@ -215,6 +215,10 @@ class Adaptation:
         """The model may move the stripe: two paths or more, not pinned, every rate known."""
         return len(self.conditions.paths) >= 2 and not stripe_pinned and self.conditions.known()
 
+    def has_model_move(self, shares: Mapping[str, float], stripe_pinned: bool) -> bool:
+        """The model would re-stripe from ``shares`` (the stripe in force) at the rates now."""
+        return self.can_restripe(stripe_pinned) and restripe(self.conditions.rates(), shares, self.cfg) is not None
+
     def restripe(
         self, why: str, good_knobs: Knobs, shares: Mapping[str, float], iteration: int, *, quiet: bool = False
     ) -> ModelMove | str | None:

@@ -472,6 +472,10 @@ class Policy:
         that failed) no longer blocks a move. On a rate change the model's stripe is tried at once
         (``model``); otherwise the last good knobs are measured again, a trial in flight abandoned."""
         desc = change.describe()
+        if model and (unfelt := self._unfelt(change)) is not None:
+            self._adapt.log.append({"iteration": self._iteration, "cause": desc, "move": None, "effect": f"no move: {unfelt}"})
+            self._note(f"{desc}: {unfelt}", change.kind)
+            return None
         self._adapt.respond(change, self._good_knobs, self._search.stats(self._ledger.baseline).get("shares", {}))
         self._ledger.forget(errors=bool(change.rates))
         if change.rates:
@@ -488,6 +492,31 @@ class Policy:
             )
         self._note(f"{desc}: measuring the current knobs again", change.kind)
         return None
+
+    def _unfelt(self, change: Change) -> str | None:
+        """Why a change of a path's rate leaves what was learned standing, or None when it does not.
+
+        It does when the step does not feel it and the model has no move for it: the update
+        phase over the iterations that showed the change is within the noise threshold of the
+        good knobs' (the path's rate moved, and nothing that waits on it did), and the stripe is
+        near the balance at the rates now. A quiet emulated path's busy-time rate swings between
+        regimes (reads 240 and 430 MB/s for stretches of iterations, both paths together, the
+        update within 1%): taken as a change, it forgot the start's probes and opened
+        concurrency trials in a run where nothing changed. A path that slows so that the step
+        waits, or that comes back while its share is low (the model's move), is a change."""
+        recent, base = list(self._adapt.recent)[-self.cfg.change_iters :], self._ledger.baseline[-2 * self.cfg.window :]
+        if change.contention or not change.rates or self._ledger.trial is not None or len(base) < self.cfg.window:
+            return None
+        before, now = _median([s.update_s for s in base]), _median([s.update_s for s in recent])
+        if abs(math.log(now / before)) > self._noise.threshold():
+            return None
+        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
+        if shares and self._adapt.has_model_move(shares, self._pins.covers("stripe_weights")):
+            return None
+        return (
+            f"the step did not feel it (update {before:.3f} -> {now:.3f} s, within this run's noise threshold of "
+            f"{100 * self._noise.threshold():.0f}%) and the stripe is near the balance"
+        )
 
     def _model_move(
         self, why: str, baseline: list[Sample], abandoned: str | None = None, *, quiet: bool = False
