@@ -496,27 +496,35 @@ class Policy:
     def _unfelt(self, change: Change) -> str | None:
         """Why a change of a path's rate leaves what was learned standing, or None when it does not.
 
-        It does when the step does not feel it and the model has no move for it: the update
-        phase over the iterations that showed the change is within the noise threshold of the
-        good knobs' (the path's rate moved, and nothing that waits on it did), and the stripe is
-        near the balance at the rates now. A quiet emulated path's busy-time rate swings between
-        regimes (reads 240 and 430 MB/s for stretches of iterations, both paths together, the
-        update within 1%): taken as a change, it forgot the start's probes and opened
-        concurrency trials in a run where nothing changed. A path that slows so that the step
-        waits, or that comes back while its share is low (the model's move), is a change."""
+        It does when the step does not feel it (the update phase over the iterations that showed
+        the change is within the noise threshold of the good knobs': the path's rate moved, and
+        nothing that waits on it did) and either no path's round trip moved by
+        ``unfelt_rate_change`` (twice or half) or the stripe is near the balance at the rates
+        now. A quiet emulated path's busy-time read rate swings 1.8x between regimes (240 and
+        430 MB/s for stretches of iterations, one path or both, the update within 1%): taken as
+        a change, it forgot the start's probes and opened concurrency trials, or re-striped
+        toward the path in its fast regime (+26% and +39% on the iteration, reverted), in runs
+        where nothing changed. A path that slows so that the step waits, or that comes back
+        from a 5x slowdown while its share is low (the model's move), is a change."""
         recent, base = list(self._adapt.recent)[-self.cfg.change_iters :], self._ledger.baseline[-2 * self.cfg.window :]
         if change.contention or not change.rates or self._ledger.trial is not None or len(base) < self.cfg.window:
             return None
         before, now = _median([s.update_s for s in base]), _median([s.update_s for s in recent])
         if abs(math.log(now / before)) > self._noise.threshold():
             return None
+        felt = (
+            f"the step did not feel it (update {before:.3f} -> {now:.3f} s, "
+            f"within this run's noise threshold of {100 * self._noise.threshold():.0f}%)"
+        )
+        big = max(abs(math.log(c.after_bytes_per_s / c.before_bytes_per_s)) for c in change.rates)
+        if big < math.log1p(self.cfg.unfelt_rate_change):
+            return (
+                f"{felt}, and no path's rate moved {1 + self.cfg.unfelt_rate_change:g}x, the least the rates alone are acted on"
+            )
         shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
         if shares and self._adapt.has_model_move(shares, self._pins.covers("stripe_weights")):
             return None
-        return (
-            f"the step did not feel it (update {before:.3f} -> {now:.3f} s, within this run's noise threshold of "
-            f"{100 * self._noise.threshold():.0f}%) and the stripe is near the balance"
-        )
+        return f"{felt}, and the stripe is near the balance"
 
     def _model_move(
         self, why: str, baseline: list[Sample], abandoned: str | None = None, *, quiet: bool = False

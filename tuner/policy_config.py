@@ -58,6 +58,10 @@ class PolicyConfig:
     ``change_iters`` iterations in a row is a change of conditions (:mod:`tuner.conditions`)."""
     change_iters: int = 3
     """Iterations a path's rate must stay beyond its band before it counts as a change."""
+    unfelt_rate_change: float = 1.0
+    """A change the step does not feel (the update phase within the noise threshold) is acted on
+    only when a path's round trip moved by more than this share (1.0: twice or half): the rates
+    are then the only evidence, and a quiet emulated path's reads swing 1.8x between regimes."""
     model_gain: float = 0.15
     """The model's re-stripe is made when it predicts the paths' I/O time shorter by this share;
     closer to balance than that, small moves refine it."""
@@ -88,6 +92,7 @@ class PolicyConfig:
             "stripe_step",
             "contention_ratio",
             "rate_change",
+            "unfelt_rate_change",
             "model_gain",
             "depth_gain",
         ):
