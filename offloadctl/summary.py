@@ -26,6 +26,7 @@ from report.analyze import analyze_run, bottleneck, engine_segments, host_memory
 from report.load import load_run, read_telemetry
 from report.render import extent, fixed_knobs_text, headline, host_memory_text
 from tuner.knob_text import adaptation_text, changed_knobs, knobs_text, value_text
+from tuner.run_state import DECISIONS_KEPT
 
 if TYPE_CHECKING:
     from tuner.run_state import Activity, RunView
@@ -86,7 +87,11 @@ def tuner_lines(view: RunView) -> list[str]:
     if mode == "holding" and not why:
         why = "no move left to try"
     why = held_text(why)
-    head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes'}"
+    # Knobs that ended as they started may still have moved: trials the tuner reverted. The
+    # view keeps its last DECISIONS_KEPT decisions, so a full list is a lower bound.
+    tried = [d for d in view.get("decisions") or [] if d.get("source") in ("policy", "resync")]
+    undone = f"{len(tried)}{' or more' if len(tried) >= DECISIONS_KEPT else ''} tried and undone" if tried else ""
+    head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes' + (f' in the end ({undone})' if undone else '')}"
     changes = [f"tuner: {adaptation_text(a)}" for a in ((view.get("policy") or {}).get("adaptations") or [])[-3:]]
     return _wrap([*changes, f"{head}; {doing}" + (f" ({why})" if why else "")])
 

@@ -176,6 +176,13 @@ def test_the_end_line_names_who_changed_each_knob():
     assert tuner_lines(quiet) == ["tuner: no knob changes; holding (no move left to try)"]
     why = dict(quiet, verdict={"mode": "holding", "since_iteration": 40, "trial": None, "reason": "knobs change 1% of it"})
     assert tuner_lines(why) == ["tuner: no knob changes; holding (knobs change 1% of it)"]
+    # Trials the tuner made and reverted: the knobs ended as they started, but they did move.
+    decisions = [{"iteration": i, "reason": "trying io_concurrency 4->8", "source": "policy"} for i in (12, 15)]
+    tried = dict(why, decisions=[*decisions, {"iteration": 20, "reason": "pinned", "source": "user"}])
+    said = " ".join(" ".join(tuner_lines(tried)).split())
+    assert said == "tuner: no knob changes in the end (2 tried and undone); holding (knobs change 1% of it)"
+    many = dict(why, decisions=decisions * 10)
+    assert "(20 or more tried and undone)" in " ".join(tuner_lines(many))
 
 
 def test_a_schema_1_history_is_upgraded_and_never_learned_from(tmp_path):

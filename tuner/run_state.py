@@ -21,6 +21,9 @@ from tuner.knob_text import Pins
 
 log = logging.getLogger("offloadctl.tuner")
 
+DECISIONS_KEPT = 20
+"""A run's last decisions that its view (:func:`run_view`) carries."""
+
 
 @dataclass
 class Rank:
@@ -318,7 +321,7 @@ def run_view(run: Run, history: int = 60) -> RunView:
         "phases": run.phases,
         "bandwidth": run.bandwidth,
         "sensors": run.sensor_sample,
-        "decisions": list(run.decisions)[-20:],
+        "decisions": list(run.decisions)[-DECISIONS_KEPT:],
         "events": list(run.events)[-20:],
         "applied": {str(s): {str(r): i for r, i in d.items()} for s, d in list(run.applied.items())[-8:]},
         "policy_error": run.policy_error,
