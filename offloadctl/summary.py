@@ -89,9 +89,15 @@ def tuner_lines(view: RunView) -> list[str]:
     why = held_text(why)
     # Knobs that ended as they started may still have moved: trials the tuner reverted. The
     # view keeps its last DECISIONS_KEPT decisions, so a full list is a lower bound.
-    tried = [d for d in view.get("decisions") or [] if d.get("source") in ("policy", "resync")]
-    undone = f"{len(tried)}{' or more' if len(tried) >= DECISIONS_KEPT else ''} tried and undone" if tried else ""
-    head = f"tuner: {'changed ' + ', '.join(said) if said else 'no knob changes' + (f' in the end ({undone})' if undone else '')}"
+    decisions = view.get("decisions") or []
+    tried = sum(d.get("source") in ("policy", "resync") for d in decisions)
+    if said:
+        head = "tuner: changed " + ", ".join(said)
+    elif tried:
+        more = " or more" if len(decisions) >= DECISIONS_KEPT else ""  # the view's list is full: older ones left out
+        head = f"tuner: no knob changes in the end ({tried}{more} tried and undone)"
+    else:
+        head = "tuner: no knob changes"
     changes = [f"tuner: {adaptation_text(a)}" for a in ((view.get("policy") or {}).get("adaptations") or [])[-3:]]
     return _wrap([*changes, f"{head}; {doing}" + (f" ({why})" if why else "")])
 

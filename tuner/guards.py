@@ -215,6 +215,10 @@ class Adaptation:
         """The model may move the stripe: two paths or more, not pinned, every rate known."""
         return len(self.conditions.paths) >= 2 and not stripe_pinned and self.conditions.known()
 
+    def no_move(self, iteration: int, cause: str, why: str) -> None:
+        """A change of conditions that moved no knob, and ``why``, in the log."""
+        self.log.append({"iteration": iteration, "cause": cause, "move": None, "effect": f"no move: {why}"})
+
     def has_model_move(self, shares: Mapping[str, float], stripe_pinned: bool) -> bool:
         """The model would re-stripe from ``shares`` (the stripe in force) at the rates now."""
         return self.can_restripe(stripe_pinned) and restripe(self.conditions.rates(), shares, self.cfg) is not None
@@ -228,9 +232,7 @@ class Adaptation:
         if r is None:
             if quiet:
                 return None
-            self.log.append(
-                {"iteration": iteration, "cause": why, "move": None, "effect": "no move: the stripe is already near the balance"}
-            )
+            self.no_move(iteration, why, "the stripe is already near the balance")
             return f"{why}: the stripe is within {100 * self.cfg.model_gain:.0f}% of the balance at the paths' rates now"
         self.log.append({"iteration": iteration, "cause": why, "move": r.describe(), "effect": None})
         rates = ", ".join(f"{p} {v / 1e6:.0f} MB/s" for p, v in self.conditions.rates().items())

@@ -391,14 +391,13 @@ class Policy:
         # Its level: its own first window, not a trial's few samples; a rise: over two windows after
         # it (one noisy window starts no search; a path that slows is a change of conditions).
         self._held = (self._held + [self._ledger.baseline[-1]])[: 2 * w + 1]
-        level, risen = _median([s.cost for s in self._held[:w]]), _median([s.cost for s in self._ledger.baseline[-2 * w :]])
+        first, last = self._held[:w], self._ledger.baseline[-2 * w :]
+        level, risen = _median([s.cost for s in first]), _median([s.cost for s in last])
         if len(self._held) > 2 * w and risen > level * (1 + max(self.cfg.drift, 2 * self._noise.threshold())):
             # Every knob acts on the update phase: a rise that forward and backward account for
             # (another process on the CPUs, the host's own noise) is no move's to undo, and a
             # trial then could only be judged on that noise. Its level becomes the hold's.
-            update_rise = _median([s.update_s for s in self._ledger.baseline[-2 * w :]]) - _median(
-                [s.update_s for s in self._held[:w]]
-            )
+            update_rise = _median([s.update_s for s in last]) - _median([s.update_s for s in first])
             if update_rise < (risen - level) / 2:
                 self._held = []
                 self._note(
@@ -473,7 +472,7 @@ class Policy:
         (``model``); otherwise the last good knobs are measured again, a trial in flight abandoned."""
         desc = change.describe()
         if model and (unfelt := self._unfelt(change)) is not None:
-            self._adapt.log.append({"iteration": self._iteration, "cause": desc, "move": None, "effect": f"no move: {unfelt}"})
+            self._adapt.no_move(self._iteration, desc, unfelt)
             self._note(f"{desc}: {unfelt}", change.kind)
             return None
         self._adapt.respond(change, self._good_knobs, self._search.stats(self._ledger.baseline).get("shares", {}))
@@ -492,6 +491,10 @@ class Policy:
             )
         self._note(f"{desc}: measuring the current knobs again", change.kind)
         return None
+
+    def _stripe_in_force(self) -> dict[str, float] | None:
+        """The good knobs' stripe as shares, else the byte shares of the recent iterations."""
+        return self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
 
     def _unfelt(self, change: Change) -> str | None:
         """Why a change of a path's rate leaves what was learned standing, or None when it does not.
@@ -521,7 +524,7 @@ class Policy:
             return (
                 f"{felt}, and no path's rate moved {1 + self.cfg.unfelt_rate_change:g}x, the least the rates alone are acted on"
             )
-        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
+        shares = self._stripe_in_force()
         if shares and self._adapt.has_model_move(shares, self._pins.covers("stripe_weights")):
             return None
         return f"{felt}, and the stripe is near the balance"
@@ -536,7 +539,7 @@ class Policy:
         search re-explores: the rates are a direct measurement, a trial a noisier one."""
         if not baseline or not self._adapt.can_restripe(self._pins.covers("stripe_weights")):
             return None
-        shares = self._search.weights_of(self._good_knobs, self._search.stats(list(self._adapt.recent)).get("shares", {}))
+        shares = self._stripe_in_force()
         m = self._adapt.restripe(why, self._good_knobs, shares or {}, self._iteration, quiet=quiet)
         if not isinstance(m, ModelMove):
             if m is not None:
