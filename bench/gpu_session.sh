@@ -300,11 +300,11 @@ run_step() {
 
 # DeepSpeed's ops: each built in its own process (about 65 s each on a bare machine, in parallel),
 # in the background; a no-op where env.sh unpacked .gpu/ops.tgz or they are built already.
-ops_ready() { local e; e=$(ext_dir); ls "$e"/cpu_adam/*.so "$e"/async_io/*.so >/dev/null 2>&1; }
+ops_ready() { local e; e=$(ext_dir); ls "$e"/cpu_adam/*.so "$e"/async_io/*.so "$e"/offloadctl_host_fused/*.so >/dev/null 2>&1; }
 ops_pids=()
 build_ops_bg() {
   local op
-  for op in cpu_adam async_io; do
+  for op in cpu_adam async_io host_fused; do
     timeout -k 10 300 python3 -c 'import sys
 from engine.storage.native_ops import build_ops
 for s in build_ops((sys.argv[1],)).values(): print(f"native op {s.name}: {s.state} {s.detail}")' "$op" \
@@ -316,7 +316,7 @@ wait_ops() {  # the rows need the ops: a row that finds them missing uses the sl
   local pid s; s=$(date +%s)
   for pid in "${ops_pids[@]}"; do wait "$pid"; rm -f "$pgids/$pid"; done
   grep -h "native op" "$logs"/build-*.log 2>/dev/null | tail -4
-  emit step ops-build "$(grep -l 'native op .*: built' "$logs"/build-*.log 2>/dev/null | wc -l | awk '{print ($1 == 2) ? 0 : 1}')" \
+  emit step ops-build "$(grep -l 'native op .*: built' "$logs"/build-*.log 2>/dev/null | wc -l | awk '{print ($1 == 3) ? 0 : 1}')" \
     $(($(date +%s) - s)) 300 /dev/null \
     "$(grep -h 'native op' "$logs"/build-*.log 2>/dev/null | tr '\n' ';' | cut -c1-300)"
 }

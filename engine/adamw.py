@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from engine.storage.native_ops import load_cpu_adam
+from engine.storage.native_ops import load_cpu_adam, load_host_fused
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,20 @@ def adamw_update_torch_(s: AdamWSlices, hyper: AdamWHyper) -> None:
 
 
 class DeepSpeedCpuAdam:
-    """DeepSpeed's AVX CPU AdamW called on flat tensors, without its per-parameter state."""
+    """DeepSpeed's AVX CPU AdamW called on flat tensors, without its per-parameter state.
+
+    Where our fused op is built (``engine/csrc/host_fused.cpp``: the same kernel, with the
+    gradient upcast, unscale and weight cast in its one parallel region), every call goes through
+    it, :meth:`fused_step` included: one optimizer table, whose running products of the betas
+    advance once per step as in stock's op, whichever of the two calls a subgroup takes."""
 
     def __init__(self) -> None:
-        op = load_cpu_adam()
+        fused = load_host_fused()
+        op = fused if fused is not None else load_cpu_adam()
         if op is None:
             raise RuntimeError("DeepSpeed cpu_adam op did not build")
         self._op = op
+        self.fused = fused is not None  # else the lane runs its chunks op by op
         self._opt_id = 0x0FF1 + id(self) % 10_000
         # adamw_mode=True: decoupled weight decay, as torch.optim.AdamW.
         self._op.create_adam(self._opt_id, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
@@ -107,6 +114,37 @@ class DeepSpeedCpuAdam:
                 m,
                 v,
             )
+
+    def fused_step(
+        self,
+        step: int,
+        hyper: AdamWHyper,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        grads: list[tuple[int, torch.Tensor]],
+        scale: float,
+        weights: list[tuple[int, torch.Tensor]],
+    ) -> None:
+        """One step of a run of a subgroup: ``state`` its (master, exp_avg, exp_avg_sq) fp32
+        views, ``grads`` the (offset, flat gradient) pieces that cover it in order, multiplied
+        by ``scale`` where it is not 1, and the new master cast into each (offset, flat weight)."""
+        master, exp_avg, exp_avg_sq = state
+        self._op.fused_step(
+            self._opt_id,
+            step,
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            master,
+            exp_avg,
+            exp_avg_sq,
+            [g for _, g in grads],
+            [off for off, _ in grads],
+            scale,
+            [w for _, w in weights],
+            [off for off, _ in weights],
+        )
 
 
 HostKernel = Callable[[AdamWSlices, AdamWHyper], None]

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.adamw import AdamWHyper, AdamWSlices, HostKernel, adamw_update_torch_
+from engine.adamw import AdamWHyper, AdamWSlices, DeepSpeedCpuAdam, HostKernel, adamw_update_torch_
 from engine.binding import SubgroupBinding, flat_weights_of, weight_views_of, weights_written
 from engine.buffers import StateBuffer, aligned_empty
 from engine.lanes import Scratch, SubgroupGrads, step_tensor
@@ -265,17 +265,7 @@ def host_update(
     else:
         reader = None
     parts = torch.get_num_threads() if lane_threads is not None and reader is None else 1
-    if parts > 1 and lane_threads is not None and sum(offsets[j] - offsets[i] for i, j in grads.runs) > PART_CHUNK_NUMEL:
-        chunk_numel = lane_threads.chunk_numel(parts)  # measured at the first update with more than one part
-    elif parts > 1:
-        chunk_numel = PART_CHUNK_NUMEL  # one part chunk at most: one part
-    elif torch.get_num_threads() > 1:
-        chunk_numel = HOST_CHUNK_NUMEL  # one thread drives the lane, an OpenMP team in each op
-    else:
-        chunk_numel = min(HOST_CHUNK_NUMEL, PART_CHUNK_NUMEL)  # no team: the L2-sized chunk
     sink = weights.begin(binding) if weights is not None else None
-    chunks = [(i, a, min(offsets[j], a + chunk_numel)) for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
-    step_of = {i: step_tensor(steps[i] + 1, master.device) for i, _ in grads.runs}
     if sink is not None:  # slices not updated: their weights as they are
         covered = 0
         for i, j in grads.runs:
@@ -284,6 +274,28 @@ def host_update(
             covered = offsets[j]
         if covered < binding.numel:
             sink.write(covered, binding.numel, master[covered : binding.numel])
+    if isinstance(kernel, DeepSpeedCpuAdam) and kernel.fused and reader is None and parts == 1 and fusable(grads, sink):
+        for i, j in grads.runs:  # each run in one call: the op's threads take its tiles
+            a, b = offsets[i], offsets[j]
+            kernel.fused_step(
+                steps[i] + 1,
+                hyper,
+                (master[a:b], exp_avg[a:b], exp_avg_sq[a:b]),
+                [(lo - a, grads.source(k, lo, hi, g)) for k, lo, hi, g in grads.slices_in(a, b)],
+                scale,
+                [] if sink is None else sink.host_targets(a, b),
+            )
+        return finish_update(grads, steps, binding, master, sink)
+    if parts > 1 and lane_threads is not None and sum(offsets[j] - offsets[i] for i, j in grads.runs) > PART_CHUNK_NUMEL:
+        chunk_numel = lane_threads.chunk_numel(parts)  # measured at the first update with more than one part
+    elif parts > 1:
+        chunk_numel = PART_CHUNK_NUMEL  # one part chunk at most: one part
+    elif torch.get_num_threads() > 1:
+        chunk_numel = HOST_CHUNK_NUMEL  # one thread drives the lane, an OpenMP team in each op
+    else:
+        chunk_numel = min(HOST_CHUNK_NUMEL, PART_CHUNK_NUMEL)  # no team: the L2-sized chunk
+    chunks = [(i, a, min(offsets[j], a + chunk_numel)) for i, j in grads.runs for a in range(offsets[i], offsets[j], chunk_numel)]
+    step_of = {i: step_tensor(steps[i] + 1, master.device) for i, _ in grads.runs}
 
     def update(part: int, mine: list[tuple[int, int, int]], scratch: Scratch) -> None:
         ahead = reader.fetch(grads, mine[0][1], mine[0][2]) if reader is not None and mine else None
@@ -317,12 +329,36 @@ def host_update(
             part_scratch.append(Scratch(torch.device("cpu")))
         bounds = [len(chunks) * k // parts for k in range(parts + 1)]
         lane_threads.run(parts, lambda k: update(k, chunks[bounds[k] : bounds[k + 1]], part_scratch[k]))
+    return finish_update(grads, steps, binding, master, sink)
+
+
+def finish_update(
+    grads: SubgroupGrads, steps: list[int], binding: SubgroupBinding, master: torch.Tensor, sink: "WeightSink | None"
+) -> int:
+    """Count the step and write the weights no chunk wrote; the slices updated."""
     updated = grads.advance(steps)
     if sink is not None:
         sink.finish(master)
     else:
         binding.write_weights(master)
     return updated
+
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The gradient and weight dtypes the fused step reads and writes."""
+
+
+def fusable(grads: SubgroupGrads, sink: "WeightSink | None") -> bool:
+    """Whether the fused step (``engine/csrc/host_fused.cpp``) can update this subgroup: its
+    gradients and its weights (those written in place; the others are written at the sink's
+    finish) flat tensors in host memory of a dtype it knows. Weights uploaded to a device go
+    through the chunked lane, whose uploads overlap the casts."""
+    for g in grads.per_slice:
+        if g is not None and (g.device.type != "cpu" or not g.is_contiguous() or g.dtype not in FUSED_DTYPES):
+            return False
+    if sink is None:
+        return True
+    return all(t is None or (in_place and t.is_contiguous() and t.dtype in FUSED_DTYPES) for _, _, t, in_place in sink.targets)
 
 
 class WeightSink:
@@ -347,6 +383,16 @@ class WeightSink:
                 target[x - lo : y - lo].copy_(src)
             else:
                 self.uploader.upload(target, x - lo, src, part)
+
+    def host_targets(self, a: int, b: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset from ``a``, view) of each in-place target's elements within [a, b): what the
+        fused step writes (:func:`fusable` checked that every target is in place or None)."""
+        out = []
+        for lo, hi, target, in_place in self.targets:
+            x, y = max(a, lo), min(b, hi)
+            if x < y and target is not None and in_place:
+                out.append((x - a, target[x - lo : y - lo]))
+        return out
 
     def finish(self, master: torch.Tensor) -> None:
         for lo, hi, target, _ in self.targets:

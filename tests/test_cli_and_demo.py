@@ -27,7 +27,7 @@ def test_info_json():
     data = json.loads(out.stdout)
     assert "posix" in data["io_backends"] and data["host_adamw_params_per_s"]["torch"] > 0
     ops = data["native_ops"]
-    assert set(ops) == {"async_io", "cpu_adam", "deepspeed_shm_comm"}
+    assert set(ops) == {"async_io", "cpu_adam", "deepspeed_shm_comm", "host_fused"}
     for st in ops.values():
         assert st["state"] in ("built", "building", "not built", "unavailable", "not needed")
         assert (st["fallback"] is None) == (st["state"] in ("built", "not needed")), st

@@ -219,3 +219,65 @@ def test_auto_is_stocks_kernel_where_built_and_fastest_the_kept_choice(choice_di
         assert host_kernel.host_lane_rate("deepspeed") == 2.0  # the kept rates serve the lane balance
     monkeypatch.setattr(host_kernel, "load_cpu_adam", lambda: None)
     assert select("auto")[0] == "torch"
+
+
+@pytest.mark.skipif(load_cpu_adam() is None, reason="needs DeepSpeed's cpu_adam op")
+@pytest.mark.parametrize(
+    "grad_dtype,weight_dtype,scale", [(torch.bfloat16, torch.bfloat16, 0.37), (torch.float32, torch.float16, 1.0)]
+)
+def test_the_fused_step_gives_stocks_bits_in_one_call_a_subgroup(grad_dtype, weight_dtype, scale):
+    """Issue 45 item 1: with our fused op built, the host lane updates a subgroup in one call
+    (upcast, unscale, DeepSpeed's kernel and the weight cast, tile by tile in one parallel
+    region) where it made four op calls a chunk. The state and the weights are, bit for bit,
+    those of stock's sequence on DeepSpeed's own op (the gradient to fp32, times the scale,
+    cpu_adam over the subgroup, the weights copied from the master), over steps whose running
+    products of the betas must advance as stock's, and a ragged end that takes the scalar tail."""
+    from engine.adamw import AdamWHyper, DeepSpeedCpuAdam
+    from engine.binding import FlatSubgroup
+    from engine.buffers import StateBuffer
+    from engine.host_lane import HOST_CHUNK_NUMEL, WeightUploader, host_update
+    from engine.lanes import Scratch
+    from engine.storage.native_ops import load_host_fused
+    from engine.streams import streams_for
+
+    if load_host_fused() is None:
+        pytest.fail("the host_fused op is not built: make setup builds it where cpu_adam builds")
+    numel = HOST_CHUNK_NUMEL + 3 * (1 << 14) + 1007
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(numel, generator=gen), torch.randn(numel, generator=gen), torch.rand(numel, generator=gen)]
+    hyper = AdamWHyper(lr=1e-3, weight_decay=0.01)
+
+    kernel = DeepSpeedCpuAdam()
+    calls = []
+    op = kernel._op
+
+    class Counting:  # which of the op's entry points the lane took
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(op, name)
+
+    kernel._op = Counting()
+    binding = FlatSubgroup(torch.zeros(numel, dtype=weight_dtype), None)
+    binding.grad_scale = scale
+    buf = StateBuffer(numel)
+    for t, s in zip((buf.master, buf.exp_avg, buf.exp_avg_sq), start):
+        t.copy_(s)
+
+    stock = load_cpu_adam()
+    stock.create_adam(0x5EED, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False)
+    ref = [s.clone() for s in start]
+    ref_weight = torch.empty(numel, dtype=weight_dtype)
+    steps = [0]
+    uploader = WeightUploader(streams_for(torch.device("cpu")))  # the weights in host memory: cast in place
+    for step in range(1, 4):
+        grad = torch.randn(numel, generator=gen).to(grad_dtype)
+        binding.grad = grad
+        host_update(buf, binding, steps, hyper, kernel, Scratch(torch.device("cpu")), uploader)
+        g = grad.to(torch.float32, copy=True)
+        if scale != 1.0:
+            g.mul_(scale)
+        stock.adam_update(0x5EED, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, ref[0], g, ref[1], ref[2])
+        ref_weight.copy_(ref[0])
+    assert steps == [3] and calls == ["fused_step"] * 3, calls
+    for ours, theirs in zip((buf.master, buf.exp_avg, buf.exp_avg_sq, binding.weight), (*ref, ref_weight)):
+        assert torch.equal(ours, theirs)

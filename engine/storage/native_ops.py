@@ -1,4 +1,5 @@
-"""DeepSpeed's native ops the engine can use: built ahead of time, loaded without compiling.
+"""DeepSpeed's native ops (and our one, ``host_fused``) the engine can use: built ahead of time,
+loaded without compiling.
 
 DeepSpeed compiles an op the first time it is loaded (torch's JIT: a ``build.ninja``, then
 ``ninja``), which takes minutes. Here building and loading are apart:
@@ -57,8 +58,11 @@ FALLBACKS = {
     "async_io": "the posix I/O backend",
     "cpu_adam": "torch's AdamW kernel",
     "deepspeed_shm_comm": "torch.distributed's all-reduce",
+    "host_fused": "the host lane's op-by-op chunks",
 }
 OPS = tuple(FALLBACKS)
+OWN_OPS = ("host_fused",)
+"""Ops from the engine's own sources (``engine/csrc``), built with DeepSpeed's builders."""
 # Ops DeepSpeed loads first when it loads one of ours: AsyncIOBuilder.load() loads pin_memory.
 DEPENDENCIES = {"async_io": ("pin_memory",)}
 BUILD_HINT = "run `make setup` or `offloadctl info --build`"
@@ -221,7 +225,33 @@ def import_deepspeed() -> ModuleType:
     return deepspeed  # type: ignore[no-any-return]  # deepspeed: untyped (no py.typed)
 
 
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+"""The engine's own C++ sources (``engine/csrc``)."""
+
+
+def _host_fused_builder() -> OpBuilder:
+    """The builder of ``engine/csrc/host_fused.cpp``: DeepSpeed's cpu_adam builder (its flags,
+    SIMD width and OpenMP) with our source, which includes cpu_adam's kernel source."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    class HostFusedBuilder(CPUAdamBuilder):  # type: ignore[misc]  # DeepSpeed ships no types: a subclass of Any
+        NAME = "offloadctl_host_fused"
+
+        def absolute_name(self) -> str:
+            return f"engine.{self.NAME}_op"
+
+        def sources(self) -> list[str]:
+            return [os.path.join(CSRC, "host_fused.cpp")]
+
+        def include_paths(self) -> list[str]:
+            return ["csrc/includes", "csrc/adam"]
+
+    return HostFusedBuilder()
+
+
 def _make_builder(name: str) -> OpBuilder:
+    if name == "host_fused":
+        return _host_fused_builder()
     if name == "cpu_adam":  # the builder DeepSpeedCPUAdam uses, so that one build serves both
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -471,10 +501,11 @@ def _loaded(name: str) -> ModuleType | None:
         return _modules[name]
     if op.state in ("building", "not built") and name not in _said:
         _said.add(name)
+        whose = "offloadctl's" if name in OWN_OPS else "DeepSpeed's"
         if op.state == "building":
-            msg = f"offloadctl: DeepSpeed's {name} op is {op.detail}; this run uses {op.fallback}"
+            msg = f"offloadctl: {whose} {name} op is {op.detail}; this run uses {op.fallback}"
         else:
-            msg = f"offloadctl: DeepSpeed's {name} op is not built; using {op.fallback}: {BUILD_HINT}"
+            msg = f"offloadctl: {whose} {name} op is not built; using {op.fallback}: {BUILD_HINT}"
             log.info("%s op: %s", name, op.detail)  # where and what is missing: for the log, not the screen
         # One line per node (every rank there sees the same build directory), none per call.
         (log.warning if os.environ.get("LOCAL_RANK", "0") == "0" else log.info)("%s", msg)
@@ -491,6 +522,12 @@ def load_async_io() -> ModuleType | None:
 def load_cpu_adam() -> ModuleType | None:
     """DeepSpeed's ``cpu_adam`` op module (the one DeepSpeedCPUAdam loads), or None."""
     return _loaded("cpu_adam")
+
+
+def load_host_fused() -> ModuleType | None:
+    """The host lane's fused step (``engine/csrc/host_fused.cpp``, cpu_adam's kernel with the
+    upcast, unscale and weight cast beside it in one parallel region), or None."""
+    return _loaded("host_fused")
 
 
 def load_shm_comm() -> ModuleType | None:
