@@ -197,7 +197,11 @@ def test_sub_group_size_0_is_one_subgroup_per_parameter_as_stock(tmp_path):
             "0",
         ]
         launch = ["torchrun", "--nproc_per_node", "2", "--master_port", free_port(), *args]
-        runs[who] = _stock([*TORCHRUN, *launch[1:]]) if who == "stock" else _ours(tmp_path / "run", *launch)
+        runs[who] = (
+            _stock([*TORCHRUN, *launch[1:]], finished="train_hf_community: rank ", times=2)
+            if who == "stock"
+            else _ours(tmp_path / "run", *launch)
+        )
     _assert_losses_equal(_losses(tmp_path / "ours.jsonl"), _losses(tmp_path / "stock.jsonl"))
     assert "engine active" in runs["ours"].stderr
 
@@ -211,7 +215,11 @@ def test_accelerate_launch_gives_stocks_losses_and_save_state_resumes(tmp_path):
     stock's losses, both ranks' telemetry; ``load_state`` of a ``save_state`` at step 3 goes on
     with the uninterrupted run's losses."""
     tail = ["--steps", "6", "--losses-out"]
-    _stock([*ACCELERATE, "--main_process_port", free_port(), ACCEL_STATE, *tail, str(tmp_path / "stock.jsonl")])
+    _stock(
+        [*ACCELERATE, "--main_process_port", free_port(), ACCEL_STATE, *tail, str(tmp_path / "stock.jsonl")],
+        finished="train_accelerate_state: rank ",
+        times=2,
+    )
     r = _ours(
         tmp_path / "run",
         "accelerate",

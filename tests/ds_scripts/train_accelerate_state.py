@@ -68,3 +68,6 @@ for step in range(start, args.steps):
             with open(os.path.join(args.state_dir, "step.txt"), "w") as f:
                 f.write(str(step + 1))
         accelerator.wait_for_everyone()
+
+# every rank says so: the tests count it to tell a finished run from one that died mid-training
+print(f"train_accelerate_state: rank {accelerator.process_index} finished", flush=True)

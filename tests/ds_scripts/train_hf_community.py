@@ -99,3 +99,5 @@ if args.save_model:
     trainer.save_model(args.save_model)
     if trainer.is_world_process_zero():
         print("saved:", sorted(os.listdir(args.save_model)), flush=True)
+# every rank says so: the tests count it to tell a finished run from one that died mid-training
+print(f"train_hf_community: rank {trainer.args.process_index} finished", flush=True)
