@@ -49,7 +49,7 @@ from engine.buffers import StateBuffer
 from engine.errors import ConfigError
 from engine.host_lane import HostLane, WeightUploader
 from engine.storage.machine_cache import kept_fact
-from engine.storage.native_ops import BUILD_HINT, extensions_dir, import_deepspeed, load_cpu_adam
+from engine.storage.native_ops import BUILD_HINT, extensions_dir, import_deepspeed, load_cpu_adam, load_host_fused
 from engine.streams import Streams, streams_for
 
 log = logging.getLogger(__name__)
@@ -198,13 +198,15 @@ def _cpu_model() -> str:
 
 def _machine_key() -> str:
     """What the loop's speed with each kernel depends on: the CPU, the threads a process uses,
-    the library versions."""
+    the library versions, and whether the fused host step is built (a choice measured without it
+    is measured again once it is)."""
     model = _cpu_model()
     try:
         ds = import_deepspeed().__version__
     except Exception:
         ds = "none"
-    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}|lane-busy-team"
+    fused = load_host_fused() is not None
+    return f"{model}|threads={torch.get_num_threads()}|torch={torch.__version__}|deepspeed={ds}|fused={fused}|lane-busy-team"
 
 
 def chosen_host_kernel() -> str:
